@@ -1,0 +1,76 @@
+"""Known model shapes, for benchmarks and planning without a download.
+
+A preset is a Hugging Face `config.json` dictionary; `kvtier.loading.load_model` builds it with
+random weights. The shapes are those of the published checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.config import ModelConfig
+from kvtier.errors import ModelLoadError
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama-3.1-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_scaling": _LLAMA3_ROPE,
+        "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "llama-2-7b": {
+        "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "mistral-7b": {
+        "model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen2-7b": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "bos_token_id": 151643, "eos_token_id": 151643,
+    },
+    "llama-3-70b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "bos_token_id": 128000, "eos_token_id": 128001,
+    },
+    "smollm2-135m": {
+        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The ModelConfig of a preset; unknown names list the known ones."""
+    try:
+        return ModelConfig.from_hf_dict(PRESETS[name])
+    except KeyError:
+        raise ModelLoadError(
+            f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+        ) from None
