@@ -1,0 +1,45 @@
+"""`kvtier` command line: one subcommand per module (`generate`, `plan`, `eval`).
+
+Each subcommand module exposes `add_parser(subparsers)`, which registers its options and sets
+`func` to a `run(args) -> int`. Errors a user can fix are printed as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtier.errors import KvtierError
+
+SUBCOMMANDS = ("generate", "plan", "eval")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="Long-context LLM inference with a tiered (GPU / host) KV cache.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"kvtier.cli.{name}_cmd")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvtier` script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvtierError as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
