@@ -58,6 +58,7 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral v0.1; kvtier runs full attention up to this length
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -129,6 +130,7 @@ class ModelConfig:
                 model_type=model_type,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
+                sliding_window=_sliding_window(d),
             )
         except KeyError as e:
             raise ModelLoadError(f"model config is missing the field {e.args[0]!r}") from None
@@ -164,3 +166,10 @@ def _rope_from_hf(d: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _sliding_window(d: dict[str, Any]) -> int | None:
+    window = d.get("sliding_window")
+    if window is None or d.get("use_sliding_window") is False:
+        return None
+    return int(window)

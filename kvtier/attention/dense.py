@@ -1,0 +1,113 @@
+"""Exact attention kernels over token-major KV, built on PyTorch's fused SDPA.
+
+KV is stored token-major, `kv[t, 0]` = keys and `kv[t, 1]` = values of token t: [S, 2, H_kv, D].
+Queries are [T, H_q, D] with H_q = r * H_kv (query heads of one KV head are adjacent, as in
+Hugging Face's `repeat_kv`). All functions are pure.
+
+Chunk-vs-prefix causality is "lower-right": query i of a chunk of T sees keys 0 .. S - T + i.
+It goes through `causal_lower_right`, which SDPA runs on a flash kernel on CUDA instead of an
+explicit mask tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last T positions, q [T, H_q, D], over kv [S, 2, H_kv, D], S >= T.
+
+    Returns [T, H_q, D]. The result of each head does not depend on how many heads share the call.
+    """
+    hkv = kv.shape[2]
+    if q.device.type == "cpu" and hkv > 1:
+        # NOTE: the CPU kernels' reduction order depends on the number of heads in a call; one
+        # call per KV head keeps results bitwise independent of the head-group size. CUDA kernels
+        # compute each head in its own thread blocks, so they need no loop.
+        r = q.shape[1] // hkv
+        return torch.cat([_attend(q[:, h * r : (h + 1) * r], kv[:, :, h : h + 1]) for h in range(hkv)], dim=1)
+    return _attend(q, kv)
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    t, hq, d = q.shape
+    s, _, hkv, _ = kv.shape
+    k = kv[:, 0].transpose(0, 1)  # [H_kv, S, D]
+    v = kv[:, 1].transpose(0, 1)
+    if t == 1:
+        # A single query needs no mask; fold the r query heads of each KV head into the query
+        # axis so no K/V expansion is needed.
+        qf = q.view(hkv, hq // hkv, d)  # [H_kv, r, D]
+        return F.scaled_dot_product_attention(qf, k, v).reshape(1, hq, d)
+    qt = q.transpose(0, 1)  # [H_q, T, D]
+    mask = causal_lower_right(t, s)
+    out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    return out.transpose(0, 1)  # [T, H_q, D]
+
+
+def attend_prefix_lse(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of all queries over a block of earlier keys, with log-sum-exp.
+
+    q [T, H_q, D], kv [S, 2, H_kv, D] -> (out [T, H_q, D] float32, lse [T, H_q] float32).
+    Used to stream a long prefix in sequence blocks and merge the parts exactly.
+    """
+    t, hq, d = q.shape
+    hkv = kv.shape[2]
+    r = hq // hkv
+    # No mask, so the r query heads of a KV head fold into the query axis: [H_kv, r*T, D].
+    qf = q.view(t, hkv, r, d).permute(1, 2, 0, 3).reshape(hkv, r * t, d)
+    out, lse = _sdpa_lse(qf, kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1), causal=False)
+    out = out.view(hkv, r, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+    lse = lse.view(hkv, r, t).permute(2, 0, 1).reshape(t, hq)
+    return out.float(), lse.float()
+
+
+def attend_self_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a chunk over its own keys, k and v [T, H_kv, D], with log-sum-exp."""
+    hq, hkv = q.shape[1], k.shape[1]
+    r = hq // hkv
+    kk = k.repeat_interleave(r, dim=1).transpose(0, 1)  # [H_q, T, D]
+    vv = v.repeat_interleave(r, dim=1).transpose(0, 1)
+    out, lse = _sdpa_lse(q.transpose(0, 1), kk, vv, causal=True)
+    return out.transpose(0, 1).float(), lse.transpose(0, 1).float()
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine partial attention results (out [T, H, D], lse [T, H]) over disjoint key sets."""
+    lses = torch.stack([lse for _, lse in parts])  # [P, T, H]
+    total = torch.logsumexp(lses, dim=0)  # [T, H]
+    out = torch.zeros_like(parts[0][0])
+    for (o, _), lse in zip(parts, lses, strict=True):
+        out += o * torch.exp(lse - total)[..., None]
+    return out
+
+
+def _sdpa_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA that also returns the log-sum-exp: q [H, T, D], k/v [H, S, D] -> ([H, T, D], [H, T])."""
+    qb, kb, vb = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qb, kb, vb, 0.0, causal)
+        return res[0][0], res[1][0]
+    if q.device.type == "cuda":
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(qb, kb, vb, None, True, 0.0, causal)
+        return res[0][0], res[1][0][:, : q.shape[1]]
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, causal)
+        return out[0], lse[0]
+    return _math_lse(q, k, v, causal)
+
+
+def _math_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5  # [H, T, S]
+    if causal:
+        t, s = scores.shape[-2:]
+        keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype), lse

@@ -1,0 +1,67 @@
+"""Engine options (frozen, validated) and their resolution against the machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.units import parse_size
+
+KV_POLICIES = ("auto", "gpu", "layer", "head")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run: device, dtype, KV placement policy and budgets. Sizes are in bytes."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    kv: str = "auto"
+    gpu_memory: int | None = None
+    head_group: int | None = None
+    chunk_size: int | None = None
+    block_size: int = 256
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv not in KV_POLICIES:
+            raise ConfigError(f"unknown --kv policy {self.kv!r}; choose one of {', '.join(KV_POLICIES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
+        if self.head_group is not None and self.kv not in ("head", "auto"):
+            raise ConfigError(f"--head-group applies to --kv head (or auto), not --kv {self.kv}")
+        if self.head_group is not None and self.head_group < 1:
+            raise ConfigError(f"--head-group must be at least 1, got {self.head_group}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError(f"--chunk-size must be at least 1, got {self.chunk_size}")
+        if self.block_size < 1:
+            raise ConfigError(f"block size must be at least 1, got {self.block_size}")
+        if self.kv == "gpu" and self.gpu_memory is not None:
+            pass  # a budget with --kv gpu is checked by the planner (it says when it cannot fit)
+
+    @staticmethod
+    def with_sizes(gpu_memory: str | int | None = None, **kw: object) -> EngineConfig:
+        """Build from user-facing values (sizes like "24GiB")."""
+        gm = None if gpu_memory is None else parse_size(gpu_memory, "--gpu-memory")
+        return EngineConfig(gpu_memory=gm, **kw)  # type: ignore[arg-type]
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"--device {self.device!r} is not a device; use cpu, cuda or cuda:N") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+        return dev
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

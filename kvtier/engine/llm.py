@@ -1,0 +1,202 @@
+"""`LLM`: the offline generation API, shaped like vLLM's (`LLM(model=...).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.runner import generate_tokens
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.errors import ConfigError, PromptError
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading import LoadedModel, load_model
+from kvtier.planner.placement import KVPlan, plan_kv
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A loaded model plus the KV policy it runs with.
+
+    >>> llm = LLM()                      # the embedded SmolLM2-135M-Instruct, offline
+    >>> out = llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0]
+    >>> out.text, out.stats.peak_bytes
+
+    Options: `device` ("auto", "cpu", "cuda"), `dtype` ("auto" = bf16 on GPU, fp32 on CPU),
+    `kv` ("auto", "gpu", "layer", "head"), `gpu_memory` (e.g. "24GiB": the budget the planner
+    fits weights, activations and KV into; on CUDA it also caps this process), `head_group`
+    (KV heads per streamed group), `chunk_size` (prefill chunk; default from the planner),
+    `max_model_len` (allow prompts past the model's trained context).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        kv: str = "auto",
+        gpu_memory: str | int | None = None,
+        head_group: int | None = None,
+        chunk_size: int | None = None,
+        block_size: int = 256,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = EngineConfig.with_sizes(
+            gpu_memory, device=device, dtype=dtype, kv=kv, head_group=head_group,
+            chunk_size=chunk_size, block_size=block_size, max_model_len=max_model_len, seed=seed,
+        )
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype(self.device)
+        if self.device.type == "cuda" and self.config.gpu_memory is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.config.gpu_memory / total), self.device)
+        self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = max_model_len or self.model_config.max_position_embeddings
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def gpu_budget(self) -> int | None:
+        """Bytes the planner may use on the GPU (None: unlimited, on the CPU)."""
+        if self.config.gpu_memory is not None:
+            return self.config.gpu_memory
+        if self.device.type == "cuda":
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+        return None
+
+    def plan(self, context: int) -> KVPlan:
+        """The KV placement for a sequence of `context` tokens (from `kvtier.planner`)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return plan_kv(
+            self.model_config, context, policy=self.config.kv, gpu_budget=self.gpu_budget(),
+            dtype_bytes=itemsize, chunk_size=self.config.chunk_size, group_size=self.config.head_group,
+            block_size=self.config.block_size,
+        )
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids of a prompt (text is tokenized; a list of ids is taken as it is)."""
+        if isinstance(prompt, list):
+            ids = [int(t) for t in prompt]
+        else:
+            if self.tokenizer is None:
+                raise PromptError(
+                    f"model {self.loaded.name!r} has no tokenizer (random-weight preset); pass token ids"
+                )
+            if not prompt.strip():
+                raise PromptError("the prompt is empty; give some text (--prompt or --prompt-file)")
+            if chat:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+                )
+                ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                ids = list(self.tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise PromptError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise PromptError(f"token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        return ids
+
+    def _check_length(self, n_prompt: int, params: SamplingParams) -> None:
+        total = n_prompt + params.max_tokens
+        window = self.model_config.sliding_window
+        if window is not None and total > window:
+            raise PromptError(
+                f"this model uses sliding-window attention ({window} tokens), which kvtier does not "
+                f"implement; prompt plus max_tokens is {total}. Keep it within {window} tokens"
+            )
+        if total > self.max_model_len:
+            raise PromptError(
+                f"the prompt has {n_prompt} tokens; with max_tokens={params.max_tokens} that is {total}, "
+                f"past this model's limit of {self.max_model_len} tokens. Shorten the prompt, or pass "
+                "--max-model-len (max_model_len=) to run past the trained context (quality may drop)"
+            )
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids), one after the other."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            batch: list[Prompt] = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, list) and prompts:
+            batch = list(prompts)  # type: ignore[arg-type]
+        else:
+            raise PromptError("no prompts given")
+        encoded = [self.encode(p, chat) for p in batch]
+        for ids in encoded:
+            self._check_length(len(ids), params)
+        return [self._generate_one(p, ids, params, progress) for p, ids in zip(batch, encoded, strict=True)]
+
+    def _generate_one(self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool) -> RequestOutput:
+        context = len(ids) + params.max_tokens
+        plan = self.plan(context)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        store = TieredKVStore(
+            self.model_config, plan, device=self.device, dtype=self.dtype, capacity=context,
+            options=StoreOptions(block_size=self.config.block_size),
+        )
+        try:
+            tokens, stats = generate_tokens(
+                self.loaded.model,
+                store,
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                Sampler(params, self.device),
+                params.max_tokens,
+                plan.chunk_size,
+                self._stopper(params),
+                progress=progress and len(ids) > plan.chunk_size,
+            )
+            stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
+            if self.device.type == "cuda":
+                stats.peak_bytes["gpu_total"] = int(torch.cuda.max_memory_allocated(self.device))
+        finally:
+            store.close()
+        stats.plan = asdict(plan)
+        text, reason = self._finish(tokens, params)
+        return RequestOutput(
+            prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats
+        )
+
+    def _stopper(self, params: SamplingParams) -> Any:
+        eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
+
+        def should_stop(tokens: list[int]) -> bool:
+            if tokens[-1] in eos:
+                return True
+            if params.stop and self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                return any(s in text for s in params.stop)
+            return False
+
+        return should_stop
+
+    def _finish(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]:
+        eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        for s in params.stop:
+            if s in text:
+                return text[: text.index(s)], "stop"
+        if tokens and tokens[-1] in eos:
+            return text, "stop"
+        if len(tokens) >= params.max_tokens:
+            return text, "length"
+        raise ConfigError("generation ended without a reason")  # pragma: no cover - invariant

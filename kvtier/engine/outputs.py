@@ -1,0 +1,62 @@
+"""What `LLM.generate` returns (shaped like vLLM's `RequestOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """Speed, memory by tier and PCIe traffic of one request."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes (kv store + measured)
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    decode_h2d_bytes: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def decode_h2d_gbps(self) -> float:
+        return self.decode_h2d_bytes / self.decode_s / 1e9 if self.decode_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefill_tokens_per_s"] = round(self.prefill_tokens_per_s, 2)
+        d["decode_tokens_per_s"] = round(self.decode_tokens_per_s, 3)
+        d["decode_h2d_gbps"] = round(self.decode_h2d_gbps, 3)
+        return d
+
+
+@dataclass
+class RequestOutput:
+    """One finished request."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "stats": self.stats.to_dict(),
+        }

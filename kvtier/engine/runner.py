@@ -1,0 +1,82 @@
+"""The per-sequence loop: chunked prefill through the KV store, then decode."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from kvtier.engine.outputs import GenerationStats
+from kvtier.engine.sampling import Sampler
+from kvtier.kv.store import TieredKVStore
+from kvtier.model.llama import CausalLM
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prefill(
+    model: CausalLM,
+    store: TieredKVStore,
+    ids: torch.Tensor,
+    chunk_size: int,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Run prompt ids [N] in chunks of `chunk_size`; returns the last position's logits [vocab]."""
+    n = ids.shape[0]
+    none = torch.empty(0, dtype=torch.long, device=ids.device)
+    bar = tqdm(total=n, unit="tok", unit_scale=True, desc="prefill", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    logits = torch.empty(0)
+    with bar:
+        for s in range(0, n, chunk_size):
+            part = ids[s : s + chunk_size]
+            last = s + chunk_size >= n
+            store.begin_step(part.shape[0])
+            logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
+            store.end_step()
+            if progress:
+                _sync(ids.device)  # NOTE: only so the bar shows real progress
+            bar.update(part.shape[0])
+    return logits[-1]
+
+
+def generate_tokens(
+    model: CausalLM,
+    store: TieredKVStore,
+    ids: torch.Tensor,
+    sampler: Sampler,
+    max_tokens: int,
+    chunk_size: int,
+    should_stop: Callable[[list[int]], bool],
+    progress: bool = False,
+) -> tuple[list[int], GenerationStats]:
+    """Prefill `ids` then decode up to `max_tokens` tokens until `should_stop(tokens)`."""
+    device = ids.device
+    stats = GenerationStats(prompt_tokens=ids.shape[0])
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = prefill(model, store, ids, chunk_size, progress)
+    token = sampler(logits)
+    out = [int(token)]  # host sync: ends the prefill timing honestly
+    stats.prefill_s = time.perf_counter() - t0
+    h2d_after_prefill = store.account.h2d_bytes
+    t1 = time.perf_counter()
+    while len(out) < max_tokens and not should_stop(out):
+        store.begin_step(1)
+        logits = model(token.view(1), store)[-1]
+        store.end_step()
+        token = sampler(logits)
+        out.append(int(token))
+    _sync(device)
+    stats.decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
+    stats.generated_tokens = len(out)
+    stats.h2d_bytes = store.account.h2d_bytes
+    stats.d2h_bytes = store.account.d2h_bytes
+    stats.decode_h2d_bytes = store.account.h2d_bytes - h2d_after_prefill
+    return out, stats

@@ -1,0 +1,55 @@
+"""The host-tier storage of one streamed (layer, group) slice: a list of extents."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.kv.streams import Event
+from kvtier.kv.tiers import HostArena
+
+
+class HostSlice:
+    """Tokens of one slice in host memory, `[tokens, 2, group_size, head_dim]` split into extents
+    of `extent_tokens` tokens. Grows by extents; never copies what it already holds.
+    """
+
+    def __init__(self, arena: HostArena, extent_tokens: int) -> None:
+        self.arena = arena
+        self.extent_tokens = extent_tokens
+        self.extents: list[torch.Tensor] = []  # each [E, 2, G, D]
+        self.last_write: Event | None = None  # the D2H copy that wrote the newest tokens
+
+    @property
+    def capacity(self) -> int:
+        return len(self.extents) * self.extent_tokens
+
+    def reserve(self, tokens: int) -> None:
+        while self.capacity < tokens:
+            self.extents.append(self.arena.take())
+
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """(extent, offset in extent, offset in range, length) covering tokens [start, end)."""
+        out = []
+        pos = start
+        while pos < end:
+            e, off = divmod(pos, self.extent_tokens)
+            n = min(end - pos, self.extent_tokens - off)
+            out.append((e, off, pos - start, n))
+            pos += n
+        return out
+
+    def write(self, start: int, src: torch.Tensor) -> None:
+        """Copy src [n, 2, G, D] (any device) to tokens [start, start + n). Asynchronous on CUDA."""
+        for e, off, at, n in self._pieces(start, start + src.shape[0]):
+            self.extents[e][off : off + n].copy_(src[at : at + n], non_blocking=True)
+
+    def read_into(self, dst: torch.Tensor, start: int, end: int) -> None:
+        """Copy tokens [start, end) into dst[: end - start]. Asynchronous on CUDA."""
+        for e, off, at, n in self._pieces(start, end):
+            dst[at : at + n].copy_(self.extents[e][off : off + n], non_blocking=True)
+
+    def block(self, index: int, block_size: int) -> torch.Tensor:
+        """View of token block `index` ([block_size, 2, G, D]); extents hold whole blocks."""
+        start = index * block_size
+        e, off = divmod(start, self.extent_tokens)
+        return self.extents[e][off : off + block_size]

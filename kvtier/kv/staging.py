@@ -1,0 +1,117 @@
+"""Ping-pong GPU buffers that streamed slices are loaded into.
+
+```
+ schedule:  (L0,g0,0:S) (L0,g1,0:S) (L1,g0,0:S) ...      one load per slice, or several
+ buffers:      buf0        buf1        buf0     ...       (sequence blocks) when S is large
+ h2d stream: [load n+1 ]  [load n+2 ]                     waits: buffer free (compute + D2H done)
+ compute   :      [attn n ]  [attn n+1]                   waits: its load's event
+ d2h stream:           [new tokens n]                     waits: attn n's event
+```
+
+A load is issued `depth` slots ahead of the one being computed, so transfers hide behind
+compute and cross layer boundaries. Only events order the streams; the result does not depend
+on the order in which the copies happen to run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.kv.host_slice import HostSlice
+from kvtier.kv.streams import Event, Streams
+from kvtier.kv.tiers import GPU, TierAccount
+
+
+@dataclass(frozen=True)
+class Load:
+    """Tokens [start, end) of streamed slice `slice_id`, placed at the start of a buffer."""
+
+    slice_id: int
+    start: int
+    end: int
+
+
+@dataclass
+class Loaded:
+    load: Load
+    buffer: int
+    view: torch.Tensor  # the whole buffer, [tokens, 2, G, D]
+    ready: Event | None
+
+
+class StagingRing:
+    """`n` GPU buffers of `tokens` tokens each, filled from host slices in a fixed schedule."""
+
+    def __init__(
+        self,
+        n: int,
+        tokens: int,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        streams: Streams,
+        account: TierAccount,
+    ) -> None:
+        self.tokens = tokens
+        self.streams = streams
+        self.account = account
+        self.buffers = [torch.empty(tokens, *shape, dtype=dtype, device=device) for _ in range(n)]
+        self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
+        account.alloc(GPU, self.nbytes)
+        self._free_after: list[list[Event | None]] = [[] for _ in range(n)]
+        self._next = 0
+        self._schedule: deque[Load] = deque()
+        self._inflight: deque[Loaded] = deque()
+        self._hosts: dict[int, HostSlice] = {}
+        self.token_bytes = self.buffers[0][0].numel() * self.buffers[0].element_size()
+
+    def start(self, schedule: list[Load], hosts: dict[int, HostSlice]) -> None:
+        """Begin a step: loads will be issued in `schedule` order."""
+        self._schedule = deque(schedule)
+        self._hosts = hosts
+        self._inflight.clear()
+        self._fill()
+
+    def _fill(self) -> None:
+        # Keep up to n - 1 loads ahead of the one in use.
+        while self._schedule and len(self._inflight) < len(self.buffers) - 1:
+            self._issue(self._schedule.popleft())
+
+    def _issue(self, load: Load) -> None:
+        b = self._next
+        self._next = (b + 1) % len(self.buffers)
+        buf = self.buffers[b]
+        host = self._hosts[load.slice_id]
+        with self.streams.on_h2d():
+            # NOTE: the buffer may still be read by attention or by the D2H of new tokens of
+            # the slice that used it last, and the host tokens may still be in flight from the
+            # previous step's write-back: wait for all three before overwriting.
+            self.streams.wait([*self._free_after[b], host.last_write])
+            host.read_into(buf, load.start, load.end)
+            ready = self.streams.record()
+        self.account.h2d_bytes += (load.end - load.start) * self.token_bytes
+        self._inflight.append(Loaded(load, b, buf, ready))
+
+    def take(self, load: Load) -> Loaded:
+        """The buffer holding `load`, with the compute stream ordered after its copy; the next
+        load of the schedule is issued at once, so it overlaps this slice's compute."""
+        if not self._inflight and self._schedule:
+            self._issue(self._schedule.popleft())
+        loaded = self._inflight.popleft()
+        if loaded.load != load:
+            raise RuntimeError(f"staging schedule out of order: expected {load}, have {loaded.load}")
+        self.streams.wait([loaded.ready])
+        self._fill()
+        return loaded
+
+    def release(self, loaded: Loaded, after: list[Event | None]) -> None:
+        """The buffer may be reused once the `after` events complete."""
+        self._free_after[loaded.buffer] = after
+        self._fill()
+
+    def close(self) -> None:
+        self.account.free(GPU, self.nbytes)
+        self.buffers.clear()

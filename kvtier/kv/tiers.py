@@ -1,0 +1,79 @@
+"""Byte accounting per tier, and the host-memory arena.
+
+The store counts every buffer it allocates, so the bytes per tier are exact and testable on
+any machine (torch's own counters exist only on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+GPU, HOST = "gpu", "host"
+
+
+@dataclass
+class TierAccount:
+    """Bytes allocated per tier (now and peak) and bytes moved between tiers."""
+
+    allocated: dict[str, int] = field(default_factory=lambda: {GPU: 0, HOST: 0})
+    peak: dict[str, int] = field(default_factory=lambda: {GPU: 0, HOST: 0})
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    def alloc(self, tier: str, nbytes: int) -> None:
+        self.allocated[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.allocated[tier])
+
+    def free(self, tier: str, nbytes: int) -> None:
+        self.allocated[tier] -= nbytes
+
+
+class HostArena:
+    """Host memory for streamed slices, handed out as fixed-size extents carved from slabs.
+
+    On CUDA machines slabs are pinned (page-locked) so copies run at full PCIe speed
+    asynchronously. Slabs are a power of two in size so PyTorch's pinned allocator, which rounds
+    every request up to a power of two, wastes nothing. `close()` returns the memory.
+    """
+
+    def __init__(
+        self,
+        extent_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pin: bool,
+        account: TierAccount,
+        slab_bytes: int = 1 << 30,
+    ) -> None:
+        self.extent_shape = extent_shape
+        self.dtype = dtype
+        self.pin = pin
+        self.account = account
+        numel = 1
+        for n in extent_shape:
+            numel *= n
+        self.extent_numel = numel
+        extent_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.extents_per_slab = max(1, slab_bytes // extent_bytes)
+        self._slabs: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        """One extent [*extent_shape]; allocates a new slab when none is free."""
+        if not self._free:
+            n = self.extents_per_slab
+            slab = torch.empty(n * self.extent_numel, dtype=self.dtype, pin_memory=self.pin)
+            self.account.alloc(HOST, slab.numel() * slab.element_size())
+            self._slabs.append(slab)
+            self._free.extend(reversed(slab.view(n, *self.extent_shape).unbind(0)))
+        return self._free.pop()
+
+    def close(self) -> None:
+        """Release all slabs (and, on CUDA, the pinned allocator's cache of them)."""
+        for slab in self._slabs:
+            self.account.free(HOST, slab.numel() * slab.element_size())
+        self._slabs.clear()
+        self._free.clear()
+        if self.pin and torch.cuda.is_available():
+            torch._C._host_emptyCache()

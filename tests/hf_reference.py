@@ -1,0 +1,53 @@
+"""Tiny random Hugging Face models of every supported family, saved as safetensors folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama-gqa": {"cls": "LlamaConfig", "num_key_value_heads": 2},
+    "llama-mha": {"cls": "LlamaConfig", "num_key_value_heads": 4},
+    "llama-mqa": {"cls": "LlamaConfig", "num_key_value_heads": 1},
+    "llama3-rope-scaling": {
+        "cls": "LlamaConfig",
+        "num_key_value_heads": 2,
+        "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    },
+    "llama-linear-rope": {
+        "cls": "LlamaConfig", "num_key_value_heads": 2,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    },
+    "mistral": {"cls": "MistralConfig", "num_key_value_heads": 2, "sliding_window": None},
+    "qwen2-bias": {"cls": "Qwen2Config", "num_key_value_heads": 2},
+    "qwen3-qknorm": {"cls": "Qwen3Config", "num_key_value_heads": 2, "head_dim": 16},
+    "smollm-tied": {"cls": "LlamaConfig", "num_key_value_heads": 1, "tie_word_embeddings": True},
+}
+
+
+def make_hf_model(family: str, folder: Path, seed: int = 0) -> Any:
+    """Build a random tiny model of `family`, save it to `folder`, return the HF model (fp32)."""
+    import transformers
+
+    spec = dict(FAMILIES[family])
+    cls = getattr(transformers, spec.pop("cls"))
+    cfg = cls(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211,
+        intermediate_size=96, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+        pad_token_id=0, **spec,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)  # non-trivial norm weights, so a missed norm shows
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)  # large biases, so a missed bias shows
+    model.save_pretrained(folder, safe_serialization=True)
+    return model

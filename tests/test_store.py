@@ -1,0 +1,113 @@
+"""Every placement policy over the tiered store is lossless, and its memory is what it promises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.config import ModelConfig
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import KVPlan
+from tests.hf_reference import make_hf_model
+
+CPU = torch.device("cpu")
+PROMPT, DECODE = 45, 9
+
+
+@pytest.fixture(scope="module")
+def mha(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, ModelConfig]:
+    folder: Path = tmp_path_factory.mktemp("mha")
+    make_hf_model("llama-mha", folder)  # 3 layers, 4 KV heads: groups of 1, 2 or 4
+    return load_safetensors_folder(folder, CPU, torch.float32)
+
+
+def run(model: CausalLM, cfg: ModelConfig, plan: KVPlan, block: int = 5) -> tuple[list[torch.Tensor], list[int], TieredKVStore]:
+    """Chunked prefill + greedy decode; returns every step's logits and the tokens."""
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    store = TieredKVStore(cfg, plan, device=CPU, dtype=torch.float32, capacity=PROMPT + DECODE,
+                          options=StoreOptions(block_size=block, extent_blocks=2))
+    logits, tokens = [], []
+    for s in range(0, PROMPT, plan.chunk_size):
+        part = ids[s : s + plan.chunk_size]
+        store.begin_step(part.shape[0])
+        logits.append(model(part, store, logits_at=torch.arange(part.shape[0])))
+        store.end_step()
+    for _ in range(DECODE):
+        tok = logits[-1][-1].argmax()
+        tokens.append(int(tok))
+        store.begin_step(1)
+        logits.append(model(tok.view(1), store))
+        store.end_step()
+    return logits, tokens, store
+
+
+def plan(policy: str, group: int, resident: int, staging: int, buffers: int = 2, chunk: int = 11) -> KVPlan:
+    return KVPlan(policy=policy, group_size=group, resident_slices=resident, chunk_size=chunk,
+                  staging_buffers=buffers if staging else 0, staging_tokens=staging)
+
+
+FULL = 60  # staging tokens that hold the whole context (no sequence blocks)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        plan("layer", 4, 0, FULL),
+        plan("head", 1, 0, FULL),
+        plan("head", 2, 0, FULL),
+        plan("head", 1, 0, FULL, buffers=1),
+        plan("head", 1, 0, FULL, buffers=3),
+        plan("auto", 1, 5, FULL),
+        plan("auto", 2, 3, FULL, chunk=16),
+    ],
+    ids=lambda p: f"{p.policy}-g{p.group_size}-r{p.resident_slices}-b{p.staging_buffers}-c{p.chunk_size}",
+)
+def test_offload_policies_are_bitwise_lossless(mha: tuple[CausalLM, ModelConfig], p: KVPlan) -> None:
+    model, cfg = mha
+    ref_logits, ref_tokens, _ = run(model, cfg, plan("gpu", 4, 3, 0, chunk=p.chunk_size))
+    logits, tokens, store = run(model, cfg, p)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+    streamed = cfg.num_layers * (cfg.num_kv_heads // p.group_size) - p.resident_slices
+    token_bytes = 2 * p.group_size * cfg.head_dim * 4
+    # Every streamed slice crosses to the host exactly once per token, nothing more.
+    assert store.account.d2h_bytes == streamed * (PROMPT + DECODE) * token_bytes
+
+
+@pytest.mark.parametrize("staging,group", [(10, 1), (15, 2), (5, 4)])
+def test_sequence_blocks_match_within_rounding(mha: tuple[CausalLM, ModelConfig], staging: int, group: int) -> None:
+    model, cfg = mha
+    ref_logits, ref_tokens, _ = run(model, cfg, plan("gpu", 4, 3, 0))
+    logits, tokens, store = run(model, cfg, plan("head", group, 0, staging))
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    # GPU KV is two staging buffers, whatever the context.
+    assert store.account.peak["gpu"] == 2 * staging * 2 * group * cfg.head_dim * 4
+
+
+def test_gpu_tier_holds_two_head_slices_for_head_policy(mha: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = mha
+    _, _, store = run(model, cfg, plan("head", 1, 0, FULL))
+    one_slice = FULL * 2 * 1 * cfg.head_dim * 4  # 60 tokens of K and V of one head, fp32
+    assert store.account.peak["gpu"] == 2 * one_slice
+    whole_cache = (PROMPT + DECODE) * cfg.kv_bytes_per_token(4)
+    assert store.account.peak["gpu"] < whole_cache / 5
+    # Host holds every slice, in whole extents of 2 blocks of 5 tokens.
+    extent = 10 * 2 * cfg.head_dim * 4
+    assert store.account.peak["host"] >= cfg.num_layers * cfg.num_kv_heads * 6 * extent
+    store.close()
+    assert store.account.allocated == {"gpu": 0, "host": 0}
+
+
+def test_gpu_policy_keeps_everything_resident(mha: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = mha
+    _, _, store = run(model, cfg, plan("gpu", 4, 3, 0))
+    assert store.account.peak["host"] == 0
+    assert store.account.h2d_bytes == store.account.d2h_bytes == 0
+    assert store.account.peak["gpu"] == 55 * cfg.kv_bytes_per_token(4)  # capacity 54 -> 11 blocks of 5
