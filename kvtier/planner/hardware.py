@@ -1,0 +1,77 @@
+"""GPU hardware numbers for the roofline: peak compute, HBM bandwidth, host link bandwidth.
+
+Presets are datasheet numbers except the H200's, which were measured on the machine kvtier is
+tested on (research/headinfer.md §3.4). Every number can be overridden (`kvtier plan --tflops
+--hbm-bw --pcie-bw`), and the engine may pass a `Hardware` it calibrated at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvtier.errors import ConfigError
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its host link. Rates are per second, in FLOP and bytes."""
+
+    name: str
+    flops: float  # dense bf16 FLOP/s
+    hbm_bw: float  # device memory bandwidth, B/s
+    pcie_bw: float  # pinned host<->device bandwidth, one direction, B/s
+    memory_bytes: int  # device memory, B
+    # Fixed cost of streaming one (layer, group) slice: kernel launches, copy setup, event waits.
+    slice_overhead_s: float = 30e-6
+
+    def __post_init__(self) -> None:
+        for field_name in ("flops", "hbm_bw", "pcie_bw", "memory_bytes"):
+            if getattr(self, field_name) <= 0:
+                raise ConfigError(f"hardware {self.name}: {field_name} must be positive")
+        if self.slice_overhead_s < 0:
+            raise ConfigError(f"hardware {self.name}: slice_overhead_s must not be negative")
+
+    @property
+    def pcie_ridge(self) -> float:
+        """FLOP per PCIe byte above which offloaded work is compute-bound."""
+        return self.flops / self.pcie_bw
+
+    @property
+    def hbm_ridge(self) -> float:
+        """FLOP per HBM byte above which on-device work is compute-bound."""
+        return self.flops / self.hbm_bw
+
+
+HARDWARE: dict[str, Hardware] = {
+    "rtx4090": Hardware("rtx4090", flops=165e12, hbm_bw=1.0e12, pcie_bw=25e9, memory_bytes=24 * GiB),
+    "l40s": Hardware("l40s", flops=362e12, hbm_bw=0.864e12, pcie_bw=25e9, memory_bytes=48 * GiB),
+    "a100-80g": Hardware("a100-80g", flops=312e12, hbm_bw=2.0e12, pcie_bw=25e9, memory_bytes=80 * GiB),
+    "h100-sxm": Hardware("h100-sxm", flops=989e12, hbm_bw=3.35e12, pcie_bw=55e9, memory_bytes=80 * GiB),
+    # Measured: 790 TFLOP/s bf16 GEMM, 4.2 TB/s device copy, 55 GB/s pinned H2D (PCIe Gen5 x16).
+    "h200": Hardware("h200", flops=790e12, hbm_bw=4.2e12, pcie_bw=55e9, memory_bytes=141 * 10**9),
+}
+
+DEFAULT_HARDWARE = HARDWARE["rtx4090"]  # the paper's card
+
+
+def hardware_preset(
+    name: str,
+    *,
+    tflops: float | None = None,
+    hbm_bw: float | None = None,
+    pcie_bw: float | None = None,
+) -> Hardware:
+    """A preset by name, with optional overrides (TFLOP/s, B/s, B/s). Unknown names list the presets."""
+    key = name.lower().replace("_", "-")
+    if key not in HARDWARE:
+        raise ConfigError(f"unknown GPU {name!r}; known GPUs: {', '.join(HARDWARE)}")
+    hw = HARDWARE[key]
+    if tflops is not None:
+        hw = replace(hw, flops=tflops * 1e12)
+    if hbm_bw is not None:
+        hw = replace(hw, hbm_bw=hbm_bw)
+    if pcie_bw is not None:
+        hw = replace(hw, pcie_bw=pcie_bw)
+    return hw
