@@ -1,0 +1,260 @@
+"""Where the KV cache lives: the engine's placement plan, derived from the memory budget.
+
+The KV cache is cut into slices, one per (layer, group of `group_size` KV heads):
+
+    layer 0: [g0][g1]...[g(G-1)]    G = num_kv_heads / group_size groups per layer
+    layer 1: [g0][g1]...            num_slices = num_layers x G
+    ...
+    the first `resident_slices` slices (layer-major order) stay on the GPU for good; every
+    other slice lives in pinned host memory and is copied through `staging_buffers` ping-pong
+    GPU buffers of `staging_tokens` tokens each, in sequence blocks when staging_tokens is
+    smaller than the context (partial attentions merged by log-sum-exp).
+
+`plan_kv` is the one source of truth: the KV store configures itself from its result, and
+`kvtier plan` prints the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.config import ModelConfig
+from kvtier.errors import CapacityError, ConfigError
+from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
+from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, kv_token_bytes, round_up, weight_bytes
+from kvtier.planner.roofline import default_chunk_size
+
+POLICIES = ("gpu", "layer", "head", "auto")
+MIN_REDUCED_CHUNK = 256  # the planner halves the roofline chunk no further than this
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """A KV placement. The sizing fields (context .. slice_token_bytes) are filled by `plan_kv`;
+    a plan built by hand may leave them 0, and its byte properties are then 0."""
+
+    policy: str  # "gpu" | "layer" | "head" | "auto" — what was asked
+    group_size: int  # KV heads per (layer, group) slice; num_kv_heads = one group per layer
+    resident_slices: int  # slices that stay on the GPU for good (0..num_slices)
+    chunk_size: int  # prefill chunk, tokens
+    staging_buffers: int  # ping-pong GPU buffers for streamed slices (0 if nothing is streamed)
+    staging_tokens: int  # tokens one staging buffer holds; < capacity_tokens = sequence blocks
+    context: int = 0  # tokens the plan was made for
+    capacity_tokens: int = 0  # context rounded up to the block size: what each slice can hold
+    num_slices: int = 0  # num_layers x num_groups
+    slice_token_bytes: int = 0  # K and V of one token of one slice, B
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown KV policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        if self.group_size < 1 or self.chunk_size < 1:
+            raise ConfigError(f"group_size and chunk_size must be positive: {self}")
+        if min(self.resident_slices, self.staging_buffers, self.staging_tokens) < 0:
+            raise ConfigError(f"resident_slices and staging sizes must not be negative: {self}")
+        if (self.staging_buffers == 0) != (self.staging_tokens == 0):
+            raise ConfigError(f"staging_buffers and staging_tokens must both be 0 or both positive: {self}")
+        if self.num_slices and self.resident_slices > self.num_slices:
+            raise ConfigError(f"resident_slices exceeds num_slices: {self}")
+        if self.streamed_slices > 0 and self.staging_buffers == 0:
+            raise ConfigError(f"{self.streamed_slices} slices are streamed but there is no staging buffer")
+
+    def num_groups(self, cfg: ModelConfig) -> int:
+        """KV-head groups per layer."""
+        return cfg.num_kv_heads // self.group_size
+
+    def slice_bytes(self, cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+        """Bytes of K and V for `tokens` tokens of one slice."""
+        return tokens * kv_token_bytes(cfg, self.group_size, dtype_bytes)
+
+    def is_resident(self, layer: int, group: int, cfg: ModelConfig) -> bool:
+        """Whether slice (layer, group) stays on the GPU: the first `resident_slices`, layer-major."""
+        return layer * self.num_groups(cfg) + group < self.resident_slices
+
+    @property
+    def streamed_slices(self) -> int:
+        """Slices that live on the host and are copied in for every forward pass."""
+        return max(self.num_slices - self.resident_slices, 0)
+
+    @property
+    def blocks_per_slice(self) -> int:
+        """Staging-buffer loads per streamed slice per forward pass (1 = whole slice at once)."""
+        return -(-self.capacity_tokens // self.staging_tokens) if self.streamed_slices else 0
+
+    @property
+    def gpu_kv_bytes(self) -> int:
+        """GPU bytes for KV: resident slices at capacity plus the staging buffers."""
+        tokens = self.resident_slices * self.capacity_tokens + self.staging_buffers * self.staging_tokens
+        return tokens * self.slice_token_bytes
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """Pinned host bytes for KV: every streamed slice at capacity."""
+        return self.streamed_slices * self.capacity_tokens * self.slice_token_bytes
+
+    @property
+    def pcie_bytes_per_decode_token(self) -> int:
+        """Bytes over PCIe to decode one token at `context`: streamed slices in, the new token out."""
+        return self.streamed_slices * (self.context + 1) * self.slice_token_bytes
+
+
+def plan_kv(
+    cfg: ModelConfig,
+    context: int,
+    *,
+    policy: str = "auto",
+    gpu_budget: int | None,
+    dtype_bytes: int = 2,
+    host_budget: int | None = None,
+    chunk_size: int | None = None,
+    group_size: int | None = None,
+    hardware: Hardware | None = None,
+    block_size: int = 256,
+    reserve_bytes: int = GPU_RESERVE_BYTES,
+    mlp_chunk: int | None = None,
+) -> KVPlan:
+    """Plan KV placement for one sequence of `context` tokens.
+
+    `gpu_budget` is the whole device memory the process may use (None = unlimited); weights,
+    activations of one prefill chunk and `reserve_bytes` come off it first. Policies: "gpu" keeps
+    everything resident; "layer" streams whole layers, "head" streams `group_size` (default 1)
+    KV heads at a time; "auto" keeps everything resident if it fits, else picks the group size
+    and resident-slice count with the least streamed bytes / PCIe bandwidth + streamed pieces x
+    per-slice overhead. Raises ConfigError on bad arguments and CapacityError with the numbers
+    when the GPU or host budget is too small.
+    """
+    _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
+    hw = hardware or DEFAULT_HARDWARE
+    capacity = round_up(context, block_size)
+    chunk = min(chunk_size or default_chunk_size(cfg, context, hw, dtype_bytes), context)
+
+    def fixed(c: int, g: int) -> int:  # GPU bytes that are not KV
+        return (
+            weight_bytes(cfg, dtype_bytes)
+            + activation_bytes(cfg, c, dtype_bytes, mlp_chunk, group_size=g)
+            + reserve_bytes
+        )
+
+    all_kv = capacity * cfg.kv_bytes_per_token(dtype_bytes)
+    if policy == "gpu":
+        min_kv, min_g = all_kv, cfg.num_kv_heads
+    else:
+        min_g = cfg.num_kv_heads if policy == "layer" else (group_size or 1)
+        min_kv = 2 * block_size * kv_token_bytes(cfg, min_g, dtype_bytes)
+    if gpu_budget is not None and chunk_size is None:
+        while chunk > MIN_REDUCED_CHUNK and fixed(chunk, min_g) + min_kv > gpu_budget:
+            chunk = max(chunk // 2, MIN_REDUCED_CHUNK)
+    if gpu_budget is not None and fixed(chunk, min_g) + min_kv > gpu_budget:
+        w = weight_bytes(cfg, dtype_bytes)
+        act = fixed(chunk, min_g) - w - reserve_bytes
+        if policy == "gpu":
+            advice = "a shorter context, the 'auto' policy or a larger --gpu-memory"
+        elif chunk_size is not None and w + reserve_bytes + min_kv < gpu_budget:
+            advice = "a smaller --chunk-size or a larger --gpu-memory"
+        else:
+            advice = "a larger --gpu-memory"
+        raise CapacityError(
+            f"{context} tokens need {_gb(w + act + reserve_bytes + min_kv)} of GPU memory "
+            f"(weights {_gb(w)}, activations of a {chunk}-token chunk {_gb(act)}, "
+            f"reserve {_gb(reserve_bytes)}, KV {_gb(min_kv)}), --gpu-memory is {_gb(gpu_budget)}; "
+            f"use {advice}"
+        )
+
+    def make(g: int, resident: int, staging_tokens: int) -> KVPlan:
+        n = cfg.num_layers * (cfg.num_kv_heads // g)
+        plan = KVPlan(
+            policy=policy,
+            group_size=g,
+            resident_slices=resident,
+            chunk_size=chunk,
+            staging_buffers=2 if resident < n else 0,
+            staging_tokens=staging_tokens if resident < n else 0,
+            context=context,
+            capacity_tokens=capacity,
+            num_slices=n,
+            slice_token_bytes=kv_token_bytes(cfg, g, dtype_bytes),
+        )
+        if host_budget is not None and plan.host_kv_bytes > host_budget:
+            raise CapacityError(
+                f"{context} tokens need {_gb(plan.host_kv_bytes)} of host memory for the offloaded KV "
+                f"({plan.streamed_slices} slices of {_gb(plan.slice_bytes(cfg, capacity, dtype_bytes))}), "
+                f"--host-memory is {_gb(host_budget)}; use a shorter context or a larger --host-memory"
+            )
+        return plan
+
+    everything_fits = gpu_budget is None or fixed(chunk, cfg.num_kv_heads) + all_kv <= gpu_budget
+    if policy == "gpu" or (policy == "auto" and everything_fits):
+        g = group_size or cfg.num_kv_heads
+        return make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0)
+    if policy in ("layer", "head"):
+        g = min_g
+        avail = None if gpu_budget is None else gpu_budget - fixed(chunk, g)
+        return make(g, 0, _staging_tokens(avail, capacity, kv_token_bytes(cfg, g, dtype_bytes), block_size))
+    assert gpu_budget is not None
+    candidates = [group_size] if group_size else _divisors(cfg.num_kv_heads)
+    best: tuple[float, int, KVPlan] | None = None
+    host_error: CapacityError | None = None
+    for g in candidates:
+        avail = gpu_budget - fixed(chunk, g)
+        tok = kv_token_bytes(cfg, g, dtype_bytes)
+        n = cfg.num_layers * (cfg.num_kv_heads // g)
+        staging = _staging_tokens(avail, capacity, tok, block_size)
+        if staging == 0:
+            continue
+        resident = min((avail - 2 * capacity * tok) // (capacity * tok), n - 1) if staging == capacity else 0
+        try:
+            plan = make(g, resident, staging)
+        except CapacityError as e:
+            host_error = host_error or e
+            continue
+        cost = (
+            plan.host_kv_bytes / hw.pcie_bw
+            + plan.streamed_slices * plan.blocks_per_slice * hw.slice_overhead_s
+        )
+        if best is None or (cost, n) < best[:2]:
+            best = (cost, n, plan)
+    if best is None:  # the budget check guarantees room for group_size 1, so the host is too small
+        assert host_error is not None
+        raise host_error
+    return best[2]
+
+
+def _staging_tokens(avail: int | None, capacity: int, token_bytes: int, block_size: int) -> int:
+    """Tokens per ping-pong buffer: the whole slice if two fit in `avail`, else whole blocks."""
+    if avail is None or 2 * capacity * token_bytes <= avail:
+        return capacity
+    return max(avail, 0) // (2 * token_bytes) // block_size * block_size  # 0: not even one block
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _validate(
+    cfg: ModelConfig,
+    context: int,
+    policy: str,
+    dtype_bytes: int,
+    chunk_size: int | None,
+    group_size: int | None,
+    block_size: int,
+) -> None:
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown KV policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if context < 1:
+        raise ConfigError(f"context must be at least 1 token, got {context}")
+    if dtype_bytes < 1 or block_size < 1:
+        raise ConfigError(f"dtype_bytes and block_size must be positive, got {dtype_bytes}, {block_size}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ConfigError(f"--chunk-size must be positive, got {chunk_size}")
+    if group_size is not None:
+        if group_size < 1 or cfg.num_kv_heads % group_size:
+            raise ConfigError(
+                f"--group-size {group_size} must divide the model's {cfg.num_kv_heads} KV heads; "
+                f"use one of {', '.join(map(str, _divisors(cfg.num_kv_heads)))}"
+            )
+        if policy in ("gpu", "layer") and group_size != cfg.num_kv_heads:
+            raise ConfigError(f"--group-size applies to the 'head' and 'auto' policies, not {policy!r}")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
