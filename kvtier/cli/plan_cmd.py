@@ -1,0 +1,111 @@
+"""`kvtier plan`: memory table, maximum context, recommended KV placement and roofline.
+
+kvtier plan --model llama-3-8b --context 1M --gpu-memory 24GiB --host-memory 512GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import ModelConfig
+from kvtier.errors import CapacityError, ModelLoadError
+from kvtier.loading.presets import PRESETS, preset_config
+from kvtier.planner.hardware import HARDWARE, hardware_preset
+from kvtier.planner.memory import DTYPE_BYTES
+from kvtier.planner.methods import ACTIVATION_MODELS
+from kvtier.planner.placement import POLICIES
+from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
+from kvtier.units import parse_count, parse_size
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `kvtier plan` and its options."""
+    p = subparsers.add_parser(
+        "plan",
+        help="predict memory, maximum context and the KV placement for a model",
+        description="Memory table of each KV method, their maximum contexts, kvtier's recommended "
+        "placement and the roofline of prefill and decode. Sizes: 24GiB, '24 GB' (1e9), 24g.",
+    )
+    p.add_argument("--model", required=True, help="preset name, HF model folder, or config.json path")
+    p.add_argument("--context", default="1M", help="tokens, e.g. 131072, 128K, 1M (binary K/M)")
+    p.add_argument("--gpu-memory", default=None, help="GPU memory budget (default: the --gpu's memory)")
+    p.add_argument("--host-memory", default="512GiB", help="pinned host memory for KV")
+    p.add_argument("--disk", default="0", help="disk space that extends the host tier for KV")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="weights/KV dtype")
+    p.add_argument("--chunk-size", default="auto", help="prefill chunk tokens, or 'auto' (roofline)")
+    p.add_argument("--group-size", type=int, default=None, help="KV heads per group (head/auto)")
+    p.add_argument("--policy", default="auto", choices=POLICIES, help="KV placement policy to plan")
+    p.add_argument("--block-size", type=int, default=256, help="KV block size in tokens")
+    p.add_argument("--gpu", default="rtx4090", choices=sorted(HARDWARE), help="hardware preset")
+    p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
+    p.add_argument("--hbm-bw", default=None, help="override HBM bandwidth per second, e.g. 3.35TB")
+    p.add_argument("--pcie-bw", default=None, help="override host link bandwidth per second, e.g. 25GB")
+    p.add_argument(
+        "--activations",
+        default="runner",
+        choices=ACTIVATION_MODELS,
+        help="baselines' activation model: runner (kvtier's runner) or paper (reproduces Table 10)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
+    p.add_argument("--plot", default=None, metavar="F.png", help="save GPU memory vs context to F")
+    p.set_defaults(func=run)
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """A preset name, a folder holding config.json, or a config.json path."""
+    if spec in PRESETS:
+        return preset_config(spec)
+    path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_json(path / "config.json")
+    if path.is_file():
+        return ModelConfig.from_json(path)
+    raise ModelLoadError(
+        f"--model {spec!r} is neither a preset, a folder with config.json, nor a config.json file; "
+        f"known presets: {', '.join(sorted(PRESETS))}"
+    )
+
+
+def build_request(args: argparse.Namespace) -> PlanRequest:
+    """Parse and check the options (ConfigError / ModelLoadError on bad input)."""
+    cfg = resolve_model(args.model)
+    hw = hardware_preset(
+        args.gpu,
+        tflops=args.tflops,
+        hbm_bw=None if args.hbm_bw is None else parse_size(args.hbm_bw, "--hbm-bw"),
+        pcie_bw=None if args.pcie_bw is None else parse_size(args.pcie_bw, "--pcie-bw"),
+    )
+    gpu = hw.memory_bytes if args.gpu_memory is None else parse_size(args.gpu_memory, "--gpu-memory")
+    chunk = None if args.chunk_size == "auto" else parse_count(args.chunk_size, "--chunk-size")
+    return PlanRequest(
+        cfg=cfg,
+        model=args.model,
+        context=parse_count(args.context, "--context"),
+        gpu_budget=gpu,
+        host_budget=parse_size(args.host_memory, "--host-memory"),
+        disk_budget=parse_size(args.disk, "--disk"),
+        dtype_bytes=DTYPE_BYTES[args.dtype],
+        hardware=hw,
+        chunk_size=chunk,
+        group_size=args.group_size,
+        policy=args.policy,
+        block_size=args.block_size,
+        activation_model=args.activations,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
+    req = build_request(args)
+    rep = build_report(req)
+    print(json.dumps(report_json(rep), indent=2) if args.json else format_report(rep))
+    if args.plot:
+        from kvtier.planner.plot import plot_memory
+
+        plot_memory(req, args.plot)
+    if rep.error is not None:
+        raise CapacityError(rep.error)
+    return 0

@@ -1,0 +1,119 @@
+"""`kvtier plan` through the command line: JSON output, model resolution, errors, plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import plan_cmd
+from kvtier.errors import KvtierError
+from kvtier.loading.presets import PRESETS
+
+CapSys = pytest.CaptureFixture[str]
+
+
+def _main(argv: list[str]) -> int:
+    """kvtier.cli.main.main, or, while the other subcommands are still being written, the same
+    error handling around a parser that holds only `plan`."""
+    try:
+        from kvtier.cli.main import build_parser, main
+
+        build_parser()
+    except Exception:  # NOTE: generate_cmd / eval_cmd may not exist yet or be mid-edit
+        parser = argparse.ArgumentParser(prog="kvtier")
+        plan_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
+        try:
+            return int(args.func(args))
+        except KvtierError as e:
+            print(f"kvtier: error: {e}", file=sys.stderr)
+            return 2
+    return main(argv)
+
+
+def _json(capsys: CapSys, *argv: str) -> dict:
+    assert _main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_has_every_method_and_a_recommendation(capsys: CapSys) -> None:
+    doc = _json(capsys, "--model", "llama-3-8b", "--context", "1M", "--gpu-memory", "24 GB")
+    assert set(doc["methods"]) == {"standard", "chunked", "kv4", "layer", "head", "auto"}
+    keys = {"weights_gb", "kv_gpu_gb", "activations_gb", "total_gpu_gb", "kv_total_gb", "max_context"}
+    assert all(set(row) == keys for row in doc["methods"].values())
+    assert doc["methods"]["head"]["max_context"] >= 2_000_000
+    assert 15_000 <= doc["methods"]["standard"]["max_context"] <= 35_000
+    assert doc["methods"]["standard"]["kv_total_gb"] == pytest.approx(137.44, abs=0.01)  # GB = 1e9 B
+    rec = doc["recommended"]
+    assert (rec["policy"], rec["group_size"], rec["chunk_size"]) == ("auto", 1, 2048)
+    assert rec["staging_buffers"] == 2 and rec["staging_tokens"] == 2**20
+    assert 0 < rec["resident_slices"] < rec["num_slices"] == 256
+    assert 4 < rec["decode_s_per_token"] < 8 and rec["decode_bound"] == "pcie"
+    assert doc["methods"]["auto"]["total_gpu_gb"] + doc["gpu_reserve_gb"] <= 24.0
+
+
+def test_paper_activation_model_reproduces_table_10(capsys: CapSys) -> None:
+    doc = _json(capsys, "--model", "llama-3-8b", "--activations", "paper")
+    head = doc["methods"]["head"]
+    gib = 1e9 / 2**30
+    assert head["total_gpu_gb"] * gib == pytest.approx(16.7, rel=0.03)
+    assert doc["methods"]["standard"]["activations_gb"] * gib == pytest.approx(64, rel=0.001)
+
+
+def test_plain_output_is_a_table(capsys: CapSys) -> None:
+    assert _main(["plan", "--model", "mistral-7b", "--context", "128K", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "max context" in out and "recommended: policy auto" in out and "roofline h200" in out
+    assert out.count("\n") >= 12
+
+
+@pytest.mark.parametrize("where", ["folder", "file"])
+def test_model_from_config_json(tmp_path: Path, where: str, capsys: CapSys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["smollm2-135m"]))
+    model = tmp_path if where == "folder" else tmp_path / "config.json"
+    doc = _json(capsys, "--model", str(model), "--context", "64K", "--gpu-memory", "4GiB")
+    assert doc["recommended"]["resident_slices"] == 30  # smollm2's 1.5 GB of KV fits
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "gpt-7"], "known presets: llama-2-7b"),
+        (["--model", "llama-3-8b", "--gpu-memory", "banana"], "--gpu-memory: cannot read 'banana' as a size"),
+        (["--model", "llama-3-8b", "--context", "lots"], "--context: cannot read 'lots'"),
+        (["--model", "llama-3-8b", "--group-size", "3"], "must divide the model's 8 KV heads"),
+        (["--model", "llama-3-8b", "--gpu-memory", "8GB"], "use a larger --gpu-memory"),
+        (["--model", "llama-3-8b", "--context", "8M", "--host-memory", "64GiB"], "of host memory"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: CapSys) -> None:
+    assert _main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_context_that_fits_nowhere_says_what_would_fit(capsys: CapSys) -> None:
+    assert _main(["plan", "--model", "llama-3-8b", "--context", "8M", "--json"]) == 2
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["recommended"] is None and "longest context that fits is" in doc["error"]
+    assert "1099.51 GB of host memory" in captured.err
+
+
+def test_disk_extends_the_host_tier(capsys: CapSys) -> None:
+    doc = _json(capsys, "--model", "llama-3-8b", "--context", "1M", "--host-memory", "64GiB", "--disk", "1TB")
+    rec = doc["recommended"]
+    assert rec["host_kv_gb"] == pytest.approx(64 * 2**30 / 1e9, abs=1e-3)
+    assert rec["disk_kv_gb"] > 60
+
+
+def test_plot_is_written(tmp_path: Path, capsys: CapSys) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "memory.png"
+    argv = ["plan", "--model", "smollm2-135m", "--context", "1M", "--gpu-memory", "4GiB", "--plot", str(out)]
+    assert _main(argv) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
