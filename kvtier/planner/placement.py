@@ -5,10 +5,11 @@ The KV cache is cut into slices, one per (layer, group of `group_size` KV heads)
     layer 0: [g0][g1]...[g(G-1)]    G = num_kv_heads / group_size groups per layer
     layer 1: [g0][g1]...            num_slices = num_layers x G
     ...
-    the first `resident_slices` slices (layer-major order) stay on the GPU for good; every
-    other slice lives in pinned host memory and is copied through `staging_buffers` ping-pong
-    GPU buffers of `staging_tokens` tokens each, in sequence blocks when staging_tokens is
-    smaller than the context (partial attentions merged by log-sum-exp).
+    `resident_slices` of them stay on the GPU for good (which ones is the store's choice:
+    `kvtier.kv.layout.spread` interleaves them with streamed ones); every other slice lives in
+    pinned host memory and is copied through `staging_buffers` ping-pong GPU buffers of
+    `staging_tokens` tokens each, in sequence blocks when staging_tokens is smaller than the
+    context (partial attentions merged by log-sum-exp).
 
 `plan_kv` is the one source of truth: the KV store configures itself from its result, and
 `kvtier plan` prints the same numbers.
@@ -65,10 +66,6 @@ class KVPlan:
     def slice_bytes(self, cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
         """Bytes of K and V for `tokens` tokens of one slice."""
         return tokens * kv_token_bytes(cfg, self.group_size, dtype_bytes)
-
-    def is_resident(self, layer: int, group: int, cfg: ModelConfig) -> bool:
-        """Whether slice (layer, group) stays on the GPU: the first `resident_slices`, layer-major."""
-        return layer * self.num_groups(cfg) + group < self.resident_slices
 
     @property
     def streamed_slices(self) -> int:
