@@ -1,0 +1,22 @@
+"""Fixtures shared by the test files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def embedded_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF converted to an HF folder, once per session.
+
+    The conversion (~40 s on a CPU) is cached in `$KVTIER_CACHE_DIR` when set, so repeated test
+    runs can skip it; otherwise in a fresh temp folder.
+    """
+    from kvtier.loading.embedded import embedded_gguf_path
+    from kvtier.loading.gguf import gguf_to_hf_folder
+
+    cache_dir = os.environ.get("KVTIER_CACHE_DIR") or tmp_path_factory.mktemp("kvtier-cache")
+    return gguf_to_hf_folder(embedded_gguf_path(), cache_dir)
