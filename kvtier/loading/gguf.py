@@ -146,9 +146,9 @@ def _remove_stale_temps(final: Path) -> None:
 
 
 def _estimate_s(size_mb: float) -> float:
-    # Measured on a 2-core CPU: ~16 s to import transformers and parse the config and tokenizer,
-    # then ~0.22 s per MB of file (38 s for the 98 MB SmolLM2-135M Q4_1).
-    return 16.0 + 0.22 * size_mb
+    # Measured on a 2-core CPU: the 98 MB SmolLM2-135M Q4_1 takes 26 s idle, 38 s under load;
+    # ~14 s of it is importing transformers and parsing the GGUF metadata twice.
+    return 14.0 + 0.17 * size_mb
 
 
 def _make_readable(folder: Path) -> None:
