@@ -1,0 +1,136 @@
+"""What an eval run produces: per-sample records, aggregates, the machine, JSON and a table."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.errors import ConfigError
+
+GROUPINGS = {
+    "cells": ("method", "task", "length", "depth"),
+    "by_length": ("method", "task", "length"),
+    "overall": ("method", "task"),
+}
+"""Aggregate name -> the record fields it groups by."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One sample run with one method."""
+
+    method: str
+    task: str
+    length: int  # requested context tokens
+    depth: float | None  # requested depth in percent; None = drawn per sample
+    index: int
+    prompt_tokens: int
+    needle_depths: tuple[float, ...]
+    expected: tuple[str, ...]
+    answer: str
+    score: float
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["needle_depths"], d["expected"] = list(self.needle_depths), list(self.expected)
+        return d
+
+
+def aggregate(records: Sequence[Record], keys: Sequence[str]) -> list[dict[str, Any]]:
+    """Mean score and count per distinct value of `keys`, in order of first appearance."""
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for r in records:
+        groups.setdefault(tuple(getattr(r, k) for k in keys), []).append(r.score)
+    return [
+        {**dict(zip(keys, key, strict=True)), "n": len(v), "score": round(sum(v) / len(v), 4)}
+        for key, v in groups.items()
+    ]
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Where the run happened: platform, CPU, torch and the device the model ran on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+@dataclass
+class EvalResult:
+    """A finished run: `meta` (model, methods, seed, machine, version, date, command) + records."""
+
+    meta: dict[str, Any]
+    records: list[Record] = field(default_factory=list)
+
+    def aggregates(self) -> dict[str, list[dict[str, Any]]]:
+        return {name: aggregate(self.records, keys) for name, keys in GROUPINGS.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """The aggregate object (`--json`): meta plus every aggregate, no per-sample records."""
+        return {**self.meta, **self.aggregates()}
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything (`--out`): the summary plus one record per sample and method."""
+        return {**self.summary(), "records": [r.to_dict() for r in self.records]}
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_json()` to `path` (ConfigError when it cannot be written)."""
+        try:
+            Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot write the results to {path}: {e}") from None
+
+    def table(self) -> str:
+        """Scores in percent: per method, depth x length (niah) or subtask x length."""
+        task = self.meta.get("task")
+        lines: list[str] = []
+        cells = self.aggregates()["cells" if task == "niah" else "by_length"]
+        lengths = sorted({c["length"] for c in cells})
+        for method in dict.fromkeys(c["method"] for c in cells):
+            mine = [c for c in cells if c["method"] == method]
+            row_key = "depth" if task == "niah" else "task"
+            rows = list(dict.fromkeys(c[row_key] for c in mine))
+            lines.append(f"method {method}: score % ({'depth' if task == 'niah' else 'task'} x length)")
+            lines.append(f"{'':>16}" + "".join(f"{_k(n):>8}" for n in lengths))
+            for row in rows:
+                vals = {c["length"]: c["score"] for c in mine if c[row_key] == row}
+                label = f"{row:g}%" if isinstance(row, float) else str(row)
+                lines.append(
+                    f"{label:>16}"
+                    + "".join(f"{100 * vals[n]:>8.1f}" if n in vals else f"{'-':>8}" for n in lengths)
+                )
+            overall = [c for c in self.aggregates()["overall"] if c["method"] == method]
+            lines.append(
+                "  mean: " + ", ".join(f"{c['task']} {100 * c['score']:.1f}% (n={c['n']})" for c in overall)
+            )
+            lines.append("")
+        return "\n".join(lines).rstrip()
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
