@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+DECODE_SPLIT = 16384  # keys per segment of split-KV decode
+
 
 def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Causal attention of the last T positions, q [T, H_q, D], over kv [S, 2, H_kv, D], S >= T.
@@ -34,17 +36,45 @@ def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     t, hq, d = q.shape
     s, _, hkv, _ = kv.shape
-    k = kv[:, 0].transpose(0, 1)  # [H_kv, S, D]
-    v = kv[:, 1].transpose(0, 1)
+    # NOTE: SDPA's fused (flash / memory-efficient) kernels take only 4-D [B, H, L, D] inputs;
+    # 3-D inputs silently fall back to the math kernel, which materializes the scores.
+    k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+    v = kv[:, 1].transpose(0, 1).unsqueeze(0)
     if t == 1:
         # A single query needs no mask; fold the r query heads of each KV head into the query
         # axis so no K/V expansion is needed.
-        qf = q.view(hkv, hq // hkv, d)  # [H_kv, r, D]
+        qf = q.view(1, hkv, hq // hkv, d)  # [1, H_kv, r, D]
+        if s >= 2 * DECODE_SPLIT:
+            return _split_kv_decode(qf, kv).reshape(1, hq, d)
         return F.scaled_dot_product_attention(qf, k, v).reshape(1, hq, d)
-    qt = q.transpose(0, 1)  # [H_q, T, D]
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, T, D]
     mask = causal_lower_right(t, s)
     out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=hq != hkv)
-    return out.transpose(0, 1)  # [T, H_q, D]
+    return out[0].transpose(0, 1)  # [T, H_q, D]
+
+
+def _split_kv_decode(qf: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Decode attention over a long KV as a batch of KV segments, merged by log-sum-exp.
+
+    qf [1, H_kv, r, D], kv [S, 2, H_kv, D] -> [1, H_kv, r, D]. Fused kernels parallelize over
+    (batch, head, query block); one query over one head would run on a single SM, so the keys
+    are cut into DECODE_SPLIT-token segments that run side by side (flash-decoding).
+    """
+    s, _, hkv, d = kv.shape
+    p = s // DECODE_SPLIT
+    main = kv[: p * DECODE_SPLIT].view(p, DECODE_SPLIT, 2, hkv, d)
+    k = main[:, :, 0].transpose(1, 2)  # [P, H_kv, seg, D]
+    v = main[:, :, 1].transpose(1, 2)
+    out, lse = _sdpa_lse_batched(qf.expand(p, -1, -1, -1), k, v)  # [P, H_kv, r, D], [P, H_kv, r]
+    outs, lses = [out.float()], [lse.float()]
+    if s > p * DECODE_SPLIT:
+        rest = kv[p * DECODE_SPLIT :]
+        o2, l2 = _sdpa_lse_batched(qf, rest[:, 0].transpose(0, 1)[None], rest[:, 1].transpose(0, 1)[None])
+        outs.append(o2.float())
+        lses.append(l2.float())
+    o_all, l_all = torch.cat(outs), torch.cat(lses)  # [P', H_kv, r, D], [P', H_kv, r]
+    w = torch.softmax(l_all, dim=0)[..., None]
+    return (o_all * w).sum(0, keepdim=True).to(qf.dtype)
 
 
 def attend_prefix_lse(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,31 +104,44 @@ def attend_self_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     return out.transpose(0, 1).float(), lse.transpose(0, 1).float()
 
 
-def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine partial attention results (out [T, H, D], lse [T, H]) over disjoint key sets."""
-    lses = torch.stack([lse for _, lse in parts])  # [P, T, H]
-    total = torch.logsumexp(lses, dim=0)  # [T, H]
-    out = torch.zeros_like(parts[0][0])
-    for (o, _), lse in zip(parts, lses, strict=True):
-        out += o * torch.exp(lse - total)[..., None]
-    return out
+def merge_into(
+    acc: tuple[torch.Tensor, torch.Tensor] | None, part: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a partial result (out [T, H, D] float32, lse [T, H]) into a running one.
+
+    Exact up to rounding: softmax over the union of disjoint key sets. Memory stays one partial.
+    """
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part
+    lse = torch.logaddexp(l1, l2)
+    out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    return out, lse
 
 
 def _sdpa_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA that also returns the log-sum-exp: q [H, T, D], k/v [H, S, D] -> ([H, T, D], [H, T])."""
-    qb, kb, vb = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out, lse = _sdpa_lse_batched(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal)
+    return out[0], lse[0]
+
+
+def _sdpa_lse_batched(
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, D], k/v [B, H, S, D] -> (out [B, H, T, D], lse [B, H, T])."""
+    q = qb
     if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         res = torch.ops.aten._scaled_dot_product_flash_attention(qb, kb, vb, 0.0, causal)
-        return res[0][0], res[1][0]
+        return res[0], res[1]
     if q.device.type == "cuda":
         res = torch.ops.aten._scaled_dot_product_efficient_attention(qb, kb, vb, None, True, 0.0, causal)
-        return res[0][0], res[1][0][:, : q.shape[1]]
+        return res[0], res[1][..., : q.shape[2]]
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb, kb, vb, 0.0, causal)
-        return out[0], lse[0]
-    return _math_lse(q, k, v, causal)
+        return out, lse
+    return _math_lse(qb, kb, vb, causal)
 
 
 def _math_lse(

@@ -14,6 +14,7 @@ from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import ConfigError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
+from kvtier.planner.hardware import detect_hardware, host_memory_available
 from kvtier.planner.placement import KVPlan, plan_kv
 
 Prompt = str | list[int]
@@ -77,7 +78,8 @@ class LLM:
         return plan_kv(
             self.model_config, context, policy=self.config.kv, gpu_budget=self.gpu_budget(),
             dtype_bytes=itemsize, chunk_size=self.config.chunk_size, group_size=self.config.head_group,
-            block_size=self.config.block_size,
+            block_size=self.config.block_size, hardware=detect_hardware(self.device),
+            host_budget=host_memory_available() if self.device.type == "cuda" else None,
         )
 
     # -- prompts -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.attention.dense import attend, attend_prefix_lse, attend_self_lse, merge_partials
+from kvtier.attention.dense import attend, attend_prefix_lse, attend_self_lse, merge_into
 from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
@@ -29,10 +29,16 @@ from kvtier.planner.placement import KVPlan
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """Storage granularity: token blocks, and blocks per host extent (one PCIe copy)."""
+    """Storage granularity: token blocks, and host extents (the unit of one PCIe copy).
+
+    Extents are sized in bytes, so a finer head group does not mean more, smaller copies: the
+    host issues each copy, and ~10K copies per decode step would make the CPU the bottleneck.
+    `extent_blocks` overrides the size (in blocks) for tests.
+    """
 
     block_size: int = 256
-    extent_blocks: int = 64
+    extent_bytes: int = 64 << 20
+    extent_blocks: int | None = None
 
 
 class TieredKVStore:
@@ -72,7 +78,8 @@ class TieredKVStore:
         self.resident: dict[int, torch.Tensor] = {}  # slice -> [capacity, 2, G, D]
         self.hosts: dict[int, HostSlice] = {}
         is_resident = spread(lay.num_slices, plan.resident_slices)
-        extent_tokens = lay.block_size * opts.extent_blocks
+        extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
+        extent_tokens = lay.block_size * extent_blocks
         streamed = [s for s in range(lay.num_slices) if not is_resident[s]]
         self.arena = HostArena(
             (extent_tokens, *shape),
@@ -172,13 +179,12 @@ class TieredKVStore:
         the partial results by log-sum-exp, so GPU memory does not grow with the context."""
         assert self.ring is not None
         s, cap = self.length, self.ring.tokens
-        parts = []
+        acc = None
         for a in range(0, s, cap):
             loaded = self.ring.take(Load(sid, a, min(a + cap, s)))
-            parts.append(attend_prefix_lse(q, loaded.view[: min(cap, s - a)]))
+            acc = merge_into(acc, attend_prefix_lse(q, loaded.view[: min(cap, s - a)]))
             self.ring.release(loaded, [self.streams.record()])
-        parts.append(attend_self_lse(q, k, v))
-        out = merge_partials(parts).to(q.dtype)
+        out = merge_into(acc, attend_self_lse(q, k, v))[0].to(q.dtype)
         new = torch.stack((k, v), dim=1)  # [T, 2, G, D]
         self._write_back(sid, new, self.streams.record())
         return out

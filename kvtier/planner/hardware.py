@@ -8,8 +8,12 @@ tested on (research/headinfer.md §3.4). Every number can be overridden (`kvtier
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 1024**3
 
@@ -75,3 +79,28 @@ def hardware_preset(
     if pcie_bw is not None:
         hw = replace(hw, pcie_bw=pcie_bw)
     return hw
+
+
+def detect_hardware(device: torch.device) -> Hardware:
+    """The preset matching the CUDA device's name (the paper's RTX 4090 when none matches)."""
+    import torch
+
+    if device.type != "cuda":
+        return DEFAULT_HARDWARE
+    name = torch.cuda.get_device_name(device).lower()
+    for key in ("h200", "h100", "a100", "l40s", "4090"):
+        if key in name:
+            return next(hw for k, hw in HARDWARE.items() if key in k)
+    return DEFAULT_HARDWARE
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (Linux MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,64 @@
+"""Helpers shared by the GPU benchmarks: machine facts, timing, JSON output."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "torch": torch.__version__, "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_total_bytes=p.total_memory, cuda=torch.version.cuda)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
+    """Measured pinned host-to-device bandwidth (the PCIe floor's denominator)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    times = [timed(lambda: dst.copy_(src, non_blocking=True))[0] for _ in range(5)]
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / median(times) / 1e9
+
+
+def write_results(name: str, results: dict[str, Any]) -> Path:
+    out_dir = Path(os.environ.get("OUT", "bench/results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "machine": machine(), **results}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(results, indent=1, default=str))
+    return path

@@ -1,0 +1,211 @@
+"""Lossless tiered-store benchmark (issue: head-wise offload) on a CUDA GPU.
+
+llama-3-8b preset (random weights, bf16), GPU capped with set_per_process_memory_fraction.
+For each context and policy: peak GPU memory (measured and planned), prefill tokens/s, decode
+s/token, bytes over PCIe per token and the PCIe floor. Contexts up to --full-prefill-max are
+prefilled for real; longer ones are filled with synthetic KV and then timed on real prefill
+chunks and decode steps at that length. HF transformers' layer-wise offload runs alongside.
+
+    python bench/tiered_store.py --contexts 32K,128K --policies gpu,layer,head,auto --hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import median, pinned_h2d_gbps, timed, write_results  # noqa: E402
+from kvtier.errors import CapacityError  # noqa: E402
+from kvtier.kv.store import TieredKVStore  # noqa: E402
+from kvtier.kv.synthetic import fill_synthetic  # noqa: E402
+from kvtier.loading.presets import preset_config  # noqa: E402
+from kvtier.loading.weights import random_model  # noqa: E402
+from kvtier.planner.hardware import hardware_preset  # noqa: E402
+from kvtier.planner.memory import activation_bytes, weight_bytes  # noqa: E402
+from kvtier.planner.placement import plan_kv  # noqa: E402
+from kvtier.units import parse_count, parse_size  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def run_policy(model: Any, cfg: Any, policy: str, context: int, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"policy": policy, "context": context}
+    total = context + args.decode_steps
+    try:
+        plan = plan_kv(cfg, total, policy=policy, gpu_budget=args.budget, dtype_bytes=2,
+                       chunk_size=args.chunk_size, hardware=hardware_preset("h200"))
+    except CapacityError as e:
+        row["skipped"] = str(e)
+        return row
+    row["plan"] = {k: getattr(plan, k) for k in ("group_size", "resident_slices", "chunk_size",
+                                                 "staging_buffers", "staging_tokens", "num_slices")}
+    predicted = (weight_bytes(cfg, 2) + activation_bytes(cfg, plan.chunk_size, 2, group_size=plan.group_size)
+                 + plan.gpu_kv_bytes)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    store = None
+    try:
+        store = TieredKVStore(cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total)
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        chunk = plan.chunk_size
+        if context <= args.full_prefill_max:
+            ids = torch.randint(0, cfg.vocab_size, (context,), device=DEV, generator=gen)
+            none = torch.empty(0, dtype=torch.long, device=DEV)
+
+            def prefill() -> torch.Tensor:
+                logits = torch.empty(0)
+                for s in range(0, context, chunk):
+                    part = ids[s : s + chunk]
+                    store.begin_step(part.shape[0])
+                    logits = model(part, store, logits_at=None if s + chunk >= context else none, mlp_chunk=chunk)
+                    store.end_step()
+                return logits
+
+            dt, logits = timed(prefill)
+            row["prefill_tok_s"] = context / dt
+            row["prefill_mode"] = "full"
+        else:
+            start = context - args.measure_chunks * chunk
+            fill_synthetic(store, start)
+            ids = torch.randint(0, cfg.vocab_size, (args.measure_chunks * chunk,), device=DEV, generator=gen)
+            times = []
+            for i in range(args.measure_chunks):
+                part = ids[i * chunk : (i + 1) * chunk]
+                store.begin_step(chunk)
+                dt, logits = timed(lambda part=part: model(part, store, mlp_chunk=chunk))
+                store.end_step()
+                times.append(dt)
+            row["prefill_tok_s"] = chunk / median(times)
+            row["prefill_mode"] = f"{args.measure_chunks} chunk(s) of {chunk} at the end of a synthetic {start}"
+        token = logits[-1].argmax()
+        h2d0 = store.account.h2d_bytes
+        steps = []
+        for _ in range(args.decode_steps):
+            store.begin_step(1)
+            dt, logits = timed(lambda: model(token.view(1), store))
+            store.end_step()
+            token = logits[-1].argmax()
+            steps.append(dt)
+        row["decode_s_per_token"] = median(steps[1:] if len(steps) > 2 else steps)
+        row["decode_steps_s"] = steps
+        row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
+        row["host_kv_bytes"] = store.account.peak["host"]
+        row["pcie_floor_s"] = store.length * plan.slice_token_bytes * plan.streamed_slices / (bw * 1e9)
+        row["decode_vs_floor"] = (row["decode_s_per_token"] / row["pcie_floor_s"]) if row["pcie_floor_s"] else None
+        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        row["predicted_gpu_bytes"] = predicted
+        row["predicted_error"] = predicted / row["peak_gpu_bytes"] - 1
+    except torch.OutOfMemoryError as e:
+        row["oom"] = str(e).splitlines()[0]
+    finally:
+        if store is not None:
+            store.close()
+    return row
+
+
+def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """HF transformers' own layer-wise offload (DynamicCache(offloading=True)) on the same weights."""
+    import transformers
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvtier.loading.presets import PRESETS
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in PRESETS["llama-3-8b"].items() if k != "model_type"})
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_cfg)
+    hf.load_state_dict(model.state_dict(), assign=True, strict=False)
+    hf.model.rotary_emb = LlamaRotaryEmbedding(hf_cfg, device=DEV)
+    hf.eval()
+    rows = []
+    for context in contexts:
+        row: dict[str, Any] = {"policy": "hf-offloaded", "context": context, "transformers": transformers.__version__}
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(0, cfg.vocab_size, (1, context), device=DEV)
+        for mode, chunk in (("one forward", context), ("chunked", args.chunk_size or 8192)):
+            cache = DynamicCache(config=hf_cfg, offloading=True)
+            try:
+                with torch.inference_mode():
+                    def prefill() -> Any:
+                        out = None
+                        for s in range(0, context, chunk):
+                            out = hf(ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        return out
+
+                    dt, out = timed(prefill)
+                    row["prefill_tok_s"], row["prefill_mode"] = context / dt, mode
+                    token = out.logits[:, -1:].argmax(-1)
+                    steps = []
+                    for _ in range(args.decode_steps):
+                        dt, out = timed(lambda: hf(token, past_key_values=cache, use_cache=True))
+                        token = out.logits[:, -1:].argmax(-1)
+                        steps.append(dt)
+                    row["decode_s_per_token"] = median(steps[1:] if len(steps) > 2 else steps)
+                    row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+                break
+            except torch.OutOfMemoryError as e:
+                row[f"oom_{mode}"] = str(e).splitlines()[0][:200]
+            finally:
+                del cache
+                gc.collect()
+                torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--contexts", default="32K,128K")
+    ap.add_argument("--policies", default="gpu,layer,head,auto")
+    ap.add_argument("--gpu-memory", default="24GB")
+    ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--decode-steps", type=int, default=4)
+    ap.add_argument("--measure-chunks", type=int, default=1)
+    ap.add_argument("--full-prefill-max", type=lambda s: parse_count(s), default=131072)
+    ap.add_argument("--hf", action="store_true", help="also run HF transformers' layer-wise offload")
+    ap.add_argument("--name", default="tiered_store")
+    args = ap.parse_args()
+    args.budget = parse_size(args.gpu_memory)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(args.budget / total)
+    contexts = [parse_count(c) for c in args.contexts.split(",")]
+    bw = pinned_h2d_gbps()
+    cfg = preset_config("llama-3-8b")
+    model = random_model(cfg, DEV, torch.bfloat16)
+    run_policy(model, cfg, "gpu", 8192, args, bw)  # warm-up: kernels, allocator, host threads
+    rows = []
+    for context in contexts:
+        for policy in args.policies.split(","):
+            row = run_policy(model, cfg, policy, context, args, bw)
+            rows.append(row)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                   if k not in ("decode_steps_s",)}, flush=True)
+    if args.hf:
+        rows += run_hf(model, cfg, [c for c in contexts if c <= args.full_prefill_max], args)
+    path = write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})
+    print(f"\npinned H2D {bw:.1f} GB/s; budget {args.budget / 1e9:.1f} GB; results: {path}")
+    print(f"{'context':>8} {'policy':>13} {'peak GB':>8} {'plan GB':>8} {'prefill t/s':>11} "
+          f"{'decode s/t':>10} {'floor s':>8} {'x floor':>7} {'H2D GB/t':>8}")
+    for r in rows:
+        if "skipped" in r or "oom" in r:
+            print(f"{r['context']:>8} {r['policy']:>13}   {('skipped: ' + r.get('skipped', r.get('oom', '')))[:90]}")
+            continue
+        print(f"{r['context']:>8} {r['policy']:>13} {r.get('peak_gpu_bytes', 0) / 1e9:>8.2f} "
+              f"{r.get('predicted_gpu_bytes', 0) / 1e9:>8.2f} {r.get('prefill_tok_s', 0):>11.0f} "
+              f"{r.get('decode_s_per_token', 0):>10.4f} {r.get('pcie_floor_s', 0) or 0:>8.4f} "
+              f"{(r.get('decode_vs_floor') or 0):>7.2f} {r.get('h2d_bytes_per_token', 0) / 1e9:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
