@@ -17,8 +17,12 @@ import torch
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "cpus": os.cpu_count()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_total_bytes=p.total_memory, cuda=torch.version.cuda)
@@ -49,16 +53,18 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst.copy_(src, non_blocking=True)
     times = [timed(lambda: dst.copy_(src, non_blocking=True))[0] for _ in range(5)]
-    del src, dst
-    torch.cuda.empty_cache()
     return nbytes / median(times) / 1e9
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join(sys.argv), "machine": machine(), **results}
+    results = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "machine": machine(),
+        **results,
+    }
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(results, indent=1, default=str))
     return path

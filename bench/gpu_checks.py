@@ -13,19 +13,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import write_results  # noqa: E402
-from kvtier.attention.dense import attend  # noqa: E402
-from kvtier.config import ModelConfig  # noqa: E402
-from kvtier.kv.store import StoreOptions, TieredKVStore  # noqa: E402
-from kvtier.loading.weights import random_model  # noqa: E402
-from kvtier.planner.placement import KVPlan  # noqa: E402
+from bench.common import write_results
+from kvtier.attention.dense import attend
+from kvtier.config import ModelConfig
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import random_model
+from kvtier.planner.placement import KVPlan
 
 DEV = torch.device("cuda")
 
 
 def run(model, cfg, plan, ids, decode=6):  # type: ignore[no-untyped-def]
-    store = TieredKVStore(cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=ids.shape[0] + decode,
-                          options=StoreOptions(block_size=64, extent_blocks=3))
+    store = TieredKVStore(
+        cfg,
+        plan,
+        device=DEV,
+        dtype=torch.bfloat16,
+        capacity=ids.shape[0] + decode,
+        options=StoreOptions(block_size=64, extent_blocks=3),
+    )
     logits, toks = [], []
     for s in range(0, ids.shape[0], plan.chunk_size):
         part = ids[s : s + plan.chunk_size]
@@ -43,8 +49,16 @@ def run(model, cfg, plan, ids, decode=6):  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    cfg = ModelConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
-                      num_kv_heads=4, head_dim=64, max_position_embeddings=8192)
+    cfg = ModelConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        max_position_embeddings=8192,
+    )
     model = random_model(cfg, DEV, torch.bfloat16)
     ids = torch.randint(0, 1000, (1500,), device=DEV)
     n = cfg.num_layers
@@ -55,12 +69,18 @@ def main() -> None:
     ref, ref_t = run(model, cfg, p("gpu", 4, n, 0), ids)
     results = {}
     for name, plan in {
-        "layer": p("layer", 4, 0, 1536), "head-g1": p("head", 1, 0, 1536), "head-g2": p("head", 2, 0, 1536),
-        "auto-g1-r7": p("auto", 1, 7, 1536), "head-g1-3buf": p("head", 1, 0, 1536, 3),
+        "layer": p("layer", 4, 0, 1536),
+        "head-g1": p("head", 1, 0, 1536),
+        "head-g2": p("head", 2, 0, 1536),
+        "auto-g1-r7": p("auto", 1, 7, 1536),
+        "head-g1-3buf": p("head", 1, 0, 1536, 3),
     }.items():
         lg, t = run(model, cfg, plan, ids)
-        results[name] = {"tokens_equal": t == ref_t, "bitwise": bool(torch.equal(lg, ref)),
-                         "max_abs": float((lg - ref).abs().max())}
+        results[name] = {
+            "tokens_equal": t == ref_t,
+            "bitwise": bool(torch.equal(lg, ref)),
+            "max_abs": float((lg - ref).abs().max()),
+        }
     for name, plan in {"blocks-256": p("head", 1, 0, 256), "blocks-640-g2": p("head", 2, 0, 640)}.items():
         lg, t = run(model, cfg, plan, ids)
         results[name] = {"tokens_equal": t == ref_t, "rel": float((lg - ref).norm() / ref.norm())}

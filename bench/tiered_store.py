@@ -21,33 +21,54 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, pinned_h2d_gbps, timed, write_results  # noqa: E402
-from kvtier.errors import CapacityError  # noqa: E402
-from kvtier.kv.store import TieredKVStore  # noqa: E402
-from kvtier.kv.synthetic import fill_synthetic  # noqa: E402
-from kvtier.loading.presets import preset_config  # noqa: E402
-from kvtier.loading.weights import random_model  # noqa: E402
-from kvtier.planner.hardware import hardware_preset  # noqa: E402
-from kvtier.planner.memory import activation_bytes, weight_bytes  # noqa: E402
-from kvtier.planner.placement import plan_kv  # noqa: E402
-from kvtier.units import parse_count, parse_size  # noqa: E402
+from bench.common import median, pinned_h2d_gbps, timed, write_results
+from kvtier.errors import CapacityError
+from kvtier.kv.store import TieredKVStore
+from kvtier.kv.synthetic import fill_synthetic
+from kvtier.loading.presets import preset_config
+from kvtier.loading.weights import random_model
+from kvtier.planner.hardware import hardware_preset
+from kvtier.planner.memory import activation_bytes, weight_bytes
+from kvtier.planner.placement import plan_kv
+from kvtier.units import parse_count, parse_size
 
 DEV = torch.device("cuda")
 
 
-def run_policy(model: Any, cfg: Any, policy: str, context: int, args: argparse.Namespace, bw: float) -> dict[str, Any]:
+def run_policy(
+    model: Any, cfg: Any, policy: str, context: int, args: argparse.Namespace, bw: float
+) -> dict[str, Any]:
     row: dict[str, Any] = {"policy": policy, "context": context}
     total = context + args.decode_steps
     try:
-        plan = plan_kv(cfg, total, policy=policy, gpu_budget=args.budget, dtype_bytes=2,
-                       chunk_size=args.chunk_size, hardware=hardware_preset("h200"))
+        plan = plan_kv(
+            cfg,
+            total,
+            policy=policy,
+            gpu_budget=args.budget,
+            dtype_bytes=2,
+            chunk_size=args.chunk_size,
+            hardware=hardware_preset("h200"),
+        )
     except CapacityError as e:
         row["skipped"] = str(e)
         return row
-    row["plan"] = {k: getattr(plan, k) for k in ("group_size", "resident_slices", "chunk_size",
-                                                 "staging_buffers", "staging_tokens", "num_slices")}
-    predicted = (weight_bytes(cfg, 2) + activation_bytes(cfg, plan.chunk_size, 2, group_size=plan.group_size)
-                 + plan.gpu_kv_bytes)
+    row["plan"] = {
+        k: getattr(plan, k)
+        for k in (
+            "group_size",
+            "resident_slices",
+            "chunk_size",
+            "staging_buffers",
+            "staging_tokens",
+            "num_slices",
+        )
+    }
+    predicted = (
+        weight_bytes(cfg, 2)
+        + activation_bytes(cfg, plan.chunk_size, 2, group_size=plan.group_size)
+        + plan.gpu_kv_bytes
+    )
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -65,7 +86,9 @@ def run_policy(model: Any, cfg: Any, policy: str, context: int, args: argparse.N
                 for s in range(0, context, chunk):
                     part = ids[s : s + chunk]
                     store.begin_step(part.shape[0])
-                    logits = model(part, store, logits_at=None if s + chunk >= context else none, mlp_chunk=chunk)
+                    logits = model(
+                        part, store, logits_at=None if s + chunk >= context else none, mlp_chunk=chunk
+                    )
                     store.end_step()
                 return logits
 
@@ -84,7 +107,9 @@ def run_policy(model: Any, cfg: Any, policy: str, context: int, args: argparse.N
                 store.end_step()
                 times.append(dt)
             row["prefill_tok_s"] = chunk / median(times)
-            row["prefill_mode"] = f"{args.measure_chunks} chunk(s) of {chunk} at the end of a synthetic {start}"
+            row["prefill_mode"] = (
+                f"{args.measure_chunks} chunk(s) of {chunk} at the end of a synthetic {start}"
+            )
         token = logits[-1].argmax()
         h2d0 = store.account.h2d_bytes
         steps = []
@@ -99,7 +124,9 @@ def run_policy(model: Any, cfg: Any, policy: str, context: int, args: argparse.N
         row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
         row["host_kv_bytes"] = store.account.peak["host"]
         row["pcie_floor_s"] = store.length * plan.slice_token_bytes * plan.streamed_slices / (bw * 1e9)
-        row["decode_vs_floor"] = (row["decode_s_per_token"] / row["pcie_floor_s"]) if row["pcie_floor_s"] else None
+        row["decode_vs_floor"] = (
+            (row["decode_s_per_token"] / row["pcie_floor_s"]) if row["pcie_floor_s"] else None
+        )
         row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         row["predicted_gpu_bytes"] = predicted
         row["predicted_error"] = predicted / row["peak_gpu_bytes"] - 1
@@ -128,7 +155,11 @@ def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) 
     hf.eval()
     rows = []
     for context in contexts:
-        row: dict[str, Any] = {"policy": "hf-offloaded", "context": context, "transformers": transformers.__version__}
+        row: dict[str, Any] = {
+            "policy": "hf-offloaded",
+            "context": context,
+            "transformers": transformers.__version__,
+        }
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -137,10 +168,13 @@ def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) 
             cache = DynamicCache(config=hf_cfg, offloading=True)
             try:
                 with torch.inference_mode():
+
                     def prefill() -> Any:
                         out = None
                         for s in range(0, context, chunk):
-                            out = hf(ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                            out = hf(
+                                ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
+                            )
                         return out
 
                     dt, out = timed(prefill)
@@ -157,7 +191,7 @@ def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) 
             except torch.OutOfMemoryError as e:
                 row[f"oom_{mode}"] = str(e).splitlines()[0][:200]
             finally:
-                del cache
+                cache = None
                 gc.collect()
                 torch.cuda.empty_cache()
         rows.append(row)
@@ -189,22 +223,35 @@ def main() -> None:
         for policy in args.policies.split(","):
             row = run_policy(model, cfg, policy, context, args, bw)
             rows.append(row)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                   if k not in ("decode_steps_s",)}, flush=True)
+            print(
+                {
+                    k: (round(v, 4) if isinstance(v, float) else v)
+                    for k, v in row.items()
+                    if k not in ("decode_steps_s",)
+                },
+                flush=True,
+            )
     if args.hf:
         rows += run_hf(model, cfg, [c for c in contexts if c <= args.full_prefill_max], args)
     path = write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})
     print(f"\npinned H2D {bw:.1f} GB/s; budget {args.budget / 1e9:.1f} GB; results: {path}")
-    print(f"{'context':>8} {'policy':>13} {'peak GB':>8} {'plan GB':>8} {'prefill t/s':>11} "
-          f"{'decode s/t':>10} {'floor s':>8} {'x floor':>7} {'H2D GB/t':>8}")
+    print(
+        f"{'context':>8} {'policy':>13} {'peak GB':>8} {'plan GB':>8} {'prefill t/s':>11} "
+        f"{'decode s/t':>10} {'floor s':>8} {'x floor':>7} {'H2D GB/t':>8}"
+    )
     for r in rows:
         if "skipped" in r or "oom" in r:
-            print(f"{r['context']:>8} {r['policy']:>13}   {('skipped: ' + r.get('skipped', r.get('oom', '')))[:90]}")
+            print(
+                f"{r['context']:>8} {r['policy']:>13}   "
+                f"{('skipped: ' + r.get('skipped', r.get('oom', '')))[:90]}"
+            )
             continue
-        print(f"{r['context']:>8} {r['policy']:>13} {r.get('peak_gpu_bytes', 0) / 1e9:>8.2f} "
-              f"{r.get('predicted_gpu_bytes', 0) / 1e9:>8.2f} {r.get('prefill_tok_s', 0):>11.0f} "
-              f"{r.get('decode_s_per_token', 0):>10.4f} {r.get('pcie_floor_s', 0) or 0:>8.4f} "
-              f"{(r.get('decode_vs_floor') or 0):>7.2f} {r.get('h2d_bytes_per_token', 0) / 1e9:>8.2f}")
+        print(
+            f"{r['context']:>8} {r['policy']:>13} {r.get('peak_gpu_bytes', 0) / 1e9:>8.2f} "
+            f"{r.get('predicted_gpu_bytes', 0) / 1e9:>8.2f} {r.get('prefill_tok_s', 0):>11.0f} "
+            f"{r.get('decode_s_per_token', 0):>10.4f} {r.get('pcie_floor_s', 0) or 0:>8.4f} "
+            f"{(r.get('decode_vs_floor') or 0):>7.2f} {r.get('h2d_bytes_per_token', 0) / 1e9:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

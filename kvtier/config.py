@@ -61,8 +61,16 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral v0.1; kvtier runs full attention up to this length
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:

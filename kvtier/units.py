@@ -38,9 +38,7 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
     m = _SIZE_RE.match(text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _SIZE_UNITS:
-        raise ConfigError(
-            f"{what}: cannot read {text!r} as a size; write e.g. '24GiB', '24 GB' or '24g'"
-        )
+        raise ConfigError(f"{what}: cannot read {text!r} as a size; write e.g. '24GiB', '24 GB' or '24g'")
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 

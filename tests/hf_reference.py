@@ -15,12 +15,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "cls": "LlamaConfig",
         "num_key_value_heads": 2,
         "rope_parameters": {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
         },
     },
     "llama-linear-rope": {
-        "cls": "LlamaConfig", "num_key_value_heads": 2,
+        "cls": "LlamaConfig",
+        "num_key_value_heads": 2,
         "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     },
     "mistral": {"cls": "MistralConfig", "num_key_value_heads": 2, "sliding_window": None},
@@ -37,9 +42,16 @@ def make_hf_model(family: str, folder: Path, seed: int = 0) -> Any:
     spec = dict(FAMILIES[family])
     cls = getattr(transformers, spec.pop("cls"))
     cfg = cls(
-        hidden_size=64, num_attention_heads=4, num_hidden_layers=3, vocab_size=211,
-        intermediate_size=96, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
-        pad_token_id=0, **spec,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=3,
+        vocab_size=211,
+        intermediate_size=96,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        **spec,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

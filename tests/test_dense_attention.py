@@ -37,8 +37,11 @@ def test_merge_of_blocks_equals_one_call() -> None:
     g = torch.Generator().manual_seed(0)
     q, kv = torch.randn(5, 6, 8, generator=g), torch.randn(13, 2, 2, 8, generator=g)
     acc = None
-    for part in (dense.attend_prefix_lse(q, kv[:4]), dense.attend_prefix_lse(q, kv[4:8]),
-                 dense.attend_self_lse(q, kv[8:, 0], kv[8:, 1])):
+    for part in (
+        dense.attend_prefix_lse(q, kv[:4]),
+        dense.attend_prefix_lse(q, kv[4:8]),
+        dense.attend_self_lse(q, kv[8:, 0], kv[8:, 1]),
+    ):
         acc = dense.merge_into(acc, part)
     assert acc is not None
     assert torch.allclose(acc[0].double(), reference(q, kv), atol=1e-5)

@@ -18,7 +18,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, object]:
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, object]:
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, folder)
     return request.param, folder, hf

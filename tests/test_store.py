@@ -25,11 +25,19 @@ def mha(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, ModelConfig
     return load_safetensors_folder(folder, CPU, torch.float32)
 
 
-def run(model: CausalLM, cfg: ModelConfig, plan: KVPlan, block: int = 5) -> tuple[list[torch.Tensor], list[int], TieredKVStore]:
+def run(
+    model: CausalLM, cfg: ModelConfig, plan: KVPlan, block: int = 5
+) -> tuple[list[torch.Tensor], list[int], TieredKVStore]:
     """Chunked prefill + greedy decode; returns every step's logits and the tokens."""
     ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
-    store = TieredKVStore(cfg, plan, device=CPU, dtype=torch.float32, capacity=PROMPT + DECODE,
-                          options=StoreOptions(block_size=block, extent_blocks=2))
+    store = TieredKVStore(
+        cfg,
+        plan,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=block, extent_blocks=2),
+    )
     logits, tokens = [], []
     for s in range(0, PROMPT, plan.chunk_size):
         part = ids[s : s + plan.chunk_size]
@@ -46,8 +54,14 @@ def run(model: CausalLM, cfg: ModelConfig, plan: KVPlan, block: int = 5) -> tupl
 
 
 def plan(policy: str, group: int, resident: int, staging: int, buffers: int = 2, chunk: int = 11) -> KVPlan:
-    return KVPlan(policy=policy, group_size=group, resident_slices=resident, chunk_size=chunk,
-                  staging_buffers=buffers if staging else 0, staging_tokens=staging)
+    return KVPlan(
+        policy=policy,
+        group_size=group,
+        resident_slices=resident,
+        chunk_size=chunk,
+        staging_buffers=buffers if staging else 0,
+        staging_tokens=staging,
+    )
 
 
 FULL = 60  # staging tokens that hold the whole context (no sequence blocks)
@@ -80,7 +94,9 @@ def test_offload_policies_are_bitwise_lossless(mha: tuple[CausalLM, ModelConfig]
 
 
 @pytest.mark.parametrize("staging,group", [(10, 1), (15, 2), (5, 4)])
-def test_sequence_blocks_match_within_rounding(mha: tuple[CausalLM, ModelConfig], staging: int, group: int) -> None:
+def test_sequence_blocks_match_within_rounding(
+    mha: tuple[CausalLM, ModelConfig], staging: int, group: int
+) -> None:
     model, cfg = mha
     ref_logits, ref_tokens, _ = run(model, cfg, plan("gpu", 4, 3, 0))
     logits, tokens, store = run(model, cfg, plan("head", group, 0, staging))

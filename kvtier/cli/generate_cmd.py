@@ -15,8 +15,11 @@ from kvtier.units import format_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text for one prompt",
-                       description="Generate text for one prompt with the tiered KV cache.")
+    p = sub.add_parser(
+        "generate",
+        help="generate text for one prompt",
+        description="Generate text for one prompt with the tiered KV cache.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin)")
@@ -49,8 +52,14 @@ def run(args: argparse.Namespace) -> int:
         raise PromptError("the prompt is empty; give some text with --prompt or --prompt-file")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     llm = LLM(**llm_kwargs(args))
     out = llm.generate(prompt, params, chat=args.chat, progress=True)[0]
     if args.json:

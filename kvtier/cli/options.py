@@ -11,25 +11,46 @@ from kvtier.units import parse_count
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype and the KV placement options."""
-    p.add_argument("--model", default=None,
-                   help="preset name, HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="preset name, HF model folder or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32")
-    p.add_argument("--kv", default="auto", choices=KV_POLICIES,
-                   help="KV placement: auto (planner decides), gpu, layer (layer-wise offload), head (head-wise)")
+    p.add_argument(
+        "--kv",
+        default="auto",
+        choices=KV_POLICIES,
+        help="KV placement: auto (planner decides), gpu, layer (layer-wise offload), head (head-wise)",
+    )
     p.add_argument("--gpu-memory", default=None, help="GPU budget, e.g. 24GiB (default: the whole GPU)")
     p.add_argument("--head-group", type=int, default=None, help="KV heads per streamed group (--kv head)")
-    p.add_argument("--chunk-size", type=lambda s: parse_count(s, "--chunk-size"), default=None,
-                   help="prefill chunk in tokens (default: chosen by the planner)")
-    p.add_argument("--max-model-len", type=lambda s: parse_count(s, "--max-model-len"), default=None,
-                   help="allow contexts past the model's trained length (quality may drop)")
+    p.add_argument(
+        "--chunk-size",
+        type=lambda s: parse_count(s, "--chunk-size"),
+        default=None,
+        help="prefill chunk in tokens (default: chosen by the planner)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=lambda s: parse_count(s, "--max-model-len"),
+        default=None,
+        help="allow contexts past the model's trained length (quality may drop)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for random-weight presets and sampling")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for `kvtier.LLM` from parsed model options."""
     return {
-        "model": args.model, "device": args.device, "dtype": args.dtype, "kv": args.kv,
-        "gpu_memory": args.gpu_memory, "head_group": args.head_group, "chunk_size": args.chunk_size,
-        "max_model_len": args.max_model_len, "seed": args.seed,
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv": args.kv,
+        "gpu_memory": args.gpu_memory,
+        "head_group": args.head_group,
+        "chunk_size": args.chunk_size,
+        "max_model_len": args.max_model_len,
+        "seed": args.seed,
     }

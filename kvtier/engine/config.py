@@ -10,8 +10,14 @@ from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
 KV_POLICIES = ("auto", "gpu", "layer", "head")
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,15 @@ class LLM:
         seed: int = 0,
     ) -> None:
         self.config = EngineConfig.with_sizes(
-            gpu_memory, device=device, dtype=dtype, kv=kv, head_group=head_group,
-            chunk_size=chunk_size, block_size=block_size, max_model_len=max_model_len, seed=seed,
+            gpu_memory,
+            device=device,
+            dtype=dtype,
+            kv=kv,
+            head_group=head_group,
+            chunk_size=chunk_size,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            seed=seed,
         )
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
@@ -76,9 +83,15 @@ class LLM:
         """The KV placement for a sequence of `context` tokens (from `kvtier.planner`)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return plan_kv(
-            self.model_config, context, policy=self.config.kv, gpu_budget=self.gpu_budget(),
-            dtype_bytes=itemsize, chunk_size=self.config.chunk_size, group_size=self.config.head_group,
-            block_size=self.config.block_size, hardware=detect_hardware(self.device),
+            self.model_config,
+            context,
+            policy=self.config.kv,
+            gpu_budget=self.gpu_budget(),
+            dtype_bytes=itemsize,
+            chunk_size=self.config.chunk_size,
+            group_size=self.config.head_group,
+            block_size=self.config.block_size,
+            hardware=detect_hardware(self.device),
             host_budget=host_memory_available() if self.device.type == "cuda" else None,
         )
 
@@ -136,8 +149,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids), one after the other."""
         params = params or SamplingParams()
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            batch: list[Prompt] = [prompts]  # type: ignore[list-item]
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            batch: list[Prompt] = [prompts]
         elif isinstance(prompts, list) and prompts:
             batch = list(prompts)  # type: ignore[arg-type]
         else:
@@ -147,13 +162,19 @@ class LLM:
             self._check_length(len(ids), params)
         return [self._generate_one(p, ids, params, progress) for p, ids in zip(batch, encoded, strict=True)]
 
-    def _generate_one(self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool) -> RequestOutput:
+    def _generate_one(
+        self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool
+    ) -> RequestOutput:
         context = len(ids) + params.max_tokens
         plan = self.plan(context)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         store = TieredKVStore(
-            self.model_config, plan, device=self.device, dtype=self.dtype, capacity=context,
+            self.model_config,
+            plan,
+            device=self.device,
+            dtype=self.dtype,
+            capacity=context,
             options=StoreOptions(block_size=self.config.block_size),
         )
         try:
@@ -174,9 +195,7 @@ class LLM:
             store.close()
         stats.plan = asdict(plan)
         text, reason = self._finish(tokens, params)
-        return RequestOutput(
-            prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats
-        )
+        return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
 
     def _stopper(self, params: SamplingParams) -> Any:
         eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)

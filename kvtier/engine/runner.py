@@ -30,8 +30,15 @@ def prefill(
     """Run prompt ids [N] in chunks of `chunk_size`; returns the last position's logits [vocab]."""
     n = ids.shape[0]
     none = torch.empty(0, dtype=torch.long, device=ids.device)
-    bar = tqdm(total=n, unit="tok", unit_scale=True, desc="prefill", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=n,
+        unit="tok",
+        unit_scale=True,
+        desc="prefill",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     logits = torch.empty(0)
     with bar:
         for s in range(0, n, chunk_size):

@@ -86,7 +86,9 @@ class TieredKVStore:
             dtype,
             pin=device.type == "cuda",
             account=self.account,
-            slab_bytes=extent_tokens * lay.token_bytes * max(1, min(len(streamed), (1 << 30) // max(1, extent_tokens * lay.token_bytes))),
+            slab_bytes=extent_tokens
+            * lay.token_bytes
+            * max(1, min(len(streamed), (1 << 30) // max(1, extent_tokens * lay.token_bytes))),
         )
         for s in range(lay.num_slices):
             if is_resident[s]:
@@ -97,8 +99,13 @@ class TieredKVStore:
         self.ring: StagingRing | None = None
         if streamed:
             self.ring = StagingRing(
-                max(1, plan.staging_buffers), lay.round_up(plan.staging_tokens), shape, dtype, device,
-                self.streams, self.account,
+                max(1, plan.staging_buffers),
+                lay.round_up(plan.staging_tokens),
+                shape,
+                dtype,
+                device,
+                self.streams,
+                self.account,
             )
 
     # -- step protocol -------------------------------------------------------------------------
@@ -189,7 +196,9 @@ class TieredKVStore:
         self._write_back(sid, new, self.streams.record())
         return out
 
-    def _write_back(self, sid: int, new: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+    def _write_back(
+        self, sid: int, new: torch.Tensor, after: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
         """Copy the step's new tokens of a streamed slice to host; nothing else ever moves back."""
         host = self.hosts[sid]
         with self.streams.on_d2h():

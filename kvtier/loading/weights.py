@@ -8,8 +8,8 @@ memory stays near one tensor.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
