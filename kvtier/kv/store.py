@@ -79,6 +79,8 @@ class TieredKVStore:
         self.hosts: dict[int, HostSlice] = {}
         is_resident = spread(lay.num_slices, plan.resident_slices)
         extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
+        # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
+        extent_blocks = min(extent_blocks, self._capacity // lay.block_size)
         extent_tokens = lay.block_size * extent_blocks
         streamed = [s for s in range(lay.num_slices) if not is_resident[s]]
         self.arena = HostArena(
@@ -96,6 +98,8 @@ class TieredKVStore:
                 self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
             else:
                 self.hosts[s] = HostSlice(self.arena, extent_tokens)
+                # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
+                self.hosts[s].reserve(self._capacity)
         self.ring: StagingRing | None = None
         if streamed:
             self.ring = StagingRing(
