@@ -8,6 +8,7 @@ model code never changes for them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,3 +25,33 @@ class Attention(Protocol):
         appended to layer `layer`. Returns the attention output [T, H_q, D].
         """
         ...
+
+
+@dataclass(frozen=True)
+class SliceStep:
+    """Where a slice kernel runs: slice (layer, group) and the step's first token index."""
+
+    layer: int
+    group: int
+    start: int  # tokens stored before this step; the step's own tokens are kv[start:]
+
+
+class SliceKernel(Protocol):
+    """Attention of one step's queries over one slice's KV, inside the KV store.
+
+    This is where attention methods plug in (dense by default; sparse or query-aware selection
+    as alternatives): the store hands over q [T, H_q_group, D] and the slice's KV
+    kv [start + T, 2, G, D], token-major, with the step's own K/V already written at the end.
+    Must not mutate kv. Returns [T, H_q_group, D].
+    """
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor: ...
+
+
+class DenseKernel:
+    """Exact causal attention over all stored tokens (the lossless default)."""
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
+        from kvtier.attention.dense import attend
+
+        return attend(q, kv)

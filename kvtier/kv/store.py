@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.attention.dense import attend, attend_prefix_lse, attend_self_lse, merge_into
+from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_into
+from kvtier.attention.interface import DenseKernel, SliceKernel, SliceStep
 from kvtier.config import ModelConfig
+from kvtier.errors import CapacityError
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
 from kvtier.kv.staging import Load, StagingRing
@@ -53,6 +55,8 @@ class TieredKVStore:
         dtype: torch.dtype,
         capacity: int,
         options: StoreOptions | None = None,
+        kernel: SliceKernel | None = None,
+        rotate_keys: bool = True,
     ) -> None:
         opts = options or StoreOptions()
         self.plan = plan
@@ -69,8 +73,14 @@ class TieredKVStore:
         lay = self.layout
         self.account = TierAccount()
         self.streams = Streams(device)
+        # The attention method over a slice (dense unless a sparse method is plugged in), and
+        # whether the store applies RoPE (False: keys are stored un-rotated and the kernel
+        # rotates them at positions of its choosing, e.g. for context extension).
+        self.kernel: SliceKernel = kernel or DenseKernel()
+        self.rotate_keys = rotate_keys
         self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
-        self.length = 0
+        self.length = 0  # tokens stored per slice
+        self.position = 0  # absolute position of the next token (> length once tokens are evicted)
         self._step_tokens = 0
         self._cos = self._sin = torch.empty(0)
         shape = (2, lay.group_size, lay.head_dim)
@@ -118,7 +128,7 @@ class TieredKVStore:
         """Prepare a step that appends `n_new` tokens at positions length .. length + n_new - 1."""
         lay = self.layout
         end = self.length + n_new
-        positions = torch.arange(self.length, end, device=self.device)
+        positions = torch.arange(self.position, self.position + n_new, device=self.device)
         self._cos, self._sin = self.rotary.cos_sin(positions, lay.dtype)
         self._step_tokens = n_new
         if end > self._capacity:
@@ -130,6 +140,7 @@ class TieredKVStore:
 
     def end_step(self) -> None:
         self.length += self._step_tokens
+        self.position += self._step_tokens
         self._step_tokens = 0
 
     def _schedule(self, n_new: int) -> list[Load]:
@@ -148,36 +159,49 @@ class TieredKVStore:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`kvtier.attention.Attention`: rotate, append k/v of `layer`, attend. q [T, H_q, D]."""
         lay = self.layout
-        q = Rotary.apply(q, self._cos, self._sin)
-        k = Rotary.apply(k, self._cos, self._sin)
+        if self.rotate_keys:
+            q = Rotary.apply(q, self._cos, self._sin)
+            k = Rotary.apply(k, self._cos, self._sin)
         if lay.num_groups == 1:
-            return self._attend_slice(lay.slice_index(layer, 0), q, k, v)
+            return self._attend_slice(layer, 0, q, k, v)
         out = torch.empty_like(q)
         for g in range(lay.num_groups):
             kh, qh = lay.kv_heads(g), lay.q_heads(g)
-            out[:, qh] = self._attend_slice(lay.slice_index(layer, g), q[:, qh], k[:, kh], v[:, kh])
+            out[:, qh] = self._attend_slice(layer, g, q[:, qh], k[:, kh], v[:, kh])
         return out
 
-    def _attend_slice(self, sid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend_slice(
+        self, layer: int, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         s, t = self.length, q.shape[0]
+        sid = self.layout.slice_index(layer, group)
+        step = SliceStep(layer, group, s)
         if sid in self.resident:
             buf = self.resident[sid]
             buf[s : s + t, 0] = k
             buf[s : s + t, 1] = v
-            return attend(q, buf[: s + t])
+            return self.kernel(q, buf[: s + t], step)
         assert self.ring is not None
         if s + t <= self.ring.tokens:
-            return self._attend_streamed(sid, q, k, v)
+            return self._attend_streamed(sid, step, q, k, v)
+        if not isinstance(self.kernel, DenseKernel):
+            raise CapacityError(
+                f"slice ({layer}, {group}) needs {s + t} tokens but a staging buffer holds "
+                f"{self.ring.tokens}; this attention method needs whole slices on the GPU: "
+                "give it more --gpu-memory or a finer --head-group"
+            )
         return self._attend_streamed_blocks(sid, q, k, v)
 
-    def _attend_streamed(self, sid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend_streamed(
+        self, sid: int, step: SliceStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         assert self.ring is not None
         s, t = self.length, q.shape[0]
         loaded = self.ring.take(Load(sid, 0, s))
         buf = loaded.view
         buf[s : s + t, 0] = k
         buf[s : s + t, 1] = v
-        out = attend(q, buf[: s + t])
+        out = self.kernel(q, buf[: s + t], step)
         computed = self.streams.record()
         written = self._write_back(sid, buf[s : s + t], computed)
         self.ring.release(loaded, [computed, written])

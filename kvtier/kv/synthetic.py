@@ -28,4 +28,4 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
             host.reserve(store.layout.round_up(tokens))
             for ext in host.extents:
                 ext.copy_(pattern)
-    store.length = tokens
+    store.length = store.position = tokens
