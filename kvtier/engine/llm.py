@@ -11,7 +11,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import ConfigError, PromptError
+from kvtier.errors import CapacityError, ConfigError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.planner.hardware import detect_hardware, host_memory_available
@@ -191,6 +191,13 @@ class LLM:
             stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
             if self.device.type == "cuda":
                 stats.peak_bytes["gpu_total"] = int(torch.cuda.max_memory_allocated(self.device))
+        except torch.OutOfMemoryError as e:
+            raise CapacityError(
+                f"out of memory during generation ({str(e).splitlines()[0][:160]}); the plan was "
+                f"kv={plan.policy}, group={plan.group_size}, resident slices={plan.resident_slices}, "
+                f"chunk={plan.chunk_size}. All KV memory was freed. Pass a smaller --gpu-memory (the "
+                "planner then leaves more headroom), a smaller --chunk-size, or --kv head"
+            ) from None
         finally:
             store.close()
         stats.plan = asdict(plan)
