@@ -1,0 +1,13 @@
+"""`kvtier serve`: an OpenAI-compatible server with continuous batching, paged KV and prefix caching.
+
+Layers, from the bottom up (dependencies point one way):
+
+    pages.py          PagePool: page ids, refcounts, free list, hash -> page map, LRU of cached pages
+    prefix_cache.py   chained page hashes; HostPageCache, the host tier that evicted pages go to
+    paged_store.py    PagedKVStore: per-layer page tensors; the `Attention` of one batch step
+    kv_manager.py     KVCacheManager: per-sequence block tables over the pool, prefix matching
+    scheduler.py      Sequence, Scheduler: continuous batching, chunked prefill, preemption
+    engine.py         ServeEngine: the step loop in a background thread; thread-safe submit/abort
+    protocol.py       OpenAI request parsing and validation; APIError
+    app.py            the FastAPI app; metrics.py the Prometheus text
+"""

@@ -1,0 +1,268 @@
+"""`ServeEngine`: the continuous-batching step loop over one model, in a background thread.
+
+Callers (HTTP handlers, tests, the benchmark) talk to it through thread-safe methods only:
+`submit` a tokenized request with a `sink` that receives `Delta`s, `abort` it, `reset_prefix_cache`.
+Everything else (scheduler, pages, model) is touched by the engine thread alone, or, without a
+thread, by whoever calls `step()` / `run_until_idle()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.engine.llm import LLM
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.errors import ConfigError, PromptError
+from kvtier.serve.kv_manager import KVCacheManager
+from kvtier.serve.paged_store import PagedKVStore, SeqStep
+from kvtier.serve.prefix_cache import root_hash
+from kvtier.serve.scheduler import Scheduler, SchedulerConfig
+from kvtier.serve.sequence import Delta, Sequence, Sink, Status
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Pool and batch sizes of the server. None = chosen from the device at start."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # device pages (default: 1024 on the CPU, ~80% of free GPU memory)
+    num_host_pages: int | None = None  # host-tier pages for evicted prefixes (default: num_pages)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be at least 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"--num-pages must be at least 1, got {self.num_pages}")
+        if self.num_host_pages is not None and self.num_host_pages < 0:
+            raise ConfigError(f"--num-host-pages must not be negative, got {self.num_host_pages}")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates
+
+
+class ServeEngine:
+    """A loaded `LLM` served with paged KV, prefix caching and continuous batching."""
+
+    def __init__(self, llm: LLM, config: ServeConfig | None = None) -> None:
+        self.llm = llm
+        self.config = cfg = config or ServeConfig()
+        if llm.config.kv not in ("auto", "gpu"):
+            raise ConfigError(
+                f"kvtier serve keeps the running sequences' KV on the device; --kv {llm.config.kv} "
+                "(offload of the active context) is for `kvtier generate`. Use --kv gpu or auto"
+            )
+        self.model = llm.loaded.model
+        self.device = llm.device
+        num_pages = cfg.num_pages or self._default_pages()
+        self.store = PagedKVStore(
+            llm.model_config, num_pages=num_pages, page_size=cfg.page_size, device=llm.device, dtype=llm.dtype
+        )
+        host = cfg.num_host_pages if cfg.num_host_pages is not None else num_pages
+        self.kv = KVCacheManager(self.store, host, cfg.prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
+        self.salt = f"{llm.loaded.name}|{llm.dtype}|paged{cfg.page_size}"
+        self.eos = frozenset(llm.loaded.eos_token_ids)
+        self.max_model_len = min(llm.max_model_len, num_pages * cfg.page_size)
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._by_id: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.prompt_tokens = self.generation_tokens = self.finished = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
+
+    def _default_pages(self) -> int:
+        if self.device.type != "cuda":
+            return 1024
+        free, _ = torch.cuda.mem_get_info(self.device)
+        bytes_per_page = self.config.page_size * self.llm.model_config.kv_bytes_per_token(
+            torch.empty((), dtype=self.llm.dtype).element_size()
+        )
+        return max(16, int(0.8 * free) // bytes_per_page)
+
+    # -- thread-safe API -----------------------------------------------------------------------
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise `PromptError` if a request can never run here (too long for the model or pool)."""
+        total = len(prompt) + params.max_tokens
+        if not prompt:
+            raise PromptError("the prompt is empty")
+        if total > self.max_model_len:
+            raise PromptError(
+                f"the prompt has {len(prompt)} tokens; with max_tokens={params.max_tokens} that is "
+                f"{total}, past this server's limit of {self.max_model_len} tokens. Shorten the prompt "
+                "or lower max_tokens"
+            )
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None
+    ) -> str:
+        """Queue a request; `sink` gets its `Delta`s from the engine thread. Returns its id."""
+        self.check(prompt, params)
+        rid = f"req-{next(self._ids)}"
+        seq = Sequence(
+            request_id=rid,
+            prompt=list(prompt),
+            params=params,
+            root=root_hash(self.salt + "|" + (cache_salt or "")),
+            sink=sink,
+            sampler=Sampler(params, self.device),
+        )
+        self._inbox.put(("add", seq))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its client went away) and free its pages. No-op if finished."""
+        self._inbox.put(("abort", request_id))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (device and host) at the next step boundary."""
+        self._inbox.put(("reset", None))
+
+    def start(self) -> None:
+        """Run the step loop in a daemon thread."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                try:
+                    self.step()
+                except Exception as e:  # fail the batch, keep serving
+                    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        if kind == "add":
+            self._by_id[arg.request_id] = arg
+            self.scheduler.add(arg)
+        elif kind == "abort" and arg in self._by_id:
+            self._finish(self._by_id[arg], "abort")
+        elif kind == "reset":
+            self.kv.reset_prefix_cache()
+
+    def run_until_idle(self) -> None:
+        """Step (in the calling thread) until every submitted request has finished."""
+        self._drain(block=False)
+        while self.scheduler.has_work:
+            self.step()
+            self._drain(block=False)
+
+    def step(self) -> int:
+        """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens run."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return 0
+        ids: list[int] = []
+        steps, sample_at, samplers = [], [], []
+        for seq, n in batch:
+            ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+            steps.append(SeqStep(tuple(seq.block_table), seq.num_computed, n))
+            if seq.num_computed + n == len(seq.tokens):
+                sample_at.append(len(ids) - 1)
+                samplers.append(seq)
+        self.store.begin_step(steps)
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            self.store,
+            logits_at=torch.tensor(sample_at, dtype=torch.long, device=self.device),
+        )  # [N, vocab]
+        self.store.end_step()
+        for seq, n in batch:
+            self.kv.commit(seq, n)
+        tokens = [int(seq.sampler(logits[i])) for i, seq in enumerate(samplers)]
+        now = time.perf_counter()
+        for seq, tok in zip(samplers, tokens, strict=True):
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.prompt_tokens += len(seq.prompt)
+            seq.tokens.append(tok)
+            self._after_token(seq)
+        self.generation_tokens += len(tokens)
+        self._recent.append((now, len(tokens)))
+        while now - self._recent[0][0] > 60.0:
+            self._recent.popleft()
+        return len(ids)
+
+    def _after_token(self, seq: Sequence) -> None:
+        out, p = seq.output, seq.params
+        tokenizer = self.llm.tokenizer
+        text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
+        reason = None
+        if not p.ignore_eos and out[-1] in self.eos:
+            reason = "stop"
+        for s in p.stop:
+            if s in text:
+                text, reason = text[: text.index(s)], "stop"
+                break
+        if reason is None and (len(out) >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
+            reason = "length"
+        if reason is None and text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 character; send it with the next token
+        self._emit(seq, text, reason)
+        if reason is not None:
+            self._finish(seq, reason, emitted=True)
+
+    def _emit(self, seq: Sequence, text: str, reason: str | None, error: str | None = None) -> None:
+        new_tokens = tuple(seq.output[seq.emitted_tokens :])
+        delta = Delta(
+            token_ids=new_tokens,
+            text=text[seq.emitted_text :],
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=len(seq.output),
+            cached_tokens=seq.cached_tokens,
+            error=error,
+        )
+        seq.emitted_tokens += len(new_tokens)
+        seq.emitted_text = max(seq.emitted_text, len(text))
+        seq.sink(delta)
+
+    def _finish(self, seq: Sequence, reason: str, emitted: bool = False, error: str | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.finish(seq, reason)
+        self._by_id.pop(seq.request_id, None)
+        self.finished += 1
+        if not emitted:
+            self._emit(seq, "", reason, error)
+
+    # -- numbers for /metrics --------------------------------------------------------------------
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last `window` seconds."""
+        now = time.perf_counter()
+        return sum(n for t, n in list(self._recent) if now - t <= window) / window
