@@ -1,0 +1,76 @@
+"""The serve block pool and prefix cache: exact page ids, refcounts, LRU order, host tier."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.serve.pages import PagePool
+from kvtier.serve.prefix_cache import HostPageCache, extend_hashes, root_hash
+
+
+def test_free_list_hands_out_ids_in_order_and_reuses_freed_last() -> None:
+    pool = PagePool(4)
+    assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
+    pool.release(1)
+    assert list(pool.free) == [3, 1]
+    assert pool.allocate() == 3
+    assert pool.allocate() == 1
+    assert pool.allocate() is None
+    assert pool.num_free == 0 and pool.num_used == 4
+
+
+def test_refcounts_and_cached_pages_go_to_lru_tail_first() -> None:
+    evicted: list[tuple[int, bytes]] = []
+    pool = PagePool(3, on_evict=lambda p, h: evicted.append((p, h)))
+    a, b, c = (pool.allocate() for _ in range(3))
+    assert (a, b, c) == (0, 1, 2)
+    assert pool.register(0, b"h0") and pool.register(1, b"h1")
+    assert not pool.register(2, b"h0")  # the hash is already cached on page 0
+    pool.touch(0)  # a second sequence shares page 0
+    assert pool.ref == [2, 1, 1]
+    for page in (1, 0):  # a sequence frees its pages tail first
+        pool.release(page)
+    assert pool.ref == [1, 0, 1] and list(pool.lru) == [1]
+    pool.release(0)
+    pool.release(2)  # unhashed: back to the free list
+    assert list(pool.lru) == [1, 0] and list(pool.free) == [2]
+    assert pool.num_free == 3
+    assert pool.allocate() == 2
+    assert pool.allocate() == 1  # evicts the LRU's oldest cached page
+    assert evicted == [(1, b"h1")] and pool.lookup(b"h1") is None
+    assert pool.lookup(b"h0") == 0
+    pool.touch(0)  # a prefix hit revives an idle cached page
+    assert list(pool.lru) == [] and pool.ref[0] == 1
+
+
+def test_reset_cache_frees_idle_pages() -> None:
+    pool = PagePool(2)
+    pool.allocate()
+    pool.register(0, b"x")
+    pool.release(0)
+    assert pool.reset_cache() == 1
+    assert list(pool.free) == [1, 0] and pool.lookup(b"x") is None
+
+
+def test_hashes_chain_the_whole_prefix() -> None:
+    root = root_hash("model|fp32")
+    a: list[bytes] = []
+    extend_hashes(a, [1, 2, 3, 4, 5, 6, 7], 2, root, 7)
+    assert len(a) == 3  # full pages only
+    b: list[bytes] = []
+    extend_hashes(b, [9, 2, 3, 4], 2, root, 4)
+    assert a[0] != b[0] and a[1] != b[1]  # same page tokens, different parent
+    c: list[bytes] = []
+    extend_hashes(c, [1, 2, 3, 4], 2, root_hash("other"), 4)
+    assert c[0] != a[0]  # the salt separates models / dtypes
+
+
+def test_host_tier_saves_loads_and_drops_oldest() -> None:
+    dev = [torch.arange(3 * 2 * 1.0).view(3, 2, 1, 1, 1) + 100 * layer for layer in range(2)]
+    host = HostPageCache(dev, num_slots=2)
+    assert host.save(0, b"a") and host.save(1, b"b") and host.save(2, b"c")
+    assert b"a" not in host and host.dropped == 1  # full: the oldest is dropped
+    dev[0].zero_()
+    host.load(b"b", 0)
+    assert dev[0][0].flatten().tolist() == [2.0, 3.0]
+    assert b"b" not in host and host.num_used == 1 and list(host.free) == [1]
