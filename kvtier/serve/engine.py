@@ -77,6 +77,9 @@ class ServeEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # NOTE: HF fast tokenizers are not safe to share between threads ("Already borrowed");
+        # the HTTP thread encodes and the engine thread decodes, so both take this lock.
+        self.tokenizer_lock = threading.Lock()
         self.prompt_tokens = self.generation_tokens = self.finished = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
 
@@ -90,6 +93,18 @@ class ServeEngine:
         return max(16, int(0.8 * free) // bytes_per_page)
 
     # -- thread-safe API -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None) -> list[int]:
+        """Token ids of a completion prompt or of chat messages (with the model's chat template)."""
+        tok = self.llm.tokenizer
+        with self.tokenizer_lock:
+            if messages is None:
+                assert prompt is not None
+                return self.llm.encode(prompt)
+            if tok is None or not getattr(tok, "chat_template", None):
+                raise PromptError(f"model {self.llm.loaded.name!r} has no chat template; use /v1/completions")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.llm.encode(list(tok(text, add_special_tokens=False)["input_ids"]))
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise `PromptError` if a request can never run here (too long for the model or pool)."""
@@ -220,7 +235,10 @@ class ServeEngine:
     def _after_token(self, seq: Sequence) -> None:
         out, p = seq.output, seq.params
         tokenizer = self.llm.tokenizer
-        text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
+        text = ""
+        if tokenizer is not None:
+            with self.tokenizer_lock:
+                text = tokenizer.decode(out, skip_special_tokens=True)
         reason = None
         if not p.ignore_eos and out[-1] in self.eos:
             reason = "stop"

@@ -1,0 +1,98 @@
+"""`/metrics`: the engine's numbers in Prometheus text format, named like vLLM's where they agree."""
+
+from __future__ import annotations
+
+from kvtier.serve.engine import ServeEngine
+
+PREFIX = "kvtier:"
+
+
+def render(engine: ServeEngine, model_name: str) -> str:
+    """Prometheus exposition text (version 0.0.4) of the engine's current state and counters."""
+    kv, sched = engine.kv, engine.scheduler
+    label = f'model_name="{_escape(model_name)}"'
+    rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+        ("num_requests_running", "gauge", "Requests in the running batch.", [("", len(sched.running))]),
+        ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", [("", len(sched.waiting))]),
+        (
+            "generation_tokens_per_second",
+            "gauge",
+            "Tokens generated per second, last 10 s.",
+            [("", engine.tokens_per_second())],
+        ),
+        (
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens of started requests.",
+            [("", engine.prompt_tokens)],
+        ),
+        ("generation_tokens_total", "counter", "Tokens generated.", [("", engine.generation_tokens)]),
+        ("request_success_total", "counter", "Requests finished (any reason).", [("", engine.finished)]),
+        ("num_preemptions_total", "counter", "Preemptions by recompute.", [("", sched.num_preemptions)]),
+        (
+            "kv_pages_used",
+            "gauge",
+            "KV pages in use per tier (gpu: referenced by sequences; "
+            "gpu_cached: idle prefix-cache pages; host: the host tier).",
+            [
+                ('tier="gpu"', kv.pool.num_used),
+                ('tier="gpu_cached"', len(kv.pool.lru)),
+                ('tier="host"', kv.host.num_used),
+            ],
+        ),
+        (
+            "kv_pages_total",
+            "gauge",
+            "KV pages per tier.",
+            [('tier="gpu"', kv.pool.num_pages), ('tier="host"', kv.host.num_slots)],
+        ),
+        (
+            "kv_cache_usage_perc",
+            "gauge",
+            "Fraction of device KV pages in use.",
+            [("", kv.pool.num_used / kv.pool.num_pages)],
+        ),
+        (
+            "prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            [("", kv.stats.queries)],
+        ),
+        (
+            "prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens found in the prefix cache.",
+            [("", kv.stats.hits)],
+        ),
+        (
+            "prefix_cache_host_hits_total",
+            "counter",
+            "Prompt tokens copied back from the host tier.",
+            [("", kv.stats.host_hits)],
+        ),
+        (
+            "prefix_cache_hit_rate",
+            "gauge",
+            "Prefix-cache hits / queries, in tokens.",
+            [("", kv.stats.hit_rate)],
+        ),
+        (
+            "prefix_cache_evictions_total",
+            "counter",
+            "Cached device pages evicted.",
+            [("", kv.pool.evictions)],
+        ),
+    ]
+    lines = []
+    for name, kind, help_text, samples in rows:
+        lines.append(f"# HELP {PREFIX}{name} {help_text}")
+        lines.append(f"# TYPE {PREFIX}{name} {kind}")
+        for extra, value in samples:
+            labels = ",".join(x for x in (label, extra) if x)
+            v = float(value)
+            lines.append(f"{PREFIX}{name}{{{labels}}} {int(v) if v.is_integer() else v!r}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
