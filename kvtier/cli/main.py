@@ -12,7 +12,7 @@ import sys
 
 from kvtier.errors import KvtierError
 
-SUBCOMMANDS = ("generate", "plan", "eval")
+SUBCOMMANDS = ("generate", "plan", "eval", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,199 @@
+"""`kvtier serve` over HTTP with the official `openai` client, on the embedded SmolLM2 (CPU).
+
+One server (uvicorn in a thread, 127.0.0.1, a free port) serves the whole module; prompts are
+short and max_tokens small so the file runs in well under a minute or two on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvtier.engine.llm import LLM
+from kvtier.engine.sampling import SamplingParams
+from kvtier.serve.app import AppSettings, build_app
+from kvtier.serve.engine import ServeConfig, ServeEngine
+from kvtier.serve.server import ServerThread
+
+KEY = "test-key"
+NUM_PAGES = 256
+
+
+@dataclass
+class Served:
+    llm: LLM
+    engine: ServeEngine
+    url: str
+    model: str
+    client: openai.OpenAI
+    http: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def served(embedded_hf_dir: Path) -> Iterator[Served]:
+    model = str(embedded_hf_dir)
+    llm = LLM(model, device="cpu", dtype="fp32")
+    engine = ServeEngine(llm, ServeConfig(page_size=16, num_pages=NUM_PAGES, max_num_seqs=64))
+    server = ServerThread(
+        build_app(engine, AppSettings(model_name=model, api_key=KEY, max_body_bytes=1 << 16))
+    )
+    server.start()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    try:
+        yield Served(llm, engine, server.url, model, client, http)
+    finally:
+        http.close()
+        server.stop()
+
+
+def idle(engine: ServeEngine, timeout: float = 10.0) -> bool:
+    """Wait until no request runs or waits and every page is free (cached pages count as free)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.scheduler
+        if not s.running and not s.waiting and engine.kv.pool.num_free == NUM_PAGES:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_completion_and_chat_match_offline_generate(served: Served) -> None:
+    c = served.client
+    out = c.completions.create(
+        model=served.model, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    ref = served.llm.generate("The capital of France is", SamplingParams(max_tokens=4))[0]
+    assert out.choices[0].text == ref.text and out.usage is not None
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    chat = c.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5, temperature=0
+    )
+    ref = served.llm.generate("Say hi", SamplingParams(max_tokens=5), chat=True)[0]
+    assert chat.choices[0].message.content == ref.text
+    assert chat.choices[0].finish_reason == ref.finish_reason
+
+
+def test_streaming_equals_non_streaming(served: Served) -> None:
+    c, m = served.client, served.model
+    full = c.completions.create(model=m, prompt="One, two, three,", max_tokens=6, temperature=0)
+    parts = [
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=m, prompt="One, two, three,", max_tokens=6, temperature=0, stream=True
+        )
+        if ch.choices
+    ]
+    assert "".join(parts) == full.choices[0].text
+    chunks = list(
+        c.chat.completions.create(
+            model=m,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 4
+    with served.http.stream(
+        "POST", "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True}
+    ) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_32_concurrent_requests_equal_each_alone(served: Served) -> None:
+    prompts = [f"List {n} animals:" for n in range(2, 10)] * 4  # 32 requests, 8 distinct prompts
+
+    def ask(p: str) -> tuple[str, int]:
+        r = served.client.completions.create(model=served.model, prompt=p, max_tokens=5, temperature=0)
+        assert r.usage is not None
+        return r.choices[0].text, r.usage.completion_tokens
+
+    alone = {p: ask(p) for p in set(prompts)}
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(ask, prompts))
+    assert time.monotonic() - t0 < 120
+    assert together == [alone[p] for p in prompts]
+    assert idle(served.engine)
+
+
+def test_shared_prefix_reports_cached_tokens(served: Served) -> None:
+    prefix = "You are a helpful assistant. " * 12  # ~70 tokens: four full pages
+    c, m = served.client, served.model
+    first = c.completions.create(model=m, prompt=prefix + "Q: 2+2?", max_tokens=2, temperature=0)
+    second = c.completions.create(model=m, prompt=prefix + "Q: 3+3?", max_tokens=2, temperature=0)
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= 64 and cached % 16 == 0
+    metrics = served.http.get("/metrics").text
+    assert "kvtier:prefix_cache_hits_total" in metrics and "kvtier:num_requests_running{" in metrics
+    assert served.http.post("/reset_prefix_cache").status_code == 200
+    third = c.completions.create(model=m, prompt=prefix + "Q: 3+3?", max_tokens=2, temperature=0)
+    assert third.usage is not None and third.usage.prompt_tokens_details is not None
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert third.choices[0].text == second.choices[0].text
+
+
+def error_of(r: httpx.Response) -> dict[str, str]:
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    return dict(err)
+
+
+def test_errors_are_openai_shaped(served: Served) -> None:
+    h = served.http
+    r = h.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in error_of(r)["message"]
+    r = h.post("/v1/completions", json={"model": "gpt-5", "prompt": "Hi"})
+    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+    r = h.post("/v1/completions", json={"prompt": [1] * 5000})
+    assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+    r = h.post("/v1/completions", json={"prompt": "Hi", "temperature": -1})
+    assert r.status_code == 400 and "temperature" in error_of(r)["message"]
+    r = h.post("/v1/chat/completions", json={"messages": "hi"})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages"
+    r = h.post("/v1/completions", content=b"x" * (1 << 17))
+    assert r.status_code == 413
+    r = httpx.get(served.url + "/v1/models")
+    assert r.status_code == 401 and error_of(r)["type"] == "authentication_error"
+    with pytest.raises(openai.BadRequestError):
+        served.client.completions.create(model=served.model, prompt="Hi", temperature=5)
+    assert h.get("/health").status_code == 200
+    assert [m.id for m in served.client.models.list()] == [served.model]
+
+
+def test_client_disconnect_frees_pages(served: Served) -> None:
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    before = served.engine.generation_tokens
+    with served.http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk arrived; now hang up
+    assert idle(served.engine)
+    assert served.engine.generation_tokens - before < 400
+
+
+def test_soak_of_tiny_requests_returns_every_page(served: Served) -> None:
+    def tiny(i: int) -> int:
+        r = served.http.post("/v1/completions", json={"prompt": f"{i} + {i} =", "max_tokens": 1 + i % 2})
+        return r.status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(tiny, range(240)))
+    assert codes == [200] * 240
+    assert idle(served.engine)
+    assert served.engine.kv.pool.num_free == NUM_PAGES
