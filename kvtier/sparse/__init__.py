@@ -1,0 +1,52 @@
+"""InfiniteHiP-style sparse attention: hierarchical chunk pruning + block-sparse attention.
+
+`make_hip_kernel(cfg, device, preset, **overrides)` builds the `SliceKernel` for the tiered KV
+store and says whether the store must keep keys un-rotated (context extension).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import torch
+
+from kvtier.attention.interface import SliceKernel
+from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
+from kvtier.model.rope import Rotary
+from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
+from kvtier.sparse.kernel import HipKernel, HipStats
+
+HIP_PRESETS: dict[str, HipConfig] = {
+    # The paper's "3K" setting: sink 256, window 1024, chunks 256/32/8, keep 32K/8K/2K (4K in
+    # layers 0-3); decode refresh every (16, 8, 4) steps.
+    "default": HipConfig(),
+    "fast": HipConfig(refresh=REFRESH_PRESETS["fast"]),
+    "flash": HipConfig(refresh=REFRESH_PRESETS["flash"]),
+    # "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).
+    "5k": HipConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), wide_budget=4096),
+}
+
+
+def make_hip_kernel(
+    cfg: ModelConfig, device: torch.device, preset: str = "default", **overrides: object
+) -> tuple[SliceKernel, bool]:
+    """The HiP kernel for a model, and whether the store needs `rotate_keys=False`.
+
+    `preset` is a key of HIP_PRESETS; `overrides` are HipConfig fields (e.g. `window=512`,
+    `extend=False`, `refresh=(96, 24, 8)`). Raises ConfigError on an unknown preset or field, or
+    on contradictory budgets.
+    """
+    if preset not in HIP_PRESETS:
+        raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
+    names = {f.name for f in fields(HipConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(f"unknown hip option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+    hip = replace(HIP_PRESETS[preset], **overrides)  # type: ignore[arg-type]
+    rotary = Rotary(cfg.rope, cfg.head_dim, device) if hip.extend else None
+    kernel = HipKernel(hip, rotary)
+    return kernel, kernel.needs_unrotated_keys
+
+
+__all__ = ["HIP_PRESETS", "HipConfig", "HipKernel", "HipStats", "make_hip_kernel"]

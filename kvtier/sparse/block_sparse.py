@@ -1,0 +1,62 @@
+"""Block-sparse attention of one query block over sink + selected + window keys, one softmax.
+
+Pure torch: gather the block's key indices, rotate (context extension) if asked, and take an
+exact softmax over their union with a causal mask on true positions. This is the reference the
+Triton kernels are to be tested against; `masked_dense_attention` is its own reference.
+
+    keys of a block:  [ sinks | selected (sorted) ][ window w0 .. last query ]
+                        `prefix`, shared by every    causal per query
+                        query of the block
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.model.rope import Rotary
+from kvtier.sparse.rope_ext import attention_key_positions, rotate
+
+
+def attend_block(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    prefix: torch.Tensor,
+    window_start: int,
+    *,
+    rotary: Rotary | None = None,
+    mode: str = "absolute",
+) -> torch.Tensor:
+    """Attention of q [Tb, H_q, D] at true positions q_pos [Tb] (ascending) over kv [S, 2, G, D].
+
+    Keys: `prefix` [P] sorted positions (all < window_start) plus [window_start, q_pos[-1]], each
+    masked causally by true position. With `rotary`, q and k are un-rotated and are rotated here:
+    queries at their true positions, keys at `attention_key_positions(mode, ...)`.
+    Returns [Tb, H_q, D] in q's dtype.
+    """
+    end = int(q_pos[-1]) + 1
+    window_start = min(window_start, end)  # a block below the sinks has no window
+    idx = torch.cat((prefix, torch.arange(window_start, end, device=prefix.device)))  # [L]
+    k = kv[idx, 0]  # [L, G, D]
+    v = kv[idx, 1]
+    if rotary is not None:
+        k = rotate(rotary, k, attention_key_positions(mode, prefix, window_start, end))
+        q = rotate(rotary, q, q_pos)
+    mask = idx[None, :] <= q_pos[:, None]  # [Tb, L]
+    return _softmax_attention(q, k, v, mask)
+
+
+def masked_dense_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Reference: attention of q [T, H_q, D] over *all* of kv [S, 2, G, D] with a boolean mask
+    allowed [T, S] (already causal). Returns [T, H_q, D]."""
+    return _softmax_attention(q, kv[:, 0], kv[:, 1], allowed)
+
+
+def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Exact softmax attention, q [T, H_q, D], k/v [L, G, D], mask [T, L] -> [T, H_q, D]."""
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, T, D]
+    kt = k.transpose(0, 1).unsqueeze(0)  # [1, G, L, D]
+    vt = v.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)

@@ -1,0 +1,175 @@
+"""Configuration of InfiniteHiP-style sparse attention: one frozen, validated dataclass.
+
+Every key a query attends is one of three kinds (per query block of `block_q` queries):
+
+    [0, sink)                     sink tokens, always kept
+    [sink, w0)                    the middle: pruned by the stages to at most `budgets[-1]` tokens
+    [w0, query]                   the recent window, always kept; w0 = first query - window + 1
+
+Each pruning stage i splits its candidates into chunks of `chunk_sizes[i]` tokens, scores every
+chunk by a bisection-found representative key, and keeps the top `budgets[i] // chunk_sizes[i]`
+chunks; the kept chunks are the next stage's candidates. The published defaults ("3K": sink 256,
+window 1024, chunks 256 -> 32 -> 8, budgets 32K -> 8K -> 2K, 4K for the first 4 layers) are the
+defaults here; `HipConfig.scaled` shrinks them for small contexts and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvtier.errors import ConfigError
+
+PRUNING_ROPE = ("relative", "chunk_indexed", "absolute")
+ATTENTION_ROPE = ("streaming", "absolute")
+
+# Decode refresh intervals per stage (steps between recomputations of a stage's selection).
+REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
+    "default": (16, 8, 4),  # paper, Appendix F
+    "fast": (32, 16, 8),  # code default at fea42c7
+    "flash": (96, 24, 8),  # used by every official SGLang launch example
+    "always": (1, 1, 1),  # recompute every step (the paper's "AR" rows)
+}
+
+
+@dataclass(frozen=True)
+class HipConfig:
+    """InfiniteHiP pruning + block-sparse attention settings. Validated at construction.
+
+    `extend` = context extension: keys are stored un-rotated (`rotate_keys=False` in the store)
+    and RoPE is applied inside the kernel at remapped positions — `pruning_rope` while scoring
+    chunks ("relative" in most layers, "chunk_indexed" in `chunk_indexed_layers`) and
+    `attention_rope` in the final attention ("streaming": the attended keys get contiguous
+    positions ending at the query's). With `extend=False` the store rotates q and k at their true
+    positions and the kernel uses them as they are.
+    """
+
+    sink: int = 256
+    window: int = 1024
+    block_q: int = 64
+    chunk_sizes: tuple[int, ...] = (256, 32, 8)
+    budgets: tuple[int, ...] = (32768, 8192, 2048)
+    query_strides: tuple[int, ...] = (4, 4, 1)  # queries mean-pooled per score, per stage
+    refresh: tuple[int, ...] = REFRESH_PRESETS["default"]
+    wide_layers: tuple[int, ...] = (0, 1, 2, 3)
+    wide_budget: int = 4096  # final-stage budget in `wide_layers`
+    per_head: bool = False  # False: one selection per slice (scores max-pooled over heads)
+    extend: bool = True
+    pruning_rope: str = "relative"
+    chunk_indexed_layers: tuple[int, ...] = (0, 1, 2, 3)
+    attention_rope: str = "streaming"
+    max_context: int | None = None  # when known: the longest context this config must serve
+
+    def __post_init__(self) -> None:
+        n = len(self.chunk_sizes)
+        if n == 0:
+            raise ConfigError("hip chunk_sizes: at least one pruning stage is needed (got zero chunks)")
+        for name in ("budgets", "query_strides", "refresh"):
+            if len(getattr(self, name)) != n:
+                raise ConfigError(
+                    f"hip {name}: needs one value per stage ({n} stages from chunk_sizes), "
+                    f"got {getattr(self, name)}"
+                )
+        for name in ("window", "block_q"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"hip {name} must be positive, got {getattr(self, name)}")
+        if self.sink < 0:
+            raise ConfigError(f"hip sink must not be negative, got {self.sink}")
+        for name in ("chunk_sizes", "budgets", "query_strides", "refresh"):
+            if min(getattr(self, name)) <= 0:
+                raise ConfigError(f"hip {name} must all be positive, got {getattr(self, name)}")
+        for i in range(1, n):
+            prev, cur = self.chunk_sizes[i - 1], self.chunk_sizes[i]
+            if cur >= prev or prev % cur:
+                raise ConfigError(
+                    f"hip chunk_sizes must decrease and each must divide the one before: "
+                    f"{self.chunk_sizes} (stage {i}: {cur} vs {prev})"
+                )
+            if self.budgets[i] >= self.budgets[i - 1]:
+                raise ConfigError(f"hip budgets must decrease stage by stage, got {self.budgets}")
+        for c, k in zip(self.chunk_sizes, self.budgets, strict=True):
+            if k % c:
+                raise ConfigError(f"hip budgets: {k} is not a whole number of {c}-token chunks")
+        if self.block_q % max(self.query_strides) and max(self.query_strides) <= self.block_q:
+            raise ConfigError(f"hip query_strides {self.query_strides} must divide block_q {self.block_q}")
+        if max(self.query_strides) > self.block_q:
+            raise ConfigError(f"hip query_strides {self.query_strides} exceed block_q {self.block_q}")
+        last = self.chunk_sizes[-1]
+        if self.wide_budget % last or self.wide_budget < self.budgets[-1]:
+            raise ConfigError(
+                f"hip wide_budget ({self.wide_budget}) must be a multiple of the last chunk size "
+                f"({last}) and at least the final budget ({self.budgets[-1]})"
+            )
+        if self.pruning_rope not in PRUNING_ROPE:
+            raise ConfigError(f"hip pruning_rope {self.pruning_rope!r}: use one of {', '.join(PRUNING_ROPE)}")
+        if self.attention_rope not in ATTENTION_ROPE:
+            raise ConfigError(
+                f"hip attention_rope {self.attention_rope!r}: use one of {', '.join(ATTENTION_ROPE)}"
+            )
+        # NOTE: only a *maximum* context is checked; a running context is shorter than the window
+        # at first, and then attention is simply dense.
+        if self.max_context is not None and self.sink + self.window >= self.max_context:
+            raise ConfigError(
+                f"hip window ({self.window}) plus sink ({self.sink}) covers the whole context "
+                f"({self.max_context}): nothing is left to prune; use a smaller window"
+            )
+
+    def final_budget(self, layer: int) -> int:
+        """Tokens the last stage keeps in `layer`."""
+        return self.wide_budget if layer in self.wide_layers else self.budgets[-1]
+
+    def stage_budgets(self, layer: int) -> tuple[int, ...]:
+        """Per-stage budgets of `layer` (the final one widened in `wide_layers`)."""
+        return (*self.budgets[:-1], self.final_budget(layer))
+
+    def scoring_rope(self, layer: int) -> str:
+        """The RoPE mode used while scoring chunks in `layer`."""
+        if not self.extend:
+            return "absolute"
+        if self.pruning_rope == "relative" and layer in self.chunk_indexed_layers:
+            return "chunk_indexed"
+        return self.pruning_rope
+
+    @property
+    def attended_tokens(self) -> int:
+        """Keys one query attends at most outside `wide_layers`: sink + selected + window + block."""
+        return self.sink + self.budgets[-1] + self.window + self.block_q
+
+    def with_refresh(self, preset: str) -> HipConfig:
+        """This config with the decode refresh intervals of a named preset."""
+        if preset not in REFRESH_PRESETS:
+            raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(REFRESH_PRESETS)}")
+        ref = REFRESH_PRESETS[preset]
+        n = len(self.chunk_sizes)
+        return replace(self, refresh=ref[:n] if len(ref) >= n else ref + (ref[-1],) * (n - len(ref)))
+
+    @classmethod
+    def scaled(cls, context: int, **overrides: object) -> HipConfig:
+        """The published defaults shrunk in proportion for a model or test of `context` tokens.
+
+        The 3K preset is sized for 128K-token models: sink 1/512, window 1/128, final budget 1/64
+        of 128K. Here those fractions of `context`, rounded to whole chunks, with floors so a few
+        hundred tokens still give three real stages. For `context` >= 128K the defaults are kept.
+        """
+        if context <= 0:
+            raise ConfigError(f"hip scaled: context must be positive, got {context}")
+        f = min(1.0, context / 131072)
+        final = max(16, _round(2048 * f, 8))
+        c = (256, 32, 8) if f > 0.25 else (32, 16, 4) if context >= 2048 else (16, 8, 2)
+        b1 = max(4 * final, _round(8192 * f, c[1]), 2 * c[1])
+        b0 = max(16 * final, _round(32768 * f, c[0]), 2 * b1)
+        block_q = max(8, min(64, _round(64 * f * 4, 8)))
+        fields: dict[str, object] = {
+            "sink": max(4, _round(256 * f, 4)),
+            "window": max(16, _round(1024 * f, 8)),
+            "block_q": block_q,
+            "chunk_sizes": c,
+            "budgets": (b0, b1, final),
+            "query_strides": (4, 4, 1),
+            "wide_budget": 2 * final,
+        }
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+def _round(x: float, multiple: int) -> int:
+    return max(multiple, round(x / multiple) * multiple)

@@ -1,0 +1,160 @@
+"""Hierarchical chunk pruning (InfiniteHiP), pure torch: the reference for future GPU kernels.
+
+One query block's selection, stage by stage:
+
+    candidates (sorted key positions)     e.g. [sink .. w0) at stage 0
+        | split into chunks of chunk_sizes[i] tokens *of the candidate list*
+        v
+    [c0 c0 c0 c0][c1 c1 c1 c1][c2 c2 -- --]      (last chunk may be partial: padded with -1)
+        | per chunk: bisection for a representative key (SelectRep), score = running max of the
+        | winning probes' q.k, max-pooled over the block's (pooled) queries and all heads
+        v
+    top budgets[i] // chunk_sizes[i] chunks, re-sorted by position -> next stage's candidates
+
+Chunk sizes divide each other, so the chunks of a stage are sub-chunks of the previous stage's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtier.model.rope import Rotary
+from kvtier.sparse.rope_ext import probe_positions, rotate, scoring_query_position
+
+
+def pool_queries(q: torch.Tensor, positions: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean-pool groups of `stride` consecutive queries: q [T, H, D] -> [ceil(T/stride), H, D].
+
+    Returns the pooled queries and each group's last position [ceil(T/stride)].
+    """
+    t = q.shape[0]
+    if stride == 1 or t == 1:
+        return q, positions
+    n = -(-t // stride)
+    idx = torch.arange(t, device=q.device) // stride
+    sums = torch.zeros(n, *q.shape[1:], dtype=q.dtype, device=q.device).index_add_(0, idx, q)
+    counts = torch.bincount(idx, minlength=n).to(q.dtype)
+    last = positions[torch.clamp(torch.arange(n, device=q.device) * stride + stride - 1, max=t - 1)]
+    return sums / counts[:, None, None], last
+
+
+def chunk_scores(chunks: torch.Tensor, lengths: torch.Tensor, score_keys: ScoreFn) -> torch.Tensor:
+    """SelectRep by bisection over each chunk; returns each chunk's score [C] (float32).
+
+    chunks [C, c] key positions (-1 = padding), lengths [C] valid entries (>= 1, a prefix).
+    Each of ceil(log2 c) rounds halves every chunk's range [lo, hi): it probes the midpoints of
+    both halves, (lo+mid)//2 and (mid+hi)//2, keeps the half whose probe scores higher, and the
+    chunk's score is the running max of the winning probes (as the reference code does).
+    """
+    c_count, c = chunks.shape
+    rows = torch.arange(c_count, device=chunks.device)
+    lo = torch.zeros(c_count, dtype=torch.long, device=chunks.device)
+    hi = lengths.clone()
+    best = torch.full((c_count,), float("-inf"), device=chunks.device)
+    for _ in range(max(1, math.ceil(math.log2(c)))):
+        mid = lo + (hi - lo) // 2
+        left, right = (lo + mid) // 2, (mid + hi) // 2
+        s_left = score_keys(chunks[rows, left], rows, 0)  # [C]
+        s_right = score_keys(chunks[rows, right], rows, 1)
+        go_right = s_right > s_left
+        best = torch.maximum(best, torch.maximum(s_left, s_right))
+        lo = torch.where(go_right, mid, lo)
+        hi = torch.where(go_right, hi, mid)
+    return best
+
+
+class ScoreFn:
+    """Scores probe keys against a block of queries, with RoPE at the stage's scoring positions.
+
+    `__call__(positions [C], chunk_index [C], side) -> [C]`: max over queries and heads of q.k.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        keys: torch.Tensor,
+        mode: str,
+        rotary: Rotary | None,
+        window: int,
+        n_chunks: int,
+    ) -> None:
+        g = keys.shape[1]
+        self.keys = keys  # [S, G, D]
+        self.mode = mode
+        self.rotary = rotary
+        if rotary is not None:
+            q = rotate(rotary, q, scoring_query_position(mode, q_pos, window, n_chunks))
+        n, hq, d = q.shape
+        self.q = q.reshape(n, g, hq // g, d).float()  # [Nq, G, r, D]
+
+    def __call__(self, positions: torch.Tensor, chunk_index: torch.Tensor, side: int) -> torch.Tensor:
+        k = self.keys[positions]  # [C, G, D]
+        if self.rotary is not None:
+            k = rotate(self.rotary, k, probe_positions(self.mode, side, chunk_index, positions))
+        s = torch.einsum("ngrd,cgd->cngr", self.q, k.float())  # [C, Nq, G, r]
+        return s.flatten(1).amax(dim=1)
+
+
+def prune_stage(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    chunk: int,
+    budget: int,
+    *,
+    mode: str,
+    rotary: Rotary | None,
+    window: int,
+) -> torch.Tensor:
+    """One pruning stage for one query block: the kept candidate positions, sorted.
+
+    q [Nq, H_q, D] (pooled) queries with positions q_pos [Nq]; keys [S, G, D]; candidates [n]
+    sorted positions. Keeps the top `budget // chunk` chunks; all of them when they fit.
+    """
+    n = candidates.numel()
+    n_chunks = -(-n // chunk)
+    keep = budget // chunk
+    if n_chunks <= keep:
+        return candidates
+    padded = torch.full((n_chunks * chunk,), -1, dtype=torch.long, device=candidates.device)
+    padded[:n] = candidates
+    chunks = padded.view(n_chunks, chunk)  # [C, c]
+    lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
+    lengths[-1] = n - (n_chunks - 1) * chunk
+    score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
+    scores = chunk_scores(chunks, lengths, score)
+    top = torch.topk(scores, keep).indices.sort().values
+    kept = chunks[top].flatten()
+    return kept[kept >= 0]
+
+
+def run_stages(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    *,
+    chunk_sizes: tuple[int, ...],
+    budgets: tuple[int, ...],
+    strides: tuple[int, ...],
+    mode: str,
+    rotary: Rotary | None,
+    window: int,
+    first: int = 0,
+) -> list[torch.Tensor]:
+    """Run stages `first`.. on one query block (q [Tb, H_q, D], q_pos [Tb]) from `candidates`.
+
+    Returns each run stage's kept positions (sorted), in stage order.
+    """
+    outs = []
+    for i in range(first, len(chunk_sizes)):
+        pq, pp = pool_queries(q, q_pos, strides[i])
+        candidates = prune_stage(
+            pq, pp, keys, candidates, chunk_sizes[i], budgets[i], mode=mode, rotary=rotary, window=window
+        )
+        outs.append(candidates)
+    return outs

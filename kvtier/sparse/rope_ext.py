@@ -1,0 +1,67 @@
+"""Context extension: where RoPE puts queries and keys inside the sparse kernel.
+
+With `HipConfig.extend` the store keeps K and Q un-rotated and the kernel rotates them at
+remapped positions, so no query-key distance ever exceeds what the model saw in training:
+
+Pruning (scoring a chunk's probe keys against a block of queries), `scoring_rope`:
+    "relative"       left-branch probes at position 0, right-branch probes at 1, every query at
+                     window + 1: each probe is scored at a fixed distance just beyond the window
+                     (the paper's RT, its default for layers >= 4).
+    "chunk_indexed"  every key of chunk j (in the stage's candidate list) at position j, queries at
+                     min(true position, n_chunks + window): older chunks look farther away, one
+                     position per chunk (CI, the default in the first 4 layers).
+    "absolute"       true positions (no extension).
+
+Attention (the final softmax over sink + selected + window), `attention_rope`:
+    "streaming"      StreamingLLM-style: the window keeps its true positions and the sinks and
+                     selected keys are packed, in order, right below the window, so a block's keys
+                     have contiguous positions ending at the query's. When nothing was pruned this
+                     *is* the true positions.
+    "absolute"       true positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.model.rope import Rotary
+
+
+def rotate(rotary: Rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated at `positions` [N] (any integer positions, in x's dtype)."""
+    cos, sin = rotary.cos_sin(positions, x.dtype)
+    return Rotary.apply(x, cos, sin)
+
+
+def probe_positions(mode: str, side: int, chunk_index: torch.Tensor, true_pos: torch.Tensor) -> torch.Tensor:
+    """Positions of probe keys [C] while scoring: side 0 = left branch, 1 = right branch.
+
+    `chunk_index` [C] is each probe's chunk index in the stage's candidate list, `true_pos` [C]
+    its position in the sequence.
+    """
+    if mode == "relative":
+        return torch.full_like(true_pos, side)
+    if mode == "chunk_indexed":
+        return chunk_index
+    return true_pos
+
+
+def scoring_query_position(mode: str, true_pos: torch.Tensor, window: int, n_chunks: int) -> torch.Tensor:
+    """Positions [Nq] of the (pooled) queries while scoring chunks."""
+    if mode == "relative":
+        return torch.full_like(true_pos, window + 1)
+    if mode == "chunk_indexed":
+        return true_pos.clamp(max=n_chunks + window)
+    return true_pos
+
+
+def attention_key_positions(
+    mode: str, prefix: torch.Tensor, window_start: int, window_end: int
+) -> torch.Tensor:
+    """Positions of a block's attended keys: `prefix` [P] (sinks + selected, sorted) then the
+    window [window_start, window_end). Returns [P + window_end - window_start]."""
+    window = torch.arange(window_start, window_end, device=prefix.device)
+    if mode == "streaming":
+        packed = torch.arange(window_start - prefix.numel(), window_start, device=prefix.device)
+        return torch.cat((packed, window))
+    return torch.cat((prefix, window))
