@@ -1,0 +1,268 @@
+"""InfiniteHiP sparse attention (kvtier.sparse): exact when budgets cover the context, block-sparse
+attention equal to a masked dense reference, decode refresh intervals, config validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.attention.dense import attend
+from kvtier.attention.interface import DenseKernel, SliceKernel, SliceStep
+from kvtier.config import ModelConfig, RopeConfig
+from kvtier.errors import ConfigError
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.model.rope import Rotary
+from kvtier.planner.placement import KVPlan
+from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
+from kvtier.sparse.block_sparse import attend_block, masked_dense_attention
+from kvtier.sparse.pruning import prune_stage
+from kvtier.sparse.rope_ext import attention_key_positions, rotate
+from tests.hf_reference import make_hf_model
+
+CPU = torch.device("cpu")
+D = 16
+# Small stages; budgets far above the test contexts, so nothing is pruned.
+COVER = {
+    "sink": 4,
+    "window": 16,
+    "block_q": 8,
+    "chunk_sizes": (32, 8, 2),
+    "budgets": (4096, 2048, 1024),
+    "wide_budget": 1024,
+}
+# Same stages, budgets that prune a 200-token context.
+SPARSE = {**COVER, "budgets": (96, 32, 16), "wide_budget": 24}
+
+
+def tensors(s: int, t: int, g: int = 2, r: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(t, g * r, D, generator=gen), torch.randn(s, 2, g, D, generator=gen)
+
+
+def rotated(rot: Rotary, q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the store would have handed a dense kernel: q and K rotated at true positions."""
+    s, t = kv.shape[0], q.shape[0]
+    kvr = kv.clone()
+    kvr[:, 0] = rotate(rot, kv[:, 0], torch.arange(s))
+    return rotate(rot, q, torch.arange(s - t, s)), kvr
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("t", [1, 37])
+def test_budgets_covering_context_are_exactly_dense(per_head: bool, t: int) -> None:
+    q, kv = tensors(200, t)
+    kernel = HipKernel(HipConfig(**COVER, extend=False, per_head=per_head))  # type: ignore[arg-type]
+    out = kernel(q, kv, SliceStep(4, 0, 200 - t))
+    assert torch.allclose(out, attend(q, kv), rtol=0, atol=1e-6)
+
+
+def test_first_prefill_chunk_with_blocks_inside_the_sinks_is_dense() -> None:
+    q, kv = tensors(40, 40)
+    kernel = HipKernel(HipConfig(**{**COVER, "sink": 20}, extend=False))  # type: ignore[arg-type]
+    out = kernel(q, kv, SliceStep(0, 0, 0))  # blocks 0-7 and 8-15 lie wholly in the sinks
+    assert torch.allclose(out, attend(q, kv), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_streaming_positions_are_true_positions_when_nothing_is_pruned(t: int) -> None:
+    rot = Rotary(RopeConfig(), D)
+    q, kv = tensors(200, t)
+    kernel = HipKernel(HipConfig(**COVER), rot)  # type: ignore[arg-type]
+    out = kernel(q, kv, SliceStep(4, 0, 200 - t))  # un-rotated in, rotated inside
+    assert torch.allclose(out, attend(*rotated(rot, q, kv)), rtol=0, atol=1e-5)
+
+
+def test_block_sparse_equals_masked_dense_reference() -> None:
+    q, kv = tensors(120, 10)
+    pos = torch.arange(110, 120)
+    prefix = torch.tensor([0, 1, 2, 3, 17, 18, 40, 41, 42, 43, 90])  # sinks + selected
+    w0 = 96
+    out = attend_block(q, pos, kv, prefix, w0)
+    allowed = torch.zeros(10, 120, dtype=torch.bool)
+    allowed[:, prefix] = True
+    allowed[:, w0:] = True
+    allowed &= torch.arange(120)[None, :] <= pos[:, None]
+    assert torch.allclose(out, masked_dense_attention(q, kv, allowed), rtol=0, atol=1e-6)
+
+
+def test_kernel_output_equals_masked_dense_over_its_selection() -> None:
+    q, kv = tensors(200, 1)
+    kernel = HipKernel(HipConfig(**SPARSE, extend=False))  # type: ignore[arg-type]
+    out = kernel(q, kv, SliceStep(5, 0, 199))
+    st = kernel._cache[(5, 0, -1)]
+    sel = st.outputs[-1]
+    assert sel.numel() == 16 and torch.all((sel >= 4) & (sel < st.window_start))
+    allowed = torch.zeros(1, 200, dtype=torch.bool)
+    allowed[0, :4] = allowed[0, sel] = allowed[0, st.window_start :] = True
+    assert torch.allclose(out, masked_dense_attention(q, kv, allowed), rtol=0, atol=1e-6)
+
+
+def test_pruning_keeps_the_chunk_holding_a_planted_key() -> None:
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(512, 1, D, generator=gen) * 0.1  # [S, G, D]
+    q = torch.randn(4, 2, D, generator=gen)
+    keys[300, 0] = q.mean((0, 1)) * 20  # one key every query attends strongly
+    kept = prune_stage(
+        q, torch.arange(4), keys, torch.arange(8, 480), 32, 64, mode="absolute", rotary=None, window=16
+    )
+    assert kept.numel() == 64 and bool((kept == 300).any())
+    assert torch.equal(kept, kept.sort().values)
+
+
+def test_streaming_positions_pack_sinks_and_selection_below_the_window() -> None:
+    prefix = torch.tensor([0, 1, 50, 51, 90])
+    pos = attention_key_positions("streaming", prefix, 1000, 1004)
+    assert pos.tolist() == [995, 996, 997, 998, 999, 1000, 1001, 1002, 1003]
+
+
+def test_decode_refresh_intervals_are_honoured() -> None:
+    cfg = HipConfig(**{**SPARSE, "refresh": (4, 2, 1)}, extend=False)  # type: ignore[arg-type]
+    kernel = HipKernel(cfg)
+    q, kv = tensors(220, 1)
+    for i in range(10):  # 10 decode steps over contexts 201 .. 210
+        for layer in range(3):
+            kernel(q, kv[: 201 + i], SliceStep(layer, 0, 200 + i))
+    # Stage i recomputes at steps 0, r_i, 2 r_i, ...: ceil(10 / r_i) times per slice, 3 slices.
+    assert kernel.stats.decode_recomputes == [3 * 3, 3 * 5, 3 * 10]
+
+
+def test_flash_preset_refreshes_stage_one_every_96_steps() -> None:
+    cfg = ModelConfig(64, 64, 96, 1, 4, 2, D, 512)
+    kernel, unrotated = make_hip_kernel(
+        cfg,
+        CPU,
+        "flash",
+        sink=4,
+        window=16,
+        block_q=8,
+        chunk_sizes=(32, 8, 2),
+        budgets=(96, 32, 16),
+        wide_budget=16,
+    )
+    assert unrotated and isinstance(kernel, HipKernel)
+    q, kv = tensors(400, 1)
+    for i in range(100):
+        kernel(q, kv[: 201 + i], SliceStep(0, 0, 200 + i))
+    assert kernel.stats.decode_recomputes == [2, 5, 13]
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"window": 0}, "window"),
+        ({"window": -5}, "window"),
+        ({"chunk_sizes": (), "budgets": (), "query_strides": (), "refresh": ()}, "chunk"),
+        ({"budgets": (8192, 8192, 2048)}, "budgets"),
+        ({"budgets": (32768, 8192, 16384)}, "budgets"),
+        ({"chunk_sizes": (256, 48, 8)}, "chunk_sizes"),
+        ({"chunk_sizes": (32, 256, 8)}, "chunk_sizes"),
+        ({"budgets": (32768, 8192, 2044)}, "budgets"),
+        ({"refresh": (16, 0, 4)}, "refresh"),
+        ({"refresh": (16, 8)}, "refresh"),
+        ({"max_context": 1024}, "window"),
+        ({"wide_budget": 1024}, "wide_budget"),
+        ({"pruning_rope": "ntk"}, "pruning_rope"),
+    ],
+)
+def test_contradictory_configs_are_rejected(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        HipConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_presets_and_factory_options() -> None:
+    cfg = ModelConfig(64, 64, 96, 2, 4, 2, D, 512)
+    assert HIP_PRESETS["flash"].refresh == (96, 24, 8) and HIP_PRESETS["fast"].refresh == (32, 16, 8)
+    assert HIP_PRESETS["default"].attended_tokens == 256 + 2048 + 1024 + 64
+    _, unrotated = make_hip_kernel(cfg, CPU, "default", extend=False)
+    assert not unrotated
+    with pytest.raises(ConfigError, match="preset"):
+        make_hip_kernel(cfg, CPU, "turbo")
+    with pytest.raises(ConfigError, match="windw"):
+        make_hip_kernel(cfg, CPU, windw=3)
+    for ctx in (64, 300, 2048, 4096, 16384, 65536, 131072, 1 << 20):
+        HipConfig.scaled(ctx, max_context=ctx)  # valid at every size
+
+
+# -- through the tiered store, with a model ---------------------------------------------------
+
+PROMPT, DECODE = 45, 9
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, ModelConfig]:
+    folder: Path = tmp_path_factory.mktemp("gqa")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 4 q heads, 2 KV heads
+    return load_safetensors_folder(folder, CPU, torch.float32)
+
+
+def run(
+    model: CausalLM, cfg: ModelConfig, kernel: SliceKernel, rotate_keys: bool
+) -> tuple[list[torch.Tensor], list[int]]:
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    p = KVPlan(
+        policy="gpu", group_size=1, resident_slices=6, chunk_size=11, staging_buffers=0, staging_tokens=0
+    )
+    store = TieredKVStore(
+        cfg,
+        p,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=5),
+        kernel=kernel,
+        rotate_keys=rotate_keys,
+    )
+    logits, tokens = [], []
+    for s in range(0, PROMPT, p.chunk_size):
+        part = ids[s : s + p.chunk_size]
+        store.begin_step(part.shape[0])
+        logits.append(model(part, store, logits_at=torch.arange(part.shape[0])))
+        store.end_step()
+    for _ in range(DECODE):
+        tok = logits[-1][-1].argmax()
+        tokens.append(int(tok))
+        store.begin_step(1)
+        logits.append(model(tok.view(1), store))
+        store.end_step()
+    return logits, tokens
+
+
+SMALL: dict[str, object] = {
+    "sink": 2,
+    "window": 6,
+    "block_q": 4,
+    "chunk_sizes": (8, 4, 2),
+    "query_strides": (2, 2, 1),
+}
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_store_run_with_covering_budgets_matches_dense(
+    gqa: tuple[CausalLM, ModelConfig], extend: bool
+) -> None:
+    model, cfg = gqa
+    ref_logits, ref_tokens = run(model, cfg, DenseKernel(), True)
+    kernel, unrotated = make_hip_kernel(
+        cfg, CPU, "default", **SMALL, budgets=(256, 128, 64), wide_budget=64, extend=extend
+    )
+    logits, tokens = run(model, cfg, kernel, not unrotated)
+    assert tokens == ref_tokens
+    tol = 1e-4 if extend else 1e-5  # extend: RoPE applied in the kernel, a different rounding order
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_store_run_with_pruning_attends_fewer_keys(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    kernel, unrotated = make_hip_kernel(
+        cfg, CPU, "default", **SMALL, budgets=(16, 8, 4), wide_budget=4, wide_layers=()
+    )
+    logits, tokens = run(model, cfg, kernel, not unrotated)
+    assert len(tokens) == DECODE and all(torch.isfinite(x).all() for x in logits)
+    assert isinstance(kernel, HipKernel)
+    # Per query block: at most sink 2 + selected 4 + window 6 + block 4 - 1 keys.
+    assert kernel.stats.attended_keys <= kernel.stats.prefill_blocks * 15
