@@ -1,0 +1,140 @@
+"""Pass-key retrieval with the embedded SmolLM2-135M-Instruct (8K trained context): dense vs HiP.
+
+Drives the model through `TieredKVStore` (gpu plan) with either the dense kernel or `HipKernel`
+(context extension on: keys stored un-rotated, streaming positions in attention, relative /
+chunk-indexed positions in pruning). Greedy, no chat template. Appends one record per sample
+to the output JSON as it goes, so a long run that is stopped keeps what it finished.
+
+    .venv/bin/python bench/hip_quality.py --lengths 4096 16384 --methods dense hip --samples 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine
+from kvtier.attention.interface import DenseKernel, SliceKernel
+from kvtier.config import ModelConfig
+from kvtier.kv.store import TieredKVStore
+from kvtier.loading.embedded import embedded_gguf_path
+from kvtier.loading.gguf import gguf_to_hf_folder
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import plan_kv
+from kvtier.sparse import HipKernel, make_hip_kernel
+
+CPU = torch.device("cpu")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+HEAD = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it.\n"
+TAIL = "\nWhat is the pass key? The pass key is"
+KEYS = (68423, 30917, 52786, 71294, 19650)
+DEPTHS = (0.5, 0.2, 0.8, 0.35, 0.65)
+
+
+def passkey_prompt(tokenizer: Any, length: int, depth: float, key: int) -> str:
+    """The pass-key prompt of about `length` tokens with the key at `depth` (0 = start)."""
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    fixed = len(tokenizer(HEAD + needle + TAIL)["input_ids"])
+    per = len(tokenizer(FILLER * 10)["input_ids"]) / 10
+    n = max(2, int((length - fixed) / per))
+    before = int(n * depth)
+    return HEAD + FILLER * before + needle + FILLER * (n - before) + TAIL
+
+
+def generate(
+    model: CausalLM,
+    cfg: ModelConfig,
+    ids: torch.Tensor,
+    kernel: SliceKernel,
+    rotate: bool,
+    chunk: int,
+    n: int,
+) -> tuple[list[int], float, float]:
+    """Chunked prefill + greedy decode of `n` tokens; returns tokens, prefill s, decode s."""
+    ctx = ids.numel() + n
+    plan = plan_kv(cfg, ctx, policy="gpu", gpu_budget=None, dtype_bytes=4, chunk_size=chunk)
+    store = TieredKVStore(
+        cfg, plan, device=CPU, dtype=torch.float32, capacity=ctx, kernel=kernel, rotate_keys=rotate
+    )
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, ids.numel(), chunk):
+            part = ids[s : s + chunk]
+            store.begin_step(part.numel())
+            logits = model(part, store)
+            store.end_step()
+        t1 = time.perf_counter()
+        out: list[int] = []
+        for _ in range(n):
+            tok = logits[-1].argmax()
+            out.append(int(tok))
+            store.begin_step(1)
+            logits = model(tok.view(1), store)
+            store.end_step()
+    store.close()
+    return out, t1 - t0, time.perf_counter() - t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--methods", nargs="+", default=["dense", "hip"], help="dense, hip, hip-noext")
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/hip_quality_smollm2.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    folder = gguf_to_hf_folder(embedded_gguf_path())
+    model, cfg = load_safetensors_folder(folder, CPU, torch.float32)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(args.samples):  # samples outermost: a stopped run has every length covered
+        for length in args.lengths:
+            key, depth = KEYS[i % len(KEYS)], DEPTHS[i % len(DEPTHS)]
+            ids = torch.tensor(tok(passkey_prompt(tok, length, depth, key))["input_ids"])
+            for method in args.methods:
+                kernel: SliceKernel = DenseKernel()
+                rotate = True
+                if method != "dense":
+                    kernel, unrot = make_hip_kernel(cfg, CPU, args.preset, extend=method == "hip")
+                    rotate = not unrot
+                toks, pre_s, dec_s = generate(model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens)
+                text = str(tok.decode(toks))
+                rec: dict[str, Any] = {
+                    "length": length,
+                    "prompt_tokens": ids.numel(),
+                    "method": method,
+                    "preset": args.preset if method != "dense" else None,
+                    "depth": depth,
+                    "passkey": key,
+                    "output": text,
+                    "correct": str(key) in text.split(".")[0],
+                    "prefill_s": round(pre_s, 1),
+                    "decode_s": round(dec_s, 1),
+                }
+                if isinstance(kernel, HipKernel):
+                    st = kernel.stats
+                    rec["mean_keys_per_query_block"] = round(st.attended_keys / max(1, st.prefill_blocks), 1)
+                    rec["decode_recomputes"] = st.decode_recomputes
+                print(json.dumps(rec), flush=True)
+                doc = json.loads(args.out.read_text()) if args.out.exists() else {"records": []}
+                doc["machine"] = machine()
+                doc["records"].append(rec)
+                args.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
