@@ -8,18 +8,28 @@ store. Every policy is lossless; with the same kernels the logits are bitwise eq
 
 Per step the engine calls `begin_step(n)`, runs the model (which calls the store once per
 layer), then `end_step()`.
+
+Two optional hooks let lossy policies (`kvtier.policies`) act on the stored tokens; with neither
+set the store behaves exactly as before:
+
+- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are replaced by their
+  quantize -> dequantize round trip, in every slice and tier (simulated quantized storage).
+- `evictor` (`Evictor`): at `end_step`, each slice it owns may be compacted to a subset of its
+  tokens, per KV head, in token order. That slice's stored length shrinks; `position` never
+  does. Only resident slices can be compacted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_into
 from kvtier.attention.interface import DenseKernel, SliceKernel, SliceStep
 from kvtier.config import ModelConfig
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
 from kvtier.kv.staging import Load, StagingRing
@@ -43,6 +53,34 @@ class StoreOptions:
     extent_blocks: int | None = None
 
 
+class KVCodec(Protocol):
+    """A lossy storage format for KV tokens (see `kvtier.policies.quant`)."""
+
+    def frozen_tokens(self, length: int) -> int:
+        """How many leading tokens are stored coded once `length` tokens are stored (the rest
+        stay full precision). Non-decreasing in `length`."""
+        ...
+
+    def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
+        """Quantize and dequantize kv [n, 2, G, D] (n a whole number of the codec's token
+        groups); returns a new tensor of the same shape and dtype. Pure."""
+        ...
+
+
+class Evictor(Protocol):
+    """Decides which tokens the slices of one sequence keep (see `kvtier.policies.evict`)."""
+
+    def bind(self, layout: KVLayout, capacity: int) -> frozenset[int]:
+        """Start a new sequence: reset state, validate against the store's capacity (raises
+        `ConfigError`), and return the slices this evictor may compact."""
+        ...
+
+    def keep(self, slice_id: int, length: int, new_tokens: int) -> torch.Tensor | None:
+        """After a step of `new_tokens` tokens, with `length` tokens stored in the slice: the token
+        indices to keep per KV head, [G, K] ascending, or None to keep all."""
+        ...
+
+
 class TieredKVStore:
     """KV cache of one sequence over GPU and host tiers; callable as `kvtier.attention.Attention`."""
 
@@ -57,6 +95,8 @@ class TieredKVStore:
         options: StoreOptions | None = None,
         kernel: SliceKernel | None = None,
         rotate_keys: bool = True,
+        codec: KVCodec | None = None,
+        evictor: Evictor | None = None,
     ) -> None:
         opts = options or StoreOptions()
         self.plan = plan
@@ -79,7 +119,7 @@ class TieredKVStore:
         self.kernel: SliceKernel = kernel or DenseKernel()
         self.rotate_keys = rotate_keys
         self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
-        self.length = 0  # tokens stored per slice
+        self.length = 0  # tokens stored in the longest slice (all slices, unless evicted)
         self.position = 0  # absolute position of the next token (> length once tokens are evicted)
         self._step_tokens = 0
         self._cos = self._sin = torch.empty(0)
@@ -110,6 +150,21 @@ class TieredKVStore:
                 self.hosts[s] = HostSlice(self.arena, extent_tokens)
                 # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
                 self.hosts[s].reserve(self._capacity)
+        self.codec = codec
+        self._coded = 0  # leading tokens of every slice already stored coded
+        # Tokens stored per slice; differs from `length` only in slices an evictor compacted.
+        self.slice_length = [0] * lay.num_slices
+        self.evictor = evictor
+        self._evictable: frozenset[int] = frozenset()
+        if evictor is not None:
+            self._evictable = evictor.bind(lay, self._capacity)
+            streamed_evictable = sorted(self._evictable - set(self.resident))
+            if streamed_evictable:
+                raise ConfigError(
+                    f"eviction compacts slices on the GPU, but the KV policy {plan.policy!r} streams "
+                    f"{len(streamed_evictable)} of the slices to evict from host memory; use --kv gpu "
+                    "(or a plan that keeps them resident) with eviction"
+                )
         self.ring: StagingRing | None = None
         if streamed:
             self.ring = StagingRing(
@@ -131,17 +186,71 @@ class TieredKVStore:
         positions = torch.arange(self.position, self.position + n_new, device=self.device)
         self._cos, self._sin = self.rotary.cos_sin(positions, lay.dtype)
         self._step_tokens = n_new
-        if end > self._capacity:
-            self._grow_resident(lay.round_up(max(end, 2 * self._capacity)))
+        if self.evictor is None:
+            if end > self._capacity:
+                self._grow_resident(lay.round_up(max(end, 2 * self._capacity)))
+        else:
+            for sid, buf in self.resident.items():
+                need = self.slice_length[sid] + n_new
+                if need > buf.shape[0]:
+                    self._resize_slice(sid, lay.round_up(max(need, 2 * buf.shape[0])))
         for host in self.hosts.values():
             host.reserve(lay.round_up(end))
         if self.ring is not None:
             self.ring.start(self._schedule(n_new), self.hosts)
 
     def end_step(self) -> None:
-        self.length += self._step_tokens
-        self.position += self._step_tokens
+        n_new = self._step_tokens
+        self.length += n_new
+        self.position += n_new
         self._step_tokens = 0
+        for sid in range(len(self.slice_length)):
+            self.slice_length[sid] += n_new
+        if self.codec is not None:
+            self._encode(self.codec, self.codec.frozen_tokens(self.length))
+        if self.evictor is not None:
+            for sid in sorted(self._evictable):
+                keep = self.evictor.keep(sid, self.slice_length[sid], n_new)
+                if keep is not None:
+                    self._compact(sid, keep)
+            self.length = max(self.slice_length)
+
+    def _encode(self, codec: KVCodec, upto: int) -> None:
+        """Store tokens [coded, upto) of every slice coded (quantize -> dequantize in place)."""
+        a = self._coded
+        if upto <= a:
+            return
+        for buf in self.resident.values():
+            buf[a:upto] = codec.roundtrip(buf[a:upto])
+        if self.hosts:
+            self.streams.synchronize()  # NOTE: the step's write-backs must land before we rewrite
+            lay = self.layout
+            tmp = torch.empty(upto - a, 2, lay.group_size, lay.head_dim, dtype=lay.dtype)
+            for host in self.hosts.values():
+                host.read_into(tmp, a, upto)
+                host.write(a, codec.roundtrip(tmp))
+        self._coded = upto
+
+    def _compact(self, sid: int, keep: torch.Tensor) -> None:
+        """Keep tokens `keep` [G, K] (ascending per KV head) of resident slice `sid`, in order.
+
+        ```
+        before: [t0 t1 t2 t3 t4 t5 t6 t7]   keep[g] = [0, 1, 5, 6, 7]
+        after:  [t0 t1 t5 t6 t7 | free  ]   slice_length = 5; position unchanged
+        ```
+        """
+        buf = self.resident[sid]
+        n = self.slice_length[sid]
+        g, k = keep.shape
+        src = buf[:n].permute(2, 0, 1, 3)  # [G, n, 2, D]
+        idx = keep.to(buf.device)[:, :, None, None].expand(g, k, 2, buf.shape[-1])
+        kept = torch.gather(src, 1, idx).permute(1, 2, 0, 3)  # [K, 2, G, D]
+        buf[:k] = kept
+        self.slice_length[sid] = k
+        lay = self.layout
+        target = lay.round_up(k + lay.block_size)
+        if buf.shape[0] > 2 * target:
+            self._resize_slice(sid, target)
 
     def _schedule(self, n_new: int) -> list[Load]:
         assert self.ring is not None
@@ -173,8 +282,8 @@ class TieredKVStore:
     def _attend_slice(
         self, layer: int, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        s, t = self.length, q.shape[0]
         sid = self.layout.slice_index(layer, group)
+        s, t = self.slice_length[sid], q.shape[0]
         step = SliceStep(layer, group, s)
         if sid in self.resident:
             buf = self.resident[sid]
@@ -249,6 +358,16 @@ class TieredKVStore:
             self.account.free(GPU, old.numel() * old.element_size())
             self.resident[sid] = new
         self._capacity = tokens
+
+    def _resize_slice(self, sid: int, tokens: int) -> None:
+        """Reallocate one resident slice to `tokens` tokens, keeping what it stores."""
+        old = self.resident[sid]
+        n = self.slice_length[sid]
+        new = torch.empty(tokens, *old.shape[1:], dtype=old.dtype, device=old.device)
+        new[:n] = old[:n]
+        self.account.alloc(GPU, new.numel() * new.element_size())
+        self.account.free(GPU, old.numel() * old.element_size())
+        self.resident[sid] = new
 
     def close(self) -> None:
         """Free every tier. The store is unusable afterwards."""
