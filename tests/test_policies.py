@@ -1,0 +1,292 @@
+"""Lossy KV policies over the store: codec error bounds and layout, exact eviction indices,
+Quest at a full budget, deterministic head classification, and clear configuration errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.attention.interface import SliceStep
+from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import KVPlan
+from kvtier.policies import PolicyParts, build_policy
+from kvtier.policies.evict import H2OEvictor, SnapKVEvictor, WindowEvictor
+from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
+from kvtier.policies.quant import Fp8Codec, KiviCodec, minmax_roundtrip
+from kvtier.policies.quest import QuestKernel
+from kvtier.policies.scoring import attention_mass
+from tests.hf_reference import make_hf_model
+
+CPU = torch.device("cpu")
+PROMPT, DECODE = 60, 6
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, ModelConfig]:
+    folder: Path = tmp_path_factory.mktemp("gqa")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 4 query heads, 2 KV heads, head dim 16
+    return load_safetensors_folder(folder, CPU, torch.float32)
+
+
+def options(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(kv_quant=None, evict=None, kv_budget=None, attention=None, head_sparsity=None)
+    base.update(kw)
+    return base
+
+
+def run(
+    model: CausalLM,
+    cfg: ModelConfig,
+    parts: PolicyParts,
+    group: int = 2,
+    chunk: int = PROMPT,
+    decode: int = DECODE,
+) -> tuple[list[torch.Tensor], TieredKVStore]:
+    """Prefill in chunks, then greedy decode; every step's logits and the store."""
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    slices = cfg.num_layers * cfg.num_kv_heads // group
+    store = TieredKVStore(
+        cfg,
+        KVPlan("gpu", group, slices, chunk, 0, 0),
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=8),
+        **parts.store_kwargs(),
+    )
+    logits = []
+    for s in range(0, PROMPT, chunk):
+        store.begin_step(min(chunk, PROMPT - s))
+        logits.append(model(ids[s : s + chunk], store))
+        store.end_step()
+    for _ in range(decode):
+        store.begin_step(1)
+        logits.append(model(logits[-1][-1].argmax().view(1), store))
+        store.end_step()
+    return logits, store
+
+
+# -- codecs ------------------------------------------------------------------------------------
+
+
+def test_codec_errors_shrink_with_bits_and_fp8_is_finite() -> None:
+    kv = torch.randn(64, 2, 2, 64, generator=torch.Generator().manual_seed(0))
+    err = {b: (KiviCodec(bits=b).roundtrip(kv) - kv).abs().max().item() for b in (2, 4, 8)}
+    assert err[8] < err[4] < err[2]
+    # Min-max error is at most half a step: (max - min) / (2^b - 1) / 2 per group.
+    assert err[8] <= (kv.max() - kv.min()).item() / 255 / 2 + 1e-6
+    fp8 = Fp8Codec().roundtrip(kv)
+    assert torch.isfinite(fp8).all()
+    assert ((fp8 - kv).abs() <= kv.abs().amax(-1, keepdim=True) / 8 + 1e-6).all()  # 3 mantissa bits
+
+
+def test_kivi_layout_keys_per_channel_values_per_token() -> None:
+    codec = KiviCodec(bits=2, group=4, residual=8)
+    kv = torch.zeros(8, 2, 1, 4)
+    kv[:, 0, 0, 0] = torch.arange(8.0)  # a key channel varies along tokens
+    kv[:, 1, 0] = torch.tensor([0.0, 1.0, 2.0, 3.0])  # values vary along channels
+    out = codec.roundtrip(kv)
+    # Keys: each channel of a 4-token group has its own (min, scale): 0..3 and 4..7 are exact.
+    assert torch.equal(out[:, 0, 0, 0], torch.arange(8.0))
+    # Values: per token, the 4 channels share a group: 0..3 at 2 bits is exact.
+    assert torch.equal(out[:, 1], kv[:, 1])
+    # Residual: the newest 8 tokens stay full precision; coded tokens come in groups of 4.
+    assert [codec.frozen_tokens(n) for n in (7, 8, 11, 12, 13, 20)] == [0, 0, 0, 4, 4, 12]
+    assert torch.equal(minmax_roundtrip(torch.ones(3, 4), 4, dim=1), torch.ones(3, 4))
+
+
+def test_store_codes_only_tokens_outside_the_residual_window(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    codec = KiviCodec(bits=4, group=8, residual=16)
+    # One prefill chunk: every layer's K/V is computed before the codec runs at end_step.
+    _, store = run(model, cfg, PolicyParts(codec=codec), decode=0)
+    _, ref = run(model, cfg, PolicyParts(), decode=0)
+    n = store.length
+    coded = codec.frozen_tokens(n)
+    assert coded == 40
+    for sid, buf in store.resident.items():
+        assert torch.equal(buf[coded:n], ref.resident[sid][coded:n])  # residual: untouched
+        assert not torch.equal(buf[:coded], ref.resident[sid][:coded])
+        assert torch.equal(codec.roundtrip(ref.resident[sid][:coded]), buf[:coded])
+
+
+# -- eviction ----------------------------------------------------------------------------------
+
+
+def layout(group: int = 2) -> KVLayout:
+    return KVLayout(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=4,
+        q_per_kv=1,
+        group_size=group,
+        block_size=4,
+        dtype=torch.float32,
+    )
+
+
+def kept(ev: Any, length: int, new: int = 1) -> list[list[int]]:
+    idx = ev.keep(0, length, new)
+    assert idx is not None
+    return list(idx.tolist())
+
+
+def test_streaming_keeps_sinks_and_recent() -> None:
+    ev = WindowEvictor(budget=8, sinks=4)
+    ev.bind(layout(), capacity=64)
+    assert ev.keep(0, 8, 1) is None
+    assert kept(ev, 20) == [[0, 1, 2, 3, 16, 17, 18, 19]] * 2
+    assert kept(WindowEvictor(budget=3), 10) == [[7, 8, 9]]
+
+
+def test_h2o_keeps_heavy_hitters_by_accumulated_attention() -> None:
+    ev = H2OEvictor(budget=4, recent=2)
+    ev.bind(layout(), capacity=64)
+    step = SliceStep(0, 0, 0)
+    ev.observe(step, torch.tensor([[5.0, 0.1, 3.0, 0.2, 0.0, 0.0], [0.0, 4.0, 0.0, 2.0, 9.0, 9.0]]))
+    ev.observe(step, torch.tensor([[0.0, 0.0, 0.0, 4.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]))
+    # Head 0 accumulated [5, .1, 3, 4.2, 0] over the 5 older tokens; head 1 [1, 4, 0, 2, 9].
+    assert kept(ev, 7) == [[0, 3, 5, 6], [1, 4, 5, 6]]
+    assert torch.allclose(ev.scores[0], torch.tensor([[5.0, 4.2, 0.0, 1.0], [4.0, 9.0, 9.0, 1.0]]))
+
+
+def test_snapkv_keeps_observation_window_votes() -> None:
+    ev = SnapKVEvictor(budget=5, window=2, kernel=1)
+    ev.bind(layout(group=1), capacity=64)
+    assert list(ev.rows(1)) == [] and list(ev.rows(6)) == [4, 5]
+    ev.observe(SliceStep(0, 0, 0), torch.tensor([[0.5, 0.0, 0.9, 0.1, 0.7, 0.3, 0.4, 0.2]]))
+    assert kept(ev, 8, 8) == [[0, 2, 4, 6, 7]]
+    assert ev.keep(0, 9, 1) is None  # decode steps append without eviction
+
+
+def test_attention_mass_is_causal_and_sums_to_queries() -> None:
+    q = torch.randn(3, 2, 4)
+    kv = torch.randn(5, 2, 1, 4)
+    mass = attention_mass(q, kv, start=2, rows=range(3))
+    assert mass.shape == (1, 5)
+    assert torch.allclose(mass.sum(), torch.tensor(6.0))  # 3 queries x 2 query heads
+    first_only = attention_mass(q, kv, start=2, rows=range(1))
+    assert first_only[0, 3:].eq(0).all()  # query at index 2 cannot see 3, 4
+
+
+@pytest.mark.parametrize("evict", ["streaming", "h2o", "snapkv", "window"])
+def test_evicting_store_keeps_budget_and_position(gqa: tuple[CausalLM, ModelConfig], evict: str) -> None:
+    model, cfg = gqa
+    parts = build_policy(cfg, device=CPU, **options(evict=evict, kv_budget=40))
+    # SnapKV compresses a step only when it has a full observation window (32 queries).
+    logits, store = run(model, cfg, parts, chunk=PROMPT if evict == "snapkv" else 20)
+    assert store.position == PROMPT + DECODE
+    expected = 40 + (DECODE if evict == "snapkv" else 0)  # SnapKV does not evict at decode
+    assert store.slice_length == [expected] * 3 and store.length == expected
+    assert all(torch.isfinite(x).all() for x in logits)
+
+
+def test_cache_rope_kernel_without_eviction_matches_default(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    parts = build_policy(cfg, device=CPU, **options(evict="streaming", kv_budget=200))
+    no_evict = PolicyParts(kernel=parts.kernel, rotate_keys=False)
+    ref, _ = run(model, cfg, PolicyParts(), chunk=20)
+    got, _ = run(model, cfg, no_evict, chunk=20)
+    for a, b in zip(got, ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+# -- Quest ------------------------------------------------------------------------------------
+
+
+def test_quest_with_budget_over_context_equals_dense(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    ref, _ = run(model, cfg, PolicyParts())
+    got, _ = run(model, cfg, PolicyParts(kernel=QuestKernel(budget=PROMPT + DECODE, page=4, dense_layers=0)))
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_quest_selects_pages_by_upper_bound() -> None:
+    kernel = QuestKernel(budget=8, page=4, dense_layers=0)
+    kv = torch.zeros(16, 2, 1, 2)
+    kv[4:8, 0, 0] = torch.tensor([1.0, 0.0])  # page 1 aligns with q
+    kv[8:12, 0, 0] = torch.tensor([-1.0, 0.0])  # page 2 opposes it
+    kv[:, 1, 0, 0] = torch.arange(16.0)
+    q = torch.tensor([[[5.0, 0.0]]])  # [1, 1, 2]
+    kernel(q, kv, SliceStep(0, 0, 15))
+    # 3 pages of 4 are read (max(3, 8 // 4)): page 1 (best bound), the current page 3, and one tie.
+    assert kernel.read_tokens == 12 and kernel.total_tokens == 16
+
+
+# -- head sparsity ----------------------------------------------------------------------------
+
+
+def test_head_classification_is_deterministic_and_cached(
+    gqa: tuple[CausalLM, ModelConfig], tmp_path: Path
+) -> None:
+    model, cfg = gqa
+    a = head_scores(model, segment=16, repeats=3, cache_dir=tmp_path)
+    assert a.shape == (cfg.num_layers, cfg.num_kv_heads)
+    assert len(list(tmp_path.iterdir())) == 1
+    assert torch.equal(head_scores(model, segment=16, repeats=3, cache_dir=tmp_path), a)
+    assert torch.equal(head_scores(model, segment=16, repeats=3, cache_dir=None), a)
+    ev = HeadStreamingEvictor(a, ratio=0.5, sinks=2, recent=4)
+    lay = KVLayout(
+        num_layers=3, num_kv_heads=2, head_dim=16, q_per_kv=2, group_size=1, block_size=8, dtype=torch.float32
+    )
+    streaming = ev.bind(lay, capacity=64)
+    assert len(streaming) == 3
+    assert max(a.flatten()[s] for s in streaming) <= min(a.flatten()[s] for s in set(range(6)) - streaming)
+
+
+def test_head_sparsity_compacts_only_streaming_heads(
+    gqa: tuple[CausalLM, ModelConfig], tmp_path: Path
+) -> None:
+    model, cfg = gqa
+    parts = build_policy(cfg, device=CPU, model=model, head_cache=tmp_path, **options(head_sparsity=0.5))
+    assert isinstance(parts.evictor, HeadStreamingEvictor)
+    assert (parts.evictor.sinks, parts.evictor.recent) == (64, 256)  # DuoAttention's defaults
+    small = HeadStreamingEvictor(parts.evictor.scores, 0.5, sinks=4, recent=20)
+    _, store = run(model, cfg, PolicyParts(evictor=small), group=1)
+    assert sorted(store.slice_length) == [24] * 3 + [PROMPT + DECODE] * 3
+    assert store.length == store.position == PROMPT + DECODE
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (options(kv_quant="int3"), "unknown --kv-quant"),
+        (options(evict="lru", kv_budget=8), "unknown --evict"),
+        (options(attention="flash"), "unknown --attention"),
+        (options(evict="h2o"), "needs --kv-budget"),
+        (options(kv_budget=64), "applies only"),
+        (options(evict="h2o", kv_budget=64, attention="quest"), "cannot be combined"),
+        (options(kv_quant="int4", evict="window", kv_budget=64), "cannot be combined"),
+        (options(evict="streaming", kv_budget=4), "too small"),
+        (options(head_sparsity=0.5), "pass the model"),
+    ],
+)
+def test_bad_options_raise_config_errors(
+    gqa: tuple[CausalLM, ModelConfig], kw: dict[str, Any], match: str
+) -> None:
+    _, cfg = gqa
+    with pytest.raises(ConfigError, match=match):
+        build_policy(cfg, device=CPU, **kw)
+
+
+def test_budget_and_offload_are_checked_at_store_construction(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    _, cfg = gqa
+    parts = build_policy(cfg, device=CPU, **options(evict="window", kv_budget=100))
+    common: dict[str, Any] = dict(device=CPU, dtype=torch.float32, options=StoreOptions(block_size=8))
+    with pytest.raises(ConfigError, match="not below the context capacity"):
+        TieredKVStore(cfg, KVPlan("gpu", 2, 3, 16, 0, 0), capacity=64, **common, **parts.store_kwargs())
+    parts = build_policy(cfg, device=CPU, **options(evict="window", kv_budget=16))
+    with pytest.raises(ConfigError, match="streams"):
+        TieredKVStore(cfg, KVPlan("head", 1, 0, 16, 2, 64), capacity=64, **common, **parts.store_kwargs())
