@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
@@ -40,8 +41,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(embedded_hf_dir: Path) -> Iterator[Served]:
     model = str(embedded_hf_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # NOTE: on a shared 2-core CPU, 1 thread is ~10x faster for small GEMMs
     llm = LLM(model, device="cpu", dtype="fp32")
-    engine = ServeEngine(llm, ServeConfig(page_size=16, num_pages=NUM_PAGES, max_num_seqs=64))
+    engine = ServeEngine(llm, ServeConfig(page_size=16, num_pages=NUM_PAGES, max_num_seqs=64, threads=1))
     server = ServerThread(
         build_app(engine, AppSettings(model_name=model, api_key=KEY, max_body_bytes=1 << 16))
     )
@@ -53,6 +56,7 @@ def served(embedded_hf_dir: Path) -> Iterator[Served]:
     finally:
         http.close()
         server.stop()
+        torch.set_num_threads(threads)
 
 
 def idle(engine: ServeEngine, timeout: float = 10.0) -> bool:
@@ -192,8 +196,8 @@ def test_soak_of_tiny_requests_returns_every_page(served: Served) -> None:
         r = served.http.post("/v1/completions", json={"prompt": f"{i} + {i} =", "max_tokens": 1 + i % 2})
         return r.status_code
 
-    with ThreadPoolExecutor(16) as pool:
-        codes = list(pool.map(tiny, range(240)))
-    assert codes == [200] * 240
+    with ThreadPoolExecutor(32) as pool:
+        codes = list(pool.map(tiny, range(200)))
+    assert codes == [200] * 200
     assert idle(served.engine)
     assert served.engine.kv.pool.num_free == NUM_PAGES

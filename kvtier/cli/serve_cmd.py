@@ -29,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
     p.add_argument("--num-pages", type=int, default=None, help="device KV pages (default: from memory)")
     p.add_argument("--num-host-pages", type=int, default=None, help="host-tier pages (default: --num-pages)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="reject larger request bodies (1 MiB)")
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching,
+        threads=args.threads,
     )
     llm = LLM(**llm_kwargs(args))
     engine = ServeEngine(llm, config)

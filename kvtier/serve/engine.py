@@ -38,6 +38,7 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
+    threads: int | None = None  # torch CPU threads of the engine thread (None: torch's default)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -47,6 +48,8 @@ class ServeConfig:
         if self.num_host_pages is not None and self.num_host_pages < 0:
             raise ConfigError(f"--num-host-pages must not be negative, got {self.num_host_pages}")
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
 
 
 class ServeEngine:
@@ -159,6 +162,10 @@ class ServeEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.config.threads is not None:
+            # NOTE: on a CPU shared with other work, 2+ OpenMP threads can make small GEMMs 10x
+            # slower (threads wait for descheduled peers); 1 thread is then the fastest.
+            torch.set_num_threads(self.config.threads)
         while not self._stop.is_set():
             self._drain(block=not self.scheduler.has_work)
             if self.scheduler.has_work:

@@ -13,6 +13,9 @@ slot block_table[p // P] * P + p % P of the layer's [num_pages * P, 2, H_kv, D] 
 A batch step concatenates every scheduled sequence's new tokens into one flat stream (prefill
 chunks and decode tokens mixed); `begin_step` takes each sequence's (block table, start, n_new)
 in that order and precomputes positions, RoPE tables and slot indices once for all layers.
+Prefill chunks attend one sequence at a time (`attend`); the decode tokens of two or more
+sequences attend in ONE batched SDPA call over their KV gathered into [B, S_max] (padded keys
+masked out), which is where continuous batching wins on the attention side.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvtier.attention.dense import attend
 from kvtier.config import ModelConfig
@@ -49,10 +53,12 @@ class PagedKVStore:
         # NOTE: zeros, not empty: on the CPU untouched pages then cost no resident memory.
         self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
-        self._steps: list[SeqStep] = []
         self._cos = self._sin = torch.empty(0)
         self._write = torch.empty(0, dtype=torch.long)  # [T] flat slots of the step's tokens
-        self._reads: list[torch.Tensor] = []  # per sequence [start + n_new] flat slots
+        self._reads: list[tuple[int, int, torch.Tensor]] = []  # prefills: (offset, n_new, slots)
+        self._dec_rows = torch.empty(0, dtype=torch.long)  # [B] stream index of each decode token
+        self._dec_slots = torch.empty(0, dtype=torch.long)  # [B, S_max] flat slots, padded with 0
+        self._dec_mask = torch.empty(0, dtype=torch.bool)  # [B, 1, 1, S_max] True = a real key
 
     @property
     def bytes_per_page(self) -> int:
@@ -62,6 +68,8 @@ class PagedKVStore:
         """Set the batch of the next forward: one `SeqStep` per sequence, in token-stream order."""
         p = self.page_size
         positions, writes, reads = [], [], []
+        decodes: list[tuple[int, torch.Tensor]] = []
+        offset = 0
         for s in steps:
             end = s.start + s.n_new
             assert len(s.block_table) * p >= end, "block table too short for the step"
@@ -70,15 +78,32 @@ class PagedKVStore:
             slots = table[pos // p] * p + pos % p  # [end]
             positions.append(pos[s.start :])
             writes.append(slots[s.start :])
-            reads.append(slots.to(self.device))
+            if s.n_new == 1:
+                decodes.append((offset, slots))
+            else:
+                reads.append((offset, s.n_new, slots.to(self.device)))
+            offset += s.n_new
+        if len(decodes) == 1:  # a lone decode token takes the exact single-sequence path
+            reads.append((decodes[0][0], 1, decodes[0][1].to(self.device)))
+            decodes = []
+        if decodes:
+            s_max = max(len(sl) for _, sl in decodes)
+            padded = torch.zeros(len(decodes), s_max, dtype=torch.long)
+            mask = torch.zeros(len(decodes), 1, 1, s_max, dtype=torch.bool)
+            for b, (_, sl) in enumerate(decodes):
+                padded[b, : len(sl)] = sl
+                mask[b, ..., : len(sl)] = True
+            self._dec_rows = torch.tensor([o for o, _ in decodes], device=self.device)
+            self._dec_slots, self._dec_mask = padded.to(self.device), mask.to(self.device)
+        else:
+            self._dec_rows = torch.empty(0, dtype=torch.long, device=self.device)
         pos_all = torch.cat(positions)
         self._cos, self._sin = self.rotary.cos_sin(pos_all.to(self.device), self.dtype)
         self._write = torch.cat(writes).to(self.device)
         self._reads = reads
-        self._steps = list(steps)
 
     def end_step(self) -> None:
-        self._steps, self._reads = [], []
+        self._reads = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Rotate, write the step's k/v into each sequence's pages, attend per sequence.
@@ -89,9 +114,23 @@ class PagedKVStore:
         k = Rotary.apply(k, self._cos, self._sin)
         flat = self.pages[layer].view(-1, *self.pages[layer].shape[2:])  # [num_pages * P, 2, H_kv, D]
         flat[self._write] = torch.stack((k, v), dim=1)
-        outs, a = [], 0
-        for s, slots in zip(self._steps, self._reads, strict=True):
-            kv = flat[slots]  # [start + n_new, 2, H_kv, D]
-            outs.append(attend(q[a : a + s.n_new], kv))
-            a += s.n_new
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if len(self._reads) == 1 and self._reads[0][1] == q.shape[0]:
+            return attend(q, flat[self._reads[0][2]])  # one sequence: no copy of the output
+        out = torch.empty_like(q)
+        for a, n, slots in self._reads:
+            out[a : a + n] = attend(q[a : a + n], flat[slots])  # kv [start + n, 2, H_kv, D]
+        if self._dec_rows.numel():
+            out[self._dec_rows] = self._decode_batch(q[self._dec_rows], flat)
+        return out
+
+    def _decode_batch(self, q: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """One query per sequence, q [B, H_q, D], over each one's gathered KV -> [B, H_q, D]."""
+        b, hq, d = q.shape
+        kv = flat[self._dec_slots]  # [B, S_max, 2, H_kv, D]
+        hkv = kv.shape[3]
+        k = kv[:, :, 0].transpose(1, 2)  # [B, H_kv, S_max, D]
+        v = kv[:, :, 1].transpose(1, 2)
+        # The r query heads of each KV head fold into the query axis: no K/V expansion needed.
+        qf = q.view(b, hkv, hq // hkv, d)  # [B, H_kv, r, D]
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=self._dec_mask)
+        return out.reshape(b, hq, d)
