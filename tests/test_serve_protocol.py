@@ -1,0 +1,84 @@
+"""Request validation and the `kvtier serve` command line, without loading a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.cli.main import build_parser, main
+from kvtier.serve.metrics import _escape
+from kvtier.serve.protocol import APIError, parse_request
+
+
+def test_completion_body_becomes_sampling_params() -> None:
+    req = parse_request(
+        {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "stop": "\n", "seed": 7}, chat=False
+    )
+    assert req.prompt == "Hi" and req.messages is None and not req.stream
+    assert (req.params.max_tokens, req.params.temperature, req.params.stop, req.params.seed) == (
+        3,
+        0.0,
+        ("\n",),
+        7,
+    )
+    assert parse_request({"prompt": [[1, 2, 3]]}, chat=False).prompt == [1, 2, 3]
+    assert parse_request({"prompt": "x"}, chat=False).params.max_tokens == 16
+
+
+def test_chat_body_accepts_text_parts_and_max_completion_tokens() -> None:
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+        ],
+        "max_completion_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = parse_request(body, chat=True)
+    assert req.messages == [{"role": "user", "content": "ab"}]
+    assert req.params.max_tokens == 5 and req.stream and req.include_usage and req.max_tokens_given
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, None),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "logprobs": 3}, "logprobs"),
+        ({"prompt": "x", "stop": ["a", ""]}, "stop"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+    ],
+)
+def test_bad_values_are_400_with_the_parameter(body: dict[str, Any], param: str | None) -> None:
+    with pytest.raises(APIError) as e:
+        parse_request(body, chat=False)
+    assert e.value.status == 400 and e.value.param == param and e.value.message
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_needs_messages() -> None:
+    with pytest.raises(APIError, match="messages"):
+        parse_request({"messages": []}, chat=True)
+    with pytest.raises(APIError, match="JSON object"):
+        parse_request([1, 2], chat=True)
+
+
+def test_serve_subcommand_parses_and_rejects_bad_sizes_before_loading(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = build_parser().parse_args(["serve", "--port", "9001", "--page-size", "32", "--max-num-seqs", "8"])
+    assert (args.host, args.port, args.page_size, args.max_num_seqs) == ("127.0.0.1", 9001, 32, 8)
+    assert main(["serve", "--page-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "kvtier: error: --page-size must be at least 1, got 0"
+    assert main(["serve", "--port", "70000"]) == 2
+
+
+def test_metric_labels_are_escaped() -> None:
+    assert _escape('a"b\\c') == 'a\\"b\\\\c'
