@@ -201,3 +201,17 @@ def test_soak_of_tiny_requests_returns_every_page(served: Served) -> None:
     assert codes == [200] * 200
     assert idle(served.engine)
     assert served.engine.kv.pool.num_free == NUM_PAGES
+
+
+def test_stop_string_cuts_the_text_also_when_streamed(served: Served) -> None:
+    c, m = served.client, served.model
+    full = c.completions.create(model=m, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0).choices[0].text
+    stop = full[3:5]
+    assert stop.strip(), full
+    want = full[: full.index(stop)]
+    got = c.completions.create(model=m, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[stop])
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+    parts = c.completions.create(
+        model=m, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[stop], stream=True
+    )
+    assert "".join(ch.choices[0].text for ch in parts if ch.choices) == want

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from kvtier.cli.main import build_parser, main
+from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.metrics import _escape
 from kvtier.serve.protocol import APIError, parse_request
+from kvtier.serve.stopping import check_stop
 
 
 def test_completion_body_becomes_sampling_params() -> None:
@@ -82,3 +84,13 @@ def test_serve_subcommand_parses_and_rejects_bad_sizes_before_loading(
 
 def test_metric_labels_are_escaped() -> None:
     assert _escape('a"b\\c') == 'a\\"b\\\\c'
+
+
+def test_check_stop_holds_back_a_possible_stop_string() -> None:
+    p = SamplingParams(max_tokens=5, stop=("END",))
+    assert check_stop([1], "abcE", p, {9}, False) == ("ab", None)  # "cE" could begin "END"
+    assert check_stop([1, 2], "abcEND!", p, {9}, False) == ("abc", "stop")
+    assert check_stop([9], "ab", SamplingParams(), {9}, False) == ("ab", "stop")
+    assert check_stop([9], "ab", SamplingParams(ignore_eos=True), {9}, True) == ("ab", "length")
+    assert check_stop([1], "a\ufffd", SamplingParams(), {9}, False) == (None, None)
+    assert check_stop([1] * 5, "abcEN", p, {9}, False) == ("abcEN", "length")

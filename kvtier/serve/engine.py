@@ -21,11 +21,13 @@ import torch
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import ConfigError, PromptError
+from kvtier.planner.hardware import host_memory_available
 from kvtier.serve.kv_manager import KVCacheManager
 from kvtier.serve.paged_store import PagedKVStore, SeqStep
 from kvtier.serve.prefix_cache import root_hash
 from kvtier.serve.scheduler import Scheduler, SchedulerConfig
 from kvtier.serve.sequence import Delta, Sequence, Sink, Status
+from kvtier.serve.stopping import check_stop
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class ServeEngine:
         self.store = PagedKVStore(
             llm.model_config, num_pages=num_pages, page_size=cfg.page_size, device=llm.device, dtype=llm.dtype
         )
-        host = cfg.num_host_pages if cfg.num_host_pages is not None else num_pages
+        host = cfg.num_host_pages if cfg.num_host_pages is not None else self._default_host_pages(num_pages)
         self.kv = KVCacheManager(self.store, host, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
         self.salt = f"{llm.loaded.name}|{llm.dtype}|paged{cfg.page_size}"
@@ -94,6 +96,14 @@ class ServeEngine:
             torch.empty((), dtype=self.llm.dtype).element_size()
         )
         return max(16, int(0.8 * free) // bytes_per_page)
+
+    def _default_host_pages(self, num_pages: int) -> int:
+        """As many host pages as device pages, but at most a quarter of the free host memory
+        (host pages are pinned on CUDA, so they are allocated up front)."""
+        if self.device.type != "cuda":
+            return num_pages
+        available = host_memory_available() or 0
+        return min(num_pages, available // 4 // self.store.bytes_per_page)
 
     # -- thread-safe API -----------------------------------------------------------------------
 
@@ -240,24 +250,15 @@ class ServeEngine:
         return len(ids)
 
     def _after_token(self, seq: Sequence) -> None:
-        out, p = seq.output, seq.params
-        tokenizer = self.llm.tokenizer
         text = ""
-        if tokenizer is not None:
+        if self.llm.tokenizer is not None:
             with self.tokenizer_lock:
-                text = tokenizer.decode(out, skip_special_tokens=True)
-        reason = None
-        if not p.ignore_eos and out[-1] in self.eos:
-            reason = "stop"
-        for s in p.stop:
-            if s in text:
-                text, reason = text[: text.index(s)], "stop"
-                break
-        if reason is None and (len(out) >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
-            reason = "length"
-        if reason is None and text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 character; send it with the next token
-        self._emit(seq, text, reason)
+                text = self.llm.tokenizer.decode(seq.output, skip_special_tokens=True)
+        at_limit = len(seq.tokens) >= self.max_model_len
+        visible, reason = check_stop(seq.output, text, seq.params, self.eos, at_limit)
+        if visible is None:
+            return
+        self._emit(seq, visible, reason)
         if reason is not None:
             self._finish(seq, reason, emitted=True)
 
@@ -265,7 +266,7 @@ class ServeEngine:
         new_tokens = tuple(seq.output[seq.emitted_tokens :])
         delta = Delta(
             token_ids=new_tokens,
-            text=text[seq.emitted_text :],
+            text=text[seq.emitted_text :],  # empty when held-back text shrank the visible part
             finish_reason=reason,
             prompt_tokens=len(seq.prompt),
             completion_tokens=len(seq.output),
