@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -215,3 +216,16 @@ def test_stop_string_cuts_the_text_also_when_streamed(served: Served) -> None:
         model=m, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[stop], stream=True
     )
     assert "".join(ch.choices[0].text for ch in parts if ch.choices) == want
+
+
+def test_multi_turn_chat_reuses_the_earlier_turn(served: Served) -> None:
+    c, m = served.client, served.model
+    turn1: list[Any] = [{"role": "user", "content": "Name a color of the sky."}]
+    first = c.chat.completions.create(model=m, messages=turn1, max_tokens=6, temperature=0)
+    assert first.usage is not None
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or ""}]
+    turn2.append({"role": "user", "content": "And of grass?"})
+    second = c.chat.completions.create(model=m, messages=turn2, max_tokens=2, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= first.usage.prompt_tokens // 16 * 16 > 0

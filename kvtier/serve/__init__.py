@@ -6,8 +6,10 @@ Layers, from the bottom up (dependencies point one way):
     prefix_cache.py   chained page hashes; HostPageCache, the host tier that evicted pages go to
     paged_store.py    PagedKVStore: per-layer page tensors; the `Attention` of one batch step
     kv_manager.py     KVCacheManager: per-sequence block tables over the pool, prefix matching
-    scheduler.py      Sequence, Scheduler: continuous batching, chunked prefill, preemption
+    sequence.py       Sequence (one request's tokens, pages, progress) and Delta (what it emits)
+    scheduler.py      Scheduler: continuous batching, chunked prefill, preemption by recompute
+    stopping.py       EOS / stop strings / max_tokens, and how much text may be sent yet
     engine.py         ServeEngine: the step loop in a background thread; thread-safe submit/abort
     protocol.py       OpenAI request parsing and validation; APIError
-    app.py            the FastAPI app; metrics.py the Prometheus text
+    app.py            the FastAPI app; metrics.py the Prometheus text; server.py uvicorn runners
 """
