@@ -35,8 +35,9 @@ def check_budget(budget: int, capacity: int, what: str) -> None:
         )
 
 
-def _recent(length: int, n: int) -> torch.Tensor:
-    return torch.arange(length - n, length)
+def _recent(length: int, n: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the newest `n` of `length` tokens (on `like`'s device)."""
+    return torch.arange(length - n, length, device=None if like is None else like.device)
 
 
 class _Budgeted:
@@ -116,7 +117,7 @@ class H2OEvictor(_Budgeted):
         scores = self.scores[slice_id]  # [G, length]
         older = length - self.recent
         heavy = scores[:, :older].topk(self.budget - self.recent, dim=1).indices.sort(dim=1).values
-        idx = torch.cat((heavy, _recent(length, self.recent).expand(heavy.shape[0], -1)), dim=1)
+        idx = torch.cat((heavy, _recent(length, self.recent, heavy).expand(heavy.shape[0], -1)), dim=1)
         self.scores[slice_id] = torch.gather(scores, 1, idx)
         return idx
 
@@ -153,4 +154,4 @@ class SnapKVEvictor(_Budgeted):
         older = length - self.window
         pooled = F.avg_pool1d(votes[None, :, :older], self.kernel, stride=1, padding=self.kernel // 2)[0]
         top = pooled[:, :older].topk(self.budget - self.window, dim=1).indices.sort(dim=1).values
-        return torch.cat((top, _recent(length, self.window).expand(top.shape[0], -1)), dim=1)
+        return torch.cat((top, _recent(length, self.window, top).expand(top.shape[0], -1)), dim=1)
