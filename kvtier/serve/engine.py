@@ -74,7 +74,7 @@ class ServeEngine:
         host = cfg.num_host_pages if cfg.num_host_pages is not None else self._default_host_pages(num_pages)
         self.kv = KVCacheManager(self.store, host, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
-        self.salt = f"{llm.loaded.name}|{llm.dtype}|paged{cfg.page_size}"
+        self.salt = f"{llm.loaded.name}|{llm.dtype}|kv={llm.config.kv}|paged{cfg.page_size}"
         self.eos = frozenset(llm.loaded.eos_token_ids)
         self.max_model_len = min(llm.max_model_len, num_pages * cfg.page_size)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
