@@ -10,6 +10,7 @@ Prints a table and writes bench/results/serve_cpu.json (machine, date, command, 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--prefix-repeats", type=int, default=40, help="a ~500-token shared prefix")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load = [round(x, 2) for x in os.getloadavg()]  # the CPU may be shared: context for the numbers
     llm = LLM(args.model, device="cpu", dtype="fp32")
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     ids = [llm.encode(p) for p in prompts(args.requests)]
@@ -120,6 +122,7 @@ def main() -> None:
         "device": "cpu",
         "dtype": "fp32",
         "torch_threads": args.threads,
+        "load_average_at_start": load,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "continuous_batching": cb,
