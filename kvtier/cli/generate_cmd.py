@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvtier.cli.options import add_model_options, llm_kwargs
+from kvtier.cli.options import add_method_options, add_model_options, llm_kwargs
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError, PromptError
@@ -31,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     add_model_options(p)
+    add_method_options(p)
     p.set_defaults(func=run)
 
 

@@ -6,6 +6,10 @@ import argparse
 from typing import Any
 
 from kvtier.engine.config import KV_POLICIES
+from kvtier.engine.methods import ATTENTION_METHODS
+from kvtier.policies.evict import EVICT
+from kvtier.policies.quant import KV_QUANT
+from kvtier.sparse import HIP_PRESETS
 from kvtier.units import parse_count
 
 
@@ -41,6 +45,38 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for random-weight presets and sampling")
 
 
+def add_method_options(p: argparse.ArgumentParser) -> None:
+    """The opt-in lossy methods. Without them kvtier is lossless."""
+    g = p.add_argument_group("lossy methods (opt-in; default: lossless dense attention, full KV)")
+    g.add_argument(
+        "--attention",
+        default="dense",
+        choices=ATTENTION_METHODS,
+        help="dense (default); hip = InfiniteHiP-style sparse attention with context "
+        "extension; quest = query-aware page selection (needs --kv-budget)",
+    )
+    g.add_argument(
+        "--hip-preset",
+        default="default",
+        choices=sorted(HIP_PRESETS),
+        help="HiP budgets and decode refresh intervals",
+    )
+    g.add_argument("--kv-quant", default=None, choices=KV_QUANT, help="quantize stored KV")
+    g.add_argument("--evict", default=None, choices=EVICT, help="evict KV tokens (needs --kv-budget)")
+    g.add_argument(
+        "--kv-budget",
+        type=lambda s: parse_count(s, "--kv-budget"),
+        default=None,
+        help="tokens kept (or read) per KV head by --evict / --attention quest / --head-sparsity",
+    )
+    g.add_argument(
+        "--head-sparsity",
+        type=float,
+        default=None,
+        help="fraction of KV heads that become streaming heads (sinks + recent tokens)",
+    )
+
+
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for `kvtier.LLM` from parsed model options."""
     return {
@@ -53,4 +89,9 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_size": args.chunk_size,
         "max_model_len": args.max_model_len,
         "seed": args.seed,
+        **{
+            k: getattr(args, k)
+            for k in ("attention", "hip_preset", "kv_quant", "evict", "kv_budget", "head_sparsity")
+            if hasattr(args, k)
+        },
     }

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kvtier.engine.config import EngineConfig
+from kvtier.engine.methods import StoreMethod
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
@@ -47,6 +48,12 @@ class LLM:
         block_size: int = 256,
         max_model_len: int | None = None,
         seed: int = 0,
+        attention: str = "dense",
+        hip_preset: str = "default",
+        kv_quant: str | None = None,
+        evict: str | None = None,
+        kv_budget: int | None = None,
+        head_sparsity: float | None = None,
     ) -> None:
         self.config = EngineConfig.with_sizes(
             gpu_memory,
@@ -59,6 +66,14 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
         )
+        self.method = StoreMethod(
+            attention=attention,
+            hip_preset=hip_preset,
+            kv_quant=kv_quant,
+            evict=evict,
+            kv_budget=kv_budget,
+            head_sparsity=head_sparsity,
+        )
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype(self.device)
         if self.device.type == "cuda" and self.config.gpu_memory is not None:
@@ -67,7 +82,12 @@ class LLM:
         self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        if max_model_len is None and attention == "hip":
+            # HiP's context extension is what lets a model run past its trained length.
+            max_model_len = 1 << 24
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
+        # Fail on bad method names or budgets now, before the first request.
+        self.method.build(self.model_config, self.device, self.loaded.model)
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -169,6 +189,7 @@ class LLM:
         plan = self.plan(context)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        parts = self.method.build(self.model_config, self.device, self.loaded.model)
         store = TieredKVStore(
             self.model_config,
             plan,
@@ -176,6 +197,7 @@ class LLM:
             dtype=self.dtype,
             capacity=context,
             options=StoreOptions(block_size=self.config.block_size),
+            **parts.store_kwargs(),
         )
         try:
             tokens, stats = generate_tokens(
@@ -200,7 +222,7 @@ class LLM:
             ) from None
         finally:
             store.close()
-        stats.plan = asdict(plan)
+        stats.plan = {**asdict(plan), "method": parts.describe}
         text, reason = self._finish(tokens, params)
         return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
 
