@@ -47,7 +47,9 @@ def served(embedded_hf_dir: Path) -> Iterator[Served]:
     llm = LLM(model, device="cpu", dtype="fp32")
     engine = ServeEngine(llm, ServeConfig(page_size=16, num_pages=NUM_PAGES, max_num_seqs=64, threads=1))
     server = ServerThread(
-        build_app(engine, AppSettings(model_name=model, api_key=KEY, max_body_bytes=1 << 16))
+        build_app(
+            engine, AppSettings(model_name=model, api_key=KEY, max_body_bytes=1 << 16, max_prompt_tokens=3000)
+        )
     )
     server.start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -167,6 +169,10 @@ def test_errors_are_openai_shaped(served: Served) -> None:
     assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
     r = h.post("/v1/completions", json={"prompt": [1] * 5000})
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"
+    r = h.post("/v1/completions", json={"prompt": [1] * 2000, "max_tokens": 4000})  # prompt + max_tokens
+    assert r.status_code == 400 and "4096" in error_of(r)["message"]
+    r = h.post("/v1/completions", json={"prompt": [1] * 3001})  # --max-prompt-tokens
+    assert r.status_code == 400 and "limit of 3000" in error_of(r)["message"]
     r = h.post("/v1/completions", json={"prompt": "Hi", "temperature": -1})
     assert r.status_code == 400 and "temperature" in error_of(r)["message"]
     r = h.post("/v1/chat/completions", json={"messages": "hi"})
@@ -194,7 +200,8 @@ def test_client_disconnect_frees_pages(served: Served) -> None:
 
 def test_soak_of_tiny_requests_returns_every_page(served: Served) -> None:
     def tiny(i: int) -> int:
-        r = served.http.post("/v1/completions", json={"prompt": f"{i} + {i} =", "max_tokens": 1 + i % 2})
+        body = {"prompt": [1 + i % 97, 2 + i % 5], "max_tokens": 1 + i % 3}  # token ids: tiny and fast
+        r = served.http.post("/v1/completions", json=body)
         return r.status_code
 
     with ThreadPoolExecutor(32) as pool:
