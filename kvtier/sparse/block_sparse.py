@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvtier.model.rope import Rotary
-from kvtier.sparse.rope_ext import attention_key_positions, rotate
+from kvtier.sparse.rope_ext import RopeTable, attention_key_positions
 
 
 def attend_block(
@@ -25,7 +24,7 @@ def attend_block(
     prefix: torch.Tensor,
     window_start: int,
     *,
-    rotary: Rotary | None = None,
+    rotary: RopeTable | None = None,
     mode: str = "absolute",
 ) -> torch.Tensor:
     """Attention of q [Tb, H_q, D] at true positions q_pos [Tb] (ascending) over kv [S, 2, G, D].
@@ -41,8 +40,8 @@ def attend_block(
     k = kv[idx, 0]  # [L, G, D]
     v = kv[idx, 1]
     if rotary is not None:
-        k = rotate(rotary, k, attention_key_positions(mode, prefix, window_start, end))
-        q = rotate(rotary, q, q_pos)
+        k = rotary.rotate(k, attention_key_positions(mode, prefix, window_start, end))
+        q = rotary.rotate(q, q_pos)
     mask = idx[None, :] <= q_pos[:, None]  # [Tb, L]
     return _softmax_attention(q, k, v, mask)
 

@@ -27,6 +27,7 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse.block_sparse import attend_block
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.pruning import run_stages
+from kvtier.sparse.rope_ext import RopeTable
 
 
 @dataclass
@@ -61,7 +62,7 @@ class HipKernel:
         if cfg.extend and rotary is None:
             raise ConfigError("hip extend=True needs the model's Rotary: keys are rotated in the kernel")
         self.cfg = cfg
-        self.rotary = rotary if cfg.extend else None
+        self.rotary = RopeTable(rotary) if cfg.extend and rotary is not None else None
         self.stats = HipStats(decode_recomputes=[0] * len(cfg.chunk_sizes))
         self._cache: dict[tuple[int, int, int], _DecodeState] = {}
 

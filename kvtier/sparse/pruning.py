@@ -20,8 +20,7 @@ import math
 
 import torch
 
-from kvtier.model.rope import Rotary
-from kvtier.sparse.rope_ext import probe_positions, rotate, scoring_query_position
+from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
 
 def pool_queries(q: torch.Tensor, positions: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +76,7 @@ class ScoreFn:
         q_pos: torch.Tensor,
         keys: torch.Tensor,
         mode: str,
-        rotary: Rotary | None,
+        rotary: RopeTable | None,
         window: int,
         n_chunks: int,
     ) -> None:
@@ -86,14 +85,14 @@ class ScoreFn:
         self.mode = mode
         self.rotary = rotary
         if rotary is not None:
-            q = rotate(rotary, q, scoring_query_position(mode, q_pos, window, n_chunks))
+            q = rotary.rotate(q, scoring_query_position(mode, q_pos, window, n_chunks))
         n, hq, d = q.shape
         self.q = q.reshape(n, g, hq // g, d).float()  # [Nq, G, r, D]
 
     def __call__(self, positions: torch.Tensor, chunk_index: torch.Tensor, side: int) -> torch.Tensor:
         k = self.keys[positions]  # [C, G, D]
         if self.rotary is not None:
-            k = rotate(self.rotary, k, probe_positions(self.mode, side, chunk_index, positions))
+            k = self.rotary.rotate(k, probe_positions(self.mode, side, chunk_index, positions))
         s = torch.einsum("ngrd,cgd->cngr", self.q, k.float())  # [C, Nq, G, r]
         return s.flatten(1).amax(dim=1)
 
@@ -107,7 +106,7 @@ def prune_stage(
     budget: int,
     *,
     mode: str,
-    rotary: Rotary | None,
+    rotary: RopeTable | None,
     window: int,
 ) -> torch.Tensor:
     """One pruning stage for one query block: the kept candidate positions, sorted.
@@ -142,7 +141,7 @@ def run_stages(
     budgets: tuple[int, ...],
     strides: tuple[int, ...],
     mode: str,
-    rotary: Rotary | None,
+    rotary: RopeTable | None,
     window: int,
     first: int = 0,
 ) -> list[torch.Tensor]:

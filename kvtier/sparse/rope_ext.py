@@ -33,6 +33,28 @@ def rotate(rotary: Rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Te
     return Rotary.apply(x, cos, sin)
 
 
+class RopeTable:
+    """cos/sin of every position up to the longest seen, computed once and indexed per call.
+
+    Gives the same values as `Rotary.cos_sin` (same float32 computation), without recomputing
+    cos and sin for every query block. Grows by doubling; mutates only itself.
+    """
+
+    def __init__(self, rotary: Rotary) -> None:
+        self.rotary = rotary
+        self._cos = self._sin = torch.empty(0, rotary.head_dim)
+        self._dtype: torch.dtype | None = None
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] rotated at `positions` [N] (non-negative integers), in x's dtype."""
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        if n > self._cos.shape[0] or self._dtype != x.dtype:
+            size = max(n, 2 * self._cos.shape[0], 1024)
+            self._cos, self._sin = self.rotary.cos_sin(torch.arange(size, device=x.device), x.dtype)
+            self._dtype = x.dtype
+        return Rotary.apply(x, self._cos[positions], self._sin[positions])
+
+
 def probe_positions(mode: str, side: int, chunk_index: torch.Tensor, true_pos: torch.Tensor) -> torch.Tensor:
     """Positions of probe keys [C] while scoring: side 0 = left branch, 1 = right branch.
 
