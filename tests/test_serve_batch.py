@@ -14,7 +14,7 @@ from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.planner.placement import KVPlan
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.paged_store import PagedKVStore, SeqStep
-from kvtier.serve.sequence import Delta
+from kvtier.serve.sequence import Delta, Sequence
 from tests.hf_reference import make_hf_model
 
 CPU = torch.device("cpu")
@@ -100,3 +100,53 @@ def test_engine_batches_greedy_equal_alone(llm: LLM, budget: int, num_pages: int
     assert engine.kv.pool.num_free == num_pages
     if num_pages == 12:
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_decodes_of_many_sequences_attend_in_one_batched_call(llm: LLM) -> None:
+    """Three decode tokens (batched, padded keys masked) and a prefill chunk in one step."""
+    ps = prompts()
+    refs = [alone(llm, p, 2) for p in ps[:3]]
+    ref_d, _ = alone(llm, ps[3], 1)
+    store = PagedKVStore(llm.model_config, num_pages=40, page_size=4, device=CPU, dtype=torch.float32)
+    tables = [tuple(range(10 * i, 10 * i + 10)) for i in range(4)]
+    for p, table in zip(ps[:3], tables, strict=False):
+        store.begin_step([SeqStep(table, 0, len(p))])
+        llm.loaded.model(torch.tensor(p), store)
+        store.end_step()
+    steps = [SeqStep(tables[i], len(ps[i]), 1) for i in range(3)] + [SeqStep(tables[3], 0, len(ps[3]))]
+    store.begin_step(steps)
+    assert store._dec_rows.tolist() == [0, 1, 2] and store._dec_slots.shape == (3, 24)
+    ids = torch.tensor([refs[0][1][0], refs[1][1][0], refs[2][1][0], *ps[3]])
+    logits = llm.loaded.model(ids, store, logits_at=torch.tensor([0, 1, 2, ids.shape[0] - 1]))
+    store.end_step()
+    for i in range(3):
+        assert torch.allclose(logits[i], refs[i][0][1], atol=1e-5)
+        assert int(logits[i].argmax()) == refs[i][1][1]
+    assert torch.allclose(logits[3], ref_d[0], atol=1e-5)
+
+
+def test_scheduler_splits_prefill_by_the_token_budget(llm: LLM) -> None:
+    """Budget 7: decodes go first, prefills take what is left, in chunks."""
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=32, max_num_batched_tokens=7))
+    a, b = prompts()[0], prompts()[1]  # 5 and 23 tokens
+    for ids in (a, b):
+        engine.submit(ids, SamplingParams(max_tokens=3), lambda d: None)
+    plan: list[list[tuple[str, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> list[tuple[Sequence, int]]:
+        out = schedule()
+        plan.append([(seq.request_id, n) for seq, n in out])
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    engine.run_until_idle()
+    assert plan == [
+        [("req-0", 5), ("req-1", 2)],  # A's whole prompt, B's first chunk
+        [("req-0", 1), ("req-1", 6)],  # A decodes first, B gets the rest of the budget
+        [("req-0", 1), ("req-1", 6)],
+        [("req-1", 7)],  # A finished (3 tokens): B takes the whole budget
+        [("req-1", 2)],
+        [("req-1", 1)],
+        [("req-1", 1)],
+    ]

@@ -275,7 +275,11 @@ class ServeEngine:
         )
         seq.emitted_tokens += len(new_tokens)
         seq.emitted_text = max(seq.emitted_text, len(text))
-        seq.sink(delta)
+        try:
+            seq.sink(delta)
+        except Exception:  # a broken listener loses its own request, never the batch
+            if seq.status is not Status.FINISHED:
+                self._inbox.put(("abort", seq.request_id))
 
     def _finish(self, seq: Sequence, reason: str, emitted: bool = False, error: str | None = None) -> None:
         if seq.status is Status.FINISHED:
