@@ -266,7 +266,7 @@ class FakeLLM:
         return [SimpleNamespace(text=text, stats=stats)]
 
 
-def test_run_eval_scores_each_method_on_the_same_prompts(tok: Any) -> None:
+def test_run_eval_scores_each_method_on_the_same_prompts(tok: Any, tmp_path: Path) -> None:
     FakeLLM.tokenizer_, FakeLLM.made = tok, []
     spec = TaskSpec("passkey", (1024, 2048), samples=2)
     cfg = EvalConfig(spec, parse_methods(["auto", "layer"]))
@@ -282,6 +282,8 @@ def test_run_eval_scores_each_method_on_the_same_prompts(tok: Any) -> None:
     assert meta["seed"] == 0 and meta["command"] == "kvtier eval passkey" and "records" not in meta
     assert {"platform", "cpu", "torch", "device"} <= set(meta["machine"])
     assert "records" in result.to_json() and "layer" in result.table()
+    result.save(tmp_path / "r.json")
+    assert EvalResult.load(tmp_path / "r.json").to_json() == result.to_json()
 
 
 def test_run_eval_refuses_lengths_past_the_model(tok: Any) -> None:

@@ -44,7 +44,7 @@ def plot_results(result: EvalResult, path: str | Path) -> None:
 
 def _title(result: EvalResult) -> str:
     m = result.meta
-    return f"{m.get('task')} on {m.get('model')}: {m.get('samples')} sample(s) per cell, seed {m.get('seed')}"
+    return f"{m.get('task')} on {m.get('model')}\n{m.get('samples')} sample(s) per cell, seed {m.get('seed')}"
 
 
 def plot_heatmaps(result: EvalResult) -> Any:
@@ -85,7 +85,7 @@ def plot_lines(result: EvalResult) -> Any:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cols = min(len(tasks), 3)
     nrows = -(-len(tasks) // cols)
-    fig = _figure(4.0 * cols, 3.2 * nrows + 0.4)
+    fig = _figure(max(4.0 * cols, 5.5), 3.2 * nrows + 0.6)
     axes = fig.subplots(nrows, cols, squeeze=False).ravel()
     lengths = sorted({r["length"] for r in rows})
     for ax, task in zip(axes, tasks, strict=False):

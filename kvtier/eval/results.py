@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -38,6 +39,15 @@ class Record:
     score: float
     prefill_s: float = 0.0
     decode_s: float = 0.0
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Record:
+        """The inverse of `to_dict` (unknown keys are ignored)."""
+        fields = {f.name for f in dataclasses.fields(Record)}
+        kwargs: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields
+        }
+        return Record(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -104,6 +114,16 @@ class EvalResult:
             Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot write the results to {path}: {e}") from None
+
+    @staticmethod
+    def load(path: str | Path) -> EvalResult:
+        """Read a result saved with `save` (e.g. to plot it again)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read results from {path}: {e}") from None
+        meta = {k: v for k, v in data.items() if k != "records" and k not in GROUPINGS}
+        return EvalResult(meta, [Record.from_dict(r) for r in data.get("records", [])])
 
     def table(self) -> str:
         """Scores in percent: per method, depth x length (niah) or subtask x length."""
