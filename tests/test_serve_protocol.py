@@ -56,6 +56,8 @@ def test_chat_body_accepts_text_parts_and_max_completion_tokens() -> None:
         ({"prompt": "x", "stop": ["a", ""]}, "stop"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ],
 )
 def test_bad_values_are_400_with_the_parameter(body: dict[str, Any], param: str | None) -> None:

@@ -121,9 +121,12 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         raise APIError(400, "'model' must be a string", param="model")
     if _int(body, "n", 1, 1) != 1:
         raise APIError(400, "only n=1 is supported", param="n")
-    for name in ("logprobs", "top_logprobs", "tools", "suffix", "best_of"):
+    for name in ("logprobs", "top_logprobs", "tools", "suffix", "echo", "best_of", "logit_bias"):
         if body.get(name) not in (None, False, 1 if name == "best_of" else None):
             raise APIError(400, f"'{name}' is not supported by kvtier serve", param=name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise APIError(400, f"'{name}' is not supported by kvtier serve (only 0)", param=name)
     top_k = _int(body, "top_k", 0, -1)  # vLLM's extension; -1 = off
     limit = _int(body, "max_completion_tokens", None, 1) if chat else None
     max_tokens = _int(body, "max_tokens", limit, 1)
