@@ -269,14 +269,28 @@ def test_gpu_memory_that_is_not_a_size(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.xfail(
     raises=KvtierError,
     strict=True,
-    reason="kvtier/cli/main.py calls parser.parse_args outside its try block, and the --chunk-size / "
-    "--max-model-len type functions raise ConfigError, which argparse does not catch: a traceback",
+    reason="kvtier/cli/main.py calls parser.parse_args outside its try block, and the token-count options' "
+    "type functions (parse_count) raise ConfigError, which argparse does not catch: a traceback",
 )
-@pytest.mark.parametrize(("option", "value"), [("--chunk-size", "lots"), ("--max-model-len", "0")])
+@pytest.mark.parametrize(
+    ("option", "value"), [("--chunk-size", "lots"), ("--max-model-len", "0"), ("--kv-budget", "0")]
+)
 def test_token_count_options_that_are_not_counts(
     option: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     expect_error(capsys, ["generate", "--prompt", "hi", option, value], option)
+
+
+def test_lossy_methods_that_cannot_be_combined(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["generate", "--prompt", "hi", "--attention", "hip", "--kv-quant", "int8"]
+    expect_error(capsys, args, "--attention hip", "--kv-quant")
+
+
+def test_unknown_attention_method(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--attention", "sparse"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_missing_gguf_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
