@@ -38,6 +38,13 @@ HEAD = "There is important info hidden inside a lot of irrelevant text. Find it 
 TAIL = "\nWhat is the pass key? The pass key is"
 KEYS = (68423, 30917, 52786, 71294, 19650)
 DEPTHS = (0.5, 0.2, 0.8, 0.35, 0.65)
+# HiP variants: HipConfig overrides on top of --preset.
+METHODS: dict[str, dict[str, object]] = {
+    "hip": {},  # published defaults, context extension on
+    "hip-noext": {"extend": False},  # keys rotated at true positions by the store
+    "hip-softmax": {"head_score": "softmax"},  # not published: per-head softmax chunk scores
+    "hip-perhead": {"per_head": True},  # one selection per KV head (HIP_HEAD_REDUCE=0)
+}
 
 
 def passkey_prompt(tokenizer: Any, length: int, depth: float, key: int) -> str:
@@ -84,16 +91,38 @@ def generate(
     return out, t1 - t0, time.perf_counter() - t1
 
 
+def table(records: list[dict[str, Any]]) -> str:
+    """Markdown: one row per (length, method): pass-key accuracy and mean prefill time."""
+    rows = [
+        "| prompt | method | correct | outputs | mean prefill s | mean decode s |",
+        "|---|---|---|---|---|---|",
+    ]
+    seen: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        seen.setdefault((r["length"], r["method"]), []).append(r)
+    for (length, method), rs in sorted(seen.items()):
+        ok = sum(r["correct"] for r in rs)
+        outs = "; ".join(repr(r["output"].strip()) for r in rs)
+        pre = sum(r["prefill_s"] for r in rs) / len(rs)
+        dec = sum(r["decode_s"] for r in rs) / len(rs)
+        rows.append(f"| {length // 1024}K | {method} | {ok}/{len(rs)} | {outs} | {pre:.0f} | {dec:.0f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--methods", nargs="+", default=["dense", "hip"], help="dense, hip, hip-noext")
+    ap.add_argument("--methods", nargs="+", default=["dense", "hip"], help=f"dense, {', '.join(METHODS)}")
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--preset", default="default")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results/hip_quality_smollm2.json"))
+    ap.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())["records"]))
+        return
     torch.set_num_threads(2)
     folder = gguf_to_hf_folder(embedded_gguf_path())
     model, cfg = load_safetensors_folder(folder, CPU, torch.float32)
@@ -109,7 +138,7 @@ def main() -> None:
                 kernel: SliceKernel = DenseKernel()
                 rotate = True
                 if method != "dense":
-                    kernel, unrot = make_hip_kernel(cfg, CPU, args.preset, extend=method == "hip")
+                    kernel, unrot = make_hip_kernel(cfg, CPU, args.preset, **METHODS[method])
                     rotate = not unrot
                 toks, pre_s, dec_s = generate(model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens)
                 text = str(tok.decode(toks))

@@ -21,6 +21,7 @@ from kvtier.errors import ConfigError
 
 PRUNING_ROPE = ("relative", "chunk_indexed", "absolute")
 ATTENTION_ROPE = ("streaming", "absolute")
+HEAD_SCORE = ("max", "softmax")
 
 # Decode refresh intervals per stage (steps between recomputations of a stage's selection).
 REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
@@ -53,6 +54,7 @@ class HipConfig:
     wide_layers: tuple[int, ...] = (0, 1, 2, 3)
     wide_budget: int = 4096  # final-stage budget in `wide_layers`
     per_head: bool = False  # False: one selection per slice (scores max-pooled over heads)
+    head_score: str = "max"  # "max": raw q.k max-pooled (published); "softmax": see pruning.py
     extend: bool = True
     pruning_rope: str = "relative"
     chunk_indexed_layers: tuple[int, ...] = (0, 1, 2, 3)
@@ -101,6 +103,8 @@ class HipConfig:
             )
         if self.pruning_rope not in PRUNING_ROPE:
             raise ConfigError(f"hip pruning_rope {self.pruning_rope!r}: use one of {', '.join(PRUNING_ROPE)}")
+        if self.head_score not in HEAD_SCORE:
+            raise ConfigError(f"hip head_score {self.head_score!r}: use one of {', '.join(HEAD_SCORE)}")
         if self.attention_rope not in ATTENTION_ROPE:
             raise ConfigError(
                 f"hip attention_rope {self.attention_rope!r}: use one of {', '.join(ATTENTION_ROPE)}"

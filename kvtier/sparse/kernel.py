@@ -164,6 +164,7 @@ class HipKernel:
             rotary=self.rotary,
             window=cfg.window,
             first=first,
+            head_score=cfg.head_score,
         )
 
     def _attend(

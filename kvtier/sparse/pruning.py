@@ -39,35 +39,45 @@ def pool_queries(q: torch.Tensor, positions: torch.Tensor, stride: int) -> tuple
     return sums / counts[:, None, None], last
 
 
-def chunk_scores(chunks: torch.Tensor, lengths: torch.Tensor, score_keys: ScoreFn) -> torch.Tensor:
+def chunk_scores(
+    chunks: torch.Tensor, lengths: torch.Tensor, score_keys: ScoreFn, head_score: str = "max"
+) -> torch.Tensor:
     """SelectRep by bisection over each chunk; returns each chunk's score [C] (float32).
 
     chunks [C, c] key positions (-1 = padding), lengths [C] valid entries (>= 1, a prefix).
     Each of ceil(log2 c) rounds halves every chunk's range [lo, hi): it probes the midpoints of
-    both halves, (lo+mid)//2 and (mid+hi)//2, keeps the half whose probe scores higher, and the
-    chunk's score is the running max of the winning probes (as the reference code does).
+    both halves, (lo+mid)//2 and (mid+hi)//2, keeps the half whose probe scores higher (max over
+    queries and heads), and the chunk's score is the running max of the winning probes (as the
+    reference code does). `head_score="max"` (published): that running max of raw q.k, max-pooled
+    over queries and heads. `"softmax"` (not published): per (query, head), a softmax over chunks
+    of the running max, then the max over (query, head), so a head with small logits that
+    singles out one chunk still gets it kept.
     """
     c_count, c = chunks.shape
     rows = torch.arange(c_count, device=chunks.device)
     lo = torch.zeros(c_count, dtype=torch.long, device=chunks.device)
     hi = lengths.clone()
-    best = torch.full((c_count,), float("-inf"), device=chunks.device)
+    best: torch.Tensor | None = None  # [C, Nq * H_q]
     for _ in range(max(1, math.ceil(math.log2(c)))):
         mid = lo + (hi - lo) // 2
         left, right = (lo + mid) // 2, (mid + hi) // 2
-        s_left = score_keys(chunks[rows, left], rows, 0)  # [C]
+        s_left = score_keys(chunks[rows, left], rows, 0)  # [C, Nq * H_q]
         s_right = score_keys(chunks[rows, right], rows, 1)
-        go_right = s_right > s_left
-        best = torch.maximum(best, torch.maximum(s_left, s_right))
+        go_right = s_right.amax(1) > s_left.amax(1)
+        top = torch.maximum(s_left, s_right)
+        best = top if best is None else torch.maximum(best, top)
         lo = torch.where(go_right, mid, lo)
         hi = torch.where(go_right, hi, mid)
-    return best
+    assert best is not None
+    if head_score == "softmax":
+        return torch.softmax(best * score_keys.scale, dim=0).amax(dim=1)
+    return best.amax(dim=1)
 
 
 class ScoreFn:
     """Scores probe keys against a block of queries, with RoPE at the stage's scoring positions.
 
-    `__call__(positions [C], chunk_index [C], side) -> [C]`: max over queries and heads of q.k.
+    `__call__(positions [C], chunk_index [C], side) -> [C, Nq * H_q]`: q.k per query and head.
     """
 
     def __init__(
@@ -88,13 +98,14 @@ class ScoreFn:
             q = rotary.rotate(q, scoring_query_position(mode, q_pos, window, n_chunks))
         n, hq, d = q.shape
         self.q = q.reshape(n, g, hq // g, d).float()  # [Nq, G, r, D]
+        self.scale = d**-0.5
 
     def __call__(self, positions: torch.Tensor, chunk_index: torch.Tensor, side: int) -> torch.Tensor:
         k = self.keys[positions]  # [C, G, D]
         if self.rotary is not None:
             k = self.rotary.rotate(k, probe_positions(self.mode, side, chunk_index, positions))
         s = torch.einsum("ngrd,cgd->cngr", self.q, k.float())  # [C, Nq, G, r]
-        return s.flatten(1).amax(dim=1)
+        return s.flatten(1)
 
 
 def prune_stage(
@@ -108,6 +119,7 @@ def prune_stage(
     mode: str,
     rotary: RopeTable | None,
     window: int,
+    head_score: str = "max",
 ) -> torch.Tensor:
     """One pruning stage for one query block: the kept candidate positions, sorted.
 
@@ -125,7 +137,7 @@ def prune_stage(
     lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
     lengths[-1] = n - (n_chunks - 1) * chunk
     score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
-    scores = chunk_scores(chunks, lengths, score)
+    scores = chunk_scores(chunks, lengths, score, head_score)
     top = torch.topk(scores, keep).indices.sort().values
     kept = chunks[top].flatten()
     return kept[kept >= 0]
@@ -144,6 +156,7 @@ def run_stages(
     rotary: RopeTable | None,
     window: int,
     first: int = 0,
+    head_score: str = "max",
 ) -> list[torch.Tensor]:
     """Run stages `first`.. on one query block (q [Tb, H_q, D], q_pos [Tb]) from `candidates`.
 
@@ -153,7 +166,16 @@ def run_stages(
     for i in range(first, len(chunk_sizes)):
         pq, pp = pool_queries(q, q_pos, strides[i])
         candidates = prune_stage(
-            pq, pp, keys, candidates, chunk_sizes[i], budgets[i], mode=mode, rotary=rotary, window=window
+            pq,
+            pp,
+            keys,
+            candidates,
+            chunk_sizes[i],
+            budgets[i],
+            mode=mode,
+            rotary=rotary,
+            window=window,
+            head_score=head_score,
         )
         outs.append(candidates)
     return outs
