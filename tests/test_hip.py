@@ -101,16 +101,48 @@ def test_kernel_output_equals_masked_dense_over_its_selection() -> None:
     assert torch.allclose(out, masked_dense_attention(q, kv, allowed), rtol=0, atol=1e-6)
 
 
-def test_pruning_keeps_the_chunk_holding_a_planted_key() -> None:
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
+def test_pruning_keeps_the_chunk_holding_a_planted_key(head_score: str) -> None:
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(512, 1, D, generator=gen) * 0.1  # [S, G, D]
     q = torch.randn(4, 2, D, generator=gen)
     keys[300, 0] = q.mean((0, 1)) * 20  # one key every query attends strongly
     kept = prune_stage(
-        q, torch.arange(4), keys, torch.arange(8, 480), 32, 64, mode="absolute", rotary=None, window=16
+        q,
+        torch.arange(4),
+        keys,
+        torch.arange(8, 480),
+        32,
+        64,
+        mode="absolute",
+        rotary=None,
+        window=16,
+        head_score=head_score,
     )
     assert kept.numel() == 64 and bool((kept == 300).any())
     assert torch.equal(kept, kept.sort().values)
+
+
+def test_softmax_head_score_keeps_a_chunk_only_a_small_logit_head_prefers() -> None:
+    keys = torch.zeros(200, 1, D)
+    keys[:, 0, 0] = 1.0
+    keys[50, 0, 1] = 20.0  # chunk 5 (candidates from 8, chunks of 8), probed by the bisection
+    q = torch.zeros(1, 2, D)
+    q[0, 0, 0] = 50.0  # head A: large, equal logits everywhere
+    q[0, 1, 1] = 1.0  # head B: small logits, singles out position 50
+    kept = prune_stage(
+        q,
+        torch.tensor([199]),
+        keys,
+        torch.arange(8, 136),
+        8,
+        8,
+        mode="absolute",
+        rotary=None,
+        window=16,
+        head_score="softmax",
+    )
+    assert kept.tolist() == list(range(48, 56))
 
 
 def test_streaming_positions_pack_sinks_and_selection_below_the_window() -> None:
@@ -166,6 +198,7 @@ def test_flash_preset_refreshes_stage_one_every_96_steps() -> None:
         ({"max_context": 1024}, "window"),
         ({"wide_budget": 1024}, "wide_budget"),
         ({"pruning_rope": "ntk"}, "pruning_rope"),
+        ({"head_score": "mean"}, "head_score"),
     ],
 )
 def test_contradictory_configs_are_rejected(kwargs: dict[str, object], name: str) -> None:
