@@ -87,3 +87,14 @@ def test_reset_prefix_cache_forgets_everything(llm: LLM) -> None:
     engine.reset_prefix_cache()
     assert run(engine, B)[1] == 0
     assert engine.kv.pool.num_free == 16
+
+
+def test_cache_salt_isolates_tenants(llm: LLM) -> None:
+    engine = fresh(llm, 16)
+    engine.submit(A, SamplingParams(max_tokens=2), lambda d: None, cache_salt="tenant-1")
+    engine.run_until_idle()
+    got: list[Delta] = []
+    engine.submit(B, SamplingParams(max_tokens=1), got.append, cache_salt="tenant-2")
+    engine.submit(B, SamplingParams(max_tokens=1), got.append, cache_salt="tenant-1")
+    engine.run_until_idle()
+    assert [d.cached_tokens for d in got] == [0, 16]
