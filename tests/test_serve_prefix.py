@@ -31,7 +31,8 @@ def run(engine: ServeEngine, ids: list[int], max_tokens: int = 2) -> tuple[list[
     q: Queue[Delta] = Queue()
     engine.submit(ids, SamplingParams(max_tokens=max_tokens), q.put)
     engine.run_until_idle()
-    tokens, cached = [], 0
+    tokens: list[int] = []
+    cached = 0
     while not q.empty():
         d = q.get()
         tokens.extend(d.token_ids)
