@@ -189,8 +189,10 @@ def test_method_specs() -> None:
     a, b = parse_method("kv=head,head_group=1"), parse_method("head, head_group=1")
     assert a == b and a.label == "head,head_group=1" and dict(a.kwargs) == {"kv": "head", "head_group": 1}
     assert parse_methods(None)[0].label == "auto"
-    with pytest.raises(ConfigError, match="unknown method 'quest'; choose one of auto, gpu, layer, head"):
-        parse_method("quest")
+    with pytest.raises(
+        ConfigError, match="unknown method 'magic'; choose one of auto, gpu, layer, head, hip"
+    ):
+        parse_method("magic")
     with pytest.raises(ConfigError, match="unknown key 'bits'; valid keys: kv, head_group"):
         parse_method("head,bits=4")
     with pytest.raises(ConfigError, match="not a valid value"):
@@ -201,13 +203,33 @@ def test_method_specs() -> None:
         parse_methods(["gpu", "kv=gpu"])
 
 
+def test_lossy_methods() -> None:
+    m = parse_method("quest,kv_budget=1k")
+    assert (m.label, dict(m.kwargs), m.lossless) == (
+        "quest,kv_budget=1024",
+        {"attention": "quest", "kv_budget": 1024},
+        False,
+    )
+    assert dict(parse_method("snapkv,kv_budget=2k,kv_quant=int8").kwargs) == {
+        "evict": "snapkv",
+        "kv_budget": 2048,
+        "kv_quant": "int8",
+    }
+    assert not parse_method("auto,kv_quant=int4").lossless
+    assert parse_method("auto,attention=dense").lossless
+    with pytest.raises(
+        ConfigError, match=r"--method quest needs kv_budget; e\.g\. --method quest,kv_budget=1k"
+    ):
+        parse_method("quest")
+
+
 def test_register_a_new_method() -> None:
-    register_method(Method("int4", {"kv_quant": "int4"}, lossless=False), kv_quant=str)
+    register_method(Method("kivi2", {"kv_bits": 2}, lossless=False), kv_bits=int)
     try:
-        m = parse_method("int4,chunk_size=256")
-        assert dict(m.kwargs) == {"kv_quant": "int4", "chunk_size": 256} and not m.lossless
+        m = parse_method("kivi2,chunk_size=256")
+        assert dict(m.kwargs) == {"kv_bits": 2, "chunk_size": 256} and not m.lossless
     finally:
-        del METHODS["int4"]
+        del METHODS["kivi2"]
 
 
 def test_lengths_and_depths_parsing() -> None:
@@ -238,7 +260,7 @@ def test_task_spec_errors() -> None:
 def test_lengths_past_the_model_are_refused() -> None:
     check_lengths((4096, 8192), 8192)
     with pytest.raises(
-        ConfigError, match=r"16384 is longer .* 8192 tokens\. --max-model-len .* --attention hip"
+        ConfigError, match=r"16384 is longer .* 8192 tokens\. --max-model-len .* --method hip"
     ):
         check_lengths((8192, 16384), 8192)
 
@@ -317,7 +339,8 @@ def test_reuse_llm_shares_the_weights() -> None:
     clone = reuse_llm(base, {"kv": "head", "head_group": 1}, {"kv": "gpu"})
     assert clone is not None and clone.weights is base.weights
     assert (clone.config.kv, clone.config.head_group, base.config.kv) == ("head", 1, "gpu")
-    assert reuse_llm(base, {"kv": "head", "dtype": "bf16"}, {"kv": "gpu"}) is None
+    assert reuse_llm(base, {"kv": "head", "dtype": "bf16"}, {"kv": "gpu"}) is None  # reload
+    assert reuse_llm(base, {"kv": "gpu", "kv_quant": "int4"}, {"kv": "gpu"}) is None  # lossy: new LLM
 
 
 def test_aggregate_groups_in_order() -> None:

@@ -14,7 +14,11 @@ from kvtier.cli.main import main
     "argv,message",
     [
         (["lost"], "unknown task 'lost'; choose one of passkey, niah, ruler"),
-        (["passkey", "--method", "quest"], "unknown method 'quest'; choose one of auto, gpu, layer, head"),
+        (
+            ["passkey", "--method", "magic"],
+            "unknown method 'magic'; choose one of auto, gpu, layer, head, hip",
+        ),
+        (["passkey", "--method", "h2o"], "--method h2o needs kv_budget; e.g. --method h2o,kv_budget=1k"),
         (["passkey", "--method", "head,bits=4"], "unknown key 'bits'; valid keys: kv, head_group"),
         (["passkey", "--lengths", "2k;4k"], "--lengths"),
         (["niah", "--depths", "0:150:10"], "depths are percentages within 0..100"),

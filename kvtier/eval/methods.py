@@ -6,10 +6,13 @@ overrides::
     gpu                      -> LLM(kv="gpu")
     head,head_group=1        -> LLM(kv="head", head_group=1)
     kv=head,head_group=1     -> the same
-    auto,chunk_size=512      -> LLM(kv="auto", chunk_size=512)
+    int4                     -> LLM(kv="auto", kv_quant="int4")
+    quest,kv_budget=1k       -> LLM(kv="auto", attention="quest", kv_budget=1024)
+    snapkv,kv_budget=2k,kv_quant=int8
 
-Lossy methods (quest, int4, streaming, ...) are added with `register_method` once the engine
-takes their options; the parser and the runner need no change.
+The lossless placements come first; the opt-in lossy methods of `kvtier.engine.methods` (HiP,
+Quest, KV quantization, eviction, head sparsity) follow. A new one is one `register_method`
+call; the parser and the runner need no change.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.policies.evict import EVICT
+from kvtier.policies.quant import KV_QUANT
+from kvtier.units import parse_count
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class Method:
     kwargs: Mapping[str, Any]
     lossless: bool = True
     help: str = ""
+    requires: tuple[str, ...] = ()  # override keys a spec must give, e.g. kv_budget for quest
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,12 @@ OPTION_TYPES: dict[str, Callable[[str], Any]] = {
     "block_size": int,
     "gpu_memory": str,
     "dtype": str,
+    "attention": str,
+    "hip_preset": str,
+    "kv_quant": str,
+    "evict": str,
+    "kv_budget": lambda s: parse_count(s, "kv_budget"),
+    "head_sparsity": float,
 }
 """The `key=value` overrides a spec may carry, and how each value is read."""
 
@@ -58,7 +71,7 @@ OPTION_TYPES: dict[str, Callable[[str], Any]] = {
 def register_method(method: Method, **option_types: Callable[[str], Any]) -> None:
     """Add `method` (and any new override keys it needs, with their parsers) to the registry."""
     METHODS[method.name] = Method(
-        method.name, MappingProxyType(dict(method.kwargs)), method.lossless, method.help
+        method.name, MappingProxyType(dict(method.kwargs)), method.lossless, method.help, method.requires
     )
     OPTION_TYPES.update(option_types)
 
@@ -70,6 +83,19 @@ for _name, _help in (
     ("head", "KV head-group-wise offloaded to host memory"),
 ):
     register_method(Method(_name, {"kv": _name}, lossless=True, help=_help))
+register_method(
+    Method("hip", {"attention": "hip"}, False, "InfiniteHiP-style sparse attention, extends context")
+)
+register_method(Method("quest", {"attention": "quest"}, False, "Quest page selection", ("kv_budget",)))
+for _q in KV_QUANT:
+    register_method(Method(_q, {"kv_quant": _q}, False, f"{_q} KV quantization"))
+for _e in EVICT:
+    register_method(Method(_e, {"evict": _e}, False, f"{_e} KV eviction", ("kv_budget",)))
+register_method(Method("duo", {}, False, "DuoAttention-style streaming heads", ("head_sparsity",)))
+
+
+_EXAMPLES = {"kv_budget": "1k", "head_sparsity": "0.5"}
+_LOSSY_KEYS = ("attention", "hip_preset", "kv_quant", "evict", "kv_budget", "head_sparsity")
 
 
 def parse_method(spec: str) -> MethodSpec:
@@ -101,9 +127,14 @@ def parse_method(spec: str) -> MethodSpec:
                 f"--method {spec!r}: name a method first or give kv=; methods: {', '.join(METHODS)}"
             )
         base = _method(str(overrides.pop("kv")))
+    missing = [k for k in base.requires if k not in overrides]
+    if missing:
+        example = ",".join([base.name, *(f"{k}={_EXAMPLES.get(k, 'N')}" for k in missing)])
+        raise ConfigError(f"--method {base.name} needs {', '.join(missing)}; e.g. --method {example}")
     kwargs = {**base.kwargs, **overrides}
+    lossy = [k for k, v in overrides.items() if k in _LOSSY_KEYS and not (k == "attention" and v == "dense")]
     label = ",".join([base.name, *(f"{k}={v}" for k, v in sorted(overrides.items()))])
-    return MethodSpec(label, MappingProxyType(kwargs), base.lossless)
+    return MethodSpec(label, MappingProxyType(kwargs), base.lossless and not lossy)
 
 
 def parse_methods(specs: list[str] | None) -> tuple[MethodSpec, ...]:

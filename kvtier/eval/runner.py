@@ -23,8 +23,7 @@ from kvtier.eval.scoring import score
 from kvtier.eval.tasks import DEFAULT_HAYSTACK, TaskSpec, generate_samples
 
 _LOAD_KEYS = ("device", "dtype", "gpu_memory", "seed")
-"""LLM options that change the loaded weights or the process; methods differing only in other
-options share one loaded model."""
+"""Engine options that change the loaded weights or the process (see `reuse_llm`)."""
 
 
 @dataclass(frozen=True)
@@ -46,32 +45,35 @@ class EvalConfig:
         return {"device": self.device, "max_model_len": self.max_model_len, **method.kwargs}
 
 
-def check_lengths(lengths: tuple[int, ...], max_model_len: int) -> None:
-    """ConfigError when a length is longer than the model takes."""
+def check_lengths(lengths: tuple[int, ...], max_model_len: int, method: str = "") -> None:
+    """ConfigError when a length is longer than the model (under `method`) takes."""
     too_long = [n for n in lengths if n > max_model_len]
     if too_long:
+        under = f" under --method {method}" if method else ""
         raise ConfigError(
             f"--lengths {', '.join(str(n) for n in too_long)} is longer than the model's context of "
-            f"{max_model_len} tokens. --max-model-len N extends it past the trained context at a risk "
-            "to quality (sparse attention, --attention hip, is planned for such lengths)"
+            f"{max_model_len} tokens{under}. --max-model-len N extends it past the trained context at "
+            "a risk to quality; --method hip (sparse attention with context extension) is meant for "
+            "such lengths"
         )
 
 
 def reuse_llm(base: Any, kwargs: Mapping[str, Any], base_kwargs: Mapping[str, Any]) -> Any | None:
     """`base` with its engine options replaced by `kwargs` (sharing the weights), or None.
 
-    NOTE: `LLM` reads its KV policy, chunk and block sizes from `llm.config` at each request, so a
-    shallow copy with another `EngineConfig` runs the same loaded weights under another method.
-    Options in `_LOAD_KEYS` change the loading itself; then None (load a new `LLM`).
+    NOTE: `LLM` reads its KV placement, chunk and block sizes from `llm.config` at each request,
+    so a shallow copy with another `EngineConfig` runs the same loaded weights under another
+    placement. Anything else that differs (a load option in `_LOAD_KEYS`, or a lossy method
+    option such as `attention` or `kv_quant`, which `LLM` turns into other state) returns None:
+    load a new `LLM`.
     """
-    if any(kwargs.get(k) != base_kwargs.get(k) for k in _LOAD_KEYS) or not isinstance(
-        getattr(base, "config", None), EngineConfig
-    ):
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    changed = {k for k in {*kwargs, *base_kwargs} if kwargs.get(k) != base_kwargs.get(k)}
+    if changed - (fields - set(_LOAD_KEYS)) or not isinstance(getattr(base, "config", None), EngineConfig):
         return None
     params = inspect.signature(type(base).__init__).parameters
     merged = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     merged.update(kwargs)
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig.with_sizes(**{k: v for k, v in merged.items() if k in fields})
     clone = copy.copy(base)
     clone.config = config
@@ -116,7 +118,7 @@ def run_eval(
     base = llm_factory(cfg.model, **first_kwargs)
     if base.tokenizer is None:
         raise ConfigError(f"model {cfg.model!r} has no tokenizer (a random-weight preset); eval needs text")
-    check_lengths(cfg.spec.lengths, base.max_model_len)
+    check_lengths(cfg.spec.lengths, base.max_model_len, cfg.methods[0].label)
     samples = generate_samples(cfg.spec, base.tokenizer)
     result = EvalResult(_meta(cfg, base, command, samples))
     from tqdm import tqdm
@@ -128,6 +130,7 @@ def run_eval(
             llm = (
                 base if i == 0 else reuse_llm(base, kwargs, first_kwargs) or llm_factory(cfg.model, **kwargs)
             )
+            check_lengths(cfg.spec.lengths, llm.max_model_len, method.label)
             scores: list[float] = []
             for sample in samples:
                 bar.set_description(f"{method.label} {sample.task} {sample.length}")
