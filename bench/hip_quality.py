@@ -91,6 +91,19 @@ def generate(
     return out, t1 - t0, time.perf_counter() - t1
 
 
+def overrides(items: list[str]) -> dict[str, object]:
+    """`field=1`, `field=1,2,3` (a tuple) or `field=word` -> HipConfig overrides."""
+    out: dict[str, object] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        parts = value.split(",")
+        if all(p.lstrip("-").isdigit() for p in parts):
+            out[name] = tuple(int(p) for p in parts) if len(parts) > 1 or value.endswith(",") else int(value)
+        else:
+            out[name] = {"true": True, "false": False}.get(value.lower(), value)
+    return out
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown: one row per (length, method): pass-key accuracy and mean prefill time."""
     rows = [
@@ -99,13 +112,16 @@ def table(records: list[dict[str, Any]]) -> str:
     ]
     seen: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in records:
-        seen.setdefault((r["length"], r["method"]), []).append(r)
-    for (length, method), rs in sorted(seen.items()):
+        extra = " ".join(r.get("overrides", []))
+        seen.setdefault((r["length"], r["method"] + (f" ({extra})" if extra else "")), []).append(r)
+    for (_, method), rs in sorted(seen.items()):
         ok = sum(r["correct"] for r in rs)
         outs = "; ".join(repr(r["output"].strip()) for r in rs)
         pre = sum(r["prefill_s"] for r in rs) / len(rs)
         dec = sum(r["decode_s"] for r in rs) / len(rs)
-        rows.append(f"| {length // 1024}K | {method} | {ok}/{len(rs)} | {outs} | {pre:.0f} | {dec:.0f} |")
+        rows.append(
+            f"| {rs[0]['prompt_tokens']} | {method} | {ok}/{len(rs)} | {outs} | {pre:.0f} | {dec:.0f} |"
+        )
     return "\n".join(rows)
 
 
@@ -118,6 +134,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench/results/hip_quality_smollm2.json"))
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="HipConfig override, e.g. budgets=32768,8192,512",
+    )
     ap.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
     args = ap.parse_args()
     if args.table:
@@ -138,7 +161,9 @@ def main() -> None:
                 kernel: SliceKernel = DenseKernel()
                 rotate = True
                 if method != "dense":
-                    kernel, unrot = make_hip_kernel(cfg, CPU, args.preset, **METHODS[method])
+                    kernel, unrot = make_hip_kernel(
+                        cfg, CPU, args.preset, **METHODS[method], **overrides(args.set)
+                    )
                     rotate = not unrot
                 toks, pre_s, dec_s = generate(model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens)
                 text = str(tok.decode(toks))
@@ -147,6 +172,7 @@ def main() -> None:
                     "prompt_tokens": ids.numel(),
                     "method": method,
                     "preset": args.preset if method != "dense" else None,
+                    "overrides": args.set if method != "dense" else [],
                     "depth": depth,
                     "passkey": key,
                     "output": text,
