@@ -150,6 +150,8 @@ class TieredKVStore:
                 self.hosts[s] = HostSlice(self.arena, extent_tokens)
                 # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
                 self.hosts[s].reserve(self._capacity)
+        if codec is not None and evictor is not None:
+            raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
         self.codec = codec
         self._coded = 0  # leading tokens of every slice already stored coded
         # Tokens stored per slice; differs from `length` only in slices an evictor compacted.
