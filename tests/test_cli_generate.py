@@ -214,11 +214,6 @@ def test_prompt_past_the_model_limit(
     assert "prompt has" in line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLM.encode (kvtier/engine/llm.py) calls the tokenizer without verbose=False, so "
-    "transformers prints 'Token indices sequence length is longer than ...' before kvtier's error",
-)
 def test_prompt_past_the_model_limit_prints_one_line(embedded: Path, tmp_path: Path) -> None:
     env = {**os.environ, "KVTIER_CACHE_DIR": str(embedded.parents[1])}
     proc = subprocess.run(
@@ -266,12 +261,6 @@ def test_gpu_memory_that_is_not_a_size(capsys: pytest.CaptureFixture[str]) -> No
     expect_error(capsys, ["generate", "--prompt", "hi", "--gpu-memory", "banana"], "--gpu-memory", "banana")
 
 
-@pytest.mark.xfail(
-    raises=KvtierError,
-    strict=True,
-    reason="kvtier/cli/main.py calls parser.parse_args outside its try block, and the token-count options' "
-    "type functions (parse_count) raise ConfigError, which argparse does not catch: a traceback",
-)
 @pytest.mark.parametrize(
     ("option", "value"), [("--chunk-size", "lots"), ("--max-model-len", "0"), ("--kv-budget", "0")]
 )

@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvtier` script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        # NOTE: inside the try: option types such as parse_count raise KvtierError themselves.
+        args = parser.parse_args(argv)
         return int(args.func(args))
     except KvtierError as e:
         print(f"kvtier: error: {e}", file=sys.stderr)

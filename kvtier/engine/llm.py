@@ -132,9 +132,9 @@ class LLM:
                 text = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
                 )
-                ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                ids = list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
             else:
-                ids = list(self.tokenizer(prompt)["input_ids"])
+                ids = list(self.tokenizer(prompt, verbose=False)["input_ids"])
         if not ids:
             raise PromptError("the prompt is empty")
         vocab = self.model_config.vocab_size
