@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from kvtier.cli.main import main
-from kvtier.errors import KvtierError
 from tests.hf_reference import make_hf_model
 
 PROMPT = "The capital of France is"
