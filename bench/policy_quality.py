@@ -23,7 +23,7 @@ import argparse
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -74,6 +74,7 @@ POLICIES: dict[str, dict[str, object]] = {
     "snapkv": {"evict": "snapkv", "budget": True},
     "window": {"evict": "window", "budget": True},
     "quest": {"attention": "quest", "budget": True},
+    "quest-page4": {"attention": "quest", "budget": True, "page": 4},
     "head-sparsity-50": {"head_sparsity": 0.5, "budget": True},
 }
 
@@ -211,6 +212,13 @@ def main() -> None:
                     device=CPU,
                     model=model,
                 )
+                if "page" in spec:  # Quest with smaller pages: a tighter bound, more metadata
+                    page = int(str(spec["page"]))
+                    parts = replace(
+                        parts,
+                        kernel=QuestKernel(budget or 0, page=page),
+                        describe=f"{parts.describe} page {page}",
+                    )
                 parts_by_name[name] = parts
                 opts = StoreOptions(block_size=64)
                 stores.append(
