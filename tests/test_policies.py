@@ -210,6 +210,14 @@ def test_quest_with_budget_over_context_equals_dense(gqa: tuple[CausalLM, ModelC
         assert torch.equal(a, b)
 
 
+def test_quest_page_size_is_an_option(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    _, cfg = gqa
+    parts = build_policy(cfg, device=CPU, quest_page=4, **options(attention="quest", kv_budget=64))
+    assert isinstance(parts.kernel, QuestKernel) and parts.kernel.page == 4
+    with pytest.raises(ConfigError, match="at least one page"):
+        build_policy(cfg, device=CPU, quest_page=128, **options(attention="quest", kv_budget=64))
+
+
 def test_quest_selects_pages_by_upper_bound() -> None:
     kernel = QuestKernel(budget=8, page=4, dense_layers=0)
     kv = torch.zeros(16, 2, 1, 2)

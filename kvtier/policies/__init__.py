@@ -107,12 +107,15 @@ def build_policy(
     device: torch.device,
     model: CausalLM | None = None,
     head_cache: Path | None = DEFAULT_CACHE,
+    quest_page: int = 16,
 ) -> PolicyParts:
     """The store parts for these options; raises `ConfigError` on a bad name, budget or combination.
 
     `--head-sparsity` classifies heads on a calibration prompt, so it needs `model` (scores are
     cached in `head_cache`, per model). With `kv_budget`, streaming heads keep 64 sinks + the
     rest of the budget as recent tokens; without, DuoAttention's 64 + 256.
+    `quest_page` is Quest's page size (16 in the paper; 4 found the pass key on SmolLM2 where 16
+    did not, see docs/policy_quality.md).
     """
     _check_names(kv_quant, evict, attention)
     quest = attention == "quest"
@@ -121,7 +124,10 @@ def build_policy(
         return PolicyParts(codec=make_codec(kv_quant), describe=f"kv-quant {kv_quant}")
     if quest:
         assert kv_budget is not None
-        return PolicyParts(kernel=QuestKernel(kv_budget), describe=f"quest budget {kv_budget}")
+        return PolicyParts(
+            kernel=QuestKernel(kv_budget, page=quest_page),
+            describe=f"quest budget {kv_budget} page {quest_page}",
+        )
     if evict is not None:
         assert kv_budget is not None
         desc = f"evict {evict} budget {kv_budget}"
