@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--methods", nargs="+", default=["dense", "hip"], help=f"dense, {', '.join(METHODS)}")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--first-sample", type=int, default=0, help="start at this (key, depth) pair")
     ap.add_argument("--preset", default="default")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=8)
@@ -153,7 +154,9 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(folder)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for i in range(args.samples):  # samples outermost: a stopped run has every length covered
+    for i in range(
+        args.first_sample, args.first_sample + args.samples
+    ):  # samples outermost: a stopped run has every length covered
         for length in args.lengths:
             key, depth = KEYS[i % len(KEYS)], DEPTHS[i % len(DEPTHS)]
             ids = torch.tensor(tok(passkey_prompt(tok, length, depth, key))["input_ids"])
