@@ -63,3 +63,26 @@ def make_hf_model(family: str, folder: Path, seed: int = 0) -> Any:
                 p.normal_(0.0, 0.5)  # large biases, so a missed bias shows
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def drive(
+    model: Any, store: Any, ids: torch.Tensor, chunk: int, decode: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Chunked prefill of `ids` through `store`, then `decode` greedy steps.
+
+    Returns every step's logits (all positions of prefill chunks) and the greedy tokens.
+    """
+    logits: list[torch.Tensor] = []
+    tokens: list[int] = []
+    for s in range(0, ids.shape[0], chunk):
+        part = ids[s : s + chunk]
+        store.begin_step(part.shape[0])
+        logits.append(model(part, store, logits_at=torch.arange(part.shape[0], device=ids.device)))
+        store.end_step()
+    for _ in range(decode):
+        tok = logits[-1][-1].argmax()
+        tokens.append(int(tok))
+        store.begin_step(1)
+        logits.append(model(tok.view(1), store))
+        store.end_step()
+    return logits, tokens

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvtier.cli.main import main
 from tests.hf_reference import make_hf_model
@@ -285,11 +286,8 @@ def test_missing_gguf_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     expect_error(capsys, ["generate", "--prompt", "hi", "--model", str(tmp_path / "m.gguf")], "m.gguf")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")
 def test_cuda_on_a_machine_without_one(capsys: pytest.CaptureFixture[str]) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a CUDA GPU")
     expect_error(capsys, ["generate", "--prompt", "hi", "--device", "cuda"], "--device cuda")
 
 

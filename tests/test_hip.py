@@ -21,7 +21,7 @@ from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
 from kvtier.sparse.block_sparse import attend_block, masked_dense_attention
 from kvtier.sparse.pruning import prune_stage
 from kvtier.sparse.rope_ext import attention_key_positions, rotate
-from tests.hf_reference import make_hf_model
+from tests.hf_reference import drive, make_hf_model
 
 CPU = torch.device("cpu")
 D = 16
@@ -249,18 +249,7 @@ def run(
         kernel=kernel,
         rotate_keys=rotate_keys,
     )
-    logits, tokens = [], []
-    for s in range(0, PROMPT, p.chunk_size):
-        part = ids[s : s + p.chunk_size]
-        store.begin_step(part.shape[0])
-        logits.append(model(part, store, logits_at=torch.arange(part.shape[0])))
-        store.end_step()
-    for _ in range(DECODE):
-        tok = logits[-1][-1].argmax()
-        tokens.append(int(tok))
-        store.begin_step(1)
-        logits.append(model(tok.view(1), store))
-        store.end_step()
+    logits, tokens = drive(model, store, ids, p.chunk_size, DECODE)
     return logits, tokens
 
 

@@ -12,7 +12,7 @@ from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
-from tests.hf_reference import make_hf_model
+from tests.hf_reference import drive, make_hf_model
 
 CPU = torch.device("cpu")
 PROMPT, DECODE = 45, 9
@@ -38,18 +38,7 @@ def run(
         capacity=PROMPT + DECODE,
         options=StoreOptions(block_size=block, extent_blocks=2),
     )
-    logits, tokens = [], []
-    for s in range(0, PROMPT, plan.chunk_size):
-        part = ids[s : s + plan.chunk_size]
-        store.begin_step(part.shape[0])
-        logits.append(model(part, store, logits_at=torch.arange(part.shape[0])))
-        store.end_step()
-    for _ in range(DECODE):
-        tok = logits[-1][-1].argmax()
-        tokens.append(int(tok))
-        store.begin_step(1)
-        logits.append(model(tok.view(1), store))
-        store.end_step()
+    logits, tokens = drive(model, store, ids, plan.chunk_size, DECODE)
     return logits, tokens, store
 
 
