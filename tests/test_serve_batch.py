@@ -10,6 +10,7 @@ import torch
 
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.planner.placement import KVPlan
 from kvtier.serve.engine import ServeConfig, ServeEngine
@@ -150,3 +151,23 @@ def test_scheduler_splits_prefill_by_the_token_budget(llm: LLM) -> None:
         [("req-1", 1)],
         [("req-1", 1)],
     ]
+
+
+def test_request_longer_than_the_pool_is_served_with_offload(llm: LLM) -> None:
+    """Prompt + max_tokens past the whole page pool: served offloaded (head streaming from the
+    host tier), greedy tokens equal to the offline `LLM.generate`; past the model's length: refused."""
+    ids = prompts()[3]  # 40 tokens; the pool holds 4 pages x 4 = 16
+    params = SamplingParams(max_tokens=6)
+    expected = llm.generate(ids, params)[0].token_ids
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=4, num_host_pages=0))
+    assert engine.needs_offload(ids, params)
+    long_q, short_q = (
+        collect(engine, ids, params),
+        collect(engine, prompts()[0], SamplingParams(max_tokens=3)),
+    )
+    engine.run_until_idle()
+    assert tokens_of(long_q) == (list(expected), "length")
+    assert tokens_of(short_q) == (alone(llm, prompts()[0], 3)[1], "length")
+    assert engine.offloaded == 1 and engine.kv.pool.num_free == 4
+    with pytest.raises(PromptError, match="limit"):
+        engine.check(ids, SamplingParams(max_tokens=llm.max_model_len))

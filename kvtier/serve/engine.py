@@ -4,6 +4,13 @@ Callers (HTTP handlers, tests, the benchmark) talk to it through thread-safe met
 `submit` a tokenized request with a `sink` that receives `Delta`s, `abort` it, `reset_prefix_cache`.
 Everything else (scheduler, pages, model) is touched by the engine thread alone, or, without a
 thread, by whoever calls `step()` / `run_until_idle()`.
+
+A request whose prompt + max_tokens needs more pages than the whole pool holds is not refused:
+it is served alone through a `TieredKVStore` with the offload policy ("head" on the CPU, so its
+KV really streams from the host tier; "auto" on CUDA, planned within the memory the pool left
+free), exactly like `kvtier generate`. The engine thread runs such a request to completion
+between two batch steps, so the batch is blocked meanwhile and the request's text arrives in
+one delta at the end (also when streamed); an abort while it runs takes effect when it ends.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ from typing import Any
 import torch
 
 from kvtier.engine.llm import LLM
+from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import ConfigError, PromptError
-from kvtier.planner.hardware import host_memory_available
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.planner.hardware import detect_hardware, host_memory_available
+from kvtier.planner.placement import plan_kv
 from kvtier.serve.kv_manager import KVCacheManager
 from kvtier.serve.paged_store import PagedKVStore, SeqStep
 from kvtier.serve.prefix_cache import root_hash
@@ -76,7 +86,10 @@ class ServeEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
         self.salt = f"{llm.loaded.name}|{llm.dtype}|kv={llm.config.kv}|paged{cfg.page_size}"
         self.eos = frozenset(llm.loaded.eos_token_ids)
-        self.max_model_len = min(llm.max_model_len, num_pages * cfg.page_size)
+        self.max_model_len = llm.max_model_len
+        self.pool_tokens = num_pages * cfg.page_size  # longer requests are served with offload
+        self._offload: deque[Sequence] = deque()  # such requests, waiting for the engine thread
+        self.offloaded = 0
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._by_id: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -120,7 +133,9 @@ class ServeEngine:
             return self.llm.encode(list(tok(text, add_special_tokens=False)["input_ids"]))
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise `PromptError` if a request can never run here (too long for the model or pool)."""
+        """Raise `PromptError` if a request can never run here (too long for the model).
+
+        A request too long for the page pool is fine: it is served with offload (see the module)."""
         total = len(prompt) + params.max_tokens
         if not prompt:
             raise PromptError("the prompt is empty")
@@ -145,8 +160,12 @@ class ServeEngine:
             sink=sink,
             sampler=Sampler(params, self.device),
         )
-        self._inbox.put(("add", seq))
+        self._inbox.put(("offload" if self.needs_offload(prompt, params) else "add", seq))
         return rid
+
+    def needs_offload(self, prompt: list[int], params: SamplingParams) -> bool:
+        """Whether the request needs more pages than the whole pool has (then it runs offloaded)."""
+        return len(prompt) + params.max_tokens > self.pool_tokens
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client went away) and free its pages. No-op if finished."""
@@ -177,8 +196,10 @@ class ServeEngine:
             # slower (threads wait for descheduled peers); 1 thread is then the fastest.
             torch.set_num_threads(self.config.threads)
         while not self._stop.is_set():
-            self._drain(block=not self.scheduler.has_work)
-            if self.scheduler.has_work:
+            self._drain(block=not self.has_work)
+            if self._offload:
+                self.run_offloaded()
+            elif self.scheduler.has_work:
                 try:
                     self.step()
                 except Exception as e:  # fail the batch, keep serving
@@ -197,10 +218,17 @@ class ServeEngine:
             except queue.Empty:
                 return
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self._offload) or self.scheduler.has_work
+
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "add":
             self._by_id[arg.request_id] = arg
             self.scheduler.add(arg)
+        elif kind == "offload":
+            self._by_id[arg.request_id] = arg
+            self._offload.append(arg)
         elif kind == "abort" and arg in self._by_id:
             self._finish(self._by_id[arg], "abort")
         elif kind == "reset":
@@ -209,9 +237,97 @@ class ServeEngine:
     def run_until_idle(self) -> None:
         """Step (in the calling thread) until every submitted request has finished."""
         self._drain(block=False)
-        while self.scheduler.has_work:
-            self.step()
+        while self.has_work:
+            if self._offload:
+                self.run_offloaded()
+            else:
+                self.step()
             self._drain(block=False)
+
+    def run_offloaded(self) -> None:
+        """Run the oldest request that is too long for the pool, alone and to completion, through
+        a tiered store with offload (blocks the batch meanwhile); then deliver it like any other."""
+        seq = self._offload.popleft()
+        if seq.status is Status.FINISHED:  # aborted while it waited
+            return
+        try:  # NOTE: `seq` stays WAITING (in no scheduler queue), so `_finish` needs no pages back
+            tokens = self._generate_offloaded(seq)
+        except Exception as e:  # fail this request, keep serving
+            self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            return
+        self.offloaded += 1
+        now = time.perf_counter()
+        seq.first_token_at = now
+        self.prompt_tokens += len(seq.prompt)
+        self.generation_tokens += len(tokens)
+        self._recent.append((now, len(tokens)))
+        seq.tokens.extend(tokens)
+        text = ""
+        if self.llm.tokenizer is not None:
+            with self.tokenizer_lock:
+                text = self.llm.tokenizer.decode(seq.output, skip_special_tokens=True)
+        at_limit = len(seq.tokens) >= self.max_model_len
+        visible, reason = check_stop(seq.output, text, seq.params, self.eos, at_limit)
+        reason = reason or "length"  # generate_tokens stops only at a stop condition or max_tokens
+        self._emit(seq, text if visible is None else visible, reason)
+        self._finish(seq, reason, emitted=True)
+
+    def _generate_offloaded(self, seq: Sequence) -> list[int]:
+        llm, params = self.llm, seq.params
+        context = len(seq.prompt) + params.max_tokens
+        itemsize = torch.empty((), dtype=llm.dtype).element_size()
+        cuda = self.device.type == "cuda"
+        budget = None
+        if cuda:  # what the weights use plus what the page pool left free
+            free, _ = torch.cuda.mem_get_info(self.device)
+            pool = self.store.bytes_per_page * (self.pool_tokens // self.config.page_size)
+            budget = free + max(0, torch.cuda.memory_allocated(self.device) - pool)
+        plan = plan_kv(
+            llm.model_config,
+            context,
+            policy="auto" if cuda else "head",  # on the CPU "auto" would keep it all resident
+            gpu_budget=budget,
+            dtype_bytes=itemsize,
+            chunk_size=llm.config.chunk_size,
+            group_size=llm.config.head_group,
+            block_size=llm.config.block_size,
+            hardware=detect_hardware(self.device),
+            host_budget=host_memory_available() if cuda else None,
+        )
+        parts = llm.method.build(llm.model_config, self.device, self.model)
+        store = TieredKVStore(
+            llm.model_config,
+            plan,
+            device=self.device,
+            dtype=llm.dtype,
+            capacity=context,
+            options=StoreOptions(block_size=llm.config.block_size),
+            **parts.store_kwargs(),
+        )
+        eos = frozenset() if params.ignore_eos else self.eos
+
+        def should_stop(tokens: list[int]) -> bool:
+            if tokens[-1] in eos:
+                return True
+            if params.stop and llm.tokenizer is not None:
+                with self.tokenizer_lock:
+                    text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
+                return any(s in text for s in params.stop)
+            return False
+
+        try:
+            tokens, _ = generate_tokens(
+                self.model,
+                store,
+                torch.tensor(seq.prompt, dtype=torch.long, device=self.device),
+                seq.sampler,
+                params.max_tokens,
+                plan.chunk_size,
+                should_stop,
+            )
+        finally:
+            store.close()
+        return tokens
 
     def step(self) -> int:
         """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens run."""
