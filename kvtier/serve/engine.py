@@ -26,13 +26,11 @@ from typing import Any
 import torch
 
 from kvtier.engine.llm import LLM
-from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import ConfigError, PromptError
-from kvtier.kv.store import StoreOptions, TieredKVStore
-from kvtier.planner.hardware import detect_hardware, host_memory_available
-from kvtier.planner.placement import plan_kv
+from kvtier.planner.hardware import host_memory_available
 from kvtier.serve.kv_manager import KVCacheManager
+from kvtier.serve.offload import generate_offloaded
 from kvtier.serve.paged_store import PagedKVStore, SeqStep
 from kvtier.serve.prefix_cache import root_hash
 from kvtier.serve.scheduler import Scheduler, SchedulerConfig
@@ -251,7 +249,7 @@ class ServeEngine:
         if seq.status is Status.FINISHED:  # aborted while it waited
             return
         try:  # NOTE: `seq` stays WAITING (in no scheduler queue), so `_finish` needs no pages back
-            tokens = self._generate_offloaded(seq)
+            tokens = generate_offloaded(self, seq)
         except Exception as e:  # fail this request, keep serving
             self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
             return
@@ -271,63 +269,6 @@ class ServeEngine:
         reason = reason or "length"  # generate_tokens stops only at a stop condition or max_tokens
         self._emit(seq, text if visible is None else visible, reason)
         self._finish(seq, reason, emitted=True)
-
-    def _generate_offloaded(self, seq: Sequence) -> list[int]:
-        llm, params = self.llm, seq.params
-        context = len(seq.prompt) + params.max_tokens
-        itemsize = torch.empty((), dtype=llm.dtype).element_size()
-        cuda = self.device.type == "cuda"
-        budget = None
-        if cuda:  # what the weights use plus what the page pool left free
-            free, _ = torch.cuda.mem_get_info(self.device)
-            pool = self.store.bytes_per_page * (self.pool_tokens // self.config.page_size)
-            budget = free + max(0, torch.cuda.memory_allocated(self.device) - pool)
-        plan = plan_kv(
-            llm.model_config,
-            context,
-            policy="auto" if cuda else "head",  # on the CPU "auto" would keep it all resident
-            gpu_budget=budget,
-            dtype_bytes=itemsize,
-            chunk_size=llm.config.chunk_size,
-            group_size=llm.config.head_group,
-            block_size=llm.config.block_size,
-            hardware=detect_hardware(self.device),
-            host_budget=host_memory_available() if cuda else None,
-        )
-        parts = llm.method.build(llm.model_config, self.device, self.model)
-        store = TieredKVStore(
-            llm.model_config,
-            plan,
-            device=self.device,
-            dtype=llm.dtype,
-            capacity=context,
-            options=StoreOptions(block_size=llm.config.block_size),
-            **parts.store_kwargs(),
-        )
-        eos = frozenset() if params.ignore_eos else self.eos
-
-        def should_stop(tokens: list[int]) -> bool:
-            if tokens[-1] in eos:
-                return True
-            if params.stop and llm.tokenizer is not None:
-                with self.tokenizer_lock:
-                    text = llm.tokenizer.decode(tokens, skip_special_tokens=True)
-                return any(s in text for s in params.stop)
-            return False
-
-        try:
-            tokens, _ = generate_tokens(
-                self.model,
-                store,
-                torch.tensor(seq.prompt, dtype=torch.long, device=self.device),
-                seq.sampler,
-                params.max_tokens,
-                plan.chunk_size,
-                should_stop,
-            )
-        finally:
-            store.close()
-        return tokens
 
     def step(self) -> int:
         """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens run."""
