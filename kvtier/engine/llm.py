@@ -17,6 +17,7 @@ from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.planner.hardware import detect_hardware, host_memory_available
 from kvtier.planner.placement import KVPlan, plan_kv
+from kvtier.policies import PolicyParts
 
 Prompt = str | list[int]
 
@@ -182,13 +183,8 @@ class LLM:
             self._check_length(len(ids), params)
         return [self._generate_one(p, ids, params, progress) for p, ids in zip(batch, encoded, strict=True)]
 
-    def _generate_one(
-        self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool
-    ) -> RequestOutput:
-        context = len(ids) + params.max_tokens
-        plan = self.plan(context)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+    def make_store(self, plan: KVPlan, context: int) -> tuple[TieredKVStore, PolicyParts]:
+        """A fresh KV store for one sequence of `context` tokens, with this LLM's method parts."""
         parts = self.method.build(self.model_config, self.device, self.loaded.model)
         store = TieredKVStore(
             self.model_config,
@@ -199,6 +195,16 @@ class LLM:
             options=StoreOptions(block_size=self.config.block_size),
             **parts.store_kwargs(),
         )
+        return store, parts
+
+    def _generate_one(
+        self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool
+    ) -> RequestOutput:
+        context = len(ids) + params.max_tokens
+        plan = self.plan(context)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        store, parts = self.make_store(plan, context)
         try:
             tokens, stats = generate_tokens(
                 self.loaded.model,

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.engine.runner import generate_tokens
-from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.planner.hardware import detect_hardware, host_memory_available
 from kvtier.planner.placement import plan_kv
 from kvtier.serve.sequence import Sequence
@@ -43,16 +42,7 @@ def generate_offloaded(engine: ServeEngine, seq: Sequence) -> list[int]:
         hardware=detect_hardware(engine.device),
         host_budget=host_memory_available() if cuda else None,
     )
-    parts = llm.method.build(llm.model_config, engine.device, engine.model)
-    store = TieredKVStore(
-        llm.model_config,
-        plan,
-        device=engine.device,
-        dtype=llm.dtype,
-        capacity=context,
-        options=StoreOptions(block_size=llm.config.block_size),
-        **parts.store_kwargs(),
-    )
+    store, _ = llm.make_store(plan, context)
     eos = frozenset() if params.ignore_eos else engine.eos
 
     def should_stop(tokens: list[int]) -> bool:
