@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.attention.dense import attend
+from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.config import ModelConfig
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
@@ -116,3 +118,81 @@ def test_gpu_policy_keeps_everything_resident(mha: tuple[CausalLM, ModelConfig])
     assert store.account.peak["host"] == 0
     assert store.account.h2d_bytes == store.account.d2h_bytes == 0
     assert store.account.peak["gpu"] == 55 * cfg.kv_bytes_per_token(4)  # capacity 54 -> 11 blocks of 5
+
+
+class MirrorKernel:
+    """A `CachingSliceKernel` for the test: dense attention over its own copy of each slice.
+
+    The whole slice is streamed on the first step and every `refresh` steps after it; in between
+    the kernel keeps its copy up to date with each step's new tokens, except that it drops the
+    copy's oldest `forget` tokens and `fetch`es them back, so both paths of the hook run.
+    """
+
+    def __init__(self, refresh: int, forget: int) -> None:
+        self.refresh, self.forget = refresh, forget
+        self.copies: dict[tuple[int, int], torch.Tensor] = {}
+        self.steps: dict[tuple[int, int], int] = {}
+        self.fetched = 0  # tokens read through fetch
+        self.streamed = 0  # stored tokens of the slices streamed whole
+        self.cached_calls = 0
+
+    def needs_slice(self, step: SliceStep, n_new: int) -> bool:
+        key = (step.layer, step.group)
+        return n_new > 1 or key not in self.copies or self.steps[key] + 1 >= self.refresh
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
+        key = (step.layer, step.group)
+        self.copies[key], self.steps[key] = kv.clone(), 0
+        self.streamed += step.start
+        return attend(q, kv)
+
+    def attend_cached(
+        self, q: torch.Tensor, kv_new: torch.Tensor, step: SliceStep, fetch: Fetch
+    ) -> torch.Tensor:
+        key = (step.layer, step.group)
+        old = self.copies[key]
+        assert old.shape[0] == step.start
+        head = fetch(0, self.forget)
+        self.fetched += head.shape[0]
+        self.cached_calls += 1
+        kv = torch.cat((head, old[self.forget :], kv_new))
+        self.copies[key], self.steps[key] = kv, self.steps[key] + 1
+        return attend(q, kv)
+
+
+@pytest.mark.parametrize("group,refresh", [(1, 3), (2, 4), (4, 100)])
+def test_caching_kernel_streams_only_what_it_fetches(
+    mha: tuple[CausalLM, ModelConfig], group: int, refresh: int
+) -> None:
+    model, cfg = mha
+    ref_logits, ref_tokens, _ = run(model, cfg, plan("gpu", 4, 3, 0))
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    p = plan("head", group, 0, FULL)
+    kernel = MirrorKernel(refresh, forget=7)
+    store = TieredKVStore(
+        cfg,
+        p,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        kernel=kernel,
+        options=StoreOptions(block_size=5, extent_blocks=2),
+    )
+    logits, tokens = drive(model, store, ids, p.chunk_size, DECODE)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.equal(a, b)
+    slices = cfg.num_layers * cfg.num_kv_heads // group
+    token_bytes = 2 * group * cfg.head_dim * 4
+    # One-token steps between refreshes are served from the kernel's copies: per slice, all of
+    # them when nothing is due (refresh 100), two of every `refresh` otherwise.
+    one_token_steps = DECODE + (PROMPT % p.chunk_size == 1)
+    cached = one_token_steps if refresh > one_token_steps else None
+    assert kernel.cached_calls > 0
+    if cached is not None:
+        assert kernel.cached_calls == slices * cached
+    assert kernel.fetched == 7 * kernel.cached_calls
+    # Nothing crosses to the GPU but the whole slices of refresh steps and the fetched tokens.
+    assert store.account.h2d_bytes == (kernel.streamed + kernel.fetched) * token_bytes
+    # New tokens still reach the host once each, cached step or not.
+    assert store.account.d2h_bytes == slices * (PROMPT + DECODE) * token_bytes

@@ -8,8 +8,9 @@ model code never changes for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +47,31 @@ class SliceKernel(Protocol):
     """
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor: ...
+
+
+# fetch(start, end) -> kv [end - start, 2, G, D] on the GPU: stored tokens [start, end) of the
+# slice, copied from its tier (host memory for a streamed slice) on the compute stream.
+Fetch = Callable[[int, int], torch.Tensor]
+
+
+@runtime_checkable
+class CachingSliceKernel(Protocol):
+    """A slice kernel that keeps what it needs of a *streamed* slice on the GPU between steps.
+
+    Before each step the store asks `needs_slice`; when True the slice is streamed in whole and
+    the kernel is called as a plain `SliceKernel` (and may refresh its cache from that kv). When
+    False nothing is streamed: `attend_cached` gets the step's queries and own K/V
+    kv_new [T, 2, G, D], and reads any stored tokens it lacks through `fetch` (only those cross
+    PCIe). The answer must depend only on the kernel's state before the step and `step`.
+    """
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor: ...
+
+    def needs_slice(self, step: SliceStep, n_new: int) -> bool: ...
+
+    def attend_cached(
+        self, q: torch.Tensor, kv_new: torch.Tensor, step: SliceStep, fetch: Fetch
+    ) -> torch.Tensor: ...
 
 
 class DenseKernel:

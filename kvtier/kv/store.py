@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_into
-from kvtier.attention.interface import DenseKernel, SliceKernel, SliceStep
+from kvtier.attention.interface import CachingSliceKernel, DenseKernel, SliceKernel, SliceStep
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.host_slice import HostSlice
@@ -117,6 +117,8 @@ class TieredKVStore:
         # whether the store applies RoPE (False: keys are stored un-rotated and the kernel
         # rotates them at positions of its choosing, e.g. for context extension).
         self.kernel: SliceKernel = kernel or DenseKernel()
+        # Streamed slices this step that the kernel serves from its own GPU cache (nothing streamed).
+        self._cached: frozenset[int] = frozenset()
         self.rotate_keys = rotate_keys
         self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
         self.length = 0  # tokens stored in the longest slice (all slices, unless evicted)
@@ -258,7 +260,16 @@ class TieredKVStore:
         assert self.ring is not None
         s, cap = self.length, self.ring.tokens
         loads = []
-        for sid in sorted(self.hosts):
+        self._cached = frozenset()
+        kernel = self.kernel
+        if isinstance(kernel, CachingSliceKernel):
+            lay = self.layout
+            self._cached = frozenset(
+                sid
+                for sid in self.hosts
+                if not kernel.needs_slice(SliceStep(*divmod(sid, lay.num_groups), s), n_new)
+            )
+        for sid in sorted(set(self.hosts) - self._cached):
             if s + n_new <= cap:
                 loads.append(Load(sid, 0, s))
             else:
@@ -293,6 +304,8 @@ class TieredKVStore:
             buf[s : s + t, 1] = v
             return self.kernel(q, buf[: s + t], step)
         assert self.ring is not None
+        if sid in self._cached:
+            return self._attend_cached(sid, step, q, k, v)
         if s + t <= self.ring.tokens:
             return self._attend_streamed(sid, step, q, k, v)
         if not isinstance(self.kernel, DenseKernel):
@@ -316,6 +329,30 @@ class TieredKVStore:
         computed = self.streams.record()
         written = self._write_back(sid, buf[s : s + t], computed)
         self.ring.release(loaded, [computed, written])
+        return out
+
+    def _attend_cached(
+        self, sid: int, step: SliceStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """A caching kernel serves the step from its GPU cache; only tokens it `fetch`es move."""
+        assert isinstance(self.kernel, CachingSliceKernel)
+        host = self.hosts[sid]
+        lay = self.layout
+
+        def fetch(start: int, end: int) -> torch.Tensor:
+            if not 0 <= start <= end <= self.length:
+                raise IndexError(f"fetch({start}, {end}) outside the {self.length} stored tokens")
+            dst = torch.empty(
+                end - start, 2, lay.group_size, lay.head_dim, dtype=lay.dtype, device=self.device
+            )
+            self.streams.wait([host.last_write])
+            host.read_into(dst, start, end)
+            self.account.h2d_bytes += (end - start) * lay.token_bytes
+            return dst
+
+        new = torch.stack((k, v), dim=1)  # [T, 2, G, D]
+        out = self.kernel.attend_cached(q, new, step, fetch)
+        self._write_back(sid, new, self.streams.record())
         return out
 
     def _attend_streamed_blocks(
