@@ -49,13 +49,20 @@ def run(
     group: int = 2,
     chunk: int = PROMPT,
     decode: int = DECODE,
+    streamed: bool = False,
 ) -> tuple[list[torch.Tensor], TieredKVStore]:
-    """Prefill in chunks, then greedy decode; every step's logits and the store."""
+    """Prefill in chunks, then greedy decode; every step's logits and the store. `streamed`:
+    every slice in host memory (head-wise offload), else every slice resident."""
     ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
     slices = cfg.num_layers * cfg.num_kv_heads // group
+    plan = (
+        KVPlan("head", group, 0, chunk, 2, PROMPT + DECODE)
+        if streamed
+        else KVPlan("gpu", group, slices, chunk, 0, 0)
+    )
     store = TieredKVStore(
         cfg,
-        KVPlan("gpu", group, slices, chunk, 0, 0),
+        plan,
         device=CPU,
         dtype=torch.float32,
         capacity=PROMPT + DECODE,
@@ -116,6 +123,32 @@ def test_store_codes_only_tokens_outside_the_residual_window(gqa: tuple[CausalLM
         assert torch.equal(buf[coded:n], ref.resident[sid][coded:n])  # residual: untouched
         assert not torch.equal(buf[:coded], ref.resident[sid][:coded])
         assert torch.equal(codec.roundtrip(ref.resident[sid][:coded]), buf[:coded])
+
+
+@pytest.mark.parametrize(
+    "codec", [KiviCodec(bits=4, group=8, residual=16), KiviCodec(bits=8, group=4, residual=4), Fp8Codec()]
+)
+def test_packed_host_tier_equals_the_round_trip_and_moves_packed_bytes(
+    gqa: tuple[CausalLM, ModelConfig], codec: KiviCodec | Fp8Codec
+) -> None:
+    model, cfg = gqa
+    ref, _ = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25)
+    logits, store = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25, streamed=True)
+    for a, b in zip(logits, ref, strict=True):
+        assert torch.equal(a, b)  # packed rows unpack to exactly the simulated round trip
+    assert store.packed is not None
+    row, token = codec.row_bytes(1, cfg.head_dim), 2 * cfg.head_dim * 4
+    slices = cfg.num_layers * cfg.num_kv_heads
+    # One more decode step: the loads send packed rows for coded tokens, full tokens for the rest.
+    h2d = store.account.h2d_bytes
+    store.begin_step(1)
+    model(torch.tensor([1]), store)
+    n, coded = store.length, store.packed.coded
+    assert store.account.h2d_bytes - h2d == slices * (coded // codec.group * row + (n - coded) * token)
+    assert codec.group * token / row > (3.0 if getattr(codec, "bits", 8) == 4 else 1.7)
+    store.end_step()
+    store.close()
+    assert store.account.allocated == {"gpu": 0, "host": 0}
 
 
 # -- eviction ----------------------------------------------------------------------------------

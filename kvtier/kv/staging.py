@@ -16,6 +16,7 @@ on the order in which the copies happen to run.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,11 @@ class Load:
     slice_id: int
     start: int
     end: int
+
+
+# read(slice_id, dst, start, end) -> bytes sent: copy tokens [start, end) of a streamed slice
+# into dst[: end - start] on the current stream.
+Reader = Callable[[int, torch.Tensor, int, int], int]
 
 
 @dataclass
@@ -66,12 +72,15 @@ class StagingRing:
         self._schedule: deque[Load] = deque()
         self._inflight: deque[Loaded] = deque()
         self._hosts: dict[int, HostSlice] = {}
+        self._read: Reader | None = None
         self.token_bytes = self.buffers[0][0].numel() * self.buffers[0].element_size()
 
-    def start(self, schedule: list[Load], hosts: dict[int, HostSlice]) -> None:
-        """Begin a step: loads will be issued in `schedule` order."""
+    def start(self, schedule: list[Load], hosts: dict[int, HostSlice], read: Reader | None = None) -> None:
+        """Begin a step: loads will be issued in `schedule` order, through `read` if given (e.g.
+        packed tokens unpacked on the way), else as plain copies from `hosts`."""
         self._schedule = deque(schedule)
         self._hosts = hosts
+        self._read = read
         self._inflight.clear()
         self._fill()
 
@@ -90,9 +99,13 @@ class StagingRing:
             # the slice that used it last, and the host tokens may still be in flight from the
             # previous step's write-back: wait for all three before overwriting.
             self.streams.wait([*self._free_after[b], host.last_write])
-            host.read_into(buf, load.start, load.end)
+            if self._read is None:
+                host.read_into(buf, load.start, load.end)
+                moved = (load.end - load.start) * self.token_bytes
+            else:
+                moved = self._read(load.slice_id, buf, load.start, load.end)
             ready = self.streams.record()
-        self.account.h2d_bytes += (load.end - load.start) * self.token_bytes
+        self.account.h2d_bytes += moved
         self._inflight.append(Loaded(load, b, buf, ready))
 
     def take(self, load: Load) -> Loaded:

@@ -12,8 +12,9 @@ layer), then `end_step()`.
 Two optional hooks let lossy policies (`kvtier.policies`) act on the stored tokens; with neither
 set the store behaves exactly as before:
 
-- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are replaced by their
-  quantize -> dequantize round trip, in every slice and tier (simulated quantized storage).
+- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are coded: resident
+  slices keep the quantize -> dequantize round trip (GPU bytes unchanged); streamed slices keep
+  packed rows in host memory (`kvtier.kv.packed`), so their loads move the packed bytes.
 - `evictor` (`Evictor`): at `end_step`, each slice it owns may be compacted to a subset of its
   tokens, per KV head, in token order. That slice's stored length shrinks; `position` never
   does. Only resident slices can be compacted.
@@ -32,6 +33,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
+from kvtier.kv.packed import PackedTier, can_pack
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HostArena, TierAccount
@@ -180,6 +182,19 @@ class TieredKVStore:
                 self.streams,
                 self.account,
             )
+        # A packing codec keeps the coded tokens of streamed slices packed in host memory, so
+        # loads move packed bytes (kvtier.kv.packed); values are identical to the round trip.
+        self.packed: PackedTier | None = None
+        if codec is not None and can_pack(codec) and self.ring is not None:
+            self.packed = PackedTier(
+                codec,  # type: ignore[arg-type]
+                lay,
+                streamed,
+                self._capacity,
+                scratch_tokens=self.ring.tokens,
+                device=device,
+                account=self.account,
+            )
 
     # -- step protocol -------------------------------------------------------------------------
 
@@ -200,8 +215,11 @@ class TieredKVStore:
                     self._resize_slice(sid, lay.round_up(max(need, 2 * buf.shape[0])))
         for host in self.hosts.values():
             host.reserve(lay.round_up(end))
+        if self.packed is not None:
+            self.packed.reserve(lay.round_up(end))
         if self.ring is not None:
-            self.ring.start(self._schedule(n_new), self.hosts)
+            read = self._read_packed if self.packed is not None else None
+            self.ring.start(self._schedule(n_new), self.hosts, read)
 
     def end_step(self) -> None:
         n_new = self._step_tokens
@@ -226,7 +244,11 @@ class TieredKVStore:
             return
         for buf in self.resident.values():
             buf[a:upto] = codec.roundtrip(buf[a:upto])
-        if self.hosts:
+        if self.packed is not None:
+            to_gpu, to_host = self.packed.encode(self.hosts, upto, self.streams)
+            self.account.h2d_bytes += to_gpu
+            self.account.d2h_bytes += to_host
+        elif self.hosts:
             self.streams.synchronize()  # NOTE: the step's write-backs must land before we rewrite
             lay = self.layout
             tmp = torch.empty(upto - a, 2, lay.group_size, lay.head_dim, dtype=lay.dtype)
@@ -255,6 +277,10 @@ class TieredKVStore:
         target = lay.round_up(k + lay.block_size)
         if buf.shape[0] > 2 * target:
             self._resize_slice(sid, target)
+
+    def _read_packed(self, sid: int, dst: torch.Tensor, start: int, end: int) -> int:
+        assert self.packed is not None
+        return self.packed.read_into(sid, self.hosts[sid], dst, start, end)
 
     def _schedule(self, n_new: int) -> list[Load]:
         assert self.ring is not None
@@ -346,8 +372,11 @@ class TieredKVStore:
                 end - start, 2, lay.group_size, lay.head_dim, dtype=lay.dtype, device=self.device
             )
             self.streams.wait([host.last_write])
-            host.read_into(dst, start, end)
-            self.account.h2d_bytes += (end - start) * lay.token_bytes
+            if self.packed is not None:
+                self.account.h2d_bytes += self.packed.read_into(sid, host, dst, start, end, scratch=False)
+            else:
+                host.read_into(dst, start, end)
+                self.account.h2d_bytes += (end - start) * lay.token_bytes
             return dst
 
         new = torch.stack((k, v), dim=1)  # [T, 2, G, D]
@@ -416,5 +445,7 @@ class TieredKVStore:
         self.resident.clear()
         if self.ring is not None:
             self.ring.close()
+        if self.packed is not None:
+            self.packed.close()
         self.hosts.clear()
         self.arena.close()

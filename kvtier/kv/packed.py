@@ -1,0 +1,138 @@
+"""Quantized host tier: the coded tokens of streamed slices kept as packed rows in host memory.
+
+With a codec (`--kv-quant`), a streamed slice's tokens older than the codec's full-precision
+window are stored as packed rows (codes + fp16 scales, `codec.group` tokens a row). A load sends
+those rows over PCIe and the GPU unpacks them into the staging buffer; the rest comes from the
+full-precision host slice as before. So offloaded decode moves the packed bytes (int4: ~1/3.2,
+int8: ~1/1.8, fp8: ~1/2 of bf16), and the values attended are exactly `codec.roundtrip`'s.
+
+```
+ tokens of a slice:  [ 0 ............................ coded )[ coded ........ length )
+ host:               packed rows (PackedTier)                 bf16 HostSlice (write-backs)
+ load to GPU:        rows -> scratch -> unpack -> buf[0:coded]  copy -> buf[coded:length]
+```
+
+NOTE: the bf16 host slice still holds (stale) copies of the coded tokens, so host RAM is not
+reduced yet, only PCIe traffic.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvtier.kv.host_slice import HostSlice
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.streams import Streams
+from kvtier.kv.tiers import GPU, HostArena, TierAccount
+
+ROWS_EXTENT_BYTES = 16 << 20  # one host copy per 16 MiB of packed rows
+
+
+class PackingCodec(Protocol):
+    """A `KVCodec` that can also pack tokens into rows of bytes (see `kvtier.policies.quant`)."""
+
+    group: int
+
+    def frozen_tokens(self, length: int) -> int: ...
+
+    def roundtrip(self, kv: torch.Tensor) -> torch.Tensor: ...
+
+    def row_bytes(self, heads: int, head_dim: int) -> int: ...
+
+    def pack(self, kv: torch.Tensor) -> torch.Tensor: ...
+
+    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def can_pack(codec: object) -> bool:
+    """Whether `codec` stores packed rows (has pack/unpack/row_bytes)."""
+    return all(hasattr(codec, a) for a in ("pack", "unpack", "row_bytes", "group"))
+
+
+class PackedTier:
+    """Packed rows of every streamed slice, and the GPU scratch that loads unpack from."""
+
+    def __init__(
+        self,
+        codec: PackingCodec,
+        layout: KVLayout,
+        slices: list[int],
+        capacity: int,
+        *,
+        scratch_tokens: int,
+        device: torch.device,
+        account: TierAccount,
+    ) -> None:
+        self.codec = codec
+        self.layout = layout
+        self.device = device
+        self.account = account
+        self.row_bytes = codec.row_bytes(layout.group_size, layout.head_dim)
+        g = codec.group
+        extent_rows = max(1, min(-(-capacity // g), ROWS_EXTENT_BYTES // self.row_bytes))
+        self.arena = HostArena(
+            (extent_rows, self.row_bytes), torch.uint8, pin=device.type == "cuda", account=account
+        )
+        self.rows = {sid: HostSlice(self.arena, extent_rows) for sid in slices}
+        self.reserve(capacity)
+        self.coded = 0  # leading tokens of every streamed slice stored packed
+        # One load at a time unpacks from here: loads run in order on the H2D stream.
+        self.scratch = torch.empty(scratch_tokens // g + 2, self.row_bytes, dtype=torch.uint8, device=device)
+        account.alloc(GPU, self.scratch.numel())
+
+    def reserve(self, tokens: int) -> None:
+        rows = -(-tokens // self.codec.group)
+        for r in self.rows.values():
+            r.reserve(rows)
+
+    def read_into(
+        self, sid: int, host: HostSlice, dst: torch.Tensor, start: int, end: int, *, scratch: bool = True
+    ) -> int:
+        """Tokens [start, end) of slice `sid` into dst[: end - start] on the current stream: coded
+        ones unpacked from rows, the rest copied from `host`. Returns the bytes sent over PCIe.
+
+        `scratch`: unpack from the shared scratch; only for loads issued in order on one stream
+        (the staging ring's). Other callers get a fresh buffer."""
+        g = self.codec.group
+        c = min(max(self.coded, start), end)
+        moved = 0
+        if c > start:
+            r0, r1 = start // g, -(-c // g)
+            if scratch and r1 - r0 <= self.scratch.shape[0]:
+                rows = self.scratch[: r1 - r0]
+            else:
+                rows = torch.empty(r1 - r0, self.row_bytes, dtype=torch.uint8, device=self.device)
+            self.rows[sid].read_into(rows, r0, r1)
+            lay = self.layout
+            kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [(r1 - r0) g, ...]
+            dst[: c - start] = kv[start - r0 * g : c - r0 * g]
+            moved += (r1 - r0) * self.row_bytes
+        if end > c:
+            host.read_into(dst[c - start : end - start], c, end)
+            moved += (end - c) * self.layout.token_bytes
+        return moved
+
+    def encode(self, hosts: dict[int, HostSlice], upto: int, streams: Streams) -> tuple[int, int]:
+        """Pack tokens [coded, upto) of every slice from its full-precision host copy (through
+        the GPU, where packing runs). Returns the bytes moved (to the GPU, back to the host)."""
+        a = self.coded
+        if upto <= a:
+            return 0, 0
+        lay, g = self.layout, self.codec.group
+        assert a % g == 0 and upto % g == 0
+        tmp = torch.empty(upto - a, 2, lay.group_size, lay.head_dim, dtype=lay.dtype, device=self.device)
+        for sid, host in hosts.items():
+            streams.wait([host.last_write])  # the step's write-backs land first
+            host.read_into(tmp, a, upto)
+            self.rows[sid].write(a // g, self.codec.pack(tmp))
+            host.last_write = streams.record()  # loads of these rows wait for it
+        self.coded = upto
+        n = len(hosts)
+        return n * (upto - a) * lay.token_bytes, n * (upto - a) // g * self.row_bytes
+
+    def close(self) -> None:
+        self.account.free(GPU, self.scratch.numel())
+        self.rows.clear()
+        self.arena.close()
