@@ -297,6 +297,28 @@ def test_head_sparsity_compacts_only_streaming_heads(
     assert store.length == store.position == PROMPT + DECODE
 
 
+def test_head_sparsity_with_offload_keeps_streaming_heads_on_gpu_and_streams_retrieval_heads(
+    gqa: tuple[CausalLM, ModelConfig], tmp_path: Path
+) -> None:
+    model, cfg = gqa
+    scores = head_scores(model, segment=16, repeats=3, cache_dir=tmp_path)
+    ev = HeadStreamingEvictor(scores, 0.5, sinks=4, recent=20)
+    logits, store = run(model, cfg, PolicyParts(evictor=ev), group=1, chunk=25, streamed=True)
+    chunked, _ = run(
+        model, cfg, PolicyParts(evictor=HeadStreamingEvictor(scores, 0.5, 4, 20)), group=1, chunk=25
+    )
+    for a, b in zip(logits, chunked, strict=True):
+        assert torch.equal(a, b)  # offloading the retrieval heads changes nothing
+    streaming = ev.streaming_slices(store.layout)
+    assert set(store.resident) == streaming and set(store.hosts) == set(range(6)) - streaming
+    # GPU: the 3 streaming heads keep sinks + recent = 24 tokens, in buffers of at most twice
+    # that (block-rounded), whatever the context; plus 2 staging buffers for retrieval heads.
+    assert all(store.slice_length[s] == 24 and store.resident[s].shape[0] <= 64 for s in streaming)
+    token = 2 * cfg.head_dim * 4
+    assert store.account.allocated["gpu"] == 3 * 64 * token + 2 * 72 * token
+    assert store.account.d2h_bytes == 3 * (PROMPT + DECODE) * token  # only retrieval heads go to host
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -328,6 +350,3 @@ def test_budget_and_offload_are_checked_at_store_construction(gqa: tuple[CausalL
     common: dict[str, Any] = dict(device=CPU, dtype=torch.float32, options=StoreOptions(block_size=8))
     with pytest.raises(ConfigError, match="not below the context capacity"):
         TieredKVStore(cfg, KVPlan("gpu", 2, 3, 16, 0, 0), capacity=64, **common, **parts.store_kwargs())
-    parts = build_policy(cfg, device=CPU, **options(evict="window", kv_budget=16))
-    with pytest.raises(ConfigError, match="streams"):
-        TieredKVStore(cfg, KVPlan("head", 1, 0, 16, 2, 64), capacity=64, **common, **parts.store_kwargs())

@@ -71,9 +71,16 @@ class PackedTier:
         self.account = account
         self.row_bytes = codec.row_bytes(layout.group_size, layout.head_dim)
         g = codec.group
-        extent_rows = max(1, min(-(-capacity // g), ROWS_EXTENT_BYTES // self.row_bytes))
+        rows = -(-capacity // g)
+        extent_rows = max(1, min(rows, ROWS_EXTENT_BYTES // self.row_bytes))
+        extent_bytes = extent_rows * self.row_bytes
+        need = len(slices) * -(-rows // extent_rows) * extent_bytes
         self.arena = HostArena(
-            (extent_rows, self.row_bytes), torch.uint8, pin=device.type == "cuda", account=account
+            (extent_rows, self.row_bytes),
+            torch.uint8,
+            pin=device.type == "cuda",
+            account=account,
+            slab_bytes=max(extent_bytes, min(need, 1 << 30)),
         )
         self.rows = {sid: HostSlice(self.arena, extent_rows) for sid in slices}
         self.reserve(capacity)

@@ -17,7 +17,8 @@ set the store behaves exactly as before:
   packed rows in host memory (`kvtier.kv.packed`), so their loads move the packed bytes.
 - `evictor` (`Evictor`): at `end_step`, each slice it owns may be compacted to a subset of its
   tokens, per KV head, in token order. That slice's stored length shrinks; `position` never
-  does. Only resident slices can be compacted.
+  does. The slices it owns are always GPU-resident (sized by what they keep); the plan places
+  the rest, so eviction composes with offload.
 """
 
 from __future__ import annotations
@@ -131,7 +132,19 @@ class TieredKVStore:
         self._capacity = lay.round_up(max(capacity, 1))
         self.resident: dict[int, torch.Tensor] = {}  # slice -> [capacity, 2, G, D]
         self.hosts: dict[int, HostSlice] = {}
-        is_resident = spread(lay.num_slices, plan.resident_slices)
+        if codec is not None and evictor is not None:
+            raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
+        # Slices an evictor compacts always stay on the GPU (they hold a budget, not the context),
+        # allocated small and grown per step; the plan places the others (e.g. head-wise
+        # sparsity: streaming heads resident and compact, retrieval heads streamed).
+        self._evictable: frozenset[int] = frozenset()
+        if evictor is not None:
+            self._evictable = evictor.bind(lay, self._capacity)
+        others = [s for s in range(lay.num_slices) if s not in self._evictable]
+        chosen = spread(len(others), min(plan.resident_slices, len(others)))
+        is_resident = [s in self._evictable for s in range(lay.num_slices)]
+        for s, keep in zip(others, chosen, strict=True):
+            is_resident[s] = keep
         extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
         # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
         extent_blocks = min(extent_blocks, self._capacity // lay.block_size)
@@ -148,29 +161,18 @@ class TieredKVStore:
         )
         for s in range(lay.num_slices):
             if is_resident[s]:
-                self.resident[s] = torch.empty(self._capacity, *shape, dtype=dtype, device=device)
+                tokens = lay.block_size if s in self._evictable else self._capacity
+                self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
                 self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
             else:
                 self.hosts[s] = HostSlice(self.arena, extent_tokens)
                 # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
                 self.hosts[s].reserve(self._capacity)
-        if codec is not None and evictor is not None:
-            raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
         self.codec = codec
         self._coded = 0  # leading tokens of every slice already stored coded
         # Tokens stored per slice; differs from `length` only in slices an evictor compacted.
         self.slice_length = [0] * lay.num_slices
         self.evictor = evictor
-        self._evictable: frozenset[int] = frozenset()
-        if evictor is not None:
-            self._evictable = evictor.bind(lay, self._capacity)
-            streamed_evictable = sorted(self._evictable - set(self.resident))
-            if streamed_evictable:
-                raise ConfigError(
-                    f"eviction compacts slices on the GPU, but the KV policy {plan.policy!r} streams "
-                    f"{len(streamed_evictable)} of the slices to evict from host memory; use --kv gpu "
-                    "(or a plan that keeps them resident) with eviction"
-                )
         self.ring: StagingRing | None = None
         if streamed:
             self.ring = StagingRing(

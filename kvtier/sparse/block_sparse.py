@@ -4,12 +4,19 @@ Pure torch: gather the block's key indices, rotate (context extension) if asked,
 exact softmax over their union with a causal mask on true positions. This is the reference the
 Triton kernels are to be tested against; `masked_dense_attention` is its own reference.
 
+`attend_block` runs the Triton kernel (`kvtier.sparse.triton_attn`) instead when q is on CUDA
+and triton is installed; KVTIER_SPARSE_KERNEL=torch forces this pure-torch reference.
+
     keys of a block:  [ sinks | selected (sorted) ][ window w0 .. last query ]
                         `prefix`, shared by every    causal per query
                         query of the block
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +39,28 @@ def attend_block(
     Keys: `prefix` [P] sorted positions (all < window_start) plus [window_start, q_pos[-1]], each
     masked causally by true position. With `rotary`, q and k are un-rotated and are rotated here:
     queries at their true positions, keys at `attention_key_positions(mode, ...)`.
-    Returns [Tb, H_q, D] in q's dtype.
+    Returns [Tb, H_q, D] in q's dtype. On CUDA with triton installed this is the Triton kernel
+    (unless KVTIER_SPARSE_KERNEL=torch), else `attend_block_reference`.
     """
+    if q.is_cuda and _use_triton():
+        from kvtier.sparse.triton_attn import attend_block_triton
+
+        return attend_block_triton(q, q_pos, kv, prefix, window_start, rotary=rotary, mode=mode)
+    return attend_block_reference(q, q_pos, kv, prefix, window_start, rotary=rotary, mode=mode)
+
+
+def attend_block_reference(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv: torch.Tensor,
+    prefix: torch.Tensor,
+    window_start: int,
+    *,
+    rotary: RopeTable | None = None,
+    mode: str = "absolute",
+) -> torch.Tensor:
+    """`attend_block` in pure torch (the reference): gather, rotate, one masked softmax.
+    q [Tb, H_q, D], q_pos [Tb], kv [S, 2, G, D], prefix [P] -> [Tb, H_q, D] in q's dtype."""
     end = int(q_pos[-1]) + 1
     window_start = min(window_start, end)  # a block below the sinks has no window
     idx = torch.cat((prefix, torch.arange(window_start, end, device=prefix.device)))  # [L]
@@ -44,6 +71,17 @@ def attend_block(
         q = rotary.rotate(q, q_pos)
     mask = idx[None, :] <= q_pos[:, None]  # [Tb, L]
     return _softmax_attention(q, k, v, mask)
+
+
+def _use_triton() -> bool:
+    """Triton dispatch for CUDA tensors: not forced off by KVTIER_SPARSE_KERNEL=torch, and
+    triton importable."""
+    return os.environ.get("KVTIER_SPARSE_KERNEL", "").lower() != "torch" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def masked_dense_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

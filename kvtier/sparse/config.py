@@ -60,6 +60,11 @@ class HipConfig:
     chunk_indexed_layers: tuple[int, ...] = (0, 1, 2, 3)
     attention_rope: str = "streaming"
     max_context: int | None = None  # when known: the longest context this config must serve
+    # Offloaded (streamed) slices: the GPU block cache that serves decode between stage-0
+    # refreshes (see `kvtier.sparse.gpu_cache`). Tokens per block, and tokens per slice
+    # (None = `offload_cache_tokens()`: everything a refresh interval reads, so all hit).
+    cache_block: int = 16
+    cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)
@@ -71,7 +76,9 @@ class HipConfig:
                     f"hip {name}: needs one value per stage ({n} stages from chunk_sizes), "
                     f"got {getattr(self, name)}"
                 )
-        for name in ("window", "block_q"):
+        if self.cache_tokens is not None and self.cache_tokens <= 0:
+            raise ConfigError(f"hip cache_tokens must be positive, got {self.cache_tokens}")
+        for name in ("window", "block_q", "cache_block"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"hip {name} must be positive, got {getattr(self, name)}")
         if self.sink < 0:
@@ -137,6 +144,22 @@ class HipConfig:
     def attended_tokens(self) -> int:
         """Keys one query attends at most outside `wide_layers`: sink + selected + window + block."""
         return self.sink + self.budgets[-1] + self.window + self.block_q
+
+    def offload_cache_tokens(self, heads: int = 1) -> int:
+        """Tokens of one streamed slice's GPU block cache (`cache_tokens` when set).
+
+        The default holds everything the decode steps of one stage-0 refresh interval read, with
+        `heads` independent selections (KV heads of the slice when `per_head`): the sink blocks,
+        the stage-0 chunks (each may straddle one more block than it covers), the window grown by
+        refresh[0] tokens (new tokens included). Proportional to budgets, not context.
+        """
+        if self.cache_tokens is not None:
+            return self.cache_tokens
+        b = self.cache_block
+        chunks = self.budgets[0] // self.chunk_sizes[0]
+        selected = heads * chunks * (-(-self.chunk_sizes[0] // b) + 1)
+        window = -(-(self.window + self.refresh[0]) // b) + 1
+        return b * (-(-self.sink // b) + selected + window + 1)
 
     def with_refresh(self, preset: str) -> HipConfig:
         """This config with the decode refresh intervals of a named preset."""

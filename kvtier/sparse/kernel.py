@@ -13,19 +13,28 @@ expensive first stage, the only one whose work grows with the context, runs rare
 NOTE: while stage 0's selection is cached, tokens keep leaving the window; to lose none of them
 the window of a cached decode step reaches back to where it started when stage 0 last ran (so
 it grows by up to refresh[0] - 1 tokens between refreshes).
+
+Offloaded KV (`CachingSliceKernel`): for a slice the store streams from host memory, only a
+decode step where stage 0 is due (or the first) needs the whole slice; the kernel then also
+fills the slice's GPU `BlockCache` with what the steps until the next stage-0 refresh can read
+(sinks, stage-0 selection, window). Those steps stream nothing: they run the same code on a
+`PositionedKV` view of the cache, `fetch`ing only missing blocks from the host, so outputs are
+bitwise those of the non-offloaded kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
-from kvtier.attention.interface import SliceStep
+from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
-from kvtier.sparse.block_sparse import attend_block
+from kvtier.sparse.block_sparse import attend_block, attend_block_reference
 from kvtier.sparse.config import HipConfig
+from kvtier.sparse.gpu_cache import BlockCache, CacheStats, PositionedKV, block_ids
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
 
@@ -37,6 +46,12 @@ class HipStats:
     decode_recomputes: list[int]
     prefill_blocks: int = 0
     attended_keys: int = 0  # sum over prefill query blocks of keys attended (sink + selected + window)
+    cache: CacheStats = field(default_factory=CacheStats)  # GPU block caches of streamed slices
+
+    @property
+    def hit_rate(self) -> float:
+        """Block-cache hits per lookup on decode steps served without streaming (1.0 if none)."""
+        return self.cache.hit_rate
 
 
 @dataclass
@@ -50,12 +65,16 @@ class _DecodeState:
     position: int = 0  # position of the last decoded query
 
 
+# A whole slice [S, 2, G, D], or the rows of it a cached decode step reads.
+KV = torch.Tensor | PositionedKV
+
+
 class HipKernel:
     """Sparse attention over one slice: `__call__(q [T, H_q_g, D], kv [S+T, 2, G, D], step)`.
 
     With `cfg.extend`, q and kv are un-rotated (store built with rotate_keys=False) and `rotary`
-    is required; otherwise they arrive rotated at true positions. Mutates only its decode cache
-    and stats, never kv.
+    is required; otherwise they arrive rotated at true positions. Mutates only its decode cache,
+    its GPU block caches and stats, never kv. Also a `CachingSliceKernel`: see the module doc.
     """
 
     def __init__(self, cfg: HipConfig, rotary: Rotary | None = None) -> None:
@@ -65,6 +84,8 @@ class HipKernel:
         self.rotary = RopeTable(rotary) if cfg.extend and rotary is not None else None
         self.stats = HipStats(decode_recomputes=[0] * len(cfg.chunk_sizes))
         self._cache: dict[tuple[int, int, int], _DecodeState] = {}
+        self._gpu: dict[tuple[int, int], BlockCache] = {}  # (layer, group) -> block cache
+        self._streamed: set[tuple[int, int]] = set()  # slices the store streams (asked about)
 
     @property
     def needs_unrotated_keys(self) -> bool:
@@ -72,22 +93,75 @@ class HipKernel:
         return self.cfg.extend
 
     def reset(self) -> None:
-        """Forget every cached decode selection (a new sequence)."""
+        """Forget every cached decode selection and free the block caches (a new sequence)."""
         self._cache.clear()
+        self._gpu.clear()
+        self._streamed.clear()
+
+    def gpu_cache_bytes(self) -> int:
+        """GPU bytes of the block caches of streamed slices (proportional to cache capacity)."""
+        return sum(c.nbytes() for c in self._gpu.values())
+
+    # -- CachingSliceKernel -----------------------------------------------------------------
+
+    def needs_slice(self, step: SliceStep, n_new: int) -> bool:
+        """Whether a step of a streamed slice needs it whole: prefill, or stage 0 is due.
+
+        Records that the slice is streamed (so its full decode steps fill its block cache).
+        """
+        sl = (step.layer, step.group)
+        self._streamed.add(sl)
+        cache = self._gpu.get(sl)
+        if n_new > 1 or cache is None or cache.end != step.start:
+            return True
+        st = self._cache.get((*sl, 0 if self.cfg.per_head else -1))
+        if st is None or step.start <= st.position:
+            return True
+        return self._first_due(st, st.step + 1) == 0
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
+        out = self._heads(q, kv, step)
+        sl = (step.layer, step.group)
+        if q.shape[0] > 1 and sl in self._gpu:
+            self._gpu[sl].clear()  # NOTE: prefill appends tokens the cache never saw
+        elif q.shape[0] == 1 and sl in self._streamed:
+            self._fill(kv, step)
+        return out
+
+    def attend_cached(
+        self, q: torch.Tensor, kv_new: torch.Tensor, step: SliceStep, fetch: Fetch
+    ) -> torch.Tensor:
+        """A decode step from the slice's block cache: q [1, H_q_g, D], kv_new [1, 2, G, D]."""
+        cache = self._gpu[(step.layer, step.group)]
+        b, s = cache.block, step.start
+        blocks = block_ids(self._needed(step, kv_new.shape[2], kv_new.device, refresh=False), b)
+        table = cache.ensure(blocks, lambda missing: self._fetch_blocks(missing, cache, s, fetch, kv_new))
+        cache.write(table, s, kv_new[0])
+        cache.end = s + 1
+        fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
+        st = self.stats.cache
+        st.lookups += blocks.numel() - fresh
+        st.hits += table.hits
+        st.misses += blocks.numel() - fresh - table.hits
+        st.appended += fresh
+        return self._heads(q, PositionedKV.of(cache, table, s + 1), step)
+
+    # -- attention --------------------------------------------------------------------------
+
+    def _heads(self, q: torch.Tensor, kv: KV, step: SliceStep) -> torch.Tensor:
         if not self.cfg.per_head:
             return self._slice(q, kv, step, -1)
         g = kv.shape[2]
         r = q.shape[1] // g
-        outs = [self._slice(q[:, h * r : (h + 1) * r], kv[:, :, h : h + 1], step, h) for h in range(g)]
+        outs = [self._slice(q[:, h * r : (h + 1) * r], _head(kv, h), step, h) for h in range(g)]
         return torch.cat(outs, dim=1)
 
-    def _slice(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep, head: int) -> torch.Tensor:
+    def _slice(self, q: torch.Tensor, kv: KV, step: SliceStep, head: int) -> torch.Tensor:
         t = q.shape[0]
         key = (step.layer, step.group, head)
         if t == 1:
             return self._decode(q, kv, step, key)
+        assert isinstance(kv, torch.Tensor), "prefill needs the whole slice"
         self._cache.pop(key, None)
         bq = self.cfg.block_q
         out = torch.empty_like(q)
@@ -103,9 +177,7 @@ class HipKernel:
             )
         return out
 
-    def _decode(
-        self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep, key: tuple[int, int, int]
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: KV, step: SliceStep, key: tuple[int, int, int]) -> torch.Tensor:
         cfg = self.cfg
         pos = torch.tensor([step.start], device=q.device)
         st = self._cache.get(key)
@@ -114,8 +186,8 @@ class HipKernel:
             st = None
         else:
             st.step += 1
-            due = [st.step - c >= r for c, r in zip(st.computed_at, cfg.refresh, strict=True)]
-            first = due.index(True) if any(due) else len(due)
+            first = self._first_due(st, st.step)
+        assert first > 0 or isinstance(kv, torch.Tensor), "stage 0 needs the whole slice"
         if st is None or first == 0:
             w0 = self._window_start(step.start)
             cand = self._middle(w0, q.device)
@@ -138,6 +210,78 @@ class HipKernel:
         self._cache[key] = st
         return self._attend(q, pos, kv, st.outputs[-1], st.window_start)
 
+    def _first_due(self, st: _DecodeState, step_no: int) -> int:
+        """The earliest stage due at decode step `step_no` of `st` (len(stages) when none is)."""
+        due = [step_no - c >= r for c, r in zip(st.computed_at, self.cfg.refresh, strict=True)]
+        return due.index(True) if any(due) else len(due)
+
+    # -- block cache ------------------------------------------------------------------------
+
+    def _needed(self, step: SliceStep, groups: int, device: torch.device, *, refresh: bool) -> torch.Tensor:
+        """Positions the slice's decode steps read: sinks, candidates, window [w0, step.start].
+
+        `refresh` (after a full step): the stage-0 selection, which every step until the next
+        stage-0 refresh reads from. Otherwise (before a cached step): the candidates of the
+        earliest due stage, or the final selection when none is due. Union over heads.
+        """
+        heads = range(groups) if self.cfg.per_head else (-1,)
+        parts = [torch.arange(min(self.cfg.sink, step.start + 1), device=device)]
+        for h in heads:
+            st = self._cache[(step.layer, step.group, h)]
+            stage = 0 if refresh else self._first_due(st, st.step + 1) - 1
+            parts.append(st.outputs[stage].to(device))
+            parts.append(torch.arange(st.window_start, step.start + 1, device=device))
+        return torch.cat(parts)
+
+    def _cache_for(self, kv: torch.Tensor, step: SliceStep) -> BlockCache:
+        sl = (step.layer, step.group)
+        if sl not in self._gpu:
+            heads = kv.shape[2] if self.cfg.per_head else 1
+            b = self.cfg.cache_block
+            slots = -(-self.cfg.offload_cache_tokens(heads) // b)
+            self._gpu[sl] = BlockCache(slots, b, tuple(kv.shape[1:]), kv.dtype, kv.device)
+        return self._gpu[sl]
+
+    def _fill(self, kv: torch.Tensor, step: SliceStep) -> None:
+        """After a full decode step of a streamed slice: cache what later steps will read (GPU to GPU)."""
+        cache = self._cache_for(kv, step)
+        if cache.end != step.start:
+            cache.clear()  # a new sequence, or tokens the cache never saw
+        b, n = cache.block, kv.shape[0]
+        blocks = block_ids(self._needed(step, kv.shape[2], kv.device, refresh=True), b)
+
+        def load(missing: torch.Tensor) -> torch.Tensor:
+            rows = missing[:, None] * b + torch.arange(b, device=kv.device)  # [k, b]
+            return kv[rows.clamp(max=n - 1)]  # [k, b, 2, G, D]; rows past the end never read
+
+        table = cache.ensure(blocks, load)
+        cache.write(table, step.start, kv[step.start])
+        cache.end = step.start + 1
+        self.stats.cache.refresh_reused += table.hits
+        self.stats.cache.refresh_inserted += table.stored
+
+    def _fetch_blocks(
+        self, missing: torch.Tensor, cache: BlockCache, stored: int, fetch: Fetch, like: torch.Tensor
+    ) -> torch.Tensor:
+        """Missing blocks [k] read from the host, runs of consecutive blocks in one fetch each.
+
+        Rows at or past `stored` (not on the host yet) are zero. Returns [k, block, 2, G, D].
+        """
+        b = cache.block
+        ids = missing.tolist()
+        out = torch.zeros(len(ids) * b, *like.shape[1:], dtype=like.dtype, device=like.device)
+        i = 0
+        while i < len(ids):
+            j = i + 1
+            while j < len(ids) and ids[j] == ids[j - 1] + 1:
+                j += 1
+            lo, hi = ids[i] * b, min(ids[j - 1] * b + b, stored)
+            if hi > lo:
+                out[i * b : i * b + hi - lo] = fetch(lo, hi)
+                self.stats.cache.fetched_bytes += (hi - lo) * like[0].numel() * like.element_size()
+            i = j
+        return out.view(len(ids), b, *like.shape[1:])
+
     # -- pieces ---------------------------------------------------------------------------------
 
     def _window_start(self, first_query: int) -> int:
@@ -149,13 +293,14 @@ class HipKernel:
         return torch.arange(self.cfg.sink, w0, device=device)
 
     def _stages(
-        self, q: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, layer: int, cand: torch.Tensor, first: int
+        self, q: torch.Tensor, pos: torch.Tensor, kv: KV, layer: int, cand: torch.Tensor, first: int
     ) -> list[torch.Tensor]:
         cfg = self.cfg
+        keys = kv[:, 0] if isinstance(kv, torch.Tensor) else kv.map(lambda t: t[:, 0])
         return run_stages(
             q,
             pos,
-            kv[:, 0],
+            cast(torch.Tensor, keys),  # NOTE: a PositionedKV is only ever indexed by positions
             cand,
             chunk_sizes=cfg.chunk_sizes,
             budgets=cfg.stage_budgets(layer),
@@ -167,9 +312,20 @@ class HipKernel:
             head_score=cfg.head_score,
         )
 
-    def _attend(
-        self, q: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, w0: int
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, pos: torch.Tensor, kv: KV, sel: torch.Tensor, w0: int) -> torch.Tensor:
         sinks = torch.arange(min(self.cfg.sink, int(pos[-1]) + 1), device=q.device)
         prefix = torch.cat((sinks, sel))
-        return attend_block(q, pos, kv, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope)
+        if isinstance(kv, torch.Tensor):
+            return attend_block(q, pos, kv, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope)
+        # NOTE: a view is read by position in pure torch; the Triton kernel needs a real slice.
+        view = cast(torch.Tensor, kv)
+        return attend_block_reference(
+            q, pos, view, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope
+        )
+
+
+def _head(kv: KV, h: int) -> KV:
+    """KV head h of a slice, keeping the head axis: [S, 2, 1, D]."""
+    if isinstance(kv, torch.Tensor):
+        return kv[:, :, h : h + 1]
+    return kv.map(lambda t: t[:, :, h : h + 1])
