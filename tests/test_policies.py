@@ -350,3 +350,42 @@ def test_budget_and_offload_are_checked_at_store_construction(gqa: tuple[CausalL
     common: dict[str, Any] = dict(device=CPU, dtype=torch.float32, options=StoreOptions(block_size=8))
     with pytest.raises(ConfigError, match="not below the context capacity"):
         TieredKVStore(cfg, KVPlan("gpu", 2, 3, 16, 0, 0), capacity=64, **common, **parts.store_kwargs())
+
+
+@pytest.mark.parametrize("method", ["int4", "heads"])
+def test_synthetic_fill_gives_packed_rows_and_compact_heads(
+    gqa: tuple[CausalLM, ModelConfig], tmp_path: Path, method: str
+) -> None:
+    """Benchmarks fill long contexts synthetically; the filled store must look like a prefilled one."""
+    from kvtier.kv.synthetic import fill_synthetic
+
+    model, cfg = gqa
+    codec = KiviCodec(bits=4, group=8, residual=16)
+    scores = torch.arange(6.0).view(3, 2)
+    parts = (
+        PolicyParts(codec=codec)
+        if method == "int4"
+        else PolicyParts(evictor=HeadStreamingEvictor(scores, 0.5, sinks=4, recent=20))
+    )
+    store = TieredKVStore(
+        cfg,
+        KVPlan("head", 1, 0, 16, 2, 128),
+        device=CPU,
+        dtype=torch.float32,
+        capacity=128,
+        options=StoreOptions(block_size=8),
+        **parts.store_kwargs(),
+    )
+    fill_synthetic(store, 100)
+    h2d = store.account.h2d_bytes
+    store.begin_step(1)
+    assert torch.isfinite(model(torch.tensor([1]), store)).all()
+    store.end_step()
+    token = 2 * cfg.head_dim * 4
+    if method == "int4":
+        assert store.packed is not None and store.packed.coded == codec.frozen_tokens(100) == 80
+        row = codec.row_bytes(1, cfg.head_dim)
+        assert store.account.h2d_bytes - h2d == 6 * (10 * row + 20 * token)
+    else:
+        assert sorted(store.slice_length) == [24] * 3 + [101] * 3
+        assert store.account.h2d_bytes - h2d == 3 * 100 * token
