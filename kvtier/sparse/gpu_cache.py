@@ -1,0 +1,207 @@
+"""A GPU cache of one streamed slice's KV in token blocks, with LRU eviction (HiP offload).
+
+Between stage-0 refreshes a HiP decode step reads only a few known tokens of a slice: the
+sinks, the cached candidates of the earliest due stage and the window. `BlockCache` keeps those
+tokens on the GPU in blocks of `block` tokens, so such a step streams nothing:
+
+    bank   [slots, block, 2, G, D]   token rows of cached blocks
+    ids    [slots]                   block id (first token // block) held by each slot, -1 = free
+    used   [slots]                   tick of the slot's last use, -1 = never
+
+`ensure(blocks, load)` makes a step's blocks readable: hits are touched, misses are `load`ed and
+stored in the least-recently-used slots not used this tick (those that do not fit stay in a
+step-local overflow). It returns a `BlockTable`, through which `PositionedKV` reads token rows
+by *position*, the way the pruning and attention code index a whole slice. Everything is
+proportional to the number of slots, never to the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CacheStats:
+    """Counters (mutable, run-time) of every slice's block cache.
+
+    Cached steps (nothing streamed) look blocks up: `hits` + `misses` == `lookups`, and each miss
+    reads its stored tokens from the host (`fetched_bytes`). Refresh steps (the slice streamed in
+    whole) only fill the cache: blocks already there are `refresh_reused`, others
+    `refresh_inserted`. A block a new token starts is `appended`, neither hit nor miss.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    fetched_bytes: int = 0
+    refresh_reused: int = 0
+    refresh_inserted: int = 0
+    appended: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per lookup on cached steps (1.0 before any lookup)."""
+        return self.hits / self.lookups if self.lookups else 1.0
+
+
+@dataclass
+class BlockTable:
+    """Where a step's blocks are: sorted block ids [m], each in the bank or the overflow.
+
+    `base[j]` is the first row of block `blocks[j]` in the flattened bank (`in_bank[j]`) or in
+    the flattened overflow `extra` [E * block, 2, G, D].
+    """
+
+    blocks: torch.Tensor  # [m] sorted block ids
+    base: torch.Tensor  # [m] first row of each block in its source
+    in_bank: torch.Tensor  # [m] bool
+    extra: torch.Tensor | None  # [E * block, 2, G, D] blocks that did not fit the cache
+    hits: int
+    stored: int  # misses stored in the bank
+
+
+class BlockCache:
+    """LRU cache of `slots` blocks of `block` token rows [2, G, D] of one slice, on `device`."""
+
+    def __init__(
+        self,
+        slots: int,
+        block: int,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block = block
+        self.bank = torch.empty(slots, block, *row_shape, dtype=dtype, device=device)
+        self.ids = torch.full((slots,), -1, dtype=torch.long, device=device)
+        self.used = torch.full((slots,), -1, dtype=torch.long, device=device)
+        self.tick = 0
+        self.end = 0  # tokens of the slice the cache is up to date with (0 = nothing cached)
+
+    @property
+    def slots(self) -> int:
+        return self.bank.shape[0]
+
+    def nbytes(self) -> int:
+        """GPU bytes held by the bank and its bookkeeping."""
+        return sum(t.numel() * t.element_size() for t in (self.bank, self.ids, self.used))
+
+    def clear(self) -> None:
+        """Forget every block (the slice's stored tokens changed). Mutates the cache."""
+        self.ids.fill_(-1)
+        self.used.fill_(-1)
+        self.end = 0
+
+    def lookup(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Slot of each block id in blocks [m] (-1 when absent). Pure."""
+        order = torch.argsort(self.ids)
+        ids = self.ids[order]
+        i = torch.searchsorted(ids, blocks).clamp(max=self.slots - 1)
+        return torch.where(ids[i] == blocks, order[i], torch.full_like(blocks, -1))
+
+    def ensure(self, blocks: torch.Tensor, load: Callable[[torch.Tensor], torch.Tensor]) -> BlockTable:
+        """Make blocks [m] (sorted, unique) readable this tick; mutates the cache.
+
+        `load(missing [k]) -> [k, block, 2, G, D]` supplies the absent blocks. They go to the
+        least-recently-used slots not used this tick; any that do not fit stay in the overflow.
+        """
+        self.tick += 1
+        slot = self.lookup(blocks)
+        hit = slot >= 0
+        self.used[slot[hit]] = self.tick
+        missing = blocks[~hit]
+        k = missing.numel()
+        base = slot * self.block
+        in_bank = hit.clone()
+        extra = None
+        stored = 0
+        if k:
+            data = load(missing)  # [k, block, 2, G, D]
+            free = self._victims(k)
+            stored = free.numel()
+            self.bank[free] = data[:stored]
+            self.ids[free] = missing[:stored]
+            self.used[free] = self.tick
+            where = (~hit).nonzero().flatten()  # [k] indices of the missing blocks in `blocks`
+            base[where[:stored]] = free * self.block
+            in_bank[where[:stored]] = True
+            if stored < k:
+                extra = data[stored:].flatten(0, 1)
+                base[where[stored:]] = torch.arange(k - stored, device=blocks.device) * self.block
+        return BlockTable(blocks, base, in_bank, extra, hits=blocks.numel() - k, stored=stored)
+
+    def write(self, table: BlockTable, position: int, row: torch.Tensor) -> None:
+        """Store token row [2, G, D] at `position` (its block is in `table`). Mutates the cache."""
+        at = torch.tensor(position // self.block, device=table.blocks.device)
+        j = int(torch.searchsorted(table.blocks, at))
+        r = int(table.base[j]) + position % self.block
+        if bool(table.in_bank[j]):
+            self.bank.view(-1, *self.bank.shape[2:])[r] = row
+        else:
+            assert table.extra is not None
+            table.extra[r] = row
+
+    def _victims(self, n: int) -> torch.Tensor:
+        """Up to n slots not used this tick, least recently used (never used) first."""
+        free = int((self.used < self.tick).sum())
+        return torch.argsort(self.used, stable=True)[: min(n, free)]
+
+
+class PositionedKV:
+    """Rows of a slice at sorted, known positions, indexed by position like the whole slice.
+
+    `view[pos]` and `view[pos, j]` give what `kv[pos]` and `kv[pos, j]` would for a slice
+    kv [length, ...]; `shape` is that slice's shape. Reading a position the table lacks is
+    undefined. NOTE: values are copied bit for bit, so code run on a view computes exactly what
+    it would on the whole slice.
+    """
+
+    def __init__(
+        self, bank: torch.Tensor, table: BlockTable, block: int, length: int, extra: torch.Tensor | None
+    ) -> None:
+        self.bank = bank  # [slots * block, ...]
+        self.extra = extra  # [E * block, ...] or None
+        self.table = table
+        self.block = block
+        self.length = length
+
+    @classmethod
+    def of(cls, cache: BlockCache, table: BlockTable, length: int) -> PositionedKV:
+        """The view of `length` positions of a slice through `cache` and a step's `table`."""
+        bank = cache.bank.view(-1, *cache.bank.shape[2:])
+        return cls(bank, table, cache.block, length, table.extra)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.length, *self.bank.shape[1:]))
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PositionedKV:
+        """The same positions with `fn` applied to every row tensor (e.g. one head, keys only)."""
+        extra = fn(self.extra) if self.extra is not None else None
+        return PositionedKV(fn(self.bank), self.table, self.block, self.length, extra)
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rows at positions [n] -> [n, ...]."""
+        t = self.table
+        j = torch.searchsorted(t.blocks, torch.div(positions, self.block, rounding_mode="floor"))
+        r = t.base[j] + positions % self.block
+        if self.extra is None:
+            return self.bank[r]
+        inb = t.in_bank[j]
+        a = self.bank[torch.where(inb, r, 0)]
+        b = self.extra[torch.where(inb, 0, r)]
+        return torch.where(inb.view(-1, *[1] * (a.dim() - 1)), a, b)
+
+    def __getitem__(self, index: torch.Tensor | tuple[torch.Tensor, int]) -> torch.Tensor:
+        if isinstance(index, tuple):
+            positions, j = index
+            return self.rows(positions)[:, j]
+        return self.rows(index)
+
+
+def block_ids(positions: torch.Tensor, block: int) -> torch.Tensor:
+    """Sorted unique blocks [m] holding positions [n]."""
+    return torch.unique(torch.div(positions, block, rounding_mode="floor"))

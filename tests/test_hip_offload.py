@@ -1,0 +1,195 @@
+"""HiP sparse attention over offloaded KV: the GPU block cache serves decode between stage-0
+refreshes, bitwise equal to HiP over resident KV, and only refreshes and misses cross PCIe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.config import ModelConfig
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import KVPlan
+from kvtier.sparse import HipConfig, HipKernel, make_hip_kernel
+from kvtier.sparse.gpu_cache import BlockCache
+from tests.hf_reference import drive, make_hf_model
+
+CPU = torch.device("cpu")
+PROMPT, DECODE, CHUNK = 120, 20, 16
+REFRESH0 = 6  # stage-0 refreshes at decode steps 0, 6, 12, 18
+# Budgets that prune a 120-token context (3 stages), small blocks so a block cache has many.
+TINY: dict[str, object] = {
+    "sink": 2,
+    "window": 6,
+    "block_q": 4,
+    "chunk_sizes": (8, 4, 2),
+    "budgets": (32, 16, 8),
+    "wide_budget": 8,
+    "query_strides": (2, 2, 1),
+    "refresh": (REFRESH0, 3, 1),
+    "cache_block": 4,
+}
+SLICES = 6  # 3 layers x 2 KV heads, one head per slice
+TOKEN_BYTES = 2 * 16 * 4  # K and V of one head of 16 dims, float32
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, ModelConfig]:
+    folder: Path = tmp_path_factory.mktemp("gqa")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 4 q heads, 2 KV heads of 16 dims
+    return load_safetensors_folder(folder, CPU, torch.float32)
+
+
+def plan(policy: str) -> KVPlan:
+    if policy == "gpu":
+        return KVPlan(
+            policy="gpu",
+            group_size=1,
+            resident_slices=SLICES,
+            chunk_size=CHUNK,
+            staging_buffers=0,
+            staging_tokens=0,
+        )
+    return KVPlan(
+        policy="head",
+        group_size=1,
+        resident_slices=0,
+        chunk_size=CHUNK,
+        staging_buffers=2,
+        staging_tokens=PROMPT + DECODE,
+    )
+
+
+def kernel_for(cfg: ModelConfig, **overrides: object) -> HipKernel:
+    kernel, _ = make_hip_kernel(cfg, CPU, "default", **{**TINY, **overrides})
+    assert isinstance(kernel, HipKernel)
+    return kernel
+
+
+def run(
+    model: CausalLM, cfg: ModelConfig, policy: str, kernel: HipKernel, seed: int = 7
+) -> tuple[list[torch.Tensor], list[int], TieredKVStore, int]:
+    """Chunked prefill + greedy decode; returns logits, tokens, the store and H2D bytes of decode."""
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
+    store = TieredKVStore(
+        cfg,
+        plan(policy),
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=5, extent_blocks=4),
+        kernel=kernel,
+        rotate_keys=not kernel.needs_unrotated_keys,
+    )
+    prefill, _ = drive(model, store, ids, CHUNK, 0)
+    h2d = store.account.h2d_bytes
+    tail, tokens = _decode(model, store, prefill[-1])
+    return prefill + tail, tokens, store, store.account.h2d_bytes - h2d
+
+
+def _decode(
+    model: CausalLM, store: TieredKVStore, last: torch.Tensor
+) -> tuple[list[torch.Tensor], list[int]]:
+    logits, tokens = [], []
+    for _ in range(DECODE):
+        tok = last[-1].argmax()
+        tokens.append(int(tok))
+        store.begin_step(1)
+        last = model(tok.view(1), store)
+        logits.append(last)
+        store.end_step()
+    return logits, tokens
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+# Streamed slice tokens of the refresh steps (whole slices at decode steps 0, 6, 12, 18).
+REFRESH_BYTES = sum(PROMPT + k for k in range(0, DECODE, REFRESH0)) * SLICES * TOKEN_BYTES
+
+
+@pytest.mark.parametrize("extend,per_head", [(True, False), (False, False), (True, True)])
+def test_offloaded_hip_is_bitwise_resident_hip_and_streams_only_refreshes(
+    gqa: tuple[CausalLM, ModelConfig], extend: bool, per_head: bool
+) -> None:
+    model, cfg = gqa
+    ref = kernel_for(cfg, extend=extend, per_head=per_head)
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", ref)
+    kernel = kernel_for(cfg, extend=extend, per_head=per_head)
+    logits, tokens, store, h2d = run(model, cfg, "head", kernel)
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    assert kernel.stats.decode_recomputes == ref.stats.decode_recomputes
+    # Default capacity: every cached step hits; only refresh steps stream, nothing is fetched.
+    st = kernel.stats.cache
+    assert st.misses == 0 and st.fetched_bytes == 0 and st.lookups > 0
+    assert kernel.stats.hit_rate == 1.0
+    assert st.appended == SLICES * sum((PROMPT + k) % 4 == 0 for k in range(DECODE) if k % REFRESH0)
+    assert h2d == REFRESH_BYTES
+    every_step = sum(PROMPT + k for k in range(DECODE)) * SLICES * TOKEN_BYTES
+    assert h2d * 4 < every_step
+    # New tokens still reach the host once each.
+    assert store.account.d2h_bytes == SLICES * (PROMPT + DECODE) * TOKEN_BYTES
+
+
+def test_small_cache_misses_fetch_and_stay_bitwise(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg))
+    kernel = kernel_for(cfg, cache_tokens=24)  # 6 blocks of 4: less than one step reads
+    logits, tokens, _, h2d = run(model, cfg, "head", kernel)
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    st = kernel.stats.cache
+    assert st.misses > 0 and st.fetched_bytes > 0
+    assert 0.0 < kernel.stats.hit_rate < 1.0
+    assert st.hits + st.misses == st.lookups
+    # Refreshes stream whole slices; everything else that crossed PCIe is a fetched miss.
+    assert h2d == REFRESH_BYTES + st.fetched_bytes
+    assert kernel.gpu_cache_bytes() == SLICES * (6 * 4 * TOKEN_BYTES + 2 * 6 * 8)
+
+
+def test_cache_memory_follows_capacity_and_reset_frees_it(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    kernel = kernel_for(cfg)
+    run(model, cfg, "head", kernel)
+    hip = HipConfig(**TINY)  # type: ignore[arg-type]
+    # sink 1 block + 4 chunks x 3 blocks + (6 + 6) / 4 + 1 window blocks + 1 = 18 blocks
+    assert hip.offload_cache_tokens() == 4 * 18
+    assert kernel.gpu_cache_bytes() == SLICES * (18 * 4 * TOKEN_BYTES + 2 * 18 * 8)
+    kernel.reset()
+    assert kernel.gpu_cache_bytes() == 0
+
+
+def test_a_new_sequence_without_reset_does_not_reuse_stale_blocks(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    model, cfg = gqa
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg), seed=8)
+    kernel = kernel_for(cfg)
+    run(model, cfg, "head", kernel, seed=7)
+    logits, tokens, _, _ = run(model, cfg, "head", kernel, seed=8)  # same kernel, next sequence
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+
+
+def test_block_cache_evicts_least_recently_used_slots() -> None:
+    cache = BlockCache(3, 2, (1,), torch.float32, CPU)
+
+    def load(missing: torch.Tensor) -> torch.Tensor:
+        return missing[:, None, None].float().expand(-1, 2, 1)  # block b holds rows of value b
+
+    t = cache.ensure(torch.tensor([0, 1, 2]), load)  # tick 1: all miss, slots 0, 1, 2
+    assert (t.hits, t.stored) == (0, 3) and t.extra is None
+    cache.ensure(torch.tensor([1]), load)  # tick 2: block 1 used
+    cache.ensure(torch.tensor([2]), load)  # tick 3: block 2 used
+    t = cache.ensure(torch.tensor([2, 5]), load)  # tick 4: block 0 (slot 0) is the LRU victim
+    assert (t.hits, t.stored) == (1, 1)
+    assert cache.ids.tolist() == [5, 1, 2]
+    t = cache.ensure(torch.tensor([3, 4, 6, 7]), load)  # 4 misses, 3 slots: one overflows
+    assert (t.hits, t.stored) == (0, 3) and t.extra is not None
+    assert sorted(cache.ids.tolist()) == [3, 4, 6]
+    assert cache.lookup(torch.tensor([7, 5])).tolist() == [-1, -1]
