@@ -15,6 +15,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
+from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
 
 HIP_PRESETS: dict[str, HipConfig] = {
@@ -49,4 +50,4 @@ def make_hip_kernel(
     return kernel, kernel.needs_unrotated_keys
 
 
-__all__ = ["HIP_PRESETS", "HipConfig", "HipKernel", "HipStats", "make_hip_kernel"]
+__all__ = ["HIP_PRESETS", "CacheStats", "HipConfig", "HipKernel", "HipStats", "make_hip_kernel"]

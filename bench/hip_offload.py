@@ -1,0 +1,285 @@
+"""HiP sparse attention over offloaded KV (issue 6 item 4) vs lossless offload, on a CUDA GPU.
+
+llama-3-8b preset (random weights, bf16), GPU capped with set_per_process_memory_fraction. Each
+context is filled with synthetic KV into a head-wise offloaded store, then `--steps` real
+decode steps run per method: "dense" (lossless: every step streams every slice) and HiP presets
+(only stage-0 refresh steps stream a slice; the steps between read a GPU block cache). Reported:
+mean and p50 decode s/token, refresh-step vs cached-step time, H2D bytes per token, block-cache
+hit rate and GPU bytes, peak GPU memory; then prefill tokens/s of one chunk appended at the
+largest context (HiP vs dense). A table is printed last; $OUT/hip_offload.json holds the rows.
+
+    python bench/hip_offload.py --contexts 128K,512K,1M --presets fast,flash
+    python bench/hip_offload.py --smoke            # CPU, tiny model: proves the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import median, write_results
+from kvtier.attention.interface import DenseKernel, SliceKernel
+from kvtier.config import ModelConfig
+from kvtier.errors import CapacityError
+from kvtier.kv.store import TieredKVStore
+from kvtier.kv.synthetic import fill_synthetic
+from kvtier.loading.presets import preset_config
+from kvtier.loading.weights import random_model
+from kvtier.model.llama import CausalLM
+from kvtier.planner.hardware import hardware_preset
+from kvtier.planner.placement import KVPlan, plan_kv
+from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
+from kvtier.units import parse_count, parse_size
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall time of fn() (GPU work included on CUDA) and its result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def hip_config(preset: str, context: int, smoke: bool) -> HipConfig:
+    """The preset's config; in smoke mode shrunk to the context (`HipConfig.scaled`)."""
+    base = HIP_PRESETS[preset]
+    if not smoke:
+        return base
+    return HipConfig.scaled(context, refresh=base.refresh, cache_block=8)
+
+
+def make_kernel(
+    cfg: ModelConfig, method: str, context: int, device: torch.device, smoke: bool
+) -> tuple[SliceKernel, bool]:
+    """("dense" | "hip-<preset>") -> the slice kernel and whether keys stay un-rotated."""
+    if method == "dense":
+        return DenseKernel(), False
+    hip = hip_config(method.removeprefix("hip-"), context, smoke)
+    overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
+    return make_hip_kernel(cfg, device, "default", **overrides)
+
+
+def cache_bytes_estimate(cfg: ModelConfig, method: str, context: int, smoke: bool, dtype_bytes: int) -> int:
+    """GPU bytes of HiP's block caches with one KV head per slice (0 for dense)."""
+    if method == "dense":
+        return 0
+    hip = hip_config(method.removeprefix("hip-"), context, smoke)
+    token = 2 * cfg.head_dim * dtype_bytes
+    return cfg.num_layers * cfg.num_kv_heads * hip.offload_cache_tokens() * token
+
+
+def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: int) -> KVPlan:
+    """Head-wise offload plan: every slice streamed on the CPU smoke run, planned under the cap on GPU."""
+    if args.smoke:
+        return KVPlan(
+            policy="head",
+            group_size=1,
+            resident_slices=0,
+            chunk_size=args.prefill_chunk or 256,
+            staging_buffers=2,
+            staging_tokens=total,
+        )
+    return plan_kv(
+        cfg,
+        total,
+        policy=args.policy,
+        gpu_budget=args.budget - reserve,
+        dtype_bytes=2,
+        chunk_size=args.prefill_chunk or None,
+        hardware=hardware_preset("h200"),
+    )
+
+
+def run_method(
+    model: CausalLM, cfg: ModelConfig, method: str, context: int, args: argparse.Namespace, prefill: bool
+) -> dict[str, Any]:
+    """Fill `context` tokens, then run decode steps, or (`prefill`) time one prefill chunk."""
+    dev: torch.device = args.device
+    steps = 0 if prefill else args.steps if method != "dense" else args.dense_steps
+    row: dict[str, Any] = {"method": method, "context": context, "phase": "prefill" if prefill else "decode"}
+    row["steps"] = steps
+    chunk = args.prefill_chunk if prefill else 0
+    total = context + steps + chunk
+    reserve = cache_bytes_estimate(cfg, method, context, args.smoke, 2 if dev.type == "cuda" else 4)
+    try:
+        plan = make_plan(cfg, total, args, reserve)
+    except CapacityError as e:
+        row["skipped"] = str(e)
+        return row
+    row["plan"] = {k: getattr(plan, k) for k in ("policy", "group_size", "resident_slices", "staging_tokens")}
+    if plan.staging_tokens < total and plan.streamed_slices:
+        row["skipped"] = f"a slice of {total} tokens does not fit a staging buffer ({plan.staging_tokens})"
+        return row
+    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke)
+    if dev.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    store = None
+    try:
+        store = TieredKVStore(
+            cfg, plan, device=dev, dtype=args.dtype, capacity=total, kernel=kernel, rotate_keys=not unrotated
+        )
+        fill_synthetic(store, context)
+        if steps:
+            row.update(decode(model, store, kernel, steps, dev))
+        if chunk:
+            row.update(prefill_chunk(model, store, chunk, cfg.vocab_size, dev))
+        if dev.type == "cuda":
+            row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    except (torch.OutOfMemoryError, CapacityError) as e:
+        row["oom" if isinstance(e, torch.OutOfMemoryError) else "skipped"] = str(e).splitlines()[0][:300]
+    finally:
+        if store is not None:
+            store.close()
+    return row
+
+
+def decode(
+    model: CausalLM, store: TieredKVStore, kernel: SliceKernel, steps: int, dev: torch.device
+) -> dict[str, Any]:
+    """`steps` greedy decode steps from a random token; times split into refresh/cached steps."""
+    hip = kernel if isinstance(kernel, HipKernel) else None
+    token = torch.tensor([1], device=dev)
+    h2d0 = store.account.h2d_bytes
+    times: list[float] = []
+    refresh: list[bool] = []
+    for _ in range(steps):
+        before = hip.stats.decode_recomputes[0] if hip else 0
+        store.begin_step(1)
+        dt, logits = timed(dev, lambda: model(token, store))
+        store.end_step()
+        token = logits[-1].argmax().view(1)
+        times.append(dt)
+        refresh.append(hip is None or hip.stats.decode_recomputes[0] > before)
+    ref_t = [t for t, r in zip(times, refresh, strict=True) if r]
+    cached_t = [t for t, r in zip(times, refresh, strict=True) if not r]
+    out: dict[str, Any] = {
+        "decode_s_per_token": statistics.fmean(times),
+        "decode_p50_s": median(times),
+        "refresh_steps": len(ref_t),
+        "refresh_step_s": statistics.fmean(ref_t) if ref_t else None,
+        "cached_step_s": statistics.fmean(cached_t) if cached_t else None,
+        "h2d_bytes_per_token": (store.account.h2d_bytes - h2d0) / max(1, steps),
+        "decode_steps_s": times,
+    }
+    if hip is not None:
+        out["hit_rate"] = hip.stats.hit_rate
+        out["cache"] = asdict(hip.stats.cache)
+        out["gpu_cache_bytes"] = hip.gpu_cache_bytes()
+    return out
+
+
+def prefill_chunk(
+    model: CausalLM, store: TieredKVStore, chunk: int, vocab: int, dev: torch.device
+) -> dict[str, Any]:
+    """Tokens/s of one prefill chunk of `chunk` tokens appended on top of the stored context."""
+    ids = torch.randint(0, vocab, (chunk,), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
+    none = torch.empty(0, dtype=torch.long, device=dev)
+    store.begin_step(chunk)
+    dt, _ = timed(dev, lambda: model(ids, store, logits_at=none, mlp_chunk=chunk))
+    store.end_step()
+    return {"prefill_chunk": chunk, "prefill_tok_s": chunk / dt}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def f(v: Any, scale: float = 1.0, nd: int = 3) -> str:
+        return "-" if v is None else f"{v / scale:.{nd}f}"
+
+    print(
+        f"{'context':>8} {'method':>10} {'mean s/t':>9} {'p50 s/t':>9} {'refresh s':>9} {'cached s':>9} "
+        f"{'H2D GB/t':>9} {'hit':>6} {'cache GB':>8} {'peak GB':>8}"
+    )
+    for r in rows:
+        if "skipped" in r or "oom" in r:
+            why = r.get("skipped", r.get("oom", ""))
+            print(f"{r['context']:>8} {r['method']:>10}   {('skipped: ' + why)[:100]}")
+            continue
+        if r["phase"] == "prefill":
+            print(
+                f"{r['context']:>8} {r['method']:>10}   prefill chunk of {r['prefill_chunk']} tokens: "
+                f"{f(r['prefill_tok_s'], nd=0)} tok/s"
+            )
+            continue
+        print(
+            f"{r['context']:>8} {r['method']:>10} {f(r['decode_s_per_token'], nd=4):>9} "
+            f"{f(r['decode_p50_s'], nd=4):>9} {f(r['refresh_step_s'], nd=4):>9} "
+            f"{f(r['cached_step_s'], nd=4):>9} "
+            f"{f(r['h2d_bytes_per_token'], 1e9):>9} {f(r.get('hit_rate')):>6} "
+            f"{f(r.get('gpu_cache_bytes'), 1e9, 2):>8} {f(r.get('peak_gpu_bytes'), 1e9, 2):>8}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="128K,512K,1M")
+    ap.add_argument("--presets", default="fast,flash", help="HiP presets (kvtier.sparse.HIP_PRESETS)")
+    ap.add_argument("--steps", type=int, default=None, help="HiP decode steps (default 2 x refresh[0])")
+    ap.add_argument("--dense-steps", type=int, default=4, help="decode steps of lossless offload")
+    ap.add_argument("--policy", default="head", choices=("head", "auto"))
+    ap.add_argument("--gpu-memory", default="24GB")
+    ap.add_argument("--prefill-chunk", type=int, default=8192, help="0: skip the prefill measurement")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, small contexts")
+    ap.add_argument("--name", default="hip_offload")
+    args = ap.parse_args()
+    if args.smoke:
+        args.device, args.dtype = torch.device("cpu"), torch.float32
+        args.contexts = "1K,2K" if args.contexts == ap.get_default("contexts") else args.contexts
+        args.prefill_chunk = min(args.prefill_chunk, 64)
+        args.dense_steps = min(args.dense_steps, 2)
+        cfg = preset_config("smollm2-135m")
+        cfg = replace(cfg, num_layers=2)  # a CPU-sized model: 2 layers x 3 KV heads
+    else:
+        args.device, args.dtype = torch.device("cuda"), torch.bfloat16
+        args.budget = parse_size(args.gpu_memory)
+        torch.cuda.set_per_process_memory_fraction(
+            args.budget / torch.cuda.get_device_properties(0).total_memory
+        )
+        cfg = preset_config("llama-3-8b")
+    presets = args.presets.split(",")
+    if args.steps is None:
+        args.steps = 2 * max(HIP_PRESETS[p].refresh[0] for p in presets)
+        if args.smoke:
+            args.steps = min(args.steps, 40)
+    contexts = [parse_count(c) for c in args.contexts.split(",")]
+    model = random_model(cfg, args.device, args.dtype)
+    methods = ["dense", *(f"hip-{p}" for p in presets)]
+    rows: list[dict[str, Any]] = []
+    header = {
+        "gpu_budget_bytes": getattr(args, "budget", None),
+        "model": "llama-3-8b" if not args.smoke else "tiny",
+    }
+    warm = argparse.Namespace(**{**vars(args), "steps": 2, "dense_steps": 1})
+    for method in methods:  # warm-up: kernels, allocator, pinned host memory
+        run_method(model, cfg, method, min(contexts), warm, False)
+    runs = [(c, m, False) for c in contexts for m in methods]
+    if args.prefill_chunk:  # last, so a slow prefill cannot cost the decode results
+        runs += [(max(contexts), m, True) for m in methods]
+    path = None
+    for context, method, prefill in runs:
+        row = run_method(model, cfg, method, context, args, prefill)
+        rows.append(row)
+        print(
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "decode_steps_s"}
+        )
+        path = write_results(args.name, {**header, "rows": rows})  # after every row: a crash keeps results
+    print(f"\nresults: {path}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
