@@ -1,0 +1,217 @@
+"""The Triton block-sparse attention kernel against the pure-torch reference.
+
+Without CUDA the kernels run on CPU tensors in Triton's interpreter: TRITON_INTERPRET=1 is set
+here, before triton is first imported (kvtier.sparse.triton_attn imports it). With CUDA the
+"cuda" cases run the compiled kernels and the "cpu" cases run only if TRITON_INTERPRET=1 was set
+by the caller. Sizes are small: the interpreter runs each program in numpy.
+
+Triton picks interpreter or compiler when a function is decorated, and torch may import
+triton.language while other test modules are collected; then the CPU cases cannot run in this
+process and `test_cpu_cases_in_subprocess` runs them in a fresh one with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+from kvtier.config import RopeConfig  # noqa: E402
+from kvtier.model.rope import Rotary  # noqa: E402
+from kvtier.sparse.block_sparse import attend_block, attend_block_reference  # noqa: E402
+from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
+
+
+def _interpreter_in_process() -> bool:
+    """TRITON_INTERPRET=1 and triton.language was decorated under it (not imported before)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or importlib.util.find_spec("triton") is None:
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+INTERPRET = _interpreter_in_process()
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 before triton is imported"
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _case(
+    device: str, s: int, g: int, r: int, d: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [s, 2, g, D] and a query pool [s, g * r, D] with unit-variance entries."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(s, 2, g, d, generator=gen).to(device, dtype)
+    q = torch.randn(s, g * r, d, generator=gen).to(device, dtype)
+    return kv, q
+
+
+def _prefix(n: int, below: int, seed: int, device: str) -> torch.Tensor:
+    """n sorted distinct positions in [0, below)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(below, generator=gen)[:n].sort().values.to(device)
+
+
+def _rope(d: int, device: str) -> RopeTable:
+    return RopeTable(Rotary(RopeConfig(), d, device=device))
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= TOL[dtype], f"max abs error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+# (Tb, G, r, D, P, window start below the first query, last query position)
+SHAPES = [
+    (1, 2, 1, 64, 0, 40, 150),  # decode, MHA, no prefix
+    (1, 1, 4, 128, 37, 50, 230),  # decode, GQA 4, prefix not a tile multiple
+    (1, 2, 3, 64, 70, 1, 200),  # decode, GQA 3, window = the query alone
+    (64, 2, 1, 64, 21, 40, 180),  # prefill block
+    (64, 1, 4, 128, 0, 10, 120),  # prefill, GQA 4, no prefix, window from 10 before the block
+    (16, 1, 3, 64, 33, 0, 100),  # window starting at the first query
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary", [None, "absolute", "streaming"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Tb{}-G{}-r{}-D{}-P{}".format(*s[:5]))
+def test_attend_block_matches_reference(
+    device: str, dtype: torch.dtype, rotary: str | None, shape: tuple[int, ...]
+) -> None:
+    from kvtier.sparse.triton_attn import attend_block_triton
+
+    tb, g, r, d, p, back, last = shape
+    kv, qs = _case(device, last + 1, g, r, d, dtype, seed=sum(shape))
+    q_pos = torch.arange(last - tb + 1, last + 1, device=device)
+    w0 = int(q_pos[0]) - back
+    prefix = _prefix(p, w0, seed=p, device=device)
+    q = qs[q_pos]
+    rope = _rope(d, device) if rotary else None
+    mode = rotary or "absolute"
+    out = attend_block_triton(q, q_pos, kv, prefix, w0, rotary=rope, mode=mode)
+    ref = attend_block_reference(q, q_pos, kv, prefix, w0, rotary=rope, mode=mode)
+    _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_key_list(device: str, dtype: torch.dtype, splits: int) -> None:
+    """Decode with the key list split over programs and merged by log-sum-exp (incl. empty splits)."""
+    from kvtier.sparse.triton_attn import attend_block_triton
+
+    kv, qs = _case(device, 400, 1, 4, 64, dtype, seed=splits)
+    q_pos = torch.tensor([399], device=device)
+    prefix = _prefix(150, 300, seed=1, device=device)
+    q = qs[q_pos]
+    out = attend_block_triton(q, q_pos, kv, prefix, 300, num_splits=splits)
+    _check(out, attend_block_reference(q, q_pos, kv, prefix, 300), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_below_sinks(device: str) -> None:
+    """window_start past the last query (a block inside the sinks): no window beyond the block."""
+    from kvtier.sparse.triton_attn import attend_block_triton
+
+    kv, qs = _case(device, 64, 1, 3, 64, torch.float32, seed=3)
+    q_pos = torch.arange(0, 8, device=device)
+    prefix = torch.arange(0, 3, device=device)
+    out = attend_block_triton(qs[q_pos], q_pos, kv, prefix, 16)
+    _check(out, attend_block_reference(qs[q_pos], q_pos, kv, prefix, 16), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary", [None, "streaming"])
+def test_batched_blocks(device: str, dtype: torch.dtype, rotary: str | None) -> None:
+    """Several query blocks in one launch, with padded prefixes and a short last block."""
+    from kvtier.sparse.triton_attn import attend_blocks_triton
+
+    tb, g, r, d = 16, 2, 2, 64
+    kv, qs = _case(device, 200, g, r, d, dtype, seed=7)
+    starts, lens, n_pre = [96, 112, 128], [16, 16, 9], [30, 0, 45]
+    rope = _rope(d, device) if rotary else None
+    mode = rotary or "absolute"
+    q = torch.zeros(3, tb, g * r, d, dtype=dtype, device=device)
+    q_pos = torch.full((3, tb), -1, dtype=torch.int64, device=device)
+    prefix = torch.full((3, max(n_pre)), -1, dtype=torch.int64, device=device)
+    w0 = torch.tensor([s - 20 for s in starts], device=device)
+    refs = []
+    for b, (start, n, npre) in enumerate(zip(starts, lens, n_pre, strict=True)):
+        pos = torch.arange(start, start + n, device=device)
+        q[b, :n] = qs[pos]
+        q_pos[b, :n] = pos
+        pre = _prefix(npre, int(w0[b]), seed=b, device=device)
+        prefix[b, :npre] = pre
+        refs.append(attend_block_reference(qs[pos], pos, kv, pre, int(w0[b]), rotary=rope, mode=mode))
+    out = attend_blocks_triton(q, q_pos, kv, prefix, w0, rotary=rope, mode=mode)
+    for b, n in enumerate(lens):
+        _check(out[b, :n], refs[b], dtype)
+        assert not out[b, n:].any()  # padded queries give 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_attend_block_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA attend_block runs the Triton kernel; KVTIER_SPARSE_KERNEL=torch forces the reference."""
+    import kvtier.sparse.triton_attn as ta
+
+    calls: list[int] = []
+    real = ta.attend_block_triton
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ta, "attend_block_triton", spy)
+    kv, qs = _case("cuda", 100, 1, 2, 64, torch.bfloat16, seed=0)
+    q_pos = torch.tensor([99], device="cuda")
+    prefix = torch.arange(0, 40, device="cuda")
+    out = attend_block(qs[q_pos], q_pos, kv, prefix, 60)
+    assert calls == [1]
+    _check(out, attend_block_reference(qs[q_pos], q_pos, kv, prefix, 60), torch.bfloat16)
+    monkeypatch.setenv("KVTIER_SPARSE_KERNEL", "torch")
+    attend_block(qs[q_pos], q_pos, kv, prefix, 60)
+    assert calls == [1]
+
+
+def test_import_without_triton_dispatch() -> None:
+    """CPU tensors never dispatch to Triton, so importing/using kvtier needs no triton."""
+    kv, qs = _case("cpu", 50, 1, 1, 64, torch.float32, seed=0)
+    q_pos = torch.tensor([49])
+    prefix = torch.arange(0, 10)
+    out = attend_block(qs[q_pos], q_pos, kv, prefix, 30)
+    assert torch.equal(out, attend_block_reference(qs[q_pos], q_pos, kv, prefix, 30))
+
+
+@pytest.mark.skipif(
+    INTERPRET or torch.cuda.is_available(), reason="CPU cases run in this process (or CUDA is used)"
+)
+def test_cpu_cases_in_subprocess() -> None:
+    """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
+    other modules): run this file's CPU cases in a fresh interpreter-mode process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k", "cpu"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout, res.stdout[-2000:]
