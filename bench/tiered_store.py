@@ -7,11 +7,20 @@ prefilled for real; longer ones are filled with synthetic KV and then timed on r
 chunks and decode steps at that length. HF transformers' layer-wise offload runs alongside.
 
     python bench/tiered_store.py --contexts 32K,128K --policies gpu,layer,head,auto --hf
+
+A policy may carry a lossy KV method after a "+": `head+int4`, `head+int8`, `head+fp8` (packed
+quantized host tier) or `head+heads50` (head-wise sparsity, ratio 50%: streaming heads keep
+sinks + recent on the GPU, the others are offloaded). With random weights head scores mean
+nothing, so heads50 classifies heads by seeded random scores; the costs are the same.
+
+    python bench/tiered_store.py --contexts 128K,512K --full-prefill-max 0 \
+        --policies head,head+int8,head+int4,head+heads50 --name kv_policies_offload
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -30,15 +39,31 @@ from kvtier.loading.weights import random_model
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.memory import activation_bytes, weight_bytes
 from kvtier.planner.placement import plan_kv
+from kvtier.policies.head_sparsity import HeadStreamingEvictor
+from kvtier.policies.quant import make_codec
 from kvtier.units import parse_count, parse_size
 
 DEV = torch.device("cuda")
 
 
+def method_parts(cfg: Any, method: str) -> dict[str, Any]:
+    """Store keyword arguments of a lossy method name ('' = lossless)."""
+    if not method:
+        return {}
+    if method in ("int8", "int4", "fp8"):
+        return {"codec": make_codec(method)}
+    if method.startswith("heads"):
+        ratio = int(method[len("heads") :]) / 100
+        scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, generator=torch.Generator().manual_seed(0))
+        return {"evictor": HeadStreamingEvictor(scores, ratio, sinks=64, recent=256)}
+    raise ValueError(f"unknown method {method!r}")
+
+
 def run_policy(
-    model: Any, cfg: Any, policy: str, context: int, args: argparse.Namespace, bw: float
+    model: Any, cfg: Any, spec: str, context: int, args: argparse.Namespace, bw: float
 ) -> dict[str, Any]:
-    row: dict[str, Any] = {"policy": policy, "context": context}
+    policy, _, method = spec.partition("+")
+    row: dict[str, Any] = {"policy": spec, "context": context}
     total = context + args.decode_steps
     try:
         plan = plan_kv(
@@ -53,6 +78,9 @@ def run_policy(
     except CapacityError as e:
         row["skipped"] = str(e)
         return row
+    if args.staging_buffers and plan.staging_buffers:
+        plan = dataclasses.replace(plan, staging_buffers=args.staging_buffers)
+        row["policy"] = f"{spec}/b{args.staging_buffers}"
     row["plan"] = {
         k: getattr(plan, k)
         for k in (
@@ -74,7 +102,9 @@ def run_policy(
     torch.cuda.reset_peak_memory_stats()
     store = None
     try:
-        store = TieredKVStore(cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total)
+        store = TieredKVStore(
+            cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total, **method_parts(cfg, method)
+        )
         gen = torch.Generator(device=DEV).manual_seed(0)
         chunk = plan.chunk_size
         if context <= args.full_prefill_max:
@@ -206,6 +236,7 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--decode-steps", type=int, default=4)
     ap.add_argument("--measure-chunks", type=int, default=1)
+    ap.add_argument("--staging-buffers", type=int, default=0, help="override the plan's ping-pong depth")
     ap.add_argument("--full-prefill-max", type=lambda s: parse_count(s), default=131072)
     ap.add_argument("--hf", action="store_true", help="also run HF transformers' layer-wise offload")
     ap.add_argument("--name", default="tiered_store")
@@ -233,6 +264,11 @@ def main() -> None:
             )
     if args.hf:
         rows += run_hf(model, cfg, [c for c in contexts if c <= args.full_prefill_max], args)
+    lossless = {r["context"]: r.get("decode_s_per_token") for r in rows if r["policy"] == "head"}
+    for r in rows:
+        base = lossless.get(r["context"])
+        if base and r.get("decode_s_per_token") and "+" in r["policy"]:
+            r["decode_speedup_vs_head"] = base / r["decode_s_per_token"]
     path = write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})
     print(f"\npinned H2D {bw:.1f} GB/s; budget {args.budget / 1e9:.1f} GB; results: {path}")
     print(
@@ -251,6 +287,7 @@ def main() -> None:
             f"{r.get('predicted_gpu_bytes', 0) / 1e9:>8.2f} {r.get('prefill_tok_s', 0):>11.0f} "
             f"{r.get('decode_s_per_token', 0):>10.4f} {r.get('pcie_floor_s', 0) or 0:>8.4f} "
             f"{(r.get('decode_vs_floor') or 0):>7.2f} {r.get('h2d_bytes_per_token', 0) / 1e9:>8.2f}"
+            + (f"  {r['decode_speedup_vs_head']:.2f}x vs head" if "decode_speedup_vs_head" in r else "")
         )
 
 
