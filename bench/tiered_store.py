@@ -254,6 +254,8 @@ def main() -> None:
         for policy in args.policies.split(","):
             row = run_policy(model, cfg, policy, context, args, bw)
             rows.append(row)
+            # Rewritten after every row, so a run cut short by a time limit keeps what it measured.
+            write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})
             print(
                 {
                     k: (round(v, 4) if isinstance(v, float) else v)
