@@ -58,17 +58,19 @@ def attend_block_reference(
     *,
     rotary: RopeTable | None = None,
     mode: str = "absolute",
+    end: int | None = None,
 ) -> torch.Tensor:
     """`attend_block` in pure torch (the reference): gather, rotate, one masked softmax.
-    q [Tb, H_q, D], q_pos [Tb], kv [S, 2, G, D], prefix [P] -> [Tb, H_q, D] in q's dtype."""
-    end = int(q_pos[-1]) + 1
+    q [Tb, H_q, D], q_pos [Tb], kv [S, 2, G, D], prefix [P] -> [Tb, H_q, D] in q's dtype.
+    `end`: q_pos[-1] + 1 when the caller knows it (saves reading q_pos back: a GPU sync)."""
+    end = int(q_pos[-1]) + 1 if end is None else end
     window_start = min(window_start, end)  # a block below the sinks has no window
     idx = torch.cat((prefix, torch.arange(window_start, end, device=prefix.device)))  # [L]
     k = kv[idx, 0]  # [L, G, D]
     v = kv[idx, 1]
     if rotary is not None:
-        k = rotary.rotate(k, attention_key_positions(mode, prefix, window_start, end))
-        q = rotary.rotate(q, q_pos)
+        k = rotary.rotate(k, attention_key_positions(mode, prefix, window_start, end), limit=end)
+        q = rotary.rotate(q, q_pos, limit=end)
     mask = idx[None, :] <= q_pos[:, None]  # [Tb, L]
     return _softmax_attention(q, k, v, mask)
 

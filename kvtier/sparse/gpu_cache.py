@@ -30,7 +30,9 @@ class CacheStats:
     Cached steps (nothing streamed) look blocks up: `hits` + `misses` == `lookups`, and each miss
     reads its stored tokens from the host (`fetched_bytes`). Refresh steps (the slice streamed in
     whole) only fill the cache: blocks already there are `refresh_reused`, others
-    `refresh_inserted`. A block a new token starts is `appended`, neither hit nor miss.
+    `refresh_inserted`. A block a new token starts is `appended`, neither hit nor miss. A cache
+    whose capacity covers a whole refresh interval cannot miss: its steps skip the lookup (a
+    host sync) and count as `cached_steps` only.
     """
 
     lookups: int = 0
@@ -40,10 +42,11 @@ class CacheStats:
     refresh_reused: int = 0
     refresh_inserted: int = 0
     appended: int = 0
+    cached_steps: int = 0  # slice steps served by a cache that cannot miss (no lookups counted)
 
     @property
     def hit_rate(self) -> float:
-        """Hits per lookup on cached steps (1.0 before any lookup)."""
+        """Hits per lookup on cached steps (1.0 before any lookup, or when none can miss)."""
         return self.hits / self.lookups if self.lookups else 1.0
 
 
@@ -80,6 +83,8 @@ class BlockCache:
         self.used = torch.full((slots,), -1, dtype=torch.long, device=device)
         self.tick = 0
         self.end = 0  # tokens of the slice the cache is up to date with (0 = nothing cached)
+        self.tail: torch.Tensor | None = None  # [1] slot of the block of position end - 1
+        self._table: BlockTable | None = None  # every slot's block, sorted (see `table`)
 
     @property
     def slots(self) -> int:
@@ -94,6 +99,8 @@ class BlockCache:
         self.ids.fill_(-1)
         self.used.fill_(-1)
         self.end = 0
+        self.tail = None
+        self._table = None
 
     def lookup(self, blocks: torch.Tensor) -> torch.Tensor:
         """Slot of each block id in blocks [m] (-1 when absent). Pure."""
@@ -109,6 +116,7 @@ class BlockCache:
         least-recently-used slots not used this tick; any that do not fit stay in the overflow.
         """
         self.tick += 1
+        self._table = None
         slot = self.lookup(blocks)
         hit = slot >= 0
         self.used[slot[hit]] = self.tick
@@ -143,6 +151,46 @@ class BlockCache:
         else:
             assert table.extra is not None
             table.extra[r] = row
+
+    # -- sync-free decode (capacity covers everything a refresh interval reads) -----------------
+
+    def table(self) -> BlockTable:
+        """Every slot as a `BlockTable` (free slots sort first as id -1), built without a sync.
+
+        NOTE: valid only for positions whose blocks are cached; a `PositionedKV` over it reads
+        any cached position. Rebuilt only after the cache's blocks change.
+        """
+        if self._table is None:
+            order = torch.argsort(self.ids)  # [slots]
+            ones = torch.ones(self.slots, dtype=torch.bool, device=self.ids.device)
+            self._table = BlockTable(self.ids[order], order * self.block, ones, None, hits=0, stored=0)
+        return self._table
+
+    def track_tail(self, position: int) -> None:
+        """Remember the slot of the (cached) block of `position`, where `append` writes next."""
+        blk = torch.full((1,), position // self.block, dtype=torch.long, device=self.ids.device)
+        self.tail = self.lookup(blk)
+
+    def append(self, position: int, row: torch.Tensor) -> None:
+        """Store the token row [2, G, D] at `position` == `end` without a host sync; mutates.
+
+        A position that starts a block takes the least-recently-used slot (ties: the lowest);
+        otherwise the row goes to the tail block. NOTE: the caller guarantees that the LRU slot
+        holds nothing a later step reads (capacity covers a whole refresh interval).
+        """
+        assert position == self.end, "append writes the next token only"
+        b = self.block
+        if position % b == 0:
+            self.tick += 1
+            slot = torch.argmin(self.used, dim=0, keepdim=True)  # [1]
+            self.ids.index_fill_(0, slot, position // b)
+            self.used.index_fill_(0, slot, self.tick)
+            self.tail = slot
+            self._table = None
+        assert self.tail is not None, "track_tail before the first append"
+        flat = self.bank.view(-1, *self.bank.shape[2:])
+        flat.index_copy_(0, self.tail * b + position % b, row[None])
+        self.end = position + 1
 
     def _victims(self, n: int) -> torch.Tensor:
         """Up to n slots not used this tick, least recently used (never used) first."""

@@ -24,7 +24,7 @@ bitwise those of the non-offloaded kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -131,20 +131,37 @@ class HipKernel:
     def attend_cached(
         self, q: torch.Tensor, kv_new: torch.Tensor, step: SliceStep, fetch: Fetch
     ) -> torch.Tensor:
-        """A decode step from the slice's block cache: q [1, H_q_g, D], kv_new [1, 2, G, D]."""
+        """A decode step from the slice's block cache: q [1, H_q_g, D], kv_new [1, 2, G, D].
+
+        With a cache that holds a whole refresh interval (`_covers`) nothing can miss, and the
+        step runs without a single host-device sync: the view reads every slot, the new token
+        is appended by tensor ops. Otherwise blocks are looked up and misses fetched (syncs).
+        """
         cache = self._gpu[(step.layer, step.group)]
         b, s = cache.block, step.start
+        fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
+        st = self.stats.cache
+        if self._covers(cache, kv_new.shape[2]):
+            cache.append(s, kv_new[0])
+            st.cached_steps += 1
+            st.appended += fresh
+            return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), step)
         blocks = block_ids(self._needed(step, kv_new.shape[2], kv_new.device, refresh=False), b)
         table = cache.ensure(blocks, lambda missing: self._fetch_blocks(missing, cache, s, fetch, kv_new))
         cache.write(table, s, kv_new[0])
         cache.end = s + 1
-        fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
-        st = self.stats.cache
         st.lookups += blocks.numel() - fresh
         st.hits += table.hits
         st.misses += blocks.numel() - fresh - table.hits
         st.appended += fresh
         return self._heads(q, PositionedKV.of(cache, table, s + 1), step)
+
+    def _covers(self, cache: BlockCache, groups: int) -> bool:
+        """Whether `cache` holds everything the steps of one refresh interval read, so they
+        cannot miss (the default capacity, `HipConfig.offload_cache_tokens`)."""
+        heads = groups if self.cfg.per_head else 1
+        need = replace(self.cfg, cache_tokens=None).offload_cache_tokens(heads)
+        return cache.slots * cache.block >= need
 
     # -- attention --------------------------------------------------------------------------
 
@@ -168,9 +185,9 @@ class HipKernel:
         for b in range(0, t, bq):
             e = min(b + bq, t)
             pos = torch.arange(step.start + b, step.start + e, device=q.device)
-            w0 = self._window_start(int(pos[0]))
+            w0 = self._window_start(step.start + b)
             sel = self._stages(q[b:e], pos, kv, step.layer, self._middle(w0, q.device), 0)[-1]
-            out[b:e] = self._attend(q[b:e], pos, kv, sel, w0)
+            out[b:e] = self._attend(q[b:e], pos, kv, sel, w0, step.start + e)
             self.stats.prefill_blocks += 1
             self.stats.attended_keys += (
                 min(self.cfg.sink, step.start + e) + sel.numel() + max(0, step.start + e - w0)
@@ -179,7 +196,7 @@ class HipKernel:
 
     def _decode(self, q: torch.Tensor, kv: KV, step: SliceStep, key: tuple[int, int, int]) -> torch.Tensor:
         cfg = self.cfg
-        pos = torch.tensor([step.start], device=q.device)
+        pos = torch.full((1,), step.start, dtype=torch.long, device=q.device)
         st = self._cache.get(key)
         if st is None or step.start <= st.position:  # first decode step, or a new sequence
             first = 0
@@ -208,7 +225,7 @@ class HipKernel:
         assert st is not None
         st.position = step.start
         self._cache[key] = st
-        return self._attend(q, pos, kv, st.outputs[-1], st.window_start)
+        return self._attend(q, pos, kv, st.outputs[-1], st.window_start, step.start + 1)
 
     def _first_due(self, st: _DecodeState, step_no: int) -> int:
         """The earliest stage due at decode step `step_no` of `st` (len(stages) when none is)."""
@@ -257,6 +274,8 @@ class HipKernel:
         table = cache.ensure(blocks, load)
         cache.write(table, step.start, kv[step.start])
         cache.end = step.start + 1
+        if self._covers(cache, kv.shape[2]):
+            cache.track_tail(step.start)
         self.stats.cache.refresh_reused += table.hits
         self.stats.cache.refresh_inserted += table.stored
 
@@ -312,15 +331,18 @@ class HipKernel:
             head_score=cfg.head_score,
         )
 
-    def _attend(self, q: torch.Tensor, pos: torch.Tensor, kv: KV, sel: torch.Tensor, w0: int) -> torch.Tensor:
-        sinks = torch.arange(min(self.cfg.sink, int(pos[-1]) + 1), device=q.device)
+    def _attend(
+        self, q: torch.Tensor, pos: torch.Tensor, kv: KV, sel: torch.Tensor, w0: int, end: int
+    ) -> torch.Tensor:
+        """q [Tb, H_q, D] at pos [Tb] over sinks + sel [n] + window [w0, end); end = pos[-1] + 1."""
+        sinks = torch.arange(min(self.cfg.sink, end), device=q.device)
         prefix = torch.cat((sinks, sel))
         if isinstance(kv, torch.Tensor):
             return attend_block(q, pos, kv, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope)
         # NOTE: a view is read by position in pure torch; the Triton kernel needs a real slice.
         view = cast(torch.Tensor, kv)
         return attend_block_reference(
-            q, pos, view, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope
+            q, pos, view, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope, end=end
         )
 
 

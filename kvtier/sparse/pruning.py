@@ -94,8 +94,11 @@ class ScoreFn:
         self.keys = keys  # [S, G, D]
         self.mode = mode
         self.rotary = rotary
+        # NOTE: every scoring position (queries, probes, chunk indices) is below this bound, so
+        # RoPE never reads positions back to the host.
+        self.limit = keys.shape[0] + window + n_chunks + 2
         if rotary is not None:
-            q = rotary.rotate(q, scoring_query_position(mode, q_pos, window, n_chunks))
+            q = rotary.rotate(q, scoring_query_position(mode, q_pos, window, n_chunks), limit=self.limit)
         n, hq, d = q.shape
         self.q = q.reshape(n, g, hq // g, d).float()  # [Nq, G, r, D]
         self.scale = d**-0.5
@@ -103,7 +106,8 @@ class ScoreFn:
     def __call__(self, positions: torch.Tensor, chunk_index: torch.Tensor, side: int) -> torch.Tensor:
         k = self.keys[positions]  # [C, G, D]
         if self.rotary is not None:
-            k = self.rotary.rotate(k, probe_positions(self.mode, side, chunk_index, positions))
+            at = probe_positions(self.mode, side, chunk_index, positions)
+            k = self.rotary.rotate(k, at, limit=self.limit)
         s = torch.einsum("ngrd,cgd->cngr", self.q, k.float())  # [C, Nq, G, r]
         return s.flatten(1)
 
@@ -140,6 +144,8 @@ def prune_stage(
     scores = chunk_scores(chunks, lengths, score, head_score)
     top = torch.topk(scores, keep).indices.sort().values
     kept = chunks[top].flatten()
+    if n % chunk == 0:  # no padding: skip the boolean mask (a GPU sync)
+        return kept
     return kept[kept >= 0]
 
 

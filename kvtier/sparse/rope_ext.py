@@ -45,9 +45,13 @@ class RopeTable:
         self._cos = self._sin = torch.empty(0, rotary.head_dim)
         self._dtype: torch.dtype | None = None
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D] rotated at `positions` [N] (non-negative integers), in x's dtype."""
-        n = int(positions.max()) + 1 if positions.numel() else 0
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """x [N, H, D] rotated at `positions` [N] (non-negative integers), in x's dtype.
+
+        `limit`: a bound the caller knows (every position < limit), so the table is sized
+        without reading positions back to the host (a sync on the GPU). None: read their max.
+        """
+        n = limit if limit is not None else int(positions.max()) + 1 if positions.numel() else 0
         if n > self._cos.shape[0] or self._dtype != x.dtype:
             size = max(n, 2 * self._cos.shape[0], 1024)
             self._cos, self._sin = self.rotary.cos_sin(torch.arange(size, device=x.device), x.dtype)

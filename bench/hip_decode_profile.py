@@ -1,0 +1,162 @@
+"""Per-slice cost of HiP decode over head-wise offloaded KV, without the model (CPU or GPU).
+
+Builds a store of `--layers` x `--kv-heads` one-head slices (head-wise offload, nothing
+resident), fills `--context` tokens of synthetic KV, then times `--steps` decode steps through
+the store directly (random q, k, v per layer), split into refresh steps (a slice streamed whole)
+and cached steps (served from the GPU block cache). Counts host-device syncs of the cached steps
+as the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `__index__`,
+`nonzero`, `unique`, boolean-mask indexing is caught through `nonzero`). `--profile` prints the
+cProfile of the cached steps.
+
+    python bench/hip_decode_profile.py --context 32768 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvtier.kv.store import TieredKVStore
+from kvtier.kv.synthetic import fill_synthetic
+from kvtier.loading.presets import preset_config
+from kvtier.planner.placement import KVPlan
+from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "unique")
+
+
+@contextmanager
+def count_syncs(counts: dict[str, int]) -> Iterator[None]:
+    """Count calls of tensor methods that force a host-device sync (on CUDA) while active."""
+    saved: dict[str, Any] = {}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*a: Any, **k: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return inner
+
+    for name in SYNC_METHODS:
+        saved[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, wrap(name, saved[name]))
+    saved_unique = torch.unique
+    torch.unique = wrap("torch.unique", saved_unique)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        torch.unique = saved_unique  # type: ignore[assignment]
+
+
+def build(
+    layers: int, kv_heads: int, head_dim: int, context: int, steps: int, hip: HipConfig, device: torch.device
+) -> tuple[TieredKVStore, HipKernel]:
+    """A head-wise offloaded store of `context` synthetic tokens with a HiP kernel."""
+    base = preset_config("llama-3-8b")
+    cfg = replace(base, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_heads=4 * kv_heads)
+    overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
+    kernel, unrotated = make_hip_kernel(cfg, device, "default", **overrides)
+    assert isinstance(kernel, HipKernel)
+    plan = KVPlan(
+        policy="head",
+        group_size=1,
+        resident_slices=0,
+        chunk_size=256,
+        staging_buffers=2,
+        staging_tokens=context + steps,
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    store = TieredKVStore(
+        cfg,
+        plan,
+        device=device,
+        dtype=dtype,
+        capacity=context + steps,
+        kernel=kernel,
+        rotate_keys=not unrotated,
+    )
+    fill_synthetic(store, context)
+    return store, kernel
+
+
+def step(store: TieredKVStore, layers: int, q: torch.Tensor, kv: torch.Tensor) -> None:
+    """One decode step through every layer of the store."""
+    store.begin_step(1)
+    for layer in range(layers):
+        store(layer, q, kv, kv)
+    store.end_step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=34)
+    ap.add_argument("--preset", default="fast", choices=tuple(HIP_PRESETS))
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    base = HIP_PRESETS[args.preset]
+    hip = HipConfig.scaled(args.context, refresh=base.refresh)
+    store, kernel = build(args.layers, args.kv_heads, args.head_dim, args.context, args.steps, hip, dev)
+    dtype = store.layout.dtype
+    q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
+    kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
+    slices = args.layers * args.kv_heads
+    times: dict[str, list[float]] = {"refresh": [], "cached": []}
+    syncs: dict[str, int] = {}
+    prof = cProfile.Profile()
+    for i in range(args.steps):
+        refresh = i % hip.refresh[0] == 0
+        t = time.perf_counter()
+        if refresh:
+            step(store, args.layers, q, kv)
+        else:
+            with count_syncs(syncs):
+                if args.profile:
+                    prof.enable()
+                step(store, args.layers, q, kv)
+                if args.profile:
+                    prof.disable()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times["refresh" if refresh else "cached"].append(time.perf_counter() - t)
+    store.close()
+    cached = len(times["cached"])
+    if args.profile:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    print(f"{slices} slices, context {args.context}, head_dim {args.head_dim}, {dev}, preset {args.preset}")
+    for kind, ts in times.items():
+        if ts:
+            mean = sum(ts) / len(ts)
+            print(
+                f"{kind:>8} steps: {len(ts):3d}  {mean * 1e3:8.1f} ms/step",
+                f"{mean / slices * 1e3:6.3f} ms/slice",
+            )
+    per = {k: round(v / max(1, cached) / slices, 3) for k, v in sorted(syncs.items())}
+    print(
+        f"host conversions per slice on cached steps: {sum(syncs.values()) / max(1, cached) / slices:.3f}",
+        per,
+    )
+    print(f"cache hit rate {kernel.stats.hit_rate:.3f}, decode recomputes {kernel.stats.decode_recomputes}")
+
+
+if __name__ == "__main__":
+    main()
