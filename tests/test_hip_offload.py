@@ -193,3 +193,34 @@ def test_block_cache_evicts_least_recently_used_slots() -> None:
     assert (t.hits, t.stored) == (0, 3) and t.extra is not None
     assert sorted(cache.ids.tolist()) == [3, 4, 6]
     assert cache.lookup(torch.tensor([7, 5])).tolist() == [-1, -1]
+
+
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero")
+
+
+@pytest.mark.parametrize("extend,per_head", [(True, False), (False, False), (True, True)])
+def test_cached_steps_make_no_host_sync_with_the_default_cache(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch, extend: bool, per_head: bool
+) -> None:
+    """Every Python conversion of a tensor is a host-device sync on the GPU: a cached step of a
+    cache that covers the refresh interval makes none (with stages 1.. due or not)."""
+    model, cfg = gqa
+    kernel = kernel_for(cfg, extend=extend, per_head=per_head)
+    calls: list[str] = []
+    served = kernel.attend_cached
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            for name in SYNCS:
+                orig = getattr(torch.Tensor, name)
+                m.setattr(
+                    torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: calls.append(_n) or _f(*a, **k)
+                )
+            unique = torch.unique
+            m.setattr(torch, "unique", lambda *a, **k: calls.append("unique") or unique(*a, **k))
+            return served(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel, "attend_cached", counted)
+    run(model, cfg, "head", kernel)
+    assert kernel.stats.cache.cached_steps == SLICES * sum(1 for k in range(DECODE) if k % REFRESH0)
+    assert calls == []
