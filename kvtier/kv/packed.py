@@ -18,6 +18,8 @@ reduced yet, only PCIe traffic.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Protocol
 
 import torch
@@ -49,6 +51,20 @@ class PackingCodec(Protocol):
 def can_pack(codec: object) -> bool:
     """Whether `codec` stores packed rows (has pack/unpack/row_bytes)."""
     return all(hasattr(codec, a) for a in ("pack", "unpack", "row_bytes", "group"))
+
+
+def _fused(codec: object, out: torch.Tensor) -> bool:
+    """Whether to dequantize with the fused Triton kernel (CUDA, KIVI, triton installed;
+    KVTIER_DEQUANT=torch forces the torch unpack)."""
+    from kvtier.policies.quant import KiviCodec
+
+    return (
+        out.is_cuda
+        and out.is_contiguous()
+        and isinstance(codec, KiviCodec)
+        and os.environ.get("KVTIER_DEQUANT", "") != "torch"
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
 class PackedTier:
@@ -112,9 +128,15 @@ class PackedTier:
             else:
                 rows = torch.empty(r1 - r0, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.rows[sid].read_into(rows, r0, r1)
-            lay = self.layout
-            kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [(r1 - r0) g, ...]
-            dst[: c - start] = kv[start - r0 * g : c - r0 * g]
+            out = dst[: c - start]
+            if start % g == 0 and (c - start) % g == 0 and _fused(self.codec, out):
+                from kvtier.kv.dequant_triton import unpack_kivi_into
+
+                unpack_kivi_into(self.codec, rows, out)  # type: ignore[arg-type]
+            else:
+                lay = self.layout
+                kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [(r1 - r0) g, ...]
+                out.copy_(kv[start - r0 * g : c - r0 * g])
             moved += (r1 - r0) * self.row_bytes
         if end > c:
             host.read_into(dst[c - start : end - start], c, end)

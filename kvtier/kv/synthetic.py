@@ -51,4 +51,3 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
                 ext.copy_(rows)
         packed.coded = store._coded = coded
     store.length = store.position = tokens
-

@@ -41,9 +41,7 @@ def _params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor
     return lo16, scale
 
 
-def minmax_codes(
-    x: torch.Tensor, bits: int, dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def minmax_codes(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min-max quantization of x along `dim`: (codes uint8, min, scale), the last two
     float32 with `dim` kept as size 1 and values exact in fp16."""
     xf = x.float()
@@ -108,14 +106,14 @@ class KiviCodec:
     def frozen_tokens(self, length: int) -> int:
         return max(0, (length - self.residual) // self.group * self.group)
 
-    def _channel_group(self, d: int) -> int:
+    def channel_group(self, d: int) -> int:
         return self.group if d % self.group == 0 else d  # value channel group: the head if D < group
 
     def row_bytes(self, heads: int, head_dim: int) -> int:
         """Bytes of one packed row: `group` tokens of `heads` KV heads."""
         codes = self.group * heads * head_dim * self.bits // 8
         key_params = 2 * heads * head_dim * SCALE_BYTES
-        value_params = 2 * self.group * heads * (head_dim // self._channel_group(head_dim)) * SCALE_BYTES
+        value_params = 2 * self.group * heads * (head_dim // self.channel_group(head_dim)) * SCALE_BYTES
         return 2 * codes + key_params + value_params
 
     def pack(self, kv: torch.Tensor) -> torch.Tensor:
@@ -123,7 +121,7 @@ class KiviCodec:
         n, _, g, d = kv.shape
         if n % self.group:
             raise ValueError(f"KIVI codes whole groups of {self.group} tokens, got {n}")
-        m, cg = n // self.group, self._channel_group(d)
+        m, cg = n // self.group, self.channel_group(d)
         kq, klo, ks = minmax_codes(kv[:, 0].reshape(m, self.group, g, d), self.bits, dim=1)
         vq, vlo, vs = minmax_codes(kv[:, 1].reshape(m, self.group, g, d // cg, cg), self.bits, dim=4)
         parts = (
@@ -139,7 +137,7 @@ class KiviCodec:
     def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         """rows [m, row_bytes] uint8 -> kv [m * group, 2, heads, head_dim] in `dtype`."""
         m, t, g, d = rows.shape[0], self.group, heads, head_dim
-        cg = self._channel_group(d)
+        cg = self.channel_group(d)
         nc = t * g * d * self.bits // 8
         kp, vp = 2 * g * d, 2 * t * g * (d // cg)
         cuts = [nc, nc, kp, kp, vp, vp]

@@ -1,0 +1,63 @@
+"""The fused Triton dequantization of packed KIVI rows against the torch unpack (bitwise in fp32).
+
+On the CPU the kernel runs in Triton's interpreter, in a fresh process (TRITON_INTERPRET=1 must
+be set before triton is first imported, and other test modules may have imported it already).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.policies.quant import KiviCodec
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+# (bits, group, KV heads, head dim, dtype): int2/int4/int8, value channel groups of `group` or
+# (head dim not a multiple of the group) the whole head.
+CASES = [
+    (4, 32, 1, 128, torch.bfloat16),
+    (8, 32, 1, 64, torch.bfloat16),
+    (2, 8, 2, 16, torch.float32),
+    (4, 8, 3, 12, torch.float32),
+]
+
+
+def check(device: str) -> None:
+    from kvtier.kv.dequant_triton import unpack_kivi_into
+
+    for bits, group, heads, dim, dtype in CASES:
+        codec = KiviCodec(bits=bits, group=group, residual=0)
+        gen = torch.Generator().manual_seed(bits * group + dim)
+        kv = (torch.randn(5 * group, 2, heads, dim, generator=gen) * 3 + 1).to(device, dtype)
+        rows = codec.pack(kv)
+        assert rows.shape == (5, codec.row_bytes(heads, dim))
+        ref = codec.unpack(rows, heads, dim, dtype)
+        out = torch.full_like(kv, float("nan"))
+        unpack_kivi_into(codec, rows, out)
+        if device == "cpu" and dtype == torch.float32:
+            assert torch.equal(out, ref), (bits, group, heads, dim)  # every code, scale and offset
+        else:
+            # bf16: the interpreter truncates fp32 -> bf16 (one unit in the last place at most);
+            # CUDA rounds to nearest but may fuse the multiply-add.
+            ulp = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
+            assert torch.allclose(out.float(), ref.float(), rtol=ulp, atol=0), (bits, group, heads, dim)
+
+
+def test_interpreted_kernel_equals_torch_unpack_bitwise() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parent.parent
+    code = "from tests.test_dequant_triton import check; check('cpu')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_compiled_kernel_matches_torch_unpack() -> None:
+    check("cuda")
