@@ -142,9 +142,8 @@ def main() -> None:
     )
     write_results(f"prefill_profile_{args.policy}", summary)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-    print(
-        f"\\n{args.policy}: last chunk of {chunk} at {context}: wall {wall * 1e3:.1f} ms, {plan.num_slices} slices"
-    )
+    print(f"\n{args.policy}: last chunk of {chunk} at {context}: wall {wall * 1e3:.1f} ms")
+    print(f"  {plan.num_slices} slices of {plan.group_size} KV heads, {summary['cpu_ops']} profiled events")
     for stream, b in summary["busy_s_per_stream"].items():
         idle = summary["idle_s_between_ops_per_stream"][stream]
         print(f"  stream {stream}: busy {b * 1e3:.1f} ms, idle between ops {idle * 1e3:.1f} ms")
