@@ -117,3 +117,16 @@ def test_plot_is_written(tmp_path: Path, capsys: CapSys) -> None:
     argv = ["plan", "--model", "smollm2-135m", "--context", "1M", "--gpu-memory", "4GiB", "--plot", str(out)]
     assert _main(argv) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_predicts_lossy_pcie_bytes(capsys: CapSys) -> None:
+    """llama-3-8b at 512K, head-wise: int4 loads 16380 packed rows of 5120 B + 133 full tokens per
+    slice; 50% head sparsity streams half the slices."""
+    base = ["--model", "llama-3-8b", "--context", "512K", "--gpu", "h200", "--gpu-memory", "24GB"]
+    int4 = _json(capsys, *base, "--policy", "head", "--kv-quant", "int4")["lossy"]
+    assert int4["lossless_pcie_gb_per_token"] == 256 * 524288 * 512 / 1e9
+    assert int4["pcie_gb_per_token"] == 256 * (16380 * 5120 + 128 * 512) / 1e9
+    heads = _json(capsys, *base, "--policy", "head", "--head-sparsity", "0.5")["lossy"]
+    assert heads["pcie_gb_per_token"] == int4["lossless_pcie_gb_per_token"] / 2
+    assert _main(["plan", *base, "--kv-quant", "int4", "--head-sparsity", "0.5"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err

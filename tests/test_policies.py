@@ -389,3 +389,53 @@ def test_synthetic_fill_gives_packed_rows_and_compact_heads(
     else:
         assert sorted(store.slice_length) == [24] * 3 + [101] * 3
         assert store.account.h2d_bytes - h2d == 3 * 100 * token
+
+
+@pytest.mark.parametrize("method", ["lossless", "int4", "int8", "fp8", "heads", "window", "heads-auto"])
+def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
+    gqa: tuple[CausalLM, ModelConfig], method: str
+) -> None:
+    """`kvtier.planner.lossy` and the store's own counters agree, policy by policy."""
+    from kvtier.planner.lossy import lossy_kv
+
+    model, cfg = gqa
+    codecs: dict[str, Any] = {
+        "int4": KiviCodec(bits=4, group=8, residual=16),
+        "int8": KiviCodec(bits=8, group=4, residual=4),
+        "fp8": Fp8Codec(),
+    }
+    scores = torch.arange(6.0).view(3, 2)
+    codec = codecs.get(method)
+    parts, evicted, kept = PolicyParts(codec=codec), 0, None
+    if method.startswith("heads"):
+        parts, evicted, kept = PolicyParts(evictor=HeadStreamingEvictor(scores, 0.5, 4, 20)), 3, 24
+    if method == "window":
+        parts, evicted, kept = PolicyParts(evictor=WindowEvictor(budget=16, sinks=0)), 6, 16
+    plan = KVPlan(
+        "auto" if method == "heads-auto" else "head", 1, 1 if method == "heads-auto" else 0, 25, 2, 72
+    )
+    store = TieredKVStore(
+        cfg,
+        plan,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=8),
+        **parts.store_kwargs(),
+    )
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    for s in range(0, PROMPT, 25):
+        store.begin_step(min(25, PROMPT - s))
+        model(ids[s : s + 25], store)
+        store.end_step()
+    for _ in range(3):
+        n = store.length
+        want = lossy_kv(cfg, plan, n, dtype_bytes=4, codec=codec, evicted_slices=evicted, kept_tokens=kept)
+        h2d = store.account.h2d_bytes
+        store.begin_step(1)
+        model(torch.tensor([5]), store)
+        assert store.account.h2d_bytes - h2d == want.pcie_per_decode
+        token = 2 * cfg.head_dim * 4
+        assert sum(store.slice_length[s] for s in store.resident) * token == want.gpu_stored
+        assert len(store.hosts) == want.streamed_slices
+        store.end_step()

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ModelConfig
-from kvtier.errors import CapacityError, ModelLoadError
+from kvtier.errors import CapacityError, ConfigError, ModelLoadError
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
-from kvtier.planner.placement import POLICIES
+from kvtier.planner.placement import POLICIES, KVPlan
 from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
 from kvtier.units import parse_count, parse_size
 
@@ -48,6 +48,19 @@ def add_parser(subparsers: Any) -> None:
         default="runner",
         choices=ACTIVATION_MODELS,
         help="baselines' activation model: runner (kvtier's runner) or paper (reproduces Table 10)",
+    )
+    p.add_argument(
+        "--kv-quant",
+        default=None,
+        choices=("int8", "int4", "fp8"),
+        help="also predict a packed host tier's PCIe bytes per decode step",
+    )
+    p.add_argument(
+        "--head-sparsity",
+        type=float,
+        default=None,
+        metavar="R",
+        help="also predict head-wise sparsity: a fraction R of KV heads keep 64 sinks + 256 recent tokens",
     )
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
     p.add_argument("--plot", default=None, metavar="F.png", help="save GPU memory vs context to F")
@@ -97,11 +110,62 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+def lossy_lines(
+    req: PlanRequest, plan: KVPlan | None, kv_quant: str | None, head_sparsity: float | None
+) -> dict[str, Any] | None:
+    """The plan's bytes under `--kv-quant` / `--head-sparsity` (None when neither is given)."""
+    if plan is None or (kv_quant is None and head_sparsity is None):
+        return None
+    if kv_quant is not None and head_sparsity is not None:
+        raise ConfigError("--kv-quant and --head-sparsity cannot be combined yet: plan one at a time")
+    from kvtier.planner.lossy import lossy_kv
+    from kvtier.policies.quant import make_codec
+
+    cfg, ctx, b = req.cfg, req.context, req.dtype_bytes
+    base = lossy_kv(cfg, plan, ctx, dtype_bytes=b)
+    if kv_quant is not None:
+        method, got = (
+            f"--kv-quant {kv_quant}",
+            lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=make_codec(kv_quant)),
+        )
+    else:
+        assert head_sparsity is not None
+        if not 0.0 < head_sparsity < 1.0:
+            raise ConfigError(f"--head-sparsity must be a fraction between 0 and 1, got {head_sparsity}")
+        slices = cfg.num_layers * (cfg.num_kv_heads // plan.group_size)
+        method = f"--head-sparsity {head_sparsity:g}"
+        got = lossy_kv(
+            cfg, plan, ctx, dtype_bytes=b, evicted_slices=round(head_sparsity * slices), kept_tokens=64 + 256
+        )
+    return {
+        "method": method,
+        "gpu_kv_gb": got.gpu_stored / 1e9,
+        "host_kv_gb": got.host_stored / 1e9,
+        "pcie_gb_per_token": got.pcie_per_decode / 1e9,
+        "lossless_pcie_gb_per_token": base.pcie_per_decode / 1e9,
+        "decode_floor_s": got.pcie_per_decode / req.hardware.pcie_bw,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
     req = build_request(args)
     rep = build_report(req)
-    print(json.dumps(report_json(rep), indent=2) if args.json else format_report(rep))
+    lossy = lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity)
+    if args.json:
+        out = report_json(rep)
+        if lossy:
+            out["lossy"] = lossy
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(rep))
+        if lossy:
+            print(
+                f"\nwith {lossy['method']}: GPU KV {lossy['gpu_kv_gb']:.2f} GB (+ staging), host KV "
+                f"{lossy['host_kv_gb']:.2f} GB, PCIe per decode token {lossy['pcie_gb_per_token']:.2f} GB "
+                f"(lossless {lossy['lossless_pcie_gb_per_token']:.2f} GB), decode floor "
+                f"{lossy['decode_floor_s']:.3f} s/token"
+            )
     if args.plot:
         from kvtier.planner.plot import plot_memory
 

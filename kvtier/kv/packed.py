@@ -35,7 +35,8 @@ ROWS_EXTENT_BYTES = 16 << 20  # one host copy per 16 MiB of packed rows
 class PackingCodec(Protocol):
     """A `KVCodec` that can also pack tokens into rows of bytes (see `kvtier.policies.quant`)."""
 
-    group: int
+    @property
+    def group(self) -> int: ...
 
     def frozen_tokens(self, length: int) -> int: ...
 
