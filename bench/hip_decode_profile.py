@@ -5,8 +5,10 @@ resident), fills `--context` tokens of synthetic KV, then times `--steps` decode
 the store directly (random q, k, v per layer), split into refresh steps (a slice streamed whole)
 and cached steps (served from the GPU block cache). Counts host-device syncs of the cached steps
 as the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `__index__`,
-`nonzero`, `unique`, boolean-mask indexing is caught through `nonzero`). `--profile` prints the
-cProfile of the cached steps.
+`nonzero`, `unique`, boolean-mask indexing is caught through `nonzero`), and the torch operators
+(non-view aten ops: kernel launches on a GPU) per slice of refresh and cached steps, through
+`OpCounter` on the steps after the timed ones. `--profile` prints the cProfile of the cached
+steps.
 
     python bench/hip_decode_profile.py --context 32768 --steps 40
 """
@@ -33,6 +35,7 @@ from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
+from kvtier.sparse.opcount import OpCounter
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "unique")
 
@@ -115,7 +118,8 @@ def main() -> None:
     dev = torch.device(args.device)
     base = HIP_PRESETS[args.preset]
     hip = HipConfig.scaled(args.context, refresh=base.refresh)
-    store, kernel = build(args.layers, args.kv_heads, args.head_dim, args.context, args.steps, hip, dev)
+    extra = args.steps + hip.refresh[0]  # the op-counting interval runs after the timed steps
+    store, kernel = build(args.layers, args.kv_heads, args.head_dim, args.context, extra, hip, dev)
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
@@ -138,6 +142,11 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times["refresh" if refresh else "cached"].append(time.perf_counter() - t)
+    # Operators per slice: one more refresh interval (steps numbered on from the timed ones).
+    ops = {"refresh": OpCounter(), "cached": OpCounter()}
+    for i in range(args.steps, args.steps + hip.refresh[0]):
+        with ops["refresh" if i % hip.refresh[0] == 0 else "cached"]:
+            step(store, args.layers, q, kv)
     store.close()
     cached = len(times["cached"])
     if args.profile:
@@ -146,9 +155,10 @@ def main() -> None:
     for kind, ts in times.items():
         if ts:
             mean = sum(ts) / len(ts)
+            n_ops = ops[kind].total / slices / (1 if kind == "refresh" else hip.refresh[0] - 1)
             print(
                 f"{kind:>8} steps: {len(ts):3d}  {mean * 1e3:8.1f} ms/step",
-                f"{mean / slices * 1e3:6.3f} ms/slice",
+                f"{mean / slices * 1e3:6.3f} ms/slice  {n_ops:6.1f} ops/slice",
             )
     per = {k: round(v / max(1, cached) / slices, 3) for k, v in sorted(syncs.items())}
     print(

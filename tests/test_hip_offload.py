@@ -15,6 +15,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HipConfig, HipKernel, make_hip_kernel
 from kvtier.sparse.gpu_cache import BlockCache
+from kvtier.sparse.opcount import OpCounter
 from tests.hf_reference import drive, make_hf_model
 
 CPU = torch.device("cpu")
@@ -224,3 +225,38 @@ def test_cached_steps_make_no_host_sync_with_the_default_cache(
     run(model, cfg, "head", kernel)
     assert kernel.stats.cache.cached_steps == SLICES * sum(1 for k in range(DECODE) if k % REFRESH0)
     assert calls == []
+
+
+# Operators (non-view aten ops, i.e. GPU launches) one cached decode step of one slice may run.
+# A step that recomputes no stage appends one token to the block cache and the gathered
+# attention rows and attends them; stage recomputations are paid every refresh[i] steps.
+OPS_PLAIN_STEP = 24
+OPS_MEAN_STEP = 90
+
+
+@pytest.mark.parametrize("extend,per_head", [(True, False), (False, False)])
+def test_cached_steps_launch_few_operators(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch, extend: bool, per_head: bool
+) -> None:
+    """Offloaded HiP decode is launch-bound (one small step per slice): count what a cached step
+    runs so the per-slice operator count cannot creep back up."""
+    model, cfg = gqa
+    kernel = kernel_for(cfg, extend=extend, per_head=per_head, refresh=(REFRESH0, 3, 2))
+    plain: list[int] = []
+    every: list[int] = []
+    served = kernel.attend_cached
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        before = sum(kernel.stats.decode_recomputes)
+        with OpCounter() as ops:
+            out = served(*args, **kwargs)  # type: ignore[arg-type]
+        every.append(ops.total)
+        if sum(kernel.stats.decode_recomputes) == before:
+            plain.append(ops.total)
+        return out
+
+    monkeypatch.setattr(kernel, "attend_cached", counted)
+    run(model, cfg, "head", kernel)
+    assert plain and len(plain) < len(every)
+    assert max(plain) <= OPS_PLAIN_STEP, sorted(plain)
+    assert sum(every) / len(every) <= OPS_MEAN_STEP, sum(every) / len(every)

@@ -171,6 +171,36 @@ def test_batched_blocks(device: str, dtype: torch.dtype, rotary: str | None) -> 
         assert not out[b, n:].any()  # padded queries give 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary", [None, "streaming"])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_gathered_decode_buffer(
+    device: str, dtype: torch.dtype, rotary: str | None, splits: int | None
+) -> None:
+    """HiP decode's gathered rows (`AttendBuffer`: rebuilt, then two tokens appended) attended
+    by the Triton kernel equal the reference gather over the slice."""
+    from kvtier.sparse.decode_buffer import AttendBuffer
+    from kvtier.sparse.triton_attn import attend_gathered_triton
+
+    g, r, d, w0, last = 2, 4, 64, 150, 181
+    kv, qs = _case(device, last + 1, g, r, d, dtype, seed=3)
+    prefix = _prefix(70, w0, seed=2, device=device)
+    rope = _rope(d, device) if rotary else None
+    mode = rotary or "absolute"
+    buf = AttendBuffer()
+    buf.rebuild(kv, prefix, w0, last - 1, 1, rope, mode)
+    buf.append(kv[last - 1], last - 1, rope)  # grows past the spare row
+    buf.append(kv[last], last, rope)
+    assert buf.length == 70 + last + 1 - w0
+    q = qs[last : last + 1]
+    qr = rope.rotate_at(q, last) if rope else q
+    assert buf.k is not None and buf.v is not None and buf.index is not None and buf.far is not None
+    out = attend_gathered_triton(qr, buf.k, buf.v, buf.index[: buf.length], buf.far, num_splits=splits)
+    pos = torch.tensor([last], device=device)
+    _check(out, attend_block_reference(q, pos, kv, prefix, w0, rotary=rope, mode=mode), dtype)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_attend_block_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA attend_block runs the Triton kernel; KVTIER_SPARSE_KERNEL=torch forces the reference."""

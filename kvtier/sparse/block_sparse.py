@@ -42,7 +42,7 @@ def attend_block(
     Returns [Tb, H_q, D] in q's dtype. On CUDA with triton installed this is the Triton kernel
     (unless KVTIER_SPARSE_KERNEL=torch), else `attend_block_reference`.
     """
-    if q.is_cuda and _use_triton():
+    if q.is_cuda and use_triton():
         from kvtier.sparse.triton_attn import attend_block_triton
 
         return attend_block_triton(q, q_pos, kv, prefix, window_start, rotary=rotary, mode=mode)
@@ -72,10 +72,10 @@ def attend_block_reference(
         k = rotary.rotate(k, attention_key_positions(mode, prefix, window_start, end), limit=end)
         q = rotary.rotate(q, q_pos, limit=end)
     mask = idx[None, :] <= q_pos[:, None]  # [Tb, L]
-    return _softmax_attention(q, k, v, mask)
+    return softmax_attention(q, k, v, mask)
 
 
-def _use_triton() -> bool:
+def use_triton() -> bool:
     """Triton dispatch for CUDA tensors: not forced off by KVTIER_SPARSE_KERNEL=torch, and
     triton importable."""
     return os.environ.get("KVTIER_SPARSE_KERNEL", "").lower() != "torch" and _triton_installed()
@@ -89,10 +89,10 @@ def _triton_installed() -> bool:
 def masked_dense_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Reference: attention of q [T, H_q, D] over *all* of kv [S, 2, G, D] with a boolean mask
     allowed [T, S] (already causal). Returns [T, H_q, D]."""
-    return _softmax_attention(q, kv[:, 0], kv[:, 1], allowed)
+    return softmax_attention(q, kv[:, 0], kv[:, 1], allowed)
 
 
-def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Exact softmax attention, q [T, H_q, D], k/v [L, G, D], mask [T, L] -> [T, H_q, D]."""
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, T, D]
     kt = k.transpose(0, 1).unsqueeze(0)  # [1, G, L, D]

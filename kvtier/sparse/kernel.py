@@ -32,8 +32,9 @@ import torch
 from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
-from kvtier.sparse.block_sparse import attend_block, attend_block_reference
+from kvtier.sparse.block_sparse import attend_block
 from kvtier.sparse.config import HipConfig
+from kvtier.sparse.decode_buffer import KV, AttendBuffer
 from kvtier.sparse.gpu_cache import BlockCache, CacheStats, PositionedKV, block_ids
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
@@ -63,10 +64,7 @@ class _DecodeState:
     window_start: int  # w0 when stage 0 last ran
     step: int = 0
     position: int = 0  # position of the last decoded query
-
-
-# A whole slice [S, 2, G, D], or the rows of it a cached decode step reads.
-KV = torch.Tensor | PositionedKV
+    attn: AttendBuffer = field(default_factory=AttendBuffer)  # what the query attends, gathered
 
 
 class HipKernel:
@@ -120,7 +118,7 @@ class HipKernel:
         return self._first_due(st, st.step + 1) == 0
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
-        out = self._heads(q, kv, step)
+        out = self._heads(q, kv, kv[step.start], step)
         sl = (step.layer, step.group)
         if q.shape[0] > 1 and sl in self._gpu:
             self._gpu[sl].clear()  # NOTE: prefill appends tokens the cache never saw
@@ -145,7 +143,7 @@ class HipKernel:
             cache.append(s, kv_new[0])
             st.cached_steps += 1
             st.appended += fresh
-            return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), step)
+            return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), kv_new[0], step)
         blocks = block_ids(self._needed(step, kv_new.shape[2], kv_new.device, refresh=False), b)
         table = cache.ensure(blocks, lambda missing: self._fetch_blocks(missing, cache, s, fetch, kv_new))
         cache.write(table, s, kv_new[0])
@@ -154,7 +152,7 @@ class HipKernel:
         st.hits += table.hits
         st.misses += blocks.numel() - fresh - table.hits
         st.appended += fresh
-        return self._heads(q, PositionedKV.of(cache, table, s + 1), step)
+        return self._heads(q, PositionedKV.of(cache, table, s + 1), kv_new[0], step)
 
     def _covers(self, cache: BlockCache, groups: int) -> bool:
         """Whether `cache` holds everything the steps of one refresh interval read, so they
@@ -165,19 +163,22 @@ class HipKernel:
 
     # -- attention --------------------------------------------------------------------------
 
-    def _heads(self, q: torch.Tensor, kv: KV, step: SliceStep) -> torch.Tensor:
+    def _heads(self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep) -> torch.Tensor:
+        """q [T, H_q_g, D] over kv; `new` [2, G, D] is the row at step.start (decode's token)."""
         if not self.cfg.per_head:
-            return self._slice(q, kv, step, -1)
+            return self._slice(q, kv, new, step, -1)
         g = kv.shape[2]
         r = q.shape[1] // g
-        outs = [self._slice(q[:, h * r : (h + 1) * r], _head(kv, h), step, h) for h in range(g)]
+        outs = [
+            self._slice(q[:, h * r : (h + 1) * r], _head(kv, h), new[:, h : h + 1], step, h) for h in range(g)
+        ]
         return torch.cat(outs, dim=1)
 
-    def _slice(self, q: torch.Tensor, kv: KV, step: SliceStep, head: int) -> torch.Tensor:
+    def _slice(self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep, head: int) -> torch.Tensor:
         t = q.shape[0]
         key = (step.layer, step.group, head)
         if t == 1:
-            return self._decode(q, kv, step, key)
+            return self._decode(q, kv, new, step, key)
         assert isinstance(kv, torch.Tensor), "prefill needs the whole slice"
         self._cache.pop(key, None)
         bq = self.cfg.block_q
@@ -194,9 +195,15 @@ class HipKernel:
             )
         return out
 
-    def _decode(self, q: torch.Tensor, kv: KV, step: SliceStep, key: tuple[int, int, int]) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep, key: tuple[int, int, int]
+    ) -> torch.Tensor:
+        """One decode query q [1, H_q, D] at step.start; `new` [2, G, D] is kv's row there.
+
+        NOTE: a step that recomputes no stage and follows its previous step appends `new` to the
+        gathered `AttendBuffer` (O(1) launches); any other step gathers sinks + selection +
+        window afresh. Both attend the same rows, so which one ran never changes the output."""
         cfg = self.cfg
-        pos = torch.full((1,), step.start, dtype=torch.long, device=q.device)
         st = self._cache.get(key)
         if st is None or step.start <= st.position:  # first decode step, or a new sequence
             first = 0
@@ -212,12 +219,13 @@ class HipKernel:
             w0 = st.window_start
             cand = st.outputs[first - 1]
         if first < len(cfg.chunk_sizes):
-            new = self._stages(q, pos, kv, step.layer, cand, first)
+            pos = torch.full((1,), step.start, dtype=torch.long, device=q.device)
+            outs = self._stages(q, pos, kv, step.layer, cand, first)
             if st is None:
-                st = _DecodeState(outputs=new, computed_at=[0] * len(new), window_start=w0)
+                st = _DecodeState(outputs=outs, computed_at=[0] * len(outs), window_start=w0)
             else:
-                st.outputs[first:] = new
-                st.computed_at[first:] = [st.step] * len(new)
+                st.outputs[first:] = outs
+                st.computed_at[first:] = [st.step] * len(outs)
                 if first == 0:
                     st.window_start = w0
             for i in range(first, len(cfg.chunk_sizes)):
@@ -225,7 +233,17 @@ class HipKernel:
         assert st is not None
         st.position = step.start
         self._cache[key] = st
-        return self._attend(q, pos, kv, st.outputs[-1], st.window_start, step.start + 1)
+        buf, end = st.attn, step.start + 1
+        w0 = min(st.window_start, end)
+        rope = self.rotary
+        if first < len(cfg.chunk_sizes) or buf.end != step.start or step.start < w0:
+            sinks = torch.arange(min(cfg.sink, end), device=q.device)
+            prefix = torch.cat((sinks, st.outputs[-1]))
+            spare = cfg.refresh[0] + 1  # the window grows by one row a step until stage 0 reruns
+            buf.rebuild(kv, prefix, w0, end, spare, rope, cfg.attention_rope)
+        else:
+            buf.append(new, step.start, rope)
+        return buf.attend(q, step.start, rope)
 
     def _first_due(self, st: _DecodeState, step_no: int) -> int:
         """The earliest stage due at decode step `step_no` of `st` (len(stages) when none is)."""
@@ -332,18 +350,12 @@ class HipKernel:
         )
 
     def _attend(
-        self, q: torch.Tensor, pos: torch.Tensor, kv: KV, sel: torch.Tensor, w0: int, end: int
+        self, q: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, w0: int, end: int
     ) -> torch.Tensor:
         """q [Tb, H_q, D] at pos [Tb] over sinks + sel [n] + window [w0, end); end = pos[-1] + 1."""
         sinks = torch.arange(min(self.cfg.sink, end), device=q.device)
         prefix = torch.cat((sinks, sel))
-        if isinstance(kv, torch.Tensor):
-            return attend_block(q, pos, kv, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope)
-        # NOTE: a view is read by position in pure torch; the Triton kernel needs a real slice.
-        view = cast(torch.Tensor, kv)
-        return attend_block_reference(
-            q, pos, view, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope, end=end
-        )
+        return attend_block(q, pos, kv, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope)
 
 
 def _head(kv: KV, h: int) -> KV:

@@ -52,11 +52,21 @@ class RopeTable:
         without reading positions back to the host (a sync on the GPU). None: read their max.
         """
         n = limit if limit is not None else int(positions.max()) + 1 if positions.numel() else 0
+        self._grow(n, x)
+        return Rotary.apply(x, self._cos[positions], self._sin[positions])
+
+    def rotate_at(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        """x [1, H, D] rotated at one host-known `position`: the table rows are views, so this
+        launches only RoPE's arithmetic. Same values as `rotate(x, tensor([position]))`."""
+        self._grow(position + 1, x)
+        return Rotary.apply(x, self._cos[position : position + 1], self._sin[position : position + 1])
+
+    def _grow(self, n: int, x: torch.Tensor) -> None:
+        """Make the table cover positions < n in x's dtype (recomputed on growth; mutates)."""
         if n > self._cos.shape[0] or self._dtype != x.dtype:
             size = max(n, 2 * self._cos.shape[0], 1024)
             self._cos, self._sin = self.rotary.cos_sin(torch.arange(size, device=x.device), x.dtype)
             self._dtype = x.dtype
-        return Rotary.apply(x, self._cos[positions], self._sin[positions])
 
 
 def probe_positions(mode: str, side: int, chunk_index: torch.Tensor, true_pos: torch.Tensor) -> torch.Tensor:

@@ -499,3 +499,31 @@ def attend_blocks_triton(
         max_keys=max_keys,
         num_splits=num_splits,
     )
+
+
+def attend_gathered_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    far: torch.Tensor,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode over keys already gathered (and rotated): q [1, H_q, D] (rotated) attends rows
+    0..L-1 of k, v [cap, G, D], L = index.numel(), index = arange(L) int64 (the key list), far
+    [1, 1] int64 a query position past every row (nothing masked). One launch (two when the
+    key list is split). Returns [1, H_q, D] in q's dtype."""
+    n = index.numel()
+    out = _launch(
+        q.unsqueeze(0),
+        far,
+        k,
+        v,
+        index.view(1, -1),
+        window=(n, n),
+        k_gathered=True,
+        max_keys=n,
+        num_splits=num_splits,
+    )
+    return out[0]

@@ -1,0 +1,129 @@
+"""The keys and values one HiP decode query attends, gathered once and kept between steps.
+
+Between recomputations of the pruning stages a decode query attends the same sinks and selected
+keys, and a window [w0, query] whose start stays put (see `kvtier.sparse.kernel`): each step only
+adds the new token. `AttendBuffer` keeps those rows gathered, keys already rotated at their
+attention positions, so such a step appends one row and runs one attention over a contiguous
+prefix of the buffer (O(1) launches) instead of re-gathering and re-rotating ~3.3K keys:
+
+    k, v  [cap, G, D]   [ sinks | selected ][ window w0 .. last token ][ free ...       ]
+                         0 .. n_prefix        n_prefix .. length         length .. cap
+
+NOTE: rows are copied bit for bit and rotated by the same elementwise RoPE as a fresh gather, and
+the attention takes the same [1, L] all-true mask, so a step served by `append` computes exactly
+what `rebuild` (the gather of `attend_block_reference`) would.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from kvtier.sparse.block_sparse import softmax_attention, use_triton
+from kvtier.sparse.gpu_cache import PositionedKV
+from kvtier.sparse.rope_ext import RopeTable, attention_key_positions
+
+# A whole slice [S, 2, G, D], or the rows of it a cached decode step reads.
+KV = torch.Tensor | PositionedKV
+
+
+class AttendBuffer:
+    """Gathered (and rotated) keys and values of one decode query's attention; mutable.
+
+    `end` is the number of slice positions the buffer covers (the last query + 1); a step whose
+    query is at `end` may `append`, any other must `rebuild`.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # [cap, G, D] keys at their attention positions
+        self.v: torch.Tensor | None = None  # [cap, G, D]
+        self.mask: torch.Tensor | None = None  # [1, cap] all true (what the reference masks)
+        self.index: torch.Tensor | None = None  # [cap] int64 0..cap-1 (the Triton key list)
+        self.far: torch.Tensor | None = None  # [1, 1] int64 query position past every row
+        self.n_prefix = 0
+        self.length = 0
+        self.end = -1
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held (keys, values and bookkeeping)."""
+        ts = (self.k, self.v, self.mask, self.index, self.far)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def rebuild(
+        self,
+        kv: KV,
+        prefix: torch.Tensor,
+        window_start: int,
+        end: int,
+        spare: int,
+        rotary: RopeTable | None,
+        mode: str,
+    ) -> None:
+        """Gather `prefix` [P] (sorted positions < window_start) and the window [window_start,
+        end) from kv [S, 2, G, D] (or a view of it), rotating keys at `attention_key_positions`.
+        Keeps room for `spare` more rows. Mutates the buffer."""
+        window_start = min(window_start, end)
+        idx = torch.cat((prefix, torch.arange(window_start, end, device=prefix.device)))  # [L]
+        rows = cast(torch.Tensor, kv)[idx]  # [L, 2, G, D]; a view is read by position
+        k, v = rows[:, 0], rows[:, 1]  # [L, G, D]
+        if rotary is not None:
+            k = rotary.rotate(k, attention_key_positions(mode, prefix, window_start, end), limit=end)
+        n = idx.shape[0]
+        self._reserve(n + spare, k)
+        assert self.k is not None and self.v is not None
+        self.k[:n] = k
+        self.v[:n] = v
+        self.n_prefix = prefix.shape[0]
+        self.length = n
+        self.end = end
+
+    def append(self, row: torch.Tensor, position: int, rotary: RopeTable | None) -> None:
+        """Add the token row [2, G, D] at `position` == `end` to the window. Mutates the buffer."""
+        assert position == self.end, "append adds the next token only"
+        k = row[0:1]  # [1, G, D]
+        if rotary is not None:
+            k = rotary.rotate_at(k, position)  # window keys sit at their true positions
+        if self.length == self.capacity:
+            self._reserve(2 * self.capacity, k)
+        assert self.k is not None and self.v is not None
+        n = self.length
+        self.k[n : n + 1] = k
+        self.v[n : n + 1] = row[1:2]
+        self.length = n + 1
+        self.end = position + 1
+
+    def attend(self, q: torch.Tensor, position: int, rotary: RopeTable | None) -> torch.Tensor:
+        """q [1, H_q, D] (un-rotated when `rotary`) at `position` == end - 1 over every row.
+
+        Returns [1, H_q, D] in q's dtype: the Triton kernel on CUDA, else pure torch."""
+        assert self.k is not None and self.v is not None and self.mask is not None
+        if rotary is not None:
+            q = rotary.rotate_at(q, position)
+        n = self.length
+        if q.is_cuda and use_triton():
+            from kvtier.sparse.triton_attn import attend_gathered_triton
+
+            assert self.index is not None and self.far is not None
+            return attend_gathered_triton(q, self.k, self.v, self.index[:n], self.far)
+        return softmax_attention(q, self.k[:n], self.v[:n], self.mask[:, :n])
+
+    def _reserve(self, capacity: int, like: torch.Tensor) -> None:
+        """Grow to at least `capacity` rows shaped like `like`'s [G, D], keeping valid rows."""
+        if capacity <= self.capacity and self.k is not None and self.k.dtype == like.dtype:
+            return
+        dev = like.device
+        k = torch.empty(capacity, *like.shape[1:], dtype=like.dtype, device=dev)
+        v = torch.empty_like(k)
+        if self.k is not None and self.v is not None and self.k.dtype == like.dtype:
+            n = min(self.length, capacity)
+            k[:n] = self.k[:n]
+            v[:n] = self.v[:n]
+        self.k, self.v = k, v
+        self.mask = torch.ones(1, capacity, dtype=torch.bool, device=dev)
+        self.index = torch.arange(capacity, dtype=torch.int64, device=dev)
+        self.far = torch.full((1, 1), 1 << 62, dtype=torch.int64, device=dev)
