@@ -312,47 +312,47 @@ class TieredKVStore:
         if self.rotate_keys:
             q = Rotary.apply(q, self._cos, self._sin)
             k = Rotary.apply(k, self._cos, self._sin)
+        # NOTE: one stack per layer and one cat of the outputs, not a copy per slice: with 256
+        # head-wise slices per step, per-slice kernel launches are what offload pays for.
+        kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
         if lay.num_groups == 1:
-            return self._attend_slice(layer, 0, q, k, v)
-        out = torch.empty_like(q)
-        for g in range(lay.num_groups):
-            kh, qh = lay.kv_heads(g), lay.q_heads(g)
-            out[:, qh] = self._attend_slice(layer, g, q[:, qh], k[:, kh], v[:, kh])
-        return out
+            return self._attend_slice(layer, 0, q, kv)
+        outs = [
+            self._attend_slice(layer, g, q[:, lay.q_heads(g)], kv[:, :, lay.kv_heads(g)])
+            for g in range(lay.num_groups)
+        ]
+        return torch.cat(outs, dim=1)
 
-    def _attend_slice(
-        self, layer: int, group: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def _attend_slice(self, layer: int, group: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
+        """Append the step's kv_new [T, 2, G, D] to slice (layer, group) and attend q [T, H_q_g, D]."""
         sid = self.layout.slice_index(layer, group)
         s, t = self.slice_length[sid], q.shape[0]
         step = SliceStep(layer, group, s)
         if sid in self.resident:
             buf = self.resident[sid]
-            buf[s : s + t, 0] = k
-            buf[s : s + t, 1] = v
+            buf[s : s + t] = kv_new
             return self.kernel(q, buf[: s + t], step)
         assert self.ring is not None
         if sid in self._cached:
-            return self._attend_cached(sid, step, q, k, v)
+            return self._attend_cached(sid, step, q, kv_new)
         if s + t <= self.ring.tokens:
-            return self._attend_streamed(sid, step, q, k, v)
+            return self._attend_streamed(sid, step, q, kv_new)
         if not isinstance(self.kernel, DenseKernel):
             raise CapacityError(
                 f"slice ({layer}, {group}) needs {s + t} tokens but a staging buffer holds "
                 f"{self.ring.tokens}; this attention method needs whole slices on the GPU: "
                 "give it more --gpu-memory or a finer --head-group"
             )
-        return self._attend_streamed_blocks(sid, q, k, v)
+        return self._attend_streamed_blocks(sid, q, kv_new)
 
     def _attend_streamed(
-        self, sid: int, step: SliceStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
     ) -> torch.Tensor:
         assert self.ring is not None
         s, t = self.length, q.shape[0]
         loaded = self.ring.take(Load(sid, 0, s))
         buf = loaded.view
-        buf[s : s + t, 0] = k
-        buf[s : s + t, 1] = v
+        buf[s : s + t] = kv_new
         out = self.kernel(q, buf[: s + t], step)
         computed = self.streams.record()
         written = self._write_back(sid, buf[s : s + t], computed)
@@ -360,7 +360,7 @@ class TieredKVStore:
         return out
 
     def _attend_cached(
-        self, sid: int, step: SliceStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
     ) -> torch.Tensor:
         """A caching kernel serves the step from its GPU cache; only tokens it `fetch`es move."""
         assert isinstance(self.kernel, CachingSliceKernel)
@@ -381,14 +381,12 @@ class TieredKVStore:
                 self.account.h2d_bytes += (end - start) * lay.token_bytes
             return dst
 
-        new = torch.stack((k, v), dim=1)  # [T, 2, G, D]
+        new = kv_new.contiguous()  # [T, 2, G, D]
         out = self.kernel.attend_cached(q, new, step, fetch)
         self._write_back(sid, new, self.streams.record())
         return out
 
-    def _attend_streamed_blocks(
-        self, sid: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def _attend_streamed_blocks(self, sid: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
         """The slice does not fit a staging buffer: stream its prefix in sequence blocks and merge
         the partial results by log-sum-exp, so GPU memory does not grow with the context."""
         assert self.ring is not None
@@ -398,8 +396,8 @@ class TieredKVStore:
             loaded = self.ring.take(Load(sid, a, min(a + cap, s)))
             acc = merge_into(acc, attend_prefix_lse(q, loaded.view[: min(cap, s - a)]))
             self.ring.release(loaded, [self.streams.record()])
-        out = merge_into(acc, attend_self_lse(q, k, v))[0].to(q.dtype)
-        new = torch.stack((k, v), dim=1)  # [T, 2, G, D]
+        out = merge_into(acc, attend_self_lse(q, kv_new[:, 0], kv_new[:, 1]))[0].to(q.dtype)
+        new = kv_new.contiguous()  # [T, 2, G, D]
         self._write_back(sid, new, self.streams.record())
         return out
 
