@@ -19,8 +19,8 @@ from kvtier.model.rope import Rotary
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
 from kvtier.sparse.block_sparse import attend_block, masked_dense_attention
-from kvtier.sparse.pruning import prune_stage
-from kvtier.sparse.rope_ext import attention_key_positions, rotate
+from kvtier.sparse.pruning import ScoreFn, bisect_scores, chunk_scores, prune_stage
+from kvtier.sparse.rope_ext import RopeTable, attention_key_positions, rotate
 from tests.hf_reference import drive, make_hf_model
 
 CPU = torch.device("cpu")
@@ -288,3 +288,25 @@ def test_store_run_with_pruning_attends_fewer_keys(gqa: tuple[CausalLM, ModelCon
     assert isinstance(kernel, HipKernel)
     # Per query block: at most sink 2 + selected 4 + window 6 + block 4 - 1 keys.
     assert kernel.stats.attended_keys <= kernel.stats.prefill_blocks * 15
+
+
+@pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
+@pytest.mark.parametrize("chunk,n", [(8, 96), (8, 101), (32, 256), (6, 60), (1, 40), (2, 33)])
+def test_decode_scores_every_candidate_like_the_probe_bisection(mode: str, chunk: int, n: int) -> None:
+    """Decode scores all candidates at once and bisects on those scores (`bisect_scores`): the
+    chunk scores are the probe bisection's (`chunk_scores`), on whole and partial chunks."""
+    gen = torch.Generator().manual_seed(chunk * n)
+    keys = torch.randn(300, 2, D, generator=gen)  # [S, G, D]
+    q = torch.randn(1, 4, D, generator=gen)
+    cand = torch.randperm(280, generator=gen)[:n].sort().values + 10
+    score = ScoreFn(
+        q, torch.tensor([299]), keys, mode, RopeTable(Rotary(RopeConfig(), D)), 16, -(-n // chunk)
+    )
+    c = -(-n // chunk)
+    padded = torch.full((c * chunk,), -1, dtype=torch.long)
+    padded[:n] = cand
+    lengths = torch.full((c,), chunk, dtype=torch.long)
+    lengths[-1] = n - (c - 1) * chunk
+    probes = chunk_scores(padded.view(c, chunk), lengths, score, "max")
+    dense = bisect_scores(*score.all_candidates(cand, chunk), chunk, n)
+    assert torch.allclose(dense, probes, rtol=1e-5, atol=1e-5)

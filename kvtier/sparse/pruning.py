@@ -22,6 +22,10 @@ import torch
 
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
+# Decode (one pooled query) scores every candidate of a stage at once, not just the probes,
+# when it has at most this many: a few large operators instead of two gathers and RoPEs a round.
+DENSE_SCORING_MAX = 1 << 16
+
 
 def pool_queries(q: torch.Tensor, positions: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-pool groups of `stride` consecutive queries: q [T, H, D] -> [ceil(T/stride), H, D].
@@ -74,6 +78,60 @@ def chunk_scores(
     return best.amax(dim=1)
 
 
+def bisect_scores(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
+    """`chunk_scores` ("max") from every candidate's score as a left and as a right probe.
+
+    left, right [n]: max-pooled q.k of each candidate at its left-/right-branch probe position;
+    chunks of `chunk` consecutive candidates, the last one partial when chunk does not divide n.
+    The same bisection, on scores instead of probes; returns [ceil(n / chunk)].
+
+    NOTE: with whole chunks of a power-of-two size every node of a round spans the same number
+    of candidates, so each round's probes are strided views and the path is chosen bottom-up,
+    4 operators a round for all chunks:
+
+        round r: nodes [C, 2**r, chunk >> r]; probes at fixed offsets of every node
+        value(node) = max(top(node), value(the child its probes choose)); score = value(root)
+    """
+    rounds = max(1, math.ceil(math.log2(chunk)))
+    if n % chunk or chunk & (chunk - 1):
+        return _bisect_generic(left, right, chunk, n, rounds)
+    c_count = n // chunk
+    tops, go = [], []
+    for r in range(rounds):
+        size = chunk >> r
+        mid = size // 2
+        sl = left.view(c_count, 1 << r, size)[:, :, mid // 2]  # [C, 2**r]
+        sr = right.view(c_count, 1 << r, size)[:, :, (mid + size) // 2]
+        tops.append(torch.maximum(sl, sr))
+        go.append(sr > sl)
+    value = tops[-1]
+    for r in range(rounds - 2, -1, -1):
+        child = value.view(c_count, 1 << r, 2)
+        value = torch.maximum(tops[r], torch.where(go[r], child[..., 1], child[..., 0]))
+    return value.view(c_count)
+
+
+def _bisect_generic(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int, rounds: int) -> torch.Tensor:
+    """`bisect_scores` for any chunk size and a partial last chunk: `chunk_scores`'s loop."""
+    c_count = -(-n // chunk)
+    base = torch.arange(c_count, device=left.device) * chunk
+    lo = torch.zeros(c_count, dtype=torch.long, device=left.device)
+    hi = torch.full((c_count,), chunk, dtype=torch.long, device=left.device)
+    hi[-1] = n - (c_count - 1) * chunk
+    best: torch.Tensor | None = None
+    for _ in range(rounds):
+        mid = lo + (hi - lo) // 2
+        s_left = left[base + (lo + mid) // 2]
+        s_right = right[base + (mid + hi) // 2]
+        go_right = s_right > s_left
+        top = torch.maximum(s_left, s_right)
+        best = top if best is None else torch.maximum(best, top)
+        lo = torch.where(go_right, mid, lo)
+        hi = torch.where(go_right, hi, mid)
+    assert best is not None
+    return best
+
+
 class ScoreFn:
     """Scores probe keys against a block of queries, with RoPE at the stage's scoring positions.
 
@@ -97,11 +155,49 @@ class ScoreFn:
         # NOTE: every scoring position (queries, probes, chunk indices) is below this bound, so
         # RoPE never reads positions back to the host.
         self.limit = keys.shape[0] + window + n_chunks + 2
-        if rotary is not None:
-            q = rotary.rotate(q, scoring_query_position(mode, q_pos, window, n_chunks), limit=self.limit)
-        n, hq, d = q.shape
-        self.q = q.reshape(n, g, hq // g, d).float()  # [Nq, G, r, D]
-        self.scale = d**-0.5
+        self.q_raw, self.q_pos, self.window, self.n_chunks, self.groups = q, q_pos, window, n_chunks, g
+        self.scale = q.shape[-1] ** -0.5
+        self._q: torch.Tensor | None = None
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The queries at their scoring positions, [Nq, G, r, D] float32 (rotated on first use)."""
+        if self._q is None:
+            q = self.q_raw
+            if self.rotary is not None:
+                at = scoring_query_position(self.mode, self.q_pos, self.window, self.n_chunks)
+                q = self.rotary.rotate(q, at, limit=self.limit)
+            n, hq, d = q.shape
+            self._q = q.reshape(n, self.groups, hq // self.groups, d).float()
+        return self._q
+
+    def all_candidates(self, candidates: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every candidate scored as a left-branch and as a right-branch probe: two [n] tensors of
+        q.k max-pooled over queries and heads (one tensor twice when the side does not matter).
+
+        candidates [n] sorted positions; chunk j holds candidates [j * chunk, (j + 1) * chunk).
+        """
+        k = self.keys[candidates]  # [n, G, D]
+        if self.rotary is None:
+            return (s := self._max_score(k)), s
+        if self.mode == "relative":
+            # NOTE: every probe of a side sits at one position (0 or 1) and the queries at
+            # window + 1; RoPE depends only on the distance, so the keys stay un-rotated and the
+            # queries move instead: to window + 1 (left) and window (right). One product.
+            nq, hq, d = self.q_raw.shape
+            at = scoring_query_position(self.mode, self.q_pos, self.window, 0)  # [Nq]
+            qs = self.rotary.rotate(self.q_raw.repeat(2, 1, 1), torch.cat((at, at - 1)), limit=self.limit)
+            q2 = qs.reshape(2 * nq, k.shape[1], hq // k.shape[1], d).float()  # [2 Nq, G, r, D]
+            s2 = torch.einsum("ngrd,cgd->cngr", q2, k.float()).reshape(k.shape[0], 2, -1).amax(dim=2)
+            return s2[:, 0], s2[:, 1]
+        index = torch.arange(k.shape[0], device=k.device) // chunk
+        at = probe_positions(self.mode, 0, index, candidates)
+        s = self._max_score(self.rotary.rotate(k, at, limit=self.limit))
+        return s, s
+
+    def _max_score(self, k: torch.Tensor) -> torch.Tensor:
+        """Max over queries and heads of q.k for keys k [n, G, D] -> [n] (float32)."""
+        return torch.einsum("ngrd,cgd->cngr", self.q, k.float()).flatten(1).amax(dim=1)
 
     def __call__(self, positions: torch.Tensor, chunk_index: torch.Tensor, side: int) -> torch.Tensor:
         k = self.keys[positions]  # [C, G, D]
@@ -141,7 +237,11 @@ def prune_stage(
     lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
     lengths[-1] = n - (n_chunks - 1) * chunk
     score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
-    scores = chunk_scores(chunks, lengths, score, head_score)
+    if q.shape[0] == 1 and head_score == "max" and n <= DENSE_SCORING_MAX:
+        left, right = score.all_candidates(candidates, chunk)
+        scores = bisect_scores(left, right, chunk, n)
+    else:
+        scores = chunk_scores(chunks, lengths, score, head_score)
     top = torch.topk(scores, keep).indices.sort().values
     kept = chunks[top].flatten()
     if n % chunk == 0:  # no padding: skip the boolean mask (a GPU sync)
