@@ -8,7 +8,6 @@ model code never changes for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -49,9 +48,17 @@ class SliceKernel(Protocol):
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor: ...
 
 
-# fetch(start, end) -> kv [end - start, 2, G, D] on the GPU: stored tokens [start, end) of the
-# slice, copied from its tier (host memory for a streamed slice) on the compute stream.
-Fetch = Callable[[int, int], torch.Tensor]
+class Fetch(Protocol):
+    """Reads stored tokens of one streamed slice into GPU memory, on the compute stream.
+
+    `fetch(start, end)` -> kv [end - start, 2, G, D]: tokens [start, end).
+    `fetch.gather(positions)` -> kv [n, 2, G, D]: the tokens at `positions` ([n] int64, sorted,
+    any device), gathered on the host side so only they cross PCIe.
+    """
+
+    def __call__(self, start: int, end: int) -> torch.Tensor: ...
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable

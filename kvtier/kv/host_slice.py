@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvtier.kv.streams import Event
@@ -47,6 +49,15 @@ class HostSlice:
         """Copy tokens [start, end) into dst[: end - start]. Asynchronous on CUDA."""
         for e, off, at, n in self._pieces(start, end):
             dst[at : at + n].copy_(self.extents[e][off : off + n], non_blocking=True)
+
+    def gather_into(self, dst: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy the tokens at `positions` ([n] int64, CPU, sorted) into dst[:n] (CPU). Synchronous:
+        the caller must make sure no copy into these tokens is still in flight."""
+        e = self.extent_tokens
+        bounds = torch.searchsorted(positions, torch.arange(0, len(self.extents) + 1) * e).tolist()
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            if b > a:
+                torch.index_select(self.extents[i], 0, positions[a:b] - i * e, out=dst[a:b])
 
     def block(self, index: int, block_size: int) -> torch.Tensor:
         """View of token block `index` ([block_size, 2, G, D]); extents hold whole blocks."""

@@ -35,6 +35,7 @@ from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
 from kvtier.kv.packed import PackedTier, can_pack
+from kvtier.kv.reader import SliceReader
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HostArena, TierAccount
@@ -362,25 +363,19 @@ class TieredKVStore:
     def _attend_cached(
         self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
     ) -> torch.Tensor:
-        """A caching kernel serves the step from its GPU cache; only tokens it `fetch`es move."""
+        """A caching kernel serves the step from its GPU cache; only tokens it reads through
+        `fetch` (ranges or gathered positions) move."""
         assert isinstance(self.kernel, CachingSliceKernel)
-        host = self.hosts[sid]
-        lay = self.layout
-
-        def fetch(start: int, end: int) -> torch.Tensor:
-            if not 0 <= start <= end <= self.length:
-                raise IndexError(f"fetch({start}, {end}) outside the {self.length} stored tokens")
-            dst = torch.empty(
-                end - start, 2, lay.group_size, lay.head_dim, dtype=lay.dtype, device=self.device
-            )
-            self.streams.wait([host.last_write])
-            if self.packed is not None:
-                self.account.h2d_bytes += self.packed.read_into(sid, host, dst, start, end, scratch=False)
-            else:
-                host.read_into(dst, start, end)
-                self.account.h2d_bytes += (end - start) * lay.token_bytes
-            return dst
-
+        fetch = SliceReader(
+            sid,
+            self.hosts[sid],
+            self.layout,
+            self.length,
+            device=self.device,
+            streams=self.streams,
+            account=self.account,
+            packed=self.packed,
+        )
         new = kv_new.contiguous()  # [T, 2, G, D]
         out = self.kernel.attend_cached(q, new, step, fetch)
         self._write_back(sid, new, self.streams.record())

@@ -8,9 +8,12 @@ A decode query q scores each page with the upper bound of q.k over its keys,
 and attends only to the top `max(3, budget // page)` pages, per query head. Prefill steps and the
 first `dense_layers` layers are dense; a context within the budget is dense (bitwise equal).
 
-NOTE: this simulates Quest's selection for quality: the selected keys are masked, not gathered,
-so the store still reads every token. `read_tokens / total_tokens` counts what Quest would read.
-Page metadata is cached per slice for full pages (tokens are append-only under Quest).
+Over GPU-resident slices the selection is simulated for quality: unselected keys are masked,
+not skipped. Over *offloaded* slices Quest is a `CachingSliceKernel`: it keeps the page minima
+and maxima (and the keys of the unfinished page) on the GPU, and a decode step gathers only the
+selected pages from host memory, so PCIe carries the selection, not the context.
+`read_tokens / total_tokens` counts the (query head, token) pairs attended. Page metadata is
+cached per slice for full pages (tokens are append-only under Quest).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.attention.dense import attend
-from kvtier.attention.interface import SliceStep
+from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
 
 
@@ -31,8 +34,12 @@ class QuestKernel:
             raise ConfigError(f"--kv-budget {budget} for Quest must be at least one page of {page} tokens")
         self.budget, self.page, self.dense_layers = budget, page, dense_layers
         self._meta: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # full pages' min, max
+        # For offloaded slices: keys of the unfinished last page [n < page, G, D] and the stored
+        # length they describe (a cached step needs exactly that length).
+        self._tail: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self.read_tokens = 0
         self.total_tokens = 0
+        self.gathered_tokens = 0  # tokens read from host memory by cached (offloaded) steps
 
     def _minmax(self, kv: torch.Tensor, step: SliceStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Key minima and maxima per page, [P, G, D] each; the last page may be partial."""
@@ -50,12 +57,89 @@ class QuestKernel:
         return lo, hi
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
-        t, hq, d = q.shape
+        out = self._attend(q, kv, step)
+        key = (step.layer, step.group)
+        if step.layer >= self.dense_layers:
+            self._minmax(kv, step)  # caches the full pages' metadata
+            full = kv.shape[0] // self.page
+            self._tail[key] = (kv[full * self.page :, 0].clone(), kv.shape[0])
+        return out
+
+    def _top_pages(
+        self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: int, top_k: int
+    ) -> torch.Tensor:
+        """Per query head, the `top_k` pages by Quest's bound; the last page always. [G, r, K]"""
+        g, d = lo.shape[1], q.shape[-1]
+        r = q.shape[1] // g
+        qh = q[0].view(g, r, 1, d)  # [G, r, 1, D]
+        bound = torch.maximum(qh * lo.permute(1, 0, 2)[:, None], qh * hi.permute(1, 0, 2)[:, None]).sum(-1)
+        if bound.shape[-1] < pages:  # the unfinished page has no metadata yet
+            bound = torch.cat((bound, bound.new_zeros(g, r, pages - bound.shape[-1])), dim=-1)
+        bound[..., pages - 1] = float("inf")  # NOTE: the current token's page is always read
+        return bound[..., :pages].topk(top_k, dim=-1).indices
+
+    def _sparse(self, step: SliceStep, s: int) -> tuple[bool, int, int]:
+        """Whether a decode step over `s` tokens selects pages, the page count and top_k."""
+        pages = -(-s // self.page)
+        top_k = min(max(3, self.budget // self.page), pages)
+        return step.layer >= self.dense_layers and s > self.budget and top_k < pages, pages, top_k
+
+    def needs_slice(self, step: SliceStep, n_new: int) -> bool:
+        """Offloaded slices: only prefill, dense layers and dense-sized contexts stream whole."""
+        tail = self._tail.get((step.layer, step.group))
+        sparse = self._sparse(step, step.start + n_new)[0]
+        return n_new > 1 or not sparse or tail is None or tail[1] != step.start
+
+    def attend_cached(
+        self, q: torch.Tensor, kv_new: torch.Tensor, step: SliceStep, fetch: Fetch
+    ) -> torch.Tensor:
+        """Decode over an offloaded slice: select pages from the GPU metadata, gather only them."""
+        key = (step.layer, step.group)
+        s, hq, p = step.start + 1, q.shape[1], self.page
+        _, pages, top_k = self._sparse(step, s)
+        lo, hi = self._meta[key]
+        g = lo.shape[1]
+        r = hq // g
+        top = self._top_pages(q, lo[: step.start // p], hi[: step.start // p], pages, top_k)  # [G, r, K]
+        chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
+        chosen.scatter_(-1, top, True)
+        union = chosen.flatten(0, 1).any(0).nonzero().flatten()  # [U] pages any head reads
+        positions = (union[:, None] * p + torch.arange(p, device=q.device)).flatten()
+        positions = positions[positions < step.start]  # the new token is kv_new
+        kv = torch.cat((fetch.gather(positions), kv_new))  # [n + 1, 2, G, D]
+        page_of = torch.cat((positions, positions.new_tensor([step.start]))) // p
+        mask = chosen[:, :, page_of].reshape(1, hq, 1, -1)  # [1, H_q, 1, n + 1]
+        self.total_tokens += s * hq
+        self.read_tokens += int(mask.sum())
+        self.gathered_tokens += positions.numel()
+        out = self._masked(q, kv, mask, r)
+        tail, _ = self._tail[key]
+        tail = torch.cat((tail, kv_new[:, 0]))
+        if tail.shape[0] == p:  # the page is complete: its metadata joins the others
+            self._meta[key] = (
+                torch.cat((lo, tail.amin(0, keepdim=True))),
+                torch.cat((hi, tail.amax(0, keepdim=True))),
+            )
+            tail = tail[:0]
+        self._tail[key] = (tail, s)
+        return out
+
+    @staticmethod
+    def _masked(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, r: int) -> torch.Tensor:
+        """One query q [1, H_q, D] over kv [L, 2, G, D] with mask [1, H_q, 1, L] -> [1, H_q, D]."""
+        keys = kv[:, 0].repeat_interleave(r, dim=1).transpose(0, 1)[None]  # [1, H_q, L, D]
+        values = kv[:, 1].repeat_interleave(r, dim=1).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask)
+        return out[0].transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
+        t, hq, _ = q.shape
         s, _, g, _ = kv.shape
         pages = -(-s // self.page)
         top_k = min(max(3, self.budget // self.page), pages)
         if step.start == 0:
             self._meta.pop((step.layer, step.group), None)  # a new sequence
+            self._tail.pop((step.layer, step.group), None)
         if t == 1:
             self.total_tokens += s * hq
         if t > 1 or step.layer < self.dense_layers or s <= self.budget or top_k >= pages:
@@ -64,15 +148,9 @@ class QuestKernel:
             return attend(q, kv)
         lo, hi = self._minmax(kv, step)
         r = hq // g
-        qh = q[0].view(g, r, 1, d)  # [G, r, 1, D]
-        bound = torch.maximum(qh * lo.permute(1, 0, 2)[:, None], qh * hi.permute(1, 0, 2)[:, None]).sum(-1)
-        bound[..., -1] = float("inf")  # NOTE: the current token's page is always read
-        top = bound.topk(top_k, dim=-1).indices  # [G, r, K]
+        top = self._top_pages(q, lo, hi, pages, top_k)  # [G, r, K]
         chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
         chosen.scatter_(-1, top, True)
         mask = chosen.repeat_interleave(self.page, dim=-1)[..., :s].reshape(1, hq, 1, s)
         self.read_tokens += int(mask.sum())
-        keys = kv[:, 0].repeat_interleave(r, dim=1).transpose(0, 1)[None]  # [1, H_q, S, D]
-        values = kv[:, 1].repeat_interleave(r, dim=1).transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask)
-        return out[0].transpose(0, 1)  # [1, H_q, D]
+        return self._masked(q, kv, mask, r)  # [1, H_q, D]

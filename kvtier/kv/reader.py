@@ -1,0 +1,71 @@
+"""`SliceReader`: what a caching slice kernel may read of a streamed slice (`Fetch`).
+
+Ranges are copied extent by extent (packed rows unpacked on the GPU when the host tier is
+quantized); scattered tokens are gathered on the host into one pinned buffer first, so only
+they cross PCIe. Every byte sent is counted in the store's `TierAccount.h2d_bytes`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.kv.host_slice import HostSlice
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.packed import PackedTier
+from kvtier.kv.streams import Streams
+from kvtier.kv.tiers import TierAccount
+
+
+class SliceReader:
+    """Reads the `length` stored tokens of streamed slice `sid` to `device`."""
+
+    def __init__(
+        self,
+        sid: int,
+        host: HostSlice,
+        layout: KVLayout,
+        length: int,
+        *,
+        device: torch.device,
+        streams: Streams,
+        account: TierAccount,
+        packed: PackedTier | None,
+    ) -> None:
+        self.sid, self.host, self.layout, self.length = sid, host, layout, length
+        self.device, self.streams, self.account, self.packed = device, streams, account, packed
+
+    def _empty(self, n: int, pin: bool = False, device: torch.device | None = None) -> torch.Tensor:
+        lay = self.layout
+        shape = (n, 2, lay.group_size, lay.head_dim)
+        return torch.empty(shape, dtype=lay.dtype, device=device or self.device, pin_memory=pin)
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) -> [end - start, 2, G, D] on the device."""
+        if not 0 <= start <= end <= self.length:
+            raise IndexError(f"fetch({start}, {end}) outside the {self.length} stored tokens")
+        dst = self._empty(end - start)
+        self.streams.wait([self.host.last_write])
+        if self.packed is not None:
+            self.account.h2d_bytes += self.packed.read_into(
+                self.sid, self.host, dst, start, end, scratch=False
+            )
+        else:
+            self.host.read_into(dst, start, end)
+            self.account.h2d_bytes += (end - start) * self.layout.token_bytes
+        return dst
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens at `positions` ([n] int64, sorted, any device) -> [n, 2, G, D] on the device."""
+        if self.packed is not None:
+            raise NotImplementedError("gathering tokens from a quantized host tier is not supported")
+        pos = positions.to("cpu", torch.int64)
+        n = pos.numel()
+        if n and (int(pos[0]) < 0 or int(pos[-1]) >= self.length):
+            raise IndexError(f"gather positions outside the {self.length} stored tokens")
+        if self.host.last_write is not None:
+            self.host.last_write.synchronize()  # NOTE: the host reads these tokens itself
+        cuda = self.device.type == "cuda"
+        tmp = self._empty(n, pin=cuda, device=torch.device("cpu"))
+        self.host.gather_into(tmp, pos)
+        self.account.h2d_bytes += n * self.layout.token_bytes
+        return tmp.to(self.device, non_blocking=True) if cuda else tmp
