@@ -10,8 +10,10 @@ chunks and decode steps at that length. HF transformers' layer-wise offload runs
 
 A policy may carry a lossy KV method after a "+": `head+int4`, `head+int8`, `head+fp8` (packed
 quantized host tier) or `head+heads50` (head-wise sparsity, ratio 50%: streaming heads keep
-sinks + recent on the GPU, the others are offloaded). With random weights head scores mean
-nothing, so heads50 classifies heads by seeded random scores; the costs are the same.
+sinks + recent on the GPU, the others are offloaded), or `head+quest4096p16` (Quest, budget
+4096 tokens, 16-token pages: only selected pages are gathered from host memory). With random
+weights head scores mean nothing, so heads50 classifies heads by seeded random scores; the
+costs are the same.
 
     python bench/tiered_store.py --contexts 128K,512K --full-prefill-max 0 \
         --policies head,head+int8,head+int4,head+heads50 --name kv_policies_offload
@@ -41,6 +43,7 @@ from kvtier.planner.memory import activation_bytes, weight_bytes
 from kvtier.planner.placement import plan_kv
 from kvtier.policies.head_sparsity import HeadStreamingEvictor
 from kvtier.policies.quant import make_codec
+from kvtier.policies.quest import QuestKernel
 from kvtier.units import parse_count, parse_size
 
 DEV = torch.device("cuda")
@@ -52,6 +55,9 @@ def method_parts(cfg: Any, method: str) -> dict[str, Any]:
         return {}
     if method in ("int8", "int4", "fp8"):
         return {"codec": make_codec(method)}
+    if method.startswith("quest"):  # quest<budget>p<page>, e.g. quest4096p16
+        budget, _, page = method[len("quest") :].partition("p")
+        return {"kernel": QuestKernel(int(budget), int(page or 16), dense_layers=2)}
     if method.startswith("heads"):
         ratio = int(method[len("heads") :]) / 100
         scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, generator=torch.Generator().manual_seed(0))
