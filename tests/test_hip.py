@@ -310,3 +310,21 @@ def test_decode_scores_every_candidate_like_the_probe_bisection(mode: str, chunk
     probes = chunk_scores(padded.view(c, chunk), lengths, score, "max")
     dense = bisect_scores(*score.all_candidates(cand, chunk), chunk, n)
     assert torch.allclose(dense, probes, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates scored slab by slab (bounded memory) give the same scores as all at once."""
+    import kvtier.sparse.pruning as pruning
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(300, 2, D, generator=gen)
+    q = torch.randn(1, 4, D, generator=gen)
+    cand = torch.arange(10, 250)
+    for mode in ("relative", "chunk_indexed"):
+        score = ScoreFn(q, torch.tensor([299]), keys, mode, RopeTable(Rotary(RopeConfig(), D)), 16, 30)
+        whole = score.all_candidates(cand, 8)
+        monkeypatch.setattr(pruning, "SCORING_SLAB", 64)
+        slabs = score.all_candidates(cand, 8)
+        monkeypatch.undo()
+        for a, b in zip(whole, slabs, strict=True):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -84,6 +84,7 @@ class HipKernel:
         self._cache: dict[tuple[int, int, int], _DecodeState] = {}
         self._gpu: dict[tuple[int, int], BlockCache] = {}  # (layer, group) -> block cache
         self._streamed: set[tuple[int, int]] = set()  # slices the store streams (asked about)
+        self._cover_tokens: dict[int, int] = {}  # heads -> tokens a refresh interval reads
 
     @property
     def needs_unrotated_keys(self) -> bool:
@@ -158,8 +159,9 @@ class HipKernel:
         """Whether `cache` holds everything the steps of one refresh interval read, so they
         cannot miss (the default capacity, `HipConfig.offload_cache_tokens`)."""
         heads = groups if self.cfg.per_head else 1
-        need = replace(self.cfg, cache_tokens=None).offload_cache_tokens(heads)
-        return cache.slots * cache.block >= need
+        if heads not in self._cover_tokens:  # NOTE: memoized: `replace` costs ~50 us a call
+            self._cover_tokens[heads] = replace(self.cfg, cache_tokens=None).offload_cache_tokens(heads)
+        return cache.slots * cache.block >= self._cover_tokens[heads]
 
     # -- attention --------------------------------------------------------------------------
 

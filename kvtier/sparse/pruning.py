@@ -22,9 +22,9 @@ import torch
 
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
-# Decode (one pooled query) scores every candidate of a stage at once, not just the probes,
-# when it has at most this many: a few large operators instead of two gathers and RoPEs a round.
-DENSE_SCORING_MAX = 1 << 16
+# Decode (one pooled query) scores every candidate of a stage, not just the probes: a few large
+# operators instead of two gathers and RoPEs a round. Candidates per product (bounds memory).
+SCORING_SLAB = 1 << 16
 
 
 def pool_queries(q: torch.Tensor, positions: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,6 +158,7 @@ class ScoreFn:
         self.q_raw, self.q_pos, self.window, self.n_chunks, self.groups = q, q_pos, window, n_chunks, g
         self.scale = q.shape[-1] ** -0.5
         self._q: torch.Tensor | None = None
+        self._q_sides: torch.Tensor | None = None  # relative RoPE: queries as seen by each side
 
     @property
     def q(self) -> torch.Tensor:
@@ -176,21 +177,34 @@ class ScoreFn:
         q.k max-pooled over queries and heads (one tensor twice when the side does not matter).
 
         candidates [n] sorted positions; chunk j holds candidates [j * chunk, (j + 1) * chunk).
+        Keys are read in slabs of `SCORING_SLAB` (bounded temporary memory at any context).
         """
-        k = self.keys[candidates]  # [n, G, D]
+        n = candidates.shape[0]
+        parts = [
+            self._slab(candidates[lo : lo + SCORING_SLAB], lo, chunk) for lo in range(0, n, SCORING_SLAB)
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def _slab(self, candidates: torch.Tensor, offset: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`all_candidates` of candidates [m] starting at candidate index `offset`."""
+        k = self.keys[candidates]  # [m, G, D]
         if self.rotary is None:
             return (s := self._max_score(k)), s
         if self.mode == "relative":
             # NOTE: every probe of a side sits at one position (0 or 1) and the queries at
             # window + 1; RoPE depends only on the distance, so the keys stay un-rotated and the
             # queries move instead: to window + 1 (left) and window (right). One product.
-            nq, hq, d = self.q_raw.shape
-            at = scoring_query_position(self.mode, self.q_pos, self.window, 0)  # [Nq]
-            qs = self.rotary.rotate(self.q_raw.repeat(2, 1, 1), torch.cat((at, at - 1)), limit=self.limit)
-            q2 = qs.reshape(2 * nq, k.shape[1], hq // k.shape[1], d).float()  # [2 Nq, G, r, D]
-            s2 = torch.einsum("ngrd,cgd->cngr", q2, k.float()).reshape(k.shape[0], 2, -1).amax(dim=2)
+            if self._q_sides is None:
+                nq, hq, d = self.q_raw.shape
+                at = scoring_query_position(self.mode, self.q_pos, self.window, 0)  # [Nq]
+                qs = self.rotary.rotate(self.q_raw.repeat(2, 1, 1), torch.cat((at, at - 1)), limit=self.limit)
+                self._q_sides = qs.reshape(2 * nq, self.groups, hq // self.groups, d).float()
+            s2 = torch.einsum("ngrd,cgd->cngr", self._q_sides, k.float())  # [m, 2 Nq, G, r]
+            s2 = s2.reshape(k.shape[0], 2, -1).amax(dim=2)
             return s2[:, 0], s2[:, 1]
-        index = torch.arange(k.shape[0], device=k.device) // chunk
+        index = (torch.arange(k.shape[0], device=k.device) + offset) // chunk
         at = probe_positions(self.mode, 0, index, candidates)
         s = self._max_score(self.rotary.rotate(k, at, limit=self.limit))
         return s, s
@@ -237,7 +251,7 @@ def prune_stage(
     lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
     lengths[-1] = n - (n_chunks - 1) * chunk
     score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
-    if q.shape[0] == 1 and head_score == "max" and n <= DENSE_SCORING_MAX:
+    if q.shape[0] == 1 and head_score == "max":
         left, right = score.all_candidates(candidates, chunk)
         scores = bisect_scores(left, right, chunk, n)
     else:
