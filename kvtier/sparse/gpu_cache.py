@@ -166,6 +166,24 @@ class BlockCache:
             self._table = BlockTable(self.ids[order], order * self.block, ones, None, hits=0, stored=0)
         return self._table
 
+    def refill(self, blocks: torch.Tensor, load: Callable[[torch.Tensor], torch.Tensor], tail: int) -> None:
+        """Hold exactly blocks [m] (m <= slots; duplicates allowed, each a copy) after a refresh.
+
+        Static shapes, no host sync: slots 0..m-1 get `load(blocks)` [m, block, 2, G, D] at a
+        new tick, the rest are freed. `tail` (host-known) is the index in `blocks` of the block
+        that `append` writes next. Mutates the cache (every slot's previous block is dropped).
+        """
+        m = blocks.shape[0]
+        assert m <= self.slots, "refill needs one slot per block"
+        self.tick += 1
+        self._table = None
+        self.bank[:m] = load(blocks)
+        self.ids[:m] = blocks
+        self.ids[m:] = -1
+        self.used[:m] = self.tick
+        self.used[m:] = -1
+        self.tail = torch.full((1,), tail, dtype=torch.long, device=self.ids.device)
+
     def track_tail(self, position: int) -> None:
         """Remember the slot of the (cached) block of `position`, where `append` writes next."""
         blk = torch.full((1,), position // self.block, dtype=torch.long, device=self.ids.device)

@@ -270,6 +270,46 @@ class HipKernel:
             parts.append(torch.arange(st.window_start, step.start + 1, device=device))
         return torch.cat(parts)
 
+    def _refresh_blocks(
+        self, step: SliceStep, groups: int, device: torch.device, cache: BlockCache
+    ) -> torch.Tensor | None:
+        """The blocks of `_needed(refresh=True)` without `unique` (a sync), or None if unsure.
+
+        Stage 0 keeps whole chunks of consecutive positions (its candidates are a range), each
+        starting at a multiple of chunk_sizes[0] in its sorted output. Sampling that output every
+        `block` entries, plus each chunk's last entry, hits every block a chunk touches (samples
+        are at most `block` positions apart), at most one sample per block of the capacity
+        formula. Sinks and window are ranges known on the host; the window's last block (the
+        new token's) comes last. Duplicates are harmless: a duplicate slot holds a copy.
+
+            sorted stage-0 output  [ s .. s+255 ][ t .. t+255 ] ...   (chunk 256, block 16)
+            samples                 ^   ^  ..  ^^ ^   ^  ..  ^^       16 + 1 per chunk
+        """
+        b, c0 = cache.block, self.cfg.chunk_sizes[0]
+        if c0 % b:
+            return None
+        start = step.start
+        heads = range(groups) if self.cfg.per_head else (-1,)
+        parts = [torch.arange(-(-min(self.cfg.sink, start + 1) // b), device=device)]
+        w0 = start + 1
+        for h in heads:
+            st = self._cache[(step.layer, step.group, h)]
+            sel = st.outputs[0].to(device)
+            n = sel.shape[0]
+            if n:
+                ends = torch.arange(c0 - 1, n + c0 - 1, c0, device=device).clamp(max=n - 1)  # partial: n - 1
+                parts.append(torch.div(sel[ends], b, rounding_mode="floor"))
+                parts.append(torch.div(sel[::b], b, rounding_mode="floor"))
+            w0 = min(w0, st.window_start)
+        parts.append(torch.arange(w0 // b, start // b + 1, device=device))
+        blocks = torch.cat(parts)
+        m = blocks.shape[0]
+        # The appends until the next stage-0 refresh take free slots (never a refreshed block).
+        upcoming = (start + self.cfg.refresh[0]) // b - start // b
+        if m + upcoming > cache.slots:
+            return None
+        return blocks
+
     def _cache_for(self, kv: torch.Tensor, step: SliceStep) -> BlockCache:
         sl = (step.layer, step.group)
         if sl not in self._gpu:
@@ -285,12 +325,19 @@ class HipKernel:
         if cache.end != step.start:
             cache.clear()  # a new sequence, or tokens the cache never saw
         b, n = cache.block, kv.shape[0]
-        blocks = block_ids(self._needed(step, kv.shape[2], kv.device, refresh=True), b)
 
         def load(missing: torch.Tensor) -> torch.Tensor:
             rows = missing[:, None] * b + torch.arange(b, device=kv.device)  # [k, b]
             return kv[rows.clamp(max=n - 1)]  # [k, b, 2, G, D]; rows past the end never read
 
+        if self._covers(cache, kv.shape[2]):
+            static = self._refresh_blocks(step, kv.shape[2], kv.device, cache)
+            if static is not None:
+                cache.refill(static, load, tail=static.shape[0] - 1)
+                cache.end = step.start + 1
+                self.stats.cache.refresh_inserted += static.shape[0]
+                return
+        blocks = block_ids(self._needed(step, kv.shape[2], kv.device, refresh=True), b)
         table = cache.ensure(blocks, load)
         cache.write(table, step.start, kv[step.start])
         cache.end = step.start + 1
