@@ -201,6 +201,28 @@ def test_gathered_decode_buffer(
     _check(out, attend_block_reference(q, pos, kv, prefix, w0, rotary=rope, mode=mode), dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rotary", [None, "streaming"])
+def test_prefill_blocks_in_one_launch(device: str, rotary: str | None) -> None:
+    """HiP prefill's batched attention (`attend_blocks`, blocks padded into one Triton launch)
+    equals the per-block reference, a short last block included."""
+    from kvtier.sparse.block_sparse import attend_blocks
+
+    g, r, d, block, first, t = 2, 2, 64, 16, 120, 37
+    kv, qs = _case(device, first + t, g, r, d, torch.float32, seed=11)
+    q = qs[first:]
+    prefixes, starts = [], []
+    for i, b in enumerate(range(0, t, block)):
+        w0 = first + b - 20
+        starts.append(w0)
+        prefixes.append(_prefix(10 + 7 * i, w0, seed=i, device=device))
+    rope = _rope(d, device) if rotary else None
+    mode = rotary or "absolute"
+    out = attend_blocks(q, first, block, kv, prefixes, starts, rotary=rope, mode=mode, triton=True)
+    ref = attend_blocks(q, first, block, kv, prefixes, starts, rotary=rope, mode=mode, triton=False)
+    _check(out, ref, torch.float32)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_attend_block_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA attend_block runs the Triton kernel; KVTIER_SPARSE_KERNEL=torch forces the reference."""

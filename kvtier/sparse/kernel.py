@@ -32,7 +32,7 @@ import torch
 from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
-from kvtier.sparse.block_sparse import attend_block
+from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer
 from kvtier.sparse.gpu_cache import BlockCache, CacheStats, PositionedKV, block_ids
@@ -184,18 +184,21 @@ class HipKernel:
         assert isinstance(kv, torch.Tensor), "prefill needs the whole slice"
         self._cache.pop(key, None)
         bq = self.cfg.block_q
-        out = torch.empty_like(q)
+        prefixes: list[torch.Tensor] = []
+        starts: list[int] = []
         for b in range(0, t, bq):
             e = min(b + bq, t)
             pos = torch.arange(step.start + b, step.start + e, device=q.device)
             w0 = self._window_start(step.start + b)
             sel = self._stages(q[b:e], pos, kv, step.layer, self._middle(w0, q.device), 0)[-1]
-            out[b:e] = self._attend(q[b:e], pos, kv, sel, w0, step.start + e)
+            sinks = torch.arange(min(self.cfg.sink, step.start + e), device=q.device)
+            prefixes.append(torch.cat((sinks, sel)))
+            starts.append(w0)
             self.stats.prefill_blocks += 1
-            self.stats.attended_keys += (
-                min(self.cfg.sink, step.start + e) + sel.numel() + max(0, step.start + e - w0)
-            )
-        return out
+            self.stats.attended_keys += prefixes[-1].numel() + max(0, step.start + e - w0)
+        return attend_blocks(
+            q, step.start, bq, kv, prefixes, starts, rotary=self.rotary, mode=self.cfg.attention_rope
+        )
 
     def _decode(
         self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep, key: tuple[int, int, int]
@@ -397,14 +400,6 @@ class HipKernel:
             first=first,
             head_score=cfg.head_score,
         )
-
-    def _attend(
-        self, q: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, sel: torch.Tensor, w0: int, end: int
-    ) -> torch.Tensor:
-        """q [Tb, H_q, D] at pos [Tb] over sinks + sel [n] + window [w0, end); end = pos[-1] + 1."""
-        sinks = torch.arange(min(self.cfg.sink, end), device=q.device)
-        prefix = torch.cat((sinks, sel))
-        return attend_block(q, pos, kv, prefix, w0, rotary=self.rotary, mode=self.cfg.attention_rope)
 
 
 def _head(kv: KV, h: int) -> KV:
