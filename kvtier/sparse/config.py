@@ -161,6 +161,11 @@ class HipConfig:
         window = -(-(self.window + self.refresh[0]) // b) + 1
         return b * (-(-self.sink // b) + selected + window + 1)
 
+    def decode_buffer_tokens(self) -> int:
+        """Rows of one decode query's gathered attention buffer (`AttendBuffer`), at most: sinks,
+        the widest final selection, the window grown until stage 0 reruns, and one spare."""
+        return self.sink + max(self.wide_budget, self.budgets[-1]) + self.window + self.refresh[0] + 1
+
     def with_refresh(self, preset: str) -> HipConfig:
         """This config with the decode refresh intervals of a named preset."""
         if preset not in REFRESH_PRESETS:

@@ -101,6 +101,10 @@ class HipKernel:
         """GPU bytes of the block caches of streamed slices (proportional to cache capacity)."""
         return sum(c.nbytes() for c in self._gpu.values())
 
+    def attend_buffer_bytes(self) -> int:
+        """GPU bytes of the decode queries' gathered attention rows (`AttendBuffer`s)."""
+        return sum(st.attn.nbytes() for st in self._cache.values())
+
     # -- CachingSliceKernel -----------------------------------------------------------------
 
     def needs_slice(self, step: SliceStep, n_new: int) -> bool:
