@@ -84,16 +84,33 @@ class AttendBuffer:
 
     def append(self, row: torch.Tensor, position: int, rotary: RopeTable | None) -> None:
         """Add the token row [2, G, D] at `position` == `end` to the window. Mutates the buffer."""
-        assert position == self.end, "append adds the next token only"
         k = row[0:1]  # [1, G, D]
         if rotary is not None:
             k = rotary.rotate_at(k, position)  # window keys sit at their true positions
+        self._put(k, row[1:2], position)
+
+    def step(
+        self, q: torch.Tensor, row: torch.Tensor, position: int, rotary: RopeTable | None
+    ) -> torch.Tensor:
+        """`append(row, position)` then `attend(q, position)`, with the query and the new key
+        rotated by one RoPE (both sit at `position`): q [1, H_q, D], row [2, G, D]."""
+        if rotary is None:
+            self._put(row[0:1], row[1:2], position)
+            return self.attend(q, position, None)
+        h = q.shape[1]
+        both = rotary.rotate_at(torch.cat((q, row[0:1]), dim=1), position)  # [1, H_q + G, D]
+        self._put(both[:, h:], row[1:2], position)
+        return self.attend(both[:, :h], position, None)
+
+    def _put(self, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
+        """Store the rotated key k [1, G, D] and value v [1, G, D] of `position` == `end`."""
+        assert position == self.end, "append adds the next token only"
         if self.length == self.capacity:
             self._reserve(2 * self.capacity, k)
         assert self.k is not None and self.v is not None
         n = self.length
         self.k[n : n + 1] = k
-        self.v[n : n + 1] = row[1:2]
+        self.v[n : n + 1] = v
         self.length = n + 1
         self.end = position + 1
 

@@ -250,9 +250,8 @@ class HipKernel:
             prefix = torch.cat((sinks, st.outputs[-1]))
             spare = cfg.refresh[0] + 1  # the window grows by one row a step until stage 0 reruns
             buf.rebuild(kv, prefix, w0, end, spare, rope, cfg.attention_rope)
-        else:
-            buf.append(new, step.start, rope)
-        return buf.attend(q, step.start, rope)
+            return buf.attend(q, step.start, rope)
+        return buf.step(q, new, step.start, rope)
 
     def _first_due(self, st: _DecodeState, step_no: int) -> int:
         """The earliest stage due at decode step `step_no` of `st` (len(stages) when none is)."""
