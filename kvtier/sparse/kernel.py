@@ -402,6 +402,7 @@ class HipKernel:
             window=cfg.window,
             first=first,
             head_score=cfg.head_score,
+            span=cfg.sink if first == 0 and isinstance(kv, torch.Tensor) else None,  # see `_middle`
         )
 
 

@@ -172,24 +172,32 @@ class ScoreFn:
             self._q = q.reshape(n, self.groups, hq // self.groups, d).float()
         return self._q
 
-    def all_candidates(self, candidates: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_candidates(
+        self, candidates: torch.Tensor, chunk: int, span: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every candidate scored as a left-branch and as a right-branch probe: two [n] tensors of
         q.k max-pooled over queries and heads (one tensor twice when the side does not matter).
 
         candidates [n] sorted positions; chunk j holds candidates [j * chunk, (j + 1) * chunk).
         Keys are read in slabs of `SCORING_SLAB` (bounded temporary memory at any context).
+        `span`: the candidates are the range span..span+n-1 of a whole slice (keys are sliced,
+        not gathered).
         """
         n = candidates.shape[0]
         parts = [
-            self._slab(candidates[lo : lo + SCORING_SLAB], lo, chunk) for lo in range(0, n, SCORING_SLAB)
+            self._slab(candidates[lo : lo + SCORING_SLAB], lo, chunk, span)
+            for lo in range(0, n, SCORING_SLAB)
         ]
         if len(parts) == 1:
             return parts[0]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-    def _slab(self, candidates: torch.Tensor, offset: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slab(
+        self, candidates: torch.Tensor, offset: int, chunk: int, span: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`all_candidates` of candidates [m] starting at candidate index `offset`."""
-        k = self.keys[candidates]  # [m, G, D]
+        lo, m = (span or 0) + offset, candidates.shape[0]
+        k = self.keys[candidates] if span is None else self.keys[lo : lo + m]  # [m, G, D]
         if self.rotary is None:
             return (s := self._max_score(k)), s
         if self.mode == "relative":
@@ -234,11 +242,13 @@ def prune_stage(
     rotary: RopeTable | None,
     window: int,
     head_score: str = "max",
+    span: int | None = None,
 ) -> torch.Tensor:
     """One pruning stage for one query block: the kept candidate positions, sorted.
 
     q [Nq, H_q, D] (pooled) queries with positions q_pos [Nq]; keys [S, G, D]; candidates [n]
     sorted positions. Keeps the top `budget // chunk` chunks; all of them when they fit.
+    `span`: the caller knows candidates == arange(span, span + n) and keys is a whole slice.
     """
     n = candidates.numel()
     n_chunks = -(-n // chunk)
@@ -248,13 +258,13 @@ def prune_stage(
     padded = torch.full((n_chunks * chunk,), -1, dtype=torch.long, device=candidates.device)
     padded[:n] = candidates
     chunks = padded.view(n_chunks, chunk)  # [C, c]
-    lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
-    lengths[-1] = n - (n_chunks - 1) * chunk
     score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
     if q.shape[0] == 1 and head_score == "max":
-        left, right = score.all_candidates(candidates, chunk)
+        left, right = score.all_candidates(candidates, chunk, span)
         scores = bisect_scores(left, right, chunk, n)
     else:
+        lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
+        lengths[-1] = n - (n_chunks - 1) * chunk
         scores = chunk_scores(chunks, lengths, score, head_score)
     top = torch.topk(scores, keep).indices.sort().values
     kept = chunks[top].flatten()
@@ -277,9 +287,11 @@ def run_stages(
     window: int,
     first: int = 0,
     head_score: str = "max",
+    span: int | None = None,
 ) -> list[torch.Tensor]:
     """Run stages `first`.. on one query block (q [Tb, H_q, D], q_pos [Tb]) from `candidates`.
 
+    `span`: candidates == arange(span, span + n) over a whole slice of keys (see prune_stage).
     Returns each run stage's kept positions (sorted), in stage order.
     """
     outs = []
@@ -296,6 +308,7 @@ def run_stages(
             rotary=rotary,
             window=window,
             head_score=head_score,
+            span=span if i == first else None,
         )
         outs.append(candidates)
     return outs
