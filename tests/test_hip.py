@@ -328,3 +328,47 @@ def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPa
         monkeypatch.undo()
         for a, b in zip(whole, slabs, strict=True):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
+@pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
+def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(mode: str, s: int) -> None:
+    """`run_block_stages` (the blocks of a prefill chunk as one batch) keeps, block by block,
+    the positions `run_stages` keeps for each block alone, blocks with few candidates included."""
+    from kvtier.sparse.prefill import run_block_stages
+    from kvtier.sparse.pruning import run_stages
+
+    gen = torch.Generator().manual_seed(3)
+    bq, sink, window = 8, 4, 16
+    keys = torch.randn(s, 2, D, generator=gen)  # [S, G, D]
+    q = torch.randn(6 * bq, 4, D, generator=gen)
+    start = s - q.shape[0]
+    rope = RopeTable(Rotary(RopeConfig(), D))
+    stages = {"chunk_sizes": (32, 8, 2), "budgets": (96, 32, 16), "strides": (4, 4, 1)}
+    starts = [max(sink, start + b - window + 1) for b in range(0, q.shape[0], bq)]
+    pos = torch.arange(start, s).view(-1, bq)
+    sel, n = run_block_stages(
+        q.view(-1, bq, 4, D),
+        pos,
+        keys,
+        sink,
+        torch.tensor(starts),
+        **stages,
+        mode=mode,
+        rotary=rope,
+        window=window,
+    )
+    for b, w0 in enumerate(starts):
+        alone = run_stages(
+            q[b * bq : (b + 1) * bq],
+            pos[b],
+            keys,
+            torch.arange(sink, w0),
+            **stages,
+            mode=mode,
+            rotary=rope,
+            window=window,
+        )[-1]
+        assert int(n[b]) == alone.numel()
+        assert torch.equal(sel[b, : int(n[b])], alone)
+        assert bool((sel[b, int(n[b]) :] == -1).all())

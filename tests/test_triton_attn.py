@@ -218,8 +218,9 @@ def test_prefill_blocks_in_one_launch(device: str, rotary: str | None) -> None:
         prefixes.append(_prefix(10 + 7 * i, w0, seed=i, device=device))
     rope = _rope(d, device) if rotary else None
     mode = rotary or "absolute"
-    out = attend_blocks(q, first, block, kv, prefixes, starts, rotary=rope, mode=mode, triton=True)
-    ref = attend_blocks(q, first, block, kv, prefixes, starts, rotary=rope, mode=mode, triton=False)
+    prefix = torch.nn.utils.rnn.pad_sequence(prefixes, batch_first=True, padding_value=-1)  # [B, P]
+    out = attend_blocks(q, first, block, kv, prefix, starts, rotary=rope, mode=mode, triton=True)
+    ref = attend_blocks(q, first, block, kv, prefix, starts, rotary=rope, mode=mode, triton=False)
     _check(out, ref, torch.float32)
 
 

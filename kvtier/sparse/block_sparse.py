@@ -80,7 +80,7 @@ def attend_blocks(
     first: int,
     block: int,
     kv: torch.Tensor,
-    prefixes: list[torch.Tensor],
+    prefix: torch.Tensor,
     window_starts: list[int],
     *,
     rotary: RopeTable | None = None,
@@ -88,29 +88,30 @@ def attend_blocks(
     triton: bool | None = None,
 ) -> torch.Tensor:
     """Prefill: every query block of q [T, H_q, D] (true positions first..first+T-1, blocks of
-    `block` queries, the last maybe shorter) attends its own prefix [P_b] and window from
-    window_starts[b], as `attend_block` would. Returns [T, H_q, D].
+    `block` queries, the last maybe shorter) attends its prefix row prefix[b] ([B, P] sorted
+    positions, valid first, -1 padding after) and its window from window_starts[b], as
+    `attend_block` would. Returns [T, H_q, D].
 
-    On CUDA with triton: one batched launch (`attend_blocks_triton`) over padded blocks
-    (queries and prefixes padded with -1 positions); else `attend_block_reference` per block.
-    `triton` forces either (True also runs on CPU under TRITON_INTERPRET=1).
+    On CUDA with triton: one batched launch (`attend_blocks_triton`) over padded blocks; else
+    `attend_block_reference` per block. `triton` forces either (True also runs on CPU under
+    TRITON_INTERPRET=1).
     """
     t = q.shape[0]
     if not (q.is_cuda and use_triton() if triton is None else triton):
         out = torch.empty_like(q)
-        for i, (prefix, w0) in enumerate(zip(prefixes, window_starts, strict=True)):
+        for i, w0 in enumerate(window_starts):
             b, e = i * block, min(i * block + block, t)
             pos = torch.arange(first + b, first + e, device=q.device)
-            out[b:e] = attend_block_reference(q[b:e], pos, kv, prefix, w0, rotary=rotary, mode=mode)
+            pre = prefix[i][prefix[i] >= 0]  # NOTE: a host sync; the reference path only
+            out[b:e] = attend_block_reference(q[b:e], pos, kv, pre, w0, rotary=rotary, mode=mode)
         return out
     from kvtier.sparse.triton_attn import attend_blocks_triton
 
-    n = len(prefixes)
+    n = len(window_starts)
     pad = n * block - t
     qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(n, block, *q.shape[1:])  # [B, Tb, H_q, D]
     pos = torch.arange(first, first + n * block, device=q.device)
     q_pos = torch.where(pos < first + t, pos, -1).view(n, block)  # [B, Tb], -1 = padding
-    prefix = torch.nn.utils.rnn.pad_sequence(prefixes, batch_first=True, padding_value=-1)  # [B, P]
     starts = torch.tensor(window_starts, dtype=torch.int64).to(q.device, non_blocking=True)  # [B]
     out = attend_blocks_triton(qb, q_pos, kv, prefix, starts, rotary=rotary, mode=mode)
     return out.view(n * block, *q.shape[1:])[:t]

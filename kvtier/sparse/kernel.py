@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 
 from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
@@ -36,6 +37,7 @@ from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer
 from kvtier.sparse.gpu_cache import BlockCache, CacheStats, PositionedKV, block_ids
+from kvtier.sparse.prefill import run_block_stages
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
 
@@ -187,21 +189,49 @@ class HipKernel:
             return self._decode(q, kv, new, step, key)
         assert isinstance(kv, torch.Tensor), "prefill needs the whole slice"
         self._cache.pop(key, None)
-        bq = self.cfg.block_q
-        prefixes: list[torch.Tensor] = []
-        starts: list[int] = []
-        for b in range(0, t, bq):
-            e = min(b + bq, t)
-            pos = torch.arange(step.start + b, step.start + e, device=q.device)
-            w0 = self._window_start(step.start + b)
-            sel = self._stages(q[b:e], pos, kv, step.layer, self._middle(w0, q.device), 0)[-1]
-            sinks = torch.arange(min(self.cfg.sink, step.start + e), device=q.device)
-            prefixes.append(torch.cat((sinks, sel)))
-            starts.append(w0)
-            self.stats.prefill_blocks += 1
-            self.stats.attended_keys += prefixes[-1].numel() + max(0, step.start + e - w0)
+        return self._prefill(q, kv, step)
+
+    def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
+        """Every block of `block_q` queries of q [T, H_q, D] pruned from scratch, then one
+        attention over all blocks. Whole blocks past the sinks are pruned together
+        (`run_block_stages`); the rest (a short last block, blocks among the sinks) one by one."""
+        cfg, t, dev = self.cfg, q.shape[0], q.device
+        bq = cfg.block_q
+        starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
+        ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
+        rows: list[torch.Tensor] = []  # [B_i, P_i] prefixes (sinks + selection), -1 padded
+        full = t // bq if cfg.head_score == "max" and step.start >= cfg.sink else 0
+        if full:
+            pos = torch.arange(step.start, step.start + full * bq, device=dev).view(full, bq)
+            w0 = torch.tensor(starts[:full], dtype=torch.long).to(dev, non_blocking=True)
+            sel, n_sel = run_block_stages(
+                q[: full * bq].reshape(full, bq, *q.shape[1:]),
+                pos,
+                kv[:, 0],
+                cfg.sink,
+                w0,
+                chunk_sizes=cfg.chunk_sizes,
+                budgets=cfg.stage_budgets(step.layer),
+                strides=cfg.query_strides,
+                mode=cfg.scoring_rope(step.layer),
+                rotary=self.rotary,
+                window=cfg.window,
+            )
+            rows.append(torch.cat((torch.arange(cfg.sink, device=dev).expand(full, -1), sel), dim=1))
+            self.stats.attended_keys += cfg.sink * full + int(n_sel.sum())  # NOTE: a sync (prefill)
+        for i in range(full, len(starts)):
+            b, e = i * bq, ends[i] - step.start
+            pos1 = torch.arange(step.start + b, step.start + e, device=dev)
+            sel1 = self._stages(q[b:e], pos1, kv, step.layer, self._middle(starts[i], dev), 0)[-1]
+            sinks = torch.arange(min(cfg.sink, ends[i]), device=dev)
+            rows.append(torch.cat((sinks, sel1))[None])
+            self.stats.attended_keys += rows[-1].shape[1]
+        self.stats.prefill_blocks += len(starts)
+        self.stats.attended_keys += sum(max(0, e - w) for e, w in zip(ends, starts, strict=True))
+        width = max(r.shape[1] for r in rows)
+        prefix = torch.cat([F.pad(r, (0, width - r.shape[1]), value=-1) for r in rows])  # [B, P]
         return attend_blocks(
-            q, step.start, bq, kv, prefixes, starts, rotary=self.rotary, mode=self.cfg.attention_rope
+            q, step.start, bq, kv, prefix, starts, rotary=self.rotary, mode=cfg.attention_rope
         )
 
     def _decode(

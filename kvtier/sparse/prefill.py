@@ -1,0 +1,164 @@
+"""HiP prefill pruning of many query blocks at once: one set of operators per stage, not per block.
+
+`run_stages` prunes one query block at a time, so a prefill chunk of 64 blocks launches every
+stage's ~100 operators 64 times per slice. Here the blocks of a chunk are a batch dimension:
+
+    candidates  [B, N]      sorted positions, valid entries first, -1 padding after
+    chunks      [B, C, c]   chunk j of block b = candidates [b, j*c : (j+1)*c]
+    lengths     [B, C]      valid entries of each chunk (0: no chunk, scored -inf)
+
+Stage 0's candidates differ between blocks only in length (each block's window starts 64
+tokens later), so all blocks share one chunk grid. Every stage runs `chunk_scores`'s bisection on
+[B, C] at once ("max" head score); the top `budget // c` chunks of each block are kept and their
+entries re-sorted with the padding last. Where a block has no more chunks than it keeps, all
+are kept, as `prune_stage` returns its candidates.
+
+NOTE: the same selection as `run_stages` block by block up to float rounding (pooling and
+products run as batched operators), so a near-tie between chunk scores may break differently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
+
+_LAST = torch.iinfo(torch.long).max  # sorts padding after every position
+
+
+def pool_blocks(q: torch.Tensor, q_pos: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean-pool groups of `stride` queries of whole blocks: q [B, Tb, H, D] -> [B, Tb/stride, H, D]
+    (Tb a multiple of stride), and each group's last position [B, Tb/stride]."""
+    if stride == 1:
+        return q, q_pos
+    b, t, h, d = q.shape
+    pooled = q.view(b, t // stride, stride, h, d).sum(dim=2) / stride
+    return pooled, q_pos[:, stride - 1 :: stride]
+
+
+def prune_blocks(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    valid: torch.Tensor,
+    chunk: int,
+    budget: int,
+    *,
+    mode: str,
+    rotary: RopeTable | None,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
+    keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each.
+
+    Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
+    chunks)) and their counts [B]. No host sync.
+    """
+    bsz, n = candidates.shape
+    c_count = -(-n // chunk)
+    keep = budget // chunk
+    if c_count <= keep:  # every block keeps all it has
+        return candidates, valid
+    dev = candidates.device
+    pad = c_count * chunk - n
+    cand = torch.nn.functional.pad(candidates, (0, pad), value=-1) if pad else candidates
+    chunks = cand.view(bsz, c_count, chunk)  # [B, C, c]
+    starts = torch.arange(c_count, device=dev) * chunk  # [C]
+    lengths = (valid[:, None] - starts[None, :]).clamp(min=0, max=chunk)  # [B, C]
+    n_chunks = -(-valid // chunk)  # [B] each block's own chunk count (chunk-indexed RoPE)
+    scores = _bisect(q, q_pos, keys, chunks, lengths, n_chunks, mode=mode, rotary=rotary, window=window)
+    scores = torch.where(lengths > 0, scores, float("-inf"))
+    top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
+    kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
+    ordered = torch.where(kept >= 0, kept, _LAST).sort(dim=1).values
+    out = torch.where(ordered == _LAST, -1, ordered)
+    return out, (out >= 0).sum(dim=1)
+
+
+def _bisect(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    chunks: torch.Tensor,
+    lengths: torch.Tensor,
+    n_chunks: torch.Tensor,
+    *,
+    mode: str,
+    rotary: RopeTable | None,
+    window: int,
+) -> torch.Tensor:
+    """`chunk_scores` ("max") of chunks [B, C, c] (lengths [B, C]; n_chunks [B] non-empty ones)
+    for each block's queries.
+
+    Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
+    max-pooled over the block's queries and heads.
+    """
+    bsz, c_count, c = chunks.shape
+    g = keys.shape[1]
+    limit = keys.shape[0] + window + c_count + 2  # every scoring position is below it
+    if rotary is not None:
+        if mode == "chunk_indexed":  # per block: min(true position, its chunk count + window)
+            at = torch.minimum(q_pos, (n_chunks + window)[:, None]).flatten()
+        else:
+            at = scoring_query_position(mode, q_pos.flatten(), window, c_count)
+        q = rotary.rotate(q.flatten(0, 1), at, limit=limit).view(q.shape)
+    nq, hq, d = q.shape[1:]
+    qf = q.reshape(bsz, nq, g, hq // g, d).float()  # [B, Nq, G, r, D]
+    index = torch.arange(c_count, device=chunks.device).expand(bsz, c_count)  # [B, C]
+
+    def probe(offset: torch.Tensor, side: int) -> torch.Tensor:
+        pos = chunks.gather(2, offset[:, :, None]).squeeze(2)  # [B, C]; -1 in empty chunks
+        k = keys[pos.clamp(min=0).flatten()]  # [B * C, G, D]
+        if rotary is not None:
+            k = rotary.rotate(
+                k, probe_positions(mode, side, index.flatten(), pos.clamp(min=0).flatten()), limit
+            )
+        s = torch.einsum("bngrd,bcgd->bcngr", qf, k.view(bsz, c_count, g, d).float())
+        return s.flatten(2).amax(dim=2)  # [B, C]
+
+    lo = torch.zeros_like(lengths)
+    hi = lengths
+    best: torch.Tensor | None = None
+    for _ in range(max(1, math.ceil(math.log2(c)))):
+        mid = lo + (hi - lo) // 2
+        s_left = probe(((lo + mid) // 2).clamp(max=c - 1), 0)
+        s_right = probe(((mid + hi) // 2).clamp(max=c - 1), 1)
+        go_right = s_right > s_left
+        top = torch.maximum(s_left, s_right)
+        best = top if best is None else torch.maximum(best, top)
+        lo = torch.where(go_right, mid, lo)
+        hi = torch.where(go_right, hi, mid)
+    assert best is not None
+    return best
+
+
+def run_block_stages(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    sink: int,
+    window_starts: torch.Tensor,
+    *,
+    chunk_sizes: tuple[int, ...],
+    budgets: tuple[int, ...],
+    strides: tuple[int, ...],
+    mode: str,
+    rotary: RopeTable | None,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every stage for B whole query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
+    of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]).
+
+    Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
+    """
+    w_max = int(window_starts.max())  # NOTE: a host read; prefill only
+    cand = torch.arange(sink, max(sink, w_max), device=q.device).expand(q.shape[0], -1)  # [B, N]
+    valid = (window_starts - sink).clamp(min=0)
+    cand = torch.where(torch.arange(cand.shape[1], device=q.device)[None, :] < valid[:, None], cand, -1)
+    for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
+        pq, pp = pool_blocks(q, q_pos, stride)
+        cand, valid = prune_blocks(pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window)
+    return cand, valid
