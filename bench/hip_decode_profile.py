@@ -113,12 +113,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=34)
     ap.add_argument("--preset", default="fast", choices=tuple(HIP_PRESETS))
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--prefill-chunk", type=int, default=0, help="also time one prefill chunk of this many tokens (last)"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dev = torch.device(args.device)
     base = HIP_PRESETS[args.preset]
     hip = HipConfig.scaled(args.context, refresh=base.refresh)
-    extra = args.steps + hip.refresh[0]  # the op-counting interval runs after the timed steps
+    # the op-counting interval and the prefill chunk run after the timed steps
+    extra = args.steps + hip.refresh[0] + args.prefill_chunk
     store, kernel = build(args.layers, args.kv_heads, args.head_dim, args.context, extra, hip, dev)
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
@@ -147,6 +151,19 @@ def main() -> None:
     for i in range(args.steps, args.steps + hip.refresh[0]):
         with ops["refresh" if i % hip.refresh[0] == 0 else "cached"]:
             step(store, args.layers, q, kv)
+    prefill = None
+    if args.prefill_chunk:
+        qp = torch.randn(args.prefill_chunk, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
+        kvp = torch.randn(args.prefill_chunk, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
+        with OpCounter() as pops:
+            t = time.perf_counter()
+            store.begin_step(args.prefill_chunk)
+            for layer in range(args.layers):
+                store(layer, qp, kvp, kvp)
+            store.end_step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            prefill = (time.perf_counter() - t, pops.total)
     store.close()
     cached = len(times["cached"])
     if args.profile:
@@ -166,6 +183,12 @@ def main() -> None:
         per,
     )
     print(f"cache hit rate {kernel.stats.hit_rate:.3f}, decode recomputes {kernel.stats.decode_recomputes}")
+    if prefill is not None:
+        dt, n_ops = prefill
+        print(
+            f"prefill chunk of {args.prefill_chunk}: {dt * 1e3:.1f} ms, {dt / slices * 1e3:.3f} ms/slice,",
+            f"{n_ops / slices:.1f} ops/slice",
+        )
 
 
 if __name__ == "__main__":
