@@ -1,8 +1,9 @@
 """`HipKernel`: InfiniteHiP sparse attention as a `SliceKernel` of the tiered KV store.
 
-Prefill (T > 1): every block of `block_q` queries is pruned from scratch and attends its own
-selection. Decode (T == 1): each stage's selection is cached per (layer, group[, head]) and
-recomputed only every `refresh[i]` steps (or when an earlier stage was recomputed), so the
+Prefill (T > 1): every block of `block_q` queries is pruned from scratch (the whole blocks of a
+chunk together, `kvtier.sparse.prefill`) and attends its own selection (all blocks in one
+batched attention). Decode (T == 1): each stage's selection is cached per (layer, group[, head])
+and recomputed only every `refresh[i]` steps (or when an earlier stage was recomputed), so the
 expensive first stage, the only one whose work grows with the context, runs rarely.
 
     decode step:   0   1   2   3   4   5   6   7   8      refresh = (4, 2, 1)
@@ -14,10 +15,16 @@ NOTE: while stage 0's selection is cached, tokens keep leaving the window; to lo
 the window of a cached decode step reaches back to where it started when stage 0 last ran (so
 it grows by up to refresh[0] - 1 tokens between refreshes).
 
+Between stage recomputations a decode query attends the same rows plus one new token, so they
+are kept gathered and rotated in an `AttendBuffer`: such a step appends a row and attends
+(~12 operators a slice, the per-slice cost offloaded decode is bound by); a recomputation
+scores every candidate at once (`ScoreFn.all_candidates`) and regathers the buffer.
+
 Offloaded KV (`CachingSliceKernel`): for a slice the store streams from host memory, only a
 decode step where stage 0 is due (or the first) needs the whole slice; the kernel then also
 fills the slice's GPU `BlockCache` with what the steps until the next stage-0 refresh can read
-(sinks, stage-0 selection, window). Those steps stream nothing: they run the same code on a
+(sinks, stage-0 selection, window; with a cache that covers the interval, by a static-shape
+`refill` without host syncs). Those steps stream nothing: they run the same code on a
 `PositionedKV` view of the cache, `fetch`ing only missing blocks from the host, so outputs are
 bitwise those of the non-offloaded kernel.
 """
