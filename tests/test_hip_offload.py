@@ -260,3 +260,31 @@ def test_cached_steps_launch_few_operators(
     assert plain and len(plain) < len(every)
     assert max(plain) <= OPS_PLAIN_STEP, sorted(plain)
     assert sum(every) / len(every) <= OPS_MEAN_STEP, sum(every) / len(every)
+
+
+def test_refresh_fill_of_a_covering_cache_makes_no_host_sync(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a refresh step streamed a slice, a cache that covers the interval is refilled with
+    static shapes (`BlockCache.refill`): no `unique`, no lookups read back, so the next slice's
+    stream can overlap it."""
+    model, cfg = gqa
+    kernel = kernel_for(cfg)
+    calls: list[str] = []
+    fill = kernel._fill
+
+    def counted(*args: object, **kwargs: object) -> None:
+        with monkeypatch.context() as m:
+            for name in SYNCS:
+                orig = getattr(torch.Tensor, name)
+                m.setattr(
+                    torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: calls.append(_n) or _f(*a, **k)
+                )
+            unique = torch.unique
+            m.setattr(torch, "unique", lambda *a, **k: calls.append("unique") or unique(*a, **k))
+            fill(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel, "_fill", counted)
+    _, _, _, h2d = run(model, cfg, "head", kernel)
+    assert h2d == REFRESH_BYTES and kernel.stats.cache.refresh_inserted > 0
+    assert calls == []
