@@ -33,6 +33,15 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
     assert desc == "lossless"
     # HiP's default budgets (32K tokens) cover this context, so it equals dense attention.
     assert tokens(tiny, attention="hip") == (ref, "hip default")
+    # Every method also runs over head-wise offload (HiP through its GPU block cache, the codec
+    # through the packed host tier, evicted slices resident next to streamed ones).
+    assert tokens(tiny, attention="hip", kv="head") == (ref, "hip default")
+    assert tokens(tiny, kv_quant="int8", kv="head") == tokens(tiny, kv_quant="int8", kv="gpu")
+    assert tokens(tiny, evict="window", kv_budget=40, kv="head") == tokens(tiny, evict="window", kv_budget=40)
+    assert (
+        tokens(tiny, attention="quest", kv_budget=16, kv="head")[0]
+        == tokens(tiny, attention="quest", kv_budget=16)[0]
+    )
     assert tokens(tiny, attention="quest", kv_budget=4096)[0] == ref
     assert len(tokens(tiny, evict="window", kv_budget=40)[0]) == 6
     with pytest.raises(ConfigError, match="not below the context"):

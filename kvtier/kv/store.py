@@ -24,7 +24,7 @@ set the store behaves exactly as before:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -365,7 +365,7 @@ class TieredKVStore:
     ) -> torch.Tensor:
         """A caching kernel serves the step from its GPU cache; only tokens it reads through
         `fetch` (ranges or gathered positions) move."""
-        assert isinstance(self.kernel, CachingSliceKernel)
+        kernel = cast(CachingSliceKernel, self.kernel)  # NOTE: only caching kernels have cached slices
         fetch = SliceReader(
             sid,
             self.hosts[sid],
@@ -377,7 +377,7 @@ class TieredKVStore:
             packed=self.packed,
         )
         new = kv_new.contiguous()  # [T, 2, G, D]
-        out = self.kernel.attend_cached(q, new, step, fetch)
+        out = kernel.attend_cached(q, new, step, fetch)
         self._write_back(sid, new, self.streams.record())
         return out
 
