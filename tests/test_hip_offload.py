@@ -288,3 +288,18 @@ def test_refresh_fill_of_a_covering_cache_makes_no_host_sync(
     _, _, _, h2d = run(model, cfg, "head", kernel)
     assert h2d == REFRESH_BYTES and kernel.stats.cache.refresh_inserted > 0
     assert calls == []
+
+
+@pytest.mark.parametrize("sink,window", [(256, 6), (2, 3), (1, 2)])
+def test_offloaded_hip_matches_resident_when_window_or_sinks_share_the_new_tokens_block(
+    gqa: tuple[CausalLM, ModelConfig], sink: int, window: int
+) -> None:
+    """A context shorter than the sinks (the window lies inside the sink blocks), or a window
+    shorter than a cache block (the stage-0 selection shares the new token's block): the block
+    the new token is appended to must be cached once, or a stale copy is read back."""
+    model, cfg = gqa
+    over = {"sink": sink, "window": window}
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg, **over))
+    logits, tokens, _, _ = run(model, cfg, "head", kernel_for(cfg, **over))
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)

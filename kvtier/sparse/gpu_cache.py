@@ -178,9 +178,13 @@ class BlockCache:
         self.tick += 1
         self._table = None
         self.bank[:m] = load(blocks)
-        self.ids[:m] = blocks
+        # NOTE: `append` writes only the tail slot, so other copies of the tail's block would go
+        # stale: free them (static shapes, no sync).
+        idx = torch.arange(m, device=blocks.device)
+        stale = (blocks == blocks[tail]) & (idx != tail)
+        self.ids[:m] = torch.where(stale, -1, blocks)
         self.ids[m:] = -1
-        self.used[:m] = self.tick
+        self.used[:m] = torch.where(stale, -1, self.tick)
         self.used[m:] = -1
         self.tail = torch.full((1,), tail, dtype=torch.long, device=self.ids.device)
 

@@ -333,7 +333,7 @@ class HipKernel:
             return None
         start = step.start
         heads = range(groups) if self.cfg.per_head else (-1,)
-        parts = [torch.arange(-(-min(self.cfg.sink, start + 1) // b), device=device)]
+        parts = []
         w0 = start + 1
         for h in heads:
             st = self._cache[(step.layer, step.group, h)]
@@ -344,6 +344,11 @@ class HipKernel:
                 parts.append(torch.div(sel[ends], b, rounding_mode="floor"))
                 parts.append(torch.div(sel[::b], b, rounding_mode="floor"))
             w0 = min(w0, st.window_start)
+        # NOTE: the sink blocks stop below the window's first block: `append` writes the new
+        # token to one copy of the last block only, so the block it writes must not be duplicated
+        # (a context shorter than the sinks has its window inside the sink blocks).
+        sink_blocks = min(-(-min(self.cfg.sink, start + 1) // b), w0 // b)
+        parts.insert(0, torch.arange(sink_blocks, device=device))
         parts.append(torch.arange(w0 // b, start // b + 1, device=device))
         blocks = torch.cat(parts)
         m = blocks.shape[0]
