@@ -113,6 +113,8 @@ def table(records: list[dict[str, Any]]) -> str:
     seen: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in records:
         extra = " ".join(r.get("overrides", []))
+        if r.get("preset") not in (None, "default"):
+            extra = f"preset {r['preset']} {extra}".strip()
         seen.setdefault((r["length"], r["method"] + (f" ({extra})" if extra else "")), []).append(r)
     for (_, method), rs in sorted(seen.items()):
         ok = sum(r["correct"] for r in rs)
