@@ -196,3 +196,34 @@ def test_caching_kernel_streams_only_what_it_fetches(
     assert store.account.h2d_bytes == (kernel.streamed + kernel.fetched) * token_bytes
     # New tokens still reach the host once each, cached step or not.
     assert store.account.d2h_bytes == slices * (PROMPT + DECODE) * token_bytes
+
+
+def test_slice_reader_reads_ranges_and_gathers_positions_across_extents(
+    mha: tuple[CausalLM, ModelConfig],
+) -> None:
+    """`SliceReader` (what caching kernels read offloaded slices through) returns exactly the
+    stored rows, counts the bytes it sends, and refuses positions that are not stored."""
+    from kvtier.kv.reader import SliceReader
+
+    model, cfg = mha
+    _, _, store = run(model, cfg, plan("head", 1, 0, FULL))  # extents of 2 blocks of 5 tokens
+    sid, n = 4, store.length
+    host = store.hosts[sid]
+    whole = torch.empty(n, 2, 1, cfg.head_dim)
+    host.read_into(whole, 0, n)
+
+    def reader() -> SliceReader:
+        return SliceReader(
+            sid, host, store.layout, n, device=CPU, streams=store.streams, account=store.account, packed=None
+        )
+
+    before = store.account.h2d_bytes
+    assert torch.equal(reader()(7, 31), whole[7:31])
+    pos = torch.tensor([0, 9, 10, 11, 29, 30, n - 1])  # both sides of extent boundaries
+    assert torch.equal(reader().gather(pos), whole[pos])
+    assert reader().gather(torch.empty(0, dtype=torch.long)).shape == (0, 2, 1, cfg.head_dim)
+    assert store.account.h2d_bytes - before == (24 + 7) * 2 * cfg.head_dim * 4
+    with pytest.raises(IndexError, match="outside"):
+        reader().gather(torch.tensor([n]))
+    with pytest.raises(IndexError, match="outside"):
+        reader()(0, n + 1)
