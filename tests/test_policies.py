@@ -466,3 +466,40 @@ def test_quest_over_offload_gathers_only_selected_pages_and_matches_resident_que
     # (4 query heads) the union covers more of this tiny context.
     assert 0 < kernel.gathered_tokens < sparse_slices * sum(stored) * (0.5 if group == 1 else 1)
     assert store.account.h2d_bytes == (prefill + dense_slices * sum(stored) + kernel.gathered_tokens) * token
+
+
+def test_quantized_host_tier_keeps_only_a_full_precision_tail(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    """Host RAM of a packed host tier: packed rows plus a two-extent tail per slice, not the
+    whole context at full precision; a step longer than the tail is refused with a message."""
+    from kvtier.kv.synthetic import fill_synthetic
+
+    model, cfg = gqa
+    codec = KiviCodec(bits=4, group=8, residual=16)
+
+    def store(parts: PolicyParts) -> TieredKVStore:
+        return TieredKVStore(
+            cfg,
+            KVPlan("head", 1, 0, 16, 2, 1024),
+            device=CPU,
+            dtype=torch.float32,
+            capacity=1024,
+            options=StoreOptions(block_size=8),
+            **parts.store_kwargs(),
+        )
+
+    packed, full = store(PolicyParts(codec=codec)), store(PolicyParts())
+    for s in (packed, full):
+        fill_synthetic(s, 1000)
+        for _ in range(3):
+            s.begin_step(1)
+            assert torch.isfinite(model(torch.tensor([5]), s)).all()
+            s.end_step()
+    token = 2 * cfg.head_dim * 4
+    tail = 40  # uncoded tail (16 + 8 - 1) + a 16-token step, rounded up to 8-token blocks
+    rows = 1024 // 8 * codec.row_bytes(1, cfg.head_dim)
+    assert packed.account.peak["host"] == 6 * (rows + 2 * tail * token)
+    assert full.account.peak["host"] == 6 * 1024 * token
+    assert packed.account.peak["host"] < full.account.peak["host"] / 3
+    packed.begin_step(41)  # more than a planned step: its write-back does not fit one extent
+    with pytest.raises(ValueError, match="do not fit the 2-extent tail"):
+        model(torch.arange(41), packed)

@@ -18,6 +18,7 @@ from kvtier.loading import LoadedModel, load_model
 from kvtier.planner.hardware import detect_hardware, host_memory_available
 from kvtier.planner.placement import KVPlan, plan_kv
 from kvtier.policies import PolicyParts
+from kvtier.policies.quant import make_codec
 
 Prompt = str | list[int]
 
@@ -103,6 +104,13 @@ class LLM:
     def plan(self, context: int) -> KVPlan:
         """The KV placement for a sequence of `context` tokens (from `kvtier.planner`)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
+        host = host_memory_available() if self.device.type == "cuda" else None
+        if host is not None and self.method.kv_quant is not None:
+            # The planner counts offloaded KV at full precision; a quantized host tier stores
+            # packed rows (plus a short full-precision tail), so the same RAM holds more tokens.
+            codec = make_codec(self.method.kv_quant)
+            d = self.model_config.head_dim
+            host = int(host * (2 * d * itemsize * codec.group) / codec.row_bytes(1, d))
         return plan_kv(
             self.model_config,
             context,
@@ -113,7 +121,7 @@ class LLM:
             group_size=self.config.head_group,
             block_size=self.config.block_size,
             hardware=detect_hardware(self.device),
-            host_budget=host_memory_available() if self.device.type == "cuda" else None,
+            host_budget=host,
         )
 
     # -- prompts -------------------------------------------------------------------------------

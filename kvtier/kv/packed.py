@@ -12,8 +12,9 @@ int8: ~1/1.8, fp8: ~1/2 of bf16), and the values attended are exactly `codec.rou
  load to GPU:        rows -> scratch -> unpack -> buf[0:coded]  copy -> buf[coded:length]
 ```
 
-NOTE: the bf16 host slice still holds (stale) copies of the coded tokens, so host RAM is not
-reduced yet, only PCIe traffic.
+The full-precision host copy keeps only the uncoded tail (`TailHostSlice`, a ring of two
+extents), so host RAM holds the packed rows plus a few thousand tokens per slice: the longest
+context grows with the byte ratio too.
 """
 
 from __future__ import annotations
@@ -47,6 +48,39 @@ class PackingCodec(Protocol):
     def pack(self, kv: torch.Tensor) -> torch.Tensor: ...
 
     def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def uncoded_tail(codec: PackingCodec) -> int:
+    """The most tokens a slice holds uncoded after a step (the codec's full-precision window)."""
+    return int(getattr(codec, "residual", 0)) + codec.group - 1
+
+
+class TailHostSlice(HostSlice):
+    """A host slice that keeps only its newest tokens: a ring of `ring` extents.
+
+    Token t lives in extent (t // extent_tokens) % ring. A step may touch any span of at most
+    `extent_tokens` tokens ending at the newest one (its uncoded tail plus its own tokens);
+    older tokens are overwritten, which is safe because they are read from packed rows.
+    """
+
+    def __init__(self, arena: HostArena, extent_tokens: int, ring: int = 2) -> None:
+        super().__init__(arena, extent_tokens)
+        self.ring = ring
+
+    def reserve(self, tokens: int) -> None:
+        while len(self.extents) < self.ring:
+            self.extents.append(self.arena.take())
+
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        if end - start > self.extent_tokens * (self.ring - 1):
+            raise ValueError(
+                f"tokens [{start}, {end}) do not fit the {self.ring}-extent tail of "
+                f"{self.extent_tokens} tokens"
+            )
+        return [(e % self.ring, off, at, n) for e, off, at, n in super()._pieces(start, end)]
+
+    def gather_into(self, dst: torch.Tensor, positions: torch.Tensor) -> None:
+        raise NotImplementedError("a quantized host tier keeps only its tail in full precision")
 
 
 def can_pack(codec: object) -> bool:

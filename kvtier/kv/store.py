@@ -34,7 +34,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
-from kvtier.kv.packed import PackedTier, can_pack
+from kvtier.kv.packed import PackedTier, TailHostSlice, can_pack, uncoded_tail
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
@@ -151,6 +151,13 @@ class TieredKVStore:
         extent_blocks = min(extent_blocks, self._capacity // lay.block_size)
         extent_tokens = lay.block_size * extent_blocks
         streamed = [s for s in range(lay.num_slices) if not is_resident[s]]
+        # With a packing codec, streamed slices keep coded tokens as packed rows and only their
+        # uncoded tail (plus one step's tokens) in full precision: a ring of two extents.
+        packing = codec is not None and can_pack(codec) and bool(streamed)
+        per_slice = len(streamed)
+        if packing:
+            extent_tokens = lay.round_up(uncoded_tail(codec) + plan.chunk_size)  # type: ignore[arg-type]
+            per_slice = 2 * len(streamed)
         self.arena = HostArena(
             (extent_tokens, *shape),
             dtype,
@@ -158,7 +165,7 @@ class TieredKVStore:
             account=self.account,
             slab_bytes=extent_tokens
             * lay.token_bytes
-            * max(1, min(len(streamed), (1 << 30) // max(1, extent_tokens * lay.token_bytes))),
+            * max(1, min(per_slice, (1 << 30) // max(1, extent_tokens * lay.token_bytes))),
         )
         for s in range(lay.num_slices):
             if is_resident[s]:
@@ -166,7 +173,11 @@ class TieredKVStore:
                 self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
                 self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
             else:
-                self.hosts[s] = HostSlice(self.arena, extent_tokens)
+                self.hosts[s] = (
+                    TailHostSlice(self.arena, extent_tokens)
+                    if packing
+                    else HostSlice(self.arena, extent_tokens)
+                )
                 # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
                 self.hosts[s].reserve(self._capacity)
         self.codec = codec
