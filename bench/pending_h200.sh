@@ -4,7 +4,7 @@
 #
 #   bash bench/pending_h200.sh 1      # group 1 (~8 min): profiles and fused dequantization
 #   bash bench/pending_h200.sh 2      # group 2 (~8 min): HiP and Quest over offload
-#   bash bench/pending_h200.sh 3      # group 3 (~9 min): uncapped on-GPU prefill, longest context
+#   bash bench/pending_h200.sh 3      # group 3 (~10 min): uncapped on-GPU prefill, longest contexts
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -31,7 +31,10 @@ case "$group" in
   run 200 $py bench/tiered_store.py --contexts 128K --policies gpu --gpu-memory 130GB \
     --decode-steps 2 --name tiered_store_uncapped
   # Issue 3: the longest context under 24 GB after host pre-allocation (was 921,600 before).
-  run 330 $py bench/tiered_store.py --contexts 900K --full-prefill-max 1 --policies auto \
+  run 200 $py bench/tiered_store.py --contexts 900K --full-prefill-max 1 --policies auto \
     --decode-steps 3 --name tiered_store_max
+  # Issue 7: the int4 host tier keeps packed rows only: 2M tokens should fit 125 GiB of RAM.
+  run 200 $py bench/tiered_store.py --contexts 2M --full-prefill-max 1 --policies head+int4 \
+    --decode-steps 3 --name tiered_store_max_int4
   ;;
 esac
