@@ -303,3 +303,17 @@ def test_offloaded_hip_matches_resident_when_window_or_sinks_share_the_new_token
     logits, tokens, _, _ = run(model, cfg, "head", kernel_for(cfg, **over))
     assert tokens == ref_tokens
     assert_same(logits, ref_logits)
+
+
+def test_hip_gpu_bytes_cover_the_block_caches_and_buffers_a_run_allocates(
+    gqa: tuple[CausalLM, ModelConfig],
+) -> None:
+    """What the engine takes off the GPU budget for HiP bounds what the kernel holds."""
+    from kvtier.sparse import hip_gpu_bytes
+
+    model, cfg = gqa
+    kernel, _ = make_hip_kernel(cfg, CPU, "default")
+    assert isinstance(kernel, HipKernel)
+    run(model, cfg, "head", kernel)
+    held = kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes()
+    assert 0 < held <= hip_gpu_bytes(cfg, "default", dtype_bytes=4)

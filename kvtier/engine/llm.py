@@ -111,11 +111,16 @@ class LLM:
             codec = make_codec(self.method.kv_quant)
             d = self.model_config.head_dim
             host = int(host * (2 * d * itemsize * codec.group) / codec.row_bytes(1, d))
+        gpu = self.gpu_budget()
+        if gpu is not None and self.method.attention == "hip":
+            from kvtier.sparse import hip_gpu_bytes
+
+            gpu -= hip_gpu_bytes(self.model_config, self.method.hip_preset, itemsize)  # block caches
         return plan_kv(
             self.model_config,
             context,
             policy=self.config.kv,
-            gpu_budget=self.gpu_budget(),
+            gpu_budget=gpu,
             dtype_bytes=itemsize,
             chunk_size=self.config.chunk_size,
             group_size=self.config.head_group,

@@ -50,4 +50,25 @@ def make_hip_kernel(
     return kernel, kernel.needs_unrotated_keys
 
 
-__all__ = ["HIP_PRESETS", "CacheStats", "HipConfig", "HipKernel", "HipStats", "make_hip_kernel"]
+def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 2) -> int:
+    """GPU bytes HiP holds besides the plan's KV: every slice's block cache (used when the slice
+    is offloaded) and decode attention buffer, at the preset's budgets (not the context).
+
+    The planner does not know about them; the engine takes them off the GPU budget.
+    """
+    if preset not in HIP_PRESETS:
+        raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
+    hip = HIP_PRESETS[preset]
+    tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
+    return cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
+
+
+__all__ = [
+    "HIP_PRESETS",
+    "CacheStats",
+    "HipConfig",
+    "HipKernel",
+    "HipStats",
+    "hip_gpu_bytes",
+    "make_hip_kernel",
+]
