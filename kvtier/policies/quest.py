@@ -8,15 +8,18 @@ A decode query q scores each page with the upper bound of q.k over its keys,
 and attends only to the top `max(3, budget // page)` pages, per query head. Prefill steps and the
 first `dense_layers` layers are dense; a context within the budget is dense (bitwise equal).
 
-Over GPU-resident slices the selection is simulated for quality: unselected keys are masked,
-not skipped. Over *offloaded* slices Quest is a `CachingSliceKernel`: it keeps the page minima
-and maxima (and the keys of the unfinished page) on the GPU, and a decode step gathers only the
-selected pages from host memory, so PCIe carries the selection, not the context.
+A decode step reads only the union of the pages its query heads select (each head masked to its
+own): a gather in GPU memory for a resident slice; for an *offloaded* slice Quest is a
+`CachingSliceKernel` that keeps the page minima and maxima (and the keys of the unfinished page)
+on the GPU and gathers the selected pages from host memory, so PCIe carries the selection, not
+the context.
 `read_tokens / total_tokens` counts the (query head, token) pairs attended. Page metadata is
 cached per slice for full pages (tokens are append-only under Quest).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,34 +98,50 @@ class QuestKernel:
     ) -> torch.Tensor:
         """Decode over an offloaded slice: select pages from the GPU metadata, gather only them."""
         key = (step.layer, step.group)
-        s, hq, p = step.start + 1, q.shape[1], self.page
-        _, pages, top_k = self._sparse(step, s)
         lo, hi = self._meta[key]
-        g = lo.shape[1]
-        r = hq // g
-        top = self._top_pages(q, lo[: step.start // p], hi[: step.start // p], pages, top_k)  # [G, r, K]
-        chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
-        chosen.scatter_(-1, top, True)
-        union = chosen.flatten(0, 1).any(0).nonzero().flatten()  # [U] pages any head reads
-        positions = (union[:, None] * p + torch.arange(p, device=q.device)).flatten()
-        positions = positions[positions < step.start]  # the new token is kv_new
-        kv = torch.cat((fetch.gather(positions), kv_new))  # [n + 1, 2, G, D]
-        page_of = torch.cat((positions, positions.new_tensor([step.start]))) // p
-        mask = chosen[:, :, page_of].reshape(1, hq, 1, -1)  # [1, H_q, 1, n + 1]
-        self.total_tokens += s * hq
-        self.read_tokens += int(mask.sum())
-        self.gathered_tokens += positions.numel()
-        out = self._masked(q, kv, mask, r)
+        out, gathered = self._gathered(q, step, lo, hi, fetch.gather, kv_new)
+        self.gathered_tokens += gathered
         tail, _ = self._tail[key]
         tail = torch.cat((tail, kv_new[:, 0]))
-        if tail.shape[0] == p:  # the page is complete: its metadata joins the others
+        if tail.shape[0] == self.page:  # the page is complete: its metadata joins the others
             self._meta[key] = (
                 torch.cat((lo, tail.amin(0, keepdim=True))),
                 torch.cat((hi, tail.amax(0, keepdim=True))),
             )
             tail = tail[:0]
-        self._tail[key] = (tail, s)
+        self._tail[key] = (tail, step.start + 1)
         return out
+
+    def _gathered(
+        self,
+        q: torch.Tensor,
+        step: SliceStep,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        read: Callable[[torch.Tensor], torch.Tensor],
+        kv_new: torch.Tensor,
+    ) -> tuple[torch.Tensor, int]:
+        """One decode query over the pages its heads select: q [1, H_q, D], page metadata lo/hi
+        [>= start // page, G, D], `read(positions [n])` -> their rows [n, 2, G, D], kv_new
+        [1, 2, G, D] the query's own row. Only the union of the heads' pages is read; each head
+        is masked to its own. Returns [1, H_q, D] and the number of rows read."""
+        s, hq, p = step.start + 1, q.shape[1], self.page
+        _, pages, top_k = self._sparse(step, s)
+        g = lo.shape[1]
+        r = hq // g
+        m = step.start // p  # complete pages before the query's
+        top = self._top_pages(q, lo[:m], hi[:m], pages, top_k)  # [G, r, K]
+        chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
+        chosen.scatter_(-1, top, True)
+        union = chosen.flatten(0, 1).any(0).nonzero().flatten()  # [U] pages any head reads
+        positions = (union[:, None] * p + torch.arange(p, device=q.device)).flatten()
+        positions = positions[positions < step.start]  # the query's own row is kv_new
+        kv = torch.cat((read(positions), kv_new))  # [n + 1, 2, G, D]
+        page_of = torch.cat((positions, positions.new_tensor([step.start]))) // p
+        mask = chosen[:, :, page_of].reshape(1, hq, 1, -1)  # [1, H_q, 1, n + 1]
+        self.total_tokens += s * hq
+        self.read_tokens += int(mask.sum())
+        return self._masked(q, kv, mask, r), positions.numel()
 
     @staticmethod
     def _masked(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, r: int) -> torch.Tensor:
@@ -134,23 +153,17 @@ class QuestKernel:
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         t, hq, _ = q.shape
-        s, _, g, _ = kv.shape
+        s = kv.shape[0]
         pages = -(-s // self.page)
         top_k = min(max(3, self.budget // self.page), pages)
         if step.start == 0:
             self._meta.pop((step.layer, step.group), None)  # a new sequence
             self._tail.pop((step.layer, step.group), None)
-        if t == 1:
-            self.total_tokens += s * hq
         if t > 1 or step.layer < self.dense_layers or s <= self.budget or top_k >= pages:
             if t == 1:
+                self.total_tokens += s * hq
                 self.read_tokens += s * hq
             return attend(q, kv)
         lo, hi = self._minmax(kv, step)
-        r = hq // g
-        top = self._top_pages(q, lo, hi, pages, top_k)  # [G, r, K]
-        chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
-        chosen.scatter_(-1, top, True)
-        mask = chosen.repeat_interleave(self.page, dim=-1)[..., :s].reshape(1, hq, 1, s)
-        self.read_tokens += int(mask.sum())
-        return self._masked(q, kv, mask, r)  # [1, H_q, D]
+        # A resident slice is read the same way: only the selected pages' rows (a GPU gather).
+        return self._gathered(q, step, lo, hi, lambda pos: kv[pos], kv[step.start :])[0]
