@@ -28,7 +28,7 @@ import torch
 from kvtier.attention.interface import SliceKernel
 from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
-from kvtier.kv.store import Evictor, KVCodec
+from kvtier.kv.hooks import Evictor, KVCodec
 from kvtier.model.llama import CausalLM
 from kvtier.policies.evict import EVICT, H2OEvictor, SnapKVEvictor, WindowEvictor
 from kvtier.policies.head_sparsity import DEFAULT_CACHE, HeadStreamingEvictor, head_scores
