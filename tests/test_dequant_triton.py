@@ -61,3 +61,27 @@ def test_interpreted_kernel_equals_torch_unpack_bitwise() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_compiled_kernel_matches_torch_unpack() -> None:
     check("cuda")
+
+
+def test_kernel_arguments_avoid_names_the_launcher_shadows() -> None:
+    """Triton's compiled launcher binds arguments in generated code whose locals (`params`,
+    `specialization`, `options`, ...) shadow kernel arguments of the same name; the interpreter
+    does not, so only this check catches it on a CPU machine."""
+    import inspect
+
+    import triton
+
+    from kvtier.kv import dequant_triton
+    from kvtier.sparse import triton_attn
+
+    reserved = {"params", "specialization", "options", "backend", "specialize_impl", "JITCallable"}
+    kernels = [
+        obj
+        for mod in (dequant_triton, triton_attn)
+        for obj in vars(mod).values()
+        if isinstance(obj, triton.runtime.jit.JITFunction)
+    ]
+    assert len(kernels) >= 4
+    for kernel in kernels:
+        names = set(inspect.signature(kernel.fn).parameters)
+        assert not names & reserved, (kernel.fn.__name__, names & reserved)

@@ -39,10 +39,12 @@ def fused_unpack_available(dst: torch.Tensor) -> bool:
 @triton.jit
 def _unpack_kivi(  # type: ignore[no-untyped-def]
     rows,  # [m, row_bytes] uint8
-    params,  # [m, row_bytes // 2] float16 view of the same rows, from the parameters on
+    scales,  # [m, row_bytes // 2] float16 view of the same rows, from the parameters on
+    # NOTE: not named `params`: Triton 3.6's generated binder has a local of that name, which
+    # shadows such an argument with a dict on the compiled path (the interpreter never sees it).
     out,  # [m * t, 2, G, D] contiguous
     stride_row,  # bytes between rows
-    stride_prow,  # float16 elements between rows of `params`
+    stride_prow,  # float16 elements between rows of `scales`
     n_elem,  # t * G * D
     gd,  # G * D
     value_codes,  # byte offset of the value codes in a row
@@ -62,7 +64,7 @@ def _unpack_kivi(  # type: ignore[no-untyped-def]
     vb = tl.load(base + value_codes + i // per, mask=ok, other=0).to(tl.int32)
     kq = ((kb >> shift) & mask).to(tl.float32)
     vq = ((vb >> shift) & mask).to(tl.float32)
-    p = params + row.to(tl.int64) * stride_prow
+    p = scales + row.to(tl.int64) * stride_prow
     c = i % gd
     k_min = tl.load(p + c, mask=ok, other=0.0).to(tl.float32)
     k_scale = tl.load(p + gd + c, mask=ok, other=0.0).to(tl.float32)
@@ -86,14 +88,14 @@ def unpack_kivi_into(codec: KiviCodec, rows: torch.Tensor, dst: torch.Tensor) ->
     cg = codec.channel_group(d)
     n_codes = t * g * d * codec.bits // 8
     # The fp16 parameters start after both code blocks; 2 * n_codes is even, so they are aligned.
-    params = rows[:, 2 * n_codes :].view(torch.float16)
+    scales = rows[:, 2 * n_codes :].view(torch.float16)
     grid = (m, triton.cdiv(t * g * d, BLOCK))
     _unpack_kivi[grid](
         rows,
-        params,
+        scales,
         dst,
         rows.stride(0),
-        params.stride(0),
+        scales.stride(0),
         t * g * d,
         g * d,
         n_codes,
