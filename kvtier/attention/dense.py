@@ -11,11 +11,23 @@ explicit mask tensor.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvtier.attention.cudnn_split import attend_split
+from kvtier.errors import ConfigError
+
 DECODE_SPLIT = 16384  # keys per segment of split-KV decode
+# Prefill attention on CUDA: "flash" (one lower-right causal call to PyTorch's flash kernel) or
+# "cudnn" (cuDNN's kernel, prefix and chunk as two calls merged by log-sum-exp; see
+# kvtier.attention.cudnn_split). Read once, at import.
+ATTN_BACKEND = os.environ.get("KVTIER_ATTN_BACKEND", "flash")
+if ATTN_BACKEND not in ("flash", "cudnn"):
+    raise ConfigError(f"KVTIER_ATTN_BACKEND={ATTN_BACKEND!r}: use 'flash' or 'cudnn'")
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -48,9 +60,36 @@ def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return _split_kv_decode(qf, kv).reshape(1, hq, d)
         return F.scaled_dot_product_attention(qf, k, v).reshape(1, hq, d)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, T, D]
-    mask = causal_lower_right(t, s)
-    out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    if ATTN_BACKEND == "cudnn" and _flash_ok(qt):
+        return attend_split(q, kv)
+    if _flash_ok(qt):
+        # NOTE: the flash kernel's causal mask is aligned lower-right and it takes GQA K/V as
+        # they are; calling it directly skips `causal_lower_right`'s Python dispatch (~50 us,
+        # paid once per streamed slice: 256 per layer-chunk with head-wise offload).
+        out = torch.ops.aten._scaled_dot_product_flash_attention(qt, k, v, 0.0, True)[0]
+    else:
+        mask = causal_lower_right(t, s)
+        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     return out[0].transpose(0, 1)  # [T, H_q, D]
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    """Whether SDPA's flash kernel takes q [1, H, T, D] (and K/V laid out like it): CUDA, 16-bit,
+    head dim a multiple of 8 up to 256. Strides are fine: `attend`'s K/V views keep the last
+    dimension contiguous."""
+    d = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and d % 8 == 0
+        and d <= 256
+        and _sm80(q.device.index or 0)
+    )
+
+
+@functools.cache
+def _sm80(device: int) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _split_kv_decode(qf: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
