@@ -23,7 +23,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, kv_token_bytes, round_up, weight_bytes
-from kvtier.planner.roofline import default_chunk_size
+from kvtier.planner.roofline import MIN_CHUNK, default_chunk_size
 
 POLICIES = ("gpu", "layer", "head", "auto")
 MIN_REDUCED_CHUNK = 256  # the planner halves the roofline chunk no further than this
@@ -122,7 +122,6 @@ def plan_kv(
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     hw = hardware or DEFAULT_HARDWARE
     capacity = round_up(context, block_size)
-    chunk = min(chunk_size or default_chunk_size(cfg, context, hw, dtype_bytes), context)
 
     def fixed(c: int, g: int) -> int:  # GPU bytes that are not KV
         return (
@@ -131,15 +130,24 @@ def plan_kv(
             + reserve_bytes
         )
 
+    def pick_chunk(g: int, kv: int, floor: int = MIN_REDUCED_CHUNK) -> int:
+        """The roofline chunk for slices of `g` KV heads (finer slices need longer chunks to hide
+        the host's per-slice work), halved down to `floor` until it fits next to `kv` KV bytes."""
+        if chunk_size is not None:
+            return min(chunk_size, context)
+        pieces = cfg.num_layers * (cfg.num_kv_heads // g)
+        c = min(default_chunk_size(cfg, context, hw, dtype_bytes, pieces=pieces), context)
+        while gpu_budget is not None and c > floor and fixed(c, g) + kv > gpu_budget:
+            c = max(c // 2, floor)
+        return c
+
     all_kv = capacity * cfg.kv_bytes_per_token(dtype_bytes)
     if policy == "gpu":
-        min_kv, min_g = all_kv, cfg.num_kv_heads
+        min_kv, min_g = all_kv, group_size or cfg.num_kv_heads
     else:
         min_g = cfg.num_kv_heads if policy == "layer" else (group_size or 1)
         min_kv = 2 * block_size * kv_token_bytes(cfg, min_g, dtype_bytes)
-    if gpu_budget is not None and chunk_size is None:
-        while chunk > MIN_REDUCED_CHUNK and fixed(chunk, min_g) + min_kv > gpu_budget:
-            chunk = max(chunk // 2, MIN_REDUCED_CHUNK)
+    chunk = pick_chunk(min_g, min_kv)
     if gpu_budget is not None and fixed(chunk, min_g) + min_kv > gpu_budget:
         w = weight_bytes(cfg, dtype_bytes)
         act = fixed(chunk, min_g) - w - reserve_bytes
@@ -156,13 +164,13 @@ def plan_kv(
             f"use {advice}"
         )
 
-    def make(g: int, resident: int, staging_tokens: int) -> KVPlan:
+    def make(g: int, resident: int, staging_tokens: int, c: int) -> KVPlan:
         n = cfg.num_layers * (cfg.num_kv_heads // g)
         plan = KVPlan(
             policy=policy,
             group_size=g,
             resident_slices=resident,
-            chunk_size=chunk,
+            chunk_size=c,
             staging_buffers=2 if resident < n else 0,
             staging_tokens=staging_tokens if resident < n else 0,
             context=context,
@@ -178,28 +186,35 @@ def plan_kv(
             )
         return plan
 
-    everything_fits = gpu_budget is None or fixed(chunk, cfg.num_kv_heads) + all_kv <= gpu_budget
-    if policy == "gpu" or (policy == "auto" and everything_fits):
+    if policy == "gpu":
+        return make(min_g, cfg.num_layers * (cfg.num_kv_heads // min_g), 0, chunk)
+    if policy == "auto":
         g = group_size or cfg.num_kv_heads
-        return make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0)
+        # NOTE: everything stays resident if it does with a chunk of at least MIN_CHUNK tokens;
+        # a smaller chunk would trade PCIe time for host-bound prefill.
+        c = pick_chunk(g, all_kv, floor=min(MIN_CHUNK, chunk))
+        if gpu_budget is None or fixed(c, g) + all_kv <= gpu_budget:
+            return make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0, c)
     if policy in ("layer", "head"):
         g = min_g
         avail = None if gpu_budget is None else gpu_budget - fixed(chunk, g)
-        return make(g, 0, _staging_tokens(avail, capacity, kv_token_bytes(cfg, g, dtype_bytes), block_size))
+        tok = kv_token_bytes(cfg, g, dtype_bytes)
+        return make(g, 0, _staging_tokens(avail, capacity, tok, block_size), chunk)
     assert gpu_budget is not None
     candidates = [group_size] if group_size else _divisors(cfg.num_kv_heads)
     best: tuple[float, int, KVPlan] | None = None
     host_error: CapacityError | None = None
     for g in candidates:
-        avail = gpu_budget - fixed(chunk, g)
         tok = kv_token_bytes(cfg, g, dtype_bytes)
+        c = pick_chunk(g, 2 * block_size * tok)
+        avail = gpu_budget - fixed(c, g)
         n = cfg.num_layers * (cfg.num_kv_heads // g)
         staging = _staging_tokens(avail, capacity, tok, block_size)
         if staging == 0:
             continue
         resident = min((avail - 2 * capacity * tok) // (capacity * tok), n - 1) if staging == capacity else 0
         try:
-            plan = make(g, resident, staging)
+            plan = make(g, resident, staging, c)
         except CapacityError as e:
             host_error = host_error or e
             continue
