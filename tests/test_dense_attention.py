@@ -45,3 +45,28 @@ def test_merge_of_blocks_equals_one_call() -> None:
         acc = dense.merge_into(acc, part)
     assert acc is not None
     assert torch.allclose(acc[0].double(), reference(q, kv), atol=1e-5)
+
+
+def _math_cudnn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 stand-in for cuDNN's kernel, with its top-left causal alignment."""
+    scores = q[0].double() @ k[0].double().transpose(-1, -2) / q.shape[-1] ** 0.5  # [H, T, S]
+    if causal:
+        t, s = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(t, s, dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores.softmax(-1) @ v[0].double()).to(q.dtype), lse.float()
+
+
+@pytest.mark.parametrize("t,s,hq,hkv", [(5, 40, 4, 4), (9, 9, 4, 1), (7, 30, 6, 2), (16, 64, 8, 1)])
+def test_cudnn_split_merges_prefix_and_chunk(
+    monkeypatch: pytest.MonkeyPatch, t: int, s: int, hq: int, hkv: int
+) -> None:
+    """The cuDNN path's head folding and log-sum-exp merge, with the kernel replaced by math."""
+    import kvtier.attention.cudnn_split as split
+
+    monkeypatch.setattr(split, "_cudnn", _math_cudnn)
+    g = torch.Generator().manual_seed(t * s + hq)
+    q, kv = torch.randn(t, hq, 16, generator=g), torch.randn(s, 2, hkv, 16, generator=g)
+    assert torch.allclose(split.attend_split(q, kv).double(), reference(q, kv), atol=1e-5)
