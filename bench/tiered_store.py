@@ -13,7 +13,8 @@ quantized host tier) or `head+heads50` (head-wise sparsity, ratio 50%: streaming
 sinks + recent on the GPU, the others are offloaded), or `head+quest4096p16` (Quest, budget
 4096 tokens, 16-token pages: only selected pages are gathered from host memory). With random
 weights head scores mean nothing, so heads50 classifies heads by seeded random scores; the
-costs are the same.
+costs are the same. A policy may end in "@N" to prefill in chunks of N tokens instead of the
+planner's chunk, so policies compare at the same chunk size: `gpu@8192,head@8192`.
 
     python bench/tiered_store.py --contexts 128K,512K --full-prefill-max 0 \
         --policies head,head+int8,head+int4,head+heads50 --name kv_policies_offload
@@ -68,7 +69,10 @@ def method_parts(cfg: Any, method: str) -> dict[str, Any]:
 def run_policy(
     model: Any, cfg: Any, spec: str, context: int, args: argparse.Namespace, bw: float
 ) -> dict[str, Any]:
-    policy, _, method = spec.partition("+")
+    # spec: POLICY[+METHOD][@CHUNK], e.g. "head+int4" or "head@8192" (a fixed prefill chunk).
+    spec_chunk = spec.partition("@")
+    policy, _, method = spec_chunk[0].partition("+")
+    chunk_size = int(spec_chunk[2]) if spec_chunk[2] else args.chunk_size
     row: dict[str, Any] = {"policy": spec, "context": context}
     total = context + args.decode_steps
     try:
@@ -78,7 +82,7 @@ def run_policy(
             policy=policy,
             gpu_budget=args.budget,
             dtype_bytes=2,
-            chunk_size=args.chunk_size,
+            chunk_size=chunk_size,
             hardware=hardware_preset("h200"),
         )
     except CapacityError as e:

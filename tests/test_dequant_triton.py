@@ -69,17 +69,16 @@ def test_kernel_arguments_avoid_names_the_launcher_shadows() -> None:
     does not, so only this check catches it on a CPU machine."""
     import inspect
 
-    import triton
-
     from kvtier.kv import dequant_triton
     from kvtier.sparse import triton_attn
 
     reserved = {"params", "specialization", "options", "backend", "specialize_impl", "JITCallable"}
+    # JIT functions, or interpreted ones when another test set TRITON_INTERPRET: both wrap `fn`.
     kernels = [
         obj
         for mod in (dequant_triton, triton_attn)
         for obj in vars(mod).values()
-        if isinstance(obj, triton.runtime.jit.JITFunction)
+        if inspect.isfunction(getattr(obj, "fn", None))
     ]
     assert len(kernels) >= 4
     for kernel in kernels:
