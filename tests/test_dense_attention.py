@@ -70,3 +70,18 @@ def test_cudnn_split_merges_prefix_and_chunk(
     g = torch.Generator().manual_seed(t * s + hq)
     q, kv = torch.randn(t, hq, 16, generator=g), torch.randn(s, 2, hkv, 16, generator=g)
     assert torch.allclose(split.attend_split(q, kv).double(), reference(q, kv), atol=1e-5)
+
+
+def test_cudnn_split_prefix_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix longer than one block is merged block by block, in few distinct shapes."""
+    import kvtier.attention.cudnn_split as split
+
+    assert split.prefix_blocks(0, 8) == []
+    monkeypatch.setattr(split, "PREFIX_BLOCK", 20)
+    assert split.prefix_blocks(50, 8) == [(0, 16), (16, 32), (32, 48), (48, 50)]
+    shapes = {b - a for p in range(8, 400, 8) for a, b in split.prefix_blocks(p, 8)}
+    assert shapes == {8, 16}  # chunked prefill: full blocks and one remainder size
+    monkeypatch.setattr(split, "_cudnn", _math_cudnn)
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(8, 6, 16, generator=g), torch.randn(75, 2, 2, 16, generator=g)
+    assert torch.allclose(split.attend_split(q, kv).double(), reference(q, kv), atol=1e-5)

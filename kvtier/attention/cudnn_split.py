@@ -1,7 +1,7 @@
 """Chunk-vs-prefix causal attention on cuDNN's fused kernel, as two calls merged by log-sum-exp.
 
 PyTorch's cuDNN attention aligns its causal mask top-left, so a chunk of T queries after a
-prefix of P keys cannot be one cuDNN call. It is two, both exact:
+prefix of P keys cannot be one cuDNN call. It is two kinds of call, both exact:
 
 ```
  keys:        [ prefix 0 .. P-1 ][ chunk P .. P+T-1 ]
@@ -9,18 +9,21 @@ prefix of P keys cannot be one cuDNN call. It is two, both exact:
  call:          non-causal          causal
 ```
 
-merged per query and head by the parts' log-sum-exp (softmax over the union of the two key
-sets). The prefix call folds each KV head's r query heads into its query axis, so it needs no
-K/V expansion; the square part expands the chunk's own K/V (T tokens, small).
+merged per query and head by the parts' log-sum-exp (softmax over the union of the key sets).
+A long prefix is cut into blocks of a fixed size (`prefix_blocks`), so the shapes cuDNN sees
+repeat from chunk to chunk. The prefix calls fold each KV head's r query heads into the query
+axis, so they need no K/V expansion; the square part expands the chunk's own K/V (T tokens).
 
 On the H200 cuDNN's kernel runs near twice as fast as the flash kernel PyTorch ships (FA2), so
 prefill at long context, where attention dominates, gains most. `kvtier.attention.dense`
-picks it when `KVTIER_ATTN_BACKEND=cudnn` (see there for the default).
+uses it on Hopper and newer unless `KVTIER_ATTN_BACKEND=flash`.
 """
 
 from __future__ import annotations
 
 import torch
+
+PREFIX_BLOCK = 65536  # keys per cuDNN call over the prefix (rounded to a multiple of the chunk)
 
 
 def attend_split(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -34,19 +37,29 @@ def attend_split(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     ks, vs = k[:, :, p:], v[:, :, p:]  # the chunk's own keys [1, H_kv, T, D]
     if r > 1:
         ks, vs = ks.repeat_interleave(r, dim=1), vs.repeat_interleave(r, dim=1)  # [1, H_q, T, D]
-    o_s, l_s = _cudnn(q.transpose(0, 1).unsqueeze(0), ks, vs, causal=True)  # [H_q, T, D], [H_q, T]
+    o_s, lse = _cudnn(q.transpose(0, 1).unsqueeze(0), ks, vs, causal=True)  # [H_q, T, D], [H_q, T]
     del ks, vs
     if p == 0:
         return o_s.transpose(0, 1)
     qf = q.view(t, hkv, r, d).permute(1, 2, 0, 3).reshape(1, hkv, r * t, d)  # [1, H_kv, r T, D]
-    o_p, l_p = _cudnn(qf, k[:, :, :p], v[:, :, :p], causal=False)  # [H_kv, r T, D], [H_kv, r T]
-    del qf
-    # out = o_s + w (o_p - o_s), w = exp(l_p - logaddexp(l_p, l_s)): one fp32 temporary, in place.
-    w = torch.sigmoid(l_p.reshape(hq, t) - l_s)[..., None]  # [H_q, T, 1]
-    out = o_p.reshape(hq, t, d).float()
-    del o_p
-    out.sub_(o_s).mul_(w).add_(o_s)
+    out = o_s.float()  # running result [H_q, T, D]
+    del o_s
+    for a, b in prefix_blocks(p, t):
+        o_p, l_p = _cudnn(qf, k[:, :, a:b], v[:, :, a:b], causal=False)  # [H_kv, r T, D], [H_kv, r T]
+        l_p = l_p.reshape(hq, t)
+        # out <- out + w (o_p - out), w = exp(l_p - logaddexp(lse, l_p)): the parts' softmax weights.
+        out.lerp_(o_p.reshape(hq, t, d).float(), torch.sigmoid(l_p - lse)[..., None])
+        lse = torch.logaddexp(lse, l_p)
     return out.to(q.dtype).transpose(0, 1)
+
+
+def prefix_blocks(prefix: int, chunk: int) -> list[tuple[int, int]]:
+    """Key ranges [a, b) covering the prefix, in blocks of a fixed multiple of the chunk near
+    `PREFIX_BLOCK` keys. cuDNN builds (and caches) a graph per shape, ~40 ms each on the H200; a
+    chunked prefill would otherwise meet a new prefix length every chunk. Blocks leave only
+    full blocks and remainders that are multiples of the chunk: a handful of shapes."""
+    size = chunk * max(1, round(PREFIX_BLOCK / chunk))
+    return [(a, min(a + size, prefix)) for a in range(0, prefix, size)]
 
 
 def _cudnn(

@@ -22,12 +22,13 @@ from kvtier.attention.cudnn_split import attend_split
 from kvtier.errors import ConfigError
 
 DECODE_SPLIT = 16384  # keys per segment of split-KV decode
-# Prefill attention on CUDA: "flash" (one lower-right causal call to PyTorch's flash kernel) or
-# "cudnn" (cuDNN's kernel, prefix and chunk as two calls merged by log-sum-exp; see
-# kvtier.attention.cudnn_split). Read once, at import.
-ATTN_BACKEND = os.environ.get("KVTIER_ATTN_BACKEND", "flash")
-if ATTN_BACKEND not in ("flash", "cudnn"):
-    raise ConfigError(f"KVTIER_ATTN_BACKEND={ATTN_BACKEND!r}: use 'flash' or 'cudnn'")
+# Prefill attention on CUDA: "flash" (one lower-right causal call to PyTorch's flash kernel),
+# "cudnn" (cuDNN's kernel: prefix and chunk as calls merged by log-sum-exp, see
+# kvtier.attention.cudnn_split) or "auto" (cuDNN on Hopper and newer, where the H200 measured it
+# 1.7x faster: bench/results/attn_backends.json; flash elsewhere). Read once, at import.
+ATTN_BACKEND = os.environ.get("KVTIER_ATTN_BACKEND", "auto")
+if ATTN_BACKEND not in ("auto", "flash", "cudnn"):
+    raise ConfigError(f"KVTIER_ATTN_BACKEND={ATTN_BACKEND!r}: use 'auto', 'flash' or 'cudnn'")
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,13 @@ def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         qf = q.view(1, hkv, hq // hkv, d)  # [1, H_kv, r, D]
         if s >= 2 * DECODE_SPLIT:
             return _split_kv_decode(qf, kv).reshape(1, hq, d)
+        if _flash_ok(qf):
+            # NOTE: not SDPA's dispatcher, which may pick cuDNN: it builds a graph per new key
+            # length, i.e. every decode step (~40 ms on the H200).
+            return torch.ops.aten._scaled_dot_product_flash_attention(qf, k, v)[0].reshape(1, hq, d)
         return F.scaled_dot_product_attention(qf, k, v).reshape(1, hq, d)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, T, D]
-    if ATTN_BACKEND == "cudnn" and _flash_ok(qt):
+    if _flash_ok(qt) and _use_cudnn(q.device.index or 0):
         return attend_split(q, kv)
     if _flash_ok(qt):
         # NOTE: the flash kernel's causal mask is aligned lower-right and it takes GQA K/V as
@@ -90,6 +95,14 @@ def _flash_ok(q: torch.Tensor) -> bool:
 @functools.cache
 def _sm80(device: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.cache
+def _use_cudnn(device: int) -> bool:
+    """Whether prefill attention runs on cuDNN (see ATTN_BACKEND)."""
+    if ATTN_BACKEND != "auto":
+        return ATTN_BACKEND == "cudnn"
+    return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _split_kv_decode(qf: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

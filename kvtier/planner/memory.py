@@ -55,7 +55,7 @@ def activation_bytes(
                  [T,Hq*d], plus the larger of: RoPE's three q-sized temporaries, or SDPA's
                  per-group output [T,gq*d] with its fp32 log-sum-exp [gq,T] and o_proj's [T,h]
                  output. SDPA is flash-style: no [T, prefix] score matrix, no GQA expansion.
-                 (cuDNN's two calls keep two outputs and an fp32 merge buffer instead.)
+                 (cuDNN's merged calls keep folded queries and fp32 merge buffers instead.)
     * MLP:       residual + normed [T,h] + (an output buffer [T,h] when split into sub-chunks)
                  + gate-activation, up and their product [t,I] each.
 
@@ -73,8 +73,8 @@ def activation_bytes(
     attn_base = T * (2 * h + 2 * q_width + 2 * kv_width) * b
     rope_tmp = 3 * T * q_width * b
     sdpa_tmp = T * gq * (d * b + 4) + T * h * b
-    if ATTN_BACKEND == "cudnn":  # two outputs, the merge's fp32 temporary and its result
-        sdpa_tmp = T * gq * d * (3 * b + 4) + T * h * b
+    if ATTN_BACKEND != "flash":  # cuDNN: folded queries, a block's output, fp32 copy and result
+        sdpa_tmp = T * gq * d * (2 * b + 8) + T * h * b
     attention = attn_base + max(rope_tmp, sdpa_tmp)
     mlp = T * (2 + (1 if t < T else 0)) * h * b + 3 * t * inter * b
     logits = cfg.vocab_size * (b + 4)
