@@ -20,7 +20,9 @@ from kvtier.planner.placement import KVPlan, plan_kv
 from kvtier.planner.roofline import (
     decode_time,
     default_chunk_size,
+    host_issue_s,
     min_compute_bound_chunk,
+    min_host_hidden_chunk,
     prefill_intensity,
     prefill_time,
 )
@@ -117,6 +119,24 @@ def test_roofline_matches_paper_appendix() -> None:
     assert default_chunk_size(LLAMA3, 1000, RTX4090, 2) == 1000
 
 
+def test_chunks_hide_the_hosts_issue_time() -> None:
+    h200 = HARDWARE["h200"]
+    # Head-wise slices issue 8x the attention calls of layer-wise ones: longer chunks.
+    per_layer, per_head = (default_chunk_size(LLAMA3, 32768, h200, 2, pieces=n) for n in (32, 256))
+    assert per_layer < per_head <= 16384
+    hidden = min_host_hidden_chunk(LLAMA3, h200, 256)
+    assert per_head >= hidden and hidden * 14e9 / h200.flops >= 1.5 * host_issue_s(LLAMA3, h200, 256)
+    # Without host costs the roofline alone decides (the paper's 4090 numbers above).
+    free = replace(h200, prefill_slice_overhead_s=0.0, layer_overhead_s=0.0)
+    assert default_chunk_size(LLAMA3, 32768, free, 2, pieces=256) < per_head
+    # The planner gives finer slices the longer chunk, and prefill time counts the host's share.
+    head = plan_kv(LLAMA3, 32768, policy="head", gpu_budget=24 * 10**9, hardware=h200)
+    gpu = plan_kv(LLAMA3, 32768, policy="gpu", gpu_budget=24 * 10**9, hardware=h200)
+    assert head.chunk_size > gpu.chunk_size
+    slow = replace(h200, layer_overhead_s=1.0)
+    assert prefill_time(LLAMA3, 8192, 1024, slow, 2) == pytest.approx(8 * host_issue_s(LLAMA3, slow))
+
+
 def test_decode_and_prefill_times_near_paper() -> None:
     kv = M * LLAMA3.kv_bytes_per_token(2)
     step = decode_time(LLAMA3, M, RTX4090, 2, pcie_bytes=kv, streamed_pieces=256)
@@ -177,7 +197,7 @@ def test_auto_trades_pcie_bytes_against_per_slice_overhead() -> None:
 
 
 def test_tiny_budget_streams_sequence_blocks() -> None:
-    budget = weight_bytes(SMOL, 2) + activation_bytes(SMOL, 1024, 2) + 4 * MiB
+    budget = weight_bytes(SMOL, 2) + activation_bytes(SMOL, 1024, 2, group_size=1) + 4 * MiB
     p = plan_kv(SMOL, 65536, gpu_budget=budget, chunk_size=1024, reserve_bytes=0)
     # Two one-head slices of 64K tokens need 32 MiB; 4 MiB holds two 8192-token blocks.
     assert (p.group_size, p.resident_slices, p.staging_buffers, p.staging_tokens) == (1, 0, 2, 8192)

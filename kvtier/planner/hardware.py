@@ -16,8 +16,10 @@ if TYPE_CHECKING:
     import torch
 
 GiB = 1024**3
-H200_SLICE_OVERHEAD_S = 200e-6
-H200_LAYER_OVERHEAD_S = 600e-6
+# Measured on the H200 machine (bench/results/host_overhead.json, tiered_store_32k_chunks.json).
+H200_SLICE_OVERHEAD_S = 150e-6
+H200_PREFILL_SLICE_OVERHEAD_S = 475e-6
+H200_LAYER_OVERHEAD_S = 700e-6
 
 
 @dataclass(frozen=True)
@@ -29,17 +31,19 @@ class Hardware:
     hbm_bw: float  # device memory bandwidth, B/s
     pcie_bw: float  # pinned host<->device bandwidth, one direction, B/s
     memory_bytes: int  # device memory, B
-    # Host (CPU) time to issue work, which the GPU waits on when chunks are small:
-    # one attention slice step (its copy, kernel launches, event waits, write-back) ...
+    # Host (CPU) time to issue work, which the GPU waits on when it has less to do:
+    # one streamed slice in a decode step (its copy, kernel launches, event waits, write-back),
     slice_overhead_s: float = 30e-6
-    # ... and one layer's other kernels (norms, projections, RoPE, MLP) in one step.
+    # one slice step of a prefill chunk (more kernels: prefix and chunk attention, merge),
+    prefill_slice_overhead_s: float = 30e-6
+    # and one layer's other kernels (norms, projections, RoPE, MLP) in one step.
     layer_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field_name in ("flops", "hbm_bw", "pcie_bw", "memory_bytes"):
             if getattr(self, field_name) <= 0:
                 raise ConfigError(f"hardware {self.name}: {field_name} must be positive")
-        if self.slice_overhead_s < 0 or self.layer_overhead_s < 0:
+        if min(self.slice_overhead_s, self.prefill_slice_overhead_s, self.layer_overhead_s) < 0:
             raise ConfigError(f"hardware {self.name}: host overheads must not be negative")
 
     @property
@@ -59,7 +63,6 @@ HARDWARE: dict[str, Hardware] = {
     "a100-80g": Hardware("a100-80g", flops=312e12, hbm_bw=2.0e12, pcie_bw=25e9, memory_bytes=80 * GiB),
     "h100-sxm": Hardware("h100-sxm", flops=989e12, hbm_bw=3.35e12, pcie_bw=55e9, memory_bytes=80 * GiB),
     # Measured: 790 TFLOP/s bf16 GEMM, 4.2 TB/s device copy, 55 GB/s pinned H2D (PCIe Gen5 x16).
-    # Host overheads measured there with kvtier's runner (bench/host_overhead.py).
     "h200": Hardware(
         "h200",
         flops=790e12,
@@ -67,6 +70,7 @@ HARDWARE: dict[str, Hardware] = {
         pcie_bw=55e9,
         memory_bytes=141 * 10**9,
         slice_overhead_s=H200_SLICE_OVERHEAD_S,
+        prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
         layer_overhead_s=H200_LAYER_OVERHEAD_S,
     ),
 }

@@ -90,10 +90,10 @@ def min_compute_bound_chunk(cfg: ModelConfig, context: int, hw: Hardware, dtype_
 
 
 def host_issue_s(cfg: ModelConfig, hw: Hardware, pieces: int | None = None) -> float:
-    """Host time to issue one step: every layer's kernels plus `pieces` attention slice steps
-    (default one per layer; head-wise offload issues num_layers x num_kv_heads)."""
+    """Host time to issue one prefill chunk: every layer's kernels plus `pieces` attention slice
+    steps (default one per layer; head-wise offload issues num_layers x num_kv_heads)."""
     pieces = cfg.num_layers if pieces is None else pieces
-    return cfg.num_layers * hw.layer_overhead_s + pieces * hw.slice_overhead_s
+    return cfg.num_layers * hw.layer_overhead_s + pieces * hw.prefill_slice_overhead_s
 
 
 def min_host_hidden_chunk(cfg: ModelConfig, hw: Hardware, pieces: int | None = None) -> int:
