@@ -5,7 +5,7 @@
 #   bash bench/pending_h200.sh 1   # (~9 min) CUDA correctness, host overheads, prefill at equal
 #                                  #          chunks, planned chunks, uncapped 128K, fused int4
 #   bash bench/pending_h200.sh 2   # (~9.5 min) checks, host overheads, uncapped 128K, HiP, 900K
-#   bash bench/pending_h200.sh 3   # (~3 min) 2M tokens with the int4 host tier
+#   bash bench/pending_h200.sh 3   # (~8 min) HiP over offload, 2M tokens with the int4 host tier
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -50,8 +50,10 @@ case "$group" in
     --decode-steps 3 --name tiered_store_max
   ;;
 3)
+  # Issue 6: HiP over head-wise offload (lossless rows measured in group 2), expandable segments.
+  run 300 $py bench/hip_offload.py --contexts 128K,512K --presets fast --prefill-chunk 4096 --no-dense
   # Issue 7: the int4 host tier keeps packed rows only: 2M tokens should fit 125 GiB of RAM.
-  run 200 $py bench/tiered_store.py --contexts 2M --full-prefill-max 1 --policies head+int4 \
+  run 180 $py bench/tiered_store.py --contexts 2M --full-prefill-max 1 --policies head+int4 \
     --decode-steps 3 --name tiered_store_max_int4
   ;;
 esac

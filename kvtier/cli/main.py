@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Long contexts allocate and free GPU buffers of many sizes (chunks, staging, sparse caches);
+# expandable segments keep the caching allocator's fragments from eating a tight --gpu-memory.
+# Read when CUDA's allocator starts, so it is set before any subcommand touches the GPU.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from kvtier.errors import KvtierError
 
