@@ -16,10 +16,11 @@ if TYPE_CHECKING:
     import torch
 
 GiB = 1024**3
-# Measured on the H200 machine (bench/results/host_overhead.json, tiered_store_32k_chunks.json).
-H200_SLICE_OVERHEAD_S = 150e-6
-H200_PREFILL_SLICE_OVERHEAD_S = 475e-6
-H200_LAYER_OVERHEAD_S = 700e-6
+# Measured on the H200 machine at constant shapes (bench/host_overhead.py: host_overhead.json);
+# the layer figure is the prefill one (decode: 0.6 ms).
+H200_SLICE_OVERHEAD_S = 215e-6
+H200_PREFILL_SLICE_OVERHEAD_S = 435e-6
+H200_LAYER_OVERHEAD_S = 850e-6
 
 
 @dataclass(frozen=True)
