@@ -110,45 +110,91 @@ def test_kivi_layout_keys_per_channel_values_per_token() -> None:
     assert torch.equal(minmax_roundtrip(torch.ones(3, 4), 4, dim=1), torch.ones(3, 4))
 
 
-def test_store_codes_only_tokens_outside_the_residual_window(gqa: tuple[CausalLM, ModelConfig]) -> None:
+class RoundTripOnly:
+    """A codec that cannot pack: the store keeps its quantize -> dequantize round trip in place.
+    The reference the packed tiers must equal bitwise."""
+
+    def __init__(self, codec: KiviCodec | Fp8Codec) -> None:
+        self.codec = codec
+
+    def frozen_tokens(self, length: int) -> int:
+        return self.codec.frozen_tokens(length)
+
+    def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
+        return self.codec.roundtrip(kv)
+
+
+def read_slice(store: TieredKVStore, sid: int) -> torch.Tensor:
+    """The tokens a slice attends, as the store serves them: [length, 2, G, D]."""
+    n = store.slice_length[sid]
+    if sid in store.resident:
+        return store.resident[sid][:n]
+    assert store.packed is not None
+    out = torch.empty(n, *store.hosts[sid].extents[0].shape[1:])
+    store.packed.read_into(sid, store.hosts[sid], out, 0, n, scratch=False)
+    return out
+
+
+@pytest.mark.parametrize(
+    "codec", [KiviCodec(bits=4, group=8, residual=16), RoundTripOnly(KiviCodec(4, 8, 16))]
+)
+def test_store_codes_only_tokens_outside_the_residual_window(
+    gqa: tuple[CausalLM, ModelConfig], codec: Any
+) -> None:
+    """Packed on the GPU tier or rounded in place: coded tokens are the round trip, the
+    residual window is untouched."""
     model, cfg = gqa
-    codec = KiviCodec(bits=4, group=8, residual=16)
     # One prefill chunk: every layer's K/V is computed before the codec runs at end_step.
     _, store = run(model, cfg, PolicyParts(codec=codec), decode=0)
     _, ref = run(model, cfg, PolicyParts(), decode=0)
     n = store.length
     coded = codec.frozen_tokens(n)
     assert coded == 40
-    for sid, buf in store.resident.items():
-        assert torch.equal(buf[coded:n], ref.resident[sid][coded:n])  # residual: untouched
-        assert not torch.equal(buf[:coded], ref.resident[sid][:coded])
-        assert torch.equal(codec.roundtrip(ref.resident[sid][:coded]), buf[:coded])
+    n_slices = len(ref.resident)
+    packed = not isinstance(codec, RoundTripOnly)
+    assert (len(store.on_device), len(store.resident)) == ((n_slices, 0) if packed else (0, n_slices))
+    for sid, full in ref.resident.items():
+        got = read_slice(store, sid)
+        assert torch.equal(got[coded:n], full[coded:n])  # residual: untouched
+        assert not torch.equal(got[:coded], full[:coded])
+        assert torch.equal(codec.roundtrip(full[:coded]), got[:coded])
 
 
 @pytest.mark.parametrize(
     "codec", [KiviCodec(bits=4, group=8, residual=16), KiviCodec(bits=8, group=4, residual=4), Fp8Codec()]
 )
-def test_packed_host_tier_equals_the_round_trip_and_moves_packed_bytes(
+def test_packed_tiers_equal_the_round_trip_and_move_packed_bytes(
     gqa: tuple[CausalLM, ModelConfig], codec: KiviCodec | Fp8Codec
 ) -> None:
     model, cfg = gqa
-    ref, _ = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25)
+    ref, _ = run(model, cfg, PolicyParts(codec=RoundTripOnly(codec)), group=1, chunk=25)
+    on_gpu, gpu_store = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25)
     logits, store = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25, streamed=True)
-    for a, b in zip(logits, ref, strict=True):
+    for a, b, c in zip(logits, ref, on_gpu, strict=True):
         assert torch.equal(a, b)  # packed rows unpack to exactly the simulated round trip
+        assert torch.equal(c, b)
     assert store.packed is not None
     row, token = codec.row_bytes(1, cfg.head_dim), 2 * cfg.head_dim * 4
     slices = cfg.num_layers * cfg.num_kv_heads
-    # One more decode step: the loads send packed rows for coded tokens, full tokens for the rest.
-    h2d = store.account.h2d_bytes
-    store.begin_step(1)
-    model(torch.tensor([1]), store)
+    # One more decode step: the loads send packed rows for coded tokens, full tokens for the rest;
+    # the GPU tier's packed slices send nothing.
+    h2d, gpu_h2d = store.account.h2d_bytes, gpu_store.account.h2d_bytes
+    for s in (store, gpu_store):
+        s.begin_step(1)
+        model(torch.tensor([1]), s)
     n, coded = store.length, store.packed.coded
     assert store.account.h2d_bytes - h2d == slices * (coded // codec.group * row + (n - coded) * token)
+    assert gpu_store.account.h2d_bytes == gpu_h2d == 0 and gpu_store.account.d2h_bytes == 0
     assert codec.group * token / row > (3.0 if getattr(codec, "bits", 8) == 4 else 1.7)
-    store.end_step()
-    store.close()
-    assert store.account.allocated == {"gpu": 0, "host": 0}
+    # The GPU tier holds packed bytes: the stored KV shrinks by the byte ratio.
+    assert gpu_store.stored_bytes() == {
+        "gpu": slices * (coded // codec.group * row + (n - coded) * token),
+        "host": 0,
+    }
+    for s in (store, gpu_store):
+        s.end_step()
+        s.close()
+        assert s.account.allocated == {"gpu": 0, "host": 0}
 
 
 # -- eviction ----------------------------------------------------------------------------------
@@ -391,7 +437,9 @@ def test_synthetic_fill_gives_packed_rows_and_compact_heads(
         assert store.account.h2d_bytes - h2d == 3 * 100 * token
 
 
-@pytest.mark.parametrize("method", ["lossless", "int4", "int8", "fp8", "heads", "window", "heads-auto"])
+@pytest.mark.parametrize(
+    "method", ["lossless", "int4", "int8", "fp8", "int4-gpu", "heads", "window", "heads-auto"]
+)
 def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
     gqa: tuple[CausalLM, ModelConfig], method: str
 ) -> None:
@@ -405,7 +453,7 @@ def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
         "fp8": Fp8Codec(),
     }
     scores = torch.arange(6.0).view(3, 2)
-    codec = codecs.get(method)
+    codec = codecs.get(method.removesuffix("-gpu"))
     parts, evicted, kept = PolicyParts(codec=codec), 0, None
     if method.startswith("heads"):
         parts, evicted, kept = PolicyParts(evictor=HeadStreamingEvictor(scores, 0.5, 4, 20)), 3, 24
@@ -414,6 +462,8 @@ def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
     plan = KVPlan(
         "auto" if method == "heads-auto" else "head", 1, 1 if method == "heads-auto" else 0, 25, 2, 72
     )
+    if method == "int4-gpu":  # everything resident: packed rows in GPU memory
+        plan = KVPlan("gpu", 1, cfg.num_layers * cfg.num_kv_heads, 25, 0, 0)
     store = TieredKVStore(
         cfg,
         plan,
@@ -435,9 +485,8 @@ def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
         store.begin_step(1)
         model(torch.tensor([5]), store)
         assert store.account.h2d_bytes - h2d == want.pcie_per_decode
-        token = 2 * cfg.head_dim * 4
-        assert sum(store.slice_length[s] for s in store.resident) * token == want.gpu_stored
-        assert len(store.hosts) == want.streamed_slices
+        assert store.stored_bytes() == {"gpu": want.gpu_stored, "host": want.host_stored}
+        assert len(store.hosts) - len(store.on_device) == want.streamed_slices
         store.end_step()
 
 

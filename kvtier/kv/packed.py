@@ -103,7 +103,11 @@ def _fused(codec: object, out: torch.Tensor) -> bool:
 
 
 class PackedTier:
-    """Packed rows of every streamed slice, and the GPU scratch that loads unpack from."""
+    """Packed rows of every packed slice, and the GPU scratch that loads unpack from.
+
+    Rows of `slices` live in host memory (pinned on CUDA); rows of `device_slices` live in GPU
+    memory: the GPU tier of a quantized cache, unpacked on the device and never crossing PCIe.
+    """
 
     def __init__(
         self,
@@ -115,25 +119,35 @@ class PackedTier:
         scratch_tokens: int,
         device: torch.device,
         account: TierAccount,
+        device_slices: frozenset[int] = frozenset(),
     ) -> None:
         self.codec = codec
         self.layout = layout
         self.device = device
         self.account = account
+        self.device_slices = device_slices
         self.row_bytes = codec.row_bytes(layout.group_size, layout.head_dim)
         g = codec.group
         rows = -(-capacity // g)
         extent_rows = max(1, min(rows, ROWS_EXTENT_BYTES // self.row_bytes))
         extent_bytes = extent_rows * self.row_bytes
-        need = len(slices) * -(-rows // extent_rows) * extent_bytes
-        self.arena = HostArena(
-            (extent_rows, self.row_bytes),
-            torch.uint8,
-            pin=device.type == "cuda",
-            account=account,
-            slab_bytes=max(extent_bytes, min(need, 1 << 30)),
-        )
-        self.rows = {sid: HostSlice(self.arena, extent_rows) for sid in slices}
+        self.arenas: list[HostArena] = []
+        self.rows: dict[int, HostSlice] = {}
+        for where in (None, device):
+            group = [sid for sid in slices if (sid in device_slices) == (where is not None)]
+            if not group:
+                continue
+            need = len(group) * -(-rows // extent_rows) * extent_bytes
+            arena = HostArena(
+                (extent_rows, self.row_bytes),
+                torch.uint8,
+                pin=device.type == "cuda",
+                account=account,
+                slab_bytes=max(extent_bytes, min(need, 1 << 30)),
+                device=where,
+            )
+            self.arenas.append(arena)
+            self.rows.update({sid: HostSlice(arena, extent_rows) for sid in group})
         self.reserve(capacity)
         self.coded = 0  # leading tokens of every streamed slice stored packed
         # One load at a time unpacks from here: loads run in order on the H2D stream.
@@ -149,7 +163,8 @@ class PackedTier:
         self, sid: int, host: HostSlice, dst: torch.Tensor, start: int, end: int, *, scratch: bool = True
     ) -> int:
         """Tokens [start, end) of slice `sid` into dst[: end - start] on the current stream: coded
-        ones unpacked from rows, the rest copied from `host`. Returns the bytes sent over PCIe.
+        ones unpacked from rows, the rest copied from `host`. Returns the bytes sent over PCIe
+        (0 for a slice kept on the device).
 
         `scratch`: unpack from the shared scratch; only for loads issued in order on one stream
         (the staging ring's). Other callers get a fresh buffer."""
@@ -176,7 +191,7 @@ class PackedTier:
         if end > c:
             host.read_into(dst[c - start : end - start], c, end)
             moved += (end - c) * self.layout.token_bytes
-        return moved
+        return 0 if sid in self.device_slices else moved
 
     def encode(self, hosts: dict[int, HostSlice], upto: int, streams: Streams) -> tuple[int, int]:
         """Pack tokens [coded, upto) of every slice from its full-precision host copy (through
@@ -193,10 +208,16 @@ class PackedTier:
             self.rows[sid].write(a // g, self.codec.pack(tmp))
             host.last_write = streams.record()  # loads of these rows wait for it
         self.coded = upto
-        n = len(hosts)
+        n = sum(sid not in self.device_slices for sid in hosts)  # the others never cross PCIe
         return n * (upto - a) * lay.token_bytes, n * (upto - a) // g * self.row_bytes
+
+    def stored_bytes(self, sid: int, length: int) -> int:
+        """Bytes slice `sid` holds for `length` tokens: packed rows, then the uncoded tokens."""
+        coded = min(self.coded, length)
+        return coded // self.codec.group * self.row_bytes + (length - coded) * self.layout.token_bytes
 
     def close(self) -> None:
         self.account.free(GPU, self.scratch.numel())
         self.rows.clear()
-        self.arena.close()
+        for arena in self.arenas:
+            arena.close()

@@ -12,9 +12,11 @@ layer), then `end_step()`.
 Two optional hooks let lossy policies (`kvtier.policies`) act on the stored tokens; with neither
 set the store behaves exactly as before:
 
-- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are coded: resident
-  slices keep the quantize -> dequantize round trip (GPU bytes unchanged); streamed slices keep
-  packed rows in host memory (`kvtier.kv.packed`), so their loads move the packed bytes.
+- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are coded. A packing
+  codec (int4/int8/fp8) stores them as packed rows (`kvtier.kv.packed`): streamed slices in host
+  memory, so their loads move the packed bytes, and the plan's resident slices in GPU memory,
+  unpacked on the device when attended, so they take the packed bytes of GPU memory. Other
+  codecs keep the quantize -> dequantize round trip in place.
 - `evictor` (`Evictor`): at `end_step`, each slice it owns may be compacted to a subset of its
   tokens, per KV head, in token order. That slice's stored length shrinks; `position` never
   does. The slices it owns are always GPU-resident (sized by what they keep); the plan places
@@ -38,7 +40,7 @@ from kvtier.kv.packed import PackedTier, TailHostSlice, can_pack, uncoded_tail
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HostArena, TierAccount
+from kvtier.kv.tiers import GPU, HOST, HostArena, TierAccount
 from kvtier.model.rope import Rotary
 from kvtier.planner.placement import KVPlan
 
@@ -110,33 +112,34 @@ class TieredKVStore:
         # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
         extent_blocks = min(extent_blocks, self._capacity // lay.block_size)
         extent_tokens = lay.block_size * extent_blocks
-        streamed = [s for s in range(lay.num_slices) if not is_resident[s]]
-        # With a packing codec, streamed slices keep coded tokens as packed rows and only their
-        # uncoded tail (plus one step's tokens) in full precision: a ring of two extents.
-        packing = codec is not None and can_pack(codec) and bool(streamed)
-        per_slice = len(streamed)
+        # With a packing codec every slice keeps its coded tokens as packed rows: streamed slices
+        # in host memory, the plan's resident ones in GPU memory (the GPU tier of a quantized
+        # cache); both are unpacked into the staging buffers when attended. Only the uncoded
+        # tail (plus one step's tokens) stays full precision, in a ring of two extents.
+        packing = codec is not None and can_pack(codec)
+        self.on_device: frozenset[int] = frozenset(
+            s for s in range(lay.num_slices) if packing and is_resident[s]
+        )
+        for s in self.on_device:
+            is_resident[s] = False
+        staged = [s for s in range(lay.num_slices) if not is_resident[s]]
+        streamed = [s for s in staged if s not in self.on_device]
         if packing:
             extent_tokens = lay.round_up(uncoded_tail(codec) + plan.chunk_size)  # type: ignore[arg-type]
-            per_slice = 2 * len(streamed)
-        self.arena = HostArena(
-            (extent_tokens, *shape),
-            dtype,
-            pin=device.type == "cuda",
-            account=self.account,
-            slab_bytes=extent_tokens
-            * lay.token_bytes
-            * max(1, min(per_slice, (1 << 30) // max(1, extent_tokens * lay.token_bytes))),
-        )
+        arenas = {False: self._arena(extent_tokens, shape, dtype, len(streamed) * (1 + packing), None)}
+        if self.on_device:
+            arenas[True] = self._arena(extent_tokens, shape, dtype, 2 * len(self.on_device), device)
+        self.arena = arenas[False]
+        self._device_arena = arenas.get(True)
         for s in range(lay.num_slices):
             if is_resident[s]:
                 tokens = lay.block_size if s in self._evictable else self._capacity
                 self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
                 self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
             else:
+                arena = arenas[s in self.on_device]
                 self.hosts[s] = (
-                    TailHostSlice(self.arena, extent_tokens)
-                    if packing
-                    else HostSlice(self.arena, extent_tokens)
+                    TailHostSlice(arena, extent_tokens) if packing else HostSlice(arena, extent_tokens)
                 )
                 # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
                 self.hosts[s].reserve(self._capacity)
@@ -146,28 +149,31 @@ class TieredKVStore:
         self.slice_length = [0] * lay.num_slices
         self.evictor = evictor
         self.ring: StagingRing | None = None
-        if streamed:
+        if staged:
+            # NOTE: a plan that keeps everything resident has no staging buffers; packed
+            # slices on the GPU still need two to unpack into, of the whole slice.
             self.ring = StagingRing(
-                max(1, plan.staging_buffers),
-                lay.round_up(plan.staging_tokens),
+                plan.staging_buffers or 2,
+                lay.round_up(plan.staging_tokens or self._capacity),
                 shape,
                 dtype,
                 device,
                 self.streams,
                 self.account,
             )
-        # A packing codec keeps the coded tokens of streamed slices packed in host memory, so
-        # loads move packed bytes (kvtier.kv.packed); values are identical to the round trip.
+        # A packing codec keeps coded tokens packed (kvtier.kv.packed): loads of streamed slices
+        # move packed bytes over PCIe; values are identical to the codec's round trip.
         self.packed: PackedTier | None = None
-        if codec is not None and can_pack(codec) and self.ring is not None:
+        if packing and self.ring is not None:
             self.packed = PackedTier(
                 codec,  # type: ignore[arg-type]
                 lay,
-                streamed,
+                staged,
                 self._capacity,
                 scratch_tokens=self.ring.tokens,
                 device=device,
                 account=self.account,
+                device_slices=self.on_device,
             )
 
     # -- step protocol -------------------------------------------------------------------------
@@ -379,10 +385,41 @@ class TieredKVStore:
         if self.streams.d2h is not None:
             new.record_stream(self.streams.d2h)
         host.last_write = written
-        self.account.d2h_bytes += new.numel() * new.element_size()
+        if sid not in self.on_device:
+            self.account.d2h_bytes += new.numel() * new.element_size()
         return written
 
     # -- memory --------------------------------------------------------------------------------
+
+    def _arena(
+        self,
+        extent_tokens: int,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        extents: int,
+        device: torch.device | None,
+    ) -> HostArena:
+        """Extents for `extents` slice extents, in host memory (pinned on CUDA) or on `device`."""
+        extent_bytes = extent_tokens * self.layout.token_bytes
+        return HostArena(
+            (extent_tokens, *shape),
+            dtype,
+            pin=self.device.type == "cuda",
+            account=self.account,
+            slab_bytes=extent_bytes * max(1, min(extents, (1 << 30) // max(1, extent_bytes))),
+            device=device,
+        )
+
+    def stored_bytes(self) -> dict[str, int]:
+        """KV bytes held per tier at the current lengths (not capacity): full-precision resident
+        slices, packed slices (rows + uncoded tokens) and full-precision host slices."""
+        token = self.layout.token_bytes
+        out = {GPU: sum(self.slice_length[s] for s in self.resident) * token, HOST: 0}
+        for sid in self.hosts:
+            n = self.slice_length[sid]
+            nbytes = n * token if self.packed is None else self.packed.stored_bytes(sid, n)
+            out[GPU if sid in self.on_device else HOST] += nbytes
+        return out
 
     def _grow_resident(self, tokens: int) -> None:
         for sid, old in self.resident.items():
@@ -415,3 +452,5 @@ class TieredKVStore:
             self.packed.close()
         self.hosts.clear()
         self.arena.close()
+        if self._device_arena is not None:
+            self._device_arena.close()

@@ -43,9 +43,9 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
         packed = store.packed
         coded = packed.codec.frozen_tokens(tokens)
         packed.reserve(lay.round_up(tokens))
-        extent = packed.arena.extent_shape[0] * packed.codec.group
+        extent = packed.arenas[0].extent_shape[0] * packed.codec.group
         kv = torch.randn(extent, 2, lay.group_size, lay.head_dim, generator=gen, device=store.device)
-        rows = packed.codec.pack(kv.to(lay.dtype)).cpu()
+        rows = packed.codec.pack(kv.to(lay.dtype))
         for r in packed.rows.values():
             for ext in r.extents:
                 ext.copy_(rows)

@@ -36,6 +36,9 @@ class HostArena:
     On CUDA machines slabs are pinned (page-locked) so copies run at full PCIe speed
     asynchronously. Slabs are a power of two in size so PyTorch's pinned allocator, which rounds
     every request up to a power of two, wastes nothing. `close()` returns the memory.
+
+    With `device`, the slabs live in that device's memory instead and count in the GPU tier
+    (packed slices that stay on the GPU: `kvtier.kv.packed`).
     """
 
     def __init__(
@@ -45,10 +48,13 @@ class HostArena:
         pin: bool,
         account: TierAccount,
         slab_bytes: int = 1 << 30,
+        device: torch.device | None = None,
     ) -> None:
         self.extent_shape = extent_shape
         self.dtype = dtype
-        self.pin = pin
+        self.device = device
+        self.pin = pin and device is None
+        self.tier = HOST if device is None else GPU
         self.account = account
         numel = 1
         for n in extent_shape:
@@ -63,8 +69,10 @@ class HostArena:
         """One extent [*extent_shape]; allocates a new slab when none is free."""
         if not self._free:
             n = self.extents_per_slab
-            slab = torch.empty(n * self.extent_numel, dtype=self.dtype, pin_memory=self.pin)
-            self.account.alloc(HOST, slab.numel() * slab.element_size())
+            slab = torch.empty(
+                n * self.extent_numel, dtype=self.dtype, device=self.device, pin_memory=self.pin
+            )
+            self.account.alloc(self.tier, slab.numel() * slab.element_size())
             self._slabs.append(slab)
             self._free.extend(reversed(slab.view(n, *self.extent_shape).unbind(0)))
         return self._free.pop()
@@ -72,7 +80,7 @@ class HostArena:
     def close(self) -> None:
         """Release all slabs (and, on CUDA, the pinned allocator's cache of them)."""
         for slab in self._slabs:
-            self.account.free(HOST, slab.numel() * slab.element_size())
+            self.account.free(self.tier, slab.numel() * slab.element_size())
         self._slabs.clear()
         self._free.clear()
         if self.pin and torch.cuda.is_available():

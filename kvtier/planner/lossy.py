@@ -38,7 +38,8 @@ class LossyKV:
     """Bytes of one sequence's KV at `context` tokens under a plan and a lossy method."""
 
     context: int
-    gpu_stored: int  # KV bytes held by GPU-resident slices (evicted ones keep `kept` tokens)
+    gpu_stored: int  # KV bytes held by GPU-resident slices (evicted ones keep `kept` tokens; packed
+    # ones their rows and uncoded tokens)
     host_stored: int  # KV bytes a streamed slice loads, summed: packed rows + full-precision tokens
     pcie_per_decode: int  # bytes copied to the GPU for one decode step at `context` tokens
     streamed_slices: int
@@ -57,7 +58,8 @@ def lossy_kv(
 ) -> LossyKV:
     """Predict the bytes of `plan` at `context` stored tokens with a lossy method.
 
-    `codec`: a packing codec (streamed slices load packed rows for their coded tokens).
+    `codec`: a packing codec (every slice stores packed rows for its coded tokens: streamed ones
+    in host memory, loaded as such; resident ones in GPU memory).
     `evicted_slices` / `kept_tokens`: slices an evictor compacts (all of them for `--evict`, the
     streaming heads for `--head-sparsity`) and the tokens each keeps (`--kv-budget`, or sinks +
     recent). Evicted slices stay resident; the plan's resident count applies to the others.
@@ -75,9 +77,10 @@ def lossy_kv(
         load = (
             coded // codec.group * codec.row_bytes(plan.group_size, cfg.head_dim) + (context - coded) * token
         )
+    # NOTE: with a packing codec the resident slices hold packed rows too, in GPU memory.
     return LossyKV(
         context=context,
-        gpu_stored=(evicted_slices * kept + resident * context) * token,
+        gpu_stored=evicted_slices * kept * token + resident * (context * token if codec is None else load),
         host_stored=streamed * load,
         pcie_per_decode=streamed * load,
         streamed_slices=streamed,
