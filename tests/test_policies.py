@@ -197,6 +197,49 @@ def test_packed_tiers_equal_the_round_trip_and_move_packed_bytes(
         assert s.account.allocated == {"gpu": 0, "host": 0}
 
 
+@pytest.mark.parametrize("policy", ["gpu", "head", "auto"])
+def test_planner_sizes_packed_slices_as_the_store_allocates_them(
+    gqa: tuple[CausalLM, ModelConfig], policy: str
+) -> None:
+    """With a packing codec, plan_kv counts rows, tails, staging and scratch exactly; the same
+    GPU budget then keeps more slices resident than at full precision."""
+    from kvtier.planner.memory import activation_bytes, weight_bytes
+    from kvtier.planner.placement import plan_kv
+
+    _, cfg = gqa
+    codec = KiviCodec(bits=4, group=8, residual=16)
+    n, block = 1000, 8
+    kw: dict[str, Any] = dict(policy=policy, dtype_bytes=4, chunk_size=64, block_size=block, reserve_bytes=0)
+    kw["group_size"] = None if policy == "gpu" else 1
+    full = plan_kv(cfg, n, gpu_budget=None, **kw)
+    budget = None
+    if policy == "auto":  # room for three quarters of the KV at full precision
+        budget = (
+            weight_bytes(cfg, 4) + activation_bytes(cfg, 64, 4, group_size=1) + full.gpu_kv_bytes * 3 // 4
+        )
+        full = plan_kv(cfg, n, gpu_budget=budget, **kw)
+    plan = plan_kv(cfg, n, gpu_budget=budget, codec=codec, **kw)
+    store = TieredKVStore(
+        cfg,
+        plan,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=n,
+        options=StoreOptions(block_size=block),
+        codec=codec,
+    )
+    assert store.account.allocated == {"gpu": plan.gpu_kv_bytes, "host": plan.host_kv_bytes}
+    assert (len(store.on_device), len(store.hosts) - len(store.on_device)) == (
+        plan.resident_slices,
+        plan.streamed_slices,
+    )
+    if policy != "head":  # a resident slice: packed rows and a tail, under half of full precision
+        assert plan.slice_store_bytes < full.capacity_tokens * full.slice_token_bytes / 2
+    if policy == "auto":
+        assert 0 < full.resident_slices < plan.resident_slices
+    store.close()
+
+
 # -- eviction ----------------------------------------------------------------------------------
 
 

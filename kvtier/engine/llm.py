@@ -13,6 +13,7 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, PromptError
+from kvtier.kv.packed import can_pack
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.planner.hardware import detect_hardware, host_memory_available
@@ -105,12 +106,9 @@ class LLM:
         """The KV placement for a sequence of `context` tokens (from `kvtier.planner`)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         host = host_memory_available() if self.device.type == "cuda" else None
-        if host is not None and self.method.kv_quant is not None:
-            # The planner counts offloaded KV at full precision; a quantized host tier stores
-            # packed rows (plus a short full-precision tail), so the same RAM holds more tokens.
-            codec = make_codec(self.method.kv_quant)
-            d = self.model_config.head_dim
-            host = int(host * (2 * d * itemsize * codec.group) / codec.row_bytes(1, d))
+        # A quantized cache is planned packed: rows plus a short full-precision tail per slice,
+        # in GPU memory for resident slices and host memory for streamed ones.
+        codec = make_codec(self.method.kv_quant) if self.method.kv_quant is not None else None
         gpu = self.gpu_budget()
         if gpu is not None and self.method.attention == "hip":
             from kvtier.sparse import hip_gpu_bytes
@@ -127,6 +125,7 @@ class LLM:
             block_size=self.config.block_size,
             hardware=detect_hardware(self.device),
             host_budget=host,
+            codec=codec if codec is not None and can_pack(codec) else None,
         )
 
     # -- prompts -------------------------------------------------------------------------------

@@ -28,9 +28,8 @@ import torch
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HostArena, TierAccount
-
-ROWS_EXTENT_BYTES = 16 << 20  # one host copy per 16 MiB of packed rows
+from kvtier.kv.tiers import GPU, HostArena, TierAccount, balanced_slab_bytes
+from kvtier.planner.packed import PackedSizing
 
 
 class PackingCodec(Protocol):
@@ -129,7 +128,7 @@ class PackedTier:
         self.row_bytes = codec.row_bytes(layout.group_size, layout.head_dim)
         g = codec.group
         rows = -(-capacity // g)
-        extent_rows = max(1, min(rows, ROWS_EXTENT_BYTES // self.row_bytes))
+        extent_rows = PackedSizing.of(codec, layout.group_size, layout.head_dim).extent_rows(capacity)
         extent_bytes = extent_rows * self.row_bytes
         self.arenas: list[HostArena] = []
         self.rows: dict[int, HostSlice] = {}
@@ -137,13 +136,14 @@ class PackedTier:
             group = [sid for sid in slices if (sid in device_slices) == (where is not None)]
             if not group:
                 continue
-            need = len(group) * -(-rows // extent_rows) * extent_bytes
+            extents = len(group) * -(-rows // extent_rows)
+            slab = max(extent_bytes, min(extents * extent_bytes, 1 << 30))
             arena = HostArena(
                 (extent_rows, self.row_bytes),
                 torch.uint8,
                 pin=device.type == "cuda",
                 account=account,
-                slab_bytes=max(extent_bytes, min(need, 1 << 30)),
+                slab_bytes=slab if where is None else balanced_slab_bytes(extent_bytes, extents),
                 device=where,
             )
             self.arenas.append(arena)

@@ -40,7 +40,7 @@ from kvtier.kv.packed import PackedTier, TailHostSlice, can_pack, uncoded_tail
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HOST, HostArena, TierAccount
+from kvtier.kv.tiers import GPU, HOST, HostArena, TierAccount, balanced_slab_bytes
 from kvtier.model.rope import Rotary
 from kvtier.planner.placement import KVPlan
 
@@ -401,12 +401,13 @@ class TieredKVStore:
     ) -> HostArena:
         """Extents for `extents` slice extents, in host memory (pinned on CUDA) or on `device`."""
         extent_bytes = extent_tokens * self.layout.token_bytes
+        slab = extent_bytes * max(1, min(extents, (1 << 30) // max(1, extent_bytes)))
         return HostArena(
             (extent_tokens, *shape),
             dtype,
             pin=self.device.type == "cuda",
             account=self.account,
-            slab_bytes=extent_bytes * max(1, min(extents, (1 << 30) // max(1, extent_bytes))),
+            slab_bytes=slab if device is None else balanced_slab_bytes(extent_bytes, extents),
             device=device,
         )
 

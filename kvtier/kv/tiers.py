@@ -85,3 +85,12 @@ class HostArena:
         self._free.clear()
         if self.pin and torch.cuda.is_available():
             torch._C._host_emptyCache()
+
+
+def balanced_slab_bytes(extent_bytes: int, extents: int, cap: int = 1 << 30) -> int:
+    """Slab size for `extents` extents in slabs of at most `cap` bytes (or one extent), split
+    evenly, so the last slab wastes at most one extent per slab. For device memory, where no
+    power-of-two rounding applies."""
+    per = max(1, cap // max(1, extent_bytes))
+    slabs = -(-max(1, extents) // per)
+    return extent_bytes * -(-max(1, extents) // slabs)

@@ -15,22 +15,11 @@ tests check that the two agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvtier.config import ModelConfig
 from kvtier.planner.memory import kv_token_bytes
+from kvtier.planner.packed import PackedFormat
 from kvtier.planner.placement import KVPlan
-
-
-class PackedFormat(Protocol):
-    """What the planner needs of a packing codec (`kvtier.policies.quant`)."""
-
-    @property
-    def group(self) -> int: ...
-
-    def frozen_tokens(self, length: int) -> int: ...
-
-    def row_bytes(self, heads: int, head_dim: int) -> int: ...
 
 
 @dataclass(frozen=True)

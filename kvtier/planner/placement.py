@@ -17,12 +17,14 @@ The KV cache is cut into slices, one per (layer, group of `group_size` KV heads)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, kv_token_bytes, round_up, weight_bytes
+from kvtier.planner.packed import PackedFormat, PackedSizing
 from kvtier.planner.roofline import MIN_CHUNK, default_chunk_size
 
 POLICIES = ("gpu", "layer", "head", "auto")
@@ -44,6 +46,10 @@ class KVPlan:
     capacity_tokens: int = 0  # context rounded up to the block size: what each slice can hold
     num_slices: int = 0  # num_layers x num_groups
     slice_token_bytes: int = 0  # K and V of one token of one slice, B
+    # A packing codec (quantized KV): every slice stores packed rows and a full-precision tail;
+    # resident slices unpack on the GPU through the staging buffers.
+    packed: PackedSizing | None = None
+    packed_tail_tokens: int = 0  # full-precision tokens of a packed slice's tail ring
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -78,15 +84,25 @@ class KVPlan:
         return -(-self.capacity_tokens // self.staging_tokens) if self.streamed_slices else 0
 
     @property
+    def slice_store_bytes(self) -> int:
+        """Bytes one slice reserves at capacity: full precision, or packed rows plus the tail."""
+        if self.packed is None:
+            return self.capacity_tokens * self.slice_token_bytes
+        return self.packed.rows_bytes(self.capacity_tokens) + self.packed_tail_tokens * self.slice_token_bytes
+
+    @property
     def gpu_kv_bytes(self) -> int:
-        """GPU bytes for KV: resident slices at capacity plus the staging buffers."""
-        tokens = self.resident_slices * self.capacity_tokens + self.staging_buffers * self.staging_tokens
-        return tokens * self.slice_token_bytes
+        """GPU bytes for KV: resident slices at capacity plus the staging buffers (and, packed,
+        the rows a load unpacks from)."""
+        staging = self.staging_buffers * self.staging_tokens * self.slice_token_bytes
+        if self.packed is not None and self.staging_buffers:
+            staging += self.packed.scratch_bytes(self.staging_tokens)
+        return self.resident_slices * self.slice_store_bytes + staging
 
     @property
     def host_kv_bytes(self) -> int:
         """Pinned host bytes for KV: every streamed slice at capacity."""
-        return self.streamed_slices * self.capacity_tokens * self.slice_token_bytes
+        return self.streamed_slices * self.slice_store_bytes
 
     @property
     def pcie_bytes_per_decode_token(self) -> int:
@@ -108,6 +124,7 @@ def plan_kv(
     block_size: int = 256,
     reserve_bytes: int = GPU_RESERVE_BYTES,
     mlp_chunk: int | None = None,
+    codec: PackedFormat | None = None,
 ) -> KVPlan:
     """Plan KV placement for one sequence of `context` tokens.
 
@@ -116,8 +133,9 @@ def plan_kv(
     everything resident; "layer" streams whole layers, "head" streams `group_size` (default 1)
     KV heads at a time; "auto" keeps everything resident if it fits, else picks the group size
     and resident-slice count with the least streamed bytes / PCIe bandwidth + streamed pieces x
-    per-slice overhead. Raises ConfigError on bad arguments and CapacityError with the numbers
-    when the GPU or host budget is too small.
+    per-slice overhead. With a packing `codec` (quantized KV) every slice is sized packed, and
+    resident slices need two staging buffers to unpack into. Raises ConfigError on bad
+    arguments and CapacityError with the numbers when the GPU or host budget is too small.
     """
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     hw = hardware or DEFAULT_HARDWARE
@@ -130,24 +148,43 @@ def plan_kv(
             + reserve_bytes
         )
 
-    def pick_chunk(g: int, kv: int, floor: int = MIN_REDUCED_CHUNK) -> int:
+    def sizing(g: int) -> PackedSizing | None:
+        return None if codec is None else PackedSizing.of(codec, g, cfg.head_dim)
+
+    def slice_kv(g: int, c: int) -> int:
+        """Bytes one slice of `g` KV heads stores at capacity (packed: rows and tail)."""
+        tok, pk = kv_token_bytes(cfg, g, dtype_bytes), sizing(g)
+        return capacity * tok if pk is None else pk.rows_bytes(capacity) + pk.tail_tokens(c, block_size) * tok
+
+    def staging_kv(g: int, tokens: int) -> int:
+        """Two staging buffers of `tokens` tokens (packed: and the rows a load unpacks from)."""
+        pk = sizing(g)
+        scratch = 0 if pk is None else pk.scratch_bytes(tokens)
+        return 2 * tokens * kv_token_bytes(cfg, g, dtype_bytes) + scratch
+
+    def all_resident_kv(g: int, c: int) -> int:
+        n = cfg.num_layers * (cfg.num_kv_heads // g)
+        return n * slice_kv(g, c) + (0 if codec is None else staging_kv(g, capacity))
+
+    def pick_chunk(g: int, kv: Callable[[int], int], floor: int = MIN_REDUCED_CHUNK) -> int:
         """The roofline chunk for slices of `g` KV heads (finer slices need longer chunks to hide
-        the host's per-slice work), halved down to `floor` until it fits next to `kv` KV bytes."""
+        the host's per-slice work), halved down to `floor` until it fits next to kv(chunk) bytes."""
         if chunk_size is not None:
             return min(chunk_size, context)
         pieces = cfg.num_layers * (cfg.num_kv_heads // g)
         c = min(default_chunk_size(cfg, context, hw, dtype_bytes, pieces=pieces), context)
-        while gpu_budget is not None and c > floor and fixed(c, g) + kv > gpu_budget:
+        while gpu_budget is not None and c > floor and fixed(c, g) + kv(c) > gpu_budget:
             c = max(c // 2, floor)
         return c
 
-    all_kv = capacity * cfg.kv_bytes_per_token(dtype_bytes)
     if policy == "gpu":
-        min_kv, min_g = all_kv, group_size or cfg.num_kv_heads
+        min_g = group_size or cfg.num_kv_heads
+        chunk = pick_chunk(min_g, lambda c: all_resident_kv(min_g, c))
+        min_kv = all_resident_kv(min_g, chunk)
     else:
         min_g = cfg.num_kv_heads if policy == "layer" else (group_size or 1)
-        min_kv = 2 * block_size * kv_token_bytes(cfg, min_g, dtype_bytes)
-    chunk = pick_chunk(min_g, min_kv)
+        min_kv = staging_kv(min_g, block_size)
+        chunk = pick_chunk(min_g, lambda c: min_kv)
     if gpu_budget is not None and fixed(chunk, min_g) + min_kv > gpu_budget:
         w = weight_bytes(cfg, dtype_bytes)
         act = fixed(chunk, min_g) - w - reserve_bytes
@@ -166,17 +203,21 @@ def plan_kv(
 
     def make(g: int, resident: int, staging_tokens: int, c: int) -> KVPlan:
         n = cfg.num_layers * (cfg.num_kv_heads // g)
+        pk = sizing(g)
+        staged = resident < n or pk is not None  # packed resident slices unpack through staging
         plan = KVPlan(
             policy=policy,
             group_size=g,
             resident_slices=resident,
             chunk_size=c,
-            staging_buffers=2 if resident < n else 0,
-            staging_tokens=staging_tokens if resident < n else 0,
+            staging_buffers=2 if staged else 0,
+            staging_tokens=(staging_tokens if resident < n else capacity) if staged else 0,
             context=context,
             capacity_tokens=capacity,
             num_slices=n,
             slice_token_bytes=kv_token_bytes(cfg, g, dtype_bytes),
+            packed=pk,
+            packed_tail_tokens=0 if pk is None else pk.tail_tokens(c, block_size),
         )
         if host_budget is not None and plan.host_kv_bytes > host_budget:
             raise CapacityError(
@@ -192,8 +233,8 @@ def plan_kv(
         g = group_size or cfg.num_kv_heads
         # NOTE: everything stays resident if it does with a chunk of at least MIN_CHUNK tokens;
         # a smaller chunk would trade PCIe time for host-bound prefill.
-        c = pick_chunk(g, all_kv, floor=min(MIN_CHUNK, chunk))
-        if gpu_budget is None or fixed(c, g) + all_kv <= gpu_budget:
+        c = pick_chunk(g, lambda c: all_resident_kv(g, c), floor=min(MIN_CHUNK, chunk))
+        if gpu_budget is None or fixed(c, g) + all_resident_kv(g, c) <= gpu_budget:
             return make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0, c)
     if policy in ("layer", "head"):
         g = min_g
@@ -206,13 +247,19 @@ def plan_kv(
     host_error: CapacityError | None = None
     for g in candidates:
         tok = kv_token_bytes(cfg, g, dtype_bytes)
-        c = pick_chunk(g, 2 * block_size * tok)
-        avail = gpu_budget - fixed(c, g)
+
+        def stream_kv(_c: int, g: int = g) -> int:  # the least a streaming plan needs
+            return staging_kv(g, block_size)
+
+        c = pick_chunk(g, stream_kv)
+        pk = sizing(g)
+        scratch = 0 if pk is None else pk.scratch_bytes(capacity)
+        avail = gpu_budget - fixed(c, g) - scratch
         n = cfg.num_layers * (cfg.num_kv_heads // g)
         staging = _staging_tokens(avail, capacity, tok, block_size)
         if staging == 0:
             continue
-        resident = min((avail - 2 * capacity * tok) // (capacity * tok), n - 1) if staging == capacity else 0
+        resident = min((avail - 2 * capacity * tok) // slice_kv(g, c), n - 1) if staging == capacity else 0
         try:
             plan = make(g, resident, staging, c)
         except CapacityError as e:
