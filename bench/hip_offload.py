@@ -46,6 +46,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.placement import KVPlan, plan_kv
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
+from kvtier.sparse.rope_ext import table_positions
 from kvtier.units import parse_count, parse_size
 
 
@@ -80,14 +81,15 @@ def make_kernel(
 
 
 def cache_bytes_estimate(cfg: ModelConfig, method: str, context: int, smoke: bool, dtype_bytes: int) -> int:
-    """GPU bytes of HiP's block caches and decode attention buffers with one KV head per slice
-    (0 for dense)."""
+    """GPU bytes of HiP's block caches and decode attention buffers with one KV head per slice,
+    and its RoPE table (0 for dense)."""
     if method == "dense":
         return 0
     hip = hip_config(method.removeprefix("hip-"), context, smoke)
     token = 2 * cfg.head_dim * dtype_bytes
     per_slice = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
-    return cfg.num_layers * cfg.num_kv_heads * per_slice * token
+    rope = 2 * table_positions(context + 4096) * cfg.head_dim * dtype_bytes if hip.extend else 0
+    return cfg.num_layers * cfg.num_kv_heads * per_slice * token + rope
 
 
 def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: int) -> KVPlan:

@@ -372,3 +372,22 @@ def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(mod
         assert int(n[b]) == alone.numel()
         assert torch.equal(sel[b, : int(n[b])], alone)
         assert bool((sel[b, int(n[b]) :] == -1).all())
+
+
+def test_rope_table_grows_in_bounded_steps_with_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table is computed a step of positions at a time (bounded temporaries), grows by about a
+    quarter, and holds exactly Rotary.cos_sin's values."""
+    import kvtier.sparse.rope_ext as rope_ext
+
+    monkeypatch.setattr(rope_ext, "TABLE_STEP", 64)
+    rotary = Rotary(RopeConfig(), D)
+    table = RopeTable(rotary)
+    x = torch.randn(300, 2, D)
+    pos = torch.arange(300)
+    out = table.rotate(x, pos, limit=300)
+    assert table._cos.shape[0] == rope_ext.table_positions(300) == 384  # 300 + 75, in steps of 64
+    assert torch.equal(out, rotate(rotary, x, pos))
+    table.rotate(x[:1], torch.tensor([384]), limit=385)  # one past the end: grow by a quarter
+    assert table._cos.shape[0] == rope_ext.table_positions(385) == 512
+    cos, sin = rotary.cos_sin(torch.arange(512), torch.float32)
+    assert torch.equal(table._cos, cos) and torch.equal(table._sin, sin)

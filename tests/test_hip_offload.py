@@ -317,3 +317,7 @@ def test_hip_gpu_bytes_cover_the_block_caches_and_buffers_a_run_allocates(
     run(model, cfg, "head", kernel)
     held = kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes()
     assert 0 < held <= hip_gpu_bytes(cfg, "default", dtype_bytes=4)
+    # With context extension the RoPE table covers the positions too.
+    assert kernel.rotary is not None
+    table = 2 * kernel.rotary._cos.numel() * 4
+    assert 0 < held + table <= hip_gpu_bytes(cfg, "default", dtype_bytes=4, context=PROMPT + DECODE)

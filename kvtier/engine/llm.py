@@ -113,7 +113,7 @@ class LLM:
         if gpu is not None and self.method.attention == "hip":
             from kvtier.sparse import hip_gpu_bytes
 
-            gpu -= hip_gpu_bytes(self.model_config, self.method.hip_preset, itemsize)  # block caches
+            gpu -= hip_gpu_bytes(self.model_config, self.method.hip_preset, itemsize, context)  # caches, RoPE
         return plan_kv(
             self.model_config,
             context,

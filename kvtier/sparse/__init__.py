@@ -17,6 +17,7 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
 from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
+from kvtier.sparse.rope_ext import table_positions
 
 HIP_PRESETS: dict[str, HipConfig] = {
     # The paper's "3K" setting: sink 256, window 1024, chunks 256/32/8, keep 32K/8K/2K (4K in
@@ -50,9 +51,10 @@ def make_hip_kernel(
     return kernel, kernel.needs_unrotated_keys
 
 
-def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 2) -> int:
+def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 2, context: int = 0) -> int:
     """GPU bytes HiP holds besides the plan's KV: every slice's block cache (used when the slice
-    is offloaded) and decode attention buffer, at the preset's budgets (not the context).
+    is offloaded) and decode attention buffer, at the preset's budgets, and the RoPE table of
+    context extension, which covers every position up to `context`.
 
     The planner does not know about them; the engine takes them off the GPU budget.
     """
@@ -60,7 +62,9 @@ def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 
         raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
     hip = HIP_PRESETS[preset]
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
-    return cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
+    caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
+    rope = 2 * table_positions(context) * cfg.head_dim * dtype_bytes if context and hip.extend else 0
+    return caches + rope
 
 
 __all__ = [

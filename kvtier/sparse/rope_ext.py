@@ -33,11 +33,22 @@ def rotate(rotary: Rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Te
     return Rotary.apply(x, cos, sin)
 
 
+TABLE_STEP = 65536  # positions: the table grows in whole steps, and is computed one step at a time
+
+
+def table_positions(context: int) -> int:
+    """Positions a `RopeTable` holds once it has served `context` positions (at most)."""
+    return -(-(context + context // 4) // TABLE_STEP) * TABLE_STEP
+
+
 class RopeTable:
     """cos/sin of every position up to the longest seen, computed once and indexed per call.
 
-    Gives the same values as `Rotary.cos_sin` (same float32 computation), without recomputing
-    cos and sin for every query block. Grows by doubling; mutates only itself.
+    Gives the same values as `Rotary.cos_sin` (same float32 computation, elementwise), without
+    recomputing cos and sin for every query block. Grows by a quarter (in whole `TABLE_STEP`s),
+    computing `TABLE_STEP` positions at a time, so growing at 512K tokens does not need GBs of
+    float32 temporaries (it ran a 24 GB H200 out of memory when it doubled in one piece).
+    Mutates only itself.
     """
 
     def __init__(self, rotary: Rotary) -> None:
@@ -64,9 +75,15 @@ class RopeTable:
     def _grow(self, n: int, x: torch.Tensor) -> None:
         """Make the table cover positions < n in x's dtype (recomputed on growth; mutates)."""
         if n > self._cos.shape[0] or self._dtype != x.dtype:
-            size = max(n, 2 * self._cos.shape[0], 1024)
-            self._cos, self._sin = self.rotary.cos_sin(torch.arange(size, device=x.device), x.dtype)
-            self._dtype = x.dtype
+            old = self._cos.shape[0] if self._dtype == x.dtype else 0
+            size = table_positions(max(n, old + 1))
+            self._cos = self._sin = torch.empty(0, self.rotary.head_dim)  # free the old table first
+            cos = torch.empty(size, self.rotary.head_dim, dtype=x.dtype, device=x.device)
+            sin = torch.empty_like(cos)
+            for a in range(0, size, TABLE_STEP):
+                b = min(a + TABLE_STEP, size)
+                cos[a:b], sin[a:b] = self.rotary.cos_sin(torch.arange(a, b, device=x.device), x.dtype)
+            self._cos, self._sin, self._dtype = cos, sin, x.dtype
 
 
 def probe_positions(mode: str, side: int, chunk_index: torch.Tensor, true_pos: torch.Tensor) -> torch.Tensor:
