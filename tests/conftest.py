@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,3 +21,16 @@ def embedded_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache_dir = os.environ.get("KVTIER_CACHE_DIR") or tmp_path_factory.mktemp("kvtier-cache")
     return gguf_to_hf_folder(embedded_gguf_path(), cache_dir)
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """A tiny random Llama with GQA (3 layers, 4 query heads, 2 KV heads, head dim 16), fp32."""
+    import torch
+
+    from kvtier.loading.weights import load_safetensors_folder
+    from tests.hf_reference import make_hf_model
+
+    folder: Path = tmp_path_factory.mktemp("gqa")
+    make_hf_model("llama-gqa", folder)
+    return load_safetensors_folder(folder, torch.device("cpu"), torch.float32)

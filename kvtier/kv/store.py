@@ -35,12 +35,13 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.hooks import Evictor, KVCodec, StoreOptions
 from kvtier.kv.host_slice import HostSlice
-from kvtier.kv.layout import KVLayout, spread
-from kvtier.kv.packed import PackedTier, TailHostSlice, can_pack, uncoded_tail
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.packed import PackedTier, can_pack, uncoded_tail
 from kvtier.kv.reader import SliceReader
+from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HOST, HostArena, TierAccount, balanced_slab_bytes
+from kvtier.kv.tiers import GPU, HOST, TierAccount
 from kvtier.model.rope import Rotary
 from kvtier.planner.placement import KVPlan
 
@@ -94,7 +95,6 @@ class TieredKVStore:
         shape = (2, lay.group_size, lay.head_dim)
         self._capacity = lay.round_up(max(capacity, 1))
         self.resident: dict[int, torch.Tensor] = {}  # slice -> [capacity, 2, G, D]
-        self.hosts: dict[int, HostSlice] = {}
         if codec is not None and evictor is not None:
             raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
         # Slices an evictor compacts always stay on the GPU (they hold a budget, not the context),
@@ -103,46 +103,27 @@ class TieredKVStore:
         self._evictable: frozenset[int] = frozenset()
         if evictor is not None:
             self._evictable = evictor.bind(lay, self._capacity)
-        others = [s for s in range(lay.num_slices) if s not in self._evictable]
-        chosen = spread(len(others), min(plan.resident_slices, len(others)))
-        is_resident = [s in self._evictable for s in range(lay.num_slices)]
-        for s, keep in zip(others, chosen, strict=True):
-            is_resident[s] = keep
         extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
         # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
-        extent_blocks = min(extent_blocks, self._capacity // lay.block_size)
-        extent_tokens = lay.block_size * extent_blocks
-        # With a packing codec every slice keeps its coded tokens as packed rows: streamed slices
-        # in host memory, the plan's resident ones in GPU memory (the GPU tier of a quantized
-        # cache); both are unpacked into the staging buffers when attended. Only the uncoded
-        # tail (plus one step's tokens) stays full precision, in a ring of two extents.
+        extent_tokens = lay.block_size * min(extent_blocks, self._capacity // lay.block_size)
+        # With a packing codec every slice keeps its coded tokens as packed rows (kvtier.kv.slices):
+        # streamed ones in host memory, the plan's resident ones in GPU memory; both are unpacked
+        # into the staging buffers when attended. Only the uncoded tail (plus one step's tokens)
+        # stays full precision, in a ring of two extents.
         packing = codec is not None and can_pack(codec)
-        self.on_device: frozenset[int] = frozenset(
-            s for s in range(lay.num_slices) if packing and is_resident[s]
-        )
-        for s in self.on_device:
-            is_resident[s] = False
-        staged = [s for s in range(lay.num_slices) if not is_resident[s]]
-        streamed = [s for s in staged if s not in self.on_device]
+        places = place_slices(lay.num_slices, plan.resident_slices, self._evictable, packing)
+        self.on_device = places.on_device
+        staged = places.staged
         if packing:
             extent_tokens = lay.round_up(uncoded_tail(codec) + plan.chunk_size)  # type: ignore[arg-type]
-        arenas = {False: self._arena(extent_tokens, shape, dtype, len(streamed) * (1 + packing), None)}
-        if self.on_device:
-            arenas[True] = self._arena(extent_tokens, shape, dtype, 2 * len(self.on_device), device)
-        self.arena = arenas[False]
-        self._device_arena = arenas.get(True)
-        for s in range(lay.num_slices):
-            if is_resident[s]:
-                tokens = lay.block_size if s in self._evictable else self._capacity
-                self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
-                self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
-            else:
-                arena = arenas[s in self.on_device]
-                self.hosts[s] = (
-                    TailHostSlice(arena, extent_tokens) if packing else HostSlice(arena, extent_tokens)
-                )
-                # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
-                self.hosts[s].reserve(self._capacity)
+        for s in sorted(places.resident):
+            tokens = lay.block_size if s in self._evictable else self._capacity
+            self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
+            self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
+        self.storage = SliceStorage(
+            places, lay, extent_tokens, self._capacity, packing=packing, device=device, account=self.account
+        )
+        self.hosts: dict[int, HostSlice] = self.storage.slices  # slices attended through staging
         self.codec = codec
         self._coded = 0  # leading tokens of every slice already stored coded
         # Tokens stored per slice; differs from `length` only in slices an evictor compacted.
@@ -391,26 +372,6 @@ class TieredKVStore:
 
     # -- memory --------------------------------------------------------------------------------
 
-    def _arena(
-        self,
-        extent_tokens: int,
-        shape: tuple[int, int, int],
-        dtype: torch.dtype,
-        extents: int,
-        device: torch.device | None,
-    ) -> HostArena:
-        """Extents for `extents` slice extents, in host memory (pinned on CUDA) or on `device`."""
-        extent_bytes = extent_tokens * self.layout.token_bytes
-        slab = extent_bytes * max(1, min(extents, (1 << 30) // max(1, extent_bytes)))
-        return HostArena(
-            (extent_tokens, *shape),
-            dtype,
-            pin=self.device.type == "cuda",
-            account=self.account,
-            slab_bytes=slab if device is None else balanced_slab_bytes(extent_bytes, extents),
-            device=device,
-        )
-
     def stored_bytes(self) -> dict[str, int]:
         """KV bytes held per tier at the current lengths (not capacity): full-precision resident
         slices, packed slices (rows + uncoded tokens) and full-precision host slices."""
@@ -451,7 +412,4 @@ class TieredKVStore:
             self.ring.close()
         if self.packed is not None:
             self.packed.close()
-        self.hosts.clear()
-        self.arena.close()
-        if self._device_arena is not None:
-            self._device_arena.close()
+        self.storage.close()

@@ -32,7 +32,9 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
         buf[:n].normal_(generator=gen)
         store.slice_length[sid] = n
     if store.hosts:
-        pattern = torch.randn(store.arena.extent_shape, generator=torch.Generator().manual_seed(seed))
+        pattern = torch.randn(
+            next(iter(store.hosts.values())).extents[0].shape, generator=torch.Generator().manual_seed(seed)
+        )
         pattern = pattern.to(store.layout.dtype)
         for sid, host in store.hosts.items():
             host.reserve(store.layout.round_up(tokens))

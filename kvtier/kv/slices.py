@@ -1,0 +1,106 @@
+"""Where each slice of a store lives, and the extent storage of the slices not held whole on
+the GPU.
+
+```
+ resident   full-precision GPU buffer of the whole capacity (evicted slices: of what they keep)
+ on_device  packed rows + full-precision tail ring in GPU memory (a quantized cache's GPU tier)
+ streamed   host memory (pinned on CUDA): full precision, or packed rows + tail ring
+```
+
+Evicted slices are always resident; the plan's resident count applies to the others, spread
+over the layers (`kvtier.kv.layout.spread`). With a packing codec the plan's resident slices
+are kept packed on the device instead of in full precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.kv.host_slice import HostSlice
+from kvtier.kv.layout import KVLayout, spread
+from kvtier.kv.packed import TailHostSlice
+from kvtier.kv.tiers import HostArena, TierAccount, balanced_slab_bytes
+
+
+@dataclass(frozen=True)
+class SlicePlaces:
+    """The slices of each kind (see the module docstring)."""
+
+    resident: frozenset[int]
+    on_device: frozenset[int]
+    streamed: tuple[int, ...]
+
+    @property
+    def staged(self) -> list[int]:
+        """Slices attended through the staging buffers: on_device and streamed, in order."""
+        return sorted(self.on_device | set(self.streamed))
+
+
+def place_slices(
+    num_slices: int, resident_count: int, evictable: frozenset[int], packing: bool
+) -> SlicePlaces:
+    """Resident: the evictable slices, plus `resident_count` of the others spread over the
+    layers; with `packing`, the latter stay packed on the device instead."""
+    others = [s for s in range(num_slices) if s not in evictable]
+    chosen = {
+        s
+        for s, keep in zip(others, spread(len(others), min(resident_count, len(others))), strict=True)
+        if keep
+    }
+    on_device = frozenset(chosen) if packing else frozenset()
+    resident = evictable | (frozenset() if packing else frozenset(chosen))
+    streamed = tuple(s for s in range(num_slices) if s not in resident and s not in on_device)
+    return SlicePlaces(resident, on_device, streamed)
+
+
+class SliceStorage:
+    """Extent arenas (host, and device for on_device slices) and one extent list per slice."""
+
+    def __init__(
+        self,
+        places: SlicePlaces,
+        layout: KVLayout,
+        extent_tokens: int,
+        capacity: int,
+        *,
+        packing: bool,
+        device: torch.device,
+        account: TierAccount,
+    ) -> None:
+        shape = (2, layout.group_size, layout.head_dim)
+        extent_bytes = extent_tokens * layout.token_bytes
+        pin = device.type == "cuda"
+        streamed = len(places.streamed) * (2 if packing else 1)
+        self.host = HostArena(
+            (extent_tokens, *shape),
+            layout.dtype,
+            pin=pin,
+            account=account,
+            slab_bytes=extent_bytes * max(1, min(streamed, (1 << 30) // max(1, extent_bytes))),
+        )
+        self.device: HostArena | None = None
+        if places.on_device:
+            self.device = HostArena(
+                (extent_tokens, *shape),
+                layout.dtype,
+                pin=pin,
+                account=account,
+                slab_bytes=balanced_slab_bytes(extent_bytes, 2 * len(places.on_device)),
+                device=device,
+            )
+        self.slices: dict[int, HostSlice] = {}
+        for s in places.staged:
+            arena = self.device if s in places.on_device and self.device is not None else self.host
+            self.slices[s] = (
+                TailHostSlice(arena, extent_tokens) if packing else HostSlice(arena, extent_tokens)
+            )
+            # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
+            self.slices[s].reserve(capacity)
+
+    def close(self) -> None:
+        self.slices.clear()
+        self.host.close()
+        if self.device is not None:
+            self.device.close()
