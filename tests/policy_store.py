@@ -40,15 +40,7 @@ def run(
         if streamed
         else KVPlan("gpu", group, slices, chunk, 0, 0)
     )
-    store = TieredKVStore(
-        cfg,
-        plan,
-        device=CPU,
-        dtype=torch.float32,
-        capacity=PROMPT + DECODE,
-        options=StoreOptions(block_size=8),
-        **parts.store_kwargs(),
-    )
+    store = make_store(cfg, plan, parts)
     logits = []
     for s in range(0, PROMPT, chunk):
         store.begin_step(min(chunk, PROMPT - s))
@@ -59,3 +51,18 @@ def run(
         logits.append(model(logits[-1][-1].argmax().view(1), store))
         store.end_step()
     return logits, store
+
+
+def make_store(
+    cfg: ModelConfig, plan: KVPlan, parts: PolicyParts, capacity: int = PROMPT + DECODE
+) -> TieredKVStore:
+    """A float32 CPU store of 8-token blocks with the policy's parts."""
+    return TieredKVStore(
+        cfg,
+        plan,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=capacity,
+        options=StoreOptions(block_size=8),
+        **parts.store_kwargs(),
+    )

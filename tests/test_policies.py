@@ -23,7 +23,7 @@ from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
 from kvtier.policies.quant import Fp8Codec, KiviCodec
 from kvtier.policies.quest import QuestKernel
 from kvtier.policies.scoring import attention_mass
-from tests.policy_store import CPU, DECODE, PROMPT, options, run
+from tests.policy_store import CPU, DECODE, PROMPT, make_store, options, run
 
 # -- eviction ----------------------------------------------------------------------------------
 
@@ -241,15 +241,7 @@ def test_synthetic_fill_gives_packed_rows_and_compact_heads(
         if method == "int4"
         else PolicyParts(evictor=HeadStreamingEvictor(scores, 0.5, sinks=4, recent=20))
     )
-    store = TieredKVStore(
-        cfg,
-        KVPlan("head", 1, 0, 16, 2, 128),
-        device=CPU,
-        dtype=torch.float32,
-        capacity=128,
-        options=StoreOptions(block_size=8),
-        **parts.store_kwargs(),
-    )
+    store = make_store(cfg, KVPlan("head", 1, 0, 16, 2, 128), parts, capacity=128)
     fill_synthetic(store, 100)
     h2d = store.account.h2d_bytes
     store.begin_step(1)
@@ -292,15 +284,7 @@ def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
     )
     if method == "int4-gpu":  # everything resident: packed rows in GPU memory
         plan = KVPlan("gpu", 1, cfg.num_layers * cfg.num_kv_heads, 25, 0, 0)
-    store = TieredKVStore(
-        cfg,
-        plan,
-        device=CPU,
-        dtype=torch.float32,
-        capacity=PROMPT + DECODE,
-        options=StoreOptions(block_size=8),
-        **parts.store_kwargs(),
-    )
+    store = make_store(cfg, plan, parts)
     ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
     for s in range(0, PROMPT, 25):
         store.begin_step(min(25, PROMPT - s))

@@ -14,7 +14,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 from kvtier.policies.quant import Fp8Codec, KiviCodec, minmax_roundtrip
-from tests.policy_store import CPU, run
+from tests.policy_store import CPU, make_store, run
 
 
 def test_codec_errors_shrink_with_bits_and_fp8_is_finite() -> None:
@@ -182,15 +182,7 @@ def test_quantized_host_tier_keeps_only_a_full_precision_tail(gqa: tuple[CausalL
     codec = KiviCodec(bits=4, group=8, residual=16)
 
     def store(parts: PolicyParts) -> TieredKVStore:
-        return TieredKVStore(
-            cfg,
-            KVPlan("head", 1, 0, 16, 2, 1024),
-            device=CPU,
-            dtype=torch.float32,
-            capacity=1024,
-            options=StoreOptions(block_size=8),
-            **parts.store_kwargs(),
-        )
+        return make_store(cfg, KVPlan("head", 1, 0, 16, 2, 1024), parts, capacity=1024)
 
     packed, full = store(PolicyParts(codec=codec)), store(PolicyParts())
     for s in (packed, full):
