@@ -84,6 +84,7 @@ def run_policy(
             dtype_bytes=2,
             chunk_size=chunk_size,
             hardware=hardware_preset("h200"),
+            codec=make_codec(method) if method in ("int8", "int4", "fp8") else None,  # sized packed
         )
     except CapacityError as e:
         row["skipped"] = str(e)
