@@ -124,10 +124,10 @@ def lossy_lines(
     cfg, ctx, b = req.cfg, req.context, req.dtype_bytes
     base = lossy_kv(cfg, plan, ctx, dtype_bytes=b)
     if kv_quant is not None:
-        method, got = (
-            f"--kv-quant {kv_quant}",
-            lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=make_codec(kv_quant)),
-        )
+        # Planned again, packed: the same budget keeps more slices resident.
+        codec = make_codec(kv_quant)
+        plan = req.plan(ctx, codec=codec)
+        method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
     else:
         assert head_sparsity is not None
         if not 0.0 < head_sparsity < 1.0:
@@ -139,6 +139,9 @@ def lossy_lines(
         )
     return {
         "method": method,
+        "resident_slices": plan.resident_slices,
+        "num_slices": plan.num_slices,
+        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
         "gpu_kv_gb": got.gpu_stored / 1e9,
         "host_kv_gb": got.host_stored / 1e9,
         "pcie_gb_per_token": got.pcie_per_decode / 1e9,
@@ -161,8 +164,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(rep))
         if lossy:
             print(
-                f"\nwith {lossy['method']}: GPU KV {lossy['gpu_kv_gb']:.2f} GB (+ staging), host KV "
-                f"{lossy['host_kv_gb']:.2f} GB, PCIe per decode token {lossy['pcie_gb_per_token']:.2f} GB "
+                f"\nwith {lossy['method']}: {lossy['resident_slices']}/{lossy['num_slices']} slices "
+                f"resident, GPU KV {lossy['gpu_kv_gb']:.2f} GB ({lossy['gpu_kv_with_staging_gb']:.2f} "
+                f"with staging), host KV {lossy['host_kv_gb']:.2f} GB, PCIe per decode token "
+                f"{lossy['pcie_gb_per_token']:.2f} GB "
                 f"(lossless {lossy['lossless_pcie_gb_per_token']:.2f} GB), decode floor "
                 f"{lossy['decode_floor_s']:.3f} s/token"
             )

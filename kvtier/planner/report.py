@@ -12,6 +12,7 @@ from kvtier.errors import CapacityError
 from kvtier.planner.hardware import Hardware
 from kvtier.planner.memory import GPU_RESERVE_BYTES
 from kvtier.planner.methods import METHODS, PAPER_CHUNK, MethodMemory, max_context, method_memory
+from kvtier.planner.packed import PackedFormat
 from kvtier.planner.placement import KVPlan, plan_kv
 from kvtier.planner.roofline import (
     StepTime,
@@ -43,8 +44,9 @@ class PlanRequest:
     block_size: int = 256
     activation_model: str = "runner"
 
-    def plan(self, context: int) -> KVPlan:
-        """kvtier's plan at `context` with these budgets; the disk extends the host tier."""
+    def plan(self, context: int, codec: PackedFormat | None = None) -> KVPlan:
+        """kvtier's plan at `context` with these budgets; the disk extends the host tier.
+        `codec`: plan a quantized cache, sized packed."""
         return plan_kv(
             self.cfg,
             context,
@@ -56,6 +58,7 @@ class PlanRequest:
             group_size=self.group_size,
             hardware=self.hardware,
             block_size=self.block_size,
+            codec=codec,
         )
 
     @property
