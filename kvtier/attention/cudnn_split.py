@@ -55,9 +55,10 @@ def attend_split(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 def prefix_blocks(prefix: int, chunk: int) -> list[tuple[int, int]]:
     """Key ranges [a, b) covering the prefix, in blocks of a fixed multiple of the chunk near
-    `PREFIX_BLOCK` keys. cuDNN builds (and caches) a graph per shape, ~40 ms each on the H200; a
-    chunked prefill would otherwise meet a new prefix length every chunk. Blocks leave only
-    full blocks and remainders that are multiples of the chunk: a handful of shapes."""
+    `PREFIX_BLOCK` keys. cuDNN builds (and caches) a graph per shape: on the H200 a step whose
+    key length was new every time cost ~40 ms more host time (bench/host_overhead.py before it
+    held shapes constant), and a chunked prefill meets a new prefix length every chunk. Blocks
+    leave only full blocks and remainders that are multiples of the chunk: a handful of shapes."""
     size = chunk * max(1, round(PREFIX_BLOCK / chunk))
     return [(a, min(a + size, prefix)) for a in range(0, prefix, size)]
 
