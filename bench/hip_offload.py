@@ -46,7 +46,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.placement import KVPlan, plan_kv
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
-from kvtier.sparse.rope_ext import table_positions
+from kvtier.sparse.rope_ext import table_bytes
 from kvtier.units import parse_count, parse_size
 
 
@@ -88,7 +88,7 @@ def cache_bytes_estimate(cfg: ModelConfig, method: str, context: int, smoke: boo
     hip = hip_config(method.removeprefix("hip-"), context, smoke)
     token = 2 * cfg.head_dim * dtype_bytes
     per_slice = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
-    rope = 2 * table_positions(context + 4096) * cfg.head_dim * dtype_bytes if hip.extend else 0
+    rope = table_bytes(context + 4096, cfg.head_dim, dtype_bytes) if hip.extend else 0  # + prefill chunk
     return cfg.num_layers * cfg.num_kv_heads * per_slice * token + rope
 
 

@@ -3,7 +3,9 @@ refreshes, bitwise equal to HiP over resident KV, and only refreshes and misses 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -199,6 +201,24 @@ def test_block_cache_evicts_least_recently_used_slots() -> None:
 SYNCS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero")
 
 
+def recording_syncs(fn: Callable[..., Any], calls: list[str]) -> Callable[..., Any]:
+    """`fn`, appending to `calls` the name of every tensor-to-Python conversion (and `unique`) it
+    makes: each one is a host-device sync on the GPU."""
+
+    def counted(*args: object, **kwargs: object) -> Any:
+        with pytest.MonkeyPatch.context() as m:
+            for name in SYNCS:
+                orig = getattr(torch.Tensor, name)
+                m.setattr(
+                    torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: calls.append(_n) or _f(*a, **k)
+                )
+            unique = torch.unique
+            m.setattr(torch, "unique", lambda *a, **k: calls.append("unique") or unique(*a, **k))
+            return fn(*args, **kwargs)
+
+    return counted
+
+
 @pytest.mark.parametrize("extend,per_head", [(True, False), (False, False), (True, True)])
 def test_cached_steps_make_no_host_sync_with_the_default_cache(
     gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch, extend: bool, per_head: bool
@@ -208,20 +228,7 @@ def test_cached_steps_make_no_host_sync_with_the_default_cache(
     model, cfg = gqa
     kernel = kernel_for(cfg, extend=extend, per_head=per_head)
     calls: list[str] = []
-    served = kernel.attend_cached
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        with monkeypatch.context() as m:
-            for name in SYNCS:
-                orig = getattr(torch.Tensor, name)
-                m.setattr(
-                    torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: calls.append(_n) or _f(*a, **k)
-                )
-            unique = torch.unique
-            m.setattr(torch, "unique", lambda *a, **k: calls.append("unique") or unique(*a, **k))
-            return served(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(kernel, "attend_cached", counted)
+    monkeypatch.setattr(kernel, "attend_cached", recording_syncs(kernel.attend_cached, calls))
     run(model, cfg, "head", kernel)
     assert kernel.stats.cache.cached_steps == SLICES * sum(1 for k in range(DECODE) if k % REFRESH0)
     assert calls == []
@@ -271,20 +278,7 @@ def test_refresh_fill_of_a_covering_cache_makes_no_host_sync(
     model, cfg = gqa
     kernel = kernel_for(cfg)
     calls: list[str] = []
-    fill = kernel._fill
-
-    def counted(*args: object, **kwargs: object) -> None:
-        with monkeypatch.context() as m:
-            for name in SYNCS:
-                orig = getattr(torch.Tensor, name)
-                m.setattr(
-                    torch.Tensor, name, lambda *a, _n=name, _f=orig, **k: calls.append(_n) or _f(*a, **k)
-                )
-            unique = torch.unique
-            m.setattr(torch, "unique", lambda *a, **k: calls.append("unique") or unique(*a, **k))
-            fill(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(kernel, "_fill", counted)
+    monkeypatch.setattr(kernel, "_fill", recording_syncs(kernel._fill, calls))
     _, _, _, h2d = run(model, cfg, "head", kernel)
     assert h2d == REFRESH_BYTES and kernel.stats.cache.refresh_inserted > 0
     assert calls == []

@@ -92,7 +92,7 @@ class SliceStorage:
             )
         self.slices: dict[int, HostSlice] = {}
         for s in places.staged:
-            arena = self.device if s in places.on_device and self.device is not None else self.host
+            arena = self.device if self.device is not None and s in places.on_device else self.host
             self.slices[s] = (
                 TailHostSlice(arena, extent_tokens) if packing else HostSlice(arena, extent_tokens)
             )

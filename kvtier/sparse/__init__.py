@@ -17,7 +17,7 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
 from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
-from kvtier.sparse.rope_ext import table_positions
+from kvtier.sparse.rope_ext import table_bytes
 
 HIP_PRESETS: dict[str, HipConfig] = {
     # The paper's "3K" setting: sink 256, window 1024, chunks 256/32/8, keep 32K/8K/2K (4K in
@@ -63,7 +63,7 @@ def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 
     hip = HIP_PRESETS[preset]
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
-    rope = 2 * table_positions(context) * cfg.head_dim * dtype_bytes if context and hip.extend else 0
+    rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
     return caches + rope
 
 

@@ -41,6 +41,11 @@ def table_positions(context: int) -> int:
     return -(-(context + context // 4) // TABLE_STEP) * TABLE_STEP
 
 
+def table_bytes(context: int, head_dim: int, dtype_bytes: int) -> int:
+    """GPU bytes of a `RopeTable` (cos and sin) that has served `context` positions."""
+    return 2 * table_positions(context) * head_dim * dtype_bytes
+
+
 class RopeTable:
     """cos/sin of every position up to the longest seen, computed once and indexed per call.
 
