@@ -2,9 +2,10 @@
 # The H200 measurements the open issues still owe, in priority order, each under its own time
 # limit so one slow step cannot cost the rest. Every script writes its JSON under $OUT.
 #
-#   bash bench/pending_h200.sh 1   # (~9.5 min) CUDA checks, HiP over offload at 128K/512K after
-#                                  #            the RoPE-table fix, quantized GPU tier, Quest
-#   bash bench/pending_h200.sh 2   # (~9 min)  the main tiered-store table on the current code
+#   bash bench/pending_h200.sh 1   # (~8 min) CUDA checks, quantized GPU tier, Quest over offload,
+#                                  #           on-GPU prefill at 128K by chunk size (no cap)
+#   bash bench/pending_h200.sh 2   # (~9 min) the main tiered-store table on the current code
+#   bash bench/pending_h200.sh 3   # (~9 min) HiP over offload at 128K/512K
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -14,18 +15,23 @@ case "$group" in
   # Packed GPU tier and the slice-storage split: policies still bitwise equal on CUDA.
   run 60 $py bench/gpu_checks.py
   $py -m pytest -q -p no:cacheprovider tests/test_dequant_triton.py tests/test_triton_attn.py 2>&1 | tail -2
-  # Issue 6: HiP over head-wise offload (lossless: hip_offload_oom_fragmentation.json).
-  run 300 $py bench/hip_offload.py --contexts 128K,512K --presets fast --prefill-chunk 4096 --no-dense
   # Issue 7: int4 in the GPU tier: auto keeps ~3x more slices resident than lossless auto.
   run 120 $py bench/tiered_store.py --contexts 128K --full-prefill-max 1 --policies auto,auto+int4 \
     --decode-steps 4 --name kv_quant_gpu_tier
   # Issue 7: Quest over offload gathers only its pages.
   run 90 $py bench/tiered_store.py --contexts 512K --full-prefill-max 1 \
     --policies head+quest4096p16 --decode-steps 4 --name quest_offload
+  # Issue 3: on-GPU prefill at 128K by chunk size, no cap (the 12K tok/s target).
+  run 200 $py bench/tiered_store.py --contexts 128K --policies gpu@16384,gpu@32768,gpu@65536,gpu@131072 \
+    --gpu-memory 130GB --decode-steps 1 --name tiered_store_uncapped_chunks
   ;;
 2)
   # Issue 3: the main table with cuDNN attention and host-aware chunks, HF alongside.
   run 540 $py bench/tiered_store.py --contexts 32K,128K,512K --policies gpu,layer,head,auto --hf \
     --name tiered_store
+  ;;
+3)
+  # Issue 6: HiP over offload (lossless: hip_offload_oom_fragmentation.json).
+  run 540 $py bench/hip_offload.py --contexts 128K,512K --presets fast --prefill-chunk 4096 --no-dense
   ;;
 esac
