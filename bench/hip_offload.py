@@ -61,31 +61,34 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
-def hip_config(preset: str, context: int, smoke: bool) -> HipConfig:
-    """The preset's config; in smoke mode shrunk to the context (`HipConfig.scaled`)."""
+def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None = None) -> HipConfig:
+    """The preset's config; in smoke mode shrunk to the context (`HipConfig.scaled`).
+    `cache_tokens`: the GPU block cache of a streamed slice (None: a whole refresh interval)."""
     base = HIP_PRESETS[preset]
     if not smoke:
-        return base
-    return HipConfig.scaled(context, refresh=base.refresh, cache_block=8)
+        return replace(base, cache_tokens=cache_tokens)
+    return HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
 
 
 def make_kernel(
-    cfg: ModelConfig, method: str, context: int, device: torch.device, smoke: bool
+    cfg: ModelConfig, method: str, context: int, device: torch.device, smoke: bool, cache_tokens: int | None
 ) -> tuple[SliceKernel, bool]:
     """("dense" | "hip-<preset>") -> the slice kernel and whether keys stay un-rotated."""
     if method == "dense":
         return DenseKernel(), False
-    hip = hip_config(method.removeprefix("hip-"), context, smoke)
+    hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
     overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
     return make_hip_kernel(cfg, device, "default", **overrides)
 
 
-def cache_bytes_estimate(cfg: ModelConfig, method: str, context: int, smoke: bool, dtype_bytes: int) -> int:
-    """GPU bytes of HiP's block caches and decode attention buffers with one KV head per slice,
-    and its RoPE table (0 for dense)."""
+def cache_bytes_estimate(
+    cfg: ModelConfig, method: str, context: int, smoke: bool, dtype_bytes: int, cache_tokens: int | None
+) -> int:
+    """GPU bytes of HiP's block caches and decode attention buffers (the same for any slicing
+    of a layer's KV heads: one selection per slice), and its RoPE table (0 for dense)."""
     if method == "dense":
         return 0
-    hip = hip_config(method.removeprefix("hip-"), context, smoke)
+    hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
     token = 2 * cfg.head_dim * dtype_bytes
     per_slice = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     rope = table_bytes(context + 4096, cfg.head_dim, dtype_bytes) if hip.extend else 0  # + prefill chunk
@@ -96,8 +99,8 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
     """Head-wise offload plan: every slice streamed on the CPU smoke run, planned under the cap on GPU."""
     if args.smoke:
         return KVPlan(
-            policy="head",
-            group_size=1,
+            policy="layer" if args.policy == "layer" else "head",
+            group_size=cfg.num_kv_heads if args.policy == "layer" else 1,
             resident_slices=0,
             chunk_size=args.prefill_chunk or 256,
             staging_buffers=2,
@@ -124,7 +127,9 @@ def run_method(
     row["steps"] = steps
     chunk = args.prefill_chunk if prefill else 0
     total = context + steps + chunk
-    reserve = cache_bytes_estimate(cfg, method, context, args.smoke, 2 if dev.type == "cuda" else 4)
+    reserve = cache_bytes_estimate(
+        cfg, method, context, args.smoke, 2 if dev.type == "cuda" else 4, args.cache_tokens
+    )
     try:
         plan = make_plan(cfg, total, args, reserve)
     except CapacityError as e:
@@ -134,7 +139,7 @@ def run_method(
     if plan.staging_tokens < total and plan.streamed_slices:
         row["skipped"] = f"a slice of {total} tokens does not fit a staging buffer ({plan.staging_tokens})"
         return row
-    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke)
+    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke, args.cache_tokens)
     if dev.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
@@ -253,7 +258,18 @@ def main() -> None:
     )
     ap.add_argument("--dense-steps", type=int, default=4, help="decode steps of lossless offload")
     ap.add_argument("--no-dense", action="store_true", help="skip lossless offload (measured elsewhere)")
-    ap.add_argument("--policy", default="head", choices=("head", "auto"))
+    ap.add_argument(
+        "--policy",
+        default="head",
+        choices=("head", "layer", "auto"),
+        help="store slicing: one HiP selection per slice (layer: per layer, as published)",
+    )
+    ap.add_argument(
+        "--cache-tokens",
+        type=int,
+        default=None,
+        help="GPU block cache per streamed slice, tokens (default: a whole refresh interval)",
+    )
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="0 (default): skip the prefill row")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, small contexts")

@@ -31,7 +31,12 @@ case "$group" in
     --name tiered_store
   ;;
 3)
-  # Issue 6: HiP over offload (lossless: hip_offload_oom_fragmentation.json).
-  run 540 $py bench/hip_offload.py --contexts 128K,512K --presets fast --prefill-chunk 4096 --no-dense
+  # Issue 6: HiP over layer slices (one selection per layer, the published HIP_HEAD_REDUCE=1):
+  # 32 slice steps a token instead of 256. A 14K-token block cache per layer (stage 1's output,
+  # the window and sinks) keeps 512K under the cap with a layer's two staging buffers.
+  run 330 $py bench/hip_offload.py --contexts 128K,512K --presets fast --policy layer \
+    --cache-tokens 14336 --prefill-chunk 4096 --no-dense --name hip_offload_layer
+  # The same over head-wise slices (one selection per KV head), after the RoPE-table fix.
+  run 200 $py bench/hip_offload.py --contexts 512K --presets fast --no-dense --name hip_offload_head
   ;;
 esac
