@@ -16,7 +16,7 @@ from kvtier.loading.weights import load_safetensors_folder
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HipConfig, HipKernel, make_hip_kernel
-from kvtier.sparse.gpu_cache import BlockCache
+from kvtier.sparse.gpu_cache import BlockCache, block_ids
 from kvtier.sparse.opcount import OpCounter
 from tests.hf_reference import drive, make_hf_model
 
@@ -155,6 +155,35 @@ def test_small_cache_misses_fetch_and_stay_bitwise(gqa: tuple[CausalLM, ModelCon
     # Refreshes stream whole slices; everything else that crossed PCIe is a fetched miss.
     assert h2d == REFRESH_BYTES + st.fetched_bytes
     assert kernel.gpu_cache_bytes() == SLICES * (6 * 4 * TOKEN_BYTES + 2 * 6 * 8)
+
+
+def test_a_cache_short_of_stage_0_keeps_the_final_selection_first(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 tokens (10 blocks) hold the sinks, the window and the final selection but not all of
+    stage 0's output: a refresh keeps those first (then stage 1's, then stage 0's), so the steps
+    until the next rerun hit. Keeping stage 0's blocks in position order instead misses more."""
+    model, cfg = gqa
+    refresh = (REFRESH0, 3, 2)
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg, refresh=refresh))
+
+    def by_position(
+        self: HipKernel, step: Any, groups: int, device: torch.device, slots: int
+    ) -> torch.Tensor:
+        st = self._cache[(step.layer, step.group, -1)]
+        window = torch.arange(st.window_start, step.start + 1)
+        return block_ids(torch.cat((torch.arange(2), st.outputs[0], window)), 4)
+
+    rates = {}
+    for fill in ("priority", "position"):
+        kernel = kernel_for(cfg, cache_tokens=40, refresh=refresh)
+        if fill == "position":
+            monkeypatch.setattr(kernel, "_keep_blocks", by_position.__get__(kernel))
+        logits, tokens, _, _ = run(model, cfg, "head", kernel)
+        assert tokens == ref_tokens
+        assert_same(logits, ref_logits)
+        rates[fill] = kernel.stats.hit_rate
+    assert rates["position"] < rates["priority"] < 1.0
 
 
 def test_cache_memory_follows_capacity_and_reset_frees_it(gqa: tuple[CausalLM, ModelConfig]) -> None:

@@ -158,7 +158,7 @@ class HipKernel:
             st.cached_steps += 1
             st.appended += fresh
             return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), kv_new[0], step)
-        blocks = block_ids(self._needed(step, kv_new.shape[2], kv_new.device, refresh=False), b)
+        blocks = block_ids(self._needed(step, kv_new.shape[2], kv_new.device), b)
         table = cache.ensure(blocks, lambda missing: self._fetch_blocks(missing, cache, s, fetch, kv_new))
         cache.write(table, s, kv_new[0])
         cache.end = s + 1
@@ -297,18 +297,14 @@ class HipKernel:
 
     # -- block cache ------------------------------------------------------------------------
 
-    def _needed(self, step: SliceStep, groups: int, device: torch.device, *, refresh: bool) -> torch.Tensor:
-        """Positions the slice's decode steps read: sinks, candidates, window [w0, step.start].
-
-        `refresh` (after a full step): the stage-0 selection, which every step until the next
-        stage-0 refresh reads from. Otherwise (before a cached step): the candidates of the
-        earliest due stage, or the final selection when none is due. Union over heads.
-        """
+    def _needed(self, step: SliceStep, groups: int, device: torch.device) -> torch.Tensor:
+        """Positions a cached decode step reads: sinks, the candidates of the earliest due stage
+        (the final selection when none is due), window [w0, step.start]. Union over heads."""
         heads = range(groups) if self.cfg.per_head else (-1,)
         parts = [torch.arange(min(self.cfg.sink, step.start + 1), device=device)]
         for h in heads:
             st = self._cache[(step.layer, step.group, h)]
-            stage = 0 if refresh else self._first_due(st, st.step + 1) - 1
+            stage = self._first_due(st, st.step + 1) - 1
             parts.append(st.outputs[stage].to(device))
             parts.append(torch.arange(st.window_start, step.start + 1, device=device))
         return torch.cat(parts)
@@ -316,7 +312,8 @@ class HipKernel:
     def _refresh_blocks(
         self, step: SliceStep, groups: int, device: torch.device, cache: BlockCache
     ) -> torch.Tensor | None:
-        """The blocks of `_needed(refresh=True)` without `unique` (a sync), or None if unsure.
+        """The blocks of stage 0's output, sinks and window without `unique` (a sync), or None
+        if unsure (then `_keep_blocks`).
 
         Stage 0 keeps whole chunks of consecutive positions (its candidates are a range), each
         starting at a multiple of chunk_sizes[0] in its sorted output. Sampling that output every
@@ -358,6 +355,30 @@ class HipKernel:
             return None
         return blocks
 
+    def _keep_blocks(self, step: SliceStep, groups: int, device: torch.device, slots: int) -> torch.Tensor:
+        """The blocks a cache of `slots` keeps after a full step (sorted, unique, at most `slots`
+        unless the sinks and window alone exceed it): the sinks and the window, then the final
+        selection, then each earlier stage's output, as far as they fit. So the next steps,
+        which read the final selection, hit, and so do as many as fit of the stage reruns'
+        reads. A cache that covers the interval keeps all of stage 0's output."""
+        heads = range(groups) if self.cfg.per_head else (-1,)
+        states = [self._cache[(step.layer, step.group, h)] for h in heads]
+        b = self.cfg.cache_block
+        w0 = min(st.window_start for st in states)
+        edges = torch.cat(
+            (torch.arange(min(self.cfg.sink, step.start + 1)), torch.arange(w0, step.start + 1))
+        ).to(device)
+        stages = reversed(range(len(self.cfg.chunk_sizes)))  # the final selection first
+        tiers = [edges] + [torch.cat([st.outputs[i] for st in states]) for i in stages]
+        chosen = block_ids(tiers[0], b)
+        for tier in tiers[1:]:
+            room = slots - chosen.numel()
+            if room <= 0:
+                break
+            more = block_ids(tier.to(device), b)
+            chosen = torch.cat((chosen, more[~torch.isin(more, chosen)][:room]))
+        return chosen.sort().values
+
     def _cache_for(self, kv: torch.Tensor, step: SliceStep) -> BlockCache:
         sl = (step.layer, step.group)
         if sl not in self._gpu:
@@ -385,7 +406,7 @@ class HipKernel:
                 cache.end = step.start + 1
                 self.stats.cache.refresh_inserted += static.shape[0]
                 return
-        blocks = block_ids(self._needed(step, kv.shape[2], kv.device, refresh=True), b)
+        blocks = self._keep_blocks(step, kv.shape[2], kv.device, cache.slots)
         table = cache.ensure(blocks, load)
         cache.write(table, step.start, kv[step.start])
         cache.end = step.start + 1
