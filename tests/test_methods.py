@@ -10,6 +10,7 @@ import pytest
 from kvtier import LLM, SamplingParams
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError
+from kvtier.planner.placement import KVPlan
 from tests.hf_reference import make_hf_model
 
 PROMPT = list(range(3, 60))
@@ -68,3 +69,41 @@ def test_bad_method_options(tiny: Path, kw: dict[str, Any], match: str) -> None:
 def test_cli_flags_reach_the_engine(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--model", str(tiny), "--prompt", "x", "--evict", "h2o"]) == 2
     assert "--kv-budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layer_holds_slices", [True, False])
+def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, layer_holds_slices: bool
+) -> None:
+    """HiP selects per slice: with `--kv auto` and no `--head-group` the engine takes whole
+    layers (the published head reduction, fewer slice steps) when a layer's staging buffers hold
+    whole slices, and the planner's own choice otherwise."""
+    import kvtier.engine.llm as engine
+
+    asked: list[int | None] = []
+
+    def fake_plan(cfg: Any, context: int, *, group_size: int | None, **kw: Any) -> KVPlan:
+        asked.append(group_size)
+        g = group_size or 1
+        whole = g == 1 or layer_holds_slices
+        return KVPlan(
+            policy="auto",
+            group_size=g,
+            resident_slices=0,
+            chunk_size=16,
+            staging_buffers=2,
+            staging_tokens=context if whole else context // 2,
+            context=context,
+            capacity_tokens=context,
+            num_slices=cfg.num_layers * (cfg.num_kv_heads // g),
+        )
+
+    monkeypatch.setattr(engine, "plan_kv", fake_plan)
+    llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory="1GB")
+    plan = llm.plan(64)
+    assert asked[0] == llm.model_config.num_kv_heads
+    assert plan.group_size == (llm.model_config.num_kv_heads if layer_holds_slices else 1)
+    assert asked[-1] == (llm.model_config.num_kv_heads if layer_holds_slices else None)
+    asked.clear()
+    LLM(str(tiny), device="cpu", attention="dense", gpu_memory="1GB").plan(64)
+    assert asked == [None]  # dense attention: the planner's choice

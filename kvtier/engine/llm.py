@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict
 from typing import Any
 
@@ -114,19 +115,32 @@ class LLM:
             from kvtier.sparse import hip_gpu_bytes
 
             gpu -= hip_gpu_bytes(self.model_config, self.method.hip_preset, itemsize, context)  # caches, RoPE
-        return plan_kv(
-            self.model_config,
-            context,
-            policy=self.config.kv,
-            gpu_budget=gpu,
-            dtype_bytes=itemsize,
-            chunk_size=self.config.chunk_size,
-            group_size=self.config.head_group,
-            block_size=self.config.block_size,
-            hardware=detect_hardware(self.device),
-            host_budget=host,
-            codec=codec if codec is not None and can_pack(codec) else None,
-        )
+
+        def plan(group: int | None) -> KVPlan:
+            return plan_kv(
+                self.model_config,
+                context,
+                policy=self.config.kv,
+                gpu_budget=gpu,
+                dtype_bytes=itemsize,
+                chunk_size=self.config.chunk_size,
+                group_size=group,
+                block_size=self.config.block_size,
+                hardware=detect_hardware(self.device),
+                host_budget=host,
+                codec=codec if codec is not None and can_pack(codec) else None,
+            )
+
+        if self.method.attention == "hip" and self.config.kv == "auto" and self.config.head_group is None:
+            # NOTE: HiP selects one set of chunks per slice. Whole-layer slices are the published
+            # head reduction (HIP_HEAD_REDUCE=1) and an eighth of llama-3-8b's slice steps per
+            # token (bench/results/hip_offload_layer.json); finer slices only when a layer's two
+            # staging buffers do not fit, since HiP needs whole slices.
+            with contextlib.suppress(CapacityError):
+                layers = plan(self.model_config.num_kv_heads)
+                if layers.streamed_slices == 0 or layers.staging_tokens >= layers.capacity_tokens:
+                    return layers
+        return plan(self.config.head_group)
 
     # -- prompts -------------------------------------------------------------------------------
 
