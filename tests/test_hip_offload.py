@@ -186,6 +186,27 @@ def test_a_cache_short_of_stage_0_keeps_the_final_selection_first(
     assert rates["position"] < rates["priority"] < 1.0
 
 
+def test_after_a_step_that_overflows_the_cache_keeps_the_new_selection(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage rerun reads more candidates than 32 tokens hold, so some sit in the step's
+    overflow. Keeping the new final selection out of it (`_keep_read`) lets the next steps hit;
+    without it they miss and fetch from the host."""
+    model, cfg = gqa
+    refresh = (12, 4, 2)
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg, refresh=refresh))
+    rates = {}
+    for keep in (True, False):
+        kernel = kernel_for(cfg, cache_tokens=32, refresh=refresh)
+        if not keep:
+            monkeypatch.setattr(kernel, "_keep_read", lambda *a: None)
+        logits, tokens, _, _ = run(model, cfg, "head", kernel)
+        assert tokens == ref_tokens
+        assert_same(logits, ref_logits)
+        rates[keep] = kernel.stats.hit_rate
+    assert rates[False] < rates[True] < 1.0
+
+
 def test_cache_memory_follows_capacity_and_reset_frees_it(gqa: tuple[CausalLM, ModelConfig]) -> None:
     model, cfg = gqa
     kernel = kernel_for(cfg)

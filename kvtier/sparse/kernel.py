@@ -43,7 +43,7 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer
-from kvtier.sparse.gpu_cache import BlockCache, CacheStats, PositionedKV, block_ids
+from kvtier.sparse.gpu_cache import BlockCache, BlockTable, CacheStats, PositionedKV, block_ids
 from kvtier.sparse.prefill import run_block_stages
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
@@ -166,7 +166,26 @@ class HipKernel:
         st.hits += table.hits
         st.misses += blocks.numel() - fresh - table.hits
         st.appended += fresh
-        return self._heads(q, PositionedKV.of(cache, table, s + 1), kv_new[0], step)
+        out = self._heads(q, PositionedKV.of(cache, table, s + 1), kv_new[0], step)
+        if table.extra is not None:
+            self._keep_read(cache, table, step, kv_new.shape[2])
+        return out
+
+    def _keep_read(self, cache: BlockCache, table: BlockTable, step: SliceStep, groups: int) -> None:
+        """After a step whose blocks did not all fit the cache (a stage reran over more
+        candidates than it holds): keep, of what the step read, the blocks the next steps read
+        first (`_keep_blocks`: the new final selection before older candidates), copied from
+        the step's overflow. Without this the next steps miss the new selection."""
+        assert table.extra is not None
+        extra, b = table.extra, cache.block
+        keep = self._keep_blocks(step, groups, extra.device, cache.slots)
+        keep = keep[torch.isin(keep, table.blocks)]
+
+        def load(missing: torch.Tensor) -> torch.Tensor:  # blocks not in the bank: in the overflow
+            j = torch.searchsorted(table.blocks, missing)
+            return extra[table.base[j][:, None] + torch.arange(b, device=extra.device)]  # [k, b, 2, G, D]
+
+        cache.ensure(keep, load)
 
     def _covers(self, cache: BlockCache, groups: int) -> bool:
         """Whether `cache` holds everything the steps of one refresh interval read, so they
