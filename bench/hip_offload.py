@@ -113,6 +113,7 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
         gpu_budget=args.budget - reserve,
         dtype_bytes=2,
         chunk_size=args.prefill_chunk or None,
+        group_size=args.head_group,
         hardware=hardware_preset("h200"),
     )
 
@@ -264,6 +265,7 @@ def main() -> None:
         choices=("head", "layer", "auto"),
         help="store slicing: one HiP selection per slice (layer: per layer, as published)",
     )
+    ap.add_argument("--head-group", type=int, default=None, help="KV heads per slice (policy head)")
     ap.add_argument(
         "--cache-tokens",
         type=int,
