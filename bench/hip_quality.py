@@ -145,11 +145,12 @@ def main() -> None:
         help="HipConfig override, e.g. budgets=32768,8192,512",
     )
     ap.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(args.out.read_text())["records"]))
         return
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     folder = gguf_to_hf_folder(embedded_gguf_path())
     model, cfg = load_safetensors_folder(folder, CPU, torch.float32)
     from transformers import AutoTokenizer
