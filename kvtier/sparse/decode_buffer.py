@@ -16,6 +16,7 @@ what `rebuild` (the gather of `attend_block_reference`) would.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -144,3 +145,20 @@ class AttendBuffer:
         self.mask = torch.ones(1, capacity, dtype=torch.bool, device=dev)
         self.index = torch.arange(capacity, dtype=torch.int64, device=dev)
         self.far = torch.full((1, 1), 1 << 62, dtype=torch.int64, device=dev)
+
+
+@dataclass
+class DecodeState:
+    """Cached stage outputs of one (layer, group, head) during decode. Mutable."""
+
+    outputs: list[torch.Tensor]  # per stage: kept positions, sorted
+    computed_at: list[int]  # decode step of each stage's last recomputation
+    window_start: int  # w0 when stage 0 last ran
+    step: int = 0
+    position: int = 0  # position of the last decoded query
+    attn: AttendBuffer = field(default_factory=AttendBuffer)  # what the query attends, gathered
+
+    def first_due(self, refresh: tuple[int, ...], step_no: int) -> int:
+        """The earliest stage due at decode step `step_no` (len(refresh) when none is)."""
+        due = [step_no - c >= r for c, r in zip(self.computed_at, refresh, strict=True)]
+        return due.index(True) if any(due) else len(due)

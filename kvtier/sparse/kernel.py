@@ -24,9 +24,10 @@ Offloaded KV (`CachingSliceKernel`): for a slice the store streams from host mem
 decode step where stage 0 is due (or the first) needs the whole slice; the kernel then also
 fills the slice's GPU `BlockCache` with what the steps until the next stage-0 refresh can read
 (sinks, stage-0 selection, window; with a cache that covers the interval, by a static-shape
-`refill` without host syncs). Those steps stream nothing: they run the same code on a
-`PositionedKV` view of the cache, `fetch`ing only missing blocks from the host, so outputs are
-bitwise those of the non-offloaded kernel.
+`refill` without host syncs; a smaller cache keeps the final selection first). Those steps
+stream nothing: they run the same code on a `PositionedKV` view of the cache, `fetch`ing only
+missing blocks from the host, so outputs are bitwise those of the non-offloaded kernel. Which
+blocks are read and kept: `kvtier.sparse.cache_blocks`.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
 from kvtier.sparse.block_sparse import attend_blocks
+from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positions, refresh_blocks
 from kvtier.sparse.config import HipConfig
-from kvtier.sparse.decode_buffer import KV, AttendBuffer
+from kvtier.sparse.decode_buffer import KV, DecodeState
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, CacheStats, PositionedKV, block_ids
 from kvtier.sparse.prefill import run_block_stages
 from kvtier.sparse.pruning import run_stages
@@ -64,18 +66,6 @@ class HipStats:
         return self.cache.hit_rate
 
 
-@dataclass
-class _DecodeState:
-    """Cached stage outputs of one (layer, group, head) during decode."""
-
-    outputs: list[torch.Tensor]  # per stage: kept positions, sorted
-    computed_at: list[int]  # decode step of each stage's last recomputation
-    window_start: int  # w0 when stage 0 last ran
-    step: int = 0
-    position: int = 0  # position of the last decoded query
-    attn: AttendBuffer = field(default_factory=AttendBuffer)  # what the query attends, gathered
-
-
 class HipKernel:
     """Sparse attention over one slice: `__call__(q [T, H_q_g, D], kv [S+T, 2, G, D], step)`.
 
@@ -90,7 +80,7 @@ class HipKernel:
         self.cfg = cfg
         self.rotary = RopeTable(rotary) if cfg.extend and rotary is not None else None
         self.stats = HipStats(decode_recomputes=[0] * len(cfg.chunk_sizes))
-        self._cache: dict[tuple[int, int, int], _DecodeState] = {}
+        self._cache: dict[tuple[int, int, int], DecodeState] = {}
         self._gpu: dict[tuple[int, int], BlockCache] = {}  # (layer, group) -> block cache
         self._streamed: set[tuple[int, int]] = set()  # slices the store streams (asked about)
         self._cover_tokens: dict[int, int] = {}  # heads -> tokens a refresh interval reads
@@ -129,7 +119,7 @@ class HipKernel:
         st = self._cache.get((*sl, 0 if self.cfg.per_head else -1))
         if st is None or step.start <= st.position:
             return True
-        return self._first_due(st, st.step + 1) == 0
+        return st.first_due(self.cfg.refresh, st.step + 1) == 0
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         out = self._heads(q, kv, kv[step.start], step)
@@ -158,8 +148,9 @@ class HipKernel:
             st.cached_steps += 1
             st.appended += fresh
             return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), kv_new[0], step)
-        blocks = block_ids(self._needed(step, kv_new.shape[2], kv_new.device), b)
-        table = cache.ensure(blocks, lambda missing: self._fetch_blocks(missing, cache, s, fetch, kv_new))
+        needed = needed_positions(self.cfg, self._states(step, kv_new.shape[2]), s, kv_new.device)
+        blocks = block_ids(needed, b)
+        table = cache.ensure(blocks, lambda missing: fetch_blocks(missing, cache.block, s, fetch, kv_new, st))
         cache.write(table, s, kv_new[0])
         cache.end = s + 1
         st.lookups += blocks.numel() - fresh
@@ -275,7 +266,7 @@ class HipKernel:
             st = None
         else:
             st.step += 1
-            first = self._first_due(st, st.step)
+            first = st.first_due(self.cfg.refresh, st.step)
         assert first > 0 or isinstance(kv, torch.Tensor), "stage 0 needs the whole slice"
         if st is None or first == 0:
             w0 = self._window_start(step.start)
@@ -287,7 +278,7 @@ class HipKernel:
             pos = torch.full((1,), step.start, dtype=torch.long, device=q.device)
             outs = self._stages(q, pos, kv, step.layer, cand, first)
             if st is None:
-                st = _DecodeState(outputs=outs, computed_at=[0] * len(outs), window_start=w0)
+                st = DecodeState(outputs=outs, computed_at=[0] * len(outs), window_start=w0)
             else:
                 st.outputs[first:] = outs
                 st.computed_at[first:] = [st.step] * len(outs)
@@ -309,94 +300,16 @@ class HipKernel:
             return buf.attend(q, step.start, rope)
         return buf.step(q, new, step.start, rope)
 
-    def _first_due(self, st: _DecodeState, step_no: int) -> int:
-        """The earliest stage due at decode step `step_no` of `st` (len(stages) when none is)."""
-        due = [step_no - c >= r for c, r in zip(st.computed_at, self.cfg.refresh, strict=True)]
-        return due.index(True) if any(due) else len(due)
-
     # -- block cache ------------------------------------------------------------------------
 
-    def _needed(self, step: SliceStep, groups: int, device: torch.device) -> torch.Tensor:
-        """Positions a cached decode step reads: sinks, the candidates of the earliest due stage
-        (the final selection when none is due), window [w0, step.start]. Union over heads."""
+    def _states(self, step: SliceStep, groups: int) -> list[DecodeState]:
+        """The decode states of a slice: one per KV head with `per_head`, else one."""
         heads = range(groups) if self.cfg.per_head else (-1,)
-        parts = [torch.arange(min(self.cfg.sink, step.start + 1), device=device)]
-        for h in heads:
-            st = self._cache[(step.layer, step.group, h)]
-            stage = self._first_due(st, st.step + 1) - 1
-            parts.append(st.outputs[stage].to(device))
-            parts.append(torch.arange(st.window_start, step.start + 1, device=device))
-        return torch.cat(parts)
-
-    def _refresh_blocks(
-        self, step: SliceStep, groups: int, device: torch.device, cache: BlockCache
-    ) -> torch.Tensor | None:
-        """The blocks of stage 0's output, sinks and window without `unique` (a sync), or None
-        if unsure (then `_keep_blocks`).
-
-        Stage 0 keeps whole chunks of consecutive positions (its candidates are a range), each
-        starting at a multiple of chunk_sizes[0] in its sorted output. Sampling that output every
-        `block` entries, plus each chunk's last entry, hits every block a chunk touches (samples
-        are at most `block` positions apart), at most one sample per block of the capacity
-        formula. Sinks and window are ranges known on the host; the window's last block (the
-        new token's) comes last. Duplicates are harmless: a duplicate slot holds a copy.
-
-            sorted stage-0 output  [ s .. s+255 ][ t .. t+255 ] ...   (chunk 256, block 16)
-            samples                 ^   ^  ..  ^^ ^   ^  ..  ^^       16 + 1 per chunk
-        """
-        b, c0 = cache.block, self.cfg.chunk_sizes[0]
-        if c0 % b:
-            return None
-        start = step.start
-        heads = range(groups) if self.cfg.per_head else (-1,)
-        parts = []
-        w0 = start + 1
-        for h in heads:
-            st = self._cache[(step.layer, step.group, h)]
-            sel = st.outputs[0].to(device)
-            n = sel.shape[0]
-            if n:
-                ends = torch.arange(c0 - 1, n + c0 - 1, c0, device=device).clamp(max=n - 1)  # partial: n - 1
-                parts.append(torch.div(sel[ends], b, rounding_mode="floor"))
-                parts.append(torch.div(sel[::b], b, rounding_mode="floor"))
-            w0 = min(w0, st.window_start)
-        # NOTE: the sink blocks stop below the window's first block: `append` writes the new
-        # token to one copy of the last block only, so the block it writes must not be duplicated
-        # (a context shorter than the sinks has its window inside the sink blocks).
-        sink_blocks = min(-(-min(self.cfg.sink, start + 1) // b), w0 // b)
-        parts.insert(0, torch.arange(sink_blocks, device=device))
-        parts.append(torch.arange(w0 // b, start // b + 1, device=device))
-        blocks = torch.cat(parts)
-        m = blocks.shape[0]
-        # The appends until the next stage-0 refresh take free slots (never a refreshed block).
-        upcoming = (start + self.cfg.refresh[0]) // b - start // b
-        if m + upcoming > cache.slots:
-            return None
-        return blocks
+        return [self._cache[(step.layer, step.group, h)] for h in heads]
 
     def _keep_blocks(self, step: SliceStep, groups: int, device: torch.device, slots: int) -> torch.Tensor:
-        """The blocks a cache of `slots` keeps after a full step (sorted, unique, at most `slots`
-        unless the sinks and window alone exceed it): the sinks and the window, then the final
-        selection, then each earlier stage's output, as far as they fit. So the next steps,
-        which read the final selection, hit, and so do as many as fit of the stage reruns'
-        reads. A cache that covers the interval keeps all of stage 0's output."""
-        heads = range(groups) if self.cfg.per_head else (-1,)
-        states = [self._cache[(step.layer, step.group, h)] for h in heads]
-        b = self.cfg.cache_block
-        w0 = min(st.window_start for st in states)
-        edges = torch.cat(
-            (torch.arange(min(self.cfg.sink, step.start + 1)), torch.arange(w0, step.start + 1))
-        ).to(device)
-        stages = reversed(range(len(self.cfg.chunk_sizes)))  # the final selection first
-        tiers = [edges] + [torch.cat([st.outputs[i] for st in states]) for i in stages]
-        chosen = block_ids(tiers[0], b)
-        for tier in tiers[1:]:
-            room = slots - chosen.numel()
-            if room <= 0:
-                break
-            more = block_ids(tier.to(device), b)
-            chosen = torch.cat((chosen, more[~torch.isin(more, chosen)][:room]))
-        return chosen.sort().values
+        """`keep_blocks` of the slice's decode states (see `kvtier.sparse.cache_blocks`)."""
+        return keep_blocks(self.cfg, self._states(step, groups), step.start, device, slots)
 
     def _cache_for(self, kv: torch.Tensor, step: SliceStep) -> BlockCache:
         sl = (step.layer, step.group)
@@ -419,7 +332,7 @@ class HipKernel:
             return kv[rows.clamp(max=n - 1)]  # [k, b, 2, G, D]; rows past the end never read
 
         if self._covers(cache, kv.shape[2]):
-            static = self._refresh_blocks(step, kv.shape[2], kv.device, cache)
+            static = refresh_blocks(self.cfg, self._states(step, kv.shape[2]), step.start, kv.device, cache)
             if static is not None:
                 cache.refill(static, load, tail=static.shape[0] - 1)
                 cache.end = step.start + 1
@@ -433,28 +346,6 @@ class HipKernel:
             cache.track_tail(step.start)
         self.stats.cache.refresh_reused += table.hits
         self.stats.cache.refresh_inserted += table.stored
-
-    def _fetch_blocks(
-        self, missing: torch.Tensor, cache: BlockCache, stored: int, fetch: Fetch, like: torch.Tensor
-    ) -> torch.Tensor:
-        """Missing blocks [k] read from the host, runs of consecutive blocks in one fetch each.
-
-        Rows at or past `stored` (not on the host yet) are zero. Returns [k, block, 2, G, D].
-        """
-        b = cache.block
-        ids = missing.tolist()
-        out = torch.zeros(len(ids) * b, *like.shape[1:], dtype=like.dtype, device=like.device)
-        i = 0
-        while i < len(ids):
-            j = i + 1
-            while j < len(ids) and ids[j] == ids[j - 1] + 1:
-                j += 1
-            lo, hi = ids[i] * b, min(ids[j - 1] * b + b, stored)
-            if hi > lo:
-                out[i * b : i * b + hi - lo] = fetch(lo, hi)
-                self.stats.cache.fetched_bytes += (hi - lo) * like[0].numel() * like.element_size()
-            i = j
-        return out.view(len(ids), b, *like.shape[1:])
 
     # -- pieces ---------------------------------------------------------------------------------
 
