@@ -107,3 +107,40 @@ def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
     asked.clear()
     LLM(str(tiny), device="cpu", attention="dense", gpu_memory="1GB").plan(64)
     assert asked == [None]  # dense attention: the planner's choice
+
+
+def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a whole refresh interval's block cache leaves no room for a layer's staging buffers,
+    the engine tries smaller caches (largest first) and builds the kernel with the one that fits."""
+    import kvtier.engine.llm as engine
+    from kvtier.sparse import CACHE_TOKEN_STEPS, HipKernel, hip_gpu_bytes
+
+    budget, context, fits = 10**9, 64, CACHE_TOKEN_STEPS[2]
+    llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
+    cfg = llm.model_config
+    # A layer plan holds whole slices only with the reserve of `fits` tokens or less.
+    enough = budget - hip_gpu_bytes(cfg, "default", 4, context, cache_tokens=fits)
+
+    def fake_plan(cfg: Any, ctx: int, *, group_size: int | None, gpu_budget: int, **kw: Any) -> KVPlan:
+        g = group_size or 1
+        return KVPlan(
+            policy="auto",
+            group_size=g,
+            resident_slices=0,
+            chunk_size=16,
+            staging_buffers=2,
+            staging_tokens=ctx if gpu_budget >= enough else ctx // 2,
+            context=ctx,
+            capacity_tokens=ctx,
+            num_slices=cfg.num_layers * (cfg.num_kv_heads // g),
+        )
+
+    monkeypatch.setattr(engine, "plan_kv", fake_plan)
+    plan, cache_tokens = llm._plan(context)
+    assert (plan.group_size, cache_tokens) == (cfg.num_kv_heads, fits)
+    store, parts = llm.make_store(plan, context, cache_tokens)
+    store.close()
+    assert isinstance(parts.kernel, HipKernel) and parts.kernel.cfg.cache_tokens == fits
+    assert f"block cache {fits} tokens/slice" in parts.describe

@@ -105,18 +105,24 @@ class LLM:
 
     def plan(self, context: int) -> KVPlan:
         """The KV placement for a sequence of `context` tokens (from `kvtier.planner`)."""
+        return self._plan(context)[0]
+
+    def _plan(self, context: int) -> tuple[KVPlan, int | None]:
+        """The plan, and with HiP the block cache per offloaded slice (None: the preset's)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         host = host_memory_available() if self.device.type == "cuda" else None
         # A quantized cache is planned packed: rows plus a short full-precision tail per slice,
         # in GPU memory for resident slices and host memory for streamed ones.
         codec = make_codec(self.method.kv_quant) if self.method.kv_quant is not None else None
-        gpu = self.gpu_budget()
-        if gpu is not None and self.method.attention == "hip":
-            from kvtier.sparse import hip_gpu_bytes
+        hip = self.method.attention == "hip"
 
-            gpu -= hip_gpu_bytes(self.model_config, self.method.hip_preset, itemsize, context)  # caches, RoPE
+        def plan(group: int | None, cache_tokens: int | None = None) -> KVPlan:
+            gpu = self.gpu_budget()
+            if gpu is not None and hip:
+                from kvtier.sparse import hip_gpu_bytes
 
-        def plan(group: int | None) -> KVPlan:
+                preset = self.method.hip_preset  # caches, buffers, RoPE table:
+                gpu -= hip_gpu_bytes(self.model_config, preset, itemsize, context, cache_tokens)
             return plan_kv(
                 self.model_config,
                 context,
@@ -131,16 +137,23 @@ class LLM:
                 codec=codec if codec is not None and can_pack(codec) else None,
             )
 
-        if self.method.attention == "hip" and self.config.kv == "auto" and self.config.head_group is None:
+        if hip and self.config.kv == "auto" and self.config.head_group is None:
             # NOTE: HiP selects one set of chunks per slice. Whole-layer slices are the published
             # head reduction (HIP_HEAD_REDUCE=1) and an eighth of llama-3-8b's slice steps per
-            # token (bench/results/hip_offload_layer.json); finer slices only when a layer's two
-            # staging buffers do not fit, since HiP needs whole slices.
-            with contextlib.suppress(CapacityError):
-                layers = plan(self.model_config.num_kv_heads)
-                if layers.streamed_slices == 0 or layers.staging_tokens >= layers.capacity_tokens:
-                    return layers
-        return plan(self.config.head_group)
+            # token; HiP needs whole slices, so a layer's two staging buffers must fit. A smaller
+            # block cache than a whole refresh interval makes room for them first (at 512K on
+            # 24 GB: 10K tokens, 11x lossless decode, bench/results/hip_offload_layer_512k_keep.json);
+            # finer slices only when no cache size does.
+            from kvtier.sparse import CACHE_TOKEN_STEPS
+
+            for cache_tokens in (None, *CACHE_TOKEN_STEPS):
+                with contextlib.suppress(CapacityError):
+                    layers = plan(self.model_config.num_kv_heads, cache_tokens)
+                    if layers.streamed_slices == 0:
+                        return layers, None  # nothing offloaded: no block caches in use
+                    if layers.staging_tokens >= layers.capacity_tokens:
+                        return layers, cache_tokens
+        return plan(self.config.head_group), None
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -209,9 +222,12 @@ class LLM:
             self._check_length(len(ids), params)
         return [self._generate_one(p, ids, params, progress) for p, ids in zip(batch, encoded, strict=True)]
 
-    def make_store(self, plan: KVPlan, context: int) -> tuple[TieredKVStore, PolicyParts]:
-        """A fresh KV store for one sequence of `context` tokens, with this LLM's method parts."""
-        parts = self.method.build(self.model_config, self.device, self.loaded.model)
+    def make_store(
+        self, plan: KVPlan, context: int, hip_cache_tokens: int | None = None
+    ) -> tuple[TieredKVStore, PolicyParts]:
+        """A fresh KV store for one sequence of `context` tokens, with this LLM's method parts
+        (`hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's)."""
+        parts = self.method.build(self.model_config, self.device, self.loaded.model, hip_cache_tokens)
         store = TieredKVStore(
             self.model_config,
             plan,
@@ -227,10 +243,10 @@ class LLM:
         self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool
     ) -> RequestOutput:
         context = len(ids) + params.max_tokens
-        plan = self.plan(context)
+        plan, hip_cache_tokens = self._plan(context)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        store, parts = self.make_store(plan, context)
+        store, parts = self.make_store(plan, context, hip_cache_tokens)
         try:
             tokens, stats = generate_tokens(
                 self.loaded.model,

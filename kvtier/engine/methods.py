@@ -55,13 +55,18 @@ class StoreMethod:
     def lossless(self) -> bool:
         return self == StoreMethod()
 
-    def build(self, cfg: ModelConfig, device: torch.device, model: CausalLM) -> PolicyParts:
-        """Fresh store parts for one request; raises ConfigError on bad names or combinations."""
+    def build(
+        self, cfg: ModelConfig, device: torch.device, model: CausalLM, hip_cache_tokens: int | None = None
+    ) -> PolicyParts:
+        """Fresh store parts for one request; raises ConfigError on bad names or combinations.
+        `hip_cache_tokens`: HiP's block cache per offloaded slice (None: the preset's)."""
         if self.attention == "hip":
             from kvtier.sparse import make_hip_kernel
 
-            kernel, unrotated = make_hip_kernel(cfg, device, self.hip_preset)
-            return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {self.hip_preset}")
+            kernel, unrotated = make_hip_kernel(cfg, device, self.hip_preset, cache_tokens=hip_cache_tokens)
+            cache = "" if hip_cache_tokens is None else f", block cache {hip_cache_tokens} tokens/slice"
+            describe = f"hip {self.hip_preset}{cache}"
+            return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=describe)
         return build_policy(
             cfg,
             kv_quant=self.kv_quant,

@@ -51,16 +51,29 @@ def make_hip_kernel(
     return kernel, kernel.needs_unrotated_keys
 
 
-def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 2, context: int = 0) -> int:
+# Block-cache sizes (tokens per offloaded slice) the engine tries, largest first, when a whole
+# refresh interval's cache leaves no room for a layer's staging buffers. 8K still holds the
+# published budgets' final selection (2K in 8-token chunks), sinks and window.
+CACHE_TOKEN_STEPS = (16384, 12288, 10240, 8192)
+
+
+def hip_gpu_bytes(
+    cfg: ModelConfig,
+    preset: str = "default",
+    dtype_bytes: int = 2,
+    context: int = 0,
+    cache_tokens: int | None = None,
+) -> int:
     """GPU bytes HiP holds besides the plan's KV: every slice's block cache (used when the slice
     is offloaded) and decode attention buffer, at the preset's budgets, and the RoPE table of
-    context extension, which covers every position up to `context`.
+    context extension, which covers every position up to `context`. `cache_tokens`: the block
+    cache per slice (None: the preset's, a whole refresh interval).
 
     The planner does not know about them; the engine takes them off the GPU budget.
     """
     if preset not in HIP_PRESETS:
         raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
-    hip = HIP_PRESETS[preset]
+    hip = replace(HIP_PRESETS[preset], cache_tokens=cache_tokens)
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
@@ -68,6 +81,7 @@ def hip_gpu_bytes(cfg: ModelConfig, preset: str = "default", dtype_bytes: int = 
 
 
 __all__ = [
+    "CACHE_TOKEN_STEPS",
     "HIP_PRESETS",
     "CacheStats",
     "HipConfig",
