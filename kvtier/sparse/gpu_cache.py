@@ -142,15 +142,20 @@ class BlockCache:
         return BlockTable(blocks, base, in_bank, extra, hits=blocks.numel() - k, stored=stored)
 
     def write(self, table: BlockTable, position: int, row: torch.Tensor) -> None:
-        """Store token row [2, G, D] at `position` (its block is in `table`). Mutates the cache."""
+        """Store token row [2, G, D] at `position` (its block is in `table`). Mutates the cache.
+
+        The block's slot becomes the `tail` that `append` writes next, or None when the block is
+        in the step's overflow (not in the bank)."""
         at = torch.tensor(position // self.block, device=table.blocks.device)
         j = int(torch.searchsorted(table.blocks, at))
         r = int(table.base[j]) + position % self.block
         if bool(table.in_bank[j]):
             self.bank.view(-1, *self.bank.shape[2:])[r] = row
+            self.tail = torch.full((1,), r // self.block, dtype=torch.long, device=self.ids.device)
         else:
             assert table.extra is not None
             table.extra[r] = row
+            self.tail = None
 
     # -- sync-free decode (capacity covers everything a refresh interval reads) -----------------
 
@@ -209,7 +214,7 @@ class BlockCache:
             self.used.index_fill_(0, slot, self.tick)
             self.tail = slot
             self._table = None
-        assert self.tail is not None, "track_tail before the first append"
+        assert self.tail is not None, "the block of the last position must be in the bank to append"
         flat = self.bank.view(-1, *self.bank.shape[2:])
         flat.index_copy_(0, self.tail * b + position % b, row[None])
         self.end = position + 1

@@ -137,13 +137,14 @@ class HipKernel:
 
         With a cache that holds a whole refresh interval (`_covers`) nothing can miss, and the
         step runs without a single host-device sync: the view reads every slot, the new token
-        is appended by tensor ops. Otherwise blocks are looked up and misses fetched (syncs).
+        is appended by tensor ops. A smaller cache does the same on steps that read nothing
+        stored (`_append_only`); otherwise blocks are looked up and misses fetched (syncs).
         """
         cache = self._gpu[(step.layer, step.group)]
         b, s = cache.block, step.start
         fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
         st = self.stats.cache
-        if self._covers(cache, kv_new.shape[2]):
+        if self._covers(cache, kv_new.shape[2]) or self._append_only(cache, step, kv_new.shape[2]):
             cache.append(s, kv_new[0])
             st.cached_steps += 1
             st.appended += fresh
@@ -177,6 +178,23 @@ class HipKernel:
             return extra[table.base[j][:, None] + torch.arange(b, device=extra.device)]  # [k, b, 2, G, D]
 
         cache.ensure(keep, load)
+        cache.track_tail(step.start)  # the new token's block may have moved into the bank
+        if int(cache.tail[0]) < 0:  # type: ignore[index]
+            cache.tail = None
+
+    def _append_only(self, cache: BlockCache, step: SliceStep, groups: int) -> bool:
+        """Whether a decode step at step.start reads nothing stored: no stage is due and every
+        decode buffer of the slice ends at step.start, so the query attends its buffer plus the
+        new token (`AttendBuffer.step`). The cache then only appends the token (no lookup, no
+        sync); an evicted block, if a later rerun reads it, is a miss fetched then."""
+        s, n = step.start, len(self.cfg.chunk_sizes)
+        if cache.end != s or (s % cache.block and cache.tail is None):
+            return False
+        for st in self._states(step, groups):
+            due = st.first_due(self.cfg.refresh, st.step + 1)
+            if due < n or st.attn.end != s or st.position >= s or s < st.window_start:
+                return False
+        return True
 
     def _covers(self, cache: BlockCache, groups: int) -> bool:
         """Whether `cache` holds everything the steps of one refresh interval read, so they
@@ -342,8 +360,6 @@ class HipKernel:
         table = cache.ensure(blocks, load)
         cache.write(table, step.start, kv[step.start])
         cache.end = step.start + 1
-        if self._covers(cache, kv.shape[2]):
-            cache.track_tail(step.start)
         self.stats.cache.refresh_reused += table.hits
         self.stats.cache.refresh_inserted += table.stored
 
