@@ -77,7 +77,7 @@ def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
 ) -> None:
     """HiP selects per slice: with `--kv auto` and no `--head-group` the engine takes whole
     layers (the published head reduction, fewer slice steps) when a layer's staging buffers hold
-    whole slices, and the planner's own choice otherwise."""
+    whole slices, and finer slices that do otherwise."""
     import kvtier.engine.llm as engine
 
     asked: list[int | None] = []
@@ -103,7 +103,7 @@ def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
     plan = llm.plan(64)
     assert asked[0] == llm.model_config.num_kv_heads
     assert plan.group_size == (llm.model_config.num_kv_heads if layer_holds_slices else 1)
-    assert asked[-1] == (llm.model_config.num_kv_heads if layer_holds_slices else None)
+    assert asked[-1] == (llm.model_config.num_kv_heads if layer_holds_slices else 1)
     asked.clear()
     LLM(str(tiny), device="cpu", attention="dense", gpu_memory="1GB").plan(64)
     assert asked == [None]  # dense attention: the planner's choice

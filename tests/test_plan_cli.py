@@ -135,3 +135,23 @@ def test_plan_predicts_lossy_pcie_bytes(capsys: CapSys) -> None:
     assert packed["pcie_gb_per_token"] < rec["pcie_gb_per_decode_token"] / 3.2
     assert _main(["plan", *base, "--kv-quant", "int4", "--head-sparsity", "0.5"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys) -> None:
+    """llama-3-8b on 24 GB of an H200 (the measured runs): at 128K whole layers with the block
+    cache of a whole refresh interval; at 512K whole layers with a smaller cache (a layer's two
+    staging buffers take 4.3 GB); at 768K 4-head slices. Always whole slices in staging."""
+    base = ["--model", "llama-3-8b", "--gpu", "h200", "--gpu-memory", "24GB", "--host-memory", "125GiB"]
+    hips = {
+        c: _json(capsys, *base, "--context", c, "--attention", "hip", "--hip-preset", "fast")["hip"]
+        for c in ("128K", "512K", "768K")
+    }
+    assert (hips["128K"]["group_size"], hips["128K"]["cache_tokens_per_slice"]) == (8, None)
+    assert hips["512K"]["group_size"] == 8 and hips["512K"]["per_layer"]
+    assert 8192 <= hips["512K"]["cache_tokens_per_slice"] <= 16384
+    assert hips["768K"]["group_size"] == 4 and not hips["768K"]["per_layer"]
+    assert hips["512K"]["hip_gpu_gb"] < hips["128K"]["hip_gpu_gb"]
+    # Too little memory for even one head's staging next to the caches: an error before allocating.
+    small = ["--model", "llama-3-8b", "--gpu", "h200", "--gpu-memory", "19GB", "--context", "900K"]
+    assert _main(["plan", *small, "--attention", "hip"]) == 2
+    assert "needs every offloaded slice whole" in capsys.readouterr().err

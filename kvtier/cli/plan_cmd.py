@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="R",
         help="also predict head-wise sparsity: a fraction R of KV heads keep 64 sinks + 256 recent tokens",
     )
+    p.add_argument(
+        "--attention",
+        default="dense",
+        choices=("dense", "hip"),
+        help="also plan HiP sparse attention: its slices and block cache per offloaded slice",
+    )
+    p.add_argument("--hip-preset", default="default", help="HiP preset (with --attention hip)")
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
     p.add_argument("--plot", default=None, metavar="F.png", help="save GPU memory vs context to F")
     p.set_defaults(func=run)
@@ -150,15 +158,55 @@ def lossy_lines(
     }
 
 
+def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] | None:
+    """The plan under `--attention hip` (None for dense): slices, block cache, HiP's GPU bytes."""
+    if attention != "hip":
+        return None
+    from kvtier.sparse import HIP_PRESETS
+    from kvtier.sparse.planning import plan_hip
+
+    if preset not in HIP_PRESETS:
+        raise ConfigError(f"unknown --hip-preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
+
+    def plan_with(group: int | None, gpu: int | None) -> KVPlan:
+        assert gpu is not None  # `kvtier plan` always has a GPU budget
+        return replace(req, gpu_budget=gpu, group_size=group or req.group_size).plan(req.context)
+
+    hip = plan_hip(
+        req.cfg,
+        req.context,
+        plan_with,
+        gpu_budget=req.gpu_budget,
+        preset=preset,
+        dtype_bytes=req.dtype_bytes,
+        layers_first=req.policy == "auto" and req.group_size is None,
+    )
+    plan = hip.plan
+    return {
+        "preset": preset,
+        "group_size": plan.group_size,
+        "resident_slices": plan.resident_slices,
+        "num_slices": plan.num_slices,
+        "per_layer": plan.group_size == req.cfg.num_kv_heads,
+        "cache_tokens_per_slice": hip.cache_tokens,
+        "hip_gpu_gb": hip.reserve_bytes / 1e9,
+        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
+        "chunk_size": plan.chunk_size,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
     req = build_request(args)
     rep = build_report(req)
     lossy = lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity)
+    hip = hip_lines(req, args.attention, args.hip_preset) if rep.plan is not None else None
     if args.json:
         out = report_json(rep)
         if lossy:
             out["lossy"] = lossy
+        if hip:
+            out["hip"] = hip
         print(json.dumps(out, indent=2))
     else:
         print(format_report(rep))
@@ -170,6 +218,16 @@ def run(args: argparse.Namespace) -> int:
                 f"{lossy['pcie_gb_per_token']:.2f} GB "
                 f"(lossless {lossy['lossless_pcie_gb_per_token']:.2f} GB), decode floor "
                 f"{lossy['decode_floor_s']:.3f} s/token"
+            )
+        if hip:
+            cache = hip["cache_tokens_per_slice"]
+            selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
+            print(
+                f"\nwith --attention hip ({hip['preset']}): {hip['num_slices']} slices of "
+                f"{hip['group_size']} KV heads ({selection}), "
+                f"{hip['resident_slices']} resident; block cache per offloaded slice: "
+                f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; HiP's GPU bytes "
+                f"{hip['hip_gpu_gb']:.2f} GB, GPU KV with staging {hip['gpu_kv_with_staging_gb']:.2f} GB"
             )
     if args.plot:
         from kvtier.planner.plot import plot_memory

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict
 from typing import Any
 
@@ -114,15 +113,8 @@ class LLM:
         # A quantized cache is planned packed: rows plus a short full-precision tail per slice,
         # in GPU memory for resident slices and host memory for streamed ones.
         codec = make_codec(self.method.kv_quant) if self.method.kv_quant is not None else None
-        hip = self.method.attention == "hip"
 
-        def plan(group: int | None, cache_tokens: int | None = None) -> KVPlan:
-            gpu = self.gpu_budget()
-            if gpu is not None and hip:
-                from kvtier.sparse import hip_gpu_bytes
-
-                preset = self.method.hip_preset  # caches, buffers, RoPE table:
-                gpu -= hip_gpu_bytes(self.model_config, preset, itemsize, context, cache_tokens)
+        def plan(group: int | None, gpu: int | None) -> KVPlan:
             return plan_kv(
                 self.model_config,
                 context,
@@ -130,30 +122,27 @@ class LLM:
                 gpu_budget=gpu,
                 dtype_bytes=itemsize,
                 chunk_size=self.config.chunk_size,
-                group_size=group,
+                group_size=group or self.config.head_group,
                 block_size=self.config.block_size,
                 hardware=detect_hardware(self.device),
                 host_budget=host,
                 codec=codec if codec is not None and can_pack(codec) else None,
             )
 
-        if hip and self.config.kv == "auto" and self.config.head_group is None:
-            # NOTE: HiP selects one set of chunks per slice. Whole-layer slices are the published
-            # head reduction (HIP_HEAD_REDUCE=1) and an eighth of llama-3-8b's slice steps per
-            # token; HiP needs whole slices, so a layer's two staging buffers must fit. A smaller
-            # block cache than a whole refresh interval makes room for them first (at 512K on
-            # 24 GB: 10K tokens, 11x lossless decode, bench/results/hip_offload_layer_512k_keep.json);
-            # finer slices only when no cache size does.
-            from kvtier.sparse import CACHE_TOKEN_STEPS
+        if self.method.attention != "hip":
+            return plan(None, self.gpu_budget()), None
+        from kvtier.sparse.planning import plan_hip
 
-            for cache_tokens in (None, *CACHE_TOKEN_STEPS):
-                with contextlib.suppress(CapacityError):
-                    layers = plan(self.model_config.num_kv_heads, cache_tokens)
-                    if layers.streamed_slices == 0:
-                        return layers, None  # nothing offloaded: no block caches in use
-                    if layers.staging_tokens >= layers.capacity_tokens:
-                        return layers, cache_tokens
-        return plan(self.config.head_group), None
+        hip = plan_hip(
+            self.model_config,
+            context,
+            plan,
+            gpu_budget=self.gpu_budget(),
+            preset=self.method.hip_preset,
+            dtype_bytes=itemsize,
+            layers_first=self.config.kv == "auto" and self.config.head_group is None,
+        )
+        return hip.plan, hip.cache_tokens
 
     # -- prompts -------------------------------------------------------------------------------
 
