@@ -71,6 +71,22 @@ def test_cli_flags_reach_the_engine(tiny: Path, capsys: pytest.CaptureFixture[st
     assert "--kv-budget" in capsys.readouterr().err
 
 
+def streaming_plan(cfg: Any, context: int, group: int, *, whole: bool) -> KVPlan:
+    """A plan that streams every slice of `group` KV heads; its staging buffers hold a whole
+    slice or half of one."""
+    return KVPlan(
+        policy="auto",
+        group_size=group,
+        resident_slices=0,
+        chunk_size=16,
+        staging_buffers=2,
+        staging_tokens=context if whole else context // 2,
+        context=context,
+        capacity_tokens=context,
+        num_slices=cfg.num_layers * (cfg.num_kv_heads // group),
+    )
+
+
 @pytest.mark.parametrize("layer_holds_slices", [True, False])
 def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
     tiny: Path, monkeypatch: pytest.MonkeyPatch, layer_holds_slices: bool
@@ -85,18 +101,7 @@ def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
     def fake_plan(cfg: Any, context: int, *, group_size: int | None, **kw: Any) -> KVPlan:
         asked.append(group_size)
         g = group_size or 1
-        whole = g == 1 or layer_holds_slices
-        return KVPlan(
-            policy="auto",
-            group_size=g,
-            resident_slices=0,
-            chunk_size=16,
-            staging_buffers=2,
-            staging_tokens=context if whole else context // 2,
-            context=context,
-            capacity_tokens=context,
-            num_slices=cfg.num_layers * (cfg.num_kv_heads // g),
-        )
+        return streaming_plan(cfg, context, g, whole=g == 1 or layer_holds_slices)
 
     monkeypatch.setattr(engine, "plan_kv", fake_plan)
     llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory="1GB")
@@ -124,18 +129,7 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     enough = budget - hip_gpu_bytes(cfg, "default", 4, context, cache_tokens=fits)
 
     def fake_plan(cfg: Any, ctx: int, *, group_size: int | None, gpu_budget: int, **kw: Any) -> KVPlan:
-        g = group_size or 1
-        return KVPlan(
-            policy="auto",
-            group_size=g,
-            resident_slices=0,
-            chunk_size=16,
-            staging_buffers=2,
-            staging_tokens=ctx if gpu_budget >= enough else ctx // 2,
-            context=ctx,
-            capacity_tokens=ctx,
-            num_slices=cfg.num_layers * (cfg.num_kv_heads // g),
-        )
+        return streaming_plan(cfg, ctx, group_size or 1, whole=gpu_budget >= enough)
 
     monkeypatch.setattr(engine, "plan_kv", fake_plan)
     plan, cache_tokens = llm._plan(context)
