@@ -1,7 +1,7 @@
-"""Per-slice cost of HiP decode over head-wise offloaded KV, without the model (CPU or GPU).
+"""Per-slice cost of HiP decode over offloaded KV, without the model (CPU or GPU).
 
-Builds a store of `--layers` x `--kv-heads` one-head slices (head-wise offload, nothing
-resident), fills `--context` tokens of synthetic KV, then times `--steps` decode steps through
+Builds a store of `--layers` x `--kv-heads` / `--group` slices (offloaded, nothing resident),
+fills `--context` tokens of synthetic KV, then times `--steps` decode steps through
 the store directly (random q, k, v per layer), split into refresh steps (a slice streamed whole)
 and cached steps (served from the GPU block cache). Counts host-device syncs of the cached steps
 as the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `__index__`,
@@ -66,17 +66,25 @@ def count_syncs(counts: dict[str, int]) -> Iterator[None]:
 
 
 def build(
-    layers: int, kv_heads: int, head_dim: int, context: int, steps: int, hip: HipConfig, device: torch.device
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    context: int,
+    steps: int,
+    hip: HipConfig,
+    device: torch.device,
+    group: int = 1,
 ) -> tuple[TieredKVStore, HipKernel]:
-    """A head-wise offloaded store of `context` synthetic tokens with a HiP kernel."""
+    """An offloaded store of `context` synthetic tokens in slices of `group` KV heads, with a
+    HiP kernel."""
     base = preset_config("llama-3-8b")
     cfg = replace(base, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_heads=4 * kv_heads)
     overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
     kernel, unrotated = make_hip_kernel(cfg, device, "default", **overrides)
     assert isinstance(kernel, HipKernel)
     plan = KVPlan(
-        policy="head",
-        group_size=1,
+        policy="head" if group < kv_heads else "layer",
+        group_size=group,
         resident_slices=0,
         chunk_size=256,
         staging_buffers=2,
@@ -112,6 +120,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=34)
     ap.add_argument("--preset", default="fast", choices=tuple(HIP_PRESETS))
+    ap.add_argument("--group", type=int, default=1, help="KV heads per slice (--kv-heads: whole layers)")
+    ap.add_argument("--cache-tokens", type=int, default=None, help="block cache per slice, tokens")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--prefill-chunk", type=int, default=0, help="also time one prefill chunk of this many tokens (last)"
@@ -120,14 +130,15 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     base = HIP_PRESETS[args.preset]
-    hip = HipConfig.scaled(args.context, refresh=base.refresh)
+    hip = HipConfig.scaled(args.context, refresh=base.refresh, cache_tokens=args.cache_tokens)
     # the op-counting interval and the prefill chunk run after the timed steps
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
-    store, kernel = build(args.layers, args.kv_heads, args.head_dim, args.context, extra, hip, dev)
+    shape = (args.layers, args.kv_heads, args.head_dim, args.context)
+    store, kernel = build(*shape, extra, hip, dev, args.group)
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
-    slices = args.layers * args.kv_heads
+    slices = args.layers * (args.kv_heads // args.group)
     times: dict[str, list[float]] = {"refresh": [], "cached": []}
     syncs: dict[str, int] = {}
     prof = cProfile.Profile()
