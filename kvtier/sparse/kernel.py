@@ -178,9 +178,9 @@ class HipKernel:
             return extra[table.base[j][:, None] + torch.arange(b, device=extra.device)]  # [k, b, 2, G, D]
 
         cache.ensure(keep, load)
-        cache.track_tail(step.start)  # the new token's block may have moved into the bank
-        if int(cache.tail[0]) < 0:  # type: ignore[index]
-            cache.tail = None
+        # The new token's block may have moved into the bank (a host sync, on this rare step).
+        slot = cache.lookup(torch.full((1,), step.start // b, dtype=torch.long, device=extra.device))
+        cache.tail = slot if int(slot[0]) >= 0 else None
 
     def _append_only(self, cache: BlockCache, step: SliceStep, groups: int) -> bool:
         """Whether a decode step at step.start reads nothing stored: no stage is due and every
