@@ -193,11 +193,6 @@ class BlockCache:
         self.used[m:] = -1
         self.tail = torch.full((1,), tail, dtype=torch.long, device=self.ids.device)
 
-    def track_tail(self, position: int) -> None:
-        """Remember the slot of the (cached) block of `position`, where `append` writes next."""
-        blk = torch.full((1,), position // self.block, dtype=torch.long, device=self.ids.device)
-        self.tail = self.lookup(blk)
-
     def append(self, position: int, row: torch.Tensor) -> None:
         """Store the token row [2, G, D] at `position` == `end` without a host sync; mutates.
 
