@@ -157,7 +157,7 @@ class BlockCache:
             table.extra[r] = row
             self.tail = None
 
-    # -- sync-free decode (capacity covers everything a refresh interval reads) -----------------
+    # -- sync-free decode steps -----------------------------------------------------------------
 
     def table(self) -> BlockTable:
         """Every slot as a `BlockTable` (free slots sort first as id -1), built without a sync.
@@ -197,8 +197,9 @@ class BlockCache:
         """Store the token row [2, G, D] at `position` == `end` without a host sync; mutates.
 
         A position that starts a block takes the least-recently-used slot (ties: the lowest);
-        otherwise the row goes to the tail block. NOTE: the caller guarantees that the LRU slot
-        holds nothing a later step reads (capacity covers a whole refresh interval).
+        otherwise the row goes to the tail block. NOTE: the LRU slot may hold a block a later step
+        reads: a cache that covers a whole refresh interval has none, a smaller one looks its
+        blocks up before such a step and fetches misses.
         """
         assert position == self.end, "append writes the next token only"
         b = self.block
