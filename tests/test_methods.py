@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 
 from kvtier import LLM, SamplingParams
 from kvtier.cli.main import main
-from kvtier.errors import ConfigError
+from kvtier.errors import CapacityError, ConfigError
 from kvtier.planner.placement import KVPlan
 from tests.hf_reference import make_hf_model
 
@@ -138,3 +139,24 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     store.close()
     assert isinstance(parts.kernel, HipKernel) and parts.kernel.cfg.cache_tokens == fits
     assert f"block cache {fits} tokens/slice" in parts.describe
+
+
+def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(tiny: Path) -> None:
+    """Through `LLM` end to end: a budget where the planner streams whole-layer slices with a
+    reduced block cache gives the tokens of HiP with everything resident."""
+    ids = [(7 * i) % 200 + 3 for i in range(400)]
+    params = SamplingParams(max_tokens=12)
+    ref = LLM(str(tiny), device="cpu", attention="hip").generate(ids, params)[0]
+    for budget in range(556_000_000, 560_000_000, 100_000):  # the tiny model's KV is ~1 MB
+        llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
+        with contextlib.suppress(CapacityError):
+            plan, cache_tokens = llm._plan(len(ids) + params.max_tokens)
+            layers = plan.group_size == llm.model_config.num_kv_heads
+            if layers and plan.streamed_slices and cache_tokens is not None:
+                break
+    else:
+        pytest.fail("no budget streams the tiny model's layers")
+    out = llm.generate(ids, params)[0]
+    assert out.stats.plan["group_size"] == llm.model_config.num_kv_heads
+    assert f"block cache {cache_tokens} tokens/slice" in out.stats.plan["method"]
+    assert out.token_ids == ref.token_ids

@@ -151,7 +151,11 @@ def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys)
     assert 8192 <= hips["512K"]["cache_tokens_per_slice"] <= 16384
     assert hips["768K"]["group_size"] == 4 and not hips["768K"]["per_layer"]
     assert hips["512K"]["hip_gpu_gb"] < hips["128K"]["hip_gpu_gb"]
-    # Too little memory for even one head's staging next to the caches: an error before allocating.
-    small = ["--model", "llama-3-8b", "--gpu", "h200", "--gpu-memory", "19GB", "--context", "900K"]
-    assert _main(["plan", *small, "--attention", "hip"]) == 2
+    # Errors before allocating: room for the weights but not for whole slices next to the caches;
+    # or not even for the weights once HiP's GPU bytes are taken.
+    small = ["--model", "llama-3-8b", "--gpu", "h200", "--context", "768K", "--attention", "hip"]
+    assert _main(["plan", *small, "--gpu-memory", "19.5GB"]) == 2
     assert "needs every offloaded slice whole" in capsys.readouterr().err
+    assert _main(["plan", *small, "--gpu-memory", "18.5GB"]) == 2
+    err = capsys.readouterr().err
+    assert "weights 16.06 GB" in err and "--attention hip first takes" in err

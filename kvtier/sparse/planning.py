@@ -61,19 +61,24 @@ def plan_hip(
     if layers_first:
         groups = [g for g in range(cfg.num_kv_heads, 0, -1) if cfg.num_kv_heads % g == 0]
     error: CapacityError | None = None
+    planned = False  # some plan fitted, only not with whole slices
     for group in groups:
         for cache_tokens in (None, *CACHE_TOKEN_STEPS):
             try:
                 plan = plan_with(group, budget(cache_tokens))
             except CapacityError as e:
-                error = error or e
+                error = e  # the last: the largest budget tried
                 continue
+            planned = True
             if plan.streamed_slices == 0:
                 return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
             if plan.staging_tokens >= plan.capacity_tokens:
                 return HipPlacement(plan, cache_tokens, reserve(cache_tokens))
-    if error is not None and not layers_first:
-        raise error
+    if error is not None and (not layers_first or not planned):
+        raise CapacityError(
+            f"{error}; --attention hip first takes {reserve(CACHE_TOKEN_STEPS[-1]) / 1e9:.2f} GB or more "
+            "of --gpu-memory for its block caches, decode buffers and RoPE table"
+        ) from None
     finest = 2 * context * 2 * cfg.head_dim * dtype_bytes  # two staging buffers of one KV head
     raise CapacityError(
         f"--attention hip needs every offloaded slice whole in a staging buffer: at {context} tokens "
