@@ -118,6 +118,32 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
     )
 
 
+def engine_plan(
+    cfg: ModelConfig, total: int, args: argparse.Namespace, method: str
+) -> tuple[KVPlan, int | None]:
+    """What `kvtier generate --attention hip --kv auto` plans: slices and block cache per slice
+    (`kvtier.sparse.planning.plan_hip`, with the preset's budgets)."""
+    from kvtier.sparse.planning import plan_hip
+
+    def plan_with(group: int | None, gpu: int | None) -> KVPlan:
+        return plan_kv(
+            cfg,
+            total,
+            policy="auto",
+            gpu_budget=gpu,
+            dtype_bytes=2,
+            chunk_size=args.prefill_chunk or None,
+            group_size=group,
+            hardware=hardware_preset("h200"),
+        )
+
+    preset = method.removeprefix("hip-")
+    hip = plan_hip(
+        cfg, total, plan_with, gpu_budget=args.budget, preset=preset, dtype_bytes=2, layers_first=True
+    )
+    return hip.plan, hip.cache_tokens
+
+
 def run_method(
     model: CausalLM, cfg: ModelConfig, method: str, context: int, args: argparse.Namespace, prefill: bool
 ) -> dict[str, Any]:
@@ -131,16 +157,21 @@ def run_method(
     reserve = cache_bytes_estimate(
         cfg, method, context, args.smoke, 2 if dev.type == "cuda" else 4, args.cache_tokens
     )
+    cache_tokens = args.cache_tokens
     try:
-        plan = make_plan(cfg, total, args, reserve)
+        if args.policy == "planned" and method != "dense" and not args.smoke:
+            plan, cache_tokens = engine_plan(cfg, total, args, method)
+        else:
+            plan = make_plan(cfg, total, args, reserve)
     except CapacityError as e:
         row["skipped"] = str(e)
         return row
     row["plan"] = {k: getattr(plan, k) for k in ("policy", "group_size", "resident_slices", "staging_tokens")}
+    row["plan"]["cache_tokens"] = cache_tokens
     if plan.staging_tokens < total and plan.streamed_slices:
         row["skipped"] = f"a slice of {total} tokens does not fit a staging buffer ({plan.staging_tokens})"
         return row
-    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke, args.cache_tokens)
+    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke, cache_tokens)
     if dev.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
@@ -262,8 +293,9 @@ def main() -> None:
     ap.add_argument(
         "--policy",
         default="head",
-        choices=("head", "layer", "auto"),
-        help="store slicing: one HiP selection per slice (layer: per layer, as published)",
+        choices=("head", "layer", "auto", "planned"),
+        help="store slicing: one HiP selection per slice (layer: per layer, as published); "
+        "planned: HiP's slices and block cache as the engine plans them",
     )
     ap.add_argument("--head-group", type=int, default=None, help="KV heads per slice (policy head)")
     ap.add_argument(

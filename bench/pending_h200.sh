@@ -31,14 +31,15 @@ case "$group" in
     --name tiered_store
   ;;
 3)
-  # Issue 6: HiP over layer slices (one selection per layer, the published HIP_HEAD_REDUCE=1).
-  # Not yet timed: steps with no stage due append to a small block cache without a lookup or a
-  # sync (512K: was 0.112 s/token amortized, 0.057 s p50 for those steps).
-  run 100 $py bench/hip_offload.py --contexts 128K --presets fast --policy layer --no-dense \
-    --name hip_offload_layer_128k_full
-  run 200 $py bench/hip_offload.py --contexts 512K --presets fast --policy layer --cache-tokens 10240 \
-    --no-dense --name hip_offload_layer_512k_append
-  run 200 $py bench/hip_offload.py --contexts 768K --presets fast --policy head --head-group 4 \
-    --cache-tokens 10240 --steps 34 --no-dense --name hip_offload_768k_g4
+  # Issue 6: HiP as the engine plans it (`--policy planned`: whole layers while their staging
+  # fits, block cache shrunk to make room; 4-head slices at 768K). Not yet timed: steps with no
+  # stage due append to a small block cache without a lookup or a sync (512K was 0.112 s/token
+  # amortized with 0.057 s p50 for those steps).
+  run 100 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --no-dense \
+    --name hip_offload_planned_128k
+  run 200 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
+    --name hip_offload_planned_512k
+  run 200 $py bench/hip_offload.py --contexts 768K --presets fast --policy planned --steps 34 \
+    --no-dense --name hip_offload_planned_768k
   ;;
 esac
