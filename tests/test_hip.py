@@ -330,13 +330,20 @@ def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPa
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("batch_bytes", [1 << 30, 1])  # 1: every block its own batch
 @pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
 @pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
-def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(mode: str, s: int) -> None:
-    """`run_block_stages` (the blocks of a prefill chunk as one batch) keeps, block by block,
-    the positions `run_stages` keeps for each block alone, blocks with few candidates included."""
+def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(
+    mode: str, s: int, batch_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_block_stages` (the blocks of a prefill chunk as one batch, or in memory-bounded
+    batches) keeps, block by block, the positions `run_stages` keeps for each block alone,
+    blocks with few candidates included."""
+    from kvtier.sparse import prefill
     from kvtier.sparse.prefill import run_block_stages
     from kvtier.sparse.pruning import run_stages
+
+    monkeypatch.setattr(prefill, "PRUNE_BATCH_BYTES", batch_bytes)
 
     gen = torch.Generator().manual_seed(3)
     bq, sink, window = 8, 4, 16

@@ -26,6 +26,7 @@ import torch
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
 _LAST = torch.iinfo(torch.long).max  # sorts padding after every position
+PRUNE_BATCH_BYTES = 256 << 20  # stage-0 temporaries of one batch of query blocks, about
 
 
 def pool_blocks(q: torch.Tensor, q_pos: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +154,52 @@ def run_block_stages(
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
+
+    Blocks are pruned in batches whose stage-0 temporaries (the probe keys of every chunk of
+    every block, in float32, and their scores) stay near `PRUNE_BATCH_BYTES`: at 512K a layer
+    slice of 8 KV heads takes ~25 MB per block, so 64 blocks at once took ~1.6 GB.
     """
+    per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * -(-max(1, keys.shape[0] - sink) // chunk_sizes[0])
+    step = max(1, PRUNE_BATCH_BYTES // per_block)
+    if step >= q.shape[0]:
+        return _block_stages(
+            q, q_pos, keys, sink, window_starts, chunk_sizes, budgets, strides, mode, rotary, window
+        )
+    parts = [
+        _block_stages(
+            q[i : i + step],
+            q_pos[i : i + step],
+            keys,
+            sink,
+            window_starts[i : i + step],
+            chunk_sizes,
+            budgets,
+            strides,
+            mode,
+            rotary,
+            window,
+        )
+        for i in range(0, q.shape[0], step)
+    ]
+    width = max(sel.shape[1] for sel, _ in parts)
+    sel = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p, _ in parts])
+    return sel, torch.cat([n for _, n in parts])
+
+
+def _block_stages(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: torch.Tensor,
+    sink: int,
+    window_starts: torch.Tensor,
+    chunk_sizes: tuple[int, ...],
+    budgets: tuple[int, ...],
+    strides: tuple[int, ...],
+    mode: str,
+    rotary: RopeTable | None,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_block_stages` of one batch of blocks."""
     w_max = int(window_starts.max())  # NOTE: a host read; prefill only
     cand = torch.arange(sink, max(sink, w_max), device=q.device).expand(q.shape[0], -1)  # [B, N]
     valid = (window_starts - sink).clamp(min=0)
