@@ -5,7 +5,7 @@
 #   bash bench/pending_h200.sh 1   # (~8 min) CUDA checks, quantized GPU tier, Quest over offload,
 #                                  #           on-GPU prefill at 128K by chunk size (no cap)
 #   bash bench/pending_h200.sh 2   # (~9 min) the main tiered-store table on the current code
-#   bash bench/pending_h200.sh 3   # (~8 min) HiP over layer slices at 128K/512K, 4-head slices at 768K
+#   bash bench/pending_h200.sh 3   # (~9 min) HiP as the engine plans it at 128K/512K/768K
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -37,8 +37,9 @@ case "$group" in
   # amortized with 0.057 s p50 for those steps).
   run 100 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --no-dense \
     --name hip_offload_planned_128k
-  run 200 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
-    --name hip_offload_planned_512k
+  # With a 4K prefill chunk at 512K too: it ran out of memory before pruning was batched.
+  run 260 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
+    --prefill-chunk 4096 --name hip_offload_planned_512k
   run 200 $py bench/hip_offload.py --contexts 768K --presets fast --policy planned --steps 34 \
     --no-dense --name hip_offload_planned_768k
   ;;
