@@ -15,10 +15,8 @@ NOTE: while stage 0's selection is cached, tokens keep leaving the window; to lo
 the window of a cached decode step reaches back to where it started when stage 0 last ran (so
 it grows by up to refresh[0] - 1 tokens between refreshes).
 
-Between stage recomputations a decode query attends the same rows plus one new token, so they
-are kept gathered and rotated in an `AttendBuffer`: such a step appends a row and attends
-(~12 operators a slice, the per-slice cost offloaded decode is bound by); a recomputation
-scores every candidate at once (`ScoreFn.all_candidates`) and regathers the buffer.
+Between stage recomputations a decode query attends the same rows plus one new token, kept
+gathered and rotated in an `AttendBuffer` (a step appends a row and attends: ~12 operators).
 
 Offloaded KV (`CachingSliceKernel`): for a slice the store streams from host memory, only a
 decode step where stage 0 is due (or the first) needs the whole slice; the kernel then also
