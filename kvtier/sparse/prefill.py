@@ -159,52 +159,26 @@ def run_block_stages(
     every block, in float32, and their scores) stay near `PRUNE_BATCH_BYTES`: at 512K a layer
     slice of 8 KV heads takes ~25 MB per block, so 64 blocks at once took ~1.6 GB.
     """
+
+    def prune(qb: torch.Tensor, pb: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stage for one batch of blocks."""
+        w_max = int(starts.max())  # NOTE: a host read; prefill only
+        cand = torch.arange(sink, max(sink, w_max), device=qb.device).expand(qb.shape[0], -1)  # [B, N]
+        valid = (starts - sink).clamp(min=0)
+        cand = torch.where(torch.arange(cand.shape[1], device=qb.device)[None, :] < valid[:, None], cand, -1)
+        for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
+            pq, pp = pool_blocks(qb, pb, stride)
+            cand, valid = prune_blocks(
+                pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window
+            )
+        return cand, valid
+
     per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * -(-max(1, keys.shape[0] - sink) // chunk_sizes[0])
     step = max(1, PRUNE_BATCH_BYTES // per_block)
-    if step >= q.shape[0]:
-        return _block_stages(
-            q, q_pos, keys, sink, window_starts, chunk_sizes, budgets, strides, mode, rotary, window
-        )
-    parts = [
-        _block_stages(
-            q[i : i + step],
-            q_pos[i : i + step],
-            keys,
-            sink,
-            window_starts[i : i + step],
-            chunk_sizes,
-            budgets,
-            strides,
-            mode,
-            rotary,
-            window,
-        )
-        for i in range(0, q.shape[0], step)
-    ]
+    spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
+    parts = [prune(q[sp], q_pos[sp], window_starts[sp]) for sp in spans]
+    if len(parts) == 1:
+        return parts[0]
     width = max(sel.shape[1] for sel, _ in parts)
     sel = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p, _ in parts])
     return sel, torch.cat([n for _, n in parts])
-
-
-def _block_stages(
-    q: torch.Tensor,
-    q_pos: torch.Tensor,
-    keys: torch.Tensor,
-    sink: int,
-    window_starts: torch.Tensor,
-    chunk_sizes: tuple[int, ...],
-    budgets: tuple[int, ...],
-    strides: tuple[int, ...],
-    mode: str,
-    rotary: RopeTable | None,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`run_block_stages` of one batch of blocks."""
-    w_max = int(window_starts.max())  # NOTE: a host read; prefill only
-    cand = torch.arange(sink, max(sink, w_max), device=q.device).expand(q.shape[0], -1)  # [B, N]
-    valid = (window_starts - sink).clamp(min=0)
-    cand = torch.where(torch.arange(cand.shape[1], device=q.device)[None, :] < valid[:, None], cand, -1)
-    for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
-        pq, pp = pool_blocks(q, q_pos, stride)
-        cand, valid = prune_blocks(pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window)
-    return cand, valid
