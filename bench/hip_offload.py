@@ -96,7 +96,8 @@ def cache_bytes_estimate(
 
 
 def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: int) -> KVPlan:
-    """Head-wise offload plan: every slice streamed on the CPU smoke run, planned under the cap on GPU."""
+    """The `--policy` plan (`--head-group`): every slice streamed on the CPU smoke run, planned
+    under the cap, less HiP's `reserve` bytes, on the GPU."""
     if args.smoke:
         return KVPlan(
             policy="layer" if args.policy == "layer" else "head",

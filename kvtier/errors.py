@@ -25,3 +25,7 @@ class PromptError(KvtierError):
 
 class CapacityError(KvtierError):
     """A context does not fit the GPU or host memory budget."""
+
+
+class HostCapacityError(CapacityError):
+    """A context does not fit the host memory budget (whatever the GPU budget)."""

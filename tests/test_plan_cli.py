@@ -159,3 +159,7 @@ def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys)
     assert _main(["plan", *small, "--gpu-memory", "18.5GB"]) == 2
     err = capsys.readouterr().err
     assert "weights 16.06 GB" in err and "--attention hip first takes" in err
+    # Short of host memory, not GPU memory: the planner's host message, nothing about HiP's bytes.
+    assert _main(["plan", *small, "--gpu-memory", "24GB", "--host-memory", "64GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "of host memory" in err and "--attention hip" not in err

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.config import ModelConfig
-from kvtier.errors import CapacityError, ConfigError
+from kvtier.errors import CapacityError, ConfigError, HostCapacityError
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, kv_token_bytes, round_up, weight_bytes
 from kvtier.planner.packed import PackedFormat, PackedSizing
@@ -220,7 +220,7 @@ def plan_kv(
             packed_tail_tokens=0 if pk is None else pk.tail_tokens(c, block_size),
         )
         if host_budget is not None and plan.host_kv_bytes > host_budget:
-            raise CapacityError(
+            raise HostCapacityError(
                 f"{context} tokens need {_gb(plan.host_kv_bytes)} of host memory for the offloaded KV "
                 f"({plan.streamed_slices} slices of {_gb(plan.slice_bytes(cfg, capacity, dtype_bytes))}), "
                 f"--host-memory is {_gb(host_budget)}; use a shorter context or a larger --host-memory"

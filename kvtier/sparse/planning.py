@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.config import ModelConfig
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, HostCapacityError
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import CACHE_TOKEN_STEPS, hip_gpu_bytes
 
@@ -74,16 +74,19 @@ def plan_hip(
                 return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
             if plan.staging_tokens >= plan.capacity_tokens:
                 return HipPlacement(plan, cache_tokens, reserve(cache_tokens))
+    if isinstance(error, HostCapacityError):
+        raise error  # HiP's GPU bytes are not what is short
+    least = reserve(CACHE_TOKEN_STEPS[-1]) / 1e9
     if error is not None and (not layers_first or not planned):
         raise CapacityError(
-            f"{error}; --attention hip first takes {reserve(CACHE_TOKEN_STEPS[-1]) / 1e9:.2f} GB or more "
-            "of --gpu-memory for its block caches, decode buffers and RoPE table"
+            f"{error}; --attention hip first takes {least:.2f} GB or more of --gpu-memory for its "
+            "block caches, decode buffers and RoPE table"
         ) from None
+    assert gpu_budget is not None  # without a GPU budget every plan holds whole slices
     finest = 2 * context * 2 * cfg.head_dim * dtype_bytes  # two staging buffers of one KV head
     raise CapacityError(
         f"--attention hip needs every offloaded slice whole in a staging buffer: at {context} tokens "
         f"two buffers of one KV head take {finest / 1e9:.2f} GB, and with HiP's block caches "
-        f"(at least {reserve(CACHE_TOKEN_STEPS[-1]) / 1e9:.2f} GB) no slicing fits "
-        f"--gpu-memory {gpu_budget / 1e9 if gpu_budget else 0:.2f} GB; use a larger --gpu-memory, "
-        "a shorter context, or --attention dense"
+        f"(at least {least:.2f} GB) no slicing fits --gpu-memory {gpu_budget / 1e9:.2f} GB; use a "
+        "larger --gpu-memory, a shorter context, or --attention dense"
     )
