@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
 _LAST = torch.iinfo(torch.long).max  # sorts padding after every position
@@ -43,7 +44,7 @@ def prune_blocks(
     q: torch.Tensor,
     q_pos: torch.Tensor,
     keys: torch.Tensor,
-    candidates: torch.Tensor,
+    candidates: torch.Tensor | None,
     valid: torch.Tensor,
     chunk: int,
     budget: int,
@@ -51,53 +52,79 @@ def prune_blocks(
     mode: str,
     rotary: RopeTable | None,
     window: int,
+    first: int = 0,
+    width: int = 0,
+    triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
-    keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each.
+    keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
+    block b's candidates are first .. first + valid[b] - 1 (stage 0), N = `width`.
+    `triton`: score chunks with `bisect_triton` (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 
     Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
     chunks)) and their counts [B]. No host sync.
     """
-    bsz, n = candidates.shape
+    n = candidates.shape[1] if candidates is not None else width
     c_count = -(-n // chunk)
     keep = budget // chunk
+    dev = valid.device
+    if candidates is None and not (triton and c_count > keep):
+        candidates = _span(first, n, valid)
     if c_count <= keep:  # every block keeps all it has
+        assert candidates is not None
         return candidates, valid
-    dev = candidates.device
-    pad = c_count * chunk - n
-    cand = torch.nn.functional.pad(candidates, (0, pad), value=-1) if pad else candidates
-    chunks = cand.view(bsz, c_count, chunk)  # [B, C, c]
     starts = torch.arange(c_count, device=dev) * chunk  # [C]
     lengths = (valid[:, None] - starts[None, :]).clamp(min=0, max=chunk)  # [B, C]
     n_chunks = -(-valid // chunk)  # [B] each block's own chunk count (chunk-indexed RoPE)
-    scores = _bisect(q, q_pos, keys, chunks, lengths, n_chunks, mode=mode, rotary=rotary, window=window)
+    qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rotary, window=window)
+    if triton:
+        from kvtier.sparse.triton_bisect import bisect_triton
+
+        tables = rotary.tables(limit, keys) if rotary is not None else None
+        scores = bisect_triton(qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables)
+    else:
+        assert candidates is not None
+        scores = _bisect(
+            qr, keys, _chunks(candidates, c_count, chunk), lengths, mode=mode, rotary=rotary, limit=limit
+        )
     scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
-    kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
+    if candidates is None:  # stage 0: chunk j holds first + j * chunk + [0, chunk)
+        kept = first + top[:, :, None] * chunk + torch.arange(chunk, device=dev)  # [B, keep, c]
+        kept = torch.where(kept < first + valid[:, None, None], kept, -1).flatten(1)
+    else:
+        kept = _chunks(candidates, c_count, chunk).gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)
     ordered = torch.where(kept >= 0, kept, _LAST).sort(dim=1).values
     out = torch.where(ordered == _LAST, -1, ordered)
     return out, (out >= 0).sum(dim=1)
 
 
-def _bisect(
+def _span(first: int, n: int, valid: torch.Tensor) -> torch.Tensor:
+    """Candidates [B, n]: block b's positions first .. first + valid[b] - 1, then -1."""
+    pos = torch.arange(first, first + n, device=valid.device)
+    return torch.where(torch.arange(n, device=valid.device)[None, :] < valid[:, None], pos, -1)
+
+
+def _chunks(candidates: torch.Tensor, c_count: int, chunk: int) -> torch.Tensor:
+    """candidates [B, N] padded with -1 to [B, C, chunk]."""
+    pad = c_count * chunk - candidates.shape[1]
+    cand = torch.nn.functional.pad(candidates, (0, pad), value=-1) if pad else candidates
+    return cand.view(candidates.shape[0], c_count, chunk)
+
+
+def _scoring_queries(
     q: torch.Tensor,
     q_pos: torch.Tensor,
     keys: torch.Tensor,
-    chunks: torch.Tensor,
-    lengths: torch.Tensor,
     n_chunks: torch.Tensor,
+    c_count: int,
     *,
     mode: str,
     rotary: RopeTable | None,
     window: int,
-) -> torch.Tensor:
-    """`chunk_scores` ("max") of chunks [B, C, c] (lengths [B, C]; n_chunks [B] non-empty ones)
-    for each block's queries.
-
-    Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
-    max-pooled over the block's queries and heads.
-    """
-    bsz, c_count, c = chunks.shape
+) -> tuple[torch.Tensor, int]:
+    """q [B, Nq, H_q, D] rotated at the scoring positions of `mode` and split per KV head:
+    [B, Nq, G, r, D]; and a bound on every scoring position (queries and probes)."""
     g = keys.shape[1]
     limit = keys.shape[0] + window + c_count + 2  # every scoring position is below it
     if rotary is not None:
@@ -106,8 +133,29 @@ def _bisect(
         else:
             at = scoring_query_position(mode, q_pos.flatten(), window, c_count)
         q = rotary.rotate(q.flatten(0, 1), at, limit=limit).view(q.shape)
-    nq, hq, d = q.shape[1:]
-    qf = q.reshape(bsz, nq, g, hq // g, d).float()  # [B, Nq, G, r, D]
+    bsz, nq, hq, d = q.shape
+    return q.reshape(bsz, nq, g, hq // g, d), limit
+
+
+def _bisect(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    chunks: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    mode: str,
+    rotary: RopeTable | None,
+    limit: int,
+) -> torch.Tensor:
+    """`chunk_scores` ("max") of chunks [B, C, c] (lengths [B, C]) for each block's rotated
+    queries q [B, Nq, G, r, D] (`_scoring_queries`).
+
+    Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
+    max-pooled over the block's queries and heads.
+    """
+    bsz, c_count, c = chunks.shape
+    g, d = keys.shape[1], keys.shape[2]
+    qf = q.float()  # [B, Nq, G, r, D]
     index = torch.arange(c_count, device=chunks.device).expand(bsz, c_count)  # [B, C]
 
     def probe(offset: torch.Tensor, side: int) -> torch.Tensor:
@@ -149,31 +197,40 @@ def run_block_stages(
     mode: str,
     rotary: RopeTable | None,
     window: int,
+    triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B whole query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
-    Blocks are pruned in batches whose stage-0 temporaries (the probe keys of every chunk of
-    every block, in float32, and their scores) stay near `PRUNE_BATCH_BYTES`: at 512K a layer
-    slice of 8 KV heads takes ~25 MB per block, so 64 blocks at once took ~1.6 GB.
+    Chunks are scored by `bisect_triton` (`triton`; None: on CUDA when triton is installed) or
+    by `_bisect`'s torch operators. Blocks are pruned in batches whose temporaries stay near
+    `PRUNE_BATCH_BYTES`: with torch the probe keys of every chunk of every block, in float32, and
+    their scores (at 512K a layer slice of 8 KV heads takes ~25 MB per block, so 64 blocks at
+    once took ~1.6 GB); with Triton only the kept positions and their sort (~1.6 MB a block).
     """
+    if triton is None:
+        triton = q.is_cuda and use_triton()
 
     def prune(qb: torch.Tensor, pb: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stage for one batch of blocks."""
-        w_max = int(starts.max())  # NOTE: a host read; prefill only
-        cand = torch.arange(sink, max(sink, w_max), device=qb.device).expand(qb.shape[0], -1)  # [B, N]
+        width = max(0, int(starts.max()) - sink)  # NOTE: a host read; prefill only
         valid = (starts - sink).clamp(min=0)
-        cand = torch.where(torch.arange(cand.shape[1], device=qb.device)[None, :] < valid[:, None], cand, -1)
+        cand: torch.Tensor | None = None  # stage 0: [sink, starts[b]) of each block
         for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
             pq, pp = pool_blocks(qb, pb, stride)
             cand, valid = prune_blocks(
-                pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window
-            )
+                pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
+                first=sink, width=width, triton=triton,
+            )  # fmt: skip
+        assert cand is not None
         return cand, valid
 
-    per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * -(-max(1, keys.shape[0] - sink) // chunk_sizes[0])
+    c0 = -(-max(1, keys.shape[0] - sink) // chunk_sizes[0])
+    per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * c0
+    if triton:  # kept positions, their where and sort (values and indices), int64; the scores
+        per_block = 6 * 8 * budgets[0] + 16 * c0
     step = max(1, PRUNE_BATCH_BYTES // per_block)
     spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
     parts = [prune(q[sp], q_pos[sp], window_starts[sp]) for sp in spans]

@@ -77,6 +77,12 @@ class RopeTable:
         self._grow(position + 1, x)
         return Rotary.apply(x, self._cos[position : position + 1], self._sin[position : position + 1])
 
+    def tables(self, limit: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin rows [P, D] (P >= limit) in like's dtype, for kernels that rotate by
+        position themselves. Valid until the table next grows."""
+        self._grow(limit, like)
+        return self._cos, self._sin
+
     def _grow(self, n: int, x: torch.Tensor) -> None:
         """Make the table cover positions < n in x's dtype (recomputed on growth; mutates)."""
         if n > self._cos.shape[0] or self._dtype != x.dtype:

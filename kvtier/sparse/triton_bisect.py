@@ -1,0 +1,214 @@
+"""Triton kernel for a HiP pruning stage's chunk scores: `prefill._bisect` in one launch.
+
+`_bisect` runs each level of the bisection as ~10 torch operators over [B, C] chunks, with the
+probe keys gathered (and rotated) into float32 copies: at 512K, 64 query blocks of one layer
+took ~1.6 GB of temporaries and ~3,000 launches a slice. Here one program scores BLOCK_C chunks
+of one query block, walking the bisection in registers:
+
+    for each level:                        lo = 0, hi = length of the chunk
+        left  = chunk[(lo + mid) // 2]     mid = lo + (hi - lo) // 2
+        right = chunk[(mid + hi) // 2]
+        s_side = max over KV heads g and rows of q[g] . rot(k[side, g])     (tl.dot per g)
+        best = max(best, s_left, s_right); go right where s_right > s_left
+
+q holds each KV head's rows (pooled queries x its r query heads), already rotated at their
+scoring positions. Keys are read by position straight from the slice's [S, G, D] keys and, with
+context extension, rotated in the kernel at `probe_positions` with the table's cos/sin, rounding
+each product and the sum to the keys' dtype as `Rotary.apply` does (so the rotated probe keys are
+the reference's). The scores differ from the reference's float32 einsum only in summation order.
+
+Stage 0's candidates are every position of [first, first + valid[b]), so instead of a
+[B, N] candidate tensor (64 blocks x 512K positions: 268 MB) the kernel computes them
+(ARANGE): position = first + chunk * CHUNK + offset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
+BLOCK_C = 64  # chunks per program
+
+
+@triton.jit
+def _probe(  # type: ignore[no-untyped-def]
+    q_base,  # pointer: this block's rows, [G, R, D]
+    k_ptr,
+    cand_base,  # pointer: this block's candidates [N] (unused when ARANGE)
+    cos_ptr,
+    sin_ptr,
+    cs,  # [BC] chunk indices
+    cmask,  # [BC]
+    off,  # [BC] offset of the probe in its chunk
+    length,  # [BC] valid entries of the chunk
+    first,
+    stride_ks,
+    stride_kg,
+    R_VALID,
+    SIDE: tl.constexpr,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MODE: tl.constexpr,
+    ROTATE: tl.constexpr,
+    ARANGE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """max over KV heads and rows of q . k(probe) for each chunk: [BC] float32."""
+    if ARANGE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        pos = first + cs * CHUNK + off
+    else:
+        pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
+    pos = tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
+    d = tl.arange(0, D)
+    rows = tl.arange(0, R)
+    rmask = rows < R_VALID
+    best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    if ROTATE:
+        if MODE == 1:
+            rp = tl.zeros_like(pos) + SIDE
+        elif MODE == 2:
+            rp = cs.to(tl.int64)
+        else:
+            rp = pos
+        c = tl.load(cos_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)  # [BC, D]
+        s = tl.load(sin_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        swapped = (d + D // 2) % D
+    for g in tl.static_range(G):
+        k_rows = k_ptr + pos[:, None] * stride_ks + g * stride_kg
+        k = tl.load(k_rows + d[None, :])  # [BC, D]
+        kdt = k.dtype
+        if ROTATE:  # Rotary.apply: x * cos + rotate_half(x) * sin, each op rounded to the dtype
+            ks = tl.load(k_rows + swapped[None, :]).to(tl.float32) * sign[None, :]
+            a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
+            b = (ks * s).to(kdt).to(tl.float32)
+            k = (a + b).to(kdt)
+        q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
+        if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
+            sc = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [R, BC]
+        sc = tl.where(rmask[:, None], sc, float("-inf"))
+        best = tl.maximum(best, tl.max(sc, axis=0))
+    return best
+
+
+@triton.jit
+def _bisect_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,  # [B, G, R, D]
+    k_ptr,  # [S, G, D] (last dim contiguous)
+    cand_ptr,  # [B, N] int64 (unused when ARANGE)
+    len_ptr,  # [B, C] int64
+    cos_ptr,  # [P, D] (unused unless ROTATE)
+    sin_ptr,
+    out_ptr,  # [B, C] float32
+    C,
+    N,
+    first,
+    stride_ks,
+    stride_kg,
+    R_VALID,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    MODE: tl.constexpr,
+    ROTATE: tl.constexpr,
+    ARANGE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cs < C
+    length = tl.load(len_ptr + b * C + cs, mask=cmask, other=0)
+    q_base = q_ptr + b * G * R * D
+    cand_base = cand_ptr + b * N
+    lo = tl.zeros_like(length)
+    hi = length
+    best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    for _ in tl.static_range(LEVELS):
+        mid = lo + (hi - lo) // 2
+        off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
+        off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
+        s_l = _probe(
+            q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l, length, first,
+            stride_ks, stride_kg, R_VALID, 0, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET,
+        )  # fmt: skip
+        s_r = _probe(
+            q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_r, length, first,
+            stride_ks, stride_kg, R_VALID, 1, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET,
+        )  # fmt: skip
+        right = s_r > s_l
+        best = tl.maximum(best, tl.maximum(s_l, s_r))
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    tl.store(out_ptr + b * C + cs, best, mask=cmask)
+
+
+def bisect_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor | None,
+    first: int,
+    lengths: torch.Tensor,
+    chunk: int,
+    *,
+    mode: str,
+    tables: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """Chunk scores of a pruning stage, as `prefill._bisect` computes them.
+
+    q [B, Nq, G, r, D] pooled queries, already rotated at their scoring positions; keys [S, G, D]
+    (last dim contiguous); candidates [B, C * chunk] sorted positions (-1 padding), or None for
+    block b's positions first .. first + valid - 1 (stage 0; `lengths` carries valid);
+    lengths [B, C] valid entries per chunk. `tables`: the RoPE cos/sin rows [P, D] covering every
+    probe position of `mode`, or None (no rotation). Returns [B, C] float32 (empty chunks too:
+    the caller masks them). No host sync.
+    """
+    bsz, nq, g, r, d = q.shape
+    c_count = lengths.shape[1]
+    rows = nq * r
+    r_pad = max(16, triton.next_power_of_2(rows))
+    qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
+    if r_pad != rows:
+        qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
+    qr = qr.contiguous()
+    out = torch.empty(bsz, c_count, dtype=torch.float32, device=q.device)
+    cand = candidates if candidates is not None else lengths  # a placeholder pointer
+    cos, sin = tables if tables is not None else (keys, keys)
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    grid = (bsz, triton.cdiv(c_count, BLOCK_C))
+    _bisect_kernel[grid](
+        qr,
+        keys,
+        cand,
+        lengths,
+        cos,
+        sin,
+        out,
+        c_count,
+        cand.shape[1],
+        first,
+        keys.stride(0),
+        keys.stride(1),
+        rows,
+        G=g,
+        R=r_pad,
+        D=d,
+        CHUNK=chunk,
+        LEVELS=max(1, math.ceil(math.log2(chunk))),
+        MODE=MODES[mode],
+        ROTATE=tables is not None,
+        ARANGE=candidates is None,
+        INTERPRET=interpret,
+        num_warps=8 if r_pad >= 128 else 4,
+    )
+    return out

@@ -1,0 +1,143 @@
+"""The Triton chunk-scoring kernel of HiP's pruning stages against the torch bisection.
+
+Runs the compiled kernel on CUDA and, without CUDA, Triton's interpreter on CPU tensors (as in
+tests/test_triton_attn.py: TRITON_INTERPRET=1 is set before triton is imported, and a
+subprocess re-runs the CPU cases when triton was imported earlier by another test module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+from kvtier.config import RopeConfig  # noqa: E402
+from kvtier.model.rope import Rotary  # noqa: E402
+from kvtier.sparse.prefill import _bisect, _chunks, _scoring_queries, _span, run_block_stages  # noqa: E402
+from kvtier.sparse.pruning import run_stages  # noqa: E402
+from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
+
+
+def _interpreter_in_process() -> bool:
+    """TRITON_INTERPRET=1 and triton.language was decorated under it (not imported before)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.zeros, InterpretedFunction)
+
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not _interpreter_in_process(),
+            reason="CPU tensors need TRITON_INTERPRET=1 before triton is imported",
+        ),
+    ),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+D = 32
+MODES = ["relative", "chunk_indexed", "absolute"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("span", [True, False])  # stage 0's implicit candidates, or a list
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_scores_equal_the_torch_bisection(device: str, rotate: bool, span: bool, mode: str) -> None:
+    """Chunk scores of blocks with different candidate counts (a partial last chunk, empty
+    chunks) equal `_bisect`'s, on the same rotated queries."""
+    from kvtier.sparse.triton_bisect import bisect_triton
+
+    gen = torch.Generator().manual_seed(5)
+    s, g, r, nq, chunk, first = 300, 2, 3, 4, 16, 4
+    keys = torch.randn(s, g, D, generator=gen).to(device)  # [S, G, D]
+    q = torch.randn(3, nq, g * r, D, generator=gen).to(device)  # [B, Nq, H_q, D]
+    q_pos = torch.tensor([[280, 281, 282, 283], [200, 201, 202, 203], [60, 61, 62, 63]], device=device)
+    valid = torch.tensor([270, 190, 37], device=device)  # [B]
+    if span:
+        cand = _span(first, 270, valid)
+    else:  # sorted distinct positions, a different set per block
+        rows = [torch.randperm(s, generator=gen)[: int(v)].sort().values for v in valid.tolist()]
+        cand = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1).to(device)
+    c_count = -(-cand.shape[1] // chunk)
+    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
+    rope = RopeTable(Rotary(RopeConfig(), D, device=device)) if rotate else None
+    n_chunks = -(-valid // chunk)
+    qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rope, window=8)
+    ref = _bisect(qr, keys, _chunks(cand, c_count, chunk), lengths, mode=mode, rotary=rope, limit=limit)
+    tables = rope.tables(limit, keys) if rope is not None else None
+    got = bisect_triton(qr, keys, None if span else cand, first, lengths, chunk, mode=mode, tables=tables)
+    live = lengths > 0
+    assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
+    device: str, s: int, mode: str
+) -> None:
+    """`run_block_stages` with the kernel keeps, block by block, the positions `run_stages`
+    (the torch reference, one block at a time) keeps."""
+    gen = torch.Generator().manual_seed(3)
+    bq, sink, window = 8, 4, 16
+    keys = torch.randn(s, 2, D, generator=gen)  # [S, G, D]
+    q = torch.randn(6 * bq, 4, D, generator=gen)
+    start = s - q.shape[0]
+    rope = RopeTable(Rotary(RopeConfig(), D, device=device))
+    stages = {"chunk_sizes": (32, 8, 2), "budgets": (96, 32, 16), "strides": (4, 4, 1)}
+    starts = [max(sink, start + b - window + 1) for b in range(0, q.shape[0], bq)]
+    pos = torch.arange(start, s).view(-1, bq)
+    sel, n = run_block_stages(
+        q.view(-1, bq, 4, D).to(device),
+        pos.to(device),
+        keys.to(device),
+        sink,
+        torch.tensor(starts, device=device),
+        **stages,
+        mode=mode,
+        rotary=rope,
+        window=window,
+        triton=True,
+    )
+    ref_rope = RopeTable(Rotary(RopeConfig(), D))
+    for b, w0 in enumerate(starts):
+        middle = torch.arange(sink, w0)
+        alone = run_stages(
+            q[b * bq : (b + 1) * bq],
+            pos[b],
+            keys,
+            middle,
+            **stages,
+            mode=mode,
+            rotary=ref_rope,
+            window=window,
+        )[-1]
+        assert int(n[b]) == alone.numel()
+        assert torch.equal(sel[b, : int(n[b])].cpu(), alone)
+        assert bool((sel[b, int(n[b]) :] == -1).all())
+
+
+def test_cpu_cases_in_subprocess() -> None:
+    """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
+    other modules): run this file's CPU cases in a fresh interpreter-mode process."""
+    if _interpreter_in_process() or torch.cuda.is_available():
+        pytest.skip("CPU cases run in this process (or CUDA is used)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k", "cpu"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout, res.stdout[-2000:]
