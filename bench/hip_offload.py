@@ -103,7 +103,7 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
             policy="layer" if args.policy == "layer" else "head",
             group_size=cfg.num_kv_heads if args.policy == "layer" else 1,
             resident_slices=0,
-            chunk_size=args.prefill_chunk or 256,
+            chunk_size=args.chunk or 256,
             staging_buffers=2,
             staging_tokens=total,
         )
@@ -113,7 +113,7 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
         policy=args.policy,
         gpu_budget=args.budget - reserve,
         dtype_bytes=2,
-        chunk_size=args.prefill_chunk or None,
+        chunk_size=args.chunk or None,
         group_size=args.head_group,
         hardware=hardware_preset("h200"),
     )
@@ -133,7 +133,7 @@ def engine_plan(
             policy="auto",
             gpu_budget=gpu,
             dtype_bytes=2,
-            chunk_size=args.prefill_chunk or None,
+            chunk_size=args.chunk or None,
             group_size=group,
             hardware=hardware_preset("h200"),
         )
@@ -146,14 +146,14 @@ def engine_plan(
 
 
 def run_method(
-    model: CausalLM, cfg: ModelConfig, method: str, context: int, args: argparse.Namespace, prefill: bool
+    model: CausalLM, cfg: ModelConfig, method: str, context: int, args: argparse.Namespace, chunk: int
 ) -> dict[str, Any]:
-    """Fill `context` tokens, then run decode steps, or (`prefill`) time one prefill chunk."""
+    """Fill `context` tokens, then run decode steps, or (`chunk` > 0) time one prefill chunk."""
     dev: torch.device = args.device
-    steps = 0 if prefill else args.steps if method != "dense" else args.dense_steps
-    row: dict[str, Any] = {"method": method, "context": context, "phase": "prefill" if prefill else "decode"}
+    steps = 0 if chunk else args.steps if method != "dense" else args.dense_steps
+    row: dict[str, Any] = {"method": method, "context": context, "phase": "prefill" if chunk else "decode"}
     row["steps"] = steps
-    chunk = args.prefill_chunk if prefill else 0
+    args = argparse.Namespace(**{**vars(args), "chunk": chunk})
     total = context + steps + chunk
     reserve = cache_bytes_estimate(
         cfg, method, context, args.smoke, 2 if dev.type == "cuda" else 4, args.cache_tokens
@@ -186,7 +186,7 @@ def run_method(
         if steps:
             row.update(decode(model, store, kernel, steps, dev))
         if chunk:
-            row.update(prefill_chunk(model, store, chunk, cfg.vocab_size, dev))
+            row.update(prefill_chunk(model, store, chunk, cfg.vocab_size, dev, args.profile))
         if dev.type == "cuda":
             row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     except (torch.OutOfMemoryError, CapacityError) as e:
@@ -241,12 +241,23 @@ def decode(
 
 
 def prefill_chunk(
-    model: CausalLM, store: TieredKVStore, chunk: int, vocab: int, dev: torch.device
+    model: CausalLM, store: TieredKVStore, chunk: int, vocab: int, dev: torch.device, profile: bool
 ) -> dict[str, Any]:
-    """Tokens/s of one prefill chunk of `chunk` tokens appended on top of the stored context."""
+    """Tokens/s of one prefill chunk of `chunk` tokens appended on top of the stored context
+    (`profile`: under torch.profiler, with its GPU kernel summary added to the row)."""
     ids = torch.randint(0, vocab, (chunk,), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
     none = torch.empty(0, dtype=torch.long, device=dev)
     store.begin_step(chunk)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        from bench.prefill_profile import summarize
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            dt, _ = timed(dev, lambda: model(ids, store, logits_at=none, mlp_chunk=chunk))
+        store.end_step()
+        return {"prefill_chunk": chunk, "prefill_tok_s": chunk / dt, "profile": summarize(prof)}
     dt, _ = timed(dev, lambda: model(ids, store, logits_at=none, mlp_chunk=chunk))
     store.end_step()
     return {"prefill_chunk": chunk, "prefill_tok_s": chunk / dt}
@@ -306,14 +317,19 @@ def main() -> None:
         help="GPU block cache per streamed slice, tokens (default: a whole refresh interval)",
     )
     ap.add_argument("--gpu-memory", default="24GB")
-    ap.add_argument("--prefill-chunk", type=int, default=0, help="0 (default): skip the prefill row")
+    ap.add_argument(
+        "--prefill-chunk",
+        default="",
+        help="comma-separated chunk sizes: one prefill row each at the largest context (default: none)",
+    )
+    ap.add_argument("--profile", action="store_true", help="profile the prefill chunks (GPU kernels)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, small contexts")
     ap.add_argument("--name", default="hip_offload")
     args = ap.parse_args()
     if args.smoke:
         args.device, args.dtype = torch.device("cpu"), torch.float32
         args.contexts = "1K,2K" if args.contexts == ap.get_default("contexts") else args.contexts
-        args.prefill_chunk = min(args.prefill_chunk, 64)
+        args.prefill_chunk = ",".join(str(min(int(c), 64)) for c in args.prefill_chunk.split(",") if c)
         args.dense_steps = min(args.dense_steps, 2)
         cfg = preset_config("smollm2-135m")
         cfg = replace(cfg, num_layers=2)  # a CPU-sized model: 2 layers x 3 KV heads
@@ -339,19 +355,21 @@ def main() -> None:
         "gpu_budget_bytes": getattr(args, "budget", None),
         "model": "llama-3-8b" if not args.smoke else "tiny",
     }
-    warm = argparse.Namespace(**{**vars(args), "steps": 2, "dense_steps": 1})
-    for method in methods:  # warm-up: kernels, allocator (a short context: fills take long)
-        run_method(model, cfg, method, min(*contexts, 65536), warm, False)
-    runs = [(c, m, False) for c in contexts for m in methods]
-    if args.prefill_chunk:  # last, so a slow prefill cannot cost the decode results
-        runs += [(max(contexts), m, True) for m in methods]
+    chunks = [int(c) for c in args.prefill_chunk.split(",") if c]
+    warm = argparse.Namespace(**{**vars(args), "steps": 2, "dense_steps": 1, "profile": False})
+    for method in methods:  # warm-up: kernels (Triton's compile), allocator; a short context
+        run_method(model, cfg, method, min(*contexts, 65536), warm, 0)
+        if chunks:
+            run_method(model, cfg, method, min(*contexts, 65536), warm, min(chunks))
+    runs = [(c, m, 0) for c in contexts for m in methods]
+    # last, so a slow prefill cannot cost the decode results
+    runs += [(max(contexts), m, c) for c in chunks for m in methods]
     path = None
-    for context, method, prefill in runs:
-        row = run_method(model, cfg, method, context, args, prefill)
+    for context, method, chunk in runs:
+        row = run_method(model, cfg, method, context, args, chunk)
         rows.append(row)
-        print(
-            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "decode_steps_s"}
-        )
+        shown = {k: v for k, v in row.items() if k not in ("decode_steps_s", "profile")}
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in shown.items()})
         path = write_results(args.name, {**header, "rows": rows})  # after every row: a crash keeps results
     print(f"\nresults: {path}")
     print_table(rows)
