@@ -1,10 +1,36 @@
-"""Building blocks of the decoder: RMSNorm and the gated MLP."""
+"""Building blocks of the decoder: RMSNorm and the gated MLP, and the switch to the fused kernels.
+
+On CUDA with 16-bit activations the elementwise work runs in the Triton kernels of
+`kvtier.model.fused` (see `use_fused`); everywhere else, and with KVTIER_FUSED=0, it runs as the
+torch code below, which is what the CPU tests compare with Hugging Face transformers.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def use_fused(*tensors: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels take these tensors: all on CUDA in one 16-bit dtype,
+    triton importable, and not forced off by KVTIER_FUSED=0. Shape and stride conditions are
+    the caller's."""
+    dtype = tensors[0].dtype
+    if dtype not in _FUSED_DTYPES or not all(t.is_cuda and t.dtype == dtype for t in tensors):
+        return False
+    return os.environ.get("KVTIER_FUSED", "1") != "0" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class RMSNorm(nn.Module):
@@ -16,10 +42,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        if use_fused(x, self.weight) and x.is_contiguous():
+            from kvtier.model import fused
+
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: returns (x + delta, norm(x + delta)), x/delta [T, dim]."""
+        if use_fused(x, delta, self.weight) and x.is_contiguous() and delta.is_contiguous():
+            from kvtier.model import fused
+
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 class GatedMLP(nn.Module):
@@ -38,9 +78,18 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
         # x: [T, hidden]
         if max_tokens is None or x.shape[0] <= max_tokens:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self._gated(x))
         out = torch.empty_like(x)
         for s in range(0, x.shape[0], max_tokens):
-            part = x[s : s + max_tokens]
-            out[s : s + max_tokens] = self.down_proj(F.silu(self.gate_proj(part)) * self.up_proj(part))
+            out[s : s + max_tokens] = self.down_proj(self._gated(x[s : s + max_tokens]))
         return out
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x) -> [t, intermediate]."""
+        if use_fused(x, self.gate_proj.weight, self.up_proj.weight):
+            from kvtier.model import fused
+
+            # NOTE: gate, up and the product are alive together, the three [t, I] buffers the
+            # planner's activation_bytes counts; the torch path below peaks at the same three.
+            return fused.silu_mul(self.gate_proj(x), self.up_proj(x))
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)

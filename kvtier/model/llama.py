@@ -52,8 +52,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, layer: int, attention: Attention, mlp_chunk: int | None
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), layer, attention)
-        return x + self.mlp(self.post_attention_layernorm(x), mlp_chunk)
+        # x: [T, hidden], the residual stream
+        h = self.self_attn(self.input_layernorm(x), layer, attention)
+        x, h = self.post_attention_layernorm.add_norm(x, h)  # one fused pass on CUDA
+        return x + self.mlp(h, mlp_chunk)
 
 
 class DecoderStack(nn.Module):

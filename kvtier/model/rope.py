@@ -7,6 +7,7 @@ import math
 import torch
 
 from kvtier.config import RopeConfig
+from kvtier.model.layers import use_fused
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -47,7 +48,23 @@ class Rotary:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, D] by cos/sin [T, D]."""
+        """Rotate x [T, H, D] by cos/sin [T, D] (in x's dtype) -> [T, H, D].
+
+        On CUDA in 16 bits this is one fused kernel (`kvtier.model.fused.rope`), bitwise equal to
+        the torch code below; cos/sin rows broadcast over T (shape [1, D]) take the torch code.
+        """
+        if use_fused(x, cos, sin) and _fusable(x, cos, sin):
+            from kvtier.model import fused
+
+            return fused.rope(x, cos, sin)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The shapes and strides `kvtier.model.fused.rope` takes."""
+    if x.dim() != 3 or x.shape[-1] % 2 or x.stride(-1) != 1:
+        return False
+    table = (x.shape[0], x.shape[-1])
+    return cos.shape == table and sin.shape == table and cos.stride(-1) == 1 and sin.stride(-1) == 1
