@@ -361,7 +361,7 @@ def main() -> None:
         run_method(model, cfg, method, min(*contexts, 65536), warm, 0)
         if chunks:
             run_method(model, cfg, method, min(*contexts, 65536), warm, min(chunks))
-    runs = [(c, m, 0) for c in contexts for m in methods]
+    runs = [(c, m, 0) for c in contexts for m in methods] if args.steps else []  # --steps 0: prefill only
     # last, so a slow prefill cannot cost the decode results
     runs += [(max(contexts), m, c) for c in chunks for m in methods]
     path = None

@@ -59,6 +59,7 @@ def _probe(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """max over KV heads and rows of q . k(probe) for each chunk: [BC] float32."""
     if ARANGE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
@@ -81,7 +82,7 @@ def _probe(  # type: ignore[no-untyped-def]
         s = tl.load(sin_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
         sign = tl.where(d < D // 2, -1.0, 1.0)
         swapped = (d + D // 2) % D
-    for g in tl.static_range(G):
+    for g in range(G):  # NOTE: not unrolled: 8 heads x 16 probes of unrolled dots took minutes to compile
         k_rows = k_ptr + pos[:, None] * stride_ks + g * stride_kg
         k = tl.load(k_rows + d[None, :])  # [BC, D]
         kdt = k.dtype
@@ -124,6 +125,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -134,17 +136,17 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     lo = tl.zeros_like(length)
     hi = length
     best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-    for _ in tl.static_range(LEVELS):
+    for _ in range(LEVELS):
         mid = lo + (hi - lo) // 2
         off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l = _probe(
             q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l, length, first,
-            stride_ks, stride_kg, R_VALID, 0, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET,
+            stride_ks, stride_kg, R_VALID, 0, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET, BLOCK_C,
         )  # fmt: skip
         s_r = _probe(
             q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_r, length, first,
-            stride_ks, stride_kg, R_VALID, 1, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET,
+            stride_ks, stride_kg, R_VALID, 1, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -209,6 +211,8 @@ def bisect_triton(
         ROTATE=tables is not None,
         ARANGE=candidates is None,
         INTERPRET=interpret,
+        BLOCK_C=BLOCK_C,
         num_warps=8 if r_pad >= 128 else 4,
+        num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     return out
