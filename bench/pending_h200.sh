@@ -5,7 +5,7 @@
 #   bash bench/pending_h200.sh 1   # (~8 min) CUDA checks, quantized GPU tier, Quest over offload,
 #                                  #           on-GPU prefill at 128K by chunk size (no cap)
 #   bash bench/pending_h200.sh 2   # (~9 min) the main tiered-store table on the current code
-#   bash bench/pending_h200.sh 3   # (~9 min) HiP as the engine plans it at 128K/512K/768K
+#   bash bench/pending_h200.sh 3   # (~9 min) HiP prefill at 512K by chunk size; HiP decode at 768K
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -31,15 +31,11 @@ case "$group" in
     --name tiered_store
   ;;
 3)
-  # Issue 6: HiP as the engine plans it (`--policy planned`: whole layers while their staging
-  # fits, block cache shrunk to make room; 4-head slices at 768K). Not yet timed: steps with no
-  # stage due append to a small block cache without a lookup or a sync (512K was 0.112 s/token
-  # amortized with 0.057 s p50 for those steps).
-  run 100 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --no-dense \
-    --name hip_offload_planned_128k
-  # With a 4K prefill chunk at 512K too: it ran out of memory before pruning was batched.
-  run 260 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
-    --prefill-chunk 4096 --name hip_offload_planned_512k
+  # Issue 6: HiP prefill at 512K by chunk size, as the engine plans it (the second of two chunks
+  # is timed). 4K chunks ran at the PCIe bound (3,308 tok/s); 5x dense (10K) needs longer ones.
+  run 330 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
+    --steps 0 --prefill-chunk 16384,32768,4096 --name hip_prefill_512k_chunks
+  # 768K, HiP as planned (4-head slices; not yet run with the current decode path).
   run 200 $py bench/hip_offload.py --contexts 768K --presets fast --policy planned --steps 34 \
     --no-dense --name hip_offload_planned_768k
   ;;
