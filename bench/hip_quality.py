@@ -65,8 +65,11 @@ def generate(
     rotate: bool,
     chunk: int,
     n: int,
+    last_alone: bool = False,
 ) -> tuple[list[int], float, float]:
-    """Chunked prefill + greedy decode of `n` tokens; returns tokens, prefill s, decode s."""
+    """Chunked prefill + greedy decode of `n` tokens; returns tokens, prefill s, decode s.
+    `last_alone`: the prompt's last token is a step of its own (a sparse kernel then selects for
+    that query alone, as in decode, not for a block of 64 pooled queries)."""
     ctx = ids.numel() + n
     plan = plan_kv(cfg, ctx, policy="gpu", gpu_budget=None, dtype_bytes=4, chunk_size=chunk)
     store = TieredKVStore(
@@ -74,8 +77,9 @@ def generate(
     )
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for s in range(0, ids.numel(), chunk):
-            part = ids[s : s + chunk]
+        body = ids.numel() - 1 if last_alone else ids.numel()
+        parts = [ids[s : min(s + chunk, body)] for s in range(0, body, chunk)]
+        for part in [*parts, ids[body:]] if last_alone else parts:
             store.begin_step(part.numel())
             logits = model(part, store)
             store.end_step()
@@ -144,6 +148,11 @@ def main() -> None:
         metavar="FIELD=VALUE",
         help="HipConfig override, e.g. budgets=32768,8192,512",
     )
+    ap.add_argument(
+        "--last-alone",
+        action="store_true",
+        help="run the prompt's last token as a step of its own (selection for that query alone)",
+    )
     ap.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = ap.parse_args()
@@ -171,14 +180,18 @@ def main() -> None:
                         cfg, CPU, args.preset, **METHODS[method], **overrides(args.set)
                     )
                     rotate = not unrot
-                toks, pre_s, dec_s = generate(model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens)
+                toks, pre_s, dec_s = generate(
+                    model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens, args.last_alone
+                )
                 text = str(tok.decode(toks))
                 rec: dict[str, Any] = {
                     "length": length,
                     "prompt_tokens": ids.numel(),
                     "method": method,
                     "preset": args.preset if method != "dense" else None,
-                    "overrides": args.set if method != "dense" else [],
+                    "overrides": args.set + (["last_alone"] if args.last_alone else [])
+                    if method != "dense"
+                    else [],
                     "depth": depth,
                     "passkey": key,
                     "output": text,
