@@ -12,7 +12,6 @@ from kvtier import LLM, SamplingParams
 from kvtier.cli.main import main
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.planner.placement import KVPlan
-from kvtier.sparse.block_sparse import ATTEND_BATCH_BYTES
 from kvtier.sparse.prefill import PRUNE_BATCH_BYTES
 from tests.hf_reference import make_hf_model
 
@@ -149,7 +148,7 @@ def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(tiny: Path) -> None:
     ids = [(7 * i) % 200 + 3 for i in range(400)]
     params = SamplingParams(max_tokens=12)
     ref = LLM(str(tiny), device="cpu", attention="hip").generate(ids, params)[0]
-    extra = max(PRUNE_BATCH_BYTES, ATTEND_BATCH_BYTES)  # HiP's prefill temporaries, reserved too
+    extra = PRUNE_BATCH_BYTES  # HiP's prefill temporaries, reserved too
     for budget in range(556_000_000 + extra, 560_000_000 + extra, 100_000):  # the tiny model's KV: ~1 MB
         llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
         with contextlib.suppress(CapacityError):

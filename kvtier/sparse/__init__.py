@@ -14,7 +14,6 @@ from kvtier.attention.interface import SliceKernel
 from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
-from kvtier.sparse.block_sparse import ATTEND_BATCH_BYTES
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
 from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
@@ -69,7 +68,7 @@ def hip_gpu_bytes(
     """GPU bytes HiP holds besides the plan's KV: every slice's block cache (used when the slice
     is offloaded) and decode attention buffer, at the preset's budgets, the RoPE table of
     context extension, which covers every position up to `context`, and prefill's temporaries
-    (pruning or attending one batch of query blocks, in turn). `cache_tokens`: the block cache
+    (pruning one batch of query blocks). `cache_tokens`: the block cache
     per slice (None: the preset's, a whole refresh interval).
 
     The planner does not know about them; the engine takes them off the GPU budget.
@@ -80,8 +79,7 @@ def hip_gpu_bytes(
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
-    prefill = max(PRUNE_BATCH_BYTES, ATTEND_BATCH_BYTES)
-    return caches + rope + prefill
+    return caches + rope + PRUNE_BATCH_BYTES
 
 
 __all__ = [

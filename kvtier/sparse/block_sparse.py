@@ -23,11 +23,6 @@ import torch.nn.functional as F
 
 from kvtier.sparse.rope_ext import RopeTable, attention_key_positions
 
-# Prefill with context extension gathers and rotates every block's keys before the Triton
-# launch: blocks go in batches whose keys and rotation temporaries stay near this.
-ATTEND_BATCH_BYTES = 128 << 20
-ROTATE_COPIES = 5  # the gathered keys, cos and sin rows, rotate_half, and the rotated result
-
 
 def attend_block(
     q: torch.Tensor,
@@ -97,10 +92,9 @@ def attend_blocks(
     positions, valid first, -1 padding after) and its window from window_starts[b], as
     `attend_block` would. Returns [T, H_q, D].
 
-    On CUDA with triton: batched launches (`attend_blocks_triton`) over padded blocks, as many
-    blocks a launch as keep rotated keys near ATTEND_BATCH_BYTES (all without `rotary`); else
-    `attend_block_reference` per block. `triton` forces either (True also runs on CPU under
-    TRITON_INTERPRET=1).
+    On CUDA with triton: one batched launch (`attend_blocks_triton`, which rotates keys in the
+    kernel) over padded blocks; else `attend_block_reference` per block. `triton` forces either
+    (True also runs on CPU under TRITON_INTERPRET=1).
     """
     t = q.shape[0]
     if not (q.is_cuda and use_triton() if triton is None else triton):
@@ -119,26 +113,7 @@ def attend_blocks(
     pos = torch.arange(first, first + n * block, device=q.device)
     q_pos = torch.where(pos < first + t, pos, -1).view(n, block)  # [B, Tb], -1 = padding
     starts = torch.tensor(window_starts, dtype=torch.int64).to(q.device, non_blocking=True)  # [B]
-    step = n
-    if rotary is not None:
-        longest = prefix.shape[1] + max(
-            min(first + (i + 1) * block, first + t) - w for i, w in enumerate(window_starts)
-        )
-        per_block = ROTATE_COPIES * longest * kv.shape[2] * kv.shape[3] * kv.element_size()
-        step = max(1, ATTEND_BATCH_BYTES // per_block)
-    outs = [
-        attend_blocks_triton(
-            qb[a : a + step],
-            q_pos[a : a + step],
-            kv,
-            prefix[a : a + step],
-            starts[a : a + step],
-            rotary=rotary,
-            mode=mode,
-        )
-        for a in range(0, n, step)
-    ]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, Tb, H_q, D]
+    out = attend_blocks_triton(qb, q_pos, kv, prefix, starts, rotary=rotary, mode=mode, limit=first + t)
     return out.view(n * block, *q.shape[1:])[:t]
 
 

@@ -75,8 +75,14 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
     sm_scale_log2,
+    cos_ptr,
+    sin_ptr,
+    n_pre,
+    ROTATE: tl.constexpr,
+    STREAMING: tl.constexpr,
 ):
-    """One BLOCK_N tile of the key list: gather K/V rows by index, update the online softmax."""
+    """One BLOCK_N tile of the key list: gather K/V rows by index (rotating keys at their
+    attention positions when ROTATE), update the online softmax."""
     offs_d = tl.arange(0, D)
     j = start + tl.arange(0, BLOCK_N)  # [BN] positions in the block's key list
     in_range = j < k_hi
@@ -87,6 +93,20 @@ def _attend_tile(  # type: ignore[no-untyped-def]
     k_ok = kpos >= 0
     krow = j.to(tl.int64) if K_GATHERED else kpos
     k = tl.load(k_base + krow[:, None] * stride_ks + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+    if ROTATE:  # Rotary.apply at the key's attention position, each op rounded to the dtype
+        rp = kpos
+        if STREAMING:  # sinks and selected packed right below the window
+            rp = tl.where(is_pre, w0 - n_pre + j, kpos)
+        rp = tl.where(k_ok, rp, 0).to(tl.int64)
+        c = tl.load(cos_ptr + rp[:, None] * D + offs_d[None, :]).to(tl.float32)
+        sn = tl.load(sin_ptr + rp[:, None] * D + offs_d[None, :]).to(tl.float32)
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        swapped = (offs_d + D // 2) % D
+        ks = tl.load(k_base + krow[:, None] * stride_ks + swapped[None, :], mask=k_ok[:, None], other=0.0)
+        kdt = k.dtype
+        a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
+        bb = (ks.to(tl.float32) * sign[None, :] * sn).to(kdt).to(tl.float32)
+        k = (a + bb).to(kdt)
     if INTERPRET:  # the interpreter's tl.dot is wrong for bf16: take the products in fp32
         s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
     elif IEEE:
@@ -118,6 +138,9 @@ def _sparse_attn_fwd(  # type: ignore[no-untyped-def]
     PREFIX,  # [B, P] int64 sorted positions, -1 = padding
     W0,  # [B] int64 window starts (PER_BLOCK_WINDOW)
     WEND,  # [B] int64 window ends = last query + 1 (PER_BLOCK_WINDOW)
+    COS,  # [P_rope, D] RoPE table rows (ROTATE)
+    SIN,
+    NPRE,  # [B] int64 valid prefix entries per block (ROTATE and STREAMING)
     Out,  # [SPLITS, B, Tb, H_q, D] (fp32 partials when SPLIT, else the output in q's dtype)
     LSE,  # [SPLITS, B, Tb, H_q] fp32 log2-sum-exp of each partial (SPLIT only)
     stride_qb,
@@ -153,6 +176,8 @@ def _sparse_attn_fwd(  # type: ignore[no-untyped-def]
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    ROTATE: tl.constexpr,
+    STREAMING: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -165,6 +190,7 @@ def _sparse_attn_fwd(  # type: ignore[no-untyped-def]
     else:
         w0 = w0_scalar
         wend = wend_scalar
+    n_pre = tl.load(NPRE + b) if ROTATE and STREAMING else 0
     n_keys = P + wend - w0
     k_lo = pid_s * keys_per_split
     k_hi = tl.minimum(n_keys, k_lo + keys_per_split)
@@ -210,6 +236,11 @@ def _sparse_attn_fwd(  # type: ignore[no-untyped-def]
                 IEEE,
                 INTERPRET,
                 sm_scale_log2,
+                COS,
+                SIN,
+                n_pre,
+                ROTATE,
+                STREAMING,
             )
             start += BLOCK_N
     else:
@@ -235,6 +266,11 @@ def _sparse_attn_fwd(  # type: ignore[no-untyped-def]
                 IEEE,
                 INTERPRET,
                 sm_scale_log2,
+                COS,
+                SIN,
+                n_pre,
+                ROTATE,
+                STREAMING,
             )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -305,10 +341,14 @@ def _launch(
     k_gathered: bool,
     max_keys: int | None,
     num_splits: int | None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    streaming: bool = False,
 ) -> torch.Tensor:
     """Run the kernel. q [B, Tb, H_q, D], q_pos [B, Tb] int64, k [S, G, D] (or [B, L, G, D] when
     k_gathered), v [S, G, D], prefix [B, P] int64 (-1 padded), window = (w0, wend) as ints (B = 1)
     or [B] int64 tensors. max_keys: an upper bound on P + wend - w0 (None: unknown, no split).
+    `rope` = (cos, sin [P_rope, D] covering every key position, valid prefix entries [B]): keys
+    are rotated in the kernel, at packed positions below the window when `streaming`.
     Returns [B, Tb, H_q, D] in q's dtype."""
     bsz, tb, h_q, d = q.shape
     g = v.shape[-2]
@@ -356,6 +396,7 @@ def _launch(
         stride_ks, stride_kg = k.stride(-3), k.stride(-2)
     else:
         stride_kb, stride_ks, stride_kg = 0, k.stride(0), k.stride(1)
+    cos, sin, n_pre = rope if rope is not None else (q, q, q_pos)  # placeholders when not rotating
     _sparse_attn_fwd[(grid_m, bsz * g, num_splits)](
         q,
         q_pos,
@@ -364,6 +405,9 @@ def _launch(
         prefix,
         w0_t,
         wend_t,
+        cos,
+        sin,
+        n_pre,
         o_t,
         l_t,
         q.stride(0),
@@ -399,6 +443,8 @@ def _launch(
         SPLIT=split,
         IEEE=q.dtype == torch.float32,
         INTERPRET=_interpreting(),
+        ROTATE=rope is not None,
+        STREAMING=streaming,
         num_warps=warps,
     )
     if split:
@@ -455,49 +501,45 @@ def attend_blocks_triton(
     rotary: RopeTable | None = None,
     mode: str = "absolute",
     num_splits: int | None = None,
+    limit: int | None = None,
 ) -> torch.Tensor:
     """Several query blocks in one launch (prefill): block b is `attend_block(q[b], q_pos[b],
     kv, prefix[b], window_start[b])` with the padding dropped.
 
     q [B, Tb, H_q, D]; q_pos [B, Tb] ascending true positions, -1 = padding (its output row is 0);
     prefix [B, P] sorted positions, valid entries first then -1 padding; window_start [B].
-    Returns [B, Tb, H_q, D] in q's dtype. num_splits > 1 splits the key lists (costs a sync);
-    None never splits here (many blocks fill the GPU anyway).
+    With `rotary` the queries are rotated at their true positions and the keys in the kernel, at
+    `attention_key_positions(mode, ...)` (no gathered copy of the keys); `limit` bounds every
+    position (None: read from q_pos, a host sync). Returns [B, Tb, H_q, D] in q's dtype.
+    num_splits > 1 splits the key lists (costs a sync); None never splits here (many blocks fill
+    the GPU anyway).
     """
     prefix = prefix.to(torch.int64)
     q_pos = q_pos.to(torch.int64)
     wend = q_pos.amax(dim=1) + 1  # [B]
     w0 = torch.minimum(window_start.to(device=q.device, dtype=torch.int64), wend)
-    need_len = rotary is not None or (num_splits is not None and num_splits > 1)
-    max_keys = prefix.shape[1] + int((wend - w0).max()) if need_len else None
-    k_src = kv[:, 0]
+    split = num_splits is not None and num_splits > 1
+    max_keys = prefix.shape[1] + int((wend - w0).max()) if split else None
+    rope = None
     if rotary is not None:
-        assert max_keys is not None
-        wl = max_keys - prefix.shape[1]
-        win = w0[:, None] + torch.arange(wl, device=q.device)  # [B, WL]
-        win = torch.where(win < wend[:, None], win, -1)
-        idx = torch.cat((prefix, win), dim=1)  # [B, L] true positions, -1 = padding
-        if mode == "streaming":  # sinks + selected packed right below the window
-            n_pre = (prefix >= 0).sum(dim=1, keepdim=True)
-            packed = w0[:, None] - n_pre + torch.arange(prefix.shape[1], device=q.device)
-            kpos = torch.cat((torch.where(prefix >= 0, packed, -1), win), dim=1)
-        else:
-            kpos = idx
-        bsz, length = idx.shape
-        k_rows = kv[idx.clamp(min=0).reshape(-1), 0]  # [B * L, G, D]
-        k_src = rotary.rotate(k_rows, kpos.clamp(min=0).reshape(-1)).reshape(bsz, length, *k_rows.shape[1:])
+        if limit is None:
+            limit = int(q_pos.max()) + 1
+        cos, sin = rotary.tables(limit, kv)
+        rope = (cos, sin, (prefix >= 0).sum(dim=1))
         b, tb, h, d = q.shape
-        q = rotary.rotate(q.reshape(b * tb, h, d), q_pos.clamp(min=0).reshape(-1)).reshape(b, tb, h, d)
+        q = rotary.rotate(q.reshape(b * tb, h, d), q_pos.clamp(min=0).reshape(-1), limit).reshape(b, tb, h, d)
     return _launch(
         q,
         q_pos,
-        k_src,
+        kv[:, 0],
         kv[:, 1],
         prefix,
         window=(w0, wend),
-        k_gathered=rotary is not None,
+        k_gathered=False,
         max_keys=max_keys,
         num_splits=num_splits,
+        rope=rope,
+        streaming=mode == "streaming",
     )
 
 
