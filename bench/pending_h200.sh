@@ -31,6 +31,10 @@ case "$group" in
     --name tiered_store
   ;;
 3)
+  # The Triton kernels compiled: in-kernel key rotation (prefill attention), chunk scoring and
+  # the fused norm/RoPE/SwiGLU (the first two only ran under the interpreter since they changed).
+  $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py tests/test_triton_bisect.py \
+    tests/test_fused_kernels.py 2>&1 | tail -2
   # Issue 6: HiP prefill at 512K by chunk size, as the engine plans it (the second of two chunks
   # is timed). 4K chunks ran at the PCIe bound (3,308 tok/s); 5x dense (10K) needs longer ones.
   run 330 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
