@@ -16,49 +16,22 @@ numpy's against torch's) differs.
 from __future__ import annotations
 
 import collections
-import importlib.util
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = NEEDS_TRITON
 
 from kvtier.config import RopeConfig  # noqa: E402
 from kvtier.model import layers, rope  # noqa: E402
 from kvtier.model.layers import RMSNorm  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
 
-
-def _interpreter_in_process() -> bool:
-    """TRITON_INTERPRET=1 and triton.language was decorated under it (not imported before)."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or importlib.util.find_spec("triton") is None:
-        return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
-INTERPRET = _interpreter_in_process()
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 before triton is imported"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
 
@@ -225,14 +198,8 @@ def test_use_fused_needs_cuda_and_16_bits(monkeypatch: pytest.MonkeyPatch) -> No
         assert not layers.use_fused(x)
 
 
-@pytest.mark.skipif(
-    INTERPRET or torch.cuda.is_available(), reason="CPU cases run in this process (or CUDA is used)"
-)
+@SUBPROCESS_ONLY
 def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
     other modules): run this file's CPU cases in a fresh interpreter-mode process."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k", "cpu"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout, res.stdout[-2000:]
+    run_cpu_cases(__file__)

@@ -12,46 +12,18 @@ process and `test_cpu_cases_in_subprocess` runs them in a fresh one with TRITON_
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = NEEDS_TRITON
 
 from kvtier.config import RopeConfig  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
 from kvtier.sparse.block_sparse import attend_block, attend_block_reference  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
 
-
-def _interpreter_in_process() -> bool:
-    """TRITON_INTERPRET=1 and triton.language was decorated under it (not imported before)."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or importlib.util.find_spec("triton") is None:
-        return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
-INTERPRET = _interpreter_in_process()
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1 before triton is imported"
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -258,14 +230,8 @@ def test_import_without_triton_dispatch() -> None:
     assert torch.equal(out, attend_block_reference(qs[q_pos], q_pos, kv, prefix, 30))
 
 
-@pytest.mark.skipif(
-    INTERPRET or torch.cuda.is_available(), reason="CPU cases run in this process (or CUDA is used)"
-)
+@SUBPROCESS_ONLY
 def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
     other modules): run this file's CPU cases in a fresh interpreter-mode process."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k", "cpu"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout, res.stdout[-2000:]
+    run_cpu_cases(__file__)

@@ -7,19 +7,12 @@ subprocess re-runs the CPU cases when triton was imported earlier by another tes
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+pytestmark = NEEDS_TRITON
 
 from kvtier.config import RopeConfig  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
@@ -27,27 +20,6 @@ from kvtier.sparse.prefill import _bisect, _chunks, _scoring_queries, _span, run
 from kvtier.sparse.pruning import run_stages  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
 
-
-def _interpreter_in_process() -> bool:
-    """TRITON_INTERPRET=1 and triton.language was decorated under it (not imported before)."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
-
-
-DEVICES = [
-    pytest.param(
-        "cpu",
-        marks=pytest.mark.skipif(
-            not _interpreter_in_process(),
-            reason="CPU tensors need TRITON_INTERPRET=1 before triton is imported",
-        ),
-    ),
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
-]
 D = 32
 MODES = ["relative", "chunk_indexed", "absolute"]
 
@@ -131,13 +103,8 @@ def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
         assert bool((sel[b, int(n[b]) :] == -1).all())
 
 
+@SUBPROCESS_ONLY
 def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
     other modules): run this file's CPU cases in a fresh interpreter-mode process."""
-    if _interpreter_in_process() or torch.cuda.is_available():
-        pytest.skip("CPU cases run in this process (or CUDA is used)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__, "-k", "cpu"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout, res.stdout[-2000:]
+    run_cpu_cases(__file__)
