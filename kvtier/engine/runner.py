@@ -27,8 +27,19 @@ def prefill(
     chunk_size: int,
     progress: bool = False,
 ) -> torch.Tensor:
-    """Run prompt ids [N] in chunks of `chunk_size`; returns the last position's logits [vocab]."""
+    """Run prompt ids [N] in chunks of `chunk_size`; returns the last position's logits [vocab].
+
+    A store kernel with `last_query_alone` (HiP) gets the last token as a step of its own, so its
+    selection is made for that query alone (the first answer token comes from its logits).
+    """
     n = ids.shape[0]
+    # NOTE: a capability flag of the kernel; dense kernels lack it, and splitting would only
+    # change their rounding.
+    alone = n > 1 and bool(getattr(store.kernel, "last_query_alone", False))
+    body = n - 1 if alone else n
+    spans = [(s, min(s + chunk_size, body)) for s in range(0, body, chunk_size)] + (
+        [(body, n)] if alone else []
+    )
     none = torch.empty(0, dtype=torch.long, device=ids.device)
     bar = tqdm(
         total=n,
@@ -41,9 +52,9 @@ def prefill(
     )
     logits = torch.empty(0)
     with bar:
-        for s in range(0, n, chunk_size):
-            part = ids[s : s + chunk_size]
-            last = s + chunk_size >= n
+        for s, e in spans:
+            part = ids[s:e]
+            last = e == n
             store.begin_step(part.shape[0])
             logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
             store.end_step()

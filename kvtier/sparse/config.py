@@ -60,6 +60,9 @@ class HipConfig:
     chunk_indexed_layers: tuple[int, ...] = (0, 1, 2, 3)
     attention_rope: str = "streaming"
     max_context: int | None = None  # when known: the longest context this config must serve
+    # The prompt's last token (whose logits give the first answer token) as a step of its own,
+    # selected for that query alone as in decode, not pooled into a block of `block_q` queries.
+    last_query_alone: bool = True
     # Offloaded (streamed) slices: the GPU block cache that serves decode between stage-0
     # refreshes (see `kvtier.sparse.gpu_cache`). Tokens per block, and tokens per slice
     # (None = `offload_cache_tokens()`: everything a refresh interval reads, so all hit).

@@ -84,6 +84,12 @@ class HipKernel:
         self._cover_tokens: dict[int, int] = {}  # heads -> tokens a refresh interval reads
 
     @property
+    def last_query_alone(self) -> bool:
+        """Whether the prefill loop should run the prompt's last token as a step of its own
+        (`HipConfig.last_query_alone`)."""
+        return self.cfg.last_query_alone
+
+    @property
     def needs_unrotated_keys(self) -> bool:
         """True when the store must keep K and Q un-rotated (`rotate_keys=False`)."""
         return self.cfg.extend
