@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine
 from kvtier.attention.interface import DenseKernel, SliceKernel
 from kvtier.config import ModelConfig
+from kvtier.engine.runner import prefill
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.embedded import embedded_gguf_path
 from kvtier.loading.gguf import gguf_to_hf_folder
@@ -65,11 +66,10 @@ def generate(
     rotate: bool,
     chunk: int,
     n: int,
-    last_alone: bool = False,
 ) -> tuple[list[int], float, float]:
-    """Chunked prefill + greedy decode of `n` tokens; returns tokens, prefill s, decode s.
-    `last_alone`: the prompt's last token is a step of its own (a sparse kernel then selects for
-    that query alone, as in decode, not for a block of 64 pooled queries)."""
+    """Chunked prefill (the engine's loop: HiP gets the prompt's last token as a step of its own
+    unless `last_query_alone=false`) + greedy decode of `n` tokens; returns tokens, prefill s,
+    decode s."""
     ctx = ids.numel() + n
     plan = plan_kv(cfg, ctx, policy="gpu", gpu_budget=None, dtype_bytes=4, chunk_size=chunk)
     store = TieredKVStore(
@@ -77,12 +77,7 @@ def generate(
     )
     t0 = time.perf_counter()
     with torch.inference_mode():
-        body = ids.numel() - 1 if last_alone else ids.numel()
-        parts = [ids[s : min(s + chunk, body)] for s in range(0, body, chunk)]
-        for part in [*parts, ids[body:]] if last_alone else parts:
-            store.begin_step(part.numel())
-            logits = model(part, store)
-            store.end_step()
+        logits = prefill(model, store, ids, chunk)[None]
         t1 = time.perf_counter()
         out: list[int] = []
         for _ in range(n):
@@ -148,11 +143,6 @@ def main() -> None:
         metavar="FIELD=VALUE",
         help="HipConfig override, e.g. budgets=32768,8192,512",
     )
-    ap.add_argument(
-        "--last-alone",
-        action="store_true",
-        help="run the prompt's last token as a step of its own (selection for that query alone)",
-    )
     ap.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = ap.parse_args()
@@ -180,18 +170,15 @@ def main() -> None:
                         cfg, CPU, args.preset, **METHODS[method], **overrides(args.set)
                     )
                     rotate = not unrot
-                toks, pre_s, dec_s = generate(
-                    model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens, args.last_alone
-                )
+                toks, pre_s, dec_s = generate(model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens)
+                alone = getattr(kernel, "last_query_alone", False)
                 text = str(tok.decode(toks))
                 rec: dict[str, Any] = {
                     "length": length,
                     "prompt_tokens": ids.numel(),
                     "method": method,
                     "preset": args.preset if method != "dense" else None,
-                    "overrides": args.set + (["last_alone"] if args.last_alone else [])
-                    if method != "dense"
-                    else [],
+                    "overrides": args.set + (["last_alone"] if alone else []) if method != "dense" else [],
                     "depth": depth,
                     "passkey": key,
                     "output": text,
