@@ -3,6 +3,7 @@ attention equal to a masked dense reference, decode refresh intervals, config va
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,8 @@ def test_presets_and_factory_options() -> None:
     cfg = ModelConfig(64, 64, 96, 2, 4, 2, D, 512)
     assert HIP_PRESETS["flash"].refresh == (96, 24, 8) and HIP_PRESETS["fast"].refresh == (32, 16, 8)
     assert HIP_PRESETS["default"].attended_tokens == 256 + 2048 + 1024 + 64
+    long = HIP_PRESETS["long"]  # the quality runs' --preset 5k --set head_score=softmax window=2048
+    assert long == replace(HIP_PRESETS["5k"], head_score="softmax", window=2048)
     _, unrotated = make_hip_kernel(cfg, CPU, "default", extend=False)
     assert not unrotated
     with pytest.raises(ConfigError, match="preset"):

@@ -28,6 +28,15 @@ HIP_PRESETS: dict[str, HipConfig] = {
     "flash": HipConfig(refresh=REFRESH_PRESETS["flash"]),
     # "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).
     "5k": HipConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), wide_budget=4096),
+    # "long": 5K with softmax chunk scores and a 2048-token window, what retrieved best beyond
+    # the trained length on SmolLM2 (16K: 4/5, 32K: 2/3, dense 0; docs/hip_quality.md).
+    "long": HipConfig(
+        chunk_sizes=(64, 32, 16),
+        budgets=(32768, 16384, 4096),
+        wide_budget=4096,
+        head_score="softmax",
+        window=2048,
+    ),
 }
 
 
