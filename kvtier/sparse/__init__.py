@@ -29,7 +29,7 @@ HIP_PRESETS: dict[str, HipConfig] = {
     # "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).
     "5k": HipConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), wide_budget=4096),
     # "long": 5K with softmax chunk scores and a 2048-token window, what retrieved best beyond
-    # the trained length on SmolLM2 (16K: 4/5, 32K: 2/3, dense 0; docs/hip_quality.md).
+    # the trained length on SmolLM2 (16K: 4/5, 32K: 3/5, dense 0; docs/hip_quality.md).
     "long": HipConfig(
         chunk_sizes=(64, 32, 16),
         budgets=(32768, 16384, 4096),
