@@ -70,17 +70,18 @@ def test_kernel_arguments_avoid_names_the_launcher_shadows() -> None:
     import inspect
 
     from kvtier.kv import dequant_triton
-    from kvtier.sparse import triton_attn
+    from kvtier.model import fused
+    from kvtier.sparse import triton_attn_kernels, triton_bisect
 
     reserved = {"params", "specialization", "options", "backend", "specialize_impl", "JITCallable"}
     # JIT functions, or interpreted ones when another test set TRITON_INTERPRET: both wrap `fn`.
     kernels = [
         obj
-        for mod in (dequant_triton, triton_attn)
+        for mod in (dequant_triton, triton_attn_kernels, triton_bisect, fused)
         for obj in vars(mod).values()
         if inspect.isfunction(getattr(obj, "fn", None))
     ]
-    assert len(kernels) >= 4
+    assert len(kernels) >= 9
     for kernel in kernels:
         names = set(inspect.signature(kernel.fn).parameters)
         assert not names & reserved, (kernel.fn.__name__, names & reserved)
