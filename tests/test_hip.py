@@ -401,31 +401,3 @@ def test_rope_table_grows_in_bounded_steps_with_the_same_values(monkeypatch: pyt
     assert table._cos.shape[0] == rope_ext.table_positions(385) == 512
     cos, sin = rotary.cos_sin(torch.arange(512), torch.float32)
     assert torch.equal(table._cos, cos) and torch.equal(table._sin, sin)
-
-
-@pytest.mark.parametrize(
-    ("n", "alone", "steps"),
-    [(10, True, [4, 4, 1, 1]), (10, False, [4, 4, 2]), (9, True, [4, 4, 1]), (1, True, [1])],
-)
-def test_prefill_runs_the_last_prompt_token_alone_for_hip(n: int, alone: bool, steps: list[int]) -> None:
-    """The prefill loop gives a kernel with `last_query_alone` the prompt's last token as a step
-    of its own (its selection is then for that query alone); other kernels get plain chunks.
-    Only the last step asks for logits."""
-    from types import SimpleNamespace
-
-    from kvtier.engine.runner import prefill
-
-    cfg = ModelConfig(64, 64, 96, 1, 4, 2, D, 512)
-    kernel, _ = make_hip_kernel(cfg, CPU, last_query_alone=alone)
-    seen: list[tuple[int, bool]] = []
-
-    def model(
-        part: torch.Tensor, store: object, logits_at: torch.Tensor | None, mlp_chunk: int
-    ) -> torch.Tensor:
-        seen.append((part.shape[0], logits_at is None))
-        return torch.zeros(1, 5)
-
-    store = SimpleNamespace(kernel=kernel, begin_step=lambda t: None, end_step=lambda: None)
-    prefill(model, store, torch.arange(n), 4)  # type: ignore[arg-type]
-    assert [t for t, _ in seen] == steps
-    assert [wants for _, wants in seen] == [False] * (len(steps) - 1) + [True]

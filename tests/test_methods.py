@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvtier import LLM, SamplingParams
 from kvtier.cli.main import main
@@ -162,3 +163,33 @@ def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(tiny: Path) -> None:
     assert out.stats.plan["group_size"] == llm.model_config.num_kv_heads
     assert f"block cache {cache_tokens} tokens/slice" in out.stats.plan["method"]
     assert out.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize(
+    ("n", "alone", "steps"),
+    [(10, True, [4, 4, 1, 1]), (10, False, [4, 4, 2]), (9, True, [4, 4, 1]), (1, True, [1])],
+)
+def test_prefill_runs_the_last_prompt_token_alone_for_hip(n: int, alone: bool, steps: list[int]) -> None:
+    """The prefill loop gives a kernel with `last_query_alone` the prompt's last token as a step
+    of its own (its selection is then for that query alone); other kernels get plain chunks.
+    Only the last step asks for logits."""
+    from types import SimpleNamespace
+
+    from kvtier.config import ModelConfig
+    from kvtier.engine.runner import prefill
+    from kvtier.sparse import make_hip_kernel
+
+    cfg = ModelConfig(64, 64, 96, 1, 4, 2, 16, 512)
+    kernel, _ = make_hip_kernel(cfg, torch.device("cpu"), last_query_alone=alone)
+    seen: list[tuple[int, bool]] = []
+
+    def model(
+        part: torch.Tensor, store: object, logits_at: torch.Tensor | None, mlp_chunk: int
+    ) -> torch.Tensor:
+        seen.append((part.shape[0], logits_at is None))
+        return torch.zeros(1, 5)
+
+    store = SimpleNamespace(kernel=kernel, begin_step=lambda t: None, end_step=lambda: None)
+    prefill(model, store, torch.arange(n), 4)  # type: ignore[arg-type]
+    assert [t for t, _ in seen] == steps
+    assert [wants for _, wants in seen] == [False] * (len(steps) - 1) + [True]

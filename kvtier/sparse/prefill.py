@@ -77,23 +77,22 @@ def prune_blocks(
     lengths = (valid[:, None] - starts[None, :]).clamp(min=0, max=chunk)  # [B, C]
     n_chunks = -(-valid // chunk)  # [B] each block's own chunk count (chunk-indexed RoPE)
     qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rotary, window=window)
+    chunks = _chunks(candidates, c_count, chunk) if candidates is not None else None  # [B, C, c]
     if triton:
         from kvtier.sparse.triton_bisect import bisect_triton
 
         tables = rotary.tables(limit, keys) if rotary is not None else None
         scores = bisect_triton(qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables)
     else:
-        assert candidates is not None
-        scores = _bisect(
-            qr, keys, _chunks(candidates, c_count, chunk), lengths, mode=mode, rotary=rotary, limit=limit
-        )
+        assert chunks is not None
+        scores = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit)
     scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
-    if candidates is None:  # stage 0: chunk j holds first + j * chunk + [0, chunk)
+    if chunks is None:  # stage 0: chunk j holds first + j * chunk + [0, chunk)
         kept = first + top[:, :, None] * chunk + torch.arange(chunk, device=dev)  # [B, keep, c]
         kept = torch.where(kept < first + valid[:, None, None], kept, -1).flatten(1)
     else:
-        kept = _chunks(candidates, c_count, chunk).gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)
+        kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
     ordered = torch.where(kept >= 0, kept, _LAST).sort(dim=1).values
     out = torch.where(ordered == _LAST, -1, ordered)
     return out, (out >= 0).sum(dim=1)
