@@ -384,6 +384,33 @@ def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(
         assert bool((sel[b, int(n[b]) :] == -1).all())
 
 
+@pytest.mark.parametrize("stage0", [True, False])
+def test_kept_chunks_come_out_sorted_with_padding_last(stage0: bool) -> None:
+    """`prune_blocks` keeps chunks in chunk order instead of sorting their entries: rows are
+    ascending positions, then -1, also for a block with fewer valid chunks than it keeps (its
+    empty chunks tie at -inf) and for a block with none."""
+    from kvtier.sparse.prefill import _span, prune_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(300, 2, D, generator=gen)
+    q = torch.randn(3, 4, 4, D, generator=gen)  # [B, Nq, H_q, D]
+    q_pos = torch.tensor([[296, 297, 298, 299]]).expand(3, -1)
+    valid = torch.tensor([280, 70, 0])  # 35, 9 and 0 of 8-token chunks; 4 kept
+    first = 8
+    cand = None if stage0 else _span(first, 280, valid)
+    kept, n = prune_blocks(
+        q, q_pos, keys, cand, valid, 8, 32, mode="relative", rotary=None, window=16,
+        first=first, width=280,
+    )  # fmt: skip
+    assert n.tolist() == [32, 32, 0]
+    for b in range(3):
+        row = kept[b]
+        m = int(n[b])
+        assert bool((row[m:] == -1).all()) and bool((row[:m] >= first).all())
+        assert bool((row[:m] < first + valid[b]).all())
+        assert bool((torch.diff(row[:m]) > 0).all())  # strictly ascending
+
+
 def test_rope_table_grows_in_bounded_steps_with_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """The table is computed a step of positions at a time (bounded temporaries), grows by about a
     quarter, and holds exactly Rotary.cos_sin's values."""

@@ -9,9 +9,9 @@ stage's ~100 operators 64 times per slice. Here the blocks of a chunk are a batc
 
 Stage 0's candidates differ between blocks only in length (each block's window starts 64
 tokens later), so all blocks share one chunk grid. Every stage runs `chunk_scores`'s bisection on
-[B, C] at once ("max" head score); the top `budget // c` chunks of each block are kept and their
-entries re-sorted with the padding last. Where a block has no more chunks than it keeps, all
-are kept, as `prune_stage` returns its candidates.
+[B, C] at once ("max" head score); the top `budget // c` chunks of each block are kept in chunk
+order, which keeps their entries sorted with the padding last (no sort). Where a block has no
+more chunks than it keeps, all are kept, as `prune_stage` returns its candidates.
 
 NOTE: the same selection as `run_stages` block by block up to float rounding (pooling and
 products run as batched operators), so a near-tie between chunk scores may break differently.
@@ -26,7 +26,6 @@ import torch
 from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
-_LAST = torch.iinfo(torch.long).max  # sorts padding after every position
 PRUNE_BATCH_BYTES = 256 << 20  # stage-0 temporaries of one batch of query blocks, about
 
 
@@ -88,14 +87,14 @@ def prune_blocks(
         scores = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit)
     scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
+    # Chunks are consecutive runs of the sorted candidates and every -1 lies past the last valid
+    # entry, so kept chunks in ascending order are already sorted with their padding last.
     if chunks is None:  # stage 0: chunk j holds first + j * chunk + [0, chunk)
         kept = first + top[:, :, None] * chunk + torch.arange(chunk, device=dev)  # [B, keep, c]
         kept = torch.where(kept < first + valid[:, None, None], kept, -1).flatten(1)
     else:
         kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
-    ordered = torch.where(kept >= 0, kept, _LAST).sort(dim=1).values
-    out = torch.where(ordered == _LAST, -1, ordered)
-    return out, (out >= 0).sum(dim=1)
+    return kept, (kept >= 0).sum(dim=1)
 
 
 def _span(first: int, n: int, valid: torch.Tensor) -> torch.Tensor:
@@ -207,7 +206,7 @@ def run_block_stages(
     by `_bisect`'s torch operators. Blocks are pruned in batches whose temporaries stay near
     `PRUNE_BATCH_BYTES`: with torch the probe keys of every chunk of every block, in float32, and
     their scores (at 512K a layer slice of 8 KV heads takes ~25 MB per block, so 64 blocks at
-    once took ~1.6 GB); with Triton only the kept positions and their sort (~1.6 MB a block).
+    once took ~1.6 GB); with Triton only the kept positions (~0.8 MB a block).
     """
     if triton is None:
         triton = q.is_cuda and use_triton()
@@ -228,8 +227,8 @@ def run_block_stages(
 
     c0 = -(-max(1, keys.shape[0] - sink) // chunk_sizes[0])
     per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * c0
-    if triton:  # kept positions, their where and sort (values and indices), int64; the scores
-        per_block = 6 * 8 * budgets[0] + 16 * c0
+    if triton:  # kept positions: their offsets, sum and where, int64; the scores and top-k
+        per_block = 3 * 8 * budgets[0] + 16 * c0
     step = max(1, PRUNE_BATCH_BYTES // per_block)
     spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
     parts = [prune(q[sp], q_pos[sp], window_starts[sp]) for sp in spans]
