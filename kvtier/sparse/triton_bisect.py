@@ -12,7 +12,9 @@ of one query block, walking the bisection in registers:
         best = max(best, s_left, s_right); go right where s_right > s_left
 
 q holds each KV head's rows (pooled queries x its r query heads), already rotated at their
-scoring positions. Keys are read by position straight from the slice's [S, G, D] keys and, with
+scoring positions. Both probes of a level share one loop over the heads (`_probe_pair`: each
+head's rows are loaded once for the two), and in relative mode the left probe, rotated at
+position 0, needs no rotation at all (cos 1 and sin 0 leave every key value as it is). Keys are read by position straight from the slice's [S, G, D] keys and, with
 context extension, rotated in the kernel at `probe_positions` with the table's cos/sin, rounding
 each product and the sum to the keys' dtype as `Rotary.apply` does (so the rotated probe keys are
 the reference's). The scores differ from the reference's float32 einsum only in summation order.
@@ -32,11 +34,55 @@ import triton
 import triton.language as tl
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
-BLOCK_C = 64  # chunks per program
+BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
+NUM_WARPS: int | None = None  # None: 8 with 128 rows or more, else 4 (bench/hip_kernels.py sweeps)
 
 
 @triton.jit
-def _probe(  # type: ignore[no-untyped-def]
+def _probe_pos(cand_base, cs, cmask, off, length, first, CHUNK: tl.constexpr, ARANGE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Positions [BC] of the probes at offsets `off` of chunks `cs` (0 where there is none)."""
+    if ARANGE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        pos = first + cs * CHUNK + off
+    else:
+        pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
+    return tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
+
+
+@triton.jit
+def _rope_rows(cos_ptr, sin_ptr, rp, d, D: tl.constexpr):  # type: ignore[no-untyped-def]
+    """cos and sin rows [BC, D] float32 at rotation positions rp [BC]."""
+    c = tl.load(cos_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
+    s = tl.load(sin_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _key(k_rows, d, c, s, D: tl.constexpr, ROTATE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Key rows [BC, D] at row pointers k_rows [BC, 1]; with ROTATE, `Rotary.apply`'s rounding:
+    x * cos + rotate_half(x) * sin, each op rounded to the keys' dtype."""
+    k = tl.load(k_rows + d[None, :])
+    if ROTATE:
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        ks = tl.load(k_rows + ((d + D // 2) % D)[None, :]).to(tl.float32) * sign[None, :]
+        kdt = k.dtype
+        a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
+        b = (ks * s).to(kdt).to(tl.float32)
+        k = (a + b).to(kdt)
+    return k
+
+
+@triton.jit
+def _scores(q, k, rmask, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]
+    """max over valid rows of q [R, D] . k [BC, D]^T: [BC] float32."""
+    if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
+        sc = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [R, BC]
+    return tl.max(tl.where(rmask[:, None], sc, float("-inf")), axis=0)
+
+
+@triton.jit
+def _probe_pair(  # type: ignore[no-untyped-def]
     q_base,  # pointer: this block's rows, [G, R, D]
     k_ptr,
     cand_base,  # pointer: this block's candidates [N] (unused when ARANGE)
@@ -44,13 +90,13 @@ def _probe(  # type: ignore[no-untyped-def]
     sin_ptr,
     cs,  # [BC] chunk indices
     cmask,  # [BC]
-    off,  # [BC] offset of the probe in its chunk
+    off_l,  # [BC] offsets of the left and right probes in their chunks
+    off_r,
     length,  # [BC] valid entries of the chunk
     first,
     stride_ks,
     stride_kg,
     R_VALID,
-    SIDE: tl.constexpr,
     G: tl.constexpr,
     R: tl.constexpr,
     D: tl.constexpr,
@@ -61,44 +107,39 @@ def _probe(  # type: ignore[no-untyped-def]
     INTERPRET: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """max over KV heads and rows of q . k(probe) for each chunk: [BC] float32."""
-    if ARANGE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-        pos = first + cs * CHUNK + off
-    else:
-        pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
-    pos = tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
+    """Both probes of a level: max over KV heads and rows of q . k(probe), [BC] float32 each.
+    One loop over the heads loads both probes' keys and the head's rows once."""
+    pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
+    pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
     d = tl.arange(0, D)
     rows = tl.arange(0, R)
     rmask = rows < R_VALID
-    best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    best_l = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    best_r = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    c_l = best_l  # placeholders without ROTATE (Triton takes no chained assignment)
+    s_l = best_l
+    c_r = best_l
+    s_r = best_l
     if ROTATE:
-        if MODE == 1:
-            rp = tl.zeros_like(pos) + SIDE
-        elif MODE == 2:
-            rp = cs.to(tl.int64)
+        if MODE == 1:  # relative: every left probe at position 0, every right one at 1
+            rp_l = tl.zeros_like(pos_l)
+            rp_r = rp_l + 1
+        elif MODE == 2:  # chunk-indexed: at the chunk's index
+            rp_l = cs.to(tl.int64)
+            rp_r = rp_l
         else:
-            rp = pos
-        c = tl.load(cos_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)  # [BC, D]
-        s = tl.load(sin_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
-        sign = tl.where(d < D // 2, -1.0, 1.0)
-        swapped = (d + D // 2) % D
+            rp_l = pos_l
+            rp_r = pos_r
+        c_l, s_l = _rope_rows(cos_ptr, sin_ptr, rp_l, d, D)
+        c_r, s_r = _rope_rows(cos_ptr, sin_ptr, rp_r, d, D)
     for g in range(G):  # NOTE: not unrolled: 8 heads x 16 probes of unrolled dots took minutes to compile
-        k_rows = k_ptr + pos[:, None] * stride_ks + g * stride_kg
-        k = tl.load(k_rows + d[None, :])  # [BC, D]
-        kdt = k.dtype
-        if ROTATE:  # Rotary.apply: x * cos + rotate_half(x) * sin, each op rounded to the dtype
-            ks = tl.load(k_rows + swapped[None, :]).to(tl.float32) * sign[None, :]
-            a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
-            b = (ks * s).to(kdt).to(tl.float32)
-            k = (a + b).to(kdt)
         q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
-        if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
-            sc = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [R, BC]
-        sc = tl.where(rmask[:, None], sc, float("-inf"))
-        best = tl.maximum(best, tl.max(sc, axis=0))
-    return best
+        # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
+        k_l = _key(k_ptr + pos_l[:, None] * stride_ks + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
+        k_r = _key(k_ptr + pos_r[:, None] * stride_ks + g * stride_kg, d, c_r, s_r, D, ROTATE)
+        best_l = tl.maximum(best_l, _scores(q, k_l, rmask, INTERPRET))
+        best_r = tl.maximum(best_r, _scores(q, k_r, rmask, INTERPRET))
+    return best_l, best_r
 
 
 @triton.jit
@@ -140,13 +181,9 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         mid = lo + (hi - lo) // 2
         off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
-        s_l = _probe(
-            q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l, length, first,
-            stride_ks, stride_kg, R_VALID, 0, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET, BLOCK_C,
-        )  # fmt: skip
-        s_r = _probe(
-            q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_r, length, first,
-            stride_ks, stride_kg, R_VALID, 1, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET, BLOCK_C,
+        s_l, s_r = _probe_pair(
+            q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l, off_r, length, first,
+            stride_ks, stride_kg, R_VALID, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -212,7 +249,7 @@ def bisect_triton(
         ARANGE=candidates is None,
         INTERPRET=interpret,
         BLOCK_C=BLOCK_C,
-        num_warps=8 if r_pad >= 128 else 4,
+        num_warps=NUM_WARPS or (8 if r_pad >= 128 else 4),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     return out
