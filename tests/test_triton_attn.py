@@ -197,6 +197,33 @@ def test_prefill_blocks_in_one_launch(device: str, rotary: str | None) -> None:
     _check(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", [(256, 32, 8, 3), (128, 32, 4, 2)], ids=["m256", "m128"])
+def test_prefill_tiles(
+    device: str, tiles: tuple[int, int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill launch shapes `_tiles` picks for 16-bit blocks of 64 queries x 4 heads (one
+    program over 128 or 256 rows, key tiles of 32) equal the reference, on CPU in fp32 too."""
+    import kvtier.sparse.triton_attn as ta
+
+    monkeypatch.setattr(ta, "TILES", tiles)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tb, g, r, d, first = 64, 1, 4, 64, 150
+    kv, qs = _case(device, first + 2 * tb, g, r, d, dtype, seed=5)
+    q = qs[first:].view(2, tb, g * r, d)
+    q_pos = torch.arange(first, first + 2 * tb, device=device).view(2, tb)
+    w0 = q_pos[:, 0] - 20
+    prefixes = [_prefix(40 + 9 * b, int(w0[b]), seed=b, device=device) for b in range(2)]
+    prefix = torch.nn.utils.rnn.pad_sequence(prefixes, batch_first=True, padding_value=-1)
+    rope = _rope(d, device)
+    out = ta.attend_blocks_triton(q, q_pos, kv, prefix, w0, rotary=rope, mode="streaming")
+    for b in range(2):
+        ref = attend_block_reference(
+            q[b], q_pos[b], kv, prefixes[b], int(w0[b]), rotary=rope, mode="streaming"
+        )
+        _check(out[b], ref, dtype)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_attend_block_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA attend_block runs the Triton kernel; KVTIER_SPARSE_KERNEL=torch forces the reference."""
