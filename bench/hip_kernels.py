@@ -1,0 +1,153 @@
+"""HiP prefill's two kernels alone, at the shapes of one 512K slice, under launch variants.
+
+One prefill chunk of the llama-3-8b preset under the planned 24 GB HiP store runs, per slice
+(4 KV heads x 4 query heads each, ~528K keys), the pruning of every 64-query block
+(`run_block_stages`: three Triton bisection launches plus top-k and sorts) and one block-sparse
+attention launch (`attend_blocks_triton`, keys rotated in the kernel). The whole-model profile
+(`hip_offload.py --profile`) shows which dominates; this script times each alone, on random
+keys, for several launch configurations, and checks every variant selects and attends the same:
+
+    python bench/hip_kernels.py                      # on the H200; table last, JSON under $OUT
+    python bench/hip_kernels.py --old-bisect F.py    # also time another bisect module (A/B)
+    python bench/hip_kernels.py --smoke              # CPU interpreter, tiny shapes (checks the script)
+
+Slice-level times x 64 slices = the chunk's kernel time (e.g. 0.72 s of bisection for a 16K
+chunk at 512K before the paired probes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if "--smoke" in sys.argv:  # before anything imports triton
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from kvtier.units import parse_count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", default="512K")
+    ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk (queries) per slice")
+    ap.add_argument("--heads", type=int, default=4, help="KV heads per slice")
+    ap.add_argument("--old-bisect", default="", help="another triton_bisect.py to time against")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--name", default="hip_kernels")
+    args = ap.parse_args()
+    from bench.common import write_results
+    from kvtier.loading.presets import preset_config
+    from kvtier.model.rope import Rotary
+    from kvtier.sparse import HIP_PRESETS, triton_attn, triton_bisect
+    from kvtier.sparse.prefill import run_block_stages
+    from kvtier.sparse.rope_ext import RopeTable
+
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    cfg = preset_config("llama-3-8b")
+    hip = HIP_PRESETS["fast"]
+    context, chunk, g, r, d = parse_count(args.context), args.chunk, args.heads, 4, cfg.head_dim
+    if args.smoke:
+        context, chunk, g = 2048, 128, 2
+        hip = replace(hip, chunk_sizes=(32, 16, 8), budgets=(512, 256, 128), sink=16, window=64)
+    s = context + chunk
+    gen = torch.Generator(device=dev).manual_seed(0)
+    kv = torch.randn(s, 2, g, d, device=dev, dtype=dtype, generator=gen)  # [S, 2, G, D]
+    b = chunk // hip.block_q
+    q = torch.randn(b, hip.block_q, g * r, d, device=dev, dtype=dtype, generator=gen)
+    pos = (context + torch.arange(chunk, device=dev)).view(b, hip.block_q)
+    w0 = (pos[:, 0] - hip.window + 1).clamp(min=hip.sink)
+    table = RopeTable(Rotary(cfg.rope, d, dev))
+
+    def prune() -> tuple[torch.Tensor, torch.Tensor]:
+        return run_block_stages(
+            q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes, budgets=hip.budgets,
+            strides=hip.query_strides, mode="relative", rotary=table, window=hip.window, triton=True,
+        )  # fmt: skip
+
+    sel, _ = prune()
+    prefix = torch.cat((torch.arange(hip.sink, device=dev).expand(b, -1), sel), dim=1)
+
+    def attend() -> torch.Tensor:
+        return triton_attn.attend_blocks_triton(
+            q, pos, kv, prefix, w0, rotary=table, mode="streaming", limit=s
+        )
+
+    def clock(fn: Any, reps: int) -> float:
+        fn()  # compile, warm
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
+
+    reps = 1 if args.smoke else 5
+    rows: list[dict[str, Any]] = []
+    ref_sel = sel
+    old = None
+    if args.old_bisect:
+        spec = importlib.util.spec_from_file_location("old_bisect", args.old_bisect)
+        assert spec and spec.loader
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    current = triton_bisect.bisect_triton
+    variants = [(m, c, w) for m in ("pair", "old") for c in (64, 32, 16) for w in (None, 2)]
+    for name, block_c, warps in variants if not args.smoke else [("pair", 32, None), ("pair", 16, 2)]:
+        if name == "old" and (old is None or warps is not None):
+            continue
+        module = old if name == "old" else triton_bisect
+        module.BLOCK_C, module.NUM_WARPS = block_c, warps
+        triton_bisect.bisect_triton = module.bisect_triton  # prune_blocks imports it at call time
+        t = clock(prune, reps)
+        same = bool(torch.equal(prune()[0], ref_sel))
+        variant = f"{name} block_c={block_c} warps={warps}"
+        rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
+        print(rows[-1], flush=True)
+    triton_bisect.bisect_triton = current
+    triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = 32, None
+    if dev.type == "cuda":  # where one pruning goes, kernel by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prune()
+            torch.cuda.synchronize()
+        top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+        ms = {e.key[:80]: e.device_time_total / 1e3 for e in top}
+        rows.append({"kernel": "prune profile", "top_kernels_ms": ms})
+        print(rows[-1], flush=True)
+    ref_out = attend()
+    tiles = [None, (128, 32, 4, 3), (128, 32, 8, 3), (128, 16, 4, 3), (128, 32, 4, 2), (256, 32, 8, 2)]
+    tiles += [(256, 16, 8, 2), (256, 32, 8, 3), (128, 64, 8, 2)]
+    for tile in tiles if not args.smoke else [None, (32, 32, 4, 1)]:
+        triton_attn.TILES = tile
+        t = clock(attend, reps)
+        err = (attend().float() - ref_out.float()).abs().max().item()
+        rows.append({"kernel": "attend", "variant": f"tiles={tile}", "s": t, "max_abs_diff": err})
+        print(rows[-1], flush=True)
+    triton_attn.TILES = None
+    header = {"context": context, "chunk": chunk, "kv_heads_per_slice": g, "preset": "fast", "rows": rows}
+    path = write_results(args.name, header)
+    print(f"\nresults: {path}\n{'kernel':>7} {'variant':>40} {'ms/slice':>9} {'x64 slices s':>12}  check")
+    for row in rows:
+        if "s" not in row:
+            continue
+        check = row.get("same", row.get("max_abs_diff"))
+        print(f"{row['kernel']:>7} {row['variant']:>40} {row['s'] * 1e3:9.2f} {row['s'] * 64:12.3f}  {check}")
+
+
+if __name__ == "__main__":
+    main()
