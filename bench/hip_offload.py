@@ -110,7 +110,7 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
     return plan_kv(
         cfg,
         total,
-        policy=args.policy,
+        policy="auto" if args.policy == "planned" else args.policy,  # lossless: the engine's plan
         gpu_budget=args.budget - reserve,
         dtype_bytes=2,
         chunk_size=args.chunk or None,
@@ -305,7 +305,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="128K,512K")
-    ap.add_argument("--presets", default="fast,flash", help="HiP presets (kvtier.sparse.HIP_PRESETS)")
+    ap.add_argument(
+        "--presets", default="fast,flash", help='HiP presets (kvtier.sparse.HIP_PRESETS); "": none'
+    )
     ap.add_argument(
         "--steps", type=int, default=None, help="HiP decode steps (default: 2 x smallest refresh[0] + 2)"
     )
@@ -349,11 +351,11 @@ def main() -> None:
             args.budget / torch.cuda.get_device_properties(0).total_memory
         )
         cfg = preset_config("llama-3-8b")
-    presets = args.presets.split(",")
+    presets = [p for p in args.presets.split(",") if p]  # "" : lossless offload alone
     if args.steps is None:
         # two stage-0 refreshes of the fastest preset (64 cached steps): keeps 128K + 512K of
         # dense, fast and flash within ~5 minutes on an H200 now that cached steps do not sync
-        args.steps = 2 * min(HIP_PRESETS[p].refresh[0] for p in presets) + 2
+        args.steps = 2 * min((HIP_PRESETS[p].refresh[0] for p in presets), default=16) + 2
         if args.smoke:
             args.steps = min(args.steps, 40)
     contexts = [parse_count(c) for c in args.contexts.split(",")]
