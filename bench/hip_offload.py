@@ -126,21 +126,29 @@ def engine_plan(
     (`kvtier.sparse.planning.plan_hip`, with the preset's budgets)."""
     from kvtier.sparse.planning import plan_hip
 
-    def plan_with(group: int | None, gpu: int | None) -> KVPlan:
+    def plan_with(group: int | None, gpu: int | None, chunk: int | None) -> KVPlan:
         return plan_kv(
             cfg,
             total,
             policy="auto",
             gpu_budget=gpu,
             dtype_bytes=2,
-            chunk_size=args.chunk or None,
+            chunk_size=chunk,
             group_size=group,
             hardware=hardware_preset("h200"),
         )
 
     preset = method.removeprefix("hip-")
     hip = plan_hip(
-        cfg, total, plan_with, gpu_budget=args.budget, preset=preset, dtype_bytes=2, layers_first=True
+        cfg,
+        total,
+        plan_with,
+        gpu_budget=args.budget,
+        preset=preset,
+        dtype_bytes=2,
+        layers_first=True,
+        chunk_size=args.chunk or None,
+        hardware=hardware_preset("h200"),
     )
     return hip.plan, hip.cache_tokens
 
@@ -167,7 +175,8 @@ def run_method(
     except CapacityError as e:
         row["skipped"] = str(e)
         return row
-    row["plan"] = {k: getattr(plan, k) for k in ("policy", "group_size", "resident_slices", "staging_tokens")}
+    keys = ("policy", "group_size", "resident_slices", "staging_tokens", "chunk_size")
+    row["plan"] = {k: getattr(plan, k) for k in keys}
     row["plan"]["cache_tokens"] = cache_tokens
     if plan.staging_tokens < total and plan.streamed_slices:
         row["skipped"] = f"a slice of {total} tokens does not fit a staging buffer ({plan.staging_tokens})"

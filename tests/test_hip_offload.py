@@ -219,6 +219,43 @@ def test_cache_memory_follows_capacity_and_reset_frees_it(gqa: tuple[CausalLM, M
     assert kernel.gpu_cache_bytes() == 0
 
 
+def test_more_prompt_after_decode_frees_the_decode_caches_first(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    """A prompt chunk after decode steps (the next chat turn): the store's multi-token step frees
+    HiP's block caches and decode buffers before the chunk runs, so prefill's activations and
+    decode's caches need not fit at once; the run stays bitwise equal to HiP over resident KV."""
+    model, cfg = gqa
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(9))
+    runs: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
+    for policy in ("gpu", "head"):
+        kernel = kernel_for(cfg)
+        store = TieredKVStore(
+            cfg,
+            plan(policy),
+            device=CPU,
+            dtype=torch.float32,
+            capacity=PROMPT + DECODE,
+            options=StoreOptions(block_size=5, extent_blocks=4),
+            kernel=kernel,
+            rotate_keys=not kernel.needs_unrotated_keys,
+        )
+        logits, tokens = drive(model, store, ids[:104], CHUNK, 8)
+        held = kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes()
+        store.begin_step(16)
+        assert kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes() == 0
+        logits.append(model(ids[104:], store, logits_at=torch.arange(16)))
+        store.end_step()
+        for _ in range(8):
+            tokens.append(int(logits[-1][-1].argmax()))
+            store.begin_step(1)
+            logits.append(model(torch.tensor([tokens[-1]]), store))
+            store.end_step()
+        assert held > 0 and kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes() > 0  # refilled
+        runs[policy] = logits, tokens
+        store.close()
+    assert runs["head"][1] == runs["gpu"][1]
+    assert_same(runs["head"][0], runs["gpu"][0])
+
+
 def test_a_new_sequence_without_reset_does_not_reuse_stale_blocks(gqa: tuple[CausalLM, ModelConfig]) -> None:
     model, cfg = gqa
     ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg), seed=8)

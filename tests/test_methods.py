@@ -13,7 +13,6 @@ from kvtier import LLM, SamplingParams
 from kvtier.cli.main import main
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.planner.placement import KVPlan
-from kvtier.sparse.prefill import PRUNE_BATCH_BYTES
 from tests.hf_reference import make_hf_model
 
 PROMPT = list(range(3, 60))
@@ -123,15 +122,22 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     """When a whole refresh interval's block cache leaves no room for a layer's staging buffers,
     the engine tries smaller caches (largest first) and builds the kernel with the one that fits."""
     import kvtier.engine.llm as engine
-    from kvtier.sparse import CACHE_TOKEN_STEPS, HipKernel, hip_gpu_bytes
+    import kvtier.sparse as sparse
+    from kvtier.sparse import CACHE_TOKEN_STEPS, HipKernel
+    from kvtier.sparse.planning import store_budget
 
     budget, context, fits = 10**9, 64, CACHE_TOKEN_STEPS[2]
     llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
     cfg = llm.model_config
-    # A layer plan holds whole slices only with the reserve of `fits` tokens or less.
-    enough = budget - hip_gpu_bytes(cfg, "default", 4, context, cache_tokens=fits)
+    # The tiny model's caches are smaller than prefill's pruning reserve, the larger phase: without
+    # it the cache size is what decides.
+    monkeypatch.setattr(sparse, "PRUNE_BATCH_BYTES", 0)
 
-    def fake_plan(cfg: Any, ctx: int, *, group_size: int | None, gpu_budget: int, **kw: Any) -> KVPlan:
+    def fake_plan(
+        cfg: Any, ctx: int, *, group_size: int | None, gpu_budget: int, chunk_size: int | None, **kw: Any
+    ) -> KVPlan:
+        # A layer plan holds whole slices only with the budget HiP leaves at `fits` tokens or less.
+        enough = store_budget(cfg, context, budget, "default", 4, fits, chunk_size)
         return streaming_plan(cfg, ctx, group_size or 1, whole=gpu_budget >= enough)
 
     monkeypatch.setattr(engine, "plan_kv", fake_plan)
@@ -143,14 +149,20 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     assert f"block cache {fits} tokens/slice" in parts.describe
 
 
-def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(tiny: Path) -> None:
+def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Through `LLM` end to end: a budget where the planner streams whole-layer slices with a
     reduced block cache gives the tokens of HiP with everything resident."""
+    import kvtier.sparse as sparse
+
+    # The tiny model's caches are smaller than prefill's pruning reserve, the larger phase: without
+    # it the block cache is what the budget has to fit.
+    monkeypatch.setattr(sparse, "PRUNE_BATCH_BYTES", 0)
     ids = [(7 * i) % 200 + 3 for i in range(400)]
     params = SamplingParams(max_tokens=12)
     ref = LLM(str(tiny), device="cpu", attention="hip").generate(ids, params)[0]
-    extra = PRUNE_BATCH_BYTES  # HiP's prefill temporaries, reserved too
-    for budget in range(556_000_000 + extra, 560_000_000 + extra, 100_000):  # the tiny model's KV: ~1 MB
+    for budget in range(556_000_000, 560_000_000, 100_000):  # the tiny model's KV: ~1 MB
         llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
         with contextlib.suppress(CapacityError):
             plan, cache_tokens = llm._plan(len(ids) + params.max_tokens)

@@ -238,3 +238,20 @@ def test_every_method_is_tabulated() -> None:
     assert METHODS == ("standard", "chunked", "kv4", "layer", "head", "auto")
     with pytest.raises(ConfigError, match="needs the KVPlan"):
         method_memory(LLAMA3, "auto", 1000)
+
+
+def test_hip_prefill_chunk_hides_pcie_where_dense_attention_would_not() -> None:
+    """Under HiP a query's work does not grow with the context, so its roofline chunk (one chunk's
+    FLOPs against streaming the whole KV) is longer than dense's wherever attention is cheap:
+    16K at 512K on an H200 (4K for dense), never longer than the context, and not shrinking as
+    the context grows."""
+    from kvtier.sparse import HIP_PRESETS
+    from kvtier.sparse.planning import hip_chunk_size, hip_prefill_flops_per_token
+
+    hw, hip = hardware_preset("h200"), HIP_PRESETS["fast"]
+    ctx = 524288
+    assert hip_chunk_size(LLAMA3, ctx, hw, hip, 2) == 16384 > default_chunk_size(LLAMA3, ctx, hw, 2)
+    # Pruning is the part that grows with the context (stage 0 scans it all).
+    assert hip_prefill_flops_per_token(LLAMA3, ctx, hip) > hip_prefill_flops_per_token(LLAMA3, ctx // 4, hip)
+    sizes = [hip_chunk_size(LLAMA3, c, hw, hip, 2) for c in (1024, 8192, 32768, 131072, ctx, 2 * ctx)]
+    assert sizes == sorted(sizes) and sizes[0] == 1024 and sizes[1] <= 8192

@@ -62,6 +62,15 @@ class Fetch(Protocol):
 
 
 @runtime_checkable
+class PrefillAwareKernel(Protocol):
+    """A slice kernel holding GPU memory for decode steps only (caches, gathered rows) that it
+    rebuilds after a prefill step anyway: the store calls `begin_prefill` before every step of
+    more than one token, so that memory is free while the chunk's activations are live."""
+
+    def begin_prefill(self) -> None: ...
+
+
+@runtime_checkable
 class CachingSliceKernel(Protocol):
     """A slice kernel that keeps what it needs of a *streamed* slice on the GPU between steps.
 

@@ -168,9 +168,11 @@ def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] |
     if preset not in HIP_PRESETS:
         raise ConfigError(f"unknown --hip-preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
 
-    def plan_with(group: int | None, gpu: int | None) -> KVPlan:
+    def plan_with(group: int | None, gpu: int | None, chunk: int | None) -> KVPlan:
         assert gpu is not None  # `kvtier plan` always has a GPU budget
-        return replace(req, gpu_budget=gpu, group_size=group or req.group_size).plan(req.context)
+        return replace(req, gpu_budget=gpu, group_size=group or req.group_size, chunk_size=chunk).plan(
+            req.context
+        )
 
     hip = plan_hip(
         req.cfg,
@@ -180,6 +182,8 @@ def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] |
         preset=preset,
         dtype_bytes=req.dtype_bytes,
         layers_first=req.policy == "auto" and req.group_size is None,
+        chunk_size=req.chunk_size,
+        hardware=req.hardware,
     )
     plan = hip.plan
     return {

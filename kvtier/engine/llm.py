@@ -114,14 +114,14 @@ class LLM:
         # in GPU memory for resident slices and host memory for streamed ones.
         codec = make_codec(self.method.kv_quant) if self.method.kv_quant is not None else None
 
-        def plan(group: int | None, gpu: int | None) -> KVPlan:
+        def plan(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:
             return plan_kv(
                 self.model_config,
                 context,
                 policy=self.config.kv,
                 gpu_budget=gpu,
                 dtype_bytes=itemsize,
-                chunk_size=self.config.chunk_size,
+                chunk_size=chunk or self.config.chunk_size,
                 group_size=group or self.config.head_group,
                 block_size=self.config.block_size,
                 hardware=detect_hardware(self.device),
@@ -141,6 +141,8 @@ class LLM:
             preset=self.method.hip_preset,
             dtype_bytes=itemsize,
             layers_first=self.config.kv == "auto" and self.config.head_group is None,
+            chunk_size=self.config.chunk_size,
+            hardware=detect_hardware(self.device),
         )
         return hip.plan, hip.cache_tokens
 

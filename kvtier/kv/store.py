@@ -30,7 +30,13 @@ from typing import cast
 import torch
 
 from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_into
-from kvtier.attention.interface import CachingSliceKernel, DenseKernel, SliceKernel, SliceStep
+from kvtier.attention.interface import (
+    CachingSliceKernel,
+    DenseKernel,
+    PrefillAwareKernel,
+    SliceKernel,
+    SliceStep,
+)
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.hooks import Evictor, KVCodec, StoreOptions
@@ -166,6 +172,8 @@ class TieredKVStore:
         positions = torch.arange(self.position, self.position + n_new, device=self.device)
         self._cos, self._sin = self.rotary.cos_sin(positions, lay.dtype)
         self._step_tokens = n_new
+        if n_new > 1 and isinstance(self.kernel, PrefillAwareKernel):
+            self.kernel.begin_prefill()  # before the chunk's activations exist
         if self.evictor is None:
             if end > self._capacity:
                 self._grow_resident(lay.round_up(max(end, 2 * self._capacity)))

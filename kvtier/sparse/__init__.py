@@ -82,13 +82,26 @@ def hip_gpu_bytes(
 
     The planner does not know about them; the engine takes them off the GPU budget.
     """
+    return sum(hip_phase_bytes(cfg, preset, dtype_bytes, context, cache_tokens))
+
+
+def hip_phase_bytes(
+    cfg: ModelConfig,
+    preset: str = "default",
+    dtype_bytes: int = 2,
+    context: int = 0,
+    cache_tokens: int | None = None,
+) -> tuple[int, int, int]:
+    """`hip_gpu_bytes` by phase: (decode: block caches and decode buffers, prefill: pruning
+    temporaries, both: the RoPE table). The kernel frees a slice's decode bytes when a prefill
+    step starts (`HipKernel.needs_slice`), so the two phases need not fit at once."""
     if preset not in HIP_PRESETS:
         raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
     hip = replace(HIP_PRESETS[preset], cache_tokens=cache_tokens)
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
-    return caches + rope + PRUNE_BATCH_BYTES
+    return caches, PRUNE_BATCH_BYTES, rope
 
 
 __all__ = [
@@ -99,5 +112,6 @@ __all__ = [
     "HipKernel",
     "HipStats",
     "hip_gpu_bytes",
+    "hip_phase_bytes",
     "make_hip_kernel",
 ]

@@ -100,6 +100,13 @@ class HipKernel:
         self._gpu.clear()
         self._streamed.clear()
 
+    def begin_prefill(self) -> None:
+        """A prefill step re-prunes every slice and refills the block caches after it: free the
+        caches and decode states now, so prefill's activations and decode's caches need not fit
+        at once (`kvtier.sparse.planning` plans the larger of the two)."""
+        self._cache.clear()
+        self._gpu.clear()
+
     def gpu_cache_bytes(self) -> int:
         """GPU bytes of the block caches of streamed slices (proportional to cache capacity)."""
         return sum(c.nbytes() for c in self._gpu.values())

@@ -8,20 +8,84 @@ ones (`CACHE_TOKEN_STEPS`), until a layer's two staging buffers fit; only then f
 
     512K, llama-3-8b, 24 GB:  whole-interval caches (5.5 GB) + layer staging (4.3 GB): no
                               10,240-token caches (1.8 GB) + layer staging: fits, 11x lossless
+
+The prefill chunk comes first, though (`hip_chunk_size`). Over offload every chunk streams the
+whole KV, as dense does, but HiP's work per query does not grow with the context, so dense's
+roofline chunk (4K at 512K, where dense attention is the bound) leaves HiP waiting on PCIe:
+3.3K tok/s at 512K with 4K chunks against 12.6K with 16K chunks (H200, 24 GB;
+`bench/results/hip_prefill_512k_tuned.json`). A 16K chunk's activations push 512K from layer
+slices to 4-head ones; only when no slicing fits with HiP's chunk does the store planner pick.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, HostCapacityError
+from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
+from kvtier.planner.memory import activation_bytes, round_up
 from kvtier.planner.placement import KVPlan
-from kvtier.sparse import CACHE_TOKEN_STEPS, hip_gpu_bytes
+from kvtier.planner.roofline import (
+    CHUNK_MULTIPLE,
+    MAX_CHUNK,
+    MIN_CHUNK,
+    linear_flops_per_token,
+    min_host_hidden_chunk,
+)
+from kvtier.sparse import CACHE_TOKEN_STEPS, HIP_PRESETS, hip_gpu_bytes, hip_phase_bytes
+from kvtier.sparse.config import HipConfig
 
-# (group_size, gpu_budget) -> the store plan; group None = the caller's own choice.
-PlanWith = Callable[[int | None, int | None], KVPlan]
+# (group_size, gpu_budget, chunk_size) -> the store plan; None = the store planner's own choice.
+PlanWith = Callable[[int | None, int | None, int | None], KVPlan]
+
+
+def hip_prefill_flops_per_token(cfg: ModelConfig, context: int, hip: HipConfig) -> float:
+    """FLOPs of one prefill query at `context` under HiP: the linear layers, attention over at most
+    `attended_tokens` keys, and the pruning stages' probe products (2 probes per bisection level
+    per chunk, against the stage's pooled queries)."""
+    per_head = cfg.num_heads * cfg.num_layers * 2 * cfg.head_dim  # one q.k product, every head
+    attention = 2 * hip.attended_tokens * per_head
+    prune, n = 0.0, max(0, context - hip.sink - hip.window)
+    for c, keep, stride in zip(hip.chunk_sizes, hip.budgets, hip.query_strides, strict=True):
+        levels = max(1, math.ceil(math.log2(c)))
+        prune += 2 * levels * -(-n // c) * per_head / stride
+        n = min(n, keep)
+    return linear_flops_per_token(cfg) + attention + prune
+
+
+def hip_chunk_size(cfg: ModelConfig, context: int, hw: Hardware, hip: HipConfig, dtype_bytes: int) -> int:
+    """Roofline prefill chunk under HiP: the smallest whose FLOPs take as long as streaming the
+    whole KV of `context` tokens over PCIe (and hide the host's launches), rounded up to 1024,
+    in [2048, 16384], at most `context`. ~16K from 128K up for llama-3-8b on an H200."""
+    per_token_s = hip_prefill_flops_per_token(cfg, context, hip) / hw.flops
+    pcie_s = context * cfg.kv_bytes_per_token(dtype_bytes) / hw.pcie_bw
+    t = max(math.ceil(pcie_s / per_token_s), min_host_hidden_chunk(cfg, hw))
+    return min(max(round_up(t, CHUNK_MULTIPLE), MIN_CHUNK), MAX_CHUNK, context)
+
+
+def store_budget(
+    cfg: ModelConfig,
+    context: int,
+    gpu_budget: int,
+    preset: str,
+    dtype_bytes: int,
+    cache_tokens: int | None,
+    chunk: int | None,
+) -> int:
+    """The store planner's GPU budget under HiP: `gpu_budget` less HiP's bytes
+    (`hip_phase_bytes`), by phase when the prefill `chunk` is known. The store planner takes the
+    chunk's activations off itself; decode frees them, and prefill frees the decode caches
+    (`HipKernel.begin_prefill`), so only the larger phase counts. With chunk None (the store
+    planner picks it) both phases are taken off."""
+    decode, prefill, both = hip_phase_bytes(cfg, preset, dtype_bytes, context, cache_tokens)
+    if chunk is None:
+        return gpu_budget - decode - prefill - both
+    freed = activation_bytes(cfg, min(chunk, context), dtype_bytes, group_size=1)
+    freed -= activation_bytes(cfg, 1, dtype_bytes, group_size=1)  # a decode step's own
+    return gpu_budget - both - max(prefill, decode - freed)
 
 
 @dataclass(frozen=True)
@@ -42,9 +106,13 @@ def plan_hip(
     preset: str,
     dtype_bytes: int,
     layers_first: bool,
+    chunk_size: int | None = None,
+    hardware: Hardware | None = None,
 ) -> HipPlacement:
-    """Plan `context` tokens under HiP: `plan_with(group, budget)` is the store planner with
-    HiP's GPU bytes taken off `gpu_budget` (None = unlimited). With `layers_first` (the `auto`
+    """Plan `context` tokens under HiP: `plan_with(group, budget, chunk)` is the store planner
+    with HiP's GPU bytes taken off `gpu_budget` (None = unlimited). The prefill chunk is
+    `chunk_size` when given, else `hip_chunk_size` on `hardware` (default: the RTX 4090 preset)
+    and, if nothing fits with it, the store planner's own. With `layers_first` (the `auto`
     policy and no group given) slices are as wide as possible: whole layers first, then halves
     and so on, each with the largest block cache that lets two staging buffers hold a whole
     slice. Otherwise the caller's group, with the largest such cache.
@@ -54,26 +122,33 @@ def plan_hip(
     def reserve(cache_tokens: int | None) -> int:
         return hip_gpu_bytes(cfg, preset, dtype_bytes, context, cache_tokens)
 
-    def budget(cache_tokens: int | None) -> int | None:
-        return None if gpu_budget is None else gpu_budget - reserve(cache_tokens)
+    def budget(cache_tokens: int | None, chunk: int | None) -> int | None:
+        if gpu_budget is None:
+            return None
+        return store_budget(cfg, context, gpu_budget, preset, dtype_bytes, cache_tokens, chunk)
 
     groups: list[int | None] = [None]
     if layers_first:
         groups = [g for g in range(cfg.num_kv_heads, 0, -1) if cfg.num_kv_heads % g == 0]
+    chunks: list[int | None] = [chunk_size]
+    if chunk_size is None:
+        hw = hardware or DEFAULT_HARDWARE
+        chunks = [hip_chunk_size(cfg, context, hw, HIP_PRESETS[preset], dtype_bytes), None]
     error: CapacityError | None = None
     planned = False  # some plan fitted, only not with whole slices
-    for group in groups:
-        for cache_tokens in (None, *CACHE_TOKEN_STEPS):
-            try:
-                plan = plan_with(group, budget(cache_tokens))
-            except CapacityError as e:
-                error = e  # the last: the largest budget tried
-                continue
-            planned = True
-            if plan.streamed_slices == 0:
-                return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
-            if plan.staging_tokens >= plan.capacity_tokens:
-                return HipPlacement(plan, cache_tokens, reserve(cache_tokens))
+    for chunk in chunks:
+        for group in groups:
+            for cache_tokens in (None, *CACHE_TOKEN_STEPS):
+                try:
+                    plan = plan_with(group, budget(cache_tokens, chunk), chunk)
+                except CapacityError as e:
+                    error = e  # the last: the largest budget tried
+                    continue
+                planned = True
+                if plan.streamed_slices == 0:
+                    return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
+                if plan.staging_tokens >= plan.capacity_tokens:
+                    return HipPlacement(plan, cache_tokens, reserve(cache_tokens))
     if isinstance(error, HostCapacityError):
         raise error  # HiP's GPU bytes are not what is short
     least = reserve(CACHE_TOKEN_STEPS[-1]) / 1e9

@@ -13,11 +13,12 @@ of one query block, walking the bisection in registers:
 
 q holds each KV head's rows (pooled queries x its r query heads), already rotated at their
 scoring positions. Both probes of a level share one loop over the heads (`_probe_pair`: each
-head's rows are loaded once for the two), and in relative mode the left probe, rotated at
-position 0, needs no rotation at all (cos 1 and sin 0 leave every key value as it is). Keys are read by position straight from the slice's [S, G, D] keys and, with
-context extension, rotated in the kernel at `probe_positions` with the table's cos/sin, rounding
-each product and the sum to the keys' dtype as `Rotary.apply` does (so the rotated probe keys are
-the reference's). The scores differ from the reference's float32 einsum only in summation order.
+head's rows are loaded once for the two). Keys are read by position straight from the slice's
+[S, G, D] keys and, with context extension, rotated in the kernel at `probe_positions` with the
+table's cos/sin, rounding each product and the sum to the keys' dtype as `Rotary.apply` does (so
+the rotated probe keys are the reference's); in relative mode the left probe sits at position 0,
+where cos 1 and sin 0 leave every key value as it is, so it is not rotated at all. The scores
+differ from the reference's float32 einsum only in summation order.
 
 Stage 0's candidates are every position of [first, first + valid[b]), so instead of a
 [B, N] candidate tensor (64 blocks x 512K positions: 268 MB) the kernel computes them
