@@ -66,12 +66,16 @@ def generate(
     rotate: bool,
     chunk: int,
     n: int,
+    group: int | None = None,
 ) -> tuple[list[int], float, float]:
     """Chunked prefill (the engine's loop: HiP gets the prompt's last token as a step of its own
     unless `last_query_alone=false`) + greedy decode of `n` tokens; returns tokens, prefill s,
-    decode s."""
+    decode s. `group`: KV heads per store slice, so per HiP selection (None: a whole layer)."""
     ctx = ids.numel() + n
-    plan = plan_kv(cfg, ctx, policy="gpu", gpu_budget=None, dtype_bytes=4, chunk_size=chunk)
+    policy = "auto" if group else "gpu"  # auto, unlimited: every slice of `group` heads resident
+    plan = plan_kv(
+        cfg, ctx, policy=policy, gpu_budget=None, dtype_bytes=4, chunk_size=chunk, group_size=group
+    )
     store = TieredKVStore(
         cfg, plan, device=CPU, dtype=torch.float32, capacity=ctx, kernel=kernel, rotate_keys=rotate
     )
@@ -144,6 +148,9 @@ def main() -> None:
         help="HipConfig override, e.g. budgets=32768,8192,512",
     )
     ap.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
+    ap.add_argument(
+        "--group", type=int, default=None, help="KV heads per slice: per HiP selection (default: a layer)"
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = ap.parse_args()
     if args.table:
@@ -170,7 +177,9 @@ def main() -> None:
                         cfg, CPU, args.preset, **METHODS[method], **overrides(args.set)
                     )
                     rotate = not unrot
-                toks, pre_s, dec_s = generate(model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens)
+                toks, pre_s, dec_s = generate(
+                    model, cfg, ids, kernel, rotate, args.chunk, args.new_tokens, args.group
+                )
                 alone = getattr(kernel, "last_query_alone", False)
                 text = str(tok.decode(toks))
                 rec: dict[str, Any] = {
@@ -178,7 +187,11 @@ def main() -> None:
                     "prompt_tokens": ids.numel(),
                     "method": method,
                     "preset": args.preset if method != "dense" else None,
-                    "overrides": args.set + (["last_alone"] if alone else []) if method != "dense" else [],
+                    "overrides": args.set
+                    + (["last_alone"] if alone else [])
+                    + ([f"group={args.group}"] if args.group else [])
+                    if method != "dense"
+                    else [],
                     "depth": depth,
                     "passkey": key,
                     "output": text,
