@@ -152,7 +152,7 @@ def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys)
     assert hips["768K"]["group_size"] == 4 and not hips["768K"]["per_layer"]
     # Prefill chunks by HiP's roofline: 16K at 512K (dense's roofline: 4K), with layer slices still,
     # since decode's block caches and prefill's activations are planned as phases.
-    assert hips["512K"]["chunk_size"] == 16384 and hips["128K"]["chunk_size"] >= 8192
+    assert hips["512K"]["chunk_size"] == 16384 and 4096 < hips["128K"]["chunk_size"] < 16384
     assert hips["512K"]["hip_gpu_gb"] < hips["128K"]["hip_gpu_gb"]
     # Errors before allocating: room for the weights but not for whole slices next to the caches;
     # or not even for the weights once HiP's GPU bytes are taken.

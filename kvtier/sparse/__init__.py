@@ -91,17 +91,18 @@ def hip_phase_bytes(
     dtype_bytes: int = 2,
     context: int = 0,
     cache_tokens: int | None = None,
-) -> tuple[int, int, int]:
-    """`hip_gpu_bytes` by phase: (decode: block caches and decode buffers, prefill: pruning
-    temporaries, both: the RoPE table). The kernel frees a slice's decode bytes when a prefill
-    step starts (`HipKernel.needs_slice`), so the two phases need not fit at once."""
+) -> tuple[int, int]:
+    """`hip_gpu_bytes` by phase: (decode only: block caches and decode buffers; always: the RoPE
+    table and pruning temporaries, which bound a decode refresh's too). The kernel frees the
+    decode bytes when a prefill step starts (`HipKernel.begin_prefill`), so a prefill chunk's
+    activations and the decode caches need not fit at once."""
     if preset not in HIP_PRESETS:
         raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
     hip = replace(HIP_PRESETS[preset], cache_tokens=cache_tokens)
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
-    return caches, PRUNE_BATCH_BYTES, rope
+    return caches, rope + PRUNE_BATCH_BYTES
 
 
 __all__ = [

@@ -56,11 +56,18 @@ def hip_prefill_flops_per_token(cfg: ModelConfig, context: int, hip: HipConfig) 
     return linear_flops_per_token(cfg) + attention + prune
 
 
+# HiP's prefill kernels gather keys by index and rotate them: they run at about a third of the
+# peak FLOP/s the roofline assumes (H200, 512K, 16K chunks: 0.42 s of peak FLOPs in a 1.30 s chunk
+# that PCIe bounds at 1.25 s; bench/results/hip_prefill_512k_tuned.json).
+HIP_FLOP_EFFICIENCY = 1 / 3
+
+
 def hip_chunk_size(cfg: ModelConfig, context: int, hw: Hardware, hip: HipConfig, dtype_bytes: int) -> int:
-    """Roofline prefill chunk under HiP: the smallest whose FLOPs take as long as streaming the
-    whole KV of `context` tokens over PCIe (and hide the host's launches), rounded up to 1024,
-    in [2048, 16384], at most `context`. ~16K from 128K up for llama-3-8b on an H200."""
-    per_token_s = hip_prefill_flops_per_token(cfg, context, hip) / hw.flops
+    """Roofline prefill chunk under HiP: the smallest whose work (at `HIP_FLOP_EFFICIENCY` of peak)
+    takes as long as streaming the whole KV of `context` tokens over PCIe and hides the host's
+    launches, rounded up to 1024, in [2048, 16384], at most `context`. llama-3-8b on an H200:
+    5K at 128K, 16K from 512K up."""
+    per_token_s = hip_prefill_flops_per_token(cfg, context, hip) / (hw.flops * HIP_FLOP_EFFICIENCY)
     pcie_s = context * cfg.kv_bytes_per_token(dtype_bytes) / hw.pcie_bw
     t = max(math.ceil(pcie_s / per_token_s), min_host_hidden_chunk(cfg, hw))
     return min(max(round_up(t, CHUNK_MULTIPLE), MIN_CHUNK), MAX_CHUNK, context)
@@ -80,12 +87,12 @@ def store_budget(
     chunk's activations off itself; decode frees them, and prefill frees the decode caches
     (`HipKernel.begin_prefill`), so only the larger phase counts. With chunk None (the store
     planner picks it) both phases are taken off."""
-    decode, prefill, both = hip_phase_bytes(cfg, preset, dtype_bytes, context, cache_tokens)
+    decode, always = hip_phase_bytes(cfg, preset, dtype_bytes, context, cache_tokens)
     if chunk is None:
-        return gpu_budget - decode - prefill - both
+        return gpu_budget - decode - always
     freed = activation_bytes(cfg, min(chunk, context), dtype_bytes, group_size=1)
     freed -= activation_bytes(cfg, 1, dtype_bytes, group_size=1)  # a decode step's own
-    return gpu_budget - both - max(prefill, decode - freed)
+    return gpu_budget - always - max(0, decode - freed)
 
 
 @dataclass(frozen=True)
