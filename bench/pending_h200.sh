@@ -5,7 +5,8 @@
 #   bash bench/pending_h200.sh 1   # (~8 min) CUDA checks, quantized GPU tier, Quest over offload,
 #                                  #           on-GPU prefill at 128K by chunk size (no cap)
 #   bash bench/pending_h200.sh 2   # (~9 min) the main tiered-store table on the current code
-#   bash bench/pending_h200.sh 3   # (~9 min) HiP prefill at 512K by chunk size; HiP decode at 768K
+#   bash bench/pending_h200.sh 3   # (~8 min) the engine's HiP plan at 512K (decode + prefill); dense
+#                                  #           prefill at 768K
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -31,16 +32,13 @@ case "$group" in
     --name tiered_store
   ;;
 3)
-  # The Triton kernels compiled: in-kernel key rotation (prefill attention), chunk scoring and
-  # the fused norm/RoPE/SwiGLU (the first two only ran under the interpreter since they changed).
-  $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py tests/test_triton_bisect.py \
-    tests/test_fused_kernels.py 2>&1 | tail -2
-  # Issue 6: HiP prefill at 512K by chunk size, as the engine plans it (the second of two chunks
-  # is timed). 4K chunks ran at the PCIe bound (3,308 tok/s); 5x dense (10K) needs longer ones.
-  run 330 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --no-dense \
-    --steps 0 --prefill-chunk 16384,32768,4096 --name hip_prefill_512k_chunks
-  # 768K, HiP as planned (4-head slices; not yet run with the current decode path).
-  run 200 $py bench/hip_offload.py --contexts 768K --presets fast --policy planned --steps 34 \
-    --no-dense --name hip_offload_planned_768k
+  # Issue 6: the engine's own HiP plan at 512K, not yet run: layer slices, 12,288-token block
+  # caches and 16K prefill chunks (prefill and decode memory planned as phases; predicted peaks
+  # 22.9 GB prefill, 23.3 GB decode). Decode (with lossless alongside) and one prefill chunk.
+  run 330 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --steps 34 \
+    --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_phases
+  # Dense prefill at 768K with the same chunk, for HiP's 8,393 tok/s there.
+  run 200 $py bench/hip_offload.py --contexts 768K --presets "" --policy head --steps 0 \
+    --prefill-chunk 16384 --name dense_prefill_768k_16k
   ;;
 esac
