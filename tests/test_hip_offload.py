@@ -72,12 +72,9 @@ def kernel_for(cfg: ModelConfig, **overrides: object) -> HipKernel:
     return kernel
 
 
-def run(
-    model: CausalLM, cfg: ModelConfig, policy: str, kernel: HipKernel, seed: int = 7
-) -> tuple[list[torch.Tensor], list[int], TieredKVStore, int]:
-    """Chunked prefill + greedy decode; returns logits, tokens, the store and H2D bytes of decode."""
-    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
-    store = TieredKVStore(
+def make_store(cfg: ModelConfig, policy: str, kernel: HipKernel) -> TieredKVStore:
+    """A store of PROMPT + DECODE tokens under `plan(policy)` with the HiP kernel."""
+    return TieredKVStore(
         cfg,
         plan(policy),
         device=CPU,
@@ -87,6 +84,14 @@ def run(
         kernel=kernel,
         rotate_keys=not kernel.needs_unrotated_keys,
     )
+
+
+def run(
+    model: CausalLM, cfg: ModelConfig, policy: str, kernel: HipKernel, seed: int = 7
+) -> tuple[list[torch.Tensor], list[int], TieredKVStore, int]:
+    """Chunked prefill + greedy decode; returns logits, tokens, the store and H2D bytes of decode."""
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
+    store = make_store(cfg, policy, kernel)
     prefill, _ = drive(model, store, ids, CHUNK, 0)
     h2d = store.account.h2d_bytes
     tail, tokens = _decode(model, store, prefill[-1])
@@ -228,16 +233,7 @@ def test_more_prompt_after_decode_frees_the_decode_caches_first(gqa: tuple[Causa
     runs: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
     for policy in ("gpu", "head"):
         kernel = kernel_for(cfg)
-        store = TieredKVStore(
-            cfg,
-            plan(policy),
-            device=CPU,
-            dtype=torch.float32,
-            capacity=PROMPT + DECODE,
-            options=StoreOptions(block_size=5, extent_blocks=4),
-            kernel=kernel,
-            rotate_keys=not kernel.needs_unrotated_keys,
-        )
+        store = make_store(cfg, policy, kernel)
         logits, tokens = drive(model, store, ids[:104], CHUNK, 8)
         held = kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes()
         store.begin_step(16)
