@@ -230,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
                 f"\nwith --attention hip ({hip['preset']}): {hip['num_slices']} slices of "
                 f"{hip['group_size']} KV heads ({selection}), "
                 f"{hip['resident_slices']} resident; block cache per offloaded slice: "
-                f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; HiP's GPU bytes "
-                f"{hip['hip_gpu_gb']:.2f} GB, GPU KV with staging {hip['gpu_kv_with_staging_gb']:.2f} GB"
+                f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
+                f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
+                f"{hip['gpu_kv_with_staging_gb']:.2f} GB"
             )
     if args.plot:
         from kvtier.planner.plot import plot_memory
