@@ -101,9 +101,10 @@ class HipKernel:
         self._streamed.clear()
 
     def begin_prefill(self) -> None:
-        """A prefill step re-prunes every slice and refills the block caches after it: free the
-        caches and decode states now, so prefill's activations and decode's caches need not fit
-        at once (`kvtier.sparse.planning` plans the larger of the two)."""
+        """Before a prefill step (the store calls it): the step re-prunes every slice and the
+        next decode step refills the block caches, so drop the caches and decode selections now,
+        which also frees their memory before the chunk's activations exist
+        (`kvtier.sparse.planning` plans the larger of the two phases)."""
         self._cache.clear()
         self._gpu.clear()
 
@@ -135,9 +136,7 @@ class HipKernel:
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         out = self._heads(q, kv, kv[step.start], step)
         sl = (step.layer, step.group)
-        if q.shape[0] > 1 and sl in self._gpu:
-            self._gpu[sl].clear()  # NOTE: prefill appends tokens the cache never saw
-        elif q.shape[0] == 1 and sl in self._streamed:
+        if q.shape[0] == 1 and sl in self._streamed:  # prefill: `begin_prefill` dropped the caches
             self._fill(kv, step)
         return out
 
@@ -234,7 +233,6 @@ class HipKernel:
         if t == 1:
             return self._decode(q, kv, new, step, key)
         assert isinstance(kv, torch.Tensor), "prefill needs the whole slice"
-        self._cache.pop(key, None)
         return self._prefill(q, kv, step)
 
     def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
