@@ -57,14 +57,28 @@ class EngineConfig:
         return EngineConfig(gpu_memory=gm, **kw)  # type: ignore[arg-type]
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        """The device to run on, with an index for CUDA (`cuda` and `auto` mean the current GPU).
+
+        NOTE: the index matters: `torch.cuda.set_per_process_memory_fraction` and friends reject
+        `torch.device("cuda")`, so a plain "cuda" is resolved here, once, for every caller."""
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        spec = auto if self.device == "auto" else self.device
         try:
-            dev = torch.device(self.device)
+            dev = torch.device(spec)
         except RuntimeError:
             raise ConfigError(f"--device {self.device!r} is not a device; use cpu, cuda or cuda:N") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda was asked for, but no CUDA GPU is available; use cpu")
+            count = torch.cuda.device_count()
+            index = torch.cuda.current_device() if dev.index is None else dev.index
+            if not 0 <= index < count:
+                raise ConfigError(
+                    f"--device {self.device!r}: this machine has {count} GPU(s), cuda:0..{count - 1}"
+                )
+            dev = torch.device("cuda", index)
+        elif dev.type != "cpu":
+            raise ConfigError(f"--device {self.device!r} is not supported; use cpu, cuda or cuda:N")
         return dev
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
