@@ -1,0 +1,97 @@
+"""What `bench/gpu_smoke.py` records: one `Check` per command or server step, and the runner
+that executes `kvtier` subprocesses and prints each result as it comes."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORDS = [
+    "river", "lantern", "copper", "meadow", "signal", "harbor", "orchard", "glacier",
+    "violet", "thunder", "ember", "canyon", "marble", "falcon", "willow", "quartz",
+    "beacon", "summit", "cedar", "prairie", "ledger", "compass", "velvet", "anchor",
+]  # fmt: skip
+
+
+@dataclass
+class Check:
+    """One command (or one step of the server session) and what came of it."""
+
+    model: str
+    name: str
+    argv: list[str]
+    ok: bool
+    seconds: float
+    rc: int | None = None
+    peak_gb: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Smoke:
+    kvtier: list[str]
+    workdir: Path
+    checks: list[Check] = field(default_factory=list)
+    agreement: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, check: Check) -> Check:
+        self.checks.append(check)
+        mark = "ok " if check.ok else "FAIL"
+        print(f"[{mark}] {check.model:8s} {check.name:32s} {check.seconds:6.1f}s {check.detail}", flush=True)
+        return check
+
+    def cli(
+        self,
+        model: str,
+        name: str,
+        args: list[str],
+        timeout: float = 300,
+        parse_json: bool = False,
+        stdin: Path | None = None,
+    ) -> tuple[Check, Any]:
+        """Run `kvtier ARGS`; ok = exit 0 and no traceback (and JSON on stdout with parse_json)."""
+        argv = [*self.kvtier, *args]
+        t0 = time.perf_counter()
+        try:
+            text_in = None if stdin is None else stdin.read_text()
+            p = subprocess.run(
+                argv, input=text_in, capture_output=True, text=True, timeout=timeout, cwd=self.workdir
+            )
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = None, str(e.stdout or ""), f"timed out after {timeout:.0f} s"
+        seconds = time.perf_counter() - t0
+        ok = rc == 0 and "Traceback" not in err
+        detail, data = "", None
+        if ok and parse_json:
+            try:
+                data = json.loads(out)
+            except json.JSONDecodeError:
+                ok, detail = False, "stdout is not JSON"
+        if not ok:
+            detail = detail or last_line(err)
+        shown = ["kvtier", *args]
+        return self.add(Check(model, name, shown, ok, round(seconds, 2), rc, detail=detail)), data
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def prose(n_words: int, seed: int) -> str:
+    """Deterministic filler text with numbers in it, so prompts are not one repeated phrase."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n_words // 12):
+        words = rng.sample(WORDS, 10)
+        out.append(
+            f"Entry {i}: the {words[0]} near the {words[1]} counted {rng.randint(10, 99999)} "
+            f"{words[2]}s, and {' '.join(words[3:10])}."
+        )
+    return " ".join(out)

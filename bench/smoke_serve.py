@@ -1,0 +1,277 @@
+"""`kvtier serve --gpu-memory 24GiB` as a user drives it: the `openai` client and raw HTTP.
+
+Completions, chat, streaming, 16 concurrent requests (and whether they equal the same requests
+one by one), a streaming and a non-streaming client that leave early, `/metrics`, SIGTERM with
+a request in flight, and the server process's peak GPU memory from `nvidia-smi`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from bench.smoke_checks import Check, Smoke, last_line, prose
+
+CAP = "24GiB"
+CAP_BYTES = 24 * 2**30
+KEY = "smoke-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GpuPeak:
+    """The largest GPU memory `nvidia-smi` shows for one process, sampled every 0.2 s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak_mib, self._stop = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            for line in out.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip() == str(self.pid) and mib.strip().isdigit():
+                    self.peak_mib = max(self.peak_mib, int(mib))
+            time.sleep(0.2)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self.thread.join(timeout=5)
+        return round(self.peak_mib * 2**20 / 1e9, 2)
+
+
+@contextmanager
+def server(
+    smoke: Smoke, label: str, model: list[str]
+) -> Iterator[tuple[str, subprocess.Popen[str], GpuPeak]]:
+    port = free_port()
+    args = ["serve", *model, "--gpu-memory", CAP, "--port", str(port), "--api-key", KEY]
+    log = open(smoke.workdir / f"serve_{label}.log", "w")  # noqa: SIM115 - closed below
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([*smoke.kvtier, *args], stdout=log, stderr=subprocess.STDOUT, text=True)
+    peak = GpuPeak(proc.pid)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    up = False
+    while time.perf_counter() - t0 < 300 and proc.poll() is None:
+        try:
+            up = httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            up = False
+        if up:
+            break
+        time.sleep(0.5)
+    smoke.add(
+        Check(
+            label,
+            "serve starts",
+            ["kvtier", *args],
+            up,
+            round(time.perf_counter() - t0, 1),
+            proc.poll(),
+            detail="" if up else _tail(smoke.workdir / f"serve_{label}.log"),
+        )
+    )
+    try:
+        yield url, proc, peak
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _tail(path: Path) -> str:
+    return last_line(path.read_text(errors="replace"))
+
+
+def step(smoke: Smoke, label: str, name: str, fn: Callable[[], str]) -> bool:
+    """Run one server step; an exception fails it with its message."""
+    t0 = time.perf_counter()
+    try:
+        detail, ok = fn(), True
+    except Exception as e:
+        detail, ok = f"{type(e).__name__}: {str(e)[:160]}", False
+    smoke.add(Check(label, name, [], ok, round(time.perf_counter() - t0, 2), detail=detail))
+    return ok
+
+
+def running(url: str) -> int:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=5).text
+    m = re.search(r"^kvtier:num_requests_running\{[^}]*\} ([0-9.e+]+)", text, re.M)
+    return int(float(m.group(1))) if m else -1
+
+
+def wait_idle(url: str, limit: float) -> float:
+    t0 = time.perf_counter()
+    while running(url) != 0:
+        if time.perf_counter() - t0 > limit:
+            raise TimeoutError(f"still running after {limit:.0f} s")
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
+    import httpx
+    import openai
+
+    with server(smoke, label, model) as (url, proc, peak):
+        if proc.poll() is not None:
+            return
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        prompts = [f"{prose(120, seed)} Question {seed}: which word came first?" for seed in range(16)]
+
+        def complete(prompt: str) -> str:
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0)
+            return r.choices[0].text
+
+        def completion() -> str:
+            return repr(complete("The capital of France is")[:40])
+
+        def chat() -> str:
+            r = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=16
+            )
+            return repr((r.choices[0].message.content or "")[:40])
+
+        def streaming() -> str:
+            chunks = list(
+                client.chat.completions.create(
+                    model=name,
+                    messages=[{"role": "user", "content": "Count to five."}],
+                    max_tokens=16,
+                    stream=True,
+                )
+            )
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert reasons, "no finish_reason in the stream"
+            return f"{len(chunks)} chunks, finish {reasons[-1]}"
+
+        def concurrent() -> str:
+            alone = [complete(p) for p in prompts]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(16) as pool:
+                together = list(pool.map(complete, prompts))
+            dt = time.perf_counter() - t0
+            differ = sum(a != b for a, b in zip(alone, together, strict=True))
+            smoke.agreement[f"{label} serve batched vs alone"] = {"requests": 16, "differ": differ}
+            return f"16 requests in {dt:.1f} s; {differ}/16 differ from one-by-one"
+
+        def stream_disconnect() -> str:
+            body = {
+                "model": name,
+                "prompt": prompts[0],
+                "max_tokens": 2000,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            with httpx.stream(
+                "POST",
+                url + "/v1/completions",
+                json=body,
+                timeout=60,
+                headers={"Authorization": f"Bearer {KEY}"},
+            ) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= 3:
+                        break
+            return f"idle {wait_idle(url, 5):.2f} s after the client left"
+
+        def plain_disconnect() -> str:
+            body = {"model": name, "prompt": prompts[1], "max_tokens": 2000, "ignore_eos": True}
+            with suppress(httpx.TimeoutException):
+                httpx.post(
+                    url + "/v1/completions",
+                    json=body,
+                    timeout=1.0,
+                    headers={"Authorization": f"Bearer {KEY}"},
+                )
+            return f"idle {wait_idle(url, 5):.2f} s after the client left"
+
+        def metrics() -> str:
+            text = httpx.get(url + "/metrics", timeout=5).text
+            assert "kvtier:generation_tokens_total" in text, "no kvtier:generation_tokens_total"
+            return f"{len(text.splitlines())} lines"
+
+        for step_name, fn in [
+            ("completions", completion),
+            ("chat", chat),
+            ("chat stream", streaming),
+            ("16 concurrent", concurrent),
+            ("stream client leaves", stream_disconnect),
+            ("non-stream client leaves", plain_disconnect),
+            ("/metrics", metrics),
+        ]:
+            step(smoke, label, f"serve {step_name}", fn)
+
+        def sigterm() -> str:
+            body = {"model": name, "prompt": prompts[2], "max_tokens": 4000, "ignore_eos": True}
+            result: dict[str, Any] = {}
+
+            def request() -> None:
+                try:
+                    r = httpx.post(
+                        url + "/v1/completions",
+                        json=body,
+                        timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}"},
+                    )
+                    result["status"] = r.status_code
+                except httpx.HTTPError as e:
+                    result["status"] = type(e).__name__
+
+            t = threading.Thread(target=request)
+            t.start()
+            time.sleep(1.0)
+            t0 = time.perf_counter()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=15)
+            t.join(timeout=5)
+            dt = time.perf_counter() - t0
+            assert dt <= 10, f"exit took {dt:.1f} s"
+            return f"exit {proc.returncode} after {dt:.2f} s; client got {result.get('status')}"
+
+        step(smoke, label, "serve SIGTERM in flight", sigterm)
+        gb = peak.stop()
+        if shutil.which("nvidia-smi") is None:
+            return  # no GPU here: nothing to measure
+        ok = 0 < gb * 1e9 <= CAP_BYTES
+        smoke.add(
+            Check(
+                label,
+                "serve peak GPU (nvidia-smi)",
+                [],
+                ok,
+                0.0,
+                peak_gb=gb,
+                detail=f"{gb} GB incl. CUDA context; cap {CAP_BYTES / 1e9:.2f} GB",
+            )
+        )
