@@ -180,7 +180,8 @@ def run_policy(
 
 
 def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """HF transformers' own layer-wise offload (DynamicCache(offloading=True)) on the same weights."""
+    """HF transformers on the same weights: its own layer-wise offload (`DynamicCache(offloading=True)`)
+    or, with `--hf-cache gpu`, its default cache on the GPU."""
     import transformers
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -197,7 +198,7 @@ def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) 
     rows = []
     for context in contexts:
         row: dict[str, Any] = {
-            "policy": "hf-offloaded",
+            "policy": "hf-offloaded" if args.hf_cache == "offloaded" else "hf-gpu",
             "context": context,
             "transformers": transformers.__version__,
         }
@@ -206,7 +207,7 @@ def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) 
         torch.cuda.reset_peak_memory_stats()
         ids = torch.randint(0, cfg.vocab_size, (1, context), device=DEV)
         for mode, chunk in (("one forward", context), ("chunked", args.chunk_size or 8192)):
-            cache = DynamicCache(config=hf_cfg, offloading=True)
+            cache = DynamicCache(config=hf_cfg, offloading=args.hf_cache == "offloaded")
             try:
                 with torch.inference_mode():
 
@@ -249,7 +250,13 @@ def main() -> None:
     ap.add_argument("--measure-chunks", type=int, default=1)
     ap.add_argument("--staging-buffers", type=int, default=0, help="override the plan's ping-pong depth")
     ap.add_argument("--full-prefill-max", type=lambda s: parse_count(s), default=131072)
-    ap.add_argument("--hf", action="store_true", help="also run HF transformers' layer-wise offload")
+    ap.add_argument("--hf", action="store_true", help="also run HF transformers on the same weights")
+    ap.add_argument(
+        "--hf-cache",
+        choices=("offloaded", "gpu"),
+        default="offloaded",
+        help="HF's cache with --hf: its layer-wise offload (default) or its default cache on the GPU",
+    )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
     args.budget = parse_size(args.gpu_memory)
