@@ -30,7 +30,7 @@ CASES = [
 
 
 def check(device: str) -> None:
-    from kvtier.kv.dequant_triton import unpack_kivi_into
+    from kvtier.policies.quant_triton import unpack_kivi_into
 
     for bits, group, heads, dim, dtype in CASES:
         codec = KiviCodec(bits=bits, group=group, residual=0)
@@ -69,15 +69,15 @@ def test_kernel_arguments_avoid_names_the_launcher_shadows() -> None:
     does not, so only this check catches it on a CPU machine."""
     import inspect
 
-    from kvtier.kv import dequant_triton
     from kvtier.model import fused
+    from kvtier.policies import quant_triton
     from kvtier.sparse import triton_attn_kernels, triton_bisect
 
     reserved = {"params", "specialization", "options", "backend", "specialize_impl", "JITCallable"}
     # JIT functions, or interpreted ones when another test set TRITON_INTERPRET: both wrap `fn`.
     kernels = [
         obj
-        for mod in (dequant_triton, triton_attn_kernels, triton_bisect, fused)
+        for mod in (quant_triton, triton_attn_kernels, triton_bisect, fused)
         for obj in vars(mod).values()
         if inspect.isfunction(getattr(obj, "fn", None))
     ]

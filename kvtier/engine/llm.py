@@ -13,7 +13,7 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, PromptError
-from kvtier.kv.packed import can_pack
+from kvtier.kv.hooks import can_pack
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.planner.hardware import detect_hardware, host_memory_available

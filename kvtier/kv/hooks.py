@@ -1,14 +1,30 @@
 """What the tiered store is configured with besides a plan: storage granularity, and the hooks
-lossy policies plug in (a codec that stores tokens coded, an evictor that drops tokens)."""
+lossy policies plug in (a codec that stores tokens coded, an evictor that drops tokens).
+
+A codec is one protocol, `KVCodec`, checked when the store is built (`packing_codec`); each
+layer sees the part of it it needs:
+
+```
+ KVCodec (here)                          everything; the store packs, loads and unpacks rows
+ ├─ PackedFormat (kvtier.planner.packed)   group, residual, frozen_tokens, row_bytes: sizes
+ ├─ RoundTripCodec (here)                  frozen_tokens, roundtrip: the values given back
+ └─ pack, unpack, unpack_into              rows of bytes
+```
+
+A `RoundTripCodec` with none of the packing members is a simulated codec: the store keeps its
+round trip in place, at full size (a format's quality before it has a packed layout).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.kv.layout import KVLayout
+from kvtier.planner.packed import PackedFormat
 
 
 @dataclass(frozen=True)
@@ -25,8 +41,9 @@ class StoreOptions:
     extent_blocks: int | None = None
 
 
-class KVCodec(Protocol):
-    """A lossy storage format for KV tokens (see `kvtier.policies.quant`)."""
+@runtime_checkable
+class RoundTripCodec(Protocol):
+    """The values a codec gives back; with no packing members, a simulated codec."""
 
     def frozen_tokens(self, length: int) -> int:
         """How many leading tokens are stored coded once `length` tokens are stored (the rest
@@ -37,6 +54,62 @@ class KVCodec(Protocol):
         """Quantize and dequantize kv [n, 2, G, D] (n a whole number of the codec's token
         groups); returns a new tensor of the same shape and dtype. Pure."""
         ...
+
+
+@runtime_checkable
+class KVCodec(PackedFormat, RoundTripCodec, Protocol):
+    """A lossy storage format for KV tokens, packed `group` tokens to a row of bytes (see
+    `kvtier.policies.quant`). `roundtrip(kv)` must equal `unpack(pack(kv), ...)` exactly:
+    packed slices and slices rounded in place then attend the same values."""
+
+    def pack(self, kv: torch.Tensor) -> torch.Tensor:
+        """kv [n, 2, G, D] (n a multiple of `group`) -> rows [n / group, row_bytes(G, D)] uint8,
+        on kv's device. Pure."""
+        ...
+
+    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """rows [m, row_bytes] uint8 -> kv [m * group, 2, heads, head_dim] in `dtype`. Pure."""
+        ...
+
+    def unpack_into(self, rows: torch.Tensor, dst: torch.Tensor) -> bool:
+        """Unpack rows [m, row_bytes] into dst [m * group, 2, G, D] on the current stream with a
+        fused kernel, if the codec has one for dst's device (equal to `unpack` up to the rounding
+        of a fused multiply-add). Returns False, with dst untouched, when it has not: the store
+        then copies `unpack`'s result."""
+        ...
+
+
+def packing_codec(codec: object) -> KVCodec | None:
+    """`codec` as a packing codec, or None for no codec or a simulated `RoundTripCodec`.
+
+    Raises `ConfigError` naming the members an object lacks: one that is neither protocol, or
+    a packing codec with only some of `KVCodec`'s members."""
+    if codec is None:
+        return None
+    if isinstance(codec, KVCodec):
+        if codec.group < 1 or codec.residual < 0:
+            raise ConfigError(
+                f"{type(codec).__name__}: group ({codec.group}) must be >= 1 and residual "
+                f"({codec.residual}) >= 0"
+            )
+        return codec
+    missing = [m for m in _members(KVCodec) if not hasattr(codec, m)]
+    packing_only = set(_members(KVCodec)) - set(_members(RoundTripCodec))
+    if isinstance(codec, RoundTripCodec) and packing_only <= set(missing):
+        return None
+    raise ConfigError(
+        f"{type(codec).__name__} is not a KV codec: it lacks {', '.join(missing)} "
+        "(see kvtier.kv.hooks.KVCodec)"
+    )
+
+
+def can_pack(codec: object) -> bool:
+    """Whether `codec` meets the whole `KVCodec` protocol (stores packed rows)."""
+    return isinstance(codec, KVCodec)
+
+
+def _members(protocol: type) -> list[str]:
+    return [name for name in dir(protocol) if not name.startswith("_")]
 
 
 class Evictor(Protocol):

@@ -19,39 +19,14 @@ context grows with the byte ratio too.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from typing import Protocol
-
 import torch
 
+from kvtier.kv.hooks import KVCodec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HostArena, TierAccount, balanced_slab_bytes
 from kvtier.planner.packed import PackedSizing
-
-
-class PackingCodec(Protocol):
-    """A `KVCodec` that can also pack tokens into rows of bytes (see `kvtier.policies.quant`)."""
-
-    @property
-    def group(self) -> int: ...
-
-    def frozen_tokens(self, length: int) -> int: ...
-
-    def roundtrip(self, kv: torch.Tensor) -> torch.Tensor: ...
-
-    def row_bytes(self, heads: int, head_dim: int) -> int: ...
-
-    def pack(self, kv: torch.Tensor) -> torch.Tensor: ...
-
-    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor: ...
-
-
-def uncoded_tail(codec: PackingCodec) -> int:
-    """The most tokens a slice holds uncoded after a step (the codec's full-precision window)."""
-    return int(getattr(codec, "residual", 0)) + codec.group - 1
 
 
 class TailHostSlice(HostSlice):
@@ -82,25 +57,6 @@ class TailHostSlice(HostSlice):
         raise NotImplementedError("a quantized host tier keeps only its tail in full precision")
 
 
-def can_pack(codec: object) -> bool:
-    """Whether `codec` stores packed rows (has pack/unpack/row_bytes)."""
-    return all(hasattr(codec, a) for a in ("pack", "unpack", "row_bytes", "group"))
-
-
-def _fused(codec: object, out: torch.Tensor) -> bool:
-    """Whether to dequantize with the fused Triton kernel (CUDA, KIVI, triton installed;
-    KVTIER_DEQUANT=torch forces the torch unpack)."""
-    from kvtier.policies.quant import KiviCodec
-
-    return (
-        out.is_cuda
-        and out.is_contiguous()
-        and isinstance(codec, KiviCodec)
-        and os.environ.get("KVTIER_DEQUANT", "") != "torch"
-        and importlib.util.find_spec("triton") is not None
-    )
-
-
 class PackedTier:
     """Packed rows of every packed slice, and the GPU scratch that loads unpack from.
 
@@ -110,7 +66,7 @@ class PackedTier:
 
     def __init__(
         self,
-        codec: PackingCodec,
+        codec: KVCodec,
         layout: KVLayout,
         slices: list[int],
         capacity: int,
@@ -179,11 +135,8 @@ class PackedTier:
                 rows = torch.empty(r1 - r0, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.rows[sid].read_into(rows, r0, r1)
             out = dst[: c - start]
-            if start % g == 0 and (c - start) % g == 0 and _fused(self.codec, out):
-                from kvtier.kv.dequant_triton import unpack_kivi_into
-
-                unpack_kivi_into(self.codec, rows, out)  # type: ignore[arg-type]
-            else:
+            whole = start % g == 0 and (c - start) % g == 0  # out is exactly the rows' tokens
+            if not (whole and self.codec.unpack_into(rows, out)):
                 lay = self.layout
                 kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [(r1 - r0) g, ...]
                 out.copy_(kv[start - r0 * g : c - r0 * g])

@@ -12,11 +12,11 @@ layer), then `end_step()`.
 Two optional hooks let lossy policies (`kvtier.policies`) act on the stored tokens; with neither
 set the store behaves exactly as before:
 
-- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are coded. A packing
-  codec (int4/int8/fp8) stores them as packed rows (`kvtier.kv.packed`): streamed slices in host
-  memory, so their loads move the packed bytes, and the plan's resident slices in GPU memory,
-  unpacked on the device when attended, so they take the packed bytes of GPU memory. Other
-  codecs keep the quantize -> dequantize round trip in place.
+- `codec` (`KVCodec`): at `end_step`, the tokens the codec declares final are coded, stored
+  as packed rows (`kvtier.kv.packed`): streamed slices in host memory, so their loads move the
+  packed bytes, and the plan's resident slices in GPU memory, unpacked on the device when
+  attended, so they take the packed bytes of GPU memory. A simulated codec (`RoundTripCodec`
+  only) keeps the quantize -> dequantize round trip in place.
 - `evictor` (`Evictor`): at `end_step`, each slice it owns may be compacted to a subset of its
   tokens, per KV head, in token order. That slice's stored length shrinks; `position` never
   does. The slices it owns are always GPU-resident (sized by what they keep); the plan places
@@ -39,19 +39,21 @@ from kvtier.attention.interface import (
 )
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.kv.hooks import Evictor, KVCodec, StoreOptions
+from kvtier.kv.hooks import Evictor, KVCodec, RoundTripCodec, StoreOptions, packing_codec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
-from kvtier.kv.packed import PackedTier, can_pack, uncoded_tail
+from kvtier.kv.packed import PackedTier
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount
 from kvtier.model.rope import Rotary
+from kvtier.planner.packed import uncoded_tokens
 from kvtier.planner.placement import KVPlan
 
-__all__ = ["Evictor", "KVCodec", "StoreOptions", "TieredKVStore"]  # the hooks live in kvtier.kv.hooks
+# The hooks live in kvtier.kv.hooks.
+__all__ = ["Evictor", "KVCodec", "RoundTripCodec", "StoreOptions", "TieredKVStore"]
 
 
 class TieredKVStore:
@@ -68,7 +70,7 @@ class TieredKVStore:
         options: StoreOptions | None = None,
         kernel: SliceKernel | None = None,
         rotate_keys: bool = True,
-        codec: KVCodec | None = None,
+        codec: KVCodec | RoundTripCodec | None = None,
         evictor: Evictor | None = None,
     ) -> None:
         opts = options or StoreOptions()
@@ -101,6 +103,7 @@ class TieredKVStore:
         shape = (2, lay.group_size, lay.head_dim)
         self._capacity = lay.round_up(max(capacity, 1))
         self.resident: dict[int, torch.Tensor] = {}  # slice -> [capacity, 2, G, D]
+        packer = packing_codec(codec)  # NOTE: raises ConfigError for an object that is not a codec
         if codec is not None and evictor is not None:
             raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
         # Slices an evictor compacts always stay on the GPU (they hold a budget, not the context),
@@ -116,12 +119,12 @@ class TieredKVStore:
         # streamed ones in host memory, the plan's resident ones in GPU memory; both are unpacked
         # into the staging buffers when attended. Only the uncoded tail (plus one step's tokens)
         # stays full precision, in a ring of two extents.
-        packing = codec is not None and can_pack(codec)
+        packing = packer is not None
         places = place_slices(lay.num_slices, plan.resident_slices, self._evictable, packing)
         self.on_device = places.on_device
         staged = places.staged
-        if packing:
-            extent_tokens = lay.round_up(uncoded_tail(codec) + plan.chunk_size)  # type: ignore[arg-type]
+        if packer is not None:
+            extent_tokens = lay.round_up(uncoded_tokens(packer) + plan.chunk_size)
         for s in sorted(places.resident):
             tokens = lay.block_size if s in self._evictable else self._capacity
             self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
@@ -151,9 +154,9 @@ class TieredKVStore:
         # A packing codec keeps coded tokens packed (kvtier.kv.packed): loads of streamed slices
         # move packed bytes over PCIe; values are identical to the codec's round trip.
         self.packed: PackedTier | None = None
-        if packing and self.ring is not None:
+        if packer is not None and self.ring is not None:
             self.packed = PackedTier(
-                codec,  # type: ignore[arg-type]
+                packer,
                 lay,
                 staged,
                 self._capacity,
@@ -206,7 +209,7 @@ class TieredKVStore:
                     self._compact(sid, keep)
             self.length = max(self.slice_length)
 
-    def _encode(self, codec: KVCodec, upto: int) -> None:
+    def _encode(self, codec: RoundTripCodec, upto: int) -> None:
         """Store tokens [coded, upto) of every slice coded (quantize -> dequantize in place)."""
         a = self._coded
         if upto <= a:

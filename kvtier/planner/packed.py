@@ -16,22 +16,45 @@ through a scratch of rows for one staging buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from kvtier.errors import ConfigError
 from kvtier.planner.memory import round_up
 
 ROWS_EXTENT_BYTES = 16 << 20  # one copy per 16 MiB of packed rows
 
 
+@runtime_checkable
 class PackedFormat(Protocol):
-    """What the planner needs of a packing codec (`kvtier.policies.quant`)."""
+    """The sizes of a packing codec: the part of `kvtier.kv.hooks.KVCodec` the planner needs.
+
+    Tokens are coded `group` at a time into one row of `row_bytes` bytes per slice, once they
+    are older than the newest `residual` (plus the partial group).
+    """
 
     @property
-    def group(self) -> int: ...
+    def group(self) -> int:
+        """Tokens per packed row (>= 1)."""
+        ...
 
-    def frozen_tokens(self, length: int) -> int: ...
+    @property
+    def residual(self) -> int:
+        """Newest tokens kept full precision (>= 0) besides the group being filled."""
+        ...
 
-    def row_bytes(self, heads: int, head_dim: int) -> int: ...
+    def frozen_tokens(self, length: int) -> int:
+        """How many leading tokens are stored coded once `length` tokens are stored (the rest
+        stay full precision): a multiple of `group`, non-decreasing in `length`."""
+        ...
+
+    def row_bytes(self, heads: int, head_dim: int) -> int:
+        """Bytes of one packed row: `group` tokens of `heads` KV heads of `head_dim`."""
+        ...
+
+
+def uncoded_tokens(fmt: PackedFormat) -> int:
+    """The most tokens a slice holds uncoded after a step (the codec's full-precision window)."""
+    return fmt.residual + fmt.group - 1
 
 
 @dataclass(frozen=True)
@@ -44,8 +67,12 @@ class PackedSizing:
 
     @classmethod
     def of(cls, codec: PackedFormat, group_size: int, head_dim: int) -> PackedSizing:
-        uncoded = int(getattr(codec, "residual", 0)) + codec.group - 1
-        return cls(codec.row_bytes(group_size, head_dim), codec.group, uncoded)
+        if not isinstance(codec, PackedFormat):
+            raise ConfigError(
+                f"{type(codec).__name__} cannot size packed slices: a packing codec needs group, "
+                "residual, frozen_tokens and row_bytes (kvtier.planner.packed.PackedFormat)"
+            )
+        return cls(codec.row_bytes(group_size, head_dim), codec.group, uncoded_tokens(codec))
 
     def extent_rows(self, capacity: int) -> int:
         rows = -(-capacity // self.group)

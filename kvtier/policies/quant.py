@@ -1,9 +1,10 @@
-"""KV-cache quantization codecs: KIVI-style integers and FP8 E4M3 (see `KVCodec` in the store).
+"""KV-cache quantization codecs: KIVI-style integers and FP8 E4M3 (`kvtier.kv.hooks.KVCodec`).
 
 Every codec packs tokens into rows of bytes (`pack` / `unpack`, one row per `group` tokens) and
-its `roundtrip` is exactly `unpack(pack(kv))`. GPU-resident slices keep the round trip's values
-(the quality of quantized storage; the GPU bytes stay full size); streamed slices keep the
-packed rows in host memory, so only packed bytes cross PCIe and the GPU unpacks them.
+its `roundtrip` is exactly `unpack(pack(kv))`. GPU-resident slices keep the packed rows in GPU
+memory; streamed slices keep them in host memory, so only packed bytes cross PCIe; either way the
+GPU unpacks them when attended (KIVI on CUDA with a fused Triton kernel,
+`kvtier.policies.quant_triton`, through `unpack_into`).
 
 KIVI layout (Liu et al. 2024), asymmetric min-max per group, `x^ = q * s + min`, with the scale
 and minimum stored in fp16:
@@ -23,6 +24,8 @@ precision at most `group - 1` tokens longer than in KIVI. The stored result is t
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +152,22 @@ class KiviCodec:
         kv = torch.stack((k.reshape(m * t, g, d), v.reshape(m * t, g, d)), dim=1)
         return kv.to(dtype)
 
+    def unpack_into(self, rows: torch.Tensor, dst: torch.Tensor) -> bool:
+        """Unpack rows into dst [m * group, 2, G, D] with the fused Triton kernel: on CUDA, into a
+        contiguous dst, with triton installed and KVTIER_DEQUANT not "torch" (which forces the
+        torch `unpack`). Returns whether it did."""
+        if not (
+            dst.is_cuda
+            and dst.is_contiguous()
+            and os.environ.get("KVTIER_DEQUANT", "") != "torch"
+            and importlib.util.find_spec("triton") is not None
+        ):
+            return False
+        from kvtier.policies.quant_triton import unpack_kivi_into
+
+        unpack_kivi_into(self, rows, dst)
+        return True
+
     def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
         """`unpack(pack(kv))`: the values packed storage gives back."""
         return self.unpack(self.pack(kv), kv.shape[2], kv.shape[3], kv.dtype)
@@ -166,6 +185,10 @@ class Fp8Codec:
     """FP8 E4M3 with a dynamic fp16 scale per token, KV head and K/V: `scale = amax / 448`."""
 
     group: int = 1  # tokens per packed row
+
+    @property
+    def residual(self) -> int:
+        return 0  # every token is coded as soon as it is stored
 
     def frozen_tokens(self, length: int) -> int:
         return length
@@ -189,6 +212,9 @@ class Fp8Codec:
         codes = rows[:, :nc].contiguous().view(torch.float8_e4m3fn).float().reshape(n, 2, heads, head_dim)
         scale = _from_bytes(rows[:, nc:], (2, heads, 1))
         return (codes * scale).to(dtype)
+
+    def unpack_into(self, rows: torch.Tensor, dst: torch.Tensor) -> bool:
+        return False  # no fused kernel: the store copies `unpack`'s result
 
     def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
         """`unpack(pack(kv))`."""

@@ -4,7 +4,7 @@ The torch `KiviCodec.unpack` runs ~10 kernels and materializes int32/fp32 copies
 element; on a long offloaded slice that is many times the HBM traffic of the result and runs on
 the copy stream, so it ate most of what the packed host tier saved on PCIe (H200, 512K, int4:
 3.2x fewer bytes, 1.10x faster decode). This kernel reads each packed byte and fp16 parameter
-once and writes each output element once.
+once and writes each output element once. The store reaches it through `KiviCodec.unpack_into`.
 
 Row layout (see `kvtier.policies.quant`): one row per `group` tokens,
 `[key codes | value codes | key (min, scale) per channel | value (min, scale) per channel group]`,
@@ -21,12 +21,14 @@ Triton's interpreter).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from kvtier.policies.quant import KiviCodec
+if TYPE_CHECKING:
+    from kvtier.policies.quant import KiviCodec
 
 BLOCK = 1024  # elements of a row per program
 
