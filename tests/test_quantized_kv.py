@@ -1,14 +1,18 @@
 """Quantized KV over the store: codec error bounds and layout, the packed tiers (host and GPU)
-against the in-place round trip, bytes moved and stored, and the planner's packed sizes."""
+against the in-place round trip, bytes moved and stored, the planner's packed sizes, and the
+codec protocol a codec from outside kvtier plugs in through."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
 from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
+from kvtier.kv.hooks import KVCodec
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
@@ -200,3 +204,91 @@ def test_quantized_host_tier_keeps_only_a_full_precision_tail(gqa: tuple[CausalL
     packed.begin_step(41)  # more than a planned step: its write-back does not fit one extent
     with pytest.raises(ValueError, match="do not fit the 2-extent tail"):
         model(torch.arange(41), packed)
+
+
+@dataclass(frozen=True)
+class RawBytes:
+    """A toy packing codec, defined here and not in kvtier: a row is its `group` tokens' own
+    float32 bytes, so storage is lossless and only the protocol is exercised."""
+
+    group: int = 4
+    residual: int = 8
+
+    def frozen_tokens(self, length: int) -> int:
+        return max(0, (length - self.residual) // self.group * self.group)
+
+    def row_bytes(self, heads: int, head_dim: int) -> int:
+        return self.group * 2 * heads * head_dim * 4
+
+    def pack(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.float().contiguous().view(torch.uint8).reshape(kv.shape[0] // self.group, -1)
+
+    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        return rows.contiguous().view(torch.float32).reshape(-1, 2, heads, head_dim).to(dtype)
+
+    def unpack_into(self, rows: torch.Tensor, dst: torch.Tensor) -> bool:
+        return False
+
+    def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
+        return self.unpack(self.pack(kv), kv.shape[2], kv.shape[3], kv.dtype)
+
+
+def test_a_codec_from_outside_kvtier_plugs_in_through_the_protocol(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    """A lossless toy codec, packed on the GPU tier or streamed from host rows: logits bitwise
+    equal to the lossless store's, and a decode step moves and stores the same bytes."""
+    model, cfg = gqa
+    codec = RawBytes()
+    assert isinstance(codec, KVCodec)
+    ref, ref_store = run(model, cfg, PolicyParts(), group=1, chunk=25, streamed=True)
+    for streamed in (False, True):
+        logits, store = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25, streamed=streamed)
+        assert store.packed is not None and store.packed.coded == codec.frozen_tokens(store.length) == 56
+        assert len(store.on_device) == (0 if streamed else cfg.num_layers * cfg.num_kv_heads)
+        for a, b in zip(logits, ref, strict=True):
+            assert torch.equal(a, b)
+        if streamed:
+            h2d, ref_h2d = store.account.h2d_bytes, ref_store.account.h2d_bytes
+            for s in (store, ref_store):
+                s.begin_step(1)
+                model(torch.tensor([1]), s)
+            assert store.account.h2d_bytes - h2d == ref_store.account.h2d_bytes - ref_h2d
+            assert store.stored_bytes() == ref_store.stored_bytes()
+            for s in (store, ref_store):
+                s.end_step()
+        store.close()
+
+
+class PackOnly:
+    """Half a packing codec: it rounds and packs but cannot unpack or size its rows."""
+
+    group = 4
+
+    def frozen_tokens(self, length: int) -> int:
+        return length // 4 * 4
+
+    def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.clone()
+
+    def pack(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("codec", "message"),
+    [
+        (object(), "object is not a KV codec: it lacks frozen_tokens, group, pack, residual, roundtrip"),
+        (PackOnly(), "PackOnly is not a KV codec: it lacks residual, row_bytes, unpack, unpack_into"),
+        (RawBytes(group=0), r"RawBytes: group \(0\) must be >= 1"),
+    ],
+)
+def test_the_store_refuses_what_is_not_a_codec_when_built(
+    gqa: tuple[CausalLM, ModelConfig], codec: object, message: str
+) -> None:
+    from kvtier.planner.packed import PackedSizing
+
+    _, cfg = gqa
+    with pytest.raises(ConfigError, match=message):
+        make_store(cfg, KVPlan("gpu", 1, 6, 16, 0, 0), PolicyParts(codec=codec))
+    if not isinstance(codec, RawBytes):
+        with pytest.raises(ConfigError, match="cannot size packed slices"):
+            PackedSizing.of(codec, 1, cfg.head_dim)
