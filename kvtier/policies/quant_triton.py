@@ -20,7 +20,6 @@ Triton's interpreter).
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,11 +30,6 @@ if TYPE_CHECKING:
     from kvtier.policies.quant import KiviCodec
 
 BLOCK = 1024  # elements of a row per program
-
-
-def fused_unpack_available(dst: torch.Tensor) -> bool:
-    """Whether the fused kernel can write `dst`: CUDA, or CPU under TRITON_INTERPRET=1."""
-    return dst.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
