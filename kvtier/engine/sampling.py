@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.units import SEED_LIMIT
+
+SEED_MIN = -(2**63)
+"""The lowest seed `torch.Generator.manual_seed` takes (the CLI's --seed starts at 0; the server
+takes negative seeds too)."""
 
 
 @dataclass(frozen=True)
@@ -24,12 +30,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        # NOTE: `not x >= 0` and friends are also true for nan, which no comparison accepts.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not SEED_MIN <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"seed must be in {SEED_MIN}..{SEED_LIMIT - 1}, got {self.seed}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
