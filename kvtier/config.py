@@ -152,7 +152,7 @@ class ModelConfig:
             d = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ModelLoadError(f"no config.json at {path}") from None
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 at all
             raise ModelLoadError(f"cannot read {path} as JSON: {e}") from None
         if not isinstance(d, dict):
             raise ModelLoadError(f"{path} does not hold a JSON object")

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import SUPPORTED_MODEL_TYPES
+from kvtier.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from kvtier.errors import ModelLoadError
 
 _FORMAT_VERSION = 1
@@ -114,6 +114,35 @@ def gguf_to_hf_folder(path: Path | str, cache_dir: Path | str | None = None) -> 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def gguf_model_config(path: Path | str, cache_dir: Path | str | None = None) -> ModelConfig:
+    """The model config of the GGUF file at `path`, without reading or converting its weights.
+
+    From the converted folder's config.json when `gguf_to_hf_folder` has cached one, else from
+    the file's metadata through transformers (the same config the conversion writes; a few
+    seconds, no tensors read). Raises `ModelLoadError` like `gguf_to_hf_folder`.
+    """
+    path = Path(path).expanduser()
+    _check_gguf_file(path)
+    folder = gguf_cache_folder(path, cache_dir)
+    if _is_complete(folder):
+        return ModelConfig.from_json(folder / "config.json")
+    from transformers import AutoConfig
+
+    config = _from_transformers(
+        path, "read the model config", AutoConfig.from_pretrained, str(path.parent), gguf_file=path.name
+    )
+    return ModelConfig.from_hf_dict(config.to_dict())
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a readable file that starts with GGUF's magic bytes."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def _check_gguf_file(path: Path) -> None:

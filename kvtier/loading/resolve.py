@@ -28,24 +28,45 @@ class LoadedModel:
 
 def resolve_folder(spec: str | None) -> Path | None:
     """The HF folder a spec points at (converting GGUF files once), or None for a preset."""
+    from kvtier.loading.gguf import gguf_to_hf_folder
+
+    kind, path = _classify(spec)
+    if kind == "preset":
+        return None
+    return gguf_to_hf_folder(path) if kind == "gguf" else path
+
+
+def read_model_config(spec: str | None) -> ModelConfig:
+    """The ModelConfig `load_model(spec)` would load, without loading (or converting) weights.
+
+    For a GGUF file: its cached conversion's config.json, else its metadata (`gguf_model_config`).
+    """
+    from kvtier.loading.gguf import gguf_model_config
+
+    kind, path = _classify(spec)
+    if kind == "preset":
+        assert spec is not None
+        return preset_config(spec)
+    return gguf_model_config(path) if kind == "gguf" else ModelConfig.from_json(path / "config.json")
+
+
+def _classify(spec: str | None) -> tuple[str, Path]:
+    """("preset" | "gguf" | "folder", path) for a `--model` value; ModelLoadError when it is none."""
     if spec is None:
         from kvtier.loading.embedded import embedded_gguf_path
-        from kvtier.loading.gguf import gguf_to_hf_folder
 
-        return gguf_to_hf_folder(embedded_gguf_path())
+        return "gguf", embedded_gguf_path()
     if spec in PRESETS:
-        return None
+        return "preset", Path()
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {path} does not exist")
-        from kvtier.loading.gguf import gguf_to_hf_folder
-
-        return gguf_to_hf_folder(path)
+        return "gguf", path
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not a Hugging Face model folder: it has no config.json")
-        return path
+        return "folder", path
     raise ModelLoadError(
         f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), "
         "a Hugging Face model folder nor a .gguf file"
@@ -74,6 +95,29 @@ def _load_tokenizer(folder: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {folder}: {e}") from None
+    _skip_ignored_cleanup(tokenizer)
+    return tokenizer
+
+
+_FORCE_BPE_CLEANUP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+
+
+def _skip_ignored_cleanup(tokenizer: Any) -> None:
+    """Turn `clean_up_tokenization_spaces` off where transformers ignores it anyway.
+
+    NOTE: transformers 5 skips that clean-up for BPE tokenizers (it strips spaces before
+    punctuation) unless `_FORCE_BPE_CLEANUP` is set, and logs "Ignoring
+    clean_up_tokenization_spaces=True for BPE tokenizer ..." when a decode meets the flag on.
+    Folders saved by older versions carry it on. Only where the skip exists (the force flag is an
+    attribute) and applies (a BPE model, not forced) is it turned off: decoded text is unchanged.
+    """
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return
+    if not hasattr(tokenizer, _FORCE_BPE_CLEANUP) or getattr(tokenizer, _FORCE_BPE_CLEANUP):
+        return
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
