@@ -11,6 +11,7 @@ import json
 import shlex
 from typing import Any
 
+from kvtier.cli.options import int_type, output_path_type, seed_type
 from kvtier.eval.grid import parse_depths, parse_lengths
 from kvtier.eval.haystack import HAYSTACKS
 from kvtier.eval.methods import METHODS, OPTION_TYPES, parse_methods
@@ -27,6 +28,7 @@ def add_parser(subparsers: Any) -> None:
         help="offline long-context accuracy: passkey, needle-in-a-haystack heatmaps, RULER-style tasks",
         description="Generate synthetic long-context prompts from a seed (no downloads), run them under "
         "one or more KV methods and score the answers. Lengths count prompt plus answer tokens.",
+        allow_abbrev=False,
     )
     p.add_argument("task", help=f"one of: {', '.join(TASKS)}")
     p.add_argument(
@@ -39,8 +41,10 @@ def add_parser(subparsers: Any) -> None:
         help="needle depths %%: start:stop:step or a list (niah default 0:100:10; "
         "passkey default: random per sample; not for ruler)",
     )
-    p.add_argument("--samples", type=int, default=1, help="samples per (length, depth) cell")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generators")
+    p.add_argument(
+        "--samples", type=int_type("--samples"), default=1, help="samples per (length, depth) cell"
+    )
+    p.add_argument("--seed", type=seed_type(), default=0, help="seed of the generators (0 <= seed < 2**64)")
     p.add_argument(
         "--method",
         action="append",
@@ -56,8 +60,20 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", default=None, help="allow lengths past the trained context")
     p.add_argument("--json", action="store_true", help="print the aggregate scores as JSON")
-    p.add_argument("--plot", default=None, metavar="F.png", help="save a heatmap (niah) or accuracy lines")
-    p.add_argument("--out", default=None, metavar="F.json", help="save everything, per-sample records too")
+    p.add_argument(
+        "--plot",
+        type=output_path_type("--plot"),
+        default=None,
+        metavar="F.png",
+        help="save a heatmap (niah) or accuracy lines",
+    )
+    p.add_argument(
+        "--out",
+        type=output_path_type("--out"),
+        default=None,
+        metavar="F.json",
+        help="save everything, per-sample records too",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 

@@ -7,10 +7,19 @@ import json
 import sys
 from pathlib import Path
 
-from kvtier.cli.options import add_method_options, add_model_options, llm_kwargs
+from kvtier.cli.options import (
+    add_method_options,
+    add_model_options,
+    check_before_loading,
+    decode_utf8,
+    float_type,
+    int_type,
+    llm_kwargs,
+    text_type,
+)
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
-from kvtier.errors import ConfigError, PromptError
+from kvtier.errors import PromptError
 from kvtier.units import format_bytes
 
 
@@ -19,16 +28,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text for one prompt",
         description="Generate text for one prompt with the tiered KV cache.",
+        allow_abbrev=False,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt", type=text_type("--prompt"), help="the prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a file ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int_type("--max-new-tokens"),
+        default=64,
+        help="tokens to generate (default 64)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float_type("--temperature", 0.0),
+        default=0.0,
+        help="0 = greedy (default)",
+    )
+    p.add_argument("--top-p", type=float_type("--top-p", 0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--top-k", type=int_type("--top-k", 0), default=0, help="0 = off (default)")
+    p.add_argument(
+        "--stop",
+        type=text_type("--stop", allow_empty=False),
+        action="append",
+        default=[],
+        help="stop string (repeatable)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     add_model_options(p)
     add_method_options(p)
@@ -36,23 +62,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text: --prompt, or --prompt-file's bytes as UTF-8 (PromptError otherwise)."""
     if args.prompt is not None:
         return str(args.prompt)
     path: Path = args.prompt_file
     if str(path) == "-":
-        return sys.stdin.read()
-    try:
-        return path.read_text()
-    except OSError as e:
-        raise PromptError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+        source = "the prompt on stdin (--prompt-file -)"
+        stdin = getattr(sys.stdin, "buffer", None)
+        if stdin is None:  # a text stream without bytes underneath (e.g. a StringIO)
+            return sys.stdin.read()
+        data = stdin.read()
+    else:
+        source = f"--prompt-file {path}"
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise PromptError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+    return decode_utf8(data, source)
 
 
 def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
         raise PromptError("the prompt is empty; give some text with --prompt or --prompt-file")
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     params = SamplingParams(
         max_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -61,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
+    check_before_loading(args)
     llm = LLM(**llm_kwargs(args))
     out = llm.generate(prompt, params, chat=args.chat, progress=True)[0]
     if args.json:

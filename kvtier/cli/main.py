@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 # Long contexts allocate and free GPU buffers of many sizes (chunks, staging, sparse caches);
 # expandable segments keep the caching allocator's fragments from eating a tight --gpu-memory.
@@ -21,10 +22,22 @@ from kvtier.errors import KvtierError
 SUBCOMMANDS = ("generate", "plan", "eval", "serve")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its usage errors on one line, like every other kvtier error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvtier: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The `kvtier` parser. Imports every subcommand module, and with them torch: seconds.
+
+    Subcommand parsers are of the same class (argparse's default `parser_class`); every parser
+    is built with allow_abbrev=False, so `--kv` is never read as `--kv-quant`."""
+    parser = _Parser(
         prog="kvtier",
         description="Long-context LLM inference with a tiered (GPU / host) KV cache.",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
@@ -35,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvtier` script."""
-    parser = build_parser()
     try:
-        # NOTE: inside the try: option types such as parse_count raise KvtierError themselves.
+        # NOTE: everything is inside the try: building the parser imports torch (a Ctrl-C there
+        # is an interrupt like any other), and option types raise KvtierError themselves.
+        parser = build_parser()
         args = parser.parse_args(argv)
         return int(args.func(args))
     except KvtierError as e:

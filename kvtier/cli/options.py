@@ -1,16 +1,135 @@
-"""Options shared by the subcommands that load a model and run it."""
+"""Options shared by the subcommands, and the option types that check values at parse time.
+
+An option type raises ConfigError (not argparse's own errors), so a bad value becomes the CLI's
+one line `kvtier: error: ...` with exit code 2, before any model is loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvtier.engine.config import KV_POLICIES
 from kvtier.engine.methods import ATTENTION_METHODS
+from kvtier.errors import CapacityError, ConfigError
 from kvtier.policies.evict import EVICT
 from kvtier.policies.quant import KV_QUANT
 from kvtier.sparse import HIP_PRESETS
-from kvtier.units import parse_count
+from kvtier.units import (
+    COUNT_LIMIT,
+    format_bytes,
+    parse_count,
+    parse_finite_float,
+    parse_int,
+    parse_seed,
+    parse_size,
+)
+
+
+def int_type(flag: str, lo: int = 1, hi: int = COUNT_LIMIT - 1) -> Callable[[str], int]:
+    """An integer option within [lo, hi]: positive and below 2**31 unless told otherwise."""
+    return lambda text: parse_int(text, flag, lo, hi)
+
+
+def float_type(
+    flag: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> Callable[[str], float]:
+    """A finite float option (no nan, no inf) within the interval from lo to hi."""
+    return lambda text: parse_finite_float(text, flag, lo, hi, lo_open=lo_open, hi_open=hi_open)
+
+
+def seed_type(flag: str = "--seed") -> Callable[[str], int]:
+    """A seed option: 0 <= seed < 2**64, the same rule wherever --seed exists."""
+    return lambda text: parse_seed(text, flag)
+
+
+def count_type(flag: str) -> Callable[[str], int]:
+    """A positive token count: 4096, 128K, 1M (binary K and M)."""
+    return lambda text: parse_count(text, flag)
+
+
+def size_type(flag: str, *, positive: bool = True) -> Callable[[str], int]:
+    """Bytes from '24GiB', '24 GB' or '24g'; positive unless `positive=False` (0 allowed)."""
+
+    def parse(text: str) -> int:
+        value = parse_size(text, flag)
+        if positive and value <= 0:
+            raise ConfigError(f"{flag} must be at least 1 byte, got {text!r}")
+        return value
+
+    return parse
+
+
+def text_type(flag: str, *, allow_empty: bool = True) -> Callable[[str], str]:
+    """A text option that must be valid UTF-8 (and not blank unless `allow_empty`)."""
+
+    def parse(text: str) -> str:
+        check_utf8_text(text, flag)
+        if not allow_empty and not text.strip():
+            raise ConfigError(f"{flag} must not be empty")
+        return text
+
+    return parse
+
+
+def check_utf8_text(text: str, source: str) -> None:
+    """Reject text holding lone surrogates: on POSIX, Python passes argv bytes that are not
+    UTF-8 as surrogate escapes, which a tokenizer or an HTTP library cannot encode."""
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+    if bad is None:
+        return
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+        raw.decode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{source} is not valid UTF-8 (a lone surrogate at character {bad})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_utf8_message(source, e)) from None
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """`data` as UTF-8 text, or a ConfigError naming `source`, the bad byte and its offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_utf8_message(source, e)) from None
+
+
+def not_utf8_message(source: str, e: UnicodeDecodeError) -> str:
+    return f"{source} is not valid UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+
+
+def output_path_type(flag: str) -> Callable[[str], str]:
+    """A file the command will write: checked now, so a long run cannot fail at its very end."""
+    return lambda text: check_output_path(text, flag)
+
+
+def check_output_path(text: str, flag: str) -> str:
+    """`text` if a file can be written there: not a folder, in an existing writable folder, and
+    writable itself if it exists. Raises ConfigError saying which of these fails."""
+    check_utf8_text(text, flag)
+    if not text.strip():
+        raise ConfigError(f"{flag} needs a file name")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{flag} {text} is a folder; give a file name inside it")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise ConfigError(f"{flag} {text}: the folder {parent} {what}; create it or pick another path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {text} exists and is not writable; pick another path")
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {text}: the folder {parent} is not writable; pick another path")
+    return text
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -28,21 +147,36 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         choices=KV_POLICIES,
         help="KV placement: auto (planner decides), gpu, layer (layer-wise offload), head (head-wise)",
     )
-    p.add_argument("--gpu-memory", default=None, help="GPU budget, e.g. 24GiB (default: the whole GPU)")
-    p.add_argument("--head-group", type=int, default=None, help="KV heads per streamed group (--kv head)")
+    p.add_argument(
+        "--gpu-memory",
+        type=size_type("--gpu-memory"),
+        default=None,
+        help="GPU budget, e.g. 24GiB (default: the whole GPU)",
+    )
+    p.add_argument(
+        "--head-group",
+        type=int_type("--head-group"),
+        default=None,
+        help="KV heads per streamed group (--kv head)",
+    )
     p.add_argument(
         "--chunk-size",
-        type=lambda s: parse_count(s, "--chunk-size"),
+        type=count_type("--chunk-size"),
         default=None,
         help="prefill chunk in tokens (default: chosen by the planner)",
     )
     p.add_argument(
         "--max-model-len",
-        type=lambda s: parse_count(s, "--max-model-len"),
+        type=count_type("--max-model-len"),
         default=None,
         help="allow contexts past the model's trained length (quality may drop)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for random-weight presets and sampling")
+    p.add_argument(
+        "--seed",
+        type=seed_type(),
+        default=0,
+        help="seed for random-weight presets and sampling (0 <= seed < 2**64)",
+    )
 
 
 def add_method_options(p: argparse.ArgumentParser) -> None:
@@ -65,13 +199,13 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--evict", default=None, choices=EVICT, help="evict KV tokens (needs --kv-budget)")
     g.add_argument(
         "--kv-budget",
-        type=lambda s: parse_count(s, "--kv-budget"),
+        type=count_type("--kv-budget"),
         default=None,
         help="tokens kept (or read) per KV head by --evict / --attention quest / --head-sparsity",
     )
     g.add_argument(
         "--head-sparsity",
-        type=float,
+        type=float_type("--head-sparsity", 0.0, 1.0),
         default=None,
         help="fraction of KV heads that become streaming heads (sinks + recent tokens)",
     )
@@ -95,3 +229,54 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             if hasattr(args, k)
         },
     }
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """Fail before the model loads on what the planner would reject once it has: a --gpu-memory
+    too small for the weights, a --head-group that does not divide the model's KV heads.
+
+    Runs the planner for a one-token context on the model's config alone (no weights read; a GGUF
+    file's metadata or cached config). Any longer context needs at least as much, so this never
+    rejects a run the engine would take. Without either option there is nothing to check.
+    """
+    if args.gpu_memory is None and args.head_group is None:
+        return
+    import torch
+
+    from kvtier.engine.config import EngineConfig
+    from kvtier.loading.resolve import read_model_config
+    from kvtier.planner.hardware import detect_hardware
+    from kvtier.planner.memory import weight_bytes
+    from kvtier.planner.placement import plan_kv
+
+    config = EngineConfig.with_sizes(
+        args.gpu_memory,
+        device=args.device,
+        dtype=args.dtype,
+        kv=args.kv,
+        head_group=args.head_group,
+        chunk_size=args.chunk_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    device = config.torch_device()
+    dtype = config.torch_dtype(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cfg = read_model_config(args.model)
+    weights = weight_bytes(cfg, itemsize)
+    if config.gpu_memory is not None and weights > config.gpu_memory:
+        raise CapacityError(
+            f"--gpu-memory {format_bytes(config.gpu_memory)} is smaller than the model's weights alone "
+            f"({format_bytes(weights)} in {str(dtype).removeprefix('torch.')}); use a larger --gpu-memory"
+        )
+    plan_kv(
+        cfg,
+        1,
+        policy=config.kv,
+        gpu_budget=config.gpu_memory,
+        dtype_bytes=itemsize,
+        chunk_size=config.chunk_size,
+        group_size=config.head_group,
+        block_size=config.block_size,
+        hardware=detect_hardware(device),
+    )

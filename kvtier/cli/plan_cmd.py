@@ -11,15 +11,24 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.cli.options import (
+    count_type,
+    float_type,
+    int_type,
+    output_path_type,
+    size_type,
+    text_type,
+)
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, ModelLoadError
+from kvtier.loading.gguf import gguf_model_config, is_gguf_file
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
 from kvtier.planner.placement import POLICIES, KVPlan
 from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
-from kvtier.units import parse_count, parse_size
+from kvtier.units import parse_count
 
 
 def add_parser(subparsers: Any) -> None:
@@ -29,21 +38,74 @@ def add_parser(subparsers: Any) -> None:
         help="predict memory, maximum context and the KV placement for a model",
         description="Memory table of each KV method, their maximum contexts, kvtier's recommended "
         "placement and the roofline of prefill and decode. Sizes: 24GiB, '24 GB' (1e9), 24g.",
+        allow_abbrev=False,
     )
-    p.add_argument("--model", required=True, help="preset name, HF model folder, or config.json path")
-    p.add_argument("--context", default="1M", help="tokens, e.g. 131072, 128K, 1M (binary K/M)")
-    p.add_argument("--gpu-memory", default=None, help="GPU memory budget (default: the --gpu's memory)")
-    p.add_argument("--host-memory", default="512GiB", help="pinned host memory for KV")
-    p.add_argument("--disk", default="0", help="disk space that extends the host tier for KV")
+    p.add_argument(
+        "--model",
+        required=True,
+        type=text_type("--model", allow_empty=False),
+        help="preset name, HF model folder, .gguf file or config.json path",
+    )
+    p.add_argument(
+        "--context",
+        type=count_type("--context"),
+        default="1M",
+        help="tokens, e.g. 131072, 128K, 1M (binary K/M)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=size_type("--gpu-memory"),
+        default=None,
+        help="GPU memory budget (default: the --gpu's memory)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=size_type("--host-memory", positive=False),
+        default="512GiB",
+        help="pinned host memory for KV",
+    )
+    p.add_argument(
+        "--disk",
+        type=size_type("--disk", positive=False),
+        default="0",
+        help="disk space that extends the host tier for KV",
+    )
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="weights/KV dtype")
-    p.add_argument("--chunk-size", default="auto", help="prefill chunk tokens, or 'auto' (roofline)")
-    p.add_argument("--group-size", type=int, default=None, help="KV heads per group (head/auto)")
+    p.add_argument(
+        "--chunk-size",
+        type=lambda text: None if text == "auto" else parse_count(text, "--chunk-size"),
+        default="auto",
+        help="prefill chunk tokens, or 'auto' (roofline)",
+    )
+    p.add_argument(
+        "--head-group",
+        "--group-size",
+        dest="group_size",
+        type=int_type("--head-group"),
+        default=None,
+        help="KV heads per streamed group (head/auto), as `generate --head-group`",
+    )
     p.add_argument("--policy", default="auto", choices=POLICIES, help="KV placement policy to plan")
-    p.add_argument("--block-size", type=int, default=256, help="KV block size in tokens")
+    p.add_argument("--block-size", type=int_type("--block-size"), default=256, help="KV block size in tokens")
     p.add_argument("--gpu", default="rtx4090", choices=sorted(HARDWARE), help="hardware preset")
-    p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
-    p.add_argument("--hbm-bw", default=None, help="override HBM bandwidth per second, e.g. 3.35TB")
-    p.add_argument("--pcie-bw", default=None, help="override host link bandwidth per second, e.g. 25GB")
+    p.add_argument(
+        "--tflops",
+        type=float_type("--tflops", 0.0, lo_open=True),
+        default=None,
+        help="override peak bf16 TFLOP/s",
+    )
+    p.add_argument(
+        "--hbm-bw",
+        type=size_type("--hbm-bw"),
+        default=None,
+        help="override HBM bandwidth per second, e.g. 3.35TB",
+    )
+    p.add_argument(
+        "--pcie-bw",
+        type=size_type("--pcie-bw"),
+        default=None,
+        help="override host link bandwidth per second, e.g. 25GB",
+    )
     p.add_argument(
         "--activations",
         default="runner",
@@ -58,7 +120,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--head-sparsity",
-        type=float,
+        type=float_type("--head-sparsity", 0.0, 1.0, lo_open=True, hi_open=True),
         default=None,
         metavar="R",
         help="also predict head-wise sparsity: a fraction R of KV heads keep 64 sinks + 256 recent tokens",
@@ -71,46 +133,65 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--hip-preset", default="default", help="HiP preset (with --attention hip)")
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
-    p.add_argument("--plot", default=None, metavar="F.png", help="save GPU memory vs context to F")
+    p.add_argument(
+        "--plot",
+        type=output_path_type("--plot"),
+        default=None,
+        metavar="F.png",
+        help="save GPU memory vs context to F",
+    )
     p.set_defaults(func=run)
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """A preset name, a folder holding config.json, or a config.json path."""
+    """A preset name, a folder holding config.json, a config.json path or a .gguf file (its
+    metadata: no weights are read or converted)."""
     if spec in PRESETS:
         return preset_config(spec)
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return ModelConfig.from_json(path / "config.json")
     if path.is_file():
-        return ModelConfig.from_json(path)
+        if is_gguf_file(path):
+            return gguf_model_config(path)
+        return _config_json_file(path)
     raise ModelLoadError(
-        f"--model {spec!r} is neither a preset, a folder with config.json, nor a config.json file; "
-        f"known presets: {', '.join(sorted(PRESETS))}"
+        f"--model {spec!r} is neither a preset, a folder with config.json, a config.json file nor "
+        f"a .gguf file; known presets: {', '.join(sorted(PRESETS))}"
     )
+
+
+def _config_json_file(path: Path) -> ModelConfig:
+    """The config.json at `path`; any other file is a ModelLoadError saying what plan reads."""
+    not_config = f"--model {path} is not a config.json (not UTF-8 JSON) nor a .gguf file"
+    try:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read --model {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ModelLoadError(not_config) from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{not_config}: {e}") from None
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"--model {path} holds JSON but not an object; is it a config.json?")
+    return ModelConfig.from_hf_dict(d)
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
     """Parse and check the options (ConfigError / ModelLoadError on bad input)."""
     cfg = resolve_model(args.model)
-    hw = hardware_preset(
-        args.gpu,
-        tflops=args.tflops,
-        hbm_bw=None if args.hbm_bw is None else parse_size(args.hbm_bw, "--hbm-bw"),
-        pcie_bw=None if args.pcie_bw is None else parse_size(args.pcie_bw, "--pcie-bw"),
-    )
-    gpu = hw.memory_bytes if args.gpu_memory is None else parse_size(args.gpu_memory, "--gpu-memory")
-    chunk = None if args.chunk_size == "auto" else parse_count(args.chunk_size, "--chunk-size")
+    hw = hardware_preset(args.gpu, tflops=args.tflops, hbm_bw=args.hbm_bw, pcie_bw=args.pcie_bw)
+    gpu = hw.memory_bytes if args.gpu_memory is None else args.gpu_memory
     return PlanRequest(
         cfg=cfg,
         model=args.model,
-        context=parse_count(args.context, "--context"),
+        context=args.context,
         gpu_budget=gpu,
-        host_budget=parse_size(args.host_memory, "--host-memory"),
-        disk_budget=parse_size(args.disk, "--disk"),
+        host_budget=args.host_memory,
+        disk_budget=args.disk,
         dtype_bytes=DTYPE_BYTES[args.dtype],
         hardware=hw,
-        chunk_size=chunk,
+        chunk_size=args.chunk_size,
         group_size=args.group_size,
         policy=args.policy,
         block_size=args.block_size,

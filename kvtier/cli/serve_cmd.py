@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
-from kvtier.cli.options import add_model_options, llm_kwargs
+from kvtier.cli.options import add_model_options, check_before_loading, int_type, llm_kwargs, text_type
 from kvtier.engine.llm import LLM
 from kvtier.errors import ConfigError
 
@@ -16,38 +17,117 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve the model over an OpenAI-compatible HTTP API",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics) with "
         "continuous batching, paged KV and prefix caching.",
+        allow_abbrev=False,
     )
     add_model_options(p)
     p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+        "--host",
+        type=text_type("--host", allow_empty=False),
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only)",
     )
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in the running batch (64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step (512)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (16)")
-    p.add_argument("--num-pages", type=int, default=None, help="device KV pages (default: from memory)")
-    p.add_argument("--num-host-pages", type=int, default=None, help="host-tier pages (default: --num-pages)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine")
+    p.add_argument("--port", type=int_type("--port", 1, 65535), default=8000)
+    p.add_argument(
+        "--served-model-name",
+        type=text_type("--served-model-name", allow_empty=False),
+        default=None,
+        help="model id clients send (default: --model)",
+    )
+    p.add_argument(
+        "--api-key",
+        type=api_key,
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int_type("--max-num-seqs"),
+        default=64,
+        help="sequences in the running batch (64)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int_type("--max-num-batched-tokens"),
+        default=512,
+        help="tokens per step (512)",
+    )
+    p.add_argument("--page-size", type=int_type("--page-size"), default=16, help="tokens per KV page (16)")
+    p.add_argument(
+        "--num-pages",
+        type=int_type("--num-pages"),
+        default=None,
+        help="device KV pages (default: from memory)",
+    )
+    p.add_argument(
+        "--num-host-pages",
+        type=int_type("--num-host-pages", 0),
+        default=None,
+        help="host-tier pages (default: --num-pages)",
+    )
+    p.add_argument(
+        "--threads", type=int_type("--threads"), default=None, help="torch CPU threads of the engine"
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="reject longer prompts with 400")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="reject larger request bodies (1 MiB)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int_type("--max-prompt-tokens"),
+        default=None,
+        help="reject longer prompts with 400",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int_type("--max-body-bytes"),
+        default=1 << 20,
+        help="reject larger request bodies (1 MiB)",
+    )
     p.set_defaults(func=run)
+
+
+def api_key(text: str) -> str:
+    """An --api-key clients can send: printable ASCII (it travels in an HTTP header, which drops
+    surrounding spaces), not empty."""
+    if not text:
+        raise ConfigError(
+            "--api-key is empty, so every request would be refused; give a key or drop --api-key"
+        )
+    if text != text.strip() or not all(" " <= ch <= "~" for ch in text):
+        raise ConfigError(
+            "--api-key must be printable ASCII with no leading or trailing spaces "
+            "(clients send it in an HTTP header)"
+        )
+    return text
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Bind (host, port) once, as uvicorn will, so a port in use or a bad --host fails before the
+    model loads. SO_REUSEADDR like uvicorn: a port in TIME_WAIT is free, one with a listener is not."""
+    where = f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"cannot listen on {where}: {_reason(e)}; pick another --port or --host") from None
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {where}: {_reason(e)}; pick another --port or --host") from None
+
+
+def _reason(e: BaseException) -> str:
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from kvtier.serve.app import AppSettings, build_app
         from kvtier.serve.engine import ServeConfig, ServeEngine
+        from kvtier.serve.server import serve_forever
     except ImportError as e:
         raise ConfigError(
             f"kvtier serve needs its extra packages ({e.name}): pip install 'kvtier[serve]'"
         ) from None
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     config = ServeConfig(
         page_size=args.page_size,
         num_pages=args.num_pages,
@@ -57,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         threads=args.threads,
     )
+    check_can_listen(args.host, args.port)
+    check_before_loading(args)
     llm = LLM(**llm_kwargs(args))
     engine = ServeEngine(llm, config)
     name = args.served_model_name or llm.loaded.name
@@ -72,5 +154,5 @@ def run(args: argparse.Namespace) -> int:
         f"{config.page_size} tokens, max {engine.max_model_len} tokens per sequence)",
         file=sys.stderr,
     )
-    uvicorn.run(build_app(engine, settings), host=args.host, port=args.port, log_level="info")
+    serve_forever(build_app(engine, settings), args.host, args.port)
     return 0

@@ -308,11 +308,11 @@ def _validate(
     if group_size is not None:
         if group_size < 1 or cfg.num_kv_heads % group_size:
             raise ConfigError(
-                f"--group-size {group_size} must divide the model's {cfg.num_kv_heads} KV heads; "
+                f"--head-group {group_size} must divide the model's {cfg.num_kv_heads} KV heads; "
                 f"use one of {', '.join(map(str, _divisors(cfg.num_kv_heads)))}"
             )
         if policy in ("gpu", "layer") and group_size != cfg.num_kv_heads:
-            raise ConfigError(f"--group-size applies to the 'head' and 'auto' policies, not {policy!r}")
+            raise ConfigError(f"--head-group applies to the 'head' and 'auto' policies, not {policy!r}")
 
 
 def _gb(n: float) -> str:
