@@ -200,6 +200,24 @@ def test_client_disconnect_frees_pages(served: Served) -> None:
     assert served.engine.generation_tokens - before < 400
 
 
+def test_bad_seed_and_lone_surrogates_are_400_and_the_server_goes_on(served: Served) -> None:
+    h = served.http
+    for raw in (
+        b'{"prompt": "Hi", "max_tokens": 1, "seed": 18446744073709551616}',  # 2**64
+        b'{"prompt": "a\\ud800b", "max_tokens": 1}',  # JSON's escape of a lone surrogate
+        b'{"prompt": "Hi", "max_tokens": 1, "cache_salt": "\\udfff"}',
+    ):
+        r = h.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert error_of(r)["type"] == "invalid_request_error"
+    chat = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}'
+    r = h.post("/v1/chat/completions", content=chat, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages"
+    r = h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "seed": 2**64 - 1, "temperature": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert idle(served.engine)
+
+
 def test_soak_of_tiny_requests_returns_every_page(served: Served) -> None:
     def tiny(i: int) -> int:
         body = {"prompt": [1 + i % 97, 2 + i % 5], "max_tokens": 1 + i % 3}  # token ids: tiny and fast

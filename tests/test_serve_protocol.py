@@ -58,6 +58,12 @@ def test_chat_body_accepts_text_parts_and_max_completion_tokens() -> None:
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "seed": 2**64}, "seed"),  # torch.Generator.manual_seed would overflow
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: not encodable as UTF-8
+        ({"prompt": "x", "stop": ["\udfff"]}, "stop"),
+        ({"prompt": "x", "cache_salt": "\ud800"}, "cache_salt"),
+        ({"prompt": "x", "user": {"\ud800": 1}}, "user"),
     ],
 )
 def test_bad_values_are_400_with_the_parameter(body: dict[str, Any], param: str | None) -> None:
@@ -65,6 +71,20 @@ def test_bad_values_are_400_with_the_parameter(body: dict[str, Any], param: str 
         parse_request(body, chat=False)
     assert e.value.status == 400 and e.value.param == param and e.value.message
     assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_seed_range_and_lone_surrogates_in_chat() -> None:
+    assert parse_request({"prompt": "x", "seed": 2**64 - 1}, chat=False).params.seed == 2**64 - 1
+    assert parse_request({"prompt": "x", "seed": 0}, chat=False).params.seed == 0
+    for msg in ({"role": "user", "content": "a\ud800b"}, {"role": "\udc00", "content": "hi"}):
+        with pytest.raises(APIError) as e:
+            parse_request({"messages": [msg]}, chat=True)
+        assert e.value.status == 400 and e.value.param == "messages"
+        assert "lone surrogate" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_request({"prompt": "x", "\ud800": 1}, chat=False)
+    assert e.value.param is None  # the bad key is not echoed back (it cannot be encoded either)
+    assert parse_request({"prompt": "a\U0001f600b"}, chat=False).prompt == "a\U0001f600b"  # a pair is fine
 
 
 def test_chat_needs_messages() -> None:

@@ -60,6 +60,12 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        # NOTE: a bug, not a bad request; still answered in the OpenAI shape (uvicorn logs the trace).
+        body = APIError(500, f"internal error: {type(e).__name__}", "server_error").body()
+        return JSONResponse(body, status_code=500)
+
     def authorize(request: Request) -> None:
         if settings.api_key is None:
             return

@@ -14,6 +14,7 @@ from kvtier.errors import ConfigError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # cap on "the rest of the context" for chat without max_tokens
+SEED_LIMIT = 2**64  # seeds are 0 <= seed < 2**64: what torch.Generator.manual_seed takes
 
 
 class APIError(Exception):
@@ -59,7 +60,7 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     return float(v)
 
 
-def _int(body: dict[str, Any], name: str, default: int | None, lo: int) -> int | None:
+def _int(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return default
@@ -67,7 +68,34 @@ def _int(body: dict[str, Any], name: str, default: int | None, lo: int) -> int |
         raise APIError(400, f"'{name}' must be an integer, got {v!r}", param=name)
     if v < lo:
         raise APIError(400, f"'{name}' must be at least {lo}, got {v}", param=name)
+    if hi is not None and v > hi:
+        raise APIError(400, f"'{name}' must be at most {hi}, got {v}", param=name)
     return v
+
+
+def _check_text(value: Any, where: str, param: str | None) -> None:
+    """Raise a 400 if any string in `value` (keys included) is not valid Unicode text.
+
+    JSON may spell a lone UTF-16 surrogate ("\\ud800"); Python then holds a str that cannot be
+    encoded as UTF-8, which the tokenizer, the prefix hash and the JSON answer would all fail on.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400,
+                f"{where} is not valid Unicode text: it has a lone surrogate ({e.reason}) at character "
+                f"{e.start}, i.e. a \\ud800-\\udfff escape without its pair; send UTF-8 text",
+                param=param,
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, f"a key in {where}", param)
+            _check_text(v, where, param)
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v, where, param)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -116,6 +144,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     """Validate a JSON body of /v1/completions (`chat=False`) or /v1/chat/completions."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for key, value in body.items():
+        _check_text(key, "a key of the request body", None)
+        _check_text(value, f"'{key}'", key)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "'model' must be a string", param="model")
@@ -139,7 +170,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise APIError(400, "'cache_salt' must be a string", param="cache_salt")
-    seed = _int(body, "seed", None, -(2**63))
+    seed = _int(body, "seed", None, 0, SEED_LIMIT - 1)
     try:
         params = SamplingParams(
             max_tokens=max_tokens or (DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS),
