@@ -8,6 +8,9 @@ import pytest
 
 from kvtier.cli.main import build_parser, main
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.serve.app import AppSettings
+from kvtier.serve.engine import ServeConfig
 from kvtier.serve.metrics import _escape
 from kvtier.serve.protocol import APIError, parse_request
 from kvtier.serve.stopping import check_stop
@@ -85,6 +88,29 @@ def test_seed_range_and_lone_surrogates_in_chat() -> None:
         parse_request({"prompt": "x", "\ud800": 1}, chat=False)
     assert e.value.param is None  # the bad key is not echoed back (it cannot be encoded either)
     assert parse_request({"prompt": "a\U0001f600b"}, chat=False).prompt == "a\U0001f600b"  # a pair is fine
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"api_key": ""}, "--api-key must not be empty"),
+        ({"max_body_bytes": 0}, "--max-body-bytes must be at least 1, got 0"),
+        ({"max_prompt_tokens": 0}, "--max-prompt-tokens must be at least 1, got 0"),
+        ({"model_name": ""}, "--served-model-name must not be empty"),
+    ],
+)
+def test_app_settings_reject_values_that_would_lock_out_every_request(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        AppSettings(**{"model_name": "m", **kwargs})
+
+
+def test_serve_config_names_the_flag() -> None:
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens must be at least 1, got 0"):
+        ServeConfig(max_num_batched_tokens=0)
+    with pytest.raises(ConfigError, match="--num-pages must be at least 1"):
+        ServeConfig(num_pages=0)
 
 
 def test_chat_needs_messages() -> None:

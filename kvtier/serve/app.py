@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve.engine import ServeEngine
 from kvtier.serve.metrics import render
 from kvtier.serve.protocol import DEFAULT_CHAT_TOKENS, APIError, ParsedRequest, parse_request
@@ -36,6 +36,19 @@ class AppSettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ConfigError("--served-model-name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("--api-key must not be empty (leave it out to serve without a key)")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"--max-body-bytes must be at least 1, got {self.max_body_bytes}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(
+                f"--max-prompt-tokens must be at least 1, got {self.max_prompt_tokens} "
+                "(leave it out for no limit)"
+            )
 
 
 def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:

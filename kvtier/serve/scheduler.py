@@ -29,7 +29,9 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+            raise ConfigError(
+                f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
 
 
 class Scheduler:
