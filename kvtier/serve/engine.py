@@ -7,10 +7,11 @@ thread, by whoever calls `step()` / `run_until_idle()`.
 
 A request whose prompt + max_tokens needs more pages than the whole pool holds is not refused:
 it is served alone through a `TieredKVStore` with the offload policy ("head" on the CPU, so its
-KV really streams from the host tier; "auto" on CUDA, planned within the memory the pool left
-free), exactly like `kvtier generate`. The engine thread runs such a request to completion
-between two batch steps, so the batch is blocked meanwhile and the request's text arrives in
-one delta at the end (also when streamed); an abort while it runs takes effect when it ends.
+KV really streams from the host tier; "auto" on CUDA, planned within the server's GPU budget
+minus the pool), exactly like `kvtier generate`. The engine thread runs such a request to
+completion between two batch steps, so the batch is blocked meanwhile and the request's text
+arrives in one delta at the end (also when streamed); an abort while it runs takes effect when
+it ends.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvtier.serve.paged_store import PagedKVStore, SeqStep
 from kvtier.serve.prefix_cache import root_hash
 from kvtier.serve.scheduler import Scheduler, SchedulerConfig
 from kvtier.serve.sequence import Delta, Sequence, Sink, Status
+from kvtier.serve.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget, offload_gpu_budget
 from kvtier.serve.stopping import check_stop
 
 
@@ -43,8 +45,8 @@ class ServeConfig:
     """Pool and batch sizes of the server. None = chosen from the device at start."""
 
     page_size: int = 16
-    num_pages: int | None = None  # device pages (default: 1024 on the CPU, ~80% of free GPU memory)
-    num_host_pages: int | None = None  # host-tier pages for evicted prefixes (default: num_pages)
+    num_pages: int | None = None  # device pages (default: what the memory budget leaves; see sizing.py)
+    num_host_pages: int | None = None  # host-tier pages for evicted prefixes (default: num_pages, capped)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
@@ -75,11 +77,10 @@ class ServeEngine:
             )
         self.model = llm.loaded.model
         self.device = llm.device
-        num_pages = cfg.num_pages or self._default_pages()
+        num_pages, host = self._pool_sizes()
         self.store = PagedKVStore(
             llm.model_config, num_pages=num_pages, page_size=cfg.page_size, device=llm.device, dtype=llm.dtype
         )
-        host = cfg.num_host_pages if cfg.num_host_pages is not None else self._default_host_pages(num_pages)
         self.kv = KVCacheManager(self.store, host, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
         self.salt = f"{llm.loaded.name}|{llm.dtype}|kv={llm.config.kv}|paged{cfg.page_size}"
@@ -99,22 +100,59 @@ class ServeEngine:
         self.prompt_tokens = self.generation_tokens = self.finished = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
 
-    def _default_pages(self) -> int:
-        if self.device.type != "cuda":
-            return 1024
-        free, _ = torch.cuda.mem_get_info(self.device)
-        bytes_per_page = self.config.page_size * self.llm.model_config.kv_bytes_per_token(
-            torch.empty((), dtype=self.llm.dtype).element_size()
+    def _pool_sizes(self) -> tuple[int, int]:
+        """(device pages, host-tier pages): as given, checked against the memory budget, or sized
+        from it (`kvtier.serve.sizing`). Raises CapacityError before anything is allocated."""
+        cfg, llm = self.config, self.llm
+        itemsize = torch.empty((), dtype=llm.dtype).element_size()
+        per_page = cfg.page_size * llm.model_config.kv_bytes_per_token(itemsize)
+        budget = measure_pool_budget(
+            llm.model_config,
+            self.device,
+            llm.dtype,
+            llm.gpu_budget(),
+            llm.config.gpu_memory is not None,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
         )
-        return max(16, int(0.8 * free) // bytes_per_page)
+        cpu = self.device.type != "cuda"
+        if cfg.num_pages is not None:
+            num_pages = cfg.num_pages
+            if budget is not None:
+                budget.check(num_pages, per_page)
+        elif budget is None:
+            num_pages = CPU_DEFAULT_PAGES
+        else:
+            num_pages = budget.default_pages(per_page, cap=CPU_DEFAULT_PAGES if cpu else None)
+        available = host_memory_available()
+        if available is None:  # unknown (not Linux): as given, else as many as device pages
+            return num_pages, num_pages if cfg.num_host_pages is None else cfg.num_host_pages
+        # Host pages live in host memory (pinned on CUDA); on the CPU the pool is there too.
+        host = PoolBudget(
+            "host",
+            "host memory available",
+            available,
+            num_pages * per_page if cpu else 0,
+            budget.activation if cpu and budget is not None else 0,
+            0,
+            cfg.max_num_batched_tokens,
+            used_by="the device page pool",
+        )
+        if cfg.num_host_pages is not None:
+            host.check(cfg.num_host_pages, per_page, "--num-host-pages")
+            return num_pages, cfg.num_host_pages
+        # As many host pages as device pages, but at most a quarter of the host memory left.
+        return num_pages, min(num_pages, host.fitting(per_page) // 4)
 
-    def _default_host_pages(self, num_pages: int) -> int:
-        """As many host pages as device pages, but at most a quarter of the free host memory
-        (host pages are pinned on CUDA, so they are allocated up front)."""
-        if self.device.type != "cuda":
-            return num_pages
-        available = host_memory_available() or 0
-        return min(num_pages, available // 4 // self.store.bytes_per_page)
+    def offload_gpu_budget(self) -> int | None:
+        """The GPU budget an offloaded request is planned within: the server's budget minus the
+        page pool (None on the CPU: unlimited)."""
+        budget = self.llm.gpu_budget()
+        if self.device.type != "cuda" or budget is None:
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        allocated = int(torch.cuda.memory_allocated(self.device))
+        return offload_gpu_budget(budget, allocated, free, self.store.bytes_per_page * self.store.num_pages)
 
     # -- thread-safe API -----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Serving one request that is too long for the page pool: alone, through a tiered store.
 
 The request runs to completion with the offload policy ("head" on the CPU, so its KV really
-streams from the host tier; "auto" on CUDA within what the page pool leaves free).
+streams from the host tier; "auto" on CUDA within the server's GPU budget minus the page pool).
 """
 
 from __future__ import annotations
@@ -25,16 +25,11 @@ def generate_offloaded(engine: ServeEngine, seq: Sequence) -> list[int]:
     context = len(seq.prompt) + params.max_tokens
     itemsize = torch.empty((), dtype=llm.dtype).element_size()
     cuda = engine.device.type == "cuda"
-    budget = None
-    if cuda:  # what the weights use plus what the page pool left free
-        free, _ = torch.cuda.mem_get_info(engine.device)
-        pool = engine.store.bytes_per_page * (engine.pool_tokens // engine.config.page_size)
-        budget = free + max(0, torch.cuda.memory_allocated(engine.device) - pool)
     plan = plan_kv(
         llm.model_config,
         context,
         policy="auto" if cuda else "head",  # on the CPU "auto" would keep it all resident
-        gpu_budget=budget,
+        gpu_budget=engine.offload_gpu_budget(),  # the server's budget minus the page pool
         dtype_bytes=itemsize,
         chunk_size=llm.config.chunk_size,
         group_size=llm.config.head_group,

@@ -1,0 +1,162 @@
+"""How many KV pages the server's pool gets, and the checks that keep a given count in budget.
+
+The pool is what the memory budget leaves after everything else the process needs at once:
+
+    budget       --gpu-memory, else the GPU's total memory (never more than is free on it now
+                 plus what this process holds); on the CPU: host memory available now
+  - used         bytes already allocated: the weights (torch.cuda.memory_allocated); 0 on the
+                 CPU, where the loaded weights are already out of the host memory available
+  - activation   one batch step of max_num_batched_tokens through the model (the planner's
+                 estimate) with the logits of up to max_num_seqs sequences
+  - reserve      CUDA context, cuBLAS workspaces, allocator slack (GPU_RESERVE_BYTES); 0 on the CPU
+  = room         -> room // bytes_per_page pages; fewer than MIN_PAGES is a CapacityError
+
+NOTE: the KV a step's attention gathers per layer (the batch's context, padded to the longest
+sequence) is not reserved: it is freed layer by layer, and an out-of-memory there fails the
+step's requests with an error, not the server.
+
+A request longer than the pool runs alone with offload (`kvtier.serve.offload`), planned within
+the same budget minus the pool (`offload_gpu_budget`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import ModelConfig
+from kvtier.errors import CapacityError, ConfigError
+from kvtier.planner.hardware import host_memory_available
+from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes
+from kvtier.units import format_bytes
+
+MIN_PAGES = 16  # a smaller pool cannot hold one page per sequence of a useful batch
+CPU_DEFAULT_PAGES = 1024  # the default pool on the CPU, when host memory allows it
+
+
+def step_activation_bytes(
+    cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int
+) -> int:
+    """Peak activation bytes of one batch step: a prefill chunk of `max_num_batched_tokens`
+    tokens (`kvtier.planner.memory.activation_bytes`) plus the logits rows of the other sequences
+    that sample in the same step ([N, vocab] in the dtype and in fp32, N <= max_num_seqs)."""
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    return activation_bytes(cfg, max_num_batched_tokens, dtype_bytes) + (rows - 1) * cfg.vocab_size * (
+        dtype_bytes + 4
+    )
+
+
+@dataclass(frozen=True)
+class PoolBudget:
+    """The memory a page pool is sized within (see the module docstring); bytes throughout.
+
+    `label` names the budget for messages ("--gpu-memory", "the GPU's memory", "host memory available").
+    """
+
+    where: str  # "GPU" or "host": where the pool lives
+    label: str
+    budget: int
+    used: int
+    activation: int
+    reserve: int
+    max_num_batched_tokens: int
+    used_by: str = "weights"  # what `used` is, for messages
+
+    def __post_init__(self) -> None:
+        if min(self.budget, self.used, self.activation, self.reserve) < 0:
+            raise ConfigError(f"pool budget terms must not be negative: {self}")
+
+    @property
+    def room(self) -> int:
+        """Bytes left for the pool (0 when the other terms already exceed the budget)."""
+        return max(0, self.budget - self.used - self.activation - self.reserve)
+
+    def fitting(self, bytes_per_page: int) -> int:
+        """Pages of `bytes_per_page` bytes that fit the room."""
+        return self.room // bytes_per_page
+
+    def default_pages(self, bytes_per_page: int, cap: int | None = None) -> int:
+        """All the pages that fit the room (at most `cap`). CapacityError below MIN_PAGES."""
+        pages = self.fitting(bytes_per_page)
+        if pages < MIN_PAGES:
+            least = format_bytes(MIN_PAGES * bytes_per_page)
+            raise CapacityError(
+                f"no room for the KV page pool on the {self.where}: {self._terms()} leaves "
+                f"{format_bytes(self.room)}, under the {MIN_PAGES} pages ({least}) a pool needs. "
+                + self._advice()
+            )
+        return pages if cap is None else min(pages, cap)
+
+    def check(self, num_pages: int, bytes_per_page: int, flag: str = "--num-pages") -> None:
+        """Raise CapacityError if `num_pages` pages (given as `flag`) do not fit the room."""
+        need = num_pages * bytes_per_page
+        if need > self.room:
+            raise CapacityError(
+                f"{flag} {num_pages} needs {format_bytes(need)} on the {self.where} "
+                f"({format_bytes(bytes_per_page)} a page), but {self._terms()} leaves "
+                f"{format_bytes(self.room)}: at most {self.fitting(bytes_per_page)} pages fit. "
+                f"Lower {flag} (or leave it out to size it from memory). {self._advice()}"
+            )
+
+    def _terms(self) -> str:
+        parts = [f"{self.label} ({format_bytes(self.budget)})"]
+        if self.used:
+            parts.append(f"{format_bytes(self.used)} in use ({self.used_by})")
+        if self.activation:
+            parts.append(
+                f"{format_bytes(self.activation)} of activations for a "
+                f"{self.max_num_batched_tokens}-token step"
+            )
+        if self.reserve:
+            parts.append(f"a {format_bytes(self.reserve)} reserve")
+        return " - ".join(parts)
+
+    def _advice(self) -> str:
+        if self.where == "GPU":
+            return (
+                "Raise --gpu-memory, lower --max-num-batched-tokens, or use a smaller model or "
+                "--dtype; longer requests than the pool run with offload"
+            )
+        return "Free host memory, or lower --max-num-batched-tokens"
+
+
+def measure_pool_budget(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    gpu_budget: int | None,
+    gpu_budget_given: bool,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> PoolBudget | None:
+    """The budget of a pool on `device`, measured now (after the weights are loaded).
+
+    `gpu_budget` is `LLM.gpu_budget()` (--gpu-memory, else the GPU's total memory);
+    `gpu_budget_given` says whether it came from --gpu-memory (for messages). None on a CPU whose
+    available memory is unknown (not Linux): nothing to check against.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    activation = step_activation_bytes(cfg, max_num_batched_tokens, max_num_seqs, itemsize)
+    if device.type == "cuda":
+        assert gpu_budget is not None
+        free, _ = torch.cuda.mem_get_info(device)
+        used = int(torch.cuda.memory_allocated(device))
+        label = "--gpu-memory" if gpu_budget_given else "the GPU's memory"
+        if used + free < gpu_budget:  # another process holds part of the GPU
+            gpu_budget, label = used + free, "the GPU memory free now plus this process's"
+        return PoolBudget(
+            "GPU", label, gpu_budget, used, activation, GPU_RESERVE_BYTES, max_num_batched_tokens
+        )
+    available = host_memory_available()
+    if available is None:
+        return None
+    return PoolBudget("host", "host memory available", available, 0, activation, 0, max_num_batched_tokens)
+
+
+def offload_gpu_budget(budget: int, allocated: int, free: int, pool_bytes: int) -> int:
+    """The `gpu_budget` to plan an offloaded request with: the GPU budget (`LLM.gpu_budget()`,
+    capped by what this process holds plus what is free on the GPU now) minus the page pool,
+    which stays allocated while the request runs. The planner takes weights, activations and
+    its reserve off this itself."""
+    return max(0, min(budget, allocated + free) - pool_bytes)

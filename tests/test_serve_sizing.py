@@ -1,0 +1,104 @@
+"""The server's page pool is sized within the memory budget, not the GPU's free memory.
+
+Exact page counts from the numbers (llama-3-8b in bf16 on a 24 GiB budget), and the clean
+CapacityError for a budget that leaves no pool or a --num-pages / --num-host-pages that does not
+fit (on the CPU: host memory available) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.engine.llm import LLM
+from kvtier.errors import CapacityError
+from kvtier.loading.presets import preset_config
+from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
+from kvtier.serve import sizing
+from kvtier.serve.engine import ServeConfig, ServeEngine
+from kvtier.serve.sizing import MIN_PAGES, PoolBudget, offload_gpu_budget, step_activation_bytes
+from tests.hf_reference import make_hf_model
+
+GiB = 1024**3
+LLAMA3 = preset_config("llama-3-8b")
+PAGE = 16 * LLAMA3.kv_bytes_per_token(2)  # 16 tokens x 32 layers x 8 KV heads x 128 x K,V x bf16
+
+
+def llama3_in(budget: int) -> PoolBudget:
+    """llama-3-8b bf16 weights loaded, the default 512-token step of up to 64 sequences."""
+    act = step_activation_bytes(LLAMA3, 512, 64, 2)
+    return PoolBudget("GPU", "--gpu-memory", budget, weight_bytes(LLAMA3, 2), act, GPU_RESERVE_BYTES, 512)
+
+
+def test_llama3_8b_pool_in_a_24_gib_budget() -> None:
+    assert PAGE == 2 * 1024**2
+    assert weight_bytes(LLAMA3, 2) == 16_060_522_496  # 8.03e9 parameters
+    # The planner's prefill activations of 512 tokens, plus fp32 + bf16 logits of 63 more rows.
+    assert step_activation_bytes(LLAMA3, 512, 64, 2) == activation_bytes(LLAMA3, 512, 2) + 63 * 128256 * 6
+    assert step_activation_bytes(LLAMA3, 512, 64, 2) == 101_679_104
+    budget = llama3_in(24 * GiB)
+    # 24 GiB - 16.06e9 weights - 101.7e6 activations - 0.5 GiB reserve = 9_070_731_264 B = 4325.3 pages
+    assert budget.room == 9_070_731_264
+    assert budget.default_pages(PAGE) == 4325
+    assert budget.default_pages(PAGE, cap=1024) == 1024
+    budget.check(4325, PAGE)
+    with pytest.raises(CapacityError, match=r"--num-pages 4326 needs 8.45 GiB .* at most 4325 pages fit"):
+        budget.check(4326, PAGE)
+
+
+def test_a_budget_without_room_for_a_pool_names_the_numbers() -> None:
+    with pytest.raises(CapacityError) as e:
+        llama3_in(15 * GiB).default_pages(PAGE)
+    msg = str(e.value)
+    assert "--gpu-memory (15.00 GiB) - 14.96 GiB in use (weights) - 96.97 MiB of activations" in msg
+    assert f"under the {MIN_PAGES} pages (32.00 MiB)" in msg and "Raise --gpu-memory" in msg
+    assert llama3_in(16 * GiB).default_pages(PAGE) == 229  # 16 GiB leaves 458.5 MiB
+    with pytest.raises(
+        CapacityError, match=r"--num-pages 10000000000 needs 19073.49 TiB .* at most 32997 pages fit"
+    ):
+        llama3_in(80 * GiB).check(10**10, PAGE)
+
+
+def test_offloaded_requests_plan_within_the_budget_minus_the_pool() -> None:
+    pool = 4325 * PAGE
+    weights = weight_bytes(LLAMA3, 2)
+    # An H200 with --gpu-memory 24GiB: 120 GiB free is not ours to plan with.
+    assert offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool) == 24 * GiB - pool
+    # Another process holds most of the GPU: what we hold plus what is free, minus the pool.
+    assert offload_gpu_budget(24 * GiB, weights + pool, GiB // 2, pool) == weights + GiB // 2
+    assert offload_gpu_budget(GiB, weights + pool, 0, pool) == 0
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    folder: Path = tmp_path_factory.mktemp("gqa")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 2 KV heads of 16: 12 KiB a 16-token page in fp32
+    return LLM(str(folder), device="cpu", dtype="fp32", kv="gpu")
+
+
+def with_host_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
+    monkeypatch.setattr(sizing, "host_memory_available", lambda: available)
+    monkeypatch.setattr("kvtier.serve.engine.host_memory_available", lambda: available)
+
+
+def test_cpu_pool_is_checked_against_host_memory_before_allocating(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = 16 * llm.model_config.kv_bytes_per_token(4)
+    assert page == 12 * 1024
+    act = step_activation_bytes(llm.model_config, 512, 64, 4)
+    with_host_memory(monkeypatch, GiB)
+    engine = ServeEngine(llm, ServeConfig())
+    assert (engine.store.num_pages, engine.kv.host.num_slots) == (1024, 1024)  # the CPU default
+    with pytest.raises(CapacityError, match=r"--num-pages 10000000000 needs 111.76 TiB on the host"):
+        ServeEngine(llm, ServeConfig(num_pages=10**10))
+    with pytest.raises(CapacityError, match=r"--num-host-pages 10000000000 needs .* on the host"):
+        ServeEngine(llm, ServeConfig(num_pages=64, num_host_pages=10**10))
+    # Little host memory: the default pool shrinks to what fits, the host tier to a quarter of the rest.
+    with_host_memory(monkeypatch, act + 100 * page + 1)
+    engine = ServeEngine(llm, ServeConfig())
+    assert (engine.store.num_pages, engine.kv.host.num_slots) == (100, 0)
+    with_host_memory(monkeypatch, act + 10 * page)
+    with pytest.raises(CapacityError, match="no room for the KV page pool on the host"):
+        ServeEngine(llm, ServeConfig())
