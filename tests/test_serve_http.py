@@ -7,6 +7,7 @@ short and max_tokens small so the file runs in well under a minute or two on a C
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -198,6 +199,27 @@ def test_client_disconnect_frees_pages(served: Served) -> None:
                 break  # one chunk arrived; now hang up
     assert idle(served.engine)
     assert served.engine.generation_tokens - before < 400
+
+
+def test_non_streaming_client_disconnect_aborts_at_the_next_step(served: Served) -> None:
+    """A client that hangs up on a non-streaming request stops it at once (not at max_tokens)."""
+    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}).encode()
+    host, port = served.url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    before = served.engine.generation_tokens
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 30
+        while served.engine.generation_tokens - before < 3:  # it is generating
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)
+    left_at = served.engine.generation_tokens - before
+    assert idle(served.engine, timeout=3.0)
+    assert served.engine.generation_tokens - before < left_at + 50 < 2000
 
 
 def test_bad_seed_and_lone_surrogates_are_400_and_the_server_goes_on(served: Served) -> None:

@@ -1,7 +1,9 @@
 """The FastAPI app: OpenAI-compatible routes over a `ServeEngine` running in its own thread.
 
 Handlers never touch the engine's state: they `submit` token ids with a sink that hops each
-`Delta` onto the event loop (`call_soon_threadsafe`), and `abort` when the client goes away.
+`Delta` onto the event loop (`call_soon_threadsafe`), and `abort` when the client goes away
+(a non-streaming handler watches for the disconnect while it waits, so the request stops at
+the engine's next step).
 """
 
 from __future__ import annotations
@@ -187,22 +189,20 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
     async def collect(
         request: Request, rid: str, deltas: asyncio.Queue[Delta], head: _Head, chat: bool
     ) -> dict[str, Any]:
-        text, last = [], None
+        result = asyncio.ensure_future(_gather(deltas))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            while last is None or last.finish_reason is None:
-                try:
-                    last = await asyncio.wait_for(deltas.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return {}  # nobody to answer; `finally` frees the pages
-                    continue
-                text.append(last.text)
-        finally:
-            if last is None or last.finish_reason is None:
+            await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled
+            gone.cancel()
+            if not result.done():  # the client left (or we were cancelled): stop it now
+                result.cancel()
                 engine.abort(rid)
+        if not result.done():
+            return {}  # nobody to answer
+        content, last = result.result()
         if last.error is not None:
             raise APIError(500, f"generation failed: {last.error}", "server_error")
-        content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
@@ -240,6 +240,26 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
                 engine.abort(rid)
 
     return app
+
+
+async def _gather(deltas: asyncio.Queue[Delta]) -> tuple[str, Delta]:
+    """The whole text of a request and its last `Delta` (the one with a finish_reason)."""
+    text = []
+    while True:
+        d = await deltas.get()
+        text.append(d.text)
+        if d.finish_reason is not None:
+            return "".join(text), d
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection.
+
+    NOTE: called after the body is read, so `receive()` waits (no polling) until uvicorn reports
+    "http.disconnect" (the client left, or the response was sent).
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)  # a stray body message: never spin
 
 
 @dataclass(frozen=True)
