@@ -3,7 +3,9 @@
 Handlers never touch the engine's state: they `submit` token ids with a sink that hops each
 `Delta` onto the event loop (`call_soon_threadsafe`), and `abort` when the client goes away
 (a non-streaming handler watches for the disconnect while it waits, so the request stops at
-the engine's next step).
+the engine's next step). When the server begins to shut down (`app.state.begin_shutdown`, which
+`kvtier.serve.server` calls), the engine aborts every request: a streaming client gets a last
+chunk with finish_reason "abort", a waiting one a 503 error.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.serve.engine import ServeEngine
+from kvtier.serve.engine import EngineClosed, ServeEngine
 from kvtier.serve.metrics import render
 from kvtier.serve.protocol import DEFAULT_CHAT_TOKENS, APIError, ParsedRequest, parse_request
 from kvtier.serve.sequence import Delta
@@ -65,6 +67,7 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
             engine.shutdown()
 
     app = FastAPI(title="kvtier", lifespan=lifespan)
+    app.state.begin_shutdown = engine.begin_shutdown  # called by kvtier.serve.server on shutdown
     names = {settings.model_name, *settings.aliases}
 
     @app.exception_handler(APIError)
@@ -176,7 +179,10 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
             with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                 loop.call_soon_threadsafe(deltas.put_nowait, d)
 
-        rid = engine.submit(ids, req.params, sink, req.cache_salt)
+        try:
+            rid = engine.submit(ids, req.params, sink, req.cache_salt)
+        except EngineClosed as e:
+            raise APIError(503, str(e), "server_error", "server_shutting_down") from None
         head = _Head(
             ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), settings.model_name
         )
@@ -193,7 +199,7 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled
+        finally:  # also when this handler is cancelled (server shutdown)
             gone.cancel()
             if not result.done():  # the client left (or we were cancelled): stop it now
                 result.cancel()
@@ -202,6 +208,8 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
             return {}  # nobody to answer
         content, last = result.result()
         if last.error is not None:
+            if last.finish_reason == "abort":  # the server is shutting down
+                raise APIError(503, last.error, "server_error", "server_shutting_down")
             raise APIError(500, f"generation failed: {last.error}", "server_error")
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
         if chat:
@@ -227,7 +235,7 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
             while not done:
                 d = await deltas.get()
                 done = d.finish_reason is not None
-                if d.error is not None:
+                if d.error is not None and d.finish_reason != "abort":  # an abort ends with a chunk
                     yield _sse(APIError(500, f"generation failed: {d.error}", "server_error").body())
                     break
                 for chunk in _chunks(head, d, chat):

@@ -10,8 +10,8 @@ it is served alone through a `TieredKVStore` with the offload policy ("head" on 
 KV really streams from the host tier; "auto" on CUDA, planned within the server's GPU budget
 minus the pool), exactly like `kvtier generate`. The engine thread runs such a request to
 completion between two batch steps, so the batch is blocked meanwhile and the request's text
-arrives in one delta at the end (also when streamed); an abort while it runs takes effect when
-it ends.
+arrives in one delta at the end (also when streamed); a client's abort while it runs takes
+effect when it ends, a shutdown (`begin_shutdown`) at its next token.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import ConfigError, PromptError
+from kvtier.errors import ConfigError, KvtierError, PromptError
 from kvtier.planner.hardware import host_memory_available
 from kvtier.serve.kv_manager import KVCacheManager
 from kvtier.serve.offload import generate_offloaded
@@ -38,6 +38,12 @@ from kvtier.serve.scheduler import Scheduler, SchedulerConfig
 from kvtier.serve.sequence import Delta, Sequence, Sink, Status
 from kvtier.serve.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget, offload_gpu_budget
 from kvtier.serve.stopping import check_stop
+
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back (or to another server)"
+
+
+class EngineClosed(KvtierError):
+    """The engine is shutting down and takes no new requests."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class ServeEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._closing = threading.Event()  # set by begin_shutdown: no new requests
         # NOTE: HF fast tokenizers are not safe to share between threads ("Already borrowed");
         # the HTTP thread encodes and the engine thread decodes, so both take this lock.
         self.tokenizer_lock = threading.Lock()
@@ -185,7 +192,11 @@ class ServeEngine:
     def submit(
         self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None
     ) -> str:
-        """Queue a request; `sink` gets its `Delta`s from the engine thread. Returns its id."""
+        """Queue a request; `sink` gets its `Delta`s from the engine thread. Returns its id.
+
+        Raises EngineClosed once `begin_shutdown` was called."""
+        if self._closing.is_set():
+            raise EngineClosed(SHUTTING_DOWN)
         self.check(prompt, params)
         rid = f"req-{next(self._ids)}"
         seq = Sequence(
@@ -211,17 +222,33 @@ class ServeEngine:
         """Forget every cached prefix (device and host) at the next step boundary."""
         self._inbox.put(("reset", None))
 
+    @property
+    def closing(self) -> bool:
+        """Whether `begin_shutdown` was called (new requests are refused)."""
+        return self._closing.is_set()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort every queued and running one at the next step boundary
+        (an offloaded one at its next token): each gets a last `Delta` with finish_reason
+        "abort" and `error` = SHUTTING_DOWN, and its pages are freed. Thread-safe, idempotent."""
+        self._closing.set()
+        self._inbox.put(("abort_all", None))
+
     def start(self) -> None:
-        """Run the step loop in a daemon thread."""
+        """Run the step loop in a daemon thread (again accepting requests after a shutdown)."""
         self._stop.clear()
+        self._closing.clear()
         self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is left (`begin_shutdown`) and stop the engine thread, waiting up to
+        `timeout` seconds for it (it is a daemon thread: a stuck one does not keep the process)."""
+        self.begin_shutdown()
         self._stop.set()
         self._inbox.put(("wake", None))
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
             self._thread = None
 
     # -- the loop ------------------------------------------------------------------------------
@@ -267,6 +294,9 @@ class ServeEngine:
             self._offload.append(arg)
         elif kind == "abort" and arg in self._by_id:
             self._finish(self._by_id[arg], "abort")
+        elif kind == "abort_all":
+            for seq in list(self._by_id.values()):
+                self._finish(seq, "abort", error=SHUTTING_DOWN)
         elif kind == "reset":
             self.kv.reset_prefix_cache()
 
@@ -290,6 +320,9 @@ class ServeEngine:
             tokens = generate_offloaded(self, seq)
         except Exception as e:  # fail this request, keep serving
             self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            return
+        if self.closing:  # cut short by begin_shutdown
+            self._finish(seq, "abort", error=SHUTTING_DOWN)
             return
         self.offloaded += 1
         now = time.perf_counter()

@@ -41,7 +41,7 @@ def generate_offloaded(engine: ServeEngine, seq: Sequence) -> list[int]:
     eos = frozenset() if params.ignore_eos else engine.eos
 
     def should_stop(tokens: list[int]) -> bool:
-        if tokens[-1] in eos:
+        if engine.closing or tokens[-1] in eos:  # the server is shutting down: stop now
             return True
         if params.stop and llm.tokenizer is not None:
             with engine.tokenizer_lock:
