@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.engine.llm import LLM
 from kvtier.errors import CapacityError
@@ -17,7 +18,13 @@ from kvtier.loading.presets import preset_config
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
 from kvtier.serve import sizing
 from kvtier.serve.engine import ServeConfig, ServeEngine
-from kvtier.serve.sizing import MIN_PAGES, PoolBudget, offload_gpu_budget, step_activation_bytes
+from kvtier.serve.sizing import (
+    MIN_PAGES,
+    PoolBudget,
+    measure_pool_budget,
+    offload_gpu_budget,
+    step_activation_bytes,
+)
 from tests.hf_reference import make_hf_model
 
 GiB = 1024**3
@@ -68,6 +75,26 @@ def test_offloaded_requests_plan_within_the_budget_minus_the_pool() -> None:
     # Another process holds most of the GPU: what we hold plus what is free, minus the pool.
     assert offload_gpu_budget(24 * GiB, weights + pool, GiB // 2, pool) == weights + GiB // 2
     assert offload_gpu_budget(GiB, weights + pool, 0, pool) == 0
+
+
+def test_the_h200_case_measures_the_budget_not_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--gpu-memory 24GiB` on a 141 GiB H200 with llama-3-8b loaded: 4325 pages, not 80% of 125 GiB."""
+    weights = weight_bytes(LLAMA3, 2)
+    free = 141 * GiB - weights
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 141 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: weights)
+    cuda = torch.device("cuda", 0)
+    budget = measure_pool_budget(LLAMA3, cuda, torch.bfloat16, 24 * GiB, True, 512, 64)
+    assert budget == llama3_in(24 * GiB)
+    assert budget is not None and budget.default_pages(PAGE) == 4325
+    # No --gpu-memory: the whole GPU, less what another process holds (here all but 20 GiB).
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (20 * GiB, 141 * GiB))
+    budget = measure_pool_budget(LLAMA3, cuda, torch.bfloat16, 141 * GiB, False, 512, 64)
+    assert budget is not None and (budget.budget, budget.label) == (
+        weights + 20 * GiB,
+        "the GPU memory free now plus this process's",
+    )
+    assert budget.default_pages(PAGE) == (20 * GiB - budget.activation - GPU_RESERVE_BYTES) // PAGE
 
 
 @pytest.fixture(scope="module")
