@@ -122,35 +122,21 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
 def engine_plan(
     cfg: ModelConfig, total: int, args: argparse.Namespace, method: str
 ) -> tuple[KVPlan, int | None]:
-    """What `kvtier generate --attention hip --kv auto` plans: slices and block cache per slice
-    (`kvtier.sparse.planning.plan_hip`, with the preset's budgets)."""
-    from kvtier.sparse.planning import plan_hip
+    """What `kvtier generate --attention hip --kv auto` plans (`kvtier.methods.plan_for`): slices
+    and block cache per slice, with the preset's budgets."""
+    from kvtier.methods import MethodChoice, PlanInputs, plan_for
 
-    def plan_with(group: int | None, gpu: int | None, chunk: int | None) -> KVPlan:
-        return plan_kv(
-            cfg,
-            total,
-            policy="auto",
-            gpu_budget=gpu,
-            dtype_bytes=2,
-            chunk_size=chunk,
-            group_size=group,
-            hardware=hardware_preset("h200"),
-        )
-
-    preset = method.removeprefix("hip-")
-    hip = plan_hip(
+    inputs = PlanInputs(
         cfg,
         total,
-        plan_with,
-        gpu_budget=args.budget,
-        preset=preset,
-        dtype_bytes=2,
-        layers_first=True,
-        chunk_size=args.chunk or None,
         hardware=hardware_preset("h200"),
+        dtype_bytes=2,
+        gpu_budget=args.budget,
+        kv="auto",
+        chunk_size=args.chunk or None,
     )
-    return hip.plan, hip.cache_tokens
+    placed = plan_for(inputs, MethodChoice(attention="hip", hip_preset=method.removeprefix("hip-")))
+    return placed.plan, placed.cache_tokens
 
 
 def run_method(

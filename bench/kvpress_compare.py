@@ -136,8 +136,9 @@ def run_kvtier(prompts: list[dict[str, Any]], args: argparse.Namespace, sink: Pa
 
     from kvtier.kv.store import StoreOptions, TieredKVStore
     from kvtier.loading.weights import load_safetensors_folder
+    from kvtier.methods import build_policy
     from kvtier.planner.placement import KVPlan
-    from kvtier.policies import PolicyParts, build_policy
+    from kvtier.policies import PolicyParts
     from kvtier.policies.evict import SnapKVEvictor
     from kvtier.policies.scoring import ScoringKernel
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.methods import build_policy
 from kvtier.planner.placement import KVPlan
-from kvtier.policies import PolicyParts, build_policy
+from kvtier.policies import PolicyParts
 from kvtier.policies.quest import QuestKernel
 
 CPU = torch.device("cpu")

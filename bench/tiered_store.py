@@ -39,11 +39,11 @@ from kvtier.kv.store import TieredKVStore
 from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
+from kvtier.methods import REGISTRY, names
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.memory import activation_bytes, weight_bytes
 from kvtier.planner.placement import plan_kv
 from kvtier.policies.head_sparsity import HeadStreamingEvictor
-from kvtier.policies.quant import make_codec
 from kvtier.policies.quest import QuestKernel
 from kvtier.units import parse_count, parse_size
 
@@ -54,8 +54,10 @@ def method_parts(cfg: Any, method: str) -> dict[str, Any]:
     """Store keyword arguments of a lossy method name ('' = lossless)."""
     if not method:
         return {}
-    if method in ("int8", "int4", "fp8"):
-        return {"codec": make_codec(method)}
+    if method in names("kv_quant"):
+        make = REGISTRY[method].codec
+        assert make is not None
+        return {"codec": make()}
     if method.startswith("quest"):  # quest<budget>p<page>, e.g. quest4096p16
         budget, _, page = method[len("quest") :].partition("p")
         return {"kernel": QuestKernel(int(budget), int(page or 16), dense_layers=2)}
@@ -84,7 +86,7 @@ def run_policy(
             dtype_bytes=2,
             chunk_size=chunk_size,
             hardware=hardware_preset("h200"),
-            codec=make_codec(method) if method in ("int8", "int4", "fp8") else None,  # sized packed
+            codec=method_parts(cfg, method).get("codec") if method in names("kv_quant") else None,  # packed
         )
     except CapacityError as e:
         row["skipped"] = str(e)

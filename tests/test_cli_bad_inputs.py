@@ -103,7 +103,8 @@ BAD_INPUTS: list[tuple[list[str], list[str]]] = [
     ([*GEN, "--top-p", "1.5"], ["--top-p must be in (0, 1]"]),
     ([*GEN, "--top-k", "-1"], ["--top-k must be at least 0, got -1"]),
     ([*GEN, "--head-sparsity", "nan"], ["--head-sparsity must be a finite number"]),
-    ([*GEN, "--head-sparsity", "2"], ["--head-sparsity must be in [0, 1], got 2"]),
+    ([*GEN, "--head-sparsity", "2"], ["--head-sparsity must be in (0, 1), got 2"]),
+    ([*GEN, "--head-sparsity", "0"], ["--head-sparsity must be in (0, 1), got 0"]),
     ([*GEN, "--max-new-tokens", "0"], ["--max-new-tokens must be at least 1, got 0"]),
     ([*GEN, "--max-new-tokens", "lots"], ["--max-new-tokens: cannot read 'lots'"]),
     ([*GEN, "--head-group", "x"], ["--head-group: cannot read 'x' as an integer"]),
@@ -128,7 +129,7 @@ BAD_INPUTS: list[tuple[list[str], list[str]]] = [
     ([*PLAN, "--head-group", "3"], ["--head-group 3 must divide the model's 8 KV heads"]),
     ([*PLAN, "--group-size", "3"], ["--head-group 3 must divide the model's 8 KV heads"]),
     # no abbreviations: `--kv` was read as --kv-quant
-    ([*PLAN, "--kv", "head"], ["unrecognized arguments: --kv head"]),
+    ([*PLAN, "--kv-q", "int4"], ["unrecognized arguments: --kv-q int4"]),
     ([*PLAN, "--gpu-mem", "24GB"], ["unrecognized arguments: --gpu-mem"]),
     ([*GEN, "--max-new", "3"], ["unrecognized arguments: --max-new"]),
     (["eval", "passkey", "--sampl", "2"], ["unrecognized arguments: --sampl"]),

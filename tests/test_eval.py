@@ -12,16 +12,15 @@ from typing import Any, ClassVar
 
 import pytest
 
-from kvtier.engine.config import EngineConfig
 from kvtier.errors import ConfigError
 from kvtier.eval.grid import parse_depths, parse_lengths
 from kvtier.eval.haystack import FILLER, Haystack, prose_text
-from kvtier.eval.methods import METHODS, Method, parse_method, parse_methods, register_method
 from kvtier.eval.prompts import fit_size
 from kvtier.eval.results import EvalResult, Record, aggregate
 from kvtier.eval.ruler import RULER_SUBTASKS
-from kvtier.eval.runner import EvalConfig, check_lengths, reuse_llm, run_eval
+from kvtier.eval.runner import EvalConfig, check_lengths, run_eval
 from kvtier.eval.scoring import first_int, recall, score
+from kvtier.eval.specs import parse_method, parse_methods
 from kvtier.eval.tasks import PASSKEY_INTRO, TaskSpec, generate_samples
 
 
@@ -210,26 +209,19 @@ def test_lossy_methods() -> None:
         {"attention": "quest", "kv_budget": 1024},
         False,
     )
-    assert dict(parse_method("snapkv,kv_budget=2k,kv_quant=int8").kwargs) == {
+    assert dict(parse_method("snapkv,kv_budget=2k,kv=head").kwargs) == {
         "evict": "snapkv",
         "kv_budget": 2048,
-        "kv_quant": "int8",
+        "kv": "head",
     }
+    with pytest.raises(ConfigError, match="cannot be combined"):  # refused before any model loads
+        parse_method("snapkv,kv_budget=2k,kv_quant=int8")
     assert not parse_method("auto,kv_quant=int4").lossless
     assert parse_method("auto,attention=dense").lossless
     with pytest.raises(
         ConfigError, match=r"--method quest needs kv_budget; e\.g\. --method quest,kv_budget=1k"
     ):
         parse_method("quest")
-
-
-def test_register_a_new_method() -> None:
-    register_method(Method("kivi2", {"kv_bits": 2}, lossless=False), kv_bits=int)
-    try:
-        m = parse_method("kivi2,chunk_size=256")
-        assert dict(m.kwargs) == {"kv_bits": 2, "chunk_size": 256} and not m.lossless
-    finally:
-        del METHODS["kivi2"]
 
 
 def test_lengths_and_depths_parsing() -> None:
@@ -269,21 +261,26 @@ def test_lengths_past_the_model_are_refused() -> None:
 
 
 class FakeLLM:
-    """Answers every passkey prompt correctly, except under kv="layer"."""
+    """Answers every passkey prompt correctly, except for requests under kv="layer"."""
 
     made: ClassVar[list[dict[str, Any]]] = []
 
-    def __init__(
-        self, model: str | None = None, *, device: str = "auto", kv: str = "auto", **kw: Any
-    ) -> None:
-        self.kv, self.tokenizer, self.max_model_len = kv, FakeLLM.tokenizer_, 8192
-        FakeLLM.made.append({"kv": kv, **kw})
+    def __init__(self, model: str | None = None, *, device: str = "auto", **kw: Any) -> None:
+        self.tokenizer, self.max_model_len = FakeLLM.tokenizer_, 8192
+        self.methods: list[str] = []
+        FakeLLM.made.append(kw)
 
     tokenizer_: Any = None
 
-    def generate(self, prompts: list[list[int]], params: Any, chat: bool = False) -> list[Any]:
+    def max_model_len_for(self, method: Any) -> int:
+        return self.max_model_len
+
+    def generate(
+        self, prompts: list[list[int]], params: Any, chat: bool = False, method: Any = None
+    ) -> list[Any]:
+        self.methods.append(method.kv)
         key = re.findall(r"pass key is (\d+)", self.tokenizer.decode(prompts[0]))[0]
-        text = " 1." if self.kv == "layer" else f" {key}."
+        text = " 1." if method.kv == "layer" else f" {key}."
         stats = SimpleNamespace(prefill_s=0.5, decode_s=0.1)
         return [SimpleNamespace(text=text, stats=stats)]
 
@@ -293,7 +290,7 @@ def test_run_eval_scores_each_method_on_the_same_prompts(tok: Any, tmp_path: Pat
     spec = TaskSpec("passkey", (1024, 2048), samples=2)
     cfg = EvalConfig(spec, parse_methods(["auto", "layer"]))
     result = run_eval(cfg, command="kvtier eval passkey", progress=False, llm_factory=FakeLLM)
-    assert [m["kv"] for m in FakeLLM.made] == ["auto", "layer"]
+    assert len(FakeLLM.made) == 1  # one load; each method is chosen per request
     assert len(result.records) == 8
     by = {(c["method"], c["length"]): c["score"] for c in result.aggregates()["by_length"]}
     assert by == {("auto", 1024): 1.0, ("auto", 2048): 1.0, ("layer", 1024): 0.0, ("layer", 2048): 0.0}
@@ -308,39 +305,20 @@ def test_run_eval_scores_each_method_on_the_same_prompts(tok: Any, tmp_path: Pat
     assert EvalResult.load(tmp_path / "r.json").to_json() == result.to_json()
 
 
+def test_run_eval_loads_again_only_for_engine_options(tok: Any) -> None:
+    FakeLLM.tokenizer_, FakeLLM.made = tok, []
+    cfg = EvalConfig(
+        TaskSpec("passkey", (1024,)), parse_methods(["auto", "head,head_group=1", "auto,chunk_size=256"])
+    )
+    run_eval(cfg, progress=False, llm_factory=FakeLLM)
+    assert [m.get("chunk_size") for m in FakeLLM.made] == [None, 256]
+
+
 def test_run_eval_refuses_lengths_past_the_model(tok: Any) -> None:
     FakeLLM.tokenizer_ = tok
     cfg = EvalConfig(TaskSpec("niah", (16384,)), parse_methods(None))
     with pytest.raises(ConfigError, match="--max-model-len"):
         run_eval(cfg, progress=False, llm_factory=FakeLLM)
-
-
-class EngineLike:
-    """Just enough of `LLM` for `reuse_llm`: its signature, `config` and `model_config`."""
-
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        kv: str = "auto",
-        head_group: int | None = None,
-        max_model_len: int | None = None,
-    ) -> None:
-        self.config = EngineConfig(device=device, dtype=dtype, kv=kv, head_group=head_group)
-        self.model_config = SimpleNamespace(max_position_embeddings=8192)
-        self.max_model_len = max_model_len or 8192
-        self.weights = object()
-
-
-def test_reuse_llm_shares_the_weights() -> None:
-    base = EngineLike(kv="gpu")
-    clone = reuse_llm(base, {"kv": "head", "head_group": 1}, {"kv": "gpu"})
-    assert clone is not None and clone.weights is base.weights
-    assert (clone.config.kv, clone.config.head_group, base.config.kv) == ("head", 1, "gpu")
-    assert reuse_llm(base, {"kv": "head", "dtype": "bf16"}, {"kv": "gpu"}) is None  # reload
-    assert reuse_llm(base, {"kv": "gpu", "kv_quant": "int4"}, {"kv": "gpu"}) is None  # lossy: new LLM
 
 
 def test_aggregate_groups_in_order() -> None:

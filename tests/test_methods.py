@@ -60,7 +60,7 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
         ({"attention": "sparse"}, "unknown --attention"),
         ({"evict": "h2o"}, "--kv-budget"),
         ({"kv_quant": "int3"}, "unknown --kv-quant"),
-        ({"head_sparsity": 1.5}, r"\[0, 1\]"),
+        ({"head_sparsity": 1.5}, r"\(0, 1\)"),
     ],
 )
 def test_bad_method_options(tiny: Path, kw: dict[str, Any], match: str) -> None:
@@ -96,7 +96,7 @@ def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
     """HiP selects per slice: with `--kv auto` and no `--head-group` the engine takes whole
     layers (the published head reduction, fewer slice steps) when a layer's staging buffers hold
     whole slices, and finer slices that do otherwise."""
-    import kvtier.engine.llm as engine
+    import kvtier.methods.plan as engine
 
     asked: list[int | None] = []
 
@@ -121,7 +121,7 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
 ) -> None:
     """When a whole refresh interval's block cache leaves no room for a layer's staging buffers,
     the engine tries smaller caches (largest first) and builds the kernel with the one that fits."""
-    import kvtier.engine.llm as engine
+    import kvtier.methods.plan as engine
     import kvtier.sparse as sparse
     from kvtier.sparse import CACHE_TOKEN_STEPS, HipKernel
     from kvtier.sparse.planning import store_budget
@@ -141,7 +141,8 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
         return streaming_plan(cfg, ctx, group_size or 1, whole=gpu_budget >= enough)
 
     monkeypatch.setattr(engine, "plan_kv", fake_plan)
-    plan, cache_tokens = llm._plan(context)
+    placed = llm.placement(context, llm.method)
+    plan, cache_tokens = placed.plan, placed.cache_tokens
     assert (plan.group_size, cache_tokens) == (cfg.num_kv_heads, fits)
     store, parts = llm.make_store(plan, context, cache_tokens)
     store.close()
@@ -165,7 +166,8 @@ def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(
     for budget in range(556_000_000, 560_000_000, 100_000):  # the tiny model's KV: ~1 MB
         llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
         with contextlib.suppress(CapacityError):
-            plan, cache_tokens = llm._plan(len(ids) + params.max_tokens)
+            placed = llm.placement(len(ids) + params.max_tokens, llm.method)
+            plan, cache_tokens = placed.plan, placed.cache_tokens
             layers = plan.group_size == llm.model_config.num_kv_heads
             if layers and plan.streamed_slices and cache_tokens is not None:
                 break

@@ -15,9 +15,10 @@ from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.methods import build_policy
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
-from kvtier.policies import PolicyParts, build_policy
+from kvtier.policies import PolicyParts
 from kvtier.policies.evict import H2OEvictor, SnapKVEvictor, WindowEvictor
 from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
 from kvtier.policies.quant import Fp8Codec, KiviCodec

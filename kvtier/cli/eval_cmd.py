@@ -14,10 +14,11 @@ from typing import Any
 from kvtier.cli.options import int_type, output_path_type, seed_type
 from kvtier.eval.grid import parse_depths, parse_lengths
 from kvtier.eval.haystack import HAYSTACKS
-from kvtier.eval.methods import METHODS, OPTION_TYPES, parse_methods
 from kvtier.eval.ruler import RULER_SUBTASKS
 from kvtier.eval.runner import EvalConfig, run_eval
+from kvtier.eval.specs import option_types, parse_methods
 from kvtier.eval.tasks import TASKS, TaskSpec
+from kvtier.methods import spec_names
 from kvtier.units import parse_count
 
 
@@ -50,8 +51,8 @@ def add_parser(subparsers: Any) -> None:
         action="append",
         default=None,
         metavar="SPEC",
-        help=f"KV method, repeatable: a name ({', '.join(METHODS)}) with optional key=value "
-        f"({', '.join(OPTION_TYPES)}), e.g. head,head_group=1 (default: auto)",
+        help=f"KV method, repeatable: a name ({', '.join(spec_names())}) with optional key=value "
+        f"({', '.join(option_types())}), e.g. head,head_group=1 (default: auto)",
     )
     p.add_argument("--haystack", choices=HAYSTACKS, default=None, help="filler (default: per task)")
     p.add_argument(

@@ -12,12 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.engine.config import KV_POLICIES
-from kvtier.engine.methods import ATTENTION_METHODS
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.policies.evict import EVICT
-from kvtier.policies.quant import KV_QUANT
-from kvtier.sparse import HIP_PRESETS
+from kvtier.methods import FAMILIES, OPTIONS, REGISTRY, choices
+from kvtier.planner.placement import POLICIES
 from kvtier.units import (
     COUNT_LIMIT,
     format_bytes,
@@ -144,7 +141,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv",
         default="auto",
-        choices=KV_POLICIES,
+        choices=POLICIES,
         help="KV placement: auto (planner decides), gpu, layer (layer-wise offload), head (head-wise)",
     )
     p.add_argument(
@@ -179,36 +176,43 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _method_help(family: str) -> str:
+    names = [n for n in choices(family) if n in REGISTRY]
+    listed = "; ".join(f"{n}: {REGISTRY[n].help}" for n in names)
+    return f"{FAMILIES[family].help}. {listed}" if listed else FAMILIES[family].help
+
+
+def _parsed(key: str) -> Callable[[str], Any]:
+    """An option's parser as an argparse type (the registry's parsers raise ConfigError)."""
+    return OPTIONS[key].parse
+
+
 def add_method_options(p: argparse.ArgumentParser) -> None:
-    """The opt-in lossy methods. Without them kvtier is lossless."""
+    """The opt-in lossy methods, from the registry (`kvtier.methods`): one option per family
+    (`--attention`, `--kv-quant`, `--evict`, `--head-sparsity`) with the registered methods as its
+    choices, and one per method option (`--kv-budget`, `--hip-preset`, ...). Without them kvtier
+    is lossless."""
     g = p.add_argument_group("lossy methods (opt-in; default: lossless dense attention, full KV)")
-    g.add_argument(
-        "--attention",
-        default="dense",
-        choices=ATTENTION_METHODS,
-        help="dense (default); hip = InfiniteHiP-style sparse attention with context "
-        "extension; quest = query-aware page selection (needs --kv-budget)",
-    )
-    g.add_argument(
-        "--hip-preset",
-        default="default",
-        choices=sorted(HIP_PRESETS),
-        help="HiP budgets and decode refresh intervals",
-    )
-    g.add_argument("--kv-quant", default=None, choices=KV_QUANT, help="quantize stored KV")
-    g.add_argument("--evict", default=None, choices=EVICT, help="evict KV tokens (needs --kv-budget)")
-    g.add_argument(
-        "--kv-budget",
-        type=count_type("--kv-budget"),
-        default=None,
-        help="tokens kept (or read) per KV head by --evict / --attention quest / --head-sparsity",
-    )
-    g.add_argument(
-        "--head-sparsity",
-        type=float_type("--head-sparsity", 0.0, 1.0),
-        default=None,
-        help="fraction of KV heads that become streaming heads (sinks + recent tokens)",
-    )
+    for family in FAMILIES.values():
+        if family.key in OPTIONS:  # selected by a value (--head-sparsity R), not by a name
+            opt = OPTIONS[family.key]
+            g.add_argument(opt.flag, type=_parsed(opt.key), default=None, help=_method_help(family.key))
+            continue
+        g.add_argument(
+            family.flag,
+            default=family.none,
+            choices=choices(family.key),
+            help=_method_help(family.key),
+        )
+    for key, opt in OPTIONS.items():
+        if key not in FAMILIES:
+            g.add_argument(opt.flag, type=_parsed(key), default=None, help=opt.help)
+
+
+def method_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The method options a parsed command line gave (unset ones left to `MethodChoice`)."""
+    keys = [*FAMILIES, *OPTIONS]
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,11 +227,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_size": args.chunk_size,
         "max_model_len": args.max_model_len,
         "seed": args.seed,
-        **{
-            k: getattr(args, k)
-            for k in ("attention", "hip_preset", "kv_quant", "evict", "kv_budget", "head_sparsity")
-            if hasattr(args, k)
-        },
+        **method_kwargs(args),
     }
 
 
@@ -245,16 +245,14 @@ def check_before_loading(args: argparse.Namespace) -> None:
 
     from kvtier.engine.config import EngineConfig
     from kvtier.loading.resolve import read_model_config
+    from kvtier.methods import MethodChoice, PlanInputs, plan_for
     from kvtier.planner.hardware import detect_hardware
     from kvtier.planner.memory import weight_bytes
-    from kvtier.planner.placement import plan_kv
 
     config = EngineConfig.with_sizes(
         args.gpu_memory,
         device=args.device,
         dtype=args.dtype,
-        kv=args.kv,
-        head_group=args.head_group,
         chunk_size=args.chunk_size,
         max_model_len=args.max_model_len,
         seed=args.seed,
@@ -269,14 +267,16 @@ def check_before_loading(args: argparse.Namespace) -> None:
             f"--gpu-memory {format_bytes(config.gpu_memory)} is smaller than the model's weights alone "
             f"({format_bytes(weights)} in {str(dtype).removeprefix('torch.')}); use a larger --gpu-memory"
         )
-    plan_kv(
+    method = MethodChoice(kv=args.kv, head_group=args.head_group)
+    inputs = PlanInputs(
         cfg,
         1,
-        policy=config.kv,
-        gpu_budget=config.gpu_memory,
-        dtype_bytes=itemsize,
-        chunk_size=config.chunk_size,
-        group_size=config.head_group,
-        block_size=config.block_size,
         hardware=detect_hardware(device),
+        dtype_bytes=itemsize,
+        gpu_budget=config.gpu_memory,
+        kv=method.kv,
+        head_group=method.head_group,
+        chunk_size=config.chunk_size,
+        block_size=config.block_size,
     )
+    plan_for(inputs)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, ModelLoadError
 from kvtier.loading.gguf import gguf_model_config, is_gguf_file
 from kvtier.loading.presets import PRESETS, preset_config
+from kvtier.methods import OPTIONS, REGISTRY, MethodChoice, PlanInputs, choices, names, plan_for
 from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
@@ -85,7 +85,14 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="KV heads per streamed group (head/auto), as `generate --head-group`",
     )
-    p.add_argument("--policy", default="auto", choices=POLICIES, help="KV placement policy to plan")
+    p.add_argument(
+        "--kv",
+        "--policy",
+        dest="policy",
+        default="auto",
+        choices=POLICIES,
+        help="KV placement to plan, as `generate --kv` (--policy: the old name)",
+    )
     p.add_argument("--block-size", type=int_type("--block-size"), default=256, help="KV block size in tokens")
     p.add_argument("--gpu", default="rtx4090", choices=sorted(HARDWARE), help="hardware preset")
     p.add_argument(
@@ -115,12 +122,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--kv-quant",
         default=None,
-        choices=("int8", "int4", "fp8"),
-        help="also predict a packed host tier's PCIe bytes per decode step",
+        choices=names("kv_quant"),
+        help="also plan the cache packed: resident slices, host KV and PCIe bytes per decode step",
     )
     p.add_argument(
         "--head-sparsity",
-        type=float_type("--head-sparsity", 0.0, 1.0, lo_open=True, hi_open=True),
+        type=OPTIONS["head_sparsity"].parse,
         default=None,
         metavar="R",
         help="also predict head-wise sparsity: a fraction R of KV heads keep 64 sinks + 256 recent tokens",
@@ -128,10 +135,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--attention",
         default="dense",
-        choices=("dense", "hip"),
-        help="also plan HiP sparse attention: its slices and block cache per offloaded slice",
+        choices=planned_attention(),
+        help="also plan a sparse attention method with its own planner (HiP: its slices, block "
+        "cache per offloaded slice and prefill chunk)",
     )
-    p.add_argument("--hip-preset", default="default", help="HiP preset (with --attention hip)")
+    p.add_argument(
+        "--hip-preset", type=OPTIONS["hip_preset"].parse, default="default", help=OPTIONS["hip_preset"].help
+    )
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
     p.add_argument(
         "--plot",
@@ -199,6 +209,27 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+def planned_attention() -> tuple[str, ...]:
+    """`--attention` values `kvtier plan` can plan: dense and the methods with a planner hook."""
+    return tuple(n for n in choices("attention") if n not in REGISTRY or REGISTRY[n].plan is not None)
+
+
+def plan_inputs(req: PlanRequest) -> PlanInputs:
+    """`plan_for`'s inputs for this request (the disk extends the host tier, as in the report)."""
+    return PlanInputs(
+        req.cfg,
+        req.context,
+        hardware=req.hardware,
+        dtype_bytes=req.dtype_bytes,
+        gpu_budget=req.gpu_budget,
+        host_budget=req.host_budget + req.disk_budget,
+        kv=req.policy,
+        head_group=req.group_size,
+        chunk_size=req.chunk_size,
+        block_size=req.block_size,
+    )
+
+
 def lossy_lines(
     req: PlanRequest, plan: KVPlan | None, kv_quant: str | None, head_sparsity: float | None
 ) -> dict[str, Any] | None:
@@ -208,14 +239,14 @@ def lossy_lines(
     if kv_quant is not None and head_sparsity is not None:
         raise ConfigError("--kv-quant and --head-sparsity cannot be combined yet: plan one at a time")
     from kvtier.planner.lossy import lossy_kv
-    from kvtier.policies.quant import make_codec
 
     cfg, ctx, b = req.cfg, req.context, req.dtype_bytes
     base = lossy_kv(cfg, plan, ctx, dtype_bytes=b)
     if kv_quant is not None:
         # Planned again, packed: the same budget keeps more slices resident.
-        codec = make_codec(kv_quant)
-        plan = req.plan(ctx, codec=codec)
+        choice = MethodChoice(kv=req.policy, head_group=req.group_size, kv_quant=kv_quant)
+        plan = plan_for(plan_inputs(req), choice).plan
+        codec = choice.codec()
         method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
     else:
         assert head_sparsity is not None
@@ -240,32 +271,12 @@ def lossy_lines(
 
 
 def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] | None:
-    """The plan under `--attention hip` (None for dense): slices, block cache, HiP's GPU bytes."""
-    if attention != "hip":
+    """The plan under a sparse attention method with a planner hook (None for dense): slices,
+    block cache per offloaded slice, the method's GPU bytes and its prefill chunk."""
+    if attention == "dense":
         return None
-    from kvtier.sparse import HIP_PRESETS
-    from kvtier.sparse.planning import plan_hip
-
-    if preset not in HIP_PRESETS:
-        raise ConfigError(f"unknown --hip-preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
-
-    def plan_with(group: int | None, gpu: int | None, chunk: int | None) -> KVPlan:
-        assert gpu is not None  # `kvtier plan` always has a GPU budget
-        return replace(req, gpu_budget=gpu, group_size=group or req.group_size, chunk_size=chunk).plan(
-            req.context
-        )
-
-    hip = plan_hip(
-        req.cfg,
-        req.context,
-        plan_with,
-        gpu_budget=req.gpu_budget,
-        preset=preset,
-        dtype_bytes=req.dtype_bytes,
-        layers_first=req.policy == "auto" and req.group_size is None,
-        chunk_size=req.chunk_size,
-        hardware=req.hardware,
-    )
+    choice = MethodChoice(kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset)
+    hip = plan_for(plan_inputs(req), choice)
     plan = hip.plan
     return {
         "preset": preset,

@@ -1,4 +1,7 @@
-"""Engine options (frozen, validated) and their resolution against the machine."""
+"""Engine options (frozen, validated) and their resolution against the machine.
+
+What a request runs with over the store (placement and method) is a `kvtier.methods.MethodChoice`;
+these are the options of the loaded engine itself."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.units import parse_size
 
-KV_POLICIES = ("auto", "gpu", "layer", "head")
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -22,33 +24,23 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to run: device, dtype, KV placement policy and budgets. Sizes are in bytes."""
+    """How to run: device, dtype, budgets and granularity. Sizes are in bytes."""
 
     device: str = "auto"
     dtype: str = "auto"
-    kv: str = "auto"
     gpu_memory: int | None = None
-    head_group: int | None = None
     chunk_size: int | None = None
     block_size: int = 256
     max_model_len: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kv not in KV_POLICIES:
-            raise ConfigError(f"unknown --kv policy {self.kv!r}; choose one of {', '.join(KV_POLICIES)}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
-        if self.head_group is not None and self.kv not in ("head", "auto"):
-            raise ConfigError(f"--head-group applies to --kv head (or auto), not --kv {self.kv}")
-        if self.head_group is not None and self.head_group < 1:
-            raise ConfigError(f"--head-group must be at least 1, got {self.head_group}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError(f"--chunk-size must be at least 1, got {self.chunk_size}")
         if self.block_size < 1:
             raise ConfigError(f"block size must be at least 1, got {self.block_size}")
-        if self.kv == "gpu" and self.gpu_memory is not None:
-            pass  # a budget with --kv gpu is checked by the planner (it says when it cannot fit)
 
     @staticmethod
     def with_sizes(gpu_memory: str | int | None = None, **kw: object) -> EngineConfig:

@@ -8,24 +8,22 @@ from typing import Any
 import torch
 
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.methods import StoreMethod
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, PromptError
-from kvtier.kv.hooks import can_pack
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
+from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
 from kvtier.planner.hardware import detect_hardware, host_memory_available
-from kvtier.planner.placement import KVPlan, plan_kv
+from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
-from kvtier.policies.quant import make_codec
 
 Prompt = str | list[int]
 
 
 class LLM:
-    """A loaded model plus the KV policy it runs with.
+    """A loaded model, and the method its requests run with unless they name another.
 
     >>> llm = LLM()                      # the embedded SmolLM2-135M-Instruct, offline
     >>> out = llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0]
@@ -35,7 +33,9 @@ class LLM:
     `kv` ("auto", "gpu", "layer", "head"), `gpu_memory` (e.g. "24GiB": the budget the planner
     fits weights, activations and KV into; on CUDA it also caps this process), `head_group`
     (KV heads per streamed group), `chunk_size` (prefill chunk; default from the planner),
-    `max_model_len` (allow prompts past the model's trained context).
+    `max_model_len` (allow prompts past the model's trained context). The placement
+    (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
+    `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
     """
 
     def __init__(
@@ -62,14 +62,15 @@ class LLM:
             gpu_memory,
             device=device,
             dtype=dtype,
-            kv=kv,
-            head_group=head_group,
             chunk_size=chunk_size,
             block_size=block_size,
             max_model_len=max_model_len,
             seed=seed,
         )
-        self.method = StoreMethod(
+        # The default method of this LLM's requests; `generate(..., method=)` picks another.
+        self.method = MethodChoice(
+            kv=kv,
+            head_group=head_group,
             attention=attention,
             hip_preset=hip_preset,
             kv_quant=kv_quant,
@@ -85,12 +86,27 @@ class LLM:
         self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
-        if max_model_len is None and attention == "hip":
-            # HiP's context extension is what lets a model run past its trained length.
-            max_model_len = 1 << 24
-        self.max_model_len = max_model_len or self.model_config.max_position_embeddings
-        # Fail on bad method names or budgets now, before the first request.
+        self.max_model_len = self.max_model_len_for(self.method)
+        # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model)
+
+    def max_model_len_for(self, method: MethodChoice) -> int:
+        """The longest prompt plus output a request under `method` may have: `max_model_len` when
+        given, else the trained length, lifted by a method with context extension (HiP)."""
+        if self.config.max_model_len is not None:
+            return self.config.max_model_len
+        if method.extends_context:
+            return 1 << 24
+        return int(self.model_config.max_position_embeddings)
+
+    def resolve_method(self, method: MethodChoice | str | None) -> MethodChoice:
+        """A request's method: this LLM's default (None), a `MethodChoice`, or a spec such as
+        "head,head_group=1" or "hip,hip_preset=fast" (`kvtier.methods.spec`)."""
+        if method is None:
+            return self.method
+        if isinstance(method, str):
+            return parse_choice(method)
+        return method
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -102,49 +118,29 @@ class LLM:
             return int(torch.cuda.get_device_properties(self.device).total_memory)
         return None
 
-    def plan(self, context: int) -> KVPlan:
-        """The KV placement for a sequence of `context` tokens (from `kvtier.planner`)."""
-        return self._plan(context)[0]
+    def plan(self, context: int, method: MethodChoice | None = None) -> KVPlan:
+        """The KV placement for a sequence of `context` tokens under `method` (default: this
+        LLM's), from `kvtier.methods.plan_for`."""
+        return self.placement(context, method or self.method).plan
 
-    def _plan(self, context: int) -> tuple[KVPlan, int | None]:
-        """The plan, and with HiP the block cache per offloaded slice (None: the preset's)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        host = host_memory_available() if self.device.type == "cuda" else None
-        # A quantized cache is planned packed: rows plus a short full-precision tail per slice,
-        # in GPU memory for resident slices and host memory for streamed ones.
-        codec = make_codec(self.method.kv_quant) if self.method.kv_quant is not None else None
+    def placement(self, context: int, method: MethodChoice) -> Placement:
+        """`plan_for` on this LLM's model, device, budget and options."""
+        return plan_for(self.plan_inputs(context, method), method)
 
-        def plan(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:
-            return plan_kv(
-                self.model_config,
-                context,
-                policy=self.config.kv,
-                gpu_budget=gpu,
-                dtype_bytes=itemsize,
-                chunk_size=chunk or self.config.chunk_size,
-                group_size=group or self.config.head_group,
-                block_size=self.config.block_size,
-                hardware=detect_hardware(self.device),
-                host_budget=host,
-                codec=codec if codec is not None and can_pack(codec) else None,
-            )
-
-        if self.method.attention != "hip":
-            return plan(None, self.gpu_budget()), None
-        from kvtier.sparse.planning import plan_hip
-
-        hip = plan_hip(
+    def plan_inputs(self, context: int, method: MethodChoice) -> PlanInputs:
+        """What `plan_for` plans a request of `context` tokens under `method` with, here."""
+        return PlanInputs(
             self.model_config,
             context,
-            plan,
-            gpu_budget=self.gpu_budget(),
-            preset=self.method.hip_preset,
-            dtype_bytes=itemsize,
-            layers_first=self.config.kv == "auto" and self.config.head_group is None,
-            chunk_size=self.config.chunk_size,
             hardware=detect_hardware(self.device),
+            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            gpu_budget=self.gpu_budget(),
+            host_budget=host_memory_available() if self.device.type == "cuda" else None,
+            kv=method.kv,
+            head_group=method.head_group,
+            chunk_size=self.config.chunk_size,
+            block_size=self.config.block_size,
         )
-        return hip.plan, hip.cache_tokens
 
     # -- prompts -------------------------------------------------------------------------------
 
@@ -173,7 +169,7 @@ class LLM:
             raise PromptError(f"token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
         return ids
 
-    def _check_length(self, n_prompt: int, params: SamplingParams) -> None:
+    def _check_length(self, n_prompt: int, params: SamplingParams, limit: int) -> None:
         total = n_prompt + params.max_tokens
         window = self.model_config.sliding_window
         if window is not None and total > window:
@@ -181,10 +177,10 @@ class LLM:
                 f"this model uses sliding-window attention ({window} tokens), which kvtier does not "
                 f"implement; prompt plus max_tokens is {total}. Keep it within {window} tokens"
             )
-        if total > self.max_model_len:
+        if total > limit:
             raise PromptError(
                 f"the prompt has {n_prompt} tokens; with max_tokens={params.max_tokens} that is {total}, "
-                f"past this model's limit of {self.max_model_len} tokens. Shorten the prompt, or pass "
+                f"past this model's limit of {limit} tokens. Shorten the prompt, or pass "
                 "--max-model-len (max_model_len=) to run past the trained context (quality may drop)"
             )
 
@@ -197,9 +193,12 @@ class LLM:
         *,
         chat: bool = False,
         progress: bool = False,
+        method: MethodChoice | str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids), one after the other."""
+        """Generate for each prompt (text or token ids), one after the other, under `method`
+        (default: this LLM's; see `resolve_method`)."""
         params = params or SamplingParams()
+        chosen = self.resolve_method(method)
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -210,15 +209,23 @@ class LLM:
             raise PromptError("no prompts given")
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
-            self._check_length(len(ids), params)
-        return [self._generate_one(p, ids, params, progress) for p, ids in zip(batch, encoded, strict=True)]
+            self._check_length(len(ids), params, self.max_model_len_for(chosen))
+        return [
+            self._generate_one(p, ids, params, progress, chosen)
+            for p, ids in zip(batch, encoded, strict=True)
+        ]
 
     def make_store(
-        self, plan: KVPlan, context: int, hip_cache_tokens: int | None = None
+        self,
+        plan: KVPlan,
+        context: int,
+        hip_cache_tokens: int | None = None,
+        method: MethodChoice | None = None,
     ) -> tuple[TieredKVStore, PolicyParts]:
-        """A fresh KV store for one sequence of `context` tokens, with this LLM's method parts
-        (`hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's)."""
-        parts = self.method.build(self.model_config, self.device, self.loaded.model, hip_cache_tokens)
+        """A fresh KV store for one sequence of `context` tokens, with `method`'s parts (default:
+        this LLM's; `hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's)."""
+        method = method or self.method
+        parts = method.build(self.model_config, self.device, self.loaded.model, hip_cache_tokens)
         store = TieredKVStore(
             self.model_config,
             plan,
@@ -231,13 +238,14 @@ class LLM:
         return store, parts
 
     def _generate_one(
-        self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool
+        self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool, method: MethodChoice
     ) -> RequestOutput:
         context = len(ids) + params.max_tokens
-        plan, hip_cache_tokens = self._plan(context)
+        placement = self.placement(context, method)
+        plan = placement.plan
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        store, parts = self.make_store(plan, context, hip_cache_tokens)
+        store, parts = self.make_store(plan, context, placement.cache_tokens, method)
         try:
             tokens, stats = generate_tokens(
                 self.loaded.model,

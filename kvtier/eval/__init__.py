@@ -11,4 +11,6 @@ downloaded. The modules, in the order data flows through them:
 - `methods`: `--method` specs -> `LLM(...)` keyword arguments (a registry lossy methods join).
 - `runner`: load the model once, run every sample under every method, score (`scoring`).
 - `results` / `plots`: records, aggregates, JSON, tables, heatmaps and accuracy lines.
+
+May import: the engine (`LLM`), the methods registry and below. Imported by the CLI.
 """

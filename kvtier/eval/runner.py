@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import inspect
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from kvtier import __version__
-from kvtier.engine.config import EngineConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
-from kvtier.eval.methods import MethodSpec
 from kvtier.eval.prompts import Sample
 from kvtier.eval.results import EvalResult, Record, machine_info
 from kvtier.eval.scoring import score
+from kvtier.eval.specs import MethodSpec
 from kvtier.eval.tasks import DEFAULT_HAYSTACK, TaskSpec, generate_samples
-
-_LOAD_KEYS = ("device", "dtype", "gpu_memory", "seed")
-"""Engine options that change the loaded weights or the process (see `reuse_llm`)."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +34,9 @@ class EvalConfig:
             raise ConfigError("give at least one --method")
 
     def llm_kwargs(self, method: MethodSpec) -> dict[str, Any]:
-        """Keyword arguments of `LLM(model, ...)` for `method`."""
-        return {"device": self.device, "max_model_len": self.max_model_len, **method.kwargs}
+        """Keyword arguments of `LLM(model, ...)` that load the model for `method` (its engine
+        options; the method itself is chosen per request)."""
+        return {"device": self.device, "max_model_len": self.max_model_len, **method.engine()}
 
 
 def check_lengths(lengths: tuple[int, ...], max_model_len: int, method: str = "") -> None:
@@ -58,35 +52,12 @@ def check_lengths(lengths: tuple[int, ...], max_model_len: int, method: str = ""
         )
 
 
-def reuse_llm(base: Any, kwargs: Mapping[str, Any], base_kwargs: Mapping[str, Any]) -> Any | None:
-    """`base` with its engine options replaced by `kwargs` (sharing the weights), or None.
-
-    NOTE: `LLM` reads its KV placement, chunk and block sizes from `llm.config` at each request,
-    so a shallow copy with another `EngineConfig` runs the same loaded weights under another
-    placement. Anything else that differs (a load option in `_LOAD_KEYS`, or a lossy method
-    option such as `attention` or `kv_quant`, which `LLM` turns into other state) returns None:
-    load a new `LLM`.
-    """
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    changed = {k for k in {*kwargs, *base_kwargs} if kwargs.get(k) != base_kwargs.get(k)}
-    if changed - (fields - set(_LOAD_KEYS)) or not isinstance(getattr(base, "config", None), EngineConfig):
-        return None
-    params = inspect.signature(type(base).__init__).parameters
-    merged = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    merged.update(kwargs)
-    config = EngineConfig.with_sizes(**{k: v for k, v in merged.items() if k in fields})
-    clone = copy.copy(base)
-    clone.config = config
-    clone.max_model_len = config.max_model_len or base.model_config.max_position_embeddings
-    return clone
-
-
-def run_sample(llm: Any, sample: Sample, method: str) -> Record:
-    """Generate greedily for `sample` and score the answer."""
+def run_sample(llm: Any, sample: Sample, method: MethodSpec) -> Record:
+    """Generate greedily for `sample` under `method` and score the answer."""
     params = SamplingParams(max_tokens=sample.max_tokens, temperature=0.0, stop=sample.stop)
-    out = llm.generate([list(sample.prompt_ids)], params, chat=False)[0]
+    out = llm.generate([list(sample.prompt_ids)], params, chat=False, method=method.choice())[0]
     return Record(
-        method=method,
+        method=method.label,
         task=sample.task,
         length=sample.length,
         depth=sample.depth,
@@ -108,7 +79,8 @@ def run_eval(
     progress: bool = True,
     llm_factory: Callable[..., Any] | None = None,
 ) -> EvalResult:
-    """Run every sample of `cfg.spec` under every method; the model is loaded once if it can be."""
+    """Run every sample of `cfg.spec` under every method, on one loaded model (a method that
+    changes an engine option, such as `chunk_size` or `dtype`, loads its own)."""
     if llm_factory is None:
         from kvtier.engine.llm import LLM
 
@@ -118,23 +90,21 @@ def run_eval(
     base = llm_factory(cfg.model, **first_kwargs)
     if base.tokenizer is None:
         raise ConfigError(f"model {cfg.model!r} has no tokenizer (a random-weight preset); eval needs text")
-    check_lengths(cfg.spec.lengths, base.max_model_len, cfg.methods[0].label)
+    check_lengths(cfg.spec.lengths, base.max_model_len_for(cfg.methods[0].choice()), cfg.methods[0].label)
     samples = generate_samples(cfg.spec, base.tokenizer)
     result = EvalResult(_meta(cfg, base, command, samples))
     from tqdm import tqdm
 
     bar = tqdm(total=len(samples) * len(cfg.methods), unit="sample", file=sys.stderr, disable=not progress)
     try:
-        for i, method in enumerate(cfg.methods):
+        for method in cfg.methods:
             kwargs = cfg.llm_kwargs(method)
-            llm = (
-                base if i == 0 else reuse_llm(base, kwargs, first_kwargs) or llm_factory(cfg.model, **kwargs)
-            )
-            check_lengths(cfg.spec.lengths, llm.max_model_len, method.label)
+            llm = base if kwargs == first_kwargs else llm_factory(cfg.model, **kwargs)
+            check_lengths(cfg.spec.lengths, llm.max_model_len_for(method.choice()), method.label)
             scores: list[float] = []
             for sample in samples:
                 bar.set_description(f"{method.label} {sample.task} {sample.length}")
-                record = run_sample(llm, sample, method.label)
+                record = run_sample(llm, sample, method)
                 result.records.append(record)
                 scores.append(record.score)
                 bar.set_postfix(score=f"{sum(scores) / len(scores):.2f}")
@@ -160,7 +130,7 @@ def _meta(cfg: EvalConfig, llm: Any, command: str, samples: list[Sample]) -> dic
         "samples": spec.samples,
         "seed": spec.seed,
         "haystack": {n: spec.haystack or DEFAULT_HAYSTACK[n] for n in spec.names},
-        "max_model_len": llm.max_model_len,
+        "max_model_len": llm.max_model_len_for(cfg.methods[0].choice()),
         "num_prompts": len(samples),
         "machine": machine_info(str(getattr(llm, "device", cfg.device))),
         "kvtier_version": __version__,

@@ -23,8 +23,6 @@ from kvtier.attention.interface import SliceStep
 from kvtier.errors import ConfigError
 from kvtier.kv.layout import KVLayout
 
-EVICT = ("streaming", "h2o", "snapkv", "window")
-
 
 def check_budget(budget: int, capacity: int, what: str) -> None:
     """A budget must be below the store's capacity, or nothing would ever be evicted."""

@@ -223,17 +223,3 @@ class Fp8Codec:
     def packed_bytes(self, tokens: int, heads: int, head_dim: int, dtype_bytes: int) -> int:
         """One byte per element plus an fp16 scale per key or value vector of one head."""
         return tokens * self.row_bytes(heads, head_dim)
-
-
-KV_QUANT = ("int8", "int4", "fp8")
-
-
-def make_codec(name: str) -> KiviCodec | Fp8Codec:
-    """The codec for `--kv-quant NAME`."""
-    if name == "int8":
-        return KiviCodec(bits=8)
-    if name == "int4":
-        return KiviCodec(bits=4)
-    if name == "fp8":
-        return Fp8Codec()
-    raise ConfigError(f"unknown --kv-quant {name!r}; use one of {', '.join(KV_QUANT)}")

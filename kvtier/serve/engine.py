@@ -76,9 +76,9 @@ class ServeEngine:
     def __init__(self, llm: LLM, config: ServeConfig | None = None) -> None:
         self.llm = llm
         self.config = cfg = config or ServeConfig()
-        if llm.config.kv not in ("auto", "gpu"):
+        if llm.method.kv not in ("auto", "gpu"):
             raise ConfigError(
-                f"kvtier serve keeps the running sequences' KV on the device; --kv {llm.config.kv} "
+                f"kvtier serve keeps the running sequences' KV on the device; --kv {llm.method.kv} "
                 "(offload of the active context) is for `kvtier generate`. Use --kv gpu or auto"
             )
         self.model = llm.loaded.model
@@ -89,7 +89,7 @@ class ServeEngine:
         )
         self.kv = KVCacheManager(self.store, host, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
-        self.salt = f"{llm.loaded.name}|{llm.dtype}|kv={llm.config.kv}|paged{cfg.page_size}"
+        self.salt = f"{llm.loaded.name}|{llm.dtype}|kv={llm.method.kv}|paged{cfg.page_size}"
         self.eos = frozenset(llm.loaded.eos_token_ids)
         self.max_model_len = llm.max_model_len
         self.pool_tokens = num_pages * cfg.page_size  # longer requests are served with offload

@@ -1,0 +1,134 @@
+"""`MethodChoice`: how one request runs over the store: its placement (`--kv`, `--head-group`)
+and at most one opt-in method (lossless when none is chosen).
+
+The fields are the user-facing options (the CLI flags and `LLM(...)` keywords of the same
+names); `selected` resolves them against the registry, and `build` makes the store parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
+from kvtier.kv.hooks import KVCodec
+from kvtier.methods.registry import FAMILIES, OPTIONS, REGISTRY, BuildContext, MethodEntry, lookup, names
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import POLICIES
+from kvtier.policies import PolicyParts
+from kvtier.policies.head_sparsity import DEFAULT_CACHE
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """A request's method options; the default is lossless dense attention over the full KV,
+    placed by the planner (`kv="auto"`)."""
+
+    kv: str = "auto"
+    head_group: int | None = None
+    attention: str = "dense"
+    hip_preset: str = "default"
+    kv_quant: str | None = None
+    evict: str | None = None
+    kv_budget: int | None = None
+    head_sparsity: float | None = None
+    quest_page: int = 16
+
+    def __post_init__(self) -> None:
+        if self.kv not in POLICIES:
+            raise ConfigError(f"unknown --kv policy {self.kv!r}; choose one of {', '.join(POLICIES)}")
+        if self.head_group is not None and self.kv not in ("head", "auto"):
+            raise ConfigError(f"--head-group applies to --kv head (or auto), not --kv {self.kv}")
+        if self.head_group is not None and self.head_group < 1:
+            raise ConfigError(f"--head-group must be at least 1, got {self.head_group}")
+        chosen = self.selected()  # raises on unknown names
+        if len(chosen) > 1:
+            flags = [self._flag(e) for e in chosen]
+            raise ConfigError(f"{' and '.join(flags)} cannot be combined yet: choose one method")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise ConfigError(f"--kv-budget must be a positive number of tokens, got {self.kv_budget}")
+        if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
+            raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
+        entry = chosen[0] if chosen else None
+        for key in ("kv_budget",):
+            if getattr(self, key) is not None and (entry is None or key not in entry.takes):
+                takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]
+                raise ConfigError(f"{OPTIONS[key].flag} applies only with {', '.join(takers)}")
+        if entry is not None:
+            missing = [k for k in entry.requires if getattr(self, k) is None]
+            if missing:
+                need = " ".join(f"{OPTIONS[k].flag} {entry.examples.get(k, 'N')}" for k in missing)
+                raise ConfigError(f"{self._flag(entry)} needs {need} ({OPTIONS[missing[0]].help})")
+
+    def selected(self) -> list[MethodEntry]:
+        """The registry entries these options select (at most one is valid)."""
+        out = []
+        for family in FAMILIES.values():
+            value = getattr(self, family.key)
+            if value is None or value == family.none:
+                continue
+            if family.key == "head_sparsity":  # selected by a ratio, not a name
+                out += [REGISTRY[n] for n in names("head_sparsity")]
+            else:
+                out.append(lookup(family.key, str(value)))
+        return out
+
+    @property
+    def lossless(self) -> bool:
+        """No opt-in method: every placement gives the same tokens."""
+        return not self.selected()
+
+    @property
+    def extends_context(self) -> bool:
+        """Whether the method lets the model run past its trained length (HiP)."""
+        return self.attention == "hip"
+
+    @property
+    def entry(self) -> MethodEntry | None:
+        chosen = self.selected()
+        return chosen[0] if chosen else None
+
+    def codec(self) -> KVCodec | None:
+        """The packed KV format the planner sizes the cache with (quantized methods only)."""
+        entry = self.entry
+        return entry.codec() if entry is not None and entry.codec is not None else None
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def build(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        model: CausalLM | None,
+        hip_cache_tokens: int | None = None,
+        head_cache: Path | None = DEFAULT_CACHE,
+    ) -> PolicyParts:
+        """Fresh store parts for one request (`hip_cache_tokens`: HiP's block cache per
+        offloaded slice, None: the preset's); raises ConfigError on a budget the model rejects."""
+        entry = self.entry
+        if entry is None:
+            return PolicyParts()
+        return entry.build(BuildContext(cfg, device, model, self.options(), hip_cache_tokens, head_cache))
+
+    def _flag(self, entry: MethodEntry) -> str:
+        family = FAMILIES[entry.family]
+        return family.flag if family.key == "head_sparsity" else f"{family.flag} {entry.name}"
+
+
+def build_policy(
+    cfg: ModelConfig,
+    *,
+    device: torch.device,
+    model: CausalLM | None = None,
+    head_cache: Path | None = DEFAULT_CACHE,
+    **options: Any,
+) -> PolicyParts:
+    """Store parts for method options given as keywords (`MethodChoice`'s fields; None = unset),
+    for tests and bench scripts that build a store without an `LLM`."""
+    given = {k: v for k, v in options.items() if v is not None}
+    return MethodChoice(**given).build(cfg, device, model, head_cache=head_cache)

@@ -1,0 +1,65 @@
+"""`--attention hip`: InfiniteHiP-style sparse attention with context extension (`kvtier.sparse`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.methods.registry import (
+    BuildContext,
+    MethodEntry,
+    Option,
+    Placement,
+    PlanInputs,
+    PlanWith,
+    register,
+)
+from kvtier.policies import PolicyParts
+from kvtier.sparse import HIP_PRESETS, make_hip_kernel
+from kvtier.sparse.planning import plan_hip
+
+
+def _preset(text: str) -> str:
+    if text not in HIP_PRESETS:
+        raise ConfigError(f"unknown --hip-preset {text!r}; use one of {', '.join(HIP_PRESETS)}")
+    return text
+
+
+def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
+    """HiP's slicing and chunk search (`kvtier.sparse.planning.plan_hip`): whole layers first when
+    the `auto` policy has no group given, with the largest block cache that fits."""
+    hip = plan_hip(
+        inputs.cfg,
+        inputs.context,
+        plan_with,
+        gpu_budget=inputs.gpu_budget,
+        preset=str(options["hip_preset"]),
+        dtype_bytes=inputs.dtype_bytes,
+        layers_first=inputs.kv == "auto" and inputs.head_group is None,
+        chunk_size=inputs.chunk_size,
+        hardware=inputs.hardware,
+    )
+    return Placement(hip.plan, hip.cache_tokens, hip.reserve_bytes)
+
+
+def _build(ctx: BuildContext) -> PolicyParts:
+    preset = str(ctx.options["hip_preset"])
+    kernel, unrotated = make_hip_kernel(ctx.cfg, ctx.device, preset, cache_tokens=ctx.hip_cache_tokens)
+    cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
+    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {preset}{cache}")
+
+
+HIP = register(
+    MethodEntry(
+        "hip",
+        "attention",
+        "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
+        _build,
+        takes=("hip_preset",),
+        plan=_plan,
+    ),
+    Option(
+        "hip_preset", "--hip-preset", _preset, f"HiP budgets and refresh intervals: {', '.join(HIP_PRESETS)}"
+    ),
+)
