@@ -20,14 +20,24 @@ Triton's interpreter).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from kvtier.policies.quant import KiviCodec
+
+class KiviLayout(Protocol):
+    """What the kernel needs of a KIVI codec (`kvtier.policies.quant.KiviCodec`)."""
+
+    @property
+    def bits(self) -> int: ...
+
+    @property
+    def group(self) -> int: ...
+
+    def channel_group(self, d: int) -> int: ...
+
 
 BLOCK = 1024  # elements of a row per program
 
@@ -73,7 +83,7 @@ def _unpack_kivi(  # type: ignore[no-untyped-def]
     tl.store(o + gd, (vq * v_scale + v_min).to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
 
 
-def unpack_kivi_into(codec: KiviCodec, rows: torch.Tensor, dst: torch.Tensor) -> None:
+def unpack_kivi_into(codec: KiviLayout, rows: torch.Tensor, dst: torch.Tensor) -> None:
     """Dequantize rows [m, row_bytes] (uint8, on dst's device) into dst [m * group, 2, G, D]
     (contiguous) on the current stream."""
     m = rows.shape[0]

@@ -6,38 +6,46 @@ streams from the host tier; "auto" on CUDA within the server's GPU budget minus 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
+from kvtier.engine.llm import LLM
 from kvtier.engine.runner import generate_tokens
-from kvtier.planner.hardware import detect_hardware, host_memory_available
-from kvtier.planner.placement import plan_kv
+from kvtier.methods import plan_for
+from kvtier.model.llama import CausalLM
 from kvtier.serve.sequence import Sequence
 
-if TYPE_CHECKING:
-    from kvtier.serve.engine import ServeEngine
+
+class OffloadHost(Protocol):
+    """What an offloaded request needs of the serving engine (`ServeEngine` is one)."""
+
+    llm: LLM
+    model: CausalLM
+    device: torch.device
+    eos: frozenset[int]
+    tokenizer_lock: threading.Lock
+
+    @property
+    def closing(self) -> bool: ...
+
+    def offload_gpu_budget(self) -> int | None: ...
 
 
-def generate_offloaded(engine: ServeEngine, seq: Sequence) -> list[int]:
+def generate_offloaded(engine: OffloadHost, seq: Sequence) -> list[int]:
     """Greedy or sampled tokens of `seq`, generated with its KV in the tiered store."""
     llm, params = engine.llm, seq.params
     context = len(seq.prompt) + params.max_tokens
-    itemsize = torch.empty((), dtype=llm.dtype).element_size()
     cuda = engine.device.type == "cuda"
-    plan = plan_kv(
-        llm.model_config,
-        context,
-        policy="auto" if cuda else "head",  # on the CPU "auto" would keep it all resident
+    method = replace(llm.method, kv="auto" if cuda else "head")  # on the CPU "auto" keeps it resident
+    inputs = replace(
+        llm.plan_inputs(context, method),
         gpu_budget=engine.offload_gpu_budget(),  # the server's budget minus the page pool
-        dtype_bytes=itemsize,
-        chunk_size=llm.config.chunk_size,
-        group_size=llm.config.head_group,
-        block_size=llm.config.block_size,
-        hardware=detect_hardware(engine.device),
-        host_budget=host_memory_available() if cuda else None,
     )
-    store, _ = llm.make_store(plan, context)
+    plan = plan_for(inputs, method).plan
+    store, _ = llm.make_store(plan, context, method=method)
     eos = frozenset() if params.ignore_eos else engine.eos
 
     def should_stop(tokens: list[int]) -> bool:
