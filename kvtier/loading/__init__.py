@@ -1,4 +1,7 @@
-"""Model loading: presets with random weights, Hugging Face folders, GGUF files."""
+"""Model loading: presets with random weights, Hugging Face folders, GGUF files.
+
+May import: `kvtier.config`, `kvtier.errors`, `kvtier.model`.
+"""
 
 from kvtier.loading.resolve import LoadedModel, load_model
 

@@ -1,1 +1,6 @@
-"""kvtier.model."""
+"""One pure decoder for the Llama family (RMSNorm, gated MLP, RoPE with linear and llama3
+scaling, fused Triton elementwise kernels on CUDA); it calls attention through
+`kvtier.attention`'s interface and knows nothing of the cache.
+
+May import: `kvtier.config`, `kvtier.attention`.
+"""

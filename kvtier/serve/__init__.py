@@ -12,4 +12,6 @@ Layers, from the bottom up (dependencies point one way):
     engine.py         ServeEngine: the step loop in a background thread; thread-safe submit/abort
     protocol.py       OpenAI request parsing and validation; APIError
     app.py            the FastAPI app; metrics.py the Prometheus text; server.py uvicorn runners
+
+May import: the engine, the methods registry and below. Imported by the CLI.
 """

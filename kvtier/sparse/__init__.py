@@ -2,6 +2,9 @@
 
 `make_hip_kernel(cfg, device, preset, **overrides)` builds the `SliceKernel` for the tiered KV
 store and says whether the store must keep keys un-rotated (context extension).
+
+May import: the store (`kvtier.kv`), the planner, the model and attention interfaces.
+Imported by the methods registry (`kvtier.methods.hip`), never by the store.
 """
 
 from __future__ import annotations
