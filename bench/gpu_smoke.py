@@ -145,7 +145,7 @@ def generate_checks(smoke: Smoke, label: str, model: list[str], short: Path, lon
     def gen(name: str, extra: list[str], cap: bool, prompt_args: list[str] | None = None) -> None:
         args = (prompt_args or base) + extra + (["--gpu-memory", CAP] if cap else [])
         check, data = smoke.cli(label, name, args, parse_json=True)
-        if data is None:
+        if check is None or data is None:
             return
         peak = data["stats"]["peak_bytes"].get("gpu_total")
         check.peak_gb = None if peak is None else round(peak / 1e9, 2)
@@ -174,6 +174,8 @@ def generate_checks(smoke: Smoke, label: str, model: list[str], short: Path, lon
     reference = tokens.get("kv=gpu")
     differ = sorted(k for k, v in tokens.items() if v != reference)
     smoke.agreement[label] = {"policies": sorted(tokens), "differ_from_kv=gpu": differ, "tokens": reference}
+    if not tokens:
+        return
     smoke.add(
         Check(
             label,
@@ -322,10 +324,11 @@ def main() -> int:
         "--workdir", type=Path, default=Path("/tmp/kvtier-smoke"), help="HF folder, prompts, logs"
     )
     ap.add_argument(
-        "--long-words", type=int, default=70_000, help="words in the long prompt (~95K tokens; llama8b)"
+        "--long-words", type=int, default=38_000, help="words in the long prompt (~98K tokens; llama8b)"
     )
     ap.add_argument("--kvtier", default="kvtier", help="the command to run (default: kvtier on PATH)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_smoke.json"))
+    ap.add_argument("--only", default="", help="run only checks whose name holds one of these (comma list)")
     args = ap.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -333,7 +336,8 @@ def main() -> int:
     exe = shutil.which(words[0])
     if exe is None:
         sys.exit(f"--kvtier: {words[0]!r} is not a command here; pip install -e . (or pass --kvtier PATH)")
-    smoke = Smoke(kvtier=[str(Path(exe).resolve()), *words[1:]], workdir=args.workdir)
+    only = tuple(o for o in args.only.split(",") if o)
+    smoke = Smoke(kvtier=[str(Path(exe).resolve()), *words[1:]], workdir=args.workdir, only=only)
     sections = set(args.sections.split(","))
     short = args.workdir / "short.txt"
     short.write_text(prose(1200, seed=1) + "\nSummarize the entries above in one sentence.")
@@ -361,6 +365,28 @@ def main() -> int:
         else:
             sys.exit(f"--models: unknown {label!r}; use llama8b, embedded")
     started = time.perf_counter()
+
+    def write() -> None:
+        """The JSON so far: rewritten after every check, so a run cut short keeps its results."""
+        failed = [c for c in smoke.checks if not c.ok]
+        result = {
+            "script": "bench/gpu_smoke.py",
+            "command": "python " + " ".join(sys.argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": info,
+            "cap": CAP,
+            "data": "llama8b: random bf16 weights (Llama-3.1-8B shapes) + SmolLM2 tokenizer; prompts: "
+            "synthetic filler text written by this script",
+            "seconds": round(time.perf_counter() - started, 1),
+            "passed": len(smoke.checks) - len(failed),
+            "failed": len(failed),
+            "checks": [asdict(c) for c in smoke.checks],
+            "agreement": smoke.agreement,
+        }
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    info = machine()
+    smoke.on_add = write
     for label, model, long_prompt in targets:
         if "generate" in sections:
             generate_checks(smoke, label, model, short, long_prompt)
@@ -370,26 +396,12 @@ def main() -> int:
             eval_checks(smoke, label, model)
         if "serve" in sections:
             serve_checks(smoke, label, model)
-    failed = [c for c in smoke.checks if not c.ok]
-    result = {
-        "script": "bench/gpu_smoke.py",
-        "command": "python " + " ".join(sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "cap": CAP,
-        "data": "llama8b: random bf16 weights (Llama-3.1-8B shapes) + SmolLM2 tokenizer; prompts: "
-        "synthetic filler text written by this script",
-        "seconds": round(time.perf_counter() - started, 1),
-        "passed": len(smoke.checks) - len(failed),
-        "failed": len(failed),
-        "checks": [asdict(c) for c in smoke.checks],
-        "agreement": smoke.agreement,
-    }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write()
+    result = json.loads(args.out.read_text())
     print()
     print(table(smoke.checks))
     print(f"\n{result['passed']} passed, {result['failed']} failed ({result['seconds']} s) -> {args.out}")
-    return 1 if failed else 0
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":

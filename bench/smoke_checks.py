@@ -38,9 +38,16 @@ class Smoke:
     workdir: Path
     checks: list[Check] = field(default_factory=list)
     agreement: dict[str, Any] = field(default_factory=dict)
+    only: tuple[str, ...] = ()  # run only checks whose name holds one of these (empty: all)
+    on_add: Any = None  # called after every check (the script rewrites its JSON)
+
+    def wanted(self, name: str) -> bool:
+        return not self.only or any(o in name for o in self.only)
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
+        if self.on_add is not None:
+            self.on_add()
         mark = "ok " if check.ok else "FAIL"
         print(f"[{mark}] {check.model:8s} {check.name:32s} {check.seconds:6.1f}s {check.detail}", flush=True)
         return check
@@ -53,8 +60,11 @@ class Smoke:
         timeout: float = 300,
         parse_json: bool = False,
         stdin: Path | None = None,
-    ) -> tuple[Check, Any]:
-        """Run `kvtier ARGS`; ok = exit 0 and no traceback (and JSON on stdout with parse_json)."""
+    ) -> tuple[Check | None, Any]:
+        """Run `kvtier ARGS`; ok = exit 0 and no traceback (and JSON on stdout with parse_json).
+        A check `only` leaves out is not run: (None, None)."""
+        if not self.wanted(name):
+            return None, None
         argv = [*self.kvtier, *args]
         t0 = time.perf_counter()
         try:

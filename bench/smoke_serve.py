@@ -112,6 +112,8 @@ def _tail(path: Path) -> str:
 
 def step(smoke: Smoke, label: str, name: str, fn: Callable[[], str]) -> bool:
     """Run one server step; an exception fails it with its message."""
+    if not smoke.wanted(name):
+        return True
     t0 = time.perf_counter()
     try:
         detail, ok = fn(), True
@@ -142,6 +144,8 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
     import httpx
     import openai
 
+    if not smoke.wanted("serve"):
+        return
     with server(smoke, label, model) as (url, proc, peak):
         if proc.poll() is not None:
             return

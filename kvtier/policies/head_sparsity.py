@@ -67,7 +67,7 @@ def _fingerprint(model: CausalLM, segment: int, repeats: int, seed: int) -> str:
     h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     h.update(f"{segment}/{repeats}/{seed}".encode())
     for p in list(model.parameters())[:8]:
-        h.update(p.detach().float().flatten()[:4096].numpy().tobytes())
+        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:20]
 
 

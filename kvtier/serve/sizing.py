@@ -9,11 +9,14 @@ The pool is what the memory budget leaves after everything else the process need
   - activation   one batch step of max_num_batched_tokens through the model (the planner's
                  estimate) with the logits of up to max_num_seqs sequences
   - reserve      CUDA context, cuBLAS workspaces, allocator slack (GPU_RESERVE_BYTES); 0 on the CPU
-  = room         -> room // bytes_per_page pages; fewer than MIN_PAGES is a CapacityError
+  = room         -> room // (bytes_per_page * (1 + gather)) pages; fewer than MIN_PAGES is a
+                 CapacityError
 
-NOTE: the KV a step's attention gathers per layer (the batch's context, padded to the longest
-sequence) is not reserved: it is freed layer by layer, and an out-of-memory there fails the
-step's requests with an error, not the server.
+`gather` (GPU only, 1 / num_layers): a decode step's attention gathers the batch's KV of one
+layer into a dense tensor, up to one layer's share of the whole pool, and frees it before the
+next layer. Without it a full pool ran past the budget on the H200 (25.94 GB against 24 GiB with
+the CUDA context, `bench/results/gpu_smoke_llama8b.json`). Padding to the longest sequence can
+still exceed it; an out-of-memory there fails the step's requests with an error, not the server.
 
 A request longer than the pool runs alone with offload (`kvtier.serve.offload`), planned within
 the same budget minus the pool (`offload_gpu_budget`).
@@ -62,6 +65,7 @@ class PoolBudget:
     reserve: int
     max_num_batched_tokens: int
     used_by: str = "weights"  # what `used` is, for messages
+    gather: float = 0.0  # extra bytes per page byte: one layer's gather of the pool (see the module)
 
     def __post_init__(self) -> None:
         if min(self.budget, self.used, self.activation, self.reserve) < 0:
@@ -74,7 +78,11 @@ class PoolBudget:
 
     def fitting(self, bytes_per_page: int) -> int:
         """Pages of `bytes_per_page` bytes that fit the room."""
-        return self.room // bytes_per_page
+        return self.room // self.page_cost(bytes_per_page)
+
+    def page_cost(self, bytes_per_page: int) -> int:
+        """Bytes of budget one page takes: the page and its share of a step's gather."""
+        return int(bytes_per_page * (1.0 + self.gather))
 
     def default_pages(self, bytes_per_page: int, cap: int | None = None) -> int:
         """All the pages that fit the room (at most `cap`). CapacityError below MIN_PAGES."""
@@ -90,7 +98,7 @@ class PoolBudget:
 
     def check(self, num_pages: int, bytes_per_page: int, flag: str = "--num-pages") -> None:
         """Raise CapacityError if `num_pages` pages (given as `flag`) do not fit the room."""
-        need = num_pages * bytes_per_page
+        need = num_pages * self.page_cost(bytes_per_page)
         if need > self.room:
             raise CapacityError(
                 f"{flag} {num_pages} needs {format_bytes(need)} on the {self.where} "
@@ -146,7 +154,14 @@ def measure_pool_budget(
         if used + free < gpu_budget:  # another process holds part of the GPU
             gpu_budget, label = used + free, "the GPU memory free now plus this process's"
         return PoolBudget(
-            "GPU", label, gpu_budget, used, activation, GPU_RESERVE_BYTES, max_num_batched_tokens
+            "GPU",
+            label,
+            gpu_budget,
+            used,
+            activation,
+            GPU_RESERVE_BYTES,
+            max_num_batched_tokens,
+            gather=1.0 / cfg.num_layers,
         )
     available = host_memory_available()
     if available is None:
