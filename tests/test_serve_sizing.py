@@ -8,7 +8,6 @@ fit (on the CPU: host memory available) before anything is allocated.
 from __future__ import annotations
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest
