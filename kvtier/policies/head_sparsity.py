@@ -42,24 +42,25 @@ class _ScoringAttention:
         self.scores = torch.zeros(cfg.num_layers, cfg.num_kv_heads)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q = Rotary.apply(q, self.cos.to(q.dtype), self.sin.to(q.dtype))  # [T, H_q, D]
-        k = Rotary.apply(k, self.cos.to(k.dtype), self.sin.to(k.dtype))  # [T, H_kv, D]
+        cos, sin = self.cos.to(q.device), self.sin.to(q.device)
+        q = Rotary.apply(q, cos.to(q.dtype), sin.to(q.dtype))  # [T, H_q, D]
+        k = Rotary.apply(k, cos.to(k.dtype), sin.to(k.dtype))  # [T, H_kv, D]
         t, hq, d = q.shape
-        r = hq // k.shape[1]
+        r, dev = hq // k.shape[1], q.device
         kk = k.float().repeat_interleave(r, dim=1)  # [T, H_q, D]
         logits = torch.einsum("thd,shd->hts", q.float(), kk) / math.sqrt(d)  # [H_q, T, T]
-        logits.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        logits.masked_fill_(torch.ones(t, t, dtype=torch.bool, device=dev).triu(1), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        rows = torch.arange(1 + self.segment, t)  # queries in the repeats (index 0 is BOS)
-        echo = torch.zeros(hq, rows.shape[0])
-        induction = torch.zeros(hq, rows.shape[0])
+        rows = torch.arange(1 + self.segment, t, device=dev)  # queries in the repeats (0 is BOS)
+        echo = torch.zeros(hq, rows.shape[0], device=dev)
+        induction = torch.zeros(hq, rows.shape[0], device=dev)
         for m in range(1, (t - 1) // self.segment):
             earlier = rows - m * self.segment
             ok = earlier >= 1
             echo[:, ok] += probs[:, rows[ok], earlier[ok]]
             induction[:, ok] += probs[:, rows[ok], earlier[ok] + 1]
         per_q = (echo + induction).mean(dim=1)  # [H_q]
-        self.scores[layer] = per_q.view(-1, r).amax(dim=1)
+        self.scores[layer] = per_q.view(-1, r).amax(dim=1).cpu()
         return attend(q, torch.stack((k, v), dim=1))
 
 
@@ -91,7 +92,7 @@ def head_scores(
     bos = torch.tensor([cfg.bos_token_id if cfg.bos_token_id is not None else 0])
     ids = torch.cat((bos, seg.repeat(repeats)))
     attention = _ScoringAttention(cfg, segment, ids.shape[0])
-    model(ids, attention)
+    model(ids.to(next(model.parameters()).device), attention)  # calibration ids are made on the CPU
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"scores": attention.scores.tolist()}))
