@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,33 +40,38 @@ from kvtier.kv.store import TieredKVStore
 from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
-from kvtier.methods import REGISTRY, names
+from kvtier.methods import MethodChoice, parse_choice
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.memory import activation_bytes, weight_bytes
 from kvtier.planner.placement import plan_kv
 from kvtier.policies.head_sparsity import HeadStreamingEvictor
-from kvtier.policies.quest import QuestKernel
 from kvtier.units import parse_count, parse_size
 
 DEV = torch.device("cuda")
 
 
-def method_parts(cfg: Any, method: str) -> dict[str, Any]:
-    """Store keyword arguments of a lossy method name ('' = lossless)."""
-    if not method:
-        return {}
-    if method in names("kv_quant"):
-        make = REGISTRY[method].codec
-        assert make is not None
-        return {"codec": make()}
-    if method.startswith("quest"):  # quest<budget>p<page>, e.g. quest4096p16
-        budget, _, page = method[len("quest") :].partition("p")
-        return {"kernel": QuestKernel(int(budget), int(page or 16), dense_layers=2)}
-    if method.startswith("heads"):
-        ratio = int(method[len("heads") :]) / 100
+def method_choice(method: str) -> MethodChoice:
+    """A policy's "+METHOD" as a registry `MethodChoice` ('' = lossless): a kv_quant name
+    (`int4`), `quest<budget>p<page>` or `heads<percent>`, short for the specs
+    `quest,kv_budget=<budget>,quest_page=<page>` and `head_sparsity=<percent/100>`."""
+    quest = re.fullmatch(r"quest(\d+)p(\d+)", method)
+    heads = re.fullmatch(r"heads(\d+)", method)
+    if quest:
+        method = f"quest,kv_budget={quest[1]},quest_page={quest[2]}"
+    elif heads:
+        method = f"head_sparsity={int(heads[1]) / 100}"
+    return parse_choice(method)
+
+
+def method_parts(cfg: Any, model: Any, method: str) -> dict[str, Any]:
+    """Store keyword arguments of a lossy method ('' = lossless), built by the registry. With
+    random weights head scores mean nothing: heads<N> classifies heads by seeded random scores
+    (the same costs) instead of a calibration prefill."""
+    choice = method_choice(method)
+    if choice.head_sparsity is not None:
         scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, generator=torch.Generator().manual_seed(0))
-        return {"evictor": HeadStreamingEvictor(scores, ratio, sinks=64, recent=256)}
-    raise ValueError(f"unknown method {method!r}")
+        return {"evictor": HeadStreamingEvictor(scores, choice.head_sparsity, sinks=64, recent=256)}
+    return choice.build(cfg, DEV, model, head_cache=None).store_kwargs()
 
 
 def run_policy(
@@ -86,7 +92,7 @@ def run_policy(
             dtype_bytes=2,
             chunk_size=chunk_size,
             hardware=hardware_preset("h200"),
-            codec=method_parts(cfg, method).get("codec") if method in names("kv_quant") else None,  # packed
+            codec=method_choice(method).codec(),  # packed host tier of a quantized method
         )
     except CapacityError as e:
         row["skipped"] = str(e)
@@ -116,7 +122,7 @@ def run_policy(
     store = None
     try:
         store = TieredKVStore(
-            cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total, **method_parts(cfg, method)
+            cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total, **method_parts(cfg, model, method)
         )
         gen = torch.Generator(device=DEV).manual_seed(0)
         chunk = plan.chunk_size

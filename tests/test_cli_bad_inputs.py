@@ -119,6 +119,7 @@ BAD_INPUTS: list[tuple[list[str], list[str]]] = [
     ([*GEN, "--gpu-memory", HUGE + "GB"], ["--gpu-memory: cannot read"]),
     ([*PLAN, "--gpu-memory", "0"], ["--gpu-memory must be at least 1 byte, got '0'"]),
     ([*PLAN, "--gpu-memory", "abc"], ["--gpu-memory: cannot read 'abc' as a size"]),
+    (["eval", "passkey", "--gpu-memory", "abc"], ["--gpu-memory: cannot read 'abc' as a size"]),
     (["serve", "--gpu-memory", "0"], ["--gpu-memory must be at least 1 byte, got '0'"]),
     (["serve", "--gpu-memory", "abc"], ["--gpu-memory: cannot read 'abc' as a size"]),
     ([*PLAN, "--hbm-bw", "0"], ["--hbm-bw must be at least 1 byte"]),

@@ -314,6 +314,13 @@ def test_run_eval_loads_again_only_for_engine_options(tok: Any) -> None:
     assert [m.get("chunk_size") for m in FakeLLM.made] == [None, 256]
 
 
+def test_eval_gpu_memory_is_every_methods_budget_unless_one_names_its_own() -> None:
+    methods = parse_methods(["auto", "head,gpu_memory=8GiB"])
+    cfg = EvalConfig(TaskSpec("passkey", (1024,)), methods, gpu_memory="24GiB")
+    assert [cfg.llm_kwargs(m)["gpu_memory"] for m in methods] == ["24GiB", "8GiB"]
+    assert "gpu_memory" not in EvalConfig(TaskSpec("passkey", (1024,)), methods).llm_kwargs(methods[0])
+
+
 def test_run_eval_refuses_lengths_past_the_model(tok: Any) -> None:
     FakeLLM.tokenizer_ = tok
     cfg = EvalConfig(TaskSpec("niah", (16384,)), parse_methods(None))

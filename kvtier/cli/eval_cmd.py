@@ -11,7 +11,7 @@ import json
 import shlex
 from typing import Any
 
-from kvtier.cli.options import int_type, output_path_type, seed_type
+from kvtier.cli.options import int_type, output_path_type, seed_type, size_type
 from kvtier.eval.grid import parse_depths, parse_lengths
 from kvtier.eval.haystack import HAYSTACKS
 from kvtier.eval.ruler import RULER_SUBTASKS
@@ -60,6 +60,12 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", default=None, help="allow lengths past the trained context")
+    p.add_argument(
+        "--gpu-memory",
+        type=_budget,
+        default=None,
+        help="GPU budget of every method, e.g. 24GiB (a method's gpu_memory= overrides it)",
+    )
     p.add_argument("--json", action="store_true", help="print the aggregate scores as JSON")
     p.add_argument(
         "--plot",
@@ -79,6 +85,12 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _budget(text: str) -> str:
+    """`--gpu-memory` as typed (recorded so in the results), once checked to be a size."""
+    size_type("--gpu-memory")(text)
+    return text.strip()
+
+
 def build_config(args: argparse.Namespace) -> EvalConfig:
     """Parse and check the options (ConfigError on bad input), before any model is loaded."""
     spec = TaskSpec(
@@ -91,7 +103,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         subtasks=None if args.subtasks is None else tuple(s.strip() for s in args.subtasks.split(",")),
     )
     mml = None if args.max_model_len is None else parse_count(args.max_model_len, "--max-model-len")
-    return EvalConfig(spec, parse_methods(args.method), args.model, args.device, mml)
+    return EvalConfig(spec, parse_methods(args.method), args.model, args.device, mml, args.gpu_memory)
 
 
 _RECORDED = (
@@ -104,6 +116,7 @@ _RECORDED = (
     "subtasks",
     "device",
     "max_model_len",
+    "gpu_memory",
 )
 
 

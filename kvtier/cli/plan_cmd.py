@@ -22,7 +22,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, ModelLoadError
 from kvtier.loading.gguf import gguf_model_config, is_gguf_file
 from kvtier.loading.presets import PRESETS, preset_config
-from kvtier.methods import OPTIONS, REGISTRY, MethodChoice, PlanInputs, choices, names, plan_for
+from kvtier.methods import OPTIONS, REGISTRY, MethodChoice, choices, names, plan_for
 from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
@@ -214,22 +214,6 @@ def planned_attention() -> tuple[str, ...]:
     return tuple(n for n in choices("attention") if n not in REGISTRY or REGISTRY[n].plan is not None)
 
 
-def plan_inputs(req: PlanRequest) -> PlanInputs:
-    """`plan_for`'s inputs for this request (the disk extends the host tier, as in the report)."""
-    return PlanInputs(
-        req.cfg,
-        req.context,
-        hardware=req.hardware,
-        dtype_bytes=req.dtype_bytes,
-        gpu_budget=req.gpu_budget,
-        host_budget=req.host_budget + req.disk_budget,
-        kv=req.policy,
-        head_group=req.group_size,
-        chunk_size=req.chunk_size,
-        block_size=req.block_size,
-    )
-
-
 def lossy_lines(
     req: PlanRequest, plan: KVPlan | None, kv_quant: str | None, head_sparsity: float | None
 ) -> dict[str, Any] | None:
@@ -245,7 +229,7 @@ def lossy_lines(
     if kv_quant is not None:
         # Planned again, packed: the same budget keeps more slices resident.
         choice = MethodChoice(kv=req.policy, head_group=req.group_size, kv_quant=kv_quant)
-        plan = plan_for(plan_inputs(req), choice).plan
+        plan = plan_for(req.inputs(), choice).plan
         codec = choice.codec()
         method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
     else:
@@ -276,7 +260,7 @@ def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] |
     if attention == "dense":
         return None
     choice = MethodChoice(kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset)
-    hip = plan_for(plan_inputs(req), choice)
+    hip = plan_for(req.inputs(), choice)
     plan = hip.plan
     return {
         "preset": preset,

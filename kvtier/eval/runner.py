@@ -28,6 +28,7 @@ class EvalConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "auto"
     max_model_len: int | None = None
+    gpu_memory: str | None = None  # every method's GPU budget unless it names its own
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -36,7 +37,8 @@ class EvalConfig:
     def llm_kwargs(self, method: MethodSpec) -> dict[str, Any]:
         """Keyword arguments of `LLM(model, ...)` that load the model for `method` (its engine
         options; the method itself is chosen per request)."""
-        return {"device": self.device, "max_model_len": self.max_model_len, **method.engine()}
+        budget = {} if self.gpu_memory is None else {"gpu_memory": self.gpu_memory}
+        return {"device": self.device, "max_model_len": self.max_model_len, **budget, **method.engine()}
 
 
 def check_lengths(lengths: tuple[int, ...], max_model_len: int, method: str = "") -> None:

@@ -3,9 +3,11 @@ scripts call it; a method with its own planner (HiP) is a hook here, not a secon
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvtier.methods.choice import MethodChoice
 from kvtier.methods.registry import Placement, PlanInputs
-from kvtier.planner.placement import KVPlan, plan_kv
+from kvtier.planner.placement import KVPlan
 
 LOSSLESS = MethodChoice()
 
@@ -20,19 +22,8 @@ def plan_for(inputs: PlanInputs, method: MethodChoice = LOSSLESS) -> Placement:
     codec = method.codec()
 
     def plan_with(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:
-        return plan_kv(
-            inputs.cfg,
-            inputs.context,
-            policy=inputs.kv,
-            gpu_budget=gpu,
-            dtype_bytes=inputs.dtype_bytes,
-            chunk_size=chunk or inputs.chunk_size,
-            group_size=group or inputs.head_group,
-            block_size=inputs.block_size,
-            hardware=inputs.hardware,
-            host_budget=inputs.host_budget,
-            codec=codec,
-        )
+        group, chunk = group or inputs.head_group, chunk or inputs.chunk_size
+        return replace(inputs, head_group=group, gpu_budget=gpu, chunk_size=chunk).plan(codec)
 
     entry = method.entry
     if entry is not None and entry.plan is not None:

@@ -24,7 +24,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.kv.hooks import KVCodec
 from kvtier.model.llama import CausalLM
-from kvtier.planner.hardware import Hardware
+from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 from kvtier.policies.head_sparsity import DEFAULT_CACHE
@@ -74,22 +74,6 @@ class BuildContext:
     options: Mapping[str, Any]  # Option.key -> value (None: not given)
     hip_cache_tokens: int | None = None  # HiP's block cache per offloaded slice (None: preset's)
     head_cache: Path | None = DEFAULT_CACHE  # where head-sparsity scores are cached
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """What a placement is planned for: the model, the context, the machine and the budgets."""
-
-    cfg: ModelConfig
-    context: int
-    hardware: Hardware
-    dtype_bytes: int
-    gpu_budget: int | None  # None: unlimited (the CPU)
-    host_budget: int | None = None  # None: unchecked
-    kv: str = "auto"  # the placement policy (`--kv`)
-    head_group: int | None = None  # KV heads per slice (None: the policy's choice)
-    chunk_size: int | None = None  # prefill chunk (None: the roofline's)
-    block_size: int = 256
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ from typing import Any
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError
 from kvtier.planner.hardware import Hardware
+from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import GPU_RESERVE_BYTES
 from kvtier.planner.methods import METHODS, PAPER_CHUNK, MethodMemory, max_context, method_memory
 from kvtier.planner.packed import PackedFormat
-from kvtier.planner.placement import KVPlan, plan_kv
+from kvtier.planner.placement import KVPlan
 from kvtier.planner.roofline import (
     StepTime,
     decode_intensity,
@@ -44,22 +45,25 @@ class PlanRequest:
     block_size: int = 256
     activation_model: str = "runner"
 
-    def plan(self, context: int, codec: PackedFormat | None = None) -> KVPlan:
-        """kvtier's plan at `context` with these budgets; the disk extends the host tier.
-        `codec`: plan a quantized cache, sized packed."""
-        return plan_kv(
+    def inputs(self, context: int | None = None) -> PlanInputs:
+        """`plan_for`'s inputs for this request at `context` (default: the asked one); the disk
+        extends the host tier."""
+        return PlanInputs(
             self.cfg,
-            context,
-            policy=self.policy,
-            gpu_budget=self.gpu_budget,
-            dtype_bytes=self.dtype_bytes,
-            host_budget=self.host_budget + self.disk_budget,
-            chunk_size=self.chunk_size,
-            group_size=self.group_size,
+            self.context if context is None else context,
             hardware=self.hardware,
+            dtype_bytes=self.dtype_bytes,
+            gpu_budget=self.gpu_budget,
+            host_budget=self.host_budget + self.disk_budget,
+            kv=self.policy,
+            head_group=self.group_size,
+            chunk_size=self.chunk_size,
             block_size=self.block_size,
-            codec=codec,
         )
+
+    def plan(self, context: int, codec: PackedFormat | None = None) -> KVPlan:
+        """kvtier's lossless plan at `context` with these budgets (`codec`: sized packed)."""
+        return self.inputs(context).plan(codec)
 
     @property
     def baseline_chunk(self) -> int:

@@ -1,0 +1,43 @@
+"""`PlanInputs`: what a placement is planned for (the model, the context, the machine, the
+budgets and the asked placement), and its store plan (`plan_kv`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.config import ModelConfig
+from kvtier.planner.hardware import Hardware
+from kvtier.planner.packed import PackedFormat
+from kvtier.planner.placement import KVPlan, plan_kv
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a placement is planned for: the model, the context, the machine and the budgets."""
+
+    cfg: ModelConfig
+    context: int
+    hardware: Hardware
+    dtype_bytes: int
+    gpu_budget: int | None  # None: unlimited (the CPU)
+    host_budget: int | None = None  # None: unchecked
+    kv: str = "auto"  # the placement policy (`--kv`)
+    head_group: int | None = None  # KV heads per slice (None: the policy's choice)
+    chunk_size: int | None = None  # prefill chunk (None: the roofline's)
+    block_size: int = 256
+
+    def plan(self, codec: PackedFormat | None = None) -> KVPlan:
+        """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""
+        return plan_kv(
+            self.cfg,
+            self.context,
+            policy=self.kv,
+            gpu_budget=self.gpu_budget,
+            dtype_bytes=self.dtype_bytes,
+            host_budget=self.host_budget,
+            chunk_size=self.chunk_size,
+            group_size=self.head_group,
+            hardware=self.hardware,
+            block_size=self.block_size,
+            codec=codec,
+        )
