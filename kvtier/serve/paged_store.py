@@ -14,12 +14,20 @@ A batch step concatenates every scheduled sequence's new tokens into one flat st
 chunks and decode tokens mixed); `begin_step` takes each sequence's (block table, start, n_new)
 in that order and precomputes positions, RoPE tables and slot indices once for all layers.
 Prefill chunks attend one sequence at a time (`attend`); the decode tokens of two or more
-sequences attend in ONE batched SDPA call over their KV gathered into [B, S_max] (padded keys
-masked out), which is where continuous batching wins on the attention side.
+sequences attend in ONE batched call. On CUDA that call is `paged_decode`, which reads the
+pages in place through the block tables; on the CPU their KV is gathered into [B, S_max] (padded
+keys masked out) for one SDPA call.
+
+A decode-only batch can instead run from static buffers (`begin_decode` + `decode_prologue`):
+positions, write slots, block tables and lengths live in tensors of fixed addresses, padded to
+a batch-size bucket with rows that write and read a scratch page, so the step's forward can be
+captured once per bucket as a CUDA graph and replayed (`kvtier.serve.graphs`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,19 +47,56 @@ class SeqStep:
     n_new: int
 
 
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(q [B, H_q, D], pages [N, P, 2, H_kv, D], block tables [B, max_blocks], lengths [B]) -> [B, H_q, D]."""
+
+
+def default_decode_kernel(device: torch.device) -> DecodeKernel | None:
+    """The Triton paged-decode kernel on CUDA (None elsewhere: the gather + SDPA path)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from kvtier.attention.paged_decode import paged_decode
+
+    return paged_decode
+
+
 class PagedKVStore:
-    """Page tensors of every layer; callable as `kvtier.attention.Attention` for a batch step."""
+    """Page tensors of every layer; callable as `kvtier.attention.Attention` for a batch step.
+
+    `max_batch` and `max_blocks` size the static decode buffers (`begin_decode`); `decode_kernel`
+    attends batched decode tokens over pages in place (None: Triton's on CUDA; on the CPU the
+    gather path, and `reference_decode` for the static buffers).
+    """
 
     def __init__(
-        self, cfg: ModelConfig, *, num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch: int = 64,
+        max_blocks: int | None = None,
+        decode_kernel: DecodeKernel | None = None,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = device
         self.dtype = dtype
-        shape = (num_pages, page_size, 2, cfg.num_kv_heads, cfg.head_dim)
+        # One page past the pool: the scratch page that padded decode rows write and read.
+        self.scratch = num_pages
+        shape = (num_pages + 1, page_size, 2, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: zeros, not empty: on the CPU untouched pages then cost no resident memory.
         self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.decode_kernel = decode_kernel or default_decode_kernel(device)
+        blocks = num_pages if max_blocks is None else min(num_pages, max_blocks)
+        self.max_batch = max_batch
+        self.dec_positions = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B_max]
+        self.dec_write = torch.full((max_batch,), self.scratch * page_size, dtype=torch.long, device=device)
+        self.dec_tables = torch.full((max_batch, blocks), self.scratch, dtype=torch.int32, device=device)
+        self.dec_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # [B_max]
+        self._decode_rows = 0  # > 0: the step runs from the static buffers, this many rows
         self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
         self._cos = self._sin = torch.empty(0)
         self._write = torch.empty(0, dtype=torch.long)  # [T] flat slots of the step's tokens
@@ -59,13 +104,44 @@ class PagedKVStore:
         self._dec_rows = torch.empty(0, dtype=torch.long)  # [B] stream index of each decode token
         self._dec_slots = torch.empty(0, dtype=torch.long)  # [B, S_max] flat slots, padded with 0
         self._dec_mask = torch.empty(0, dtype=torch.bool)  # [B, 1, 1, S_max] True = a real key
+        self._dec_tables = self._dec_lens = torch.empty(0, dtype=torch.int32)  # kernel path, eager
 
     @property
     def bytes_per_page(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.pages)
 
+    def begin_decode(self, steps: list[SeqStep], rows: int) -> None:
+        """Fill the static decode buffers for `steps` (one new token each), padded to `rows`.
+
+        Padded rows write their k/v into the scratch page and attend to its first slot, so a
+        forward of `rows` tokens has the same shapes (and tensors) whatever the batch; call
+        `decode_prologue(rows)` at the start of that forward.
+        """
+        assert all(s.n_new == 1 for s in steps) and len(steps) <= rows <= self.max_batch
+        p, n = self.page_size, len(steps)
+        width = max(-(-(s.start + 1) // p) for s in steps)
+        assert width <= self.dec_tables.shape[1], "a sequence has more pages than the decode table"
+        tables = torch.full((rows, width), self.scratch, dtype=torch.int32)
+        for b, s in enumerate(steps):
+            used = s.block_table[: -(-(s.start + 1) // p)]
+            tables[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        starts = torch.tensor([s.start for s in steps] + [0] * (rows - n), dtype=torch.long)
+        write = tables[torch.arange(rows), starts // p].long() * p + starts % p  # [rows]
+        lens = (starts + 1).to(torch.int32)
+        self.dec_positions[:rows].copy_(starts, non_blocking=True)
+        self.dec_write[:rows].copy_(write, non_blocking=True)
+        self.dec_tables[:rows, :width].copy_(tables, non_blocking=True)
+        self.dec_lens[:rows].copy_(lens, non_blocking=True)
+        self._decode_rows = rows
+
+    def decode_prologue(self, rows: int) -> None:
+        """The step's RoPE tables from the static positions: part of the captured forward."""
+        self._decode_rows = rows
+        self._cos, self._sin = self.rotary.cos_sin(self.dec_positions[:rows], self.dtype)
+
     def begin_step(self, steps: list[SeqStep]) -> None:
         """Set the batch of the next forward: one `SeqStep` per sequence, in token-stream order."""
+        self._decode_rows = 0
         p = self.page_size
         positions, writes, reads = [], [], []
         decodes: list[tuple[int, torch.Tensor]] = []
@@ -86,7 +162,17 @@ class PagedKVStore:
         if len(decodes) == 1:  # a lone decode token takes the exact single-sequence path
             reads.append((decodes[0][0], 1, decodes[0][1].to(self.device)))
             decodes = []
-        if decodes:
+        if decodes and self.decode_kernel is not None:
+            dec = [s for s in steps if s.n_new == 1]
+            width = max(-(-(s.start + 1) // p) for s in dec)
+            tables = torch.full((len(dec), width), self.scratch, dtype=torch.int32)
+            for b, s in enumerate(dec):
+                used = s.block_table[: -(-(s.start + 1) // p)]
+                tables[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
+            self._dec_tables = tables.to(self.device)
+            self._dec_lens = torch.tensor([s.start + 1 for s in dec], dtype=torch.int32, device=self.device)
+            self._dec_rows = torch.tensor([o for o, _ in decodes], device=self.device)
+        elif decodes:
             s_max = max(len(sl) for _, sl in decodes)
             padded = torch.zeros(len(decodes), s_max, dtype=torch.long)
             mask = torch.zeros(len(decodes), 1, 1, s_max, dtype=torch.bool)
@@ -104,6 +190,7 @@ class PagedKVStore:
 
     def end_step(self) -> None:
         self._reads = []
+        self._decode_rows = 0
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Rotate, write the step's k/v into each sequence's pages, attend per sequence.
@@ -113,6 +200,11 @@ class PagedKVStore:
         q = Rotary.apply(q, self._cos, self._sin)
         k = Rotary.apply(k, self._cos, self._sin)
         flat = self.pages[layer].view(-1, *self.pages[layer].shape[2:])  # [num_pages * P, 2, H_kv, D]
+        rows = self._decode_rows
+        if rows:  # static decode buffers: no host work, nothing depends on values
+            flat[self.dec_write[:rows]] = torch.stack((k, v), dim=1)
+            kernel = self.decode_kernel or reference_decode
+            return kernel(q, self.pages[layer], self.dec_tables[:rows], self.dec_lens[:rows])
         flat[self._write] = torch.stack((k, v), dim=1)
         if len(self._reads) == 1 and self._reads[0][1] == q.shape[0]:
             return attend(q, flat[self._reads[0][2]])  # one sequence: no copy of the output
@@ -120,7 +212,13 @@ class PagedKVStore:
         for a, n, slots in self._reads:
             out[a : a + n] = attend(q[a : a + n], flat[slots])  # kv [start + n, 2, H_kv, D]
         if self._dec_rows.numel():
-            out[self._dec_rows] = self._decode_batch(q[self._dec_rows], flat)
+            dq = q[self._dec_rows]
+            if self.decode_kernel is not None:
+                out[self._dec_rows] = self.decode_kernel(
+                    dq, self.pages[layer], self._dec_tables, self._dec_lens
+                )
+            else:
+                out[self._dec_rows] = self._decode_batch(dq, flat)
         return out
 
     def _decode_batch(self, q: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -134,3 +232,18 @@ class PagedKVStore:
         qf = q.view(b, hkv, hq // hkv, d)  # [B, H_kv, r, D]
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=self._dec_mask)
         return out.reshape(b, hq, d)
+
+
+def reference_decode(
+    q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> torch.Tensor:
+    """`DecodeKernel` in torch (the CPU's static decode path): each row through `attend` over
+    its gathered KV, so it equals the eager path. q [B, H_q, D] -> [B, H_q, D]."""
+    p = pages.shape[1]
+    flat = pages.view(-1, *pages.shape[2:])  # [N * P, 2, H_kv, D]
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n, device=pages.device)
+        slots = tables[b, pos // p].long() * p + pos % p
+        out[b] = attend(q[b : b + 1], flat[slots])[0]
+    return out
