@@ -103,6 +103,54 @@ def test_engine_batches_greedy_equal_alone(llm: LLM, budget: int, num_pages: int
         assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("budget,num_pages", [(64, 64), (16, 12)])
+def test_static_decode_steps_equal_alone(llm: LLM, budget: int, num_pages: int) -> None:
+    """Decode-only steps from the static buffers (the path CUDA graphs replay), padded to a
+    bucket with scratch-page rows, give the tokens of each sequence alone, also as sequences
+    finish and the batch shrinks and after preemptions."""
+    params = [SamplingParams(max_tokens=m) for m in (6, 3, 5, 6)]
+    expected = [alone(llm, ids, p.max_tokens)[1] for ids, p in zip(prompts(), params, strict=True)]
+    cfg = ServeConfig(
+        page_size=4, num_pages=num_pages, num_host_pages=8, max_num_batched_tokens=budget, static_decode=True
+    )
+    engine = ServeEngine(llm, cfg)
+    assert engine.decoder is not None and not engine.decoder.graphs  # eager on the CPU
+    queues = [collect(engine, ids, p) for ids, p in zip(prompts(), params, strict=True)]
+    engine.run_until_idle()
+    assert [tokens_of(q) for q in queues] == [(e, "length") for e in expected]
+    assert engine.kv.pool.num_free == num_pages
+
+
+def test_decode_buckets_and_padding(llm: LLM) -> None:
+    """Three rows run as a bucket of 4; the padded row writes only the scratch page."""
+    from kvtier.serve.graphs import DecodeRunner, buckets
+
+    assert buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert buckets(6) == (1, 2, 4, 6) and buckets(1) == (1,)
+    store = PagedKVStore(
+        llm.model_config, num_pages=40, page_size=4, device=CPU, dtype=torch.float32, max_batch=8
+    )
+    ps = prompts()[:3]
+    tables = [tuple(range(10 * i, 10 * i + 10)) for i in range(3)]
+    refs = [alone(llm, p, 2) for p in ps]
+    for p, table in zip(ps, tables, strict=True):
+        store.begin_step([SeqStep(table, 0, len(p))])
+        llm.loaded.model(torch.tensor(p), store)
+        store.end_step()
+    before = [t.clone() for t in store.pages]
+    runner = DecodeRunner(llm.loaded.model, store)
+    steps = [SeqStep(t, len(p), 1) for t, p in zip(tables, ps, strict=True)]
+    logits = runner.run([r[1][0] for r in refs], steps)
+    assert runner.bucket(3) == 4 and logits.shape[0] == 3
+    for i in range(3):
+        assert torch.allclose(logits[i], refs[i][0][1], atol=1e-5)
+    written = {s.block_table[s.start // 4] for s in steps} | {store.scratch}
+    for old, new in zip(before, store.pages, strict=True):
+        changed = {int(p) for p in (old != new).flatten(1).any(1).nonzero().flatten()}
+        assert changed <= written
+    assert int(store.dec_write[3]) // 4 == store.scratch and int(store.dec_lens[3]) == 1
+
+
 def test_decodes_of_many_sequences_attend_in_one_batched_call(llm: LLM) -> None:
     """Three decode tokens (batched, padded keys masked) and a prefill chunk in one step."""
     ps = prompts()
@@ -171,3 +219,43 @@ def test_request_longer_than_the_pool_is_served_with_offload(llm: LLM) -> None:
     assert engine.offloaded == 1 and engine.kv.pool.num_free == 4
     with pytest.raises(PromptError, match="limit"):
         engine.check(ids, SamplingParams(max_tokens=llm.max_model_len))
+
+
+@pytest.mark.parametrize("spec", ["int8", "window,kv_budget=16", "quest,kv_budget=8,quest_page=4", "head"])
+def test_request_with_its_own_method_equals_generate_with_it(llm: LLM, spec: str) -> None:
+    """A request naming a method runs over a tiered store with it: its tokens equal
+    `LLM.generate(method=spec)`, while two lossless requests batch beside it unchanged."""
+    from kvtier.methods import parse_choice
+
+    ids, params = prompts()[3], SamplingParams(max_tokens=6)
+    expected = llm.generate(ids, params, method=spec)[0].token_ids
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64))
+    own: Queue[Delta] = Queue()
+    engine.submit(ids, params, own.put, method=parse_choice(spec))
+    others = [collect(engine, p, SamplingParams(max_tokens=4)) for p in prompts()[:2]]
+    engine.run_until_idle()
+    assert tokens_of(own) == (list(expected), "length")
+    assert [tokens_of(q) for q in others] == [(alone(llm, p, 4)[1], "length") for p in prompts()[:2]]
+    assert engine.offloaded == 1 and not engine.has_work
+
+
+def test_tiered_run_streams_and_interleaves_with_the_batch(llm: LLM) -> None:
+    """The tiered run emits a delta per token (not one at the end), and batch steps run between
+    its steps: the short request finishes before the long one."""
+    from kvtier.methods import parse_choice
+
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64))
+    order: list[str] = []
+    own: Queue[Delta] = Queue()
+
+    def long_sink(d: Delta) -> None:
+        own.put(d)
+        order.append("long")
+
+    engine.submit(prompts()[3], SamplingParams(max_tokens=8), long_sink, method=parse_choice("int8"))
+    engine.submit(prompts()[0], SamplingParams(max_tokens=3), lambda d: order.append("short"))
+    engine.run_until_idle()
+    deltas = [own.get() for _ in range(own.qsize())]
+    assert len(deltas) == 8 and all(len(d.token_ids) == 1 for d in deltas)
+    # One batch step, then one step of the tiered run, in turn.
+    assert order[:6] == ["short", "long"] * 3 and order[6:] == ["long"] * 5

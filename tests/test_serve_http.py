@@ -190,6 +190,26 @@ def test_errors_are_openai_shaped(served: Served) -> None:
     assert [m.id for m in served.client.models.list()] == [served.model]
 
 
+def test_a_request_may_name_its_method(served: Served) -> None:
+    """kvtier's extra body field `method` (the openai client sends it through `extra_body`):
+    the answer equals `LLM.generate` with that method; a bad spec is a 400 naming the field."""
+    c, m = served.client, served.model
+    for spec in ("int4", "window,kv_budget=64"):
+        out = c.completions.create(
+            model=m,
+            prompt="The capital of France is",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"method": spec},
+        )
+        ref = served.llm.generate("The capital of France is", SamplingParams(max_tokens=6), method=spec)[0]
+        assert out.choices[0].text == ref.text
+    for bad in ("bogus", "window", 7, ""):
+        r = served.http.post("/v1/completions", json={"prompt": "Hi", "method": bad})
+        assert r.status_code == 400 and error_of(r)["param"] == "method", (bad, r.text)
+    assert idle(served.engine)
+
+
 def test_client_disconnect_frees_pages(served: Served) -> None:
     body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
     before = served.engine.generation_tokens

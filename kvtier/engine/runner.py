@@ -20,6 +20,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prefill_spans(n: int, chunk_size: int, store: TieredKVStore) -> list[tuple[int, int]]:
+    """The prefill steps of `n` prompt tokens: [start, end) chunks of at most `chunk_size`.
+
+    A store kernel with `last_query_alone` (HiP) gets the last token as a step of its own, so its
+    selection is made for that query alone (the first answer token comes from its logits).
+    """
+    # NOTE: a capability flag of the kernel; dense kernels lack it, and splitting would only
+    # change their rounding.
+    alone = n > 1 and bool(getattr(store.kernel, "last_query_alone", False))
+    body = n - 1 if alone else n
+    spans = [(s, min(s + chunk_size, body)) for s in range(0, body, chunk_size)]
+    return [*spans, (body, n)] if alone else spans
+
+
 def prefill(
     model: CausalLM,
     store: TieredKVStore,
@@ -27,19 +41,9 @@ def prefill(
     chunk_size: int,
     progress: bool = False,
 ) -> torch.Tensor:
-    """Run prompt ids [N] in chunks of `chunk_size`; returns the last position's logits [vocab].
-
-    A store kernel with `last_query_alone` (HiP) gets the last token as a step of its own, so its
-    selection is made for that query alone (the first answer token comes from its logits).
-    """
+    """Run prompt ids [N] in `prefill_spans`; returns the last position's logits [vocab]."""
     n = ids.shape[0]
-    # NOTE: a capability flag of the kernel; dense kernels lack it, and splitting would only
-    # change their rounding.
-    alone = n > 1 and bool(getattr(store.kernel, "last_query_alone", False))
-    body = n - 1 if alone else n
-    spans = [(s, min(s + chunk_size, body)) for s in range(0, body, chunk_size)] + (
-        [(body, n)] if alone else []
-    )
+    spans = prefill_spans(n, chunk_size, store)
     none = torch.empty(0, dtype=torch.long, device=ids.device)
     bar = tqdm(
         total=n,

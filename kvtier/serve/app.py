@@ -180,7 +180,7 @@ def build_app(engine: ServeEngine, settings: AppSettings) -> FastAPI:
                 loop.call_soon_threadsafe(deltas.put_nowait, d)
 
         try:
-            rid = engine.submit(ids, req.params, sink, req.cache_salt)
+            rid = engine.submit(ids, req.params, sink, req.cache_salt, req.method)
         except EngineClosed as e:
             raise APIError(503, str(e), "server_error", "server_shutting_down") from None
         head = _Head(

@@ -5,13 +5,11 @@ Callers (HTTP handlers, tests, the benchmark) talk to it through thread-safe met
 Everything else (scheduler, pages, model) is touched by the engine thread alone, or, without a
 thread, by whoever calls `step()` / `run_until_idle()`.
 
-A request whose prompt + max_tokens needs more pages than the whole pool holds is not refused:
-it is served alone through a `TieredKVStore` with the offload policy ("head" on the CPU, so its
-KV really streams from the host tier; "auto" on CUDA, planned within the server's GPU budget
-minus the pool), exactly like `kvtier generate`. The engine thread runs such a request to
-completion between two batch steps, so the batch is blocked meanwhile and the request's text
-arrives in one delta at the end (also when streamed); a client's abort while it runs takes
-effect when it ends, a shutdown (`begin_shutdown`) at its next token.
+A request whose prompt + max_tokens needs more pages than the whole pool holds, or that names a
+method of its own, is not refused: it is served over a tiered store of its own
+(`kvtier.serve.tiered`), planned within the server's GPU budget minus the pool, exactly like
+`kvtier generate` plans it. The engine thread advances each such run by one prefill chunk or
+decode token between two batch steps, so the batch keeps going and its tokens stream.
 """
 
 from __future__ import annotations
@@ -28,17 +26,20 @@ import torch
 
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import ConfigError, KvtierError, PromptError
+from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
+from kvtier.methods import MethodChoice
 from kvtier.planner.hardware import host_memory_available
+from kvtier.serve.graphs import DecodeRunner
 from kvtier.serve.kv_manager import KVCacheManager
-from kvtier.serve.offload import generate_offloaded
 from kvtier.serve.paged_store import PagedKVStore, SeqStep
 from kvtier.serve.prefix_cache import root_hash
 from kvtier.serve.scheduler import Scheduler, SchedulerConfig
 from kvtier.serve.sequence import Delta, Sequence, Sink, Status
 from kvtier.serve.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget, offload_gpu_budget
 from kvtier.serve.stopping import check_stop
+from kvtier.serve.tiered import TieredRun
 
+MAX_TIERED_RUNS = 4  # tiered runs advanced together; more wait for one to finish
 SHUTTING_DOWN = "the server is shutting down; send the request again once it is back (or to another server)"
 
 
@@ -57,6 +58,10 @@ class ServeConfig:
     max_num_batched_tokens: int = 512
     prefix_caching: bool = True
     threads: int | None = None  # torch CPU threads of the engine thread (None: torch's default)
+    # Decode-only steps from static buffers (`kvtier.serve.graphs`), replayed as CUDA graphs
+    # (None: on CUDA; on the CPU they run eagerly, for tests).
+    static_decode: bool | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -85,16 +90,26 @@ class ServeEngine:
         self.device = llm.device
         num_pages, host = self._pool_sizes()
         self.store = PagedKVStore(
-            llm.model_config, num_pages=num_pages, page_size=cfg.page_size, device=llm.device, dtype=llm.dtype
+            llm.model_config,
+            num_pages=num_pages,
+            page_size=cfg.page_size,
+            device=llm.device,
+            dtype=llm.dtype,
+            max_batch=cfg.max_num_seqs,
+            max_blocks=-(-llm.max_model_len // cfg.page_size),
         )
+        static = self.device.type == "cuda" if cfg.static_decode is None else cfg.static_decode
+        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self.decoder = DecodeRunner(self.model, self.store, graphs=graphs) if static else None
         self.kv = KVCacheManager(self.store, host, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
         self.salt = f"{llm.loaded.name}|{llm.dtype}|kv={llm.method.kv}|paged{cfg.page_size}"
         self.eos = frozenset(llm.loaded.eos_token_ids)
         self.max_model_len = llm.max_model_len
         self.pool_tokens = num_pages * cfg.page_size  # longer requests are served with offload
-        self._offload: deque[Sequence] = deque()  # such requests, waiting for the engine thread
-        self.offloaded = 0
+        self._tiered_wait: deque[Sequence] = deque()  # requests for tiered runs, not started yet
+        self._tiered: dict[Sequence, TieredRun] = {}  # the running ones
+        self.offloaded = 0  # tiered runs finished
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._by_id: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -190,11 +205,18 @@ class ServeEngine:
             )
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, sink: Sink, cache_salt: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        cache_salt: str | None = None,
+        method: MethodChoice | None = None,
     ) -> str:
         """Queue a request; `sink` gets its `Delta`s from the engine thread. Returns its id.
 
-        Raises EngineClosed once `begin_shutdown` was called."""
+        `method`: a method of its own (any registered one, or a placement): the request is then
+        served over a tiered store (`kvtier.serve.tiered`). Raises EngineClosed once
+        `begin_shutdown` was called."""
         if self._closing.is_set():
             raise EngineClosed(SHUTTING_DOWN)
         self.check(prompt, params)
@@ -206,12 +228,14 @@ class ServeEngine:
             root=root_hash(self.salt + "|" + (cache_salt or "")),
             sink=sink,
             sampler=Sampler(params, self.device),
+            method=method,
         )
-        self._inbox.put(("offload" if self.needs_offload(prompt, params) else "add", seq))
+        tiered = method is not None or self.needs_offload(prompt, params)
+        self._inbox.put(("tiered" if tiered else "add", seq))
         return rid
 
     def needs_offload(self, prompt: list[int], params: SamplingParams) -> bool:
-        """Whether the request needs more pages than the whole pool has (then it runs offloaded)."""
+        """Whether the request needs more pages than the whole pool has (then it runs tiered)."""
         return len(prompt) + params.max_tokens > self.pool_tokens
 
     def abort(self, request_id: str) -> None:
@@ -260,14 +284,13 @@ class ServeEngine:
             torch.set_num_threads(self.config.threads)
         while not self._stop.is_set():
             self._drain(block=not self.has_work)
-            if self._offload:
-                self.run_offloaded()
-            elif self.scheduler.has_work:
+            if self.scheduler.has_work:
                 try:
                     self.step()
                 except Exception as e:  # fail the batch, keep serving
                     for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                         self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+            self.step_tiered()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -283,15 +306,15 @@ class ServeEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._offload) or self.scheduler.has_work
+        return bool(self._tiered_wait or self._tiered) or self.scheduler.has_work
 
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "add":
             self._by_id[arg.request_id] = arg
             self.scheduler.add(arg)
-        elif kind == "offload":
+        elif kind == "tiered":
             self._by_id[arg.request_id] = arg
-            self._offload.append(arg)
+            self._tiered_wait.append(arg)
         elif kind == "abort" and arg in self._by_id:
             self._finish(self._by_id[arg], "abort")
         elif kind == "abort_all":
@@ -304,42 +327,49 @@ class ServeEngine:
         """Step (in the calling thread) until every submitted request has finished."""
         self._drain(block=False)
         while self.has_work:
-            if self._offload:
-                self.run_offloaded()
-            else:
+            if self.scheduler.has_work:
                 self.step()
+            self.step_tiered()
             self._drain(block=False)
 
-    def run_offloaded(self) -> None:
-        """Run the oldest request that is too long for the pool, alone and to completion, through
-        a tiered store with offload (blocks the batch meanwhile); then deliver it like any other."""
-        seq = self._offload.popleft()
-        if seq.status is Status.FINISHED:  # aborted while it waited
-            return
-        try:  # NOTE: `seq` stays WAITING (in no scheduler queue), so `_finish` needs no pages back
-            tokens = generate_offloaded(self, seq)
-        except Exception as e:  # fail this request, keep serving
-            self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
-            return
-        if self.closing:  # cut short by begin_shutdown
-            self._finish(seq, "abort", error=SHUTTING_DOWN)
-            return
-        self.offloaded += 1
-        now = time.perf_counter()
-        seq.first_token_at = now
-        self.prompt_tokens += len(seq.prompt)
-        self.generation_tokens += len(tokens)
-        self._recent.append((now, len(tokens)))
-        seq.tokens.extend(tokens)
-        text = ""
-        if self.llm.tokenizer is not None:
-            with self.tokenizer_lock:
-                text = self.llm.tokenizer.decode(seq.output, skip_special_tokens=True)
-        at_limit = len(seq.tokens) >= self.max_model_len
-        visible, reason = check_stop(seq.output, text, seq.params, self.eos, at_limit)
-        reason = reason or "length"  # generate_tokens stops only at a stop condition or max_tokens
-        self._emit(seq, text if visible is None else visible, reason)
-        self._finish(seq, reason, emitted=True)
+    def step_tiered(self) -> None:
+        """Start waiting tiered runs while there is room, then advance each running one by one
+        prefill chunk or decode token (a failing run fails its own request only)."""
+        while self._tiered_wait and len(self._tiered) < MAX_TIERED_RUNS:
+            seq = self._tiered_wait[0]
+            if seq.status is Status.FINISHED:  # aborted while it waited
+                self._tiered_wait.popleft()
+                continue
+            try:
+                run = TieredRun(self, seq)
+            except CapacityError as e:
+                if self._tiered:  # others hold the memory: wait for one of them to finish
+                    break
+                self._tiered_wait.popleft()
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+                continue
+            except Exception as e:
+                self._tiered_wait.popleft()
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+                continue
+            self._tiered_wait.popleft()
+            self._tiered[seq] = run
+        for seq, run in list(self._tiered.items()):
+            try:
+                token = run.step()
+            except Exception as e:  # fail this request, keep serving
+                self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+                continue
+            if token is None:
+                continue
+            now = time.perf_counter()
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.prompt_tokens += len(seq.prompt)
+            seq.tokens.append(token)
+            self.generation_tokens += 1
+            self._recent.append((now, 1))
+            self._after_token(seq)
 
     def step(self) -> int:
         """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens run."""
@@ -354,16 +384,19 @@ class ServeEngine:
             if seq.num_computed + n == len(seq.tokens):
                 sample_at.append(len(ids) - 1)
                 samplers.append(seq)
-        self.store.begin_step(steps)
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            self.store,
-            logits_at=torch.tensor(sample_at, dtype=torch.long, device=self.device),
-        )  # [N, vocab]
-        self.store.end_step()
+        if self.decoder is not None and len(ids) == len(batch) == len(samplers):
+            logits = self.decoder.run(ids, steps)  # a decode-only step: static buffers / graph
+        else:
+            self.store.begin_step(steps)
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                self.store,
+                logits_at=torch.tensor(sample_at, dtype=torch.long, device=self.device),
+            )  # [N, vocab]
+            self.store.end_step()
         for seq, n in batch:
             self.kv.commit(seq, n)
-        tokens = [int(seq.sampler(logits[i])) for i, seq in enumerate(samplers)]
+        tokens = sample_all(samplers, logits)
         now = time.perf_counter()
         for seq, tok in zip(samplers, tokens, strict=True):
             if seq.first_token_at is None:
@@ -412,6 +445,10 @@ class ServeEngine:
     def _finish(self, seq: Sequence, reason: str, emitted: bool = False, error: str | None = None) -> None:
         if seq.status is Status.FINISHED:
             return
+        run = self._tiered.pop(seq, None)
+        if run is not None:  # NOTE: a tiered sequence is in no scheduler queue and holds no pages
+            run.close()
+            self.offloaded += 1
         self.scheduler.finish(seq, reason)
         self._by_id.pop(seq.request_id, None)
         self.finished += 1
@@ -424,3 +461,17 @@ class ServeEngine:
         """Generated tokens per second over the last `window` seconds."""
         now = time.perf_counter()
         return sum(n for t, n in list(self._recent) if now - t <= window) / window
+
+
+def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, then
+    one host sync for all."""
+    greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
+    picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+    if greedy:
+        rows = torch.tensor(greedy, device=logits.device)
+        picked[rows] = logits[rows].argmax(-1)
+    for i, s in enumerate(seqs):
+        if s.params.temperature != 0:
+            picked[i] = s.sampler(logits[i])
+    return [int(t) for t in picked.tolist()]

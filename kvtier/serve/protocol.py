@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
+from kvtier.methods import MethodChoice, parse_choice, spec_names
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_TOKENS = 512  # cap on "the rest of the context" for chat without max_tokens
@@ -47,6 +48,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    method: MethodChoice | None = None  # kvtier's extension: "method": "quest,kv_budget=1k"
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -171,6 +173,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if salt is not None and not isinstance(salt, str):
         raise APIError(400, "'cache_salt' must be a string", param="cache_salt")
     seed = _int(body, "seed", None, 0, SEED_LIMIT - 1)
+    method = _method(body)
     try:
         params = SamplingParams(
             max_tokens=max_tokens or (DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS),
@@ -192,4 +195,21 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         cache_salt=salt,
+        method=method,
     )
+
+
+def _method(body: dict[str, Any]) -> MethodChoice | None:
+    """The request's own method (kvtier's extension, as vLLM takes extra sampling fields): a
+    spec like `kvtier generate`'s flags, `"int4"`, `"quest,kv_budget=1k"`, `"hip"`."""
+    spec = body.get("method")
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or not spec.strip():
+        raise APIError(
+            400, f"'method' must be a method spec such as one of {', '.join(spec_names())}", param="method"
+        )
+    try:
+        return parse_choice(spec)
+    except ConfigError as e:
+        raise APIError(400, f"'method': {e}", param="method") from None

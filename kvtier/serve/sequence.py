@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.methods import MethodChoice
 
 
 class Status(enum.Enum):
@@ -61,6 +62,7 @@ class Sequence:
     emitted_text: int = 0  # characters of the output text already sent
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    method: MethodChoice | None = None  # a method of its own: served over a tiered store
 
     def __post_init__(self) -> None:
         if not self.tokens:
