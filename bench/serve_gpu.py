@@ -1,8 +1,8 @@
 """`kvtier serve`'s engine on a GPU: one stream and many concurrent streams (issue 18's targets).
 
-Llama-3-8B shapes with random bf16 weights (a preset: no download), prompts of random token ids
-(synthetic data), greedy decoding with `ignore_eos`. Runs the `ServeEngine` step loop in this
-thread (no HTTP), so the numbers are the engine's. For each case: output tokens/s, time to
+Llama-3.1-8B shapes (128K context) with random bf16 weights (a preset: no download), prompts
+of random token ids (synthetic data), greedy decoding with `ignore_eos`. Runs the `ServeEngine`
+step loop in this thread (no HTTP), so the numbers are the engine's. For each case: output tokens/s, time to
 first token (TTFT) and time per output token (TPOT, per request: (last - first) / (n - 1)),
 p50 and mean, plus the engine's decode-graph counters.
 
@@ -40,14 +40,19 @@ CASES: dict[str, tuple[int, int, int]] = {
 }
 
 
-def run_case(engine: ServeEngine, n: int, prompt: int, new: int, vocab: int, seed: int) -> dict[str, Any]:
-    """Submit `n` requests at once, step until all finish; throughput and latencies."""
+def run_case(
+    engine: ServeEngine, n: int, prompt: int, new: int, vocab: int, seed: int
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Submit `n` requests at once, step until all finish: throughput and latencies (the
+    steady part: after every request has its first token), and each request's token ids."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, vocab, (prompt,), generator=gen).tolist() for _ in range(n)]
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     count = [0] * n
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    stamps: list[tuple[float, int]] = []  # (time, tokens) of every delta
 
     def sink_for(i: int) -> Any:
         def sink(d: Delta) -> None:
@@ -56,6 +61,8 @@ def run_case(engine: ServeEngine, n: int, prompt: int, new: int, vocab: int, see
                 first.setdefault(i, now)
                 last[i] = now
             count[i] += len(d.token_ids)
+            tokens[i].extend(d.token_ids)
+            stamps.append((now, len(d.token_ids)))
 
         return sink
 
@@ -72,7 +79,10 @@ def run_case(engine: ServeEngine, n: int, prompt: int, new: int, vocab: int, see
     wall = time.perf_counter() - t0
     ttft = [first[i] - t0 for i in range(n)]
     tpot = [(last[i] - first[i]) / (count[i] - 1) for i in range(n) if count[i] > 1]
-    return {
+    # Once every request has its first token: decode steps of the whole batch only.
+    all_started, end = max(first.values()), max(last.values())
+    steady = sum(k for t, k in stamps if t > all_started)
+    row: dict[str, Any] = {
         "requests": n,
         "prompt_tokens": prompt,
         "new_tokens": new,
@@ -84,12 +94,17 @@ def run_case(engine: ServeEngine, n: int, prompt: int, new: int, vocab: int, see
         "ttft_mean_s": round(statistics.fmean(ttft), 4),
         "tpot_p50_ms": round(1e3 * statistics.median(tpot), 3),
         "tpot_mean_ms": round(1e3 * statistics.fmean(tpot), 3),
+        "steady_decode_s": round(end - all_started, 3),
+        "steady_output_tokens_per_s": round(steady / (end - all_started), 1) if end > all_started else None,
     }
+    return row, tokens
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3-8b", help="preset or HF folder (default: llama-3-8b shapes)")
+    ap.add_argument(
+        "--model", default="llama-3.1-8b", help="preset or HF folder (default: Llama-3.1-8B shapes)"
+    )
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--gpu-memory", default=None, help="the server's GPU budget (default: the whole GPU)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -123,16 +138,28 @@ def main() -> None:
         "engine_start_s": round(time.perf_counter() - t0, 2),
         "cases": {},
     }
+    if engine.decoder is not None and engine.decoder.graphs:
+        # The graphs replay the eager kernels: the same schedule gives the same token ids
+        # (the prefix cache is emptied first, so both runs prefill alike).
+        engine.kv.reset_prefix_cache()
+        _, with_graphs = run_case(engine, 8, 300, 24, vocab, seed=7)
+        engine.decoder.graphs = False
+        engine.kv.reset_prefix_cache()
+        _, eager = run_case(engine, 8, 300, 24, vocab, seed=7)
+        engine.decoder.graphs = True
+        results["graphs_equal_eager_tokens"] = with_graphs == eager
+        print(f"graph replays give the eager path's token ids: {with_graphs == eager}", flush=True)
     path = None
     for i, name in enumerate(cases):
         n, prompt, new = CASES[name]
         torch.cuda.reset_peak_memory_stats()
-        row = run_case(engine, n, prompt, new, vocab, seed=i)
+        row, _ = run_case(engine, n, prompt, new, vocab, seed=i)
         row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         results["cases"][name] = row
         print(
             f"{name:<8} {row['output_tokens_per_s']:>9} tok/s  TTFT p50 {row['ttft_p50_s']:.3f} s  "
-            f"TPOT p50 {row['tpot_p50_ms']:.2f} ms  peak {row['peak_gpu_gb']} GB",
+            f"TPOT p50 {row['tpot_p50_ms']:.2f} ms  steady {row['steady_output_tokens_per_s']} tok/s  "
+            f"peak {row['peak_gpu_gb']} GB",
             flush=True,
         )
         decoder = engine.decoder
