@@ -467,8 +467,6 @@ def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, then
     one host sync for all."""
     greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-    if len(greedy) == len(seqs):
-        return [int(t) for t in logits.argmax(-1).tolist()]
     picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     if greedy:
         rows = torch.tensor(greedy, device=logits.device)

@@ -47,15 +47,8 @@ class SeqStep:
     n_new: int
 
 
-DecodeKernel = Callable[..., torch.Tensor]
-"""(q [B, H_q, D], pages [N, P, 2, H_kv, D], block tables [B, max_blocks], lengths [B], *,
-num_splits) -> [B, H_q, D]."""
-
-
-def decode_splits(rows: int, num_kv_heads: int) -> int:
-    """Key splits per (sequence, KV head) of a decode step: enough programs to fill a GPU
-    (~1,000) when the batch is small, 16 at least."""
-    return max(16, min(128, 1024 // max(1, rows * num_kv_heads)))
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(q [B, H_q, D], pages [N, P, 2, H_kv, D], block tables [B, max_blocks], lengths [B]) -> [B, H_q, D]."""
 
 
 def default_decode_kernel(device: torch.device) -> DecodeKernel | None:
@@ -128,23 +121,22 @@ class PagedKVStore:
         p, n = self.page_size, len(steps)
         width = max(-(-(s.start + 1) // p) for s in steps)
         assert width <= self.dec_tables.shape[1], "a sequence has more pages than the decode table"
-        pad = [self.scratch] * width
-        table_rows = [list(s.block_table[:width]) + pad[len(s.block_table) :] for s in steps]
-        tables = torch.tensor(table_rows + [pad] * (rows - n), dtype=torch.int32)  # [rows, width]
-        lens = torch.tensor([s.start + 1 for s in steps] + [1] * (rows - n), dtype=torch.int32)
+        tables = torch.full((rows, width), self.scratch, dtype=torch.int32)
+        for b, s in enumerate(steps):
+            used = s.block_table[: -(-(s.start + 1) // p)]
+            tables[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        starts = torch.tensor([s.start for s in steps] + [0] * (rows - n), dtype=torch.long)
+        write = tables[torch.arange(rows), starts // p].long() * p + starts % p  # [rows]
+        lens = (starts + 1).to(torch.int32)
+        self.dec_positions[:rows].copy_(starts, non_blocking=True)
+        self.dec_write[:rows].copy_(write, non_blocking=True)
         self.dec_tables[:rows, :width].copy_(tables, non_blocking=True)
         self.dec_lens[:rows].copy_(lens, non_blocking=True)
         self._decode_rows = rows
 
     def decode_prologue(self, rows: int) -> None:
-        """Positions, write slots and RoPE tables from the static lengths and block tables: the
-        start of the captured forward (so a step copies only those two to the device)."""
+        """The step's RoPE tables from the static positions: part of the captured forward."""
         self._decode_rows = rows
-        p = self.page_size
-        pos = self.dec_lens[:rows].long() - 1  # [rows] the new token's position
-        self.dec_positions[:rows] = pos
-        page = self.dec_tables[:rows].gather(1, (pos // p)[:, None])[:, 0].long()
-        self.dec_write[:rows] = page * p + pos % p
         self._cos, self._sin = self.rotary.cos_sin(self.dec_positions[:rows], self.dtype)
 
     def begin_step(self, steps: list[SeqStep]) -> None:
@@ -212,10 +204,7 @@ class PagedKVStore:
         if rows:  # static decode buffers: no host work, nothing depends on values
             flat[self.dec_write[:rows]] = torch.stack((k, v), dim=1)
             kernel = self.decode_kernel or reference_decode
-            splits = decode_splits(rows, k.shape[1])
-            return kernel(
-                q, self.pages[layer], self.dec_tables[:rows], self.dec_lens[:rows], num_splits=splits
-            )
+            return kernel(q, self.pages[layer], self.dec_tables[:rows], self.dec_lens[:rows])
         flat[self._write] = torch.stack((k, v), dim=1)
         if len(self._reads) == 1 and self._reads[0][1] == q.shape[0]:
             return attend(q, flat[self._reads[0][2]])  # one sequence: no copy of the output
@@ -246,10 +235,10 @@ class PagedKVStore:
 
 
 def reference_decode(
-    q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, num_splits: int = 1
+    q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
 ) -> torch.Tensor:
     """`DecodeKernel` in torch (the CPU's static decode path): each row through `attend` over
-    its gathered KV, so it equals the eager path (`num_splits` is ignored). q [B, H_q, D]."""
+    its gathered KV, so it equals the eager path. q [B, H_q, D] -> [B, H_q, D]."""
     p = pages.shape[1]
     flat = pages.view(-1, *pages.shape[2:])  # [N * P, 2, H_kv, D]
     out = torch.empty_like(q)
