@@ -43,7 +43,7 @@ def _scored(scorer: H2OEvictor | SnapKVEvictor) -> PolicyParts:
 
 STREAMING = register(
     evictor_entry(
-        "streaming",
+        WindowEvictor.STREAMING,
         "StreamingLLM: 4 attention sinks + the most recent tokens (RoPE at cache positions)",
         lambda ctx, b: PolicyParts(
             kernel=CacheRopeKernel(ctx.cfg, ctx.device),
@@ -54,14 +54,22 @@ STREAMING = register(
 )
 H2O = register(
     evictor_entry(
-        "h2o", "H2O: heavy hitters by accumulated attention + recent", lambda _, b: _scored(H2OEvictor(b))
+        H2OEvictor.name,
+        "H2O: heavy hitters by accumulated attention + recent",
+        lambda _, b: _scored(H2OEvictor(b)),
     )
 )
 SNAPKV = register(
-    evictor_entry("snapkv", "SnapKV: prompt-window votes + recent", lambda _, b: _scored(SnapKVEvictor(b)))
+    evictor_entry(
+        SnapKVEvictor.name,
+        "SnapKV: prompt-window votes + recent",
+        lambda _, b: _scored(SnapKVEvictor(b)),
+    )
 )
 WINDOW = register(
     evictor_entry(
-        "window", "sliding window: the last N tokens", lambda _, b: PolicyParts(evictor=WindowEvictor(b))
+        WindowEvictor.WINDOW,
+        "sliding window: the last N tokens",
+        lambda _, b: PolicyParts(evictor=WindowEvictor(b)),
     )
 )

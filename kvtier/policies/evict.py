@@ -73,8 +73,10 @@ class WindowEvictor(_Budgeted):
     StreamingLLM (sinks=4) pairs this with `CacheRopeKernel`, so positions are cache indices.
     """
 
+    WINDOW, STREAMING = "window", "streaming"  # its names without and with sinks
+
     def __init__(self, budget: int, sinks: int = 0) -> None:
-        self.name = "streaming" if sinks else "window"
+        self.name = self.STREAMING if sinks else self.WINDOW
         super().__init__(budget, sinks + 1)
         self.sinks = sinks
 
