@@ -217,6 +217,13 @@ def test_request_longer_than_the_pool_is_served_with_offload(llm: LLM) -> None:
     assert tokens_of(long_q) == (list(expected), "length")
     assert tokens_of(short_q) == (alone(llm, prompts()[0], 3)[1], "length")
     assert engine.offloaded == 1 and engine.kv.pool.num_free == 4
+    moved = engine.transfer_bytes()
+    assert moved[("h2d", "tiered")] > 0 and engine.num_tiered == (0, 0)  # its KV streamed from the host
+    from kvtier.serve.metrics import render
+
+    text = render(engine, "m")
+    labels = 'model_name="m",direction="h2d",source="tiered"'
+    assert f"kvtier:kv_transfer_bytes_total{{{labels}}} {moved[('h2d', 'tiered')]}" in text.splitlines()
     with pytest.raises(PromptError, match="limit"):
         engine.check(ids, SamplingParams(max_tokens=llm.max_model_len))
 

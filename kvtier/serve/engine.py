@@ -110,6 +110,7 @@ class ServeEngine:
         self._tiered_wait: deque[Sequence] = deque()  # requests for tiered runs, not started yet
         self._tiered: dict[Sequence, TieredRun] = {}  # the running ones
         self.offloaded = 0  # tiered runs finished
+        self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._by_id: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -449,6 +450,8 @@ class ServeEngine:
         if run is not None:  # NOTE: a tiered sequence is in no scheduler queue and holds no pages
             run.close()
             self.offloaded += 1
+            self.tiered_h2d_bytes += run.h2d_bytes
+            self.tiered_d2h_bytes += run.d2h_bytes
         self.scheduler.finish(seq, reason)
         self._by_id.pop(seq.request_id, None)
         self.finished += 1
@@ -456,6 +459,23 @@ class ServeEngine:
             self._emit(seq, "", reason, error)
 
     # -- numbers for /metrics --------------------------------------------------------------------
+
+    @property
+    def num_tiered(self) -> tuple[int, int]:
+        """(running, waiting) tiered runs."""
+        return len(self._tiered), len(self._tiered_wait)
+
+    def transfer_bytes(self) -> dict[tuple[str, str], int]:
+        """PCIe bytes so far by (direction, source): the prefix cache's host tier, and the
+        tiered runs (finished ones, plus what running ones have moved)."""
+        page = self.store.bytes_per_page
+        running = [r.store.account for r in self._tiered.values() if r.store is not None]
+        return {
+            ("d2h", "prefix_cache"): self.kv.host.saved * page,
+            ("h2d", "prefix_cache"): self.kv.host.loaded * page,
+            ("h2d", "tiered"): self.tiered_h2d_bytes + sum(a.h2d_bytes for a in running),
+            ("d2h", "tiered"): self.tiered_d2h_bytes + sum(a.d2h_bytes for a in running),
+        }
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Generated tokens per second over the last `window` seconds."""

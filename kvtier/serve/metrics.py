@@ -30,6 +30,19 @@ def render(engine: ServeEngine, model_name: str) -> str:
         ("request_success_total", "counter", "Requests finished (any reason).", [("", engine.finished)]),
         ("num_preemptions_total", "counter", "Preemptions by recompute.", [("", sched.num_preemptions)]),
         (
+            "num_requests_tiered",
+            "gauge",
+            "Requests over a tiered store of their own (a method of their own, or too long for the pool).",
+            [('state="running"', engine.num_tiered[0]), ('state="waiting"', engine.num_tiered[1])],
+        ),
+        (
+            "kv_transfer_bytes_total",
+            "counter",
+            "KV bytes over PCIe, by direction and source (prefix_cache: its host tier; tiered: the "
+            "tiered stores' streaming and write-back).",
+            [(f'direction="{d}",source="{src}"', n) for (d, src), n in engine.transfer_bytes().items()],
+        ),
+        (
             "kv_pages_used",
             "gauge",
             "KV pages in use per tier (gpu: referenced by sequences; "

@@ -68,6 +68,7 @@ class TieredRun:
         self.spans = prefill_spans(len(seq.prompt), self.plan.chunk_size, self.store)
         self.done_spans = 0
         self.token: torch.Tensor | None = None  # the last sampled token (0-d, on the device)
+        self.h2d_bytes = self.d2h_bytes = 0  # what its store moved over PCIe (set by `close`)
 
     @property
     def prefilling(self) -> bool:
@@ -96,7 +97,8 @@ class TieredRun:
         return int(self.token)
 
     def close(self) -> None:
-        """Free the store (its GPU buffers and pinned host memory)."""
+        """Free the store (its GPU buffers and pinned host memory); keep its PCIe byte counts."""
         if self.store is not None:
+            self.h2d_bytes, self.d2h_bytes = self.store.account.h2d_bytes, self.store.account.d2h_bytes
             self.store.close()
             self.store = None
