@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
+from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.engine import ServeConfig, ServeEngine
-from kvtier.serve.sequence import Delta
 
 # name -> (concurrent requests, prompt tokens, new tokens)
 CASES: dict[str, tuple[int, int, int]] = {

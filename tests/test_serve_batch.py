@@ -8,14 +8,14 @@ from queue import Queue
 import pytest
 import torch
 
+from kvtier.engine.batch.sequence import Delta, Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import PromptError
+from kvtier.kv.paged import PagedKVStore, SeqStep
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.planner.placement import KVPlan
 from kvtier.serve.engine import ServeConfig, ServeEngine
-from kvtier.serve.paged_store import PagedKVStore, SeqStep
-from kvtier.serve.sequence import Delta, Sequence
 from tests.hf_reference import make_hf_model
 
 CPU = torch.device("cpu")
@@ -123,7 +123,7 @@ def test_static_decode_steps_equal_alone(llm: LLM, budget: int, num_pages: int) 
 
 def test_decode_buckets_and_padding(llm: LLM) -> None:
     """Three rows run as a bucket of 4; the padded row writes only the scratch page."""
-    from kvtier.serve.graphs import DecodeRunner, buckets
+    from kvtier.engine.batch.graphs import DecodeRunner, buckets
 
     assert buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert buckets(6) == (1, 2, 4, 6) and buckets(1) == (1,)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.serve.pages import PagePool
-from kvtier.serve.prefix_cache import HostPageCache, extend_hashes, root_hash
+from kvtier.kv.pages import PagePool
+from kvtier.kv.prefix_cache import HostPageCache, extend_hashes, root_hash
 
 
 def test_free_list_hands_out_ids_in_order_and_reuses_freed_last() -> None:

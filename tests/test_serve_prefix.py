@@ -8,10 +8,10 @@ from queue import Queue
 import pytest
 import torch
 
+from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.engine import ServeConfig, ServeEngine
-from kvtier.serve.sequence import Delta
 from tests.hf_reference import make_hf_model
 
 PREFIX = torch.randint(1, 211, (16,), generator=torch.Generator().manual_seed(5)).tolist()

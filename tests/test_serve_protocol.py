@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 
 from kvtier.cli.main import build_parser, main
+from kvtier.engine.batch.stopping import check_stop
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.serve.app import AppSettings
 from kvtier.serve.engine import ServeConfig
 from kvtier.serve.metrics import _escape
 from kvtier.serve.protocol import APIError, parse_request
-from kvtier.serve.stopping import check_stop
 
 
 def test_completion_body_becomes_sampling_params() -> None:

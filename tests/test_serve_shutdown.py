@@ -22,11 +22,11 @@ import httpx
 import pytest
 import torch
 
+from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.app import AppSettings, build_app
 from kvtier.serve.engine import SHUTTING_DOWN, EngineClosed, ServeConfig, ServeEngine
-from kvtier.serve.sequence import Delta
 from kvtier.serve.server import ServerThread, _Server, free_port
 from tests.hf_reference import make_hf_model
 

@@ -13,19 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.engine.llm import LLM
-from kvtier.errors import CapacityError
-from kvtier.loading.presets import preset_config
-from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
-from kvtier.serve import sizing
-from kvtier.serve.engine import ServeConfig, ServeEngine
-from kvtier.serve.sizing import (
+from kvtier.engine.batch import sizing
+from kvtier.engine.batch.sizing import (
     MIN_PAGES,
     PoolBudget,
     measure_pool_budget,
     offload_gpu_budget,
     step_activation_bytes,
 )
+from kvtier.engine.llm import LLM
+from kvtier.errors import CapacityError
+from kvtier.loading.presets import preset_config
+from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
+from kvtier.serve.engine import ServeConfig, ServeEngine
 from tests.hf_reference import make_hf_model
 
 GiB = 1024**3
@@ -109,7 +109,7 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 def with_host_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
     monkeypatch.setattr(sizing, "host_memory_available", lambda: available)
-    monkeypatch.setattr("kvtier.serve.engine.host_memory_available", lambda: available)
+    monkeypatch.setattr("kvtier.engine.batch.core.host_memory_available", lambda: available)
 
 
 def test_cpu_pool_is_checked_against_host_memory_before_allocating(

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from kvtier.engine.batch.core import BatchConfig, BatchEngine
+from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.outputs import GenerationStats, RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
+from kvtier.model.llama import CausalLM
 from kvtier.planner.hardware import detect_hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 
 Prompt = str | list[int]
+BATCHABLE = ("auto", "gpu")  # placements a list of prompts is batched under (KV on the device)
 
 
 class LLM:
@@ -89,6 +97,25 @@ class LLM:
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model)
+
+    @property
+    def model(self) -> CausalLM:
+        """The loaded decoder."""
+        return self.loaded.model
+
+    @property
+    def name(self) -> str:
+        """The model's name (its folder, file or preset)."""
+        return self.loaded.name
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.loaded.eos_token_ids)
+
+    @property
+    def budget_given(self) -> bool:
+        """Whether `gpu_memory` was given (else the planner may use the whole GPU)."""
+        return self.config.gpu_memory is not None
 
     def max_model_len_for(self, method: MethodChoice) -> int:
         """The longest prompt plus output a request under `method` may have: `max_model_len` when
@@ -195,8 +222,11 @@ class LLM:
         progress: bool = False,
         method: MethodChoice | str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids), one after the other, under `method`
-        (default: this LLM's; see `resolve_method`)."""
+        """Generate for each prompt (text or token ids) under `method` (default: this LLM's; see
+        `resolve_method`). A list of prompts under a lossless method with the KV on the device
+        (`kv` auto or gpu) runs batched, through the continuous-batching engine `kvtier serve`
+        uses; otherwise (a lossy method, offloaded KV, a prompt too long for the page pool) the
+        prompts run one after the other, each planned alone."""
         params = params or SamplingParams()
         chosen = self.resolve_method(method)
         if isinstance(prompts, str) or (
@@ -210,10 +240,67 @@ class LLM:
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
             self._check_length(len(ids), params, self.max_model_len_for(chosen))
+        if len(batch) > 1 and chosen.lossless and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE:
+            batched = self._generate_batched(batch, encoded, params, progress)
+            if batched is not None:
+                return batched
         return [
             self._generate_one(p, ids, params, progress, chosen)
             for p, ids in zip(batch, encoded, strict=True)
         ]
+
+    def _generate_batched(
+        self, batch: list[Prompt], encoded: list[list[int]], params: SamplingParams, progress: bool
+    ) -> list[RequestOutput] | None:
+        """All prompts at once through the continuous-batching engine (paged KV, one forward per
+        step for every sequence), as `kvtier serve` runs them; None when one of them is too long
+        for the page pool (then they run one at a time, each planned alone)."""
+        cuda = self.device.type == "cuda"
+        config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
+        engine = BatchEngine(self, config)
+        tokens: list[list[int]] = [[] for _ in batch]
+        done: list[float] = [0.0] * len(batch)
+        bar = tqdm(total=len(batch), unit="req", desc="generate", file=sys.stderr, disable=not progress)
+
+        def sink_for(i: int) -> Callable[[Delta], None]:
+            def sink(d: Delta) -> None:
+                tokens[i].extend(d.token_ids)
+                if d.finish_reason is not None:
+                    done[i] = time.perf_counter()
+                    bar.update(1)
+
+            return sink
+
+        seqs = [engine.make_sequence(ids, params, sink_for(i)) for i, ids in enumerate(encoded)]
+        if any(engine.needs_offload(ids, params) for ids in encoded):
+            return None
+        start = time.perf_counter()
+        for seq in seqs:
+            engine.add(seq)
+        with bar:
+            engine.run_until_idle()
+        pool_pages = engine.store.num_pages
+        pool = engine.store.bytes_per_page * pool_pages
+        outputs = []
+        for prompt, ids, seq, toks, end in zip(batch, encoded, seqs, tokens, done, strict=True):
+            first = seq.first_token_at or end
+            stats = GenerationStats(
+                prompt_tokens=len(ids),
+                generated_tokens=len(toks),
+                prefill_s=first - start,
+                decode_s=end - first,
+                peak_bytes={"gpu_kv" if cuda else "host_kv": pool},
+                plan={
+                    "policy": "batched",
+                    "method": f"paged batch of {len(batch)}",
+                    "pages": engine.store.num_pages,
+                },
+            )
+            text, reason = self._finish(toks, params)
+            outputs.append(
+                RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, toks, reason, stats)
+            )
+        return outputs
 
     def make_store(
         self,

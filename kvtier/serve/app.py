@@ -24,11 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from kvtier.engine.batch.sequence import Delta
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.serve.engine import EngineClosed, ServeEngine
 from kvtier.serve.metrics import render
 from kvtier.serve.protocol import DEFAULT_CHAT_TOKENS, APIError, ParsedRequest, parse_request
-from kvtier.serve.sequence import Delta
 
 
 @dataclass(frozen=True)

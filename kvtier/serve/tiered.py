@@ -19,12 +19,12 @@ from typing import Protocol
 
 import torch
 
+from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
 from kvtier.kv.store import TieredKVStore
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.model.llama import CausalLM
-from kvtier.serve.sequence import Sequence
 
 
 class OffloadHost(Protocol):

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvtier.engine.batch.kv_manager import KVCacheManager
+from kvtier.engine.batch.sequence import Sequence, Status
 from kvtier.errors import ConfigError
-from kvtier.serve.kv_manager import KVCacheManager
-from kvtier.serve.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ keys masked out) for one SDPA call.
 A decode-only batch can instead run from static buffers (`begin_decode` + `decode_prologue`):
 positions, write slots, block tables and lengths live in tensors of fixed addresses, padded to
 a batch-size bucket with rows that write and read a scratch page, so the step's forward can be
-captured once per bucket as a CUDA graph and replayed (`kvtier.serve.graphs`).
+captured once per bucket as a CUDA graph and replayed (`kvtier.engine.batch.graphs`).
 """
 
 from __future__ import annotations

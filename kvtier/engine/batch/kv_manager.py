@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.serve.paged_store import PagedKVStore
-from kvtier.serve.pages import PagePool
-from kvtier.serve.prefix_cache import HostPageCache, extend_hashes
-from kvtier.serve.sequence import Sequence
+from kvtier.engine.batch.sequence import Sequence
+from kvtier.kv.paged import PagedKVStore
+from kvtier.kv.pages import PagePool
+from kvtier.kv.prefix_cache import HostPageCache, extend_hashes
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from kvtier.kv.paged import PagedKVStore, SeqStep
 from kvtier.model.llama import CausalLM
-from kvtier.serve.paged_store import PagedKVStore, SeqStep
 
 
 def buckets(max_batch: int) -> tuple[int, ...]:

@@ -1,0 +1,327 @@
+"""`BatchEngine`: continuous batching of many sequences over one model's paged KV.
+
+One step schedules the running and waiting sequences (`Scheduler`: decodes first, prefill
+chunks in the token budget left, preemption by recompute), runs ONE forward over their new
+tokens as a flat stream (`kvtier.kv.paged.PagedKVStore` is its attention), samples and emits
+`Delta`s to each sequence's sink. Decode-only steps run from static buffers, replayed as CUDA
+graphs on the GPU (`DecodeRunner`). `LLM.generate` with a list of prompts and `kvtier serve`
+(which adds a thread, tiered runs and shutdown) both drive this class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvtier.config import ModelConfig
+from kvtier.engine.batch.graphs import DecodeRunner
+from kvtier.engine.batch.kv_manager import KVCacheManager
+from kvtier.engine.batch.scheduler import Scheduler, SchedulerConfig
+from kvtier.engine.batch.sequence import Delta, Sequence, Sink, Status
+from kvtier.engine.batch.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget
+from kvtier.engine.batch.stopping import check_stop
+from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.errors import ConfigError, PromptError
+from kvtier.kv.paged import PagedKVStore, SeqStep
+from kvtier.kv.prefix_cache import root_hash
+from kvtier.methods import MethodChoice
+from kvtier.model.llama import CausalLM
+from kvtier.planner.hardware import host_memory_available
+
+
+class ModelHost(Protocol):
+    """What the batch engine needs of a loaded model (`kvtier.engine.llm.LLM` is one)."""
+
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: Any
+    method: MethodChoice
+
+    @property
+    def model(self) -> CausalLM: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def budget_given(self) -> bool: ...
+
+    def gpu_budget(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Pool and batch sizes. None = chosen from the device at start."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # device pages (default: what the memory budget leaves; see sizing.py)
+    num_host_pages: int | None = None  # host-tier pages for evicted prefixes (default: num_pages, capped)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = True
+    threads: int | None = None  # torch CPU threads of the engine thread (None: torch's default)
+    # Decode-only steps from static buffers (`kvtier.engine.batch.graphs`), replayed as CUDA
+    # graphs (None: on CUDA; on the CPU they run eagerly, for tests).
+    static_decode: bool | None = None
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ConfigError(f"--page-size must be at least 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"--num-pages must be at least 1, got {self.num_pages}")
+        if self.num_host_pages is not None and self.num_host_pages < 0:
+            raise ConfigError(f"--num-host-pages must not be negative, got {self.num_host_pages}")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+
+
+class BatchEngine:
+    """A loaded model with paged KV, prefix caching and continuous batching; single-threaded:
+    `add` sequences, then `step()` (or `run_until_idle()`)."""
+
+    def __init__(self, host: ModelHost, config: BatchConfig | None = None) -> None:
+        self.host = host
+        self.config = cfg = config or BatchConfig()
+        if host.method.kv not in ("auto", "gpu"):
+            raise ConfigError(
+                f"batched requests keep their KV on the device; --kv {host.method.kv} "
+                "(offload of the active context) is for one request at a time. Use --kv gpu or auto"
+            )
+        self.model = host.model
+        self.device = host.device
+        num_pages, host_pages = self._pool_sizes()
+        self.store = PagedKVStore(
+            host.model_config,
+            num_pages=num_pages,
+            page_size=cfg.page_size,
+            device=host.device,
+            dtype=host.dtype,
+            max_batch=cfg.max_num_seqs,
+            max_blocks=-(-host.max_model_len // cfg.page_size),
+        )
+        static = self.device.type == "cuda" if cfg.static_decode is None else cfg.static_decode
+        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self.decoder = DecodeRunner(self.model, self.store, graphs=graphs) if static else None
+        self.kv = KVCacheManager(self.store, host_pages, cfg.prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
+        self.salt = f"{host.name}|{host.dtype}|kv={host.method.kv}|paged{cfg.page_size}"
+        self.eos = host.eos_token_ids
+        self.max_model_len = host.max_model_len
+        self.pool_tokens = num_pages * cfg.page_size
+        self._ids = itertools.count()
+        # NOTE: HF fast tokenizers are not safe to share between threads ("Already borrowed");
+        # a server's HTTP thread encodes while its engine thread decodes, so both take this lock.
+        self.tokenizer_lock = threading.Lock()
+        self.prompt_tokens = self.generation_tokens = self.finished = 0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        """(device pages, host-tier pages): as given, checked against the memory budget, or sized
+        from it (`kvtier.engine.batch.sizing`). Raises CapacityError before anything is allocated."""
+        cfg, host_ = self.config, self.host
+        itemsize = torch.empty((), dtype=host_.dtype).element_size()
+        per_page = cfg.page_size * host_.model_config.kv_bytes_per_token(itemsize)
+        budget = measure_pool_budget(
+            host_.model_config,
+            self.device,
+            host_.dtype,
+            host_.gpu_budget(),
+            host_.budget_given,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+        )
+        cpu = self.device.type != "cuda"
+        if cfg.num_pages is not None:
+            num_pages = cfg.num_pages
+            if budget is not None:
+                budget.check(num_pages, per_page)
+        elif budget is None:
+            num_pages = CPU_DEFAULT_PAGES
+        else:
+            num_pages = budget.default_pages(per_page, cap=CPU_DEFAULT_PAGES if cpu else None)
+        available = host_memory_available()
+        if available is None:  # unknown (not Linux): as given, else as many as device pages
+            return num_pages, num_pages if cfg.num_host_pages is None else cfg.num_host_pages
+        # Host pages live in host memory (pinned on CUDA); on the CPU the pool is there too.
+        host = PoolBudget(
+            "host",
+            "host memory available",
+            available,
+            num_pages * per_page if cpu else 0,
+            budget.activation if cpu and budget is not None else 0,
+            0,
+            cfg.max_num_batched_tokens,
+            used_by="the device page pool",
+        )
+        if cfg.num_host_pages is not None:
+            host.check(cfg.num_host_pages, per_page, "--num-host-pages")
+            return num_pages, cfg.num_host_pages
+        # As many host pages as device pages, but at most a quarter of the host memory left.
+        return num_pages, min(num_pages, host.fitting(per_page) // 4)
+
+    def make_sequence(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        cache_salt: str | None = None,
+        method: MethodChoice | None = None,
+    ) -> Sequence:
+        """A new request's `Sequence` (not scheduled yet), checked (`check`)."""
+        self.check(prompt, params)
+        return Sequence(
+            request_id=f"req-{next(self._ids)}",
+            prompt=list(prompt),
+            params=params,
+            root=root_hash(self.salt + "|" + (cache_salt or "")),
+            sink=sink,
+            sampler=Sampler(params, self.device),
+            method=method,
+        )
+
+    def add(self, seq: Sequence) -> None:
+        """Schedule `seq` in the batch (it must fit the pool: `needs_offload` is False)."""
+        self.scheduler.add(seq)
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise `PromptError` if a request can never run here (too long for the model).
+
+        A request too long for the page pool is fine for the server (it runs over a tiered store);
+        `needs_offload` tells."""
+        total = len(prompt) + params.max_tokens
+        if not prompt:
+            raise PromptError("the prompt is empty")
+        if total > self.max_model_len:
+            raise PromptError(
+                f"the prompt has {len(prompt)} tokens; with max_tokens={params.max_tokens} that is "
+                f"{total}, past this server's limit of {self.max_model_len} tokens. Shorten the prompt "
+                "or lower max_tokens"
+            )
+
+    def needs_offload(self, prompt: list[int], params: SamplingParams) -> bool:
+        """Whether the request needs more pages than the whole pool has (then it runs tiered)."""
+        return len(prompt) + params.max_tokens > self.pool_tokens
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def run_until_idle(self) -> None:
+        """Step until every added sequence has finished."""
+        while self.has_work:
+            self.step()
+
+    def step(self) -> int:
+        """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens run."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return 0
+        ids: list[int] = []
+        steps, sample_at, samplers = [], [], []
+        for seq, n in batch:
+            ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
+            steps.append(SeqStep(tuple(seq.block_table), seq.num_computed, n))
+            if seq.num_computed + n == len(seq.tokens):
+                sample_at.append(len(ids) - 1)
+                samplers.append(seq)
+        if self.decoder is not None and len(ids) == len(batch) == len(samplers):
+            logits = self.decoder.run(ids, steps)  # a decode-only step: static buffers / graph
+        else:
+            self.store.begin_step(steps)
+            logits = self.model(
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                self.store,
+                logits_at=torch.tensor(sample_at, dtype=torch.long, device=self.device),
+            )  # [N, vocab]
+            self.store.end_step()
+        for seq, n in batch:
+            self.kv.commit(seq, n)
+        tokens = sample_all(samplers, logits)
+        now = time.perf_counter()
+        for seq, tok in zip(samplers, tokens, strict=True):
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.prompt_tokens += len(seq.prompt)
+            seq.tokens.append(tok)
+            self._after_token(seq)
+        self.generation_tokens += len(tokens)
+        self._recent.append((now, len(tokens)))
+        while now - self._recent[0][0] > 60.0:
+            self._recent.popleft()
+        return len(ids)
+
+    def _after_token(self, seq: Sequence) -> None:
+        text = ""
+        if self.host.tokenizer is not None:
+            with self.tokenizer_lock:
+                text = self.host.tokenizer.decode(seq.output, skip_special_tokens=True)
+        at_limit = len(seq.tokens) >= self.max_model_len
+        visible, reason = check_stop(seq.output, text, seq.params, self.eos, at_limit)
+        if visible is None:
+            return
+        self._emit(seq, visible, reason)
+        if reason is not None:
+            self._finish(seq, reason, emitted=True)
+
+    def _emit(self, seq: Sequence, text: str, reason: str | None, error: str | None = None) -> None:
+        new_tokens = tuple(seq.output[seq.emitted_tokens :])
+        delta = Delta(
+            token_ids=new_tokens,
+            text=text[seq.emitted_text :],  # empty when held-back text shrank the visible part
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=len(seq.output),
+            cached_tokens=seq.cached_tokens,
+            error=error,
+        )
+        seq.emitted_tokens += len(new_tokens)
+        seq.emitted_text = max(seq.emitted_text, len(text))
+        try:
+            seq.sink(delta)
+        except Exception:  # a broken listener loses its own request, never the batch
+            if seq.status is not Status.FINISHED:
+                self._sink_failed(seq)
+
+    def _sink_failed(self, seq: Sequence) -> None:
+        """A sink raised: the request is dropped (a server defers this to its next step)."""
+        self._finish(seq, "abort", emitted=True)
+
+    def _finish(self, seq: Sequence, reason: str, emitted: bool = False, error: str | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.finish(seq, reason)
+        self.finished += 1
+        if not emitted:
+            self._emit(seq, "", reason, error)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last `window` seconds."""
+        now = time.perf_counter()
+        return sum(n for t, n in list(self._recent) if now - t <= window) / window
+
+
+def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, then
+    one host sync for all."""
+    greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
+    picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+    if greedy:
+        rows = torch.tensor(greedy, device=logits.device)
+        picked[rows] = logits[rows].argmax(-1)
+    for i, s in enumerate(seqs):
+        if s.params.temperature != 0:
+            picked[i] = s.sampler(logits[i])
+    return [int(t) for t in picked.tolist()]
