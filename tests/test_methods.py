@@ -96,7 +96,7 @@ def test_hip_under_auto_plans_whole_layer_slices_when_their_staging_fits(
     """HiP selects per slice: with `--kv auto` and no `--head-group` the engine takes whole
     layers (the published head reduction, fewer slice steps) when a layer's staging buffers hold
     whole slices, and finer slices that do otherwise."""
-    import kvtier.methods.plan as engine
+    import kvtier.planner.inputs as engine
 
     asked: list[int | None] = []
 
@@ -121,7 +121,7 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
 ) -> None:
     """When a whole refresh interval's block cache leaves no room for a layer's staging buffers,
     the engine tries smaller caches (largest first) and builds the kernel with the one that fits."""
-    import kvtier.methods.plan as engine
+    import kvtier.planner.inputs as engine
     import kvtier.sparse as sparse
     from kvtier.sparse import CACHE_TOKEN_STEPS, HipKernel
     from kvtier.sparse.planning import store_budget
