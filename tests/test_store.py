@@ -227,3 +227,41 @@ def test_slice_reader_reads_ranges_and_gathers_positions_across_extents(
         reader().gather(torch.tensor([n]))
     with pytest.raises(IndexError, match="outside"):
         reader()(0, n + 1)
+
+
+def test_layer_steps_give_forward_s_logits_with_work_between_layers(
+    mha: tuple[CausalLM, ModelConfig],
+) -> None:
+    """`CausalLM.layer_steps` runs one layer per `next()` (yielding the layer it runs next) and
+    returns `forward`'s logits bitwise, also when another store's step runs between its layers."""
+    model, cfg = mha
+    streamed = plan("head", 1, 3, 20)  # some slices streamed in sequence blocks
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+
+    def store() -> TieredKVStore:
+        return TieredKVStore(
+            cfg,
+            streamed,
+            device=CPU,
+            dtype=torch.float32,
+            capacity=PROMPT + 1,
+            options=StoreOptions(block_size=5, extent_blocks=2),
+        )
+
+    a, b, other = store(), store(), store()
+    a.begin_step(PROMPT)
+    ref = model(ids, a)
+    a.end_step()
+    b.begin_step(PROMPT)
+    steps = model.layer_steps(ids, b)
+    seen: list[int] = []
+    try:
+        while True:
+            seen.append(next(steps))
+            other.begin_step(3)  # another sequence's step between two layers
+            model(ids[:3], other)
+            other.end_step()
+    except StopIteration as stop:
+        logits = stop.value
+    assert seen == list(range(cfg.num_layers))
+    assert torch.equal(logits, ref)
