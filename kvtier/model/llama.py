@@ -8,8 +8,6 @@ as it is.
 
 from __future__ import annotations
 
-from collections.abc import Generator
-
 import torch
 from torch import nn
 
@@ -100,29 +98,6 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, attention, mlp_chunk)
-        return self._logits(x, input_ids, logits_at)
-
-    @torch.inference_mode()
-    def layer_steps(
-        self,
-        input_ids: torch.Tensor,
-        attention: Attention,
-        logits_at: torch.Tensor | None = None,
-        mlp_chunk: int | None = None,
-    ) -> Generator[int, None, torch.Tensor]:
-        """`forward`, one decoder layer per `next()`: yields the index of the layer it will run
-        next (0 first, before any work), runs it on the following `next()`, and returns the
-        logits (`StopIteration.value`) after the last. Same arithmetic as `forward`, so the same
-        logits; a caller can interleave other work (another batch's step) between layers."""
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for i, layer in enumerate(self.model.layers):
-            yield i
-            x = layer(x, i, attention, mlp_chunk)
-        return self._logits(x, input_ids, logits_at)
-
-    def _logits(
-        self, x: torch.Tensor, input_ids: torch.Tensor, logits_at: torch.Tensor | None
-    ) -> torch.Tensor:
         if logits_at is None:
             logits_at = torch.tensor([input_ids.shape[0] - 1], device=input_ids.device)
         h = self.model.norm(x[logits_at])  # [N, hidden]
