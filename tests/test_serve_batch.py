@@ -266,3 +266,56 @@ def test_tiered_run_streams_and_interleaves_with_the_batch(llm: LLM) -> None:
     assert len(deltas) == 8 and all(len(d.token_ids) == 1 for d in deltas)
     # One batch step, then one step of the tiered run, in turn.
     assert order[:6] == ["short", "long"] * 3 and order[6:] == ["long"] * 5
+
+
+def test_a_tiered_step_still_on_the_device_does_not_hold_the_batch(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiered run's launched step that the device has not finished (`ready()` False, as on a
+    GPU while its slices stream) is left in flight: batch steps go on meanwhile, its token is
+    collected on a later loop iteration, and the tokens of both still equal running alone."""
+    from kvtier.methods import parse_choice
+    from kvtier.serve.tiered import TieredRun
+
+    busy: dict[TieredRun, int] = {}
+    launch = TieredRun.launch
+
+    def slow_launch(run: TieredRun) -> None:
+        launch(run)
+        busy[run] = 3  # the device takes three polls to finish each step
+
+    def ready(run: TieredRun) -> bool:
+        if busy.get(run, 0) > 0:
+            busy[run] -= 1
+            return False
+        return True
+
+    monkeypatch.setattr(TieredRun, "launch", slow_launch)
+    monkeypatch.setattr(TieredRun, "ready", ready)
+    long_ids, params = prompts()[3], SamplingParams(max_tokens=4)
+    expected = llm.generate(long_ids, params, method="int8")[0].token_ids
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64))
+    order: list[str] = []
+    own: Queue[Delta] = Queue()
+
+    def long_sink(d: Delta) -> None:
+        own.put(d)
+        order.append("long")
+
+    engine.submit(long_ids, params, long_sink, method=parse_choice("int8"))
+    engine.submit(prompts()[0], SamplingParams(max_tokens=3), lambda d: order.append("short"))
+    steps = 0
+    step = engine.step
+
+    def counting() -> int:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counting  # type: ignore[method-assign]
+    engine.run_until_idle()
+    assert tokens_of(own) == (list(expected), "length")
+    assert (
+        order == ["short"] * 3 + ["long"] * 4
+    )  # the batch finished while the run's first step was in flight
+    assert steps == 3 and engine.offloaded == 1 and not engine.has_work

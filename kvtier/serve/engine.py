@@ -9,8 +9,9 @@ thread, by whoever calls `step()` / `run_until_idle()`.
 A request whose prompt + max_tokens needs more pages than the whole pool holds, or that names a
 method of its own, is not refused: it is served over a tiered store of its own
 (`kvtier.serve.tiered`), planned within the server's GPU budget minus the pool, exactly like
-`kvtier generate` plans it. The engine thread advances each such run by one prefill chunk or
-decode token between two batch steps, so the batch keeps going and its tokens stream.
+`kvtier generate` plans it. The engine thread queues each such run's steps (a prefill chunk or
+a decode token) on a CUDA stream of the run's own, below the batch's priority, and collects
+their tokens between batch steps once done: the batch never waits for a run's PCIe streaming.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvtier.methods import MethodChoice
 from kvtier.serve.tiered import TieredRun
 
 MAX_TIERED_RUNS = 4  # tiered runs advanced together; more wait for one to finish
+IDLE_POLL_S = 0.0005  # sleep between polls of tiered runs' steps when the batch is idle
 SHUTTING_DOWN = "the server is shutting down; send the request again once it is back (or to another server)"
 
 ServeConfig = BatchConfig
@@ -156,6 +158,13 @@ class ServeEngine(BatchEngine):
                     for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                         self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
             self.step_tiered()
+            self._idle_wait()
+
+    def _idle_wait(self) -> None:
+        """With no batch work and every tiered run's step still on the device, sleep a little
+        instead of spinning (a short sleep keeps aborts and shutdown prompt)."""
+        if not self.scheduler.has_work and self._tiered and not any(r.ready() for r in self._tiered.values()):
+            time.sleep(IDLE_POLL_S)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -195,6 +204,7 @@ class ServeEngine(BatchEngine):
             if self.scheduler.has_work:
                 self.step()
             self.step_tiered()
+            self._idle_wait()
             self._drain(block=False)
 
     def step_tiered(self) -> None:
@@ -221,20 +231,34 @@ class ServeEngine(BatchEngine):
             self._tiered[seq] = run
         for seq, run in list(self._tiered.items()):
             try:
-                token = run.step()
+                self._advance(seq, run)
             except Exception as e:  # fail this request, keep serving
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
-                continue
-            if token is None:
-                continue
-            now = time.perf_counter()
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                self.prompt_tokens += len(seq.prompt)
-            seq.tokens.append(token)
-            self.generation_tokens += 1
-            self._recent.append((now, 1))
-            self._after_token(seq)
+
+    def _advance(self, seq: Sequence, run: TieredRun) -> None:
+        """Collect a run's finished step and launch its next; never waits for the device (on
+        the CPU a launched step is done at once, so it is collected in the same call)."""
+        if run.in_flight:
+            if not run.ready():
+                return
+            self._take_tiered_token(seq, run.collect())
+            if seq.status is Status.FINISHED:
+                return
+        run.launch()
+        if run.ready():
+            self._take_tiered_token(seq, run.collect())
+
+    def _take_tiered_token(self, seq: Sequence, token: int | None) -> None:
+        if token is None:
+            return
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.prompt_tokens += len(seq.prompt)
+        seq.tokens.append(token)
+        self.generation_tokens += 1
+        self._recent.append((now, 1))
+        self._after_token(seq)
 
     def _sink_failed(self, seq: Sequence) -> None:
         self._inbox.put(("abort", seq.request_id))  # at the next step boundary

@@ -1,18 +1,29 @@
-"""A request served over its own tiered store, one step at a time between batch steps.
+"""A request served over its own tiered store, alongside the batch, on a CUDA stream of its own.
 
 Two kinds of request run this way: one whose prompt + max_tokens needs more pages than the
 whole page pool (its KV is planned like `kvtier generate` plans it: head/layer slices streamed
 from the host tier, within the server's GPU budget minus the pool), and one that names a
 method (`"method": "quest,kv_budget=1k"` in the body: any registered method, over the same
-store `kvtier generate` uses). The engine advances each such run by one prefill chunk or one
-decode token per loop iteration, between the batch's steps, so the batch keeps going and the
-run's tokens stream like any other request's.
+store `kvtier generate` uses).
 
-    engine loop:  [batch step] [run A: chunk] [batch step] [run A: chunk] ... [run A: token] ...
+On CUDA a run's steps (one prefill chunk, or one decode token) are queued on a stream of their
+own, at a lower priority than the batch's, and the engine loop never waits for them: it queues
+a step (`launch`), goes on with batch steps, and collects the sampled token once the step's
+event has completed (`ready`, `collect`). The run's PCIe streaming and compute thus overlap the
+batch's steps, and the GPU gives the batch's kernels precedence:
+
+    batch stream (high priority):  [step][step][step][step][step][step][step] ...
+    run stream (low priority):       [  chunk / token of the long request  ]  [  next  ] ...
+    h2d copy stream:                 [ slice loads, ordered by events only ]
+
+On the CPU (no streams) a step runs when it is launched, so `ready` is True at once.
+
+    engine loop:  [batch step] [run A: collect, launch] [batch step] [run A: not ready] ...
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import replace
 from typing import Protocol
@@ -49,7 +60,8 @@ def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
 
 
 class TieredRun:
-    """`seq` over a fresh `TieredKVStore`: `step()` runs one prefill chunk or decode token.
+    """`seq` over a fresh `TieredKVStore`: `launch` queues one prefill chunk or decode token,
+    `ready` says whether it has finished on the device, `collect` returns what it sampled.
 
     Raises `CapacityError` at construction when the request fits nowhere in what is free now.
     """
@@ -69,36 +81,76 @@ class TieredRun:
         self.done_spans = 0
         self.token: torch.Tensor | None = None  # the last sampled token (0-d, on the device)
         self.h2d_bytes = self.d2h_bytes = 0  # what its store moved over PCIe (set by `close`)
+        # The run's own stream (default priority, below the batch's), ordered after the store's
+        # allocation and the prompt's copy on the engine's current stream.
+        self.stream: torch.cuda.Stream | None = None
+        if engine.device.type == "cuda":
+            self.stream = torch.cuda.Stream(engine.device)
+            self.stream.wait_stream(torch.cuda.current_stream(engine.device))
+        self._done: torch.cuda.Event | None = None  # the launched step's end, on `stream`
+        self._in_flight = False
+        self._samples = False  # whether the launched step samples a token
 
     @property
     def prefilling(self) -> bool:
         return self.done_spans < len(self.spans)
 
-    def step(self) -> int | None:
-        """One prefill chunk (None, or the first token after the last chunk) or one decode token."""
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step was launched and not collected yet."""
+        return self._in_flight
+
+    def ready(self) -> bool:
+        """Whether the launched step has finished on the device (no host blocking)."""
+        return self._done is None or self._done.query()
+
+    def launch(self) -> None:
+        """Queue the next step (a prefill chunk, or the decode token after the last sampled one)
+        on the run's stream; returns without waiting for the device."""
         store = self.store
         assert store is not None, "the run was closed"
-        if self.prefilling:
-            s, e = self.spans[self.done_spans]
-            last = e == len(self.seq.prompt)
-            none = torch.empty(0, dtype=torch.long, device=self.device)
-            store.begin_step(e - s)
-            logits = self.model(self.ids[s:e], store, logits_at=None if last else none, mlp_chunk=e - s)
-            store.end_step()
-            self.done_spans += 1
-            if not last:
-                return None
-        else:
-            assert self.token is not None
-            store.begin_step(1)
-            logits = self.model(self.token.view(1), store)
-            store.end_step()
-        self.token = self.seq.sampler(logits[-1])
+        assert not self._in_flight, "collect the launched step first"
+        on = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with on:
+            if self.prefilling:
+                s, e = self.spans[self.done_spans]
+                last = e == len(self.seq.prompt)
+                none = torch.empty(0, dtype=torch.long, device=self.device)
+                store.begin_step(e - s)
+                logits = self.model(self.ids[s:e], store, logits_at=None if last else none, mlp_chunk=e - s)
+                store.end_step()
+                self.done_spans += 1
+                self._samples = last
+            else:
+                assert self.token is not None
+                store.begin_step(1)
+                logits = self.model(self.token.view(1), store)
+                store.end_step()
+                self._samples = True
+            if self._samples:
+                self.token = self.seq.sampler(logits[-1])
+            if self.stream is not None:
+                self._done = torch.cuda.Event()
+                self._done.record(self.stream)
+        self._in_flight = True
+
+    def collect(self) -> int | None:
+        """The token the launched step sampled (None after a prefill chunk that samples none).
+        Call once `ready()`; it then never waits."""
+        assert self._in_flight, "nothing was launched"
+        self._in_flight = False
+        self._done = None
+        if not self._samples:
+            return None
+        assert self.token is not None
         return int(self.token)
 
     def close(self) -> None:
-        """Free the store (its GPU buffers and pinned host memory); keep its PCIe byte counts."""
+        """Free the store (its GPU buffers and pinned host memory) once its queued work is done;
+        keep its PCIe byte counts."""
         if self.store is not None:
+            if self.stream is not None:
+                self.stream.synchronize()  # NOTE: a launched step may still read the store
             self.h2d_bytes, self.d2h_bytes = self.store.account.h2d_bytes, self.store.account.d2h_bytes
             self.store.close()
             self.store = None

@@ -60,6 +60,9 @@ class ModelHost(Protocol):
     def gpu_budget(self) -> int | None: ...
 
 
+BATCH_STREAM_PRIORITY = -1  # CUDA stream priority of batch steps (lower = higher; default 0)
+
+
 @dataclass(frozen=True)
 class BatchConfig:
     """Pool and batch sizes. None = chosen from the device at start."""
@@ -115,6 +118,13 @@ class BatchEngine:
         static = self.device.type == "cuda" if cfg.static_decode is None else cfg.static_decode
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.decoder = DecodeRunner(self.model, self.store, graphs=graphs) if static else None
+        # NOTE: batch steps run on a stream of their own at high priority, so that work queued
+        # on other streams (a tiered run's long prefill chunk or streamed decode, see
+        # kvtier.serve.tiered) yields the GPU to them; ordered after the pool's allocation.
+        self.stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device, priority=BATCH_STREAM_PRIORITY)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.kv = KVCacheManager(self.store, host_pages, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
         self.salt = f"{host.name}|{host.dtype}|kv={host.method.kv}|paged{cfg.page_size}"
@@ -225,7 +235,14 @@ class BatchEngine:
             self.step()
 
     def step(self) -> int:
-        """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens run."""
+        """One batch step: schedule, one forward over all new tokens, sample, emit. Returns tokens
+        run. On CUDA the step's work is queued on the engine's high-priority stream."""
+        if self.stream is None:
+            return self._step()
+        with torch.cuda.stream(self.stream):
+            return self._step()
+
+    def _step(self) -> int:
         batch = self.scheduler.schedule()
         if not batch:
             return 0
