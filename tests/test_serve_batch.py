@@ -209,18 +209,27 @@ def test_request_longer_than_the_pool_is_served_with_offload(llm: LLM) -> None:
     expected = llm.generate(ids, params)[0].token_ids
     engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=4, num_host_pages=0))
     assert engine.needs_offload(ids, params)
-    long_q, short_q = (
-        collect(engine, ids, params),
-        collect(engine, prompts()[0], SamplingParams(max_tokens=3)),
-    )
+    from kvtier.serve.metrics import render
+
+    during: list[dict[str, int]] = []
+    long_q: Queue[Delta] = Queue()
+
+    def long_sink(d: Delta) -> None:
+        long_q.put(d)
+        during.append(engine.tiered_bytes())
+
+    engine.submit(ids, params, long_sink)
+    short_q = collect(engine, prompts()[0], SamplingParams(max_tokens=3))
     engine.run_until_idle()
+    # While it ran its store held host slices (and staging buffers); afterwards nothing.
+    assert during[0]["host"] > 0 and during[0]["gpu"] > 0
+    assert engine.tiered_bytes() == {"gpu": 0, "host": 0}
+    assert 'kvtier:kv_tiered_bytes{model_name="m",tier="host"} 0' in render(engine, "m").splitlines()
     assert tokens_of(long_q) == (list(expected), "length")
     assert tokens_of(short_q) == (alone(llm, prompts()[0], 3)[1], "length")
     assert engine.offloaded == 1 and engine.kv.pool.num_free == 4
     moved = engine.transfer_bytes()
     assert moved[("h2d", "tiered")] > 0 and engine.num_tiered == (0, 0)  # its KV streamed from the host
-    from kvtier.serve.metrics import render
-
     text = render(engine, "m")
     labels = 'model_name="m",direction="h2d",source="tiered"'
     assert f"kvtier:kv_transfer_bytes_total{{{labels}}} {moved[('h2d', 'tiered')]}" in text.splitlines()

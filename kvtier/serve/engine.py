@@ -282,6 +282,15 @@ class ServeEngine(BatchEngine):
         """(running, waiting) tiered runs."""
         return len(self._tiered), len(self._tiered_wait)
 
+    def tiered_bytes(self) -> dict[str, int]:
+        """KV bytes allocated now by the running tiered runs' stores, per tier (gpu, host)."""
+        out = {"gpu": 0, "host": 0}
+        for run in self._tiered.values():
+            if run.store is not None:
+                for tier, n in run.store.account.allocated.items():
+                    out[tier] += n
+        return out
+
     def transfer_bytes(self) -> dict[tuple[str, str], int]:
         """PCIe bytes so far by (direction, source): the prefix cache's host tier, and the
         tiered runs (finished ones, plus what running ones have moved)."""

@@ -54,6 +54,13 @@ def render(engine: ServeEngine, model_name: str) -> str:
             ],
         ),
         (
+            "kv_tiered_bytes",
+            "gauge",
+            "KV bytes allocated by the running tiered runs' stores, per tier (gpu: resident slices and "
+            "staging buffers; host: pinned host slices).",
+            [(f'tier="{t}"', n) for t, n in engine.tiered_bytes().items()],
+        ),
+        (
             "kv_pages_total",
             "gauge",
             "KV pages per tier.",
