@@ -8,8 +8,18 @@ p50 and mean, plus the engine's decode-graph counters.
 
     python bench/serve_gpu.py                                  # every case, CUDA graphs on
     python bench/serve_gpu.py --cases c1,c64 --no-graphs       # the same steps, eager
+    python bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix   # issue 18's last targets
 
-Writes bench/results/serve_gpu.json (or --name).
+`mixed`: one long request (`--long-tokens`, default 256K, too long for the pool: served over a
+tiered store, its slices streamed from the host tier on a stream of its own) plus `c32`'s 32
+short streams, submitted once the long request decodes: the short streams' TPOT (compare with
+`c32` alone), the long request's decode s/token against its PCIe floor (its decode bytes over
+`--pcie-gbps`), peak GPU memory. `prefix`: a `--prefix-tokens` (32K) prompt, then the same
+prefix + 64 new tokens: time to first token with the prefix in the device tier, then again after
+other prompts have pushed its pages to the host tier (a pool of `--prefix-pool-tokens`).
+
+Writes bench/results/serve_gpu.json (or --name). `--device cpu --model <small>` runs the same
+code on the CPU at small sizes (a check of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +41,37 @@ from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.serve.engine import ServeConfig, ServeEngine
+from kvtier.units import parse_count
 
 # name -> (concurrent requests, prompt tokens, new tokens)
 CASES: dict[str, tuple[int, int, int]] = {
     "c1": (1, 1024, 128),
     "c1-32k": (1, 32768, 64),
     "c16": (16, 1024, 128),
+    "c32": (32, 1024, 128),
     "c64": (64, 1024, 128),
 }
+SPECIAL = ("mixed", "prefix")  # cases with their own driver (`run_mixed`, `run_prefix`)
+
+
+def step_loop(engine: ServeEngine) -> int:
+    """Step the engine in this thread until idle, as its serving thread does (batch steps, then
+    tiered runs, never waiting on them while the batch has work). Returns the batch steps."""
+    steps = 0
+    engine._drain(block=False)
+    while engine.has_work:
+        if engine.scheduler.has_work:
+            engine.step()
+            steps += 1
+        engine.step_tiered()
+        engine._idle_wait()
+        engine._drain(block=False)
+    return steps
+
+
+def sync(engine: ServeEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_case(
@@ -66,16 +100,11 @@ def run_case(
 
         return sink
 
-    torch.cuda.synchronize()
+    sync(engine)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.submit(p, params, sink_for(i))
-    steps = 0
-    engine._drain(block=False)
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        engine._drain(block=False)
+    steps = step_loop(engine)
     wall = time.perf_counter() - t0
     ttft = [first[i] - t0 for i in range(n)]
     tpot = [(last[i] - first[i]) / (count[i] - 1) for i in range(n) if count[i] > 1]
@@ -100,6 +129,109 @@ def run_case(
     return row, tokens
 
 
+class Stream:
+    """Token arrival times of one request (a sink)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.done = False
+
+    def __call__(self, d: Delta) -> None:
+        now = time.perf_counter()
+        self.times.extend([now] * len(d.token_ids))
+        self.tokens.extend(d.token_ids)
+        self.done = d.finish_reason is not None
+
+    def tpot(self) -> float | None:
+        n = len(self.times)
+        return (self.times[-1] - self.times[0]) / (n - 1) if n > 1 else None
+
+
+def run_mixed(
+    engine: ServeEngine, long_tokens: int, long_new: int, vocab: int, pcie_gbps: float
+) -> dict[str, Any]:
+    """One long request (served tiered) plus c32's short streams, submitted once it decodes."""
+    n, prompt, new = CASES["c32"]
+    gen = torch.Generator().manual_seed(5)
+    long = Stream()
+    params = SamplingParams(max_tokens=long_new, ignore_eos=True)
+    long_ids = torch.randint(100, vocab, (long_tokens,), generator=gen).tolist()
+    if not engine.needs_offload(long_ids, params):
+        raise SystemExit(
+            f"mixed: {long_tokens} tokens fit the pool of {engine.pool_tokens}; give a longer "
+            "--long-tokens or a smaller --num-pages, so the long request is served tiered"
+        )
+    engine.submit(long_ids, params, long)
+    sync(engine)
+    t0 = time.perf_counter()
+    engine._drain(block=False)
+    while not long.tokens:  # its prefill (the tiered run alone)
+        engine.step_tiered()
+        engine._idle_wait()
+    prefill_s = time.perf_counter() - t0
+    h2d_at_first = engine.transfer_bytes()[("h2d", "tiered")]
+    shorts = [Stream() for _ in range(n)]
+    short_params = SamplingParams(max_tokens=new, ignore_eos=True)
+    for s in shorts:
+        engine.submit(torch.randint(100, vocab, (prompt,), generator=gen).tolist(), short_params, s)
+    step_loop(engine)
+    decode_bytes = engine.transfer_bytes()[("h2d", "tiered")] - h2d_at_first
+    long_tpot = long.tpot()
+    tpots = [t for s in shorts if (t := s.tpot()) is not None]
+    per_token = decode_bytes / max(1, len(long.tokens) - 1)
+    floor = per_token / (pcie_gbps * 1e9)
+    return {
+        "long_prompt_tokens": long_tokens,
+        "long_new_tokens": len(long.tokens),
+        "long_prefill_s": round(prefill_s, 2),
+        "long_decode_s_per_token": round(long_tpot, 4) if long_tpot else None,
+        "long_decode_h2d_bytes_per_token": int(per_token),
+        "long_pcie_floor_s": round(floor, 4),
+        "long_x_pcie_floor": round(long_tpot / floor, 3) if long_tpot and floor else None,
+        "pcie_gbps_assumed": pcie_gbps,
+        "short_requests": n,
+        "short_prompt_tokens": prompt,
+        "short_new_tokens": new,
+        "short_tpot_p50_ms": round(1e3 * statistics.median(tpots), 3) if tpots else None,
+        "short_tpot_mean_ms": round(1e3 * statistics.fmean(tpots), 3) if tpots else None,
+    }
+
+
+def run_prefix(
+    llm: LLM, cfg: ServeConfig, prefix_tokens: int, pool_tokens: int, vocab: int
+) -> dict[str, Any]:
+    """TTFT of a request whose `prefix_tokens` prefix is cached in the device tier, then in the
+    host tier (after two other prompts of the same length pushed it out of the pool)."""
+    engine = ServeEngine(llm, replace(cfg, num_pages=pool_tokens // cfg.page_size))
+    gen = torch.Generator().manual_seed(11)
+    prefix = torch.randint(100, vocab, (prefix_tokens,), generator=gen).tolist()
+
+    def ttft(ids: list[int]) -> float:
+        s = Stream()
+        sync(engine)
+        t0 = time.perf_counter()
+        engine.submit(ids, SamplingParams(max_tokens=2, ignore_eos=True), s)
+        step_loop(engine)
+        return s.times[0] - t0
+
+    cold = ttft([*prefix, 7])
+    device_hit = ttft([*prefix, 8])
+    host_hits_before = engine.kv.stats.host_hits
+    for _ in range(2):  # two other long prompts evict the prefix's pages to the host tier
+        ttft(torch.randint(100, vocab, (prefix_tokens,), generator=gen).tolist())
+    host_hit = ttft([*prefix, 9])
+    return {
+        "prefix_tokens": prefix_tokens,
+        "pool_tokens": engine.pool_tokens,
+        "host_pages": engine.kv.host.num_slots,
+        "ttft_cold_s": round(cold, 4),
+        "ttft_device_hit_s": round(device_hit, 4),
+        "ttft_host_hit_s": round(host_hit, 4),
+        "host_hit_tokens": engine.kv.stats.host_hits - host_hits_before,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -109,17 +241,33 @@ def main() -> None:
     ap.add_argument("--gpu-memory", default=None, help="the server's GPU budget (default: the whole GPU)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument(
+        "--num-pages", type=int, default=None, help="the page pool (default: what the budget leaves)"
+    )
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (no CUDA graphs)")
+    ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
+    ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
+    ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
+    ap.add_argument("--prefix-tokens", type=parse_count, default=32 * 1024)
+    ap.add_argument("--prefix-pool-tokens", type=parse_count, default=80 * 1024, help="prefix: the page pool")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a check of the script at small sizes")
+    ap.add_argument("--small", action="store_true", help="cases at 1/16 of their prompt and new tokens")
     ap.add_argument("--name", default="serve_gpu")
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
+    if args.small:
+        for k, (n, prompt, new) in CASES.items():
+            CASES[k] = (n, max(8, prompt // 16), max(2, new // 16))
+    unknown = [c for c in cases if c not in CASES and c not in SPECIAL]
     if unknown:
-        ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    llm = LLM(args.model, device="cuda", dtype="bf16", gpu_memory=args.gpu_memory)
+        ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join([*CASES, *SPECIAL])}")
+    dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    llm = LLM(args.model, device=args.device, dtype=dtype, gpu_memory=args.gpu_memory)
+    cuda = llm.device.type == "cuda"
     cfg = ServeConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        num_pages=args.num_pages,
         cuda_graphs=not args.no_graphs,
     )
     t0 = time.perf_counter()
@@ -127,7 +275,7 @@ def main() -> None:
     vocab = llm.model_config.vocab_size
     run_case(engine, 2, 64, 4, vocab, seed=99)  # warm-up: kernels compile, first graphs
     results: dict[str, Any] = {
-        "model": f"{args.model} (random bf16 weights)",
+        "model": f"{args.model} (random {dtype} weights)" if llm.tokenizer is None else args.model,
         "data": "synthetic: prompts of random token ids, greedy, ignore_eos",
         "gpu_memory": args.gpu_memory or "whole GPU",
         "pool_pages": engine.store.num_pages,
@@ -151,17 +299,18 @@ def main() -> None:
         print(f"graph replays give the eager path's token ids: {with_graphs == eager}", flush=True)
     path = None
     for i, name in enumerate(cases):
-        n, prompt, new = CASES[name]
-        torch.cuda.reset_peak_memory_stats()
-        row, _ = run_case(engine, n, prompt, new, vocab, seed=i)
-        row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        if name == "mixed":
+            row = run_mixed(engine, args.long_tokens, args.long_new_tokens, vocab, args.pcie_gbps)
+        elif name == "prefix":
+            row = run_prefix(llm, cfg, args.prefix_tokens, args.prefix_pool_tokens, vocab)
+        else:
+            n, prompt, new = CASES[name]
+            row, _ = run_case(engine, n, prompt, new, vocab, seed=i)
+        row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None
         results["cases"][name] = row
-        print(
-            f"{name:<8} {row['output_tokens_per_s']:>9} tok/s  TTFT p50 {row['ttft_p50_s']:.3f} s  "
-            f"TPOT p50 {row['tpot_p50_ms']:.2f} ms  steady {row['steady_output_tokens_per_s']} tok/s  "
-            f"peak {row['peak_gpu_gb']} GB",
-            flush=True,
-        )
+        print(f"{name:<8} " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
         decoder = engine.decoder
         results["graph_captures"] = decoder.captures if decoder is not None else 0
         results["graph_replays"] = decoder.replays if decoder is not None else 0

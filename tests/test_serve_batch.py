@@ -237,10 +237,21 @@ def test_request_longer_than_the_pool_is_served_with_offload(llm: LLM) -> None:
         engine.check(ids, SamplingParams(max_tokens=llm.max_model_len))
 
 
-@pytest.mark.parametrize("spec", ["int8", "window,kv_budget=16", "quest,kv_budget=8,quest_page=4", "head"])
-def test_request_with_its_own_method_equals_generate_with_it(llm: LLM, spec: str) -> None:
-    """A request naming a method runs over a tiered store with it: its tokens equal
-    `LLM.generate(method=spec)`, while two lossless requests batch beside it unchanged."""
+@pytest.mark.parametrize(
+    ("spec", "in_batch"),
+    [
+        ("int8", True),
+        ("window,kv_budget=16", True),
+        ("quest,kv_budget=8,quest_page=4", True),
+        ("hip,hip_preset=fast", True),
+        ("duo,head_sparsity=0.5,kv_budget=72", True),
+        ("head", False),
+    ],
+)
+def test_request_with_its_own_method_equals_generate_with_it(llm: LLM, spec: str, in_batch: bool) -> None:
+    """A request naming a method runs over a store of its own with it: its tokens equal
+    `LLM.generate(method=spec)`, while two lossless requests batch beside it unchanged. A store
+    wholly in device memory joins the batch's forward; one that streams runs tiered."""
     from kvtier.methods import parse_choice
 
     ids, params = prompts()[3], SamplingParams(max_tokens=6)
@@ -252,7 +263,8 @@ def test_request_with_its_own_method_equals_generate_with_it(llm: LLM, spec: str
     engine.run_until_idle()
     assert tokens_of(own) == (list(expected), "length")
     assert [tokens_of(q) for q in others] == [(alone(llm, p, 4)[1], "length") for p in prompts()[:2]]
-    assert engine.offloaded == 1 and not engine.has_work
+    assert (engine.own_store_requests, engine.offloaded) == ((1, 0) if in_batch else (0, 1))
+    assert not engine.has_work
 
 
 def test_tiered_run_streams_and_interleaves_with_the_batch(llm: LLM) -> None:
@@ -268,7 +280,7 @@ def test_tiered_run_streams_and_interleaves_with_the_batch(llm: LLM) -> None:
         own.put(d)
         order.append("long")
 
-    engine.submit(prompts()[3], SamplingParams(max_tokens=8), long_sink, method=parse_choice("int8"))
+    engine.submit(prompts()[3], SamplingParams(max_tokens=8), long_sink, method=parse_choice("head"))
     engine.submit(prompts()[0], SamplingParams(max_tokens=3), lambda d: order.append("short"))
     engine.run_until_idle()
     deltas = [own.get() for _ in range(own.qsize())]
@@ -302,7 +314,7 @@ def test_a_tiered_step_still_on_the_device_does_not_hold_the_batch(
     monkeypatch.setattr(TieredRun, "launch", slow_launch)
     monkeypatch.setattr(TieredRun, "ready", ready)
     long_ids, params = prompts()[3], SamplingParams(max_tokens=4)
-    expected = llm.generate(long_ids, params, method="int8")[0].token_ids
+    expected = llm.generate(long_ids, params, method="head")[0].token_ids
     engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64))
     order: list[str] = []
     own: Queue[Delta] = Queue()
@@ -311,7 +323,7 @@ def test_a_tiered_step_still_on_the_device_does_not_hold_the_batch(
         own.put(d)
         order.append("long")
 
-    engine.submit(long_ids, params, long_sink, method=parse_choice("int8"))
+    engine.submit(long_ids, params, long_sink, method=parse_choice("head"))
     engine.submit(prompts()[0], SamplingParams(max_tokens=3), lambda d: order.append("short"))
     steps = 0
     step = engine.step
@@ -328,3 +340,37 @@ def test_a_tiered_step_still_on_the_device_does_not_hold_the_batch(
         order == ["short"] * 3 + ["long"] * 4
     )  # the batch finished while the run's first step was in flight
     assert steps == 3 and engine.offloaded == 1 and not engine.has_work
+
+
+def test_a_method_whose_kv_fits_the_device_decodes_in_the_batch_s_steps(llm: LLM) -> None:
+    """A request with its own method and every slice in device memory is no tiered run: its
+    store is attended inside the batch's forward, so its decode tokens come in the same steps as
+    the paged requests' (one forward, shared projections), and its tokens equal running alone."""
+    from kvtier.methods import parse_choice
+
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64))
+    ids, params = prompts()[2], SamplingParams(max_tokens=5)
+    expected = llm.generate(ids, params, method="int8")[0].token_ids
+    per_step: list[list[str]] = []
+    step = engine.step
+
+    def recording() -> int:
+        per_step.append([])
+        return step()
+
+    engine.step = recording  # type: ignore[method-assign]
+    own: Queue[Delta] = Queue()
+
+    def own_sink(d: Delta) -> None:
+        own.put(d)
+        per_step[-1].append("own")
+
+    engine.submit(ids, params, own_sink, method=parse_choice("int8"))
+    engine.submit(prompts()[1], params, lambda d: per_step[-1].append("paged"))
+    engine.run_until_idle()
+    assert tokens_of(own) == (list(expected), "length")
+    assert engine.own_store_requests == 1 and engine.offloaded == 0
+    assert engine.num_tiered == (0, 0) and engine.kv.pool.num_free == 64
+    # The paged request started one step earlier (the own store is planned between steps); from
+    # then on both emit in the same steps.
+    assert per_step[0] == ["paged"] and all(s == ["paged", "own"] for s in per_step[1:5])

@@ -383,6 +383,11 @@ class TieredKVStore:
 
     # -- memory --------------------------------------------------------------------------------
 
+    @property
+    def all_on_device(self) -> bool:
+        """Whether every slice lives in device memory (nothing streams over PCIe)."""
+        return all(sid in self.on_device for sid in self.hosts)
+
     def stored_bytes(self) -> dict[str, int]:
         """KV bytes held per tier at the current lengths (not capacity): full-precision resident
         slices, packed slices (rows + uncoded tokens) and full-precision host slices."""

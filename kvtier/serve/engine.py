@@ -6,12 +6,14 @@ Callers (HTTP handlers, tests, the benchmark) talk to it through thread-safe met
 Everything else (scheduler, pages, model) is touched by the engine thread alone, or, without a
 thread, by whoever calls `step()` / `run_until_idle()`.
 
-A request whose prompt + max_tokens needs more pages than the whole pool holds, or that names a
-method of its own, is not refused: it is served over a tiered store of its own
-(`kvtier.serve.tiered`), planned within the server's GPU budget minus the pool, exactly like
-`kvtier generate` plans it. The engine thread queues each such run's steps (a prefill chunk or
-a decode token) on a CUDA stream of the run's own, below the batch's priority, and collects
-their tokens between batch steps once done: the batch never waits for a run's PCIe streaming.
+A request that names a method of its own is planned for (`kvtier.serve.tiered.plan_store`)
+within the server's GPU budget minus the pool, exactly like `kvtier generate` plans it. When its
+store fits wholly in device memory it joins the batch: the batch's forward attends it next to
+the pages (`kvtier.kv.batch_step.MixedStep`). When it streams from the host tier, as does a
+request too long for the pool, it is a tiered run: the engine thread queues its steps (a
+prefill chunk or a decode token) on a CUDA stream of the run's own, below the batch's priority,
+and collects their tokens between batch steps once done, so the batch never waits for a run's
+PCIe streaming.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from typing import Any
 import torch
 
 from kvtier.engine.batch.core import BatchConfig, BatchEngine
-from kvtier.engine.batch.sequence import Sequence, Sink, Status
+from kvtier.engine.batch.sequence import OwnStore, Sequence, Sink, Status
 from kvtier.engine.batch.sizing import offload_gpu_budget
 from kvtier.engine.llm import LLM
+from kvtier.engine.runner import prefill_spans
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError, KvtierError, PromptError
 from kvtier.methods import MethodChoice
-from kvtier.serve.tiered import TieredRun
+from kvtier.serve.tiered import TieredRun, plan_store
 
 MAX_TIERED_RUNS = 4  # tiered runs advanced together; more wait for one to finish
 IDLE_POLL_S = 0.0005  # sleep between polls of tiered runs' steps when the batch is idle
@@ -54,6 +57,7 @@ class ServeEngine(BatchEngine):
         self._tiered_wait: deque[Sequence] = deque()  # requests for tiered runs, not started yet
         self._tiered: dict[Sequence, TieredRun] = {}  # the running ones
         self.offloaded = 0  # tiered runs finished
+        self.own_store_requests = 0  # requests whose own store joined the batch's forward
         self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._by_id: dict[str, Sequence] = {}
@@ -216,7 +220,7 @@ class ServeEngine(BatchEngine):
                 self._tiered_wait.popleft()
                 continue
             try:
-                run = TieredRun(self, seq)
+                plan, store, describe = plan_store(self, seq)
             except CapacityError as e:
                 if self._tiered:  # others hold the memory: wait for one of them to finish
                     break
@@ -228,7 +232,13 @@ class ServeEngine(BatchEngine):
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
                 continue
             self._tiered_wait.popleft()
-            self._tiered[seq] = run
+            if store.all_on_device:  # nothing streams: its store joins the batch's forward
+                chunk = min(plan.chunk_size, self.config.max_num_batched_tokens)
+                seq.own = OwnStore(store, prefill_spans(len(seq.prompt), chunk, store), describe)
+                self.own_store_requests += 1
+                self.scheduler.add(seq)
+                continue
+            self._tiered[seq] = TieredRun(self, seq, plan, store)
         for seq, run in list(self._tiered.items()):
             try:
                 self._advance(seq, run)

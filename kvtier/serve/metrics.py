@@ -36,6 +36,13 @@ def render(engine: ServeEngine, model_name: str) -> str:
             [('state="running"', engine.num_tiered[0]), ('state="waiting"', engine.num_tiered[1])],
         ),
         (
+            "own_store_requests_total",
+            "counter",
+            "Requests with a method of their own whose KV fit in device memory: their own store "
+            "is attended inside the batch's forward.",
+            [("", engine.own_store_requests)],
+        ),
+        (
             "kv_transfer_bytes_total",
             "counter",
             "KV bytes over PCIe, by direction and source (prefix_cache: its host tier; tiered: the "

@@ -36,6 +36,7 @@ from kvtier.engine.runner import prefill_spans
 from kvtier.kv.store import TieredKVStore
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import KVPlan
 
 
 class OffloadHost(Protocol):
@@ -59,25 +60,30 @@ def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
     return replace(engine.llm.method, kv="auto" if engine.device.type == "cuda" else "head")
 
 
+def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, TieredKVStore, str]:
+    """`seq`'s placement under its method (`run_method`), planned within what the server's GPU
+    budget leaves now, a fresh store for it, and the method's description. Raises
+    `CapacityError` when it fits nowhere."""
+    llm = engine.llm
+    method = run_method(engine, seq)
+    context = len(seq.prompt) + seq.params.max_tokens
+    inputs = replace(llm.plan_inputs(context, method), gpu_budget=engine.offload_gpu_budget())
+    placement = plan_for(inputs, method)
+    store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method)
+    return placement.plan, store, parts.describe
+
+
 class TieredRun:
-    """`seq` over a fresh `TieredKVStore`: `launch` queues one prefill chunk or decode token,
-    `ready` says whether it has finished on the device, `collect` returns what it sampled.
+    """`seq` over its own `TieredKVStore` (from `plan_store`): `launch` queues one prefill chunk
+    or decode token, `ready` says whether it has finished on the device, `collect` returns what
+    it sampled."""
 
-    Raises `CapacityError` at construction when the request fits nowhere in what is free now.
-    """
-
-    def __init__(self, engine: OffloadHost, seq: Sequence) -> None:
-        llm = engine.llm
+    def __init__(self, engine: OffloadHost, seq: Sequence, plan: KVPlan, store: TieredKVStore) -> None:
         self.seq, self.model, self.device = seq, engine.model, engine.device
-        self.method = run_method(engine, seq)
-        context = len(seq.prompt) + seq.params.max_tokens
-        inputs = replace(llm.plan_inputs(context, self.method), gpu_budget=engine.offload_gpu_budget())
-        placement = plan_for(inputs, self.method)
-        self.plan = placement.plan
-        self.store: TieredKVStore | None
-        self.store, _ = llm.make_store(self.plan, context, placement.cache_tokens, self.method)
+        self.plan = plan
+        self.store: TieredKVStore | None = store
         self.ids = torch.tensor(seq.prompt, dtype=torch.long, device=engine.device)  # [N]
-        self.spans = prefill_spans(len(seq.prompt), self.plan.chunk_size, self.store)
+        self.spans = prefill_spans(len(seq.prompt), self.plan.chunk_size, store)
         self.done_spans = 0
         self.token: torch.Tensor | None = None  # the last sampled token (0-d, on the device)
         self.h2d_bytes = self.d2h_bytes = 0  # what its store moved over PCIe (set by `close`)

@@ -3,8 +3,10 @@
 One step schedules the running and waiting sequences (`Scheduler`: decodes first, prefill
 chunks in the token budget left, preemption by recompute), runs ONE forward over their new
 tokens as a flat stream (`kvtier.kv.paged.PagedKVStore` is its attention), samples and emits
-`Delta`s to each sequence's sink. Decode-only steps run from static buffers, replayed as CUDA
-graphs on the GPU (`DecodeRunner`). `LLM.generate` with a list of prompts and `kvtier serve`
+`Delta`s to each sequence's sink. A sequence with a store of its own (`Sequence.own`: a
+method of its own, KV in device memory) is attended in the same forward (`MixedStep`).
+Decode-only steps of paged sequences run from static buffers, replayed as CUDA graphs on the
+GPU (`DecodeRunner`). `LLM.generate` with a list of prompts and `kvtier serve`
 (which adds a thread, tiered runs and shutdown) both drive this class.
 """
 
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.attention.interface import Attention
 from kvtier.config import ModelConfig
 from kvtier.engine.batch.graphs import DecodeRunner
 from kvtier.engine.batch.kv_manager import KVCacheManager
@@ -28,6 +31,7 @@ from kvtier.engine.batch.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_po
 from kvtier.engine.batch.stopping import check_stop
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import ConfigError, PromptError
+from kvtier.kv.batch_step import MixedStep
 from kvtier.kv.paged import PagedKVStore, SeqStep
 from kvtier.kv.prefix_cache import root_hash
 from kvtier.methods import MethodChoice
@@ -246,24 +250,38 @@ class BatchEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return 0
+        # Paged sequences first, then those with stores of their own (`kvtier.kv.batch_step`).
+        batch = [b for b in batch if b[0].own is None] + [b for b in batch if b[0].own is not None]
         ids: list[int] = []
-        steps, sample_at, samplers = [], [], []
+        steps, own, sample_at, samplers = [], [], [], []
         for seq, n in batch:
             ids.extend(seq.tokens[seq.num_computed : seq.num_computed + n])
-            steps.append(SeqStep(tuple(seq.block_table), seq.num_computed, n))
+            if seq.own is None:
+                steps.append(SeqStep(tuple(seq.block_table), seq.num_computed, n))
+            else:
+                own.append((n, seq.own.store))
             if seq.num_computed + n == len(seq.tokens):
                 sample_at.append(len(ids) - 1)
                 samplers.append(seq)
-        if self.decoder is not None and len(ids) == len(batch) == len(samplers):
+        if self.decoder is not None and not own and len(ids) == len(batch) == len(samplers):
             logits = self.decoder.run(ids, steps)  # a decode-only step: static buffers / graph
         else:
-            self.store.begin_step(steps)
+            attention: Attention = self.store
+            if own:
+                attention = MixedStep(self.store, len(ids) - sum(n for n, _ in own), own)
+                for n, store in own:
+                    store.begin_step(n)
+            if steps:
+                self.store.begin_step(steps)
             logits = self.model(
                 torch.tensor(ids, dtype=torch.long, device=self.device),
-                self.store,
+                attention,
                 logits_at=torch.tensor(sample_at, dtype=torch.long, device=self.device),
             )  # [N, vocab]
-            self.store.end_step()
+            if steps:
+                self.store.end_step()
+            for _, store in own:
+                store.end_step()
         for seq, n in batch:
             self.kv.commit(seq, n)
         tokens = sample_all(samplers, logits)
@@ -320,6 +338,9 @@ class BatchEngine:
         if seq.status is Status.FINISHED:
             return
         self.scheduler.finish(seq, reason)
+        if seq.own is not None:
+            seq.own.store.close()  # NOTE: synchronizes: queued steps may still read its buffers
+            seq.own = None
         self.finished += 1
         if not emitted:
             self._emit(seq, "", reason, error)

@@ -49,15 +49,16 @@ class KVCacheManager:
         Device hits are shared (refcount + 1); host hits are copied into a fresh page.
         """
         assert not seq.block_table and seq.num_computed == 0
-        return self._match(seq) if self.prefix_caching else 0
+        return self._match(seq) if self.prefix_caching and seq.own is None else 0
 
     def record_admission(self, seq: Sequence, found: int) -> None:
         """Count a first admission's prefix-cache query (a re-admission after preemption is not one)."""
         if not seq.admitted:
             seq.admitted = True
             seq.cached_tokens = found
-            self.stats.queries += len(seq.prompt)
-            self.stats.hits += found
+            if seq.own is None:  # NOTE: a sequence with its own store never queries the cache
+                self.stats.queries += len(seq.prompt)
+                self.stats.hits += found
 
     def _match(self, seq: Sequence) -> int:
         p, limit = self.page_size, len(seq.tokens) - 1
@@ -81,7 +82,10 @@ class KVCacheManager:
         return seq.num_computed
 
     def allocate(self, seq: Sequence, n_tokens: int) -> bool:
-        """Grow the block table to cover `n_tokens` tokens; False (nothing taken) if pages run out."""
+        """Grow the block table to cover `n_tokens` tokens; False (nothing taken) if pages run out.
+        A sequence with a store of its own (`seq.own`) takes no pages."""
+        if seq.own is not None:
+            return True
         need = self.pages_needed(seq, n_tokens)
         if need > self.pool.num_free:
             return False
@@ -94,7 +98,7 @@ class KVCacheManager:
     def commit(self, seq: Sequence, n_new: int) -> None:
         """After a step computed `n_new` tokens of `seq`: count them, cache the pages now full."""
         seq.num_computed += n_new
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.own is not None:
             return
         full = seq.num_computed // self.page_size
         if full > seq.num_registered:

@@ -6,6 +6,10 @@ budget (chunked prefill, interleaved with the decodes). Then waiting sequences j
 while budget, `max_num_seqs` and pages last. When a running sequence needs a page and none is
 free, the newest running sequence is preempted by recompute: its pages are released (full ones
 stay in the prefix cache) and it goes back to the front of the queue.
+
+A sequence with a store of its own (`Sequence.own`: a method of its own, KV in device memory)
+holds no pages and is never preempted; it runs its prefill in its store's fixed spans, each
+whole, in a step whose budget has room for it.
 """
 
 from __future__ import annotations
@@ -70,9 +74,11 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted by an earlier sequence of this loop
-            n = min(seq.num_pending, budget)
+            n = self._tokens(seq, budget)
+            if n == 0:
+                continue  # its next span waits for a step with room
             while not self.kv.allocate(seq, seq.num_computed + n):
-                self._preempt(self.running[-1])
+                self._preempt(self._victim())
                 preempted = True
                 if seq.status is not Status.RUNNING:
                     break
@@ -81,8 +87,11 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            n = self._tokens(seq, budget)
+            if n == 0:
+                break  # FIFO: its first span waits for a step with room
             found = self.kv.admit(seq)
-            n = min(seq.num_pending, budget)
+            n = self._tokens(seq, budget)
             if not self.kv.allocate(seq, seq.num_computed + n):
                 self.kv.free(seq)  # hand the prefix hits back; retry on a later step
                 break
@@ -93,6 +102,19 @@ class Scheduler:
             out.append((seq, n))
             budget -= n
         return out
+
+    @staticmethod
+    def _tokens(seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes in a step with `budget` left: a chunk of what is pending, or
+        for a sequence with its own store its next whole span (0 when it does not fit)."""
+        if seq.own is None:
+            return min(seq.num_pending, budget)
+        n = seq.own.next_span(seq.num_computed)
+        return n if n <= budget else 0
+
+    def _victim(self) -> Sequence:
+        """The newest running sequence that holds pages (one with its own store holds none)."""
+        return next(s for s in reversed(self.running) if s.own is None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.kv.store import TieredKVStore
 from kvtier.methods import MethodChoice
 
 
@@ -32,6 +33,28 @@ class Delta:
 
 
 Sink = Callable[[Delta], Any]
+
+
+@dataclass
+class OwnStore:
+    """A sequence's own `TieredKVStore` (a method of its own, every slice in device memory),
+    attended inside the batch's forward instead of over the page pool.
+
+    `spans`: its prefill steps, [start, end) over the prompt, fixed when it is made (the store's
+    kernel may want the last query alone, as HiP does), so its chunks are those of
+    `LLM.generate` with the same chunk size. `describe`: the method, for logs and stats.
+    """
+
+    store: TieredKVStore
+    spans: list[tuple[int, int]]
+    describe: str = ""
+
+    def next_span(self, computed: int) -> int:
+        """Tokens of the prefill span that starts at `computed` (1 once the prompt is done)."""
+        for s, e in self.spans:
+            if s == computed:
+                return e - s
+        return 1
 
 
 @dataclass(eq=False)
@@ -63,6 +86,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     method: MethodChoice | None = None  # a method of its own: served over a tiered store
+    own: OwnStore | None = None  # that store, when the batch's forward attends it (no pages)
 
     def __post_init__(self) -> None:
         if not self.tokens:
