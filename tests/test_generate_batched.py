@@ -37,9 +37,22 @@ def test_a_list_of_prompts_is_batched_and_equals_each_alone(llm: LLM) -> None:
     assert all(o.stats.generated_tokens == 9 and o.stats.decode_s > 0 for o in batched)
 
 
-def test_a_lossy_method_or_offloading_placement_runs_one_at_a_time(llm: LLM) -> None:
+@pytest.mark.parametrize("method", ["int8", "window,kv_budget=16", "hip,hip_preset=fast"])
+def test_a_lossy_method_batches_each_prompt_over_a_store_of_its_own(llm: LLM, method: str) -> None:
+    """A lossy method's prompts run batched too, each over its own store in the batch's forward,
+    with the tokens of running each alone under that method."""
+    params = SamplingParams(max_tokens=5)
+    outs = llm.generate(prompts()[:3], params, method=method)
+    assert all(o.stats.plan["policy"] == "batched" and "own store" in o.stats.plan["method"] for o in outs)
+    assert all(o.stats.peak_bytes["gpu_kv"] > 0 for o in outs)
+    assert [o.token_ids for o in outs] == [
+        llm.generate(p, params, method=method)[0].token_ids for p in prompts()[:3]
+    ]
+
+
+def test_an_offloading_placement_runs_one_at_a_time(llm: LLM) -> None:
     params = SamplingParams(max_tokens=4)
-    for method in ("int8", "head"):
+    for method in ("head", "int8,kv=head"):
         outs = llm.generate(prompts()[:2], params, method=method)
         assert all(o.stats.plan["policy"] != "batched" for o in outs)
         assert [o.token_ids for o in outs] == [

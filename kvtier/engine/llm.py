@@ -5,17 +5,17 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from kvtier.engine.batch.core import BatchConfig, BatchEngine
-from kvtier.engine.batch.sequence import Delta
+from kvtier.engine.batch.sequence import Delta, OwnStore, Sequence
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import GenerationStats, RequestOutput
-from kvtier.engine.runner import generate_tokens
+from kvtier.engine.runner import generate_tokens, prefill_spans
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
@@ -23,6 +23,7 @@ from kvtier.loading import LoadedModel, load_model
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
 from kvtier.model.llama import CausalLM
 from kvtier.planner.hardware import detect_hardware, host_memory_available
+from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 
@@ -223,10 +224,11 @@ class LLM:
         method: MethodChoice | str | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids) under `method` (default: this LLM's; see
-        `resolve_method`). A list of prompts under a lossless method with the KV on the device
-        (`kv` auto or gpu) runs batched, through the continuous-batching engine `kvtier serve`
-        uses; otherwise (a lossy method, offloaded KV, a prompt too long for the page pool) the
-        prompts run one after the other, each planned alone."""
+        `resolve_method`). A list of prompts with the KV on the device (`kv` auto or gpu) runs
+        batched, through the continuous-batching engine `kvtier serve` uses: over the page pool
+        for a lossless method, each over a store of its own for a lossy one. Otherwise (offloaded
+        KV, a prompt too long for the pool, a store that would stream) the prompts run one after
+        the other, each planned alone."""
         params = params or SamplingParams()
         chosen = self.resolve_method(method)
         if isinstance(prompts, str) or (
@@ -240,8 +242,8 @@ class LLM:
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
             self._check_length(len(ids), params, self.max_model_len_for(chosen))
-        if len(batch) > 1 and chosen.lossless and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE:
-            batched = self._generate_batched(batch, encoded, params, progress)
+        if len(batch) > 1 and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE:
+            batched = self._generate_batched(batch, encoded, params, progress, chosen)
             if batched is not None:
                 return batched
         return [
@@ -250,13 +252,22 @@ class LLM:
         ]
 
     def _generate_batched(
-        self, batch: list[Prompt], encoded: list[list[int]], params: SamplingParams, progress: bool
+        self,
+        batch: list[Prompt],
+        encoded: list[list[int]],
+        params: SamplingParams,
+        progress: bool,
+        method: MethodChoice,
     ) -> list[RequestOutput] | None:
-        """All prompts at once through the continuous-batching engine (paged KV, one forward per
-        step for every sequence), as `kvtier serve` runs them; None when one of them is too long
-        for the page pool (then they run one at a time, each planned alone)."""
+        """All prompts at once through the continuous-batching engine (one forward per step for
+        every sequence), as `kvtier serve` runs them: over the page pool for a lossless method,
+        else each over a store of its own with `method` (`_own_stores`). None when one of them
+        does not fit (too long for the pool, or its store would stream): then they run one at a
+        time, each planned alone."""
         cuda = self.device.type == "cuda"
         config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
+        if not method.lossless:  # no sequence takes pages: a token pool
+            config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
         engine = BatchEngine(self, config)
         tokens: list[list[int]] = [[] for _ in batch]
         done: list[float] = [0.0] * len(batch)
@@ -272,8 +283,11 @@ class LLM:
             return sink
 
         seqs = [engine.make_sequence(ids, params, sink_for(i)) for i, ids in enumerate(encoded)]
-        if any(engine.needs_offload(ids, params) for ids in encoded):
+        if method.lossless and any(engine.needs_offload(ids, params) for ids in encoded):
             return None
+        if not method.lossless and not self._own_stores(seqs, params, method, config.max_num_batched_tokens):
+            return None
+        own = [(s.own.store.account, s.own.describe) if s.own is not None else None for s in seqs]
         start = time.perf_counter()
         for seq in seqs:
             engine.add(seq)
@@ -282,25 +296,58 @@ class LLM:
         pool_pages = engine.store.num_pages
         pool = engine.store.bytes_per_page * pool_pages
         outputs = []
-        for prompt, ids, seq, toks, end in zip(batch, encoded, seqs, tokens, done, strict=True):
+        for prompt, ids, seq, toks, end, mine in zip(batch, encoded, seqs, tokens, done, own, strict=True):
             first = seq.first_token_at or end
+            if mine is None:
+                peak = {"gpu_kv" if cuda else "host_kv": pool}
+                plan = {"policy": "batched", "method": f"paged batch of {len(batch)}", "pages": pool_pages}
+            else:  # its own store (the CPU's "gpu" tier is its memory)
+                account, describe = mine
+                peak = {"gpu_kv": account.peak["gpu"], "host_kv": account.peak["host"]}
+                plan = {"policy": "batched", "method": f"{describe}, own store, batch of {len(batch)}"}
             stats = GenerationStats(
                 prompt_tokens=len(ids),
                 generated_tokens=len(toks),
                 prefill_s=first - start,
                 decode_s=end - first,
-                peak_bytes={"gpu_kv" if cuda else "host_kv": pool},
-                plan={
-                    "policy": "batched",
-                    "method": f"paged batch of {len(batch)}",
-                    "pages": engine.store.num_pages,
-                },
+                peak_bytes=peak,
+                plan=plan,
             )
             text, reason = self._finish(toks, params)
             outputs.append(
                 RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, toks, reason, stats)
             )
         return outputs
+
+    def _own_stores(
+        self, seqs: list[Sequence], params: SamplingParams, method: MethodChoice, max_chunk: int
+    ) -> bool:
+        """Give each sequence a store of its own under `method`, planned within an equal share of
+        the GPU budget's KV room; False (none kept) when one of them would stream or fit nowhere."""
+        budget = self.gpu_budget()
+        share = None
+        if budget is not None:
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            weights = weight_bytes(self.model_config, itemsize)
+            share = weights + max(0, budget - weights) // len(seqs)
+        made: list[TieredKVStore] = []
+        try:
+            for seq in seqs:
+                context = len(seq.prompt) + params.max_tokens
+                placed = plan_for(replace(self.plan_inputs(context, method), gpu_budget=share), method)
+                store, parts = self.make_store(placed.plan, context, placed.cache_tokens, method)
+                made.append(store)
+                if not store.all_on_device:
+                    raise CapacityError("a store would stream")
+                chunk = min(placed.plan.chunk_size, max_chunk)
+                seq.own = OwnStore(store, prefill_spans(len(seq.prompt), chunk, store), parts.describe)
+        except CapacityError:
+            for store in made:
+                store.close()
+            for seq in seqs:
+                seq.own = None
+            return False
+        return True
 
     def make_store(
         self,
