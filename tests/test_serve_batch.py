@@ -374,3 +374,31 @@ def test_a_method_whose_kv_fits_the_device_decodes_in_the_batch_s_steps(llm: LLM
     # The paged request started one step earlier (the own store is planned between steps); from
     # then on both emit in the same steps.
     assert per_step[0] == ["paged"] and all(s == ["paged", "own"] for s in per_step[1:5])
+
+
+def test_preemption_restores_full_pages_from_the_cache_tiers_instead_of_recomputing(llm: LLM) -> None:
+    """A preempted sequence's full pages stay cached (device LRU, then the host tier when the
+    pool needs them), so its re-admission copies them back: only each preemption's partial last
+    page is computed again. Tokens still equal running alone."""
+    params = SamplingParams(max_tokens=6)
+    expected = [alone(llm, ids, 6)[1] for ids in prompts()]
+    engine = ServeEngine(
+        llm, ServeConfig(page_size=4, num_pages=12, num_host_pages=16, max_num_batched_tokens=16)
+    )
+    queues = [collect(engine, ids, params) for ids in prompts()]
+    run = 0
+    step = engine.step
+
+    def counting() -> int:
+        nonlocal run
+        n = step()
+        run += n
+        return n
+
+    engine.step = counting  # type: ignore[method-assign]
+    engine.run_until_idle()
+    assert [tokens_of(q) for q in queues] == [(e, "length") for e in expected]
+    preemptions = engine.scheduler.num_preemptions
+    needed = sum(len(p) for p in prompts()) + len(prompts()) * (params.max_tokens - 1)
+    assert preemptions > 0 and engine.kv.host.loaded > 0  # pages came back from the host tier
+    assert run - needed < preemptions * 4  # at most a partial page per preemption recomputed

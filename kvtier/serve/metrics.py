@@ -28,7 +28,13 @@ def render(engine: ServeEngine, model_name: str) -> str:
         ),
         ("generation_tokens_total", "counter", "Tokens generated.", [("", engine.generation_tokens)]),
         ("request_success_total", "counter", "Requests finished (any reason).", [("", engine.finished)]),
-        ("num_preemptions_total", "counter", "Preemptions by recompute.", [("", sched.num_preemptions)]),
+        (
+            "num_preemptions_total",
+            "counter",
+            "Preemptions (full pages come back from the prefix cache's device or host tier; only "
+            "the partial last page is recomputed).",
+            [("", sched.num_preemptions)],
+        ),
         (
             "num_requests_tiered",
             "gauge",

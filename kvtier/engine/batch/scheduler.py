@@ -4,8 +4,10 @@ Every step has a token budget (`max_num_batched_tokens`). Running sequences go f
 first: a decoding one takes 1 token, one still in prefill takes a chunk of what is left of the
 budget (chunked prefill, interleaved with the decodes). Then waiting sequences join, FIFO,
 while budget, `max_num_seqs` and pages last. When a running sequence needs a page and none is
-free, the newest running sequence is preempted by recompute: its pages are released (full ones
-stay in the prefix cache) and it goes back to the front of the queue.
+free, the newest running sequence is preempted: its pages are released (full ones stay in the
+prefix cache, and move to its host tier when the pool evicts them) and it goes back to the front
+of the queue; its re-admission copies the cached pages back and recomputes only the partial last
+page, so a preemption costs a swap, not a prefill.
 
 A sequence with a store of its own (`Sequence.own`: a method of its own, KV in device memory)
 holds no pages and is never preempted; it runs its prefill in its store's fixed spans, each
