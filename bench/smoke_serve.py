@@ -1,8 +1,9 @@
 """`kvtier serve --gpu-memory 24GiB` as a user drives it: the `openai` client and raw HTTP.
 
 Completions, chat, streaming, 16 concurrent requests (and whether they equal the same requests
-one by one), a streaming and a non-streaming client that leave early, `/metrics`, SIGTERM with
-a request in flight, and the server process's peak GPU memory from `nvidia-smi`.
+one by one), requests naming methods beside a batch (equal to each alone), a streaming and a
+non-streaming client that leave early, `/metrics`, SIGTERM with a request in flight, and the
+server process's peak GPU memory from `nvidia-smi`.
 """
 
 from __future__ import annotations
@@ -220,6 +221,35 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
                 )
             return f"idle {wait_idle(url, 5):.2f} s after the client left"
 
+        def methods() -> str:
+            """Requests naming a method (one whose store fits the GPU joins the batch's forward,
+            one that streams runs tiered on its own CUDA stream) while 8 plain requests run:
+            each equals the same request sent alone."""
+
+            def with_method(prompt: str, method: str | None) -> str:
+                extra = {"method": method} if method else None
+                r = client.completions.create(
+                    model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body=extra
+                )
+                return r.choices[0].text
+
+            specs = ["int8", "window,kv_budget=256", "head,head_group=1"]
+            alone = [with_method(prompts[i], spec) for i, spec in enumerate(specs)]
+            jobs = [(prompts[i], spec) for i, spec in enumerate(specs)] + [(p, None) for p in prompts[8:]]
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                together = list(pool.map(lambda job: with_method(*job), jobs))
+            differ = [spec for spec, a, b in zip(specs, alone, together, strict=False) if a != b]
+            smoke.agreement[f"{label} serve methods beside a batch vs alone"] = {
+                "methods": specs,
+                "differ": differ,
+            }
+            text = httpx.get(url + "/metrics", timeout=5).text
+            own = re.search(r"^kvtier:own_store_requests_total\{[^}]*\} ([0-9.e+]+)", text, re.M)
+            assert not differ, f"{differ} differ from the same request alone"
+            return f"{len(specs)} methods beside 8 plain requests equal alone; own-store requests: " + (
+                own.group(1) if own else "?"
+            )
+
         def metrics() -> str:
             text = httpx.get(url + "/metrics", timeout=5).text
             assert "kvtier:generation_tokens_total" in text, "no kvtier:generation_tokens_total"
@@ -230,6 +260,7 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
             ("chat", chat),
             ("chat stream", streaming),
             ("16 concurrent", concurrent),
+            ("methods per request", methods),
             ("stream client leaves", stream_disconnect),
             ("non-stream client leaves", plain_disconnect),
             ("/metrics", metrics),

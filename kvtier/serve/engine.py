@@ -236,7 +236,7 @@ class ServeEngine(BatchEngine):
                 chunk = min(plan.chunk_size, self.config.max_num_batched_tokens)
                 seq.own = OwnStore(store, prefill_spans(len(seq.prompt), chunk, store), describe)
                 self.own_store_requests += 1
-                self.scheduler.add(seq)
+                self.add(seq)
                 continue
             self._tiered[seq] = TieredRun(self, seq, plan, store)
         for seq, run in list(self._tiered.items()):

@@ -207,7 +207,10 @@ class BatchEngine:
         )
 
     def add(self, seq: Sequence) -> None:
-        """Schedule `seq` in the batch (it must fit the pool: `needs_offload` is False)."""
+        """Schedule `seq` in the batch (it must fit the pool: `needs_offload` is False, or have a
+        store of its own, made on the current stream: the batch's stream is ordered after it)."""
+        if seq.own is not None and self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.scheduler.add(seq)
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
