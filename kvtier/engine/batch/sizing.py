@@ -18,8 +18,8 @@ next layer. Without it a full pool ran past the budget on the H200 (25.94 GB aga
 the CUDA context, `bench/results/gpu_smoke_llama8b.json`). Padding to the longest sequence can
 still exceed it; an out-of-memory there fails the step's requests with an error, not the server.
 
-A request longer than the pool runs alone with offload (`kvtier.serve.offload`), planned within
-the same budget minus the pool (`offload_gpu_budget`).
+A request longer than the pool is a tiered run with offload (`kvtier.serve.tiered`), beside the
+batch, planned within the same budget minus the pool (`offload_gpu_budget`).
 """
 
 from __future__ import annotations
