@@ -124,7 +124,7 @@ class CpuSlices:
 def measured_rates(dtype: torch.dtype, head_dim: int, q_per_kv: int) -> tuple[float, float]:
     """(CPU attention KV read rate, host memory read rate) of this machine, B/s, measured once
     per process: the shared pool over one 256 MiB slice of one KV head in `dtype` (past the
-    caches), and a threaded fp32 sum over as many bytes. Takes ~0.3 s (plus the kernel's build
+    caches), and a threaded fp32 sum over as many bytes. Takes about a second (plus the kernel's build
     on first use)."""
     import time
 

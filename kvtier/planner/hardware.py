@@ -24,9 +24,9 @@ H200_LAYER_OVERHEAD_S = 850e-6
 # The H200 machine's host: 16 cores read host memory at ~102 GB/s (a threaded fp32 sum; issue
 # 23). Its CPU attention rate is a prediction, not a measurement: that read rate times the
 # fraction of the read rate the native kernel reached on the 2-core development machine
-# (bf16, 2 threads: bench/results/cpu_attention_cpu.json; docs/cpu_attention.md).
+# (bf16, 2 threads, 0.219: bench/results/cpu_attention_cpu.json; docs/cpu_attention.md).
 H200_HOST_READ_BW = 102e9
-CPU_ATTENTION_READ_FRACTION = 0.40
+CPU_ATTENTION_READ_FRACTION = 0.22
 
 
 @dataclass(frozen=True)
