@@ -1,5 +1,6 @@
 """GPU correctness checks (CI has no GPU): policies bitwise-equal on CUDA kernels, the
-sequence-block path within rounding, and the lower-right causal flash path against a reference.
+sequence-block path within rounding, CPU-attended slices at decode (same tokens, logits within
+rounding), and the lower-right causal flash path against a reference.
 
     python bench/gpu_checks.py
 """
@@ -7,6 +8,7 @@ sequence-block path within rounding, and the lower-right causal flash path again
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -82,6 +84,16 @@ def main() -> None:
             "max_abs": float((lg - ref).abs().max()),
         }
     for name, plan in {"blocks-256": p("head", 1, 0, 256), "blocks-640-g2": p("head", 2, 0, 640)}.items():
+        lg, t = run(model, cfg, plan, ids)
+        results[name] = {"tokens_equal": t == ref_t, "rel": float((lg - ref).norm() / ref.norm())}
+    # CPU attention of some streamed slices at decode (issue 23): same tokens, logits within
+    # bf16 rounding of the merge (the CPU accumulates in fp32 over the host's bf16 KV).
+    for name, plan in {
+        "cpu-layer-2": replace(p("layer", 4, 0, 1536), num_slices=4, cpu_slices=2),
+        "cpu-head-g1-6": replace(p("head", 1, 0, 1536), num_slices=16, cpu_slices=6),
+        "cpu-auto-g1-r7-5": replace(p("auto", 1, 7, 1536), num_slices=16, cpu_slices=5),
+        "cpu-blocks-256-4": replace(p("head", 1, 0, 256), num_slices=16, cpu_slices=4),
+    }.items():
         lg, t = run(model, cfg, plan, ids)
         results[name] = {"tokens_equal": t == ref_t, "rel": float((lg - ref).norm() / ref.norm())}
     # lower-right causal flash path vs an fp32 reference

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.methods import FAMILIES, OPTIONS, REGISTRY, choices
+from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.placement import POLICIES
 from kvtier.units import (
     COUNT_LIMIT,
@@ -41,6 +42,11 @@ def float_type(
 ) -> Callable[[str], float]:
     """A finite float option (no nan, no inf) within the interval from lo to hi."""
     return lambda text: parse_finite_float(text, flag, lo, hi, lo_open=lo_open, hi_open=hi_open)
+
+
+def cpu_attention_type(text: str) -> str | int:
+    """`--cpu-attention`: auto, off or a number of slices."""
+    return parse_mode(text)
 
 
 def seed_type(flag: str = "--seed") -> Callable[[str], int]:
@@ -163,6 +169,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         help="prefill chunk in tokens (default: chosen by the planner)",
     )
     p.add_argument(
+        "--cpu-attention",
+        type=cpu_attention_type,
+        default="auto",
+        help="streamed KV slices a decode step attends on the CPU instead of copying them: auto "
+        "(as many as this machine's CPU finishes in time, measured), off, or a number",
+    )
+    p.add_argument(
         "--max-model-len",
         type=count_type("--max-model-len"),
         default=None,
@@ -227,6 +240,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_size": args.chunk_size,
         "max_model_len": args.max_model_len,
         "seed": args.seed,
+        "cpu_attention": args.cpu_attention,
         **method_kwargs(args),
     }
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvtier.cli.options import (
     count_type,
+    cpu_attention_type,
     float_type,
     int_type,
     output_path_type,
@@ -114,6 +115,18 @@ def add_parser(subparsers: Any) -> None:
         help="override host link bandwidth per second, e.g. 25GB",
     )
     p.add_argument(
+        "--cpu-attention",
+        type=cpu_attention_type,
+        default="auto",
+        help="streamed slices a decode step attends on the host CPU: auto (rate model), off or a number",
+    )
+    p.add_argument(
+        "--cpu-attention-bw",
+        type=size_type("--cpu-attention-bw"),
+        default=None,
+        help="override the host CPU's attention rate (KV bytes per second), e.g. 40GB",
+    )
+    p.add_argument(
         "--activations",
         default="runner",
         choices=ACTIVATION_MODELS,
@@ -190,7 +203,13 @@ def _config_json_file(path: Path) -> ModelConfig:
 def build_request(args: argparse.Namespace) -> PlanRequest:
     """Parse and check the options (ConfigError / ModelLoadError on bad input)."""
     cfg = resolve_model(args.model)
-    hw = hardware_preset(args.gpu, tflops=args.tflops, hbm_bw=args.hbm_bw, pcie_bw=args.pcie_bw)
+    hw = hardware_preset(
+        args.gpu,
+        tflops=args.tflops,
+        hbm_bw=args.hbm_bw,
+        pcie_bw=args.pcie_bw,
+        cpu_attention_bw=args.cpu_attention_bw,
+    )
     gpu = hw.memory_bytes if args.gpu_memory is None else args.gpu_memory
     return PlanRequest(
         cfg=cfg,
@@ -206,6 +225,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         policy=args.policy,
         block_size=args.block_size,
         activation_model=args.activations,
+        cpu_attention=args.cpu_attention,
     )
 
 

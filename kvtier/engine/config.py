@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.planner.cpu_split import parse_mode
 from kvtier.units import parse_size
 
 _DTYPES = {
@@ -33,6 +34,7 @@ class EngineConfig:
     block_size: int = 256
     max_model_len: int | None = None
     seed: int = 0
+    cpu_attention: str | int = "auto"  # streamed slices decoded on the CPU (kvtier.planner.cpu_split)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -41,6 +43,7 @@ class EngineConfig:
             raise ConfigError(f"--chunk-size must be at least 1, got {self.chunk_size}")
         if self.block_size < 1:
             raise ConfigError(f"block size must be at least 1, got {self.block_size}")
+        object.__setattr__(self, "cpu_attention", parse_mode(self.cpu_attention))
 
     @staticmethod
     def with_sizes(gpu_memory: str | int | None = None, **kw: object) -> EngineConfig:

@@ -22,7 +22,7 @@ from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
 from kvtier.model.llama import CausalLM
-from kvtier.planner.hardware import detect_hardware, host_memory_available
+from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
 from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
@@ -42,7 +42,9 @@ class LLM:
     `kv` ("auto", "gpu", "layer", "head"), `gpu_memory` (e.g. "24GiB": the budget the planner
     fits weights, activations and KV into; on CUDA it also caps this process), `head_group`
     (KV heads per streamed group), `chunk_size` (prefill chunk; default from the planner),
-    `max_model_len` (allow prompts past the model's trained context). The placement
+    `max_model_len` (allow prompts past the model's trained context), `cpu_attention` ("auto":
+    the planner gives the CPU the streamed slices it can decode in time, measured on this
+    machine; "off"; or a number of slices: `kvtier.planner.cpu_split`). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
     """
@@ -66,6 +68,7 @@ class LLM:
         evict: str | None = None,
         kv_budget: int | None = None,
         head_sparsity: float | None = None,
+        cpu_attention: str | int = "auto",
     ) -> None:
         self.config = EngineConfig.with_sizes(
             gpu_memory,
@@ -75,6 +78,7 @@ class LLM:
             block_size=block_size,
             max_model_len=max_model_len,
             seed=seed,
+            cpu_attention=cpu_attention,
         )
         # The default method of this LLM's requests; `generate(..., method=)` picks another.
         self.method = MethodChoice(
@@ -160,7 +164,7 @@ class LLM:
         return PlanInputs(
             self.model_config,
             context,
-            hardware=detect_hardware(self.device),
+            hardware=self.hardware(),
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
             gpu_budget=self.gpu_budget(),
             host_budget=host_memory_available() if self.device.type == "cuda" else None,
@@ -168,7 +172,20 @@ class LLM:
             head_group=method.head_group,
             chunk_size=self.config.chunk_size,
             block_size=self.config.block_size,
+            cpu_attention=self.config.cpu_attention,
         )
+
+    def hardware(self) -> Hardware:
+        """The device's hardware numbers; on CUDA with `cpu_attention="auto"`, with this host's
+        CPU attention and memory read rates measured (once per process)."""
+        hw = detect_hardware(self.device)
+        if self.device.type != "cuda" or self.config.cpu_attention != "auto":
+            return hw
+        from kvtier.kv.cpu_attend import measured_rates
+
+        cfg = self.model_config
+        attn, read = measured_rates(self.dtype, cfg.head_dim, cfg.q_per_kv)
+        return replace(hw, cpu_attention_bw=attn, host_read_bw=read)
 
     # -- prompts -------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from kvtier.attention.interface import (
 )
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
+from kvtier.kv.cpu_attend import CpuSlices
 from kvtier.kv.hooks import Evictor, KVCodec, RoundTripCodec, StoreOptions, packing_codec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
@@ -165,6 +166,12 @@ class TieredKVStore:
                 account=self.account,
                 device_slices=self.on_device,
             )
+        # The plan's CPU-attended slices (kvtier.kv.cpu_attend): lossless dense attention over
+        # full-precision host KV only; any other store streams them as usual.
+        self.cpu: CpuSlices | None = None
+        self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
+        if plan.cpu_slices and type(self.kernel) is DenseKernel and codec is None and evictor is None:
+            self.cpu = CpuSlices(lay, self.hosts, plan.cpu_slices, device, self.streams)
 
     # -- step protocol -------------------------------------------------------------------------
 
@@ -189,6 +196,8 @@ class TieredKVStore:
             host.reserve(lay.round_up(end))
         if self.packed is not None:
             self.packed.reserve(lay.round_up(end))
+        if self.cpu is not None:
+            self._cpu = self.cpu.begin_step(n_new)
         if self.ring is not None:
             read = self._read_packed if self.packed is not None else None
             self.ring.start(self._schedule(n_new), self.hosts, read)
@@ -267,7 +276,7 @@ class TieredKVStore:
                 for sid in self.hosts
                 if not kernel.needs_slice(SliceStep(*divmod(sid, lay.num_groups), s), n_new)
             )
-        for sid in sorted(set(self.hosts) - self._cached):
+        for sid in sorted(set(self.hosts) - self._cached - self._cpu):
             if s + n_new <= cap:
                 loads.append(Load(sid, 0, s))
             else:
@@ -285,6 +294,8 @@ class TieredKVStore:
         # NOTE: one stack per layer and one cat of the outputs, not a copy per slice: with 256
         # head-wise slices per step, per-slice kernel launches are what offload pays for.
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
+        if self._cpu and self.cpu is not None and layer in self.cpu.layers:
+            return self.cpu.attend_layer(layer, q, kv, self.length, self._attend_slice, self._write_back)
         if lay.num_groups == 1:
             return self._attend_slice(layer, 0, q, kv)
         outs = [

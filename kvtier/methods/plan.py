@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvtier.errors import ConfigError
 from kvtier.methods.choice import MethodChoice
 from kvtier.methods.registry import Placement, PlanInputs
 from kvtier.planner.placement import KVPlan
@@ -20,6 +21,11 @@ def plan_for(inputs: PlanInputs, method: MethodChoice = LOSSLESS) -> Placement:
     `CapacityError` (or `HostCapacityError`) when the context fits nowhere.
     """
     codec = method.codec()
+    if not method.lossless:
+        # NOTE: CPU attention is dense attention over full-precision KV: lossy methods stream.
+        if isinstance(inputs.cpu_attention, int) and inputs.cpu_attention > 0:
+            raise ConfigError("--cpu-attention N applies to lossless attention only: use auto or off")
+        inputs = replace(inputs, cpu_attention="off")
 
     def plan_with(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:
         group, chunk = group or inputs.head_group, chunk or inputs.chunk_size

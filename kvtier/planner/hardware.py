@@ -21,6 +21,12 @@ GiB = 1024**3
 H200_SLICE_OVERHEAD_S = 215e-6
 H200_PREFILL_SLICE_OVERHEAD_S = 435e-6
 H200_LAYER_OVERHEAD_S = 850e-6
+# The H200 machine's host: 16 cores read host memory at ~102 GB/s (a threaded fp32 sum; issue
+# 23). Its CPU attention rate is a prediction, not a measurement: that read rate times the
+# fraction of the read rate the native kernel reached on the 2-core development machine
+# (bf16, 2 threads, 0.219: bench/results/cpu_attention_cpu.json; docs/cpu_attention.md).
+H200_HOST_READ_BW = 102e9
+CPU_ATTENTION_READ_FRACTION = 0.22
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,13 @@ class Hardware:
     prefill_slice_overhead_s: float = 30e-6
     # and one layer's other kernels (norms, projections, RoPE, MLP) in one step.
     layer_overhead_s: float = 0.0
+    # The host CPU, for decode attention over host-resident slices (kvtier.planner.cpu_split):
+    # KV bytes per second its attention kernel reads (0: unknown, so no slice is given to it),
+    cpu_attention_bw: float = 0.0
+    # its own host-memory read rate (a threaded fp32 sum; 0: unknown),
+    host_read_bw: float = 0.0
+    # and the rate of DMA and CPU attention reading host memory at once (0: not measured).
+    host_combined_bw: float = 0.0
 
     def __post_init__(self) -> None:
         for field_name in ("flops", "hbm_bw", "pcie_bw", "memory_bytes"):
@@ -46,6 +59,8 @@ class Hardware:
                 raise ConfigError(f"hardware {self.name}: {field_name} must be positive")
         if min(self.slice_overhead_s, self.prefill_slice_overhead_s, self.layer_overhead_s) < 0:
             raise ConfigError(f"hardware {self.name}: host overheads must not be negative")
+        if min(self.cpu_attention_bw, self.host_read_bw, self.host_combined_bw) < 0:
+            raise ConfigError(f"hardware {self.name}: host CPU rates must not be negative")
 
     @property
     def pcie_ridge(self) -> float:
@@ -73,6 +88,8 @@ HARDWARE: dict[str, Hardware] = {
         slice_overhead_s=H200_SLICE_OVERHEAD_S,
         prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
         layer_overhead_s=H200_LAYER_OVERHEAD_S,
+        cpu_attention_bw=CPU_ATTENTION_READ_FRACTION * H200_HOST_READ_BW,
+        host_read_bw=H200_HOST_READ_BW,
     ),
 }
 
@@ -85,8 +102,9 @@ def hardware_preset(
     tflops: float | None = None,
     hbm_bw: float | None = None,
     pcie_bw: float | None = None,
+    cpu_attention_bw: float | None = None,
 ) -> Hardware:
-    """A preset by name, with optional overrides (TFLOP/s, B/s, B/s). Unknown names list the presets."""
+    """A preset by name, with optional overrides (TFLOP/s, B/s, B/s, B/s). Unknown names list the presets."""
     key = name.lower().replace("_", "-")
     if key not in HARDWARE:
         raise ConfigError(f"unknown GPU {name!r}; known GPUs: {', '.join(HARDWARE)}")
@@ -97,6 +115,8 @@ def hardware_preset(
         hw = replace(hw, hbm_bw=hbm_bw)
     if pcie_bw is not None:
         hw = replace(hw, pcie_bw=pcie_bw)
+    if cpu_attention_bw is not None:
+        hw = replace(hw, cpu_attention_bw=cpu_attention_bw)
     return hw
 
 

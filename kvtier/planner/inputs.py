@@ -25,6 +25,7 @@ class PlanInputs:
     head_group: int | None = None  # KV heads per slice (None: the policy's choice)
     chunk_size: int | None = None  # prefill chunk (None: the roofline's)
     block_size: int = 256
+    cpu_attention: str | int = "auto"  # streamed slices decoded on the CPU: auto, off or a count
 
     def plan(self, codec: PackedFormat | None = None) -> KVPlan:
         """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""
@@ -40,4 +41,5 @@ class PlanInputs:
             hardware=self.hardware,
             block_size=self.block_size,
             codec=codec,
+            cpu_attention=self.cpu_attention,
         )

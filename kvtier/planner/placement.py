@@ -18,10 +18,11 @@ The KV cache is cut into slices, one per (layer, group of `group_size` KV heads)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
+from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, kv_token_bytes, round_up, weight_bytes
 from kvtier.planner.packed import PackedFormat, PackedSizing
@@ -50,6 +51,9 @@ class KVPlan:
     # resident slices unpack on the GPU through the staging buffers.
     packed: PackedSizing | None = None
     packed_tail_tokens: int = 0  # full-precision tokens of a packed slice's tail ring
+    # Streamed slices a decode step attends on the CPU, where their KV lives, instead of copying
+    # them (kvtier.planner.cpu_split); prefill streams them like the others.
+    cpu_slices: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -64,6 +68,8 @@ class KVPlan:
             raise ConfigError(f"resident_slices exceeds num_slices: {self}")
         if self.streamed_slices > 0 and self.staging_buffers == 0:
             raise ConfigError(f"{self.streamed_slices} slices are streamed but there is no staging buffer")
+        if self.cpu_slices < 0 or (self.num_slices and self.cpu_slices > self.streamed_slices):
+            raise ConfigError(f"cpu_slices must be between 0 and the streamed slices: {self}")
 
     def num_groups(self, cfg: ModelConfig) -> int:
         """KV-head groups per layer."""
@@ -106,8 +112,22 @@ class KVPlan:
 
     @property
     def pcie_bytes_per_decode_token(self) -> int:
-        """Bytes over PCIe to decode one token at `context`: streamed slices in, the new token out."""
-        return self.streamed_slices * (self.context + 1) * self.slice_token_bytes
+        """Bytes over PCIe to decode one token at `context`: streamed slices in (but those the CPU
+        attends), every streamed slice's new token out."""
+        copied = self.streamed_slices - self.cpu_slices
+        return (copied * self.context + self.streamed_slices) * self.slice_token_bytes
+
+    def slice_shape(self, cfg: ModelConfig) -> SliceShape:
+        """What the CPU-split simulation (`kvtier.planner.cpu_split`) needs of this plan."""
+        return SliceShape(
+            num_layers=cfg.num_layers,
+            num_groups=self.num_groups(cfg),
+            resident_slices=self.resident_slices,
+            context=self.context,
+            slice_token_bytes=self.slice_token_bytes,
+            blocks_per_slice=self.blocks_per_slice,
+            staging_buffers=self.staging_buffers,
+        )
 
 
 def plan_kv(
@@ -125,6 +145,7 @@ def plan_kv(
     reserve_bytes: int = GPU_RESERVE_BYTES,
     mlp_chunk: int | None = None,
     codec: PackedFormat | None = None,
+    cpu_attention: str | int = "off",
 ) -> KVPlan:
     """Plan KV placement for one sequence of `context` tokens.
 
@@ -134,12 +155,23 @@ def plan_kv(
     KV heads at a time; "auto" keeps everything resident if it fits, else picks the group size
     and resident-slice count with the least streamed bytes / PCIe bandwidth + streamed pieces x
     per-slice overhead. With a packing `codec` (quantized KV) every slice is sized packed, and
-    resident slices need two staging buffers to unpack into. Raises ConfigError on bad
+    resident slices need two staging buffers to unpack into. `cpu_attention` ("off", "auto" or a
+    number of slices) gives some streamed slices to the CPU at decode (`kvtier.planner.cpu_split`;
+    never with a codec: the CPU kernel reads full-precision KV). Raises ConfigError on bad
     arguments and CapacityError with the numbers when the GPU or host budget is too small.
     """
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     hw = hardware or DEFAULT_HARDWARE
     capacity = round_up(context, block_size)
+    if codec is not None and isinstance(cpu_attention, int) and cpu_attention > 0:
+        raise ConfigError("--cpu-attention N does not apply to a quantized cache yet: use auto or off")
+
+    def on_cpu(plan: KVPlan) -> KVPlan:
+        """The plan with its CPU-attended slices chosen."""
+        if codec is not None or plan.streamed_slices == 0:
+            return plan
+        k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
+        return replace(plan, cpu_slices=k)
 
     def fixed(c: int, g: int) -> int:  # GPU bytes that are not KV
         return (
@@ -228,19 +260,19 @@ def plan_kv(
         return plan
 
     if policy == "gpu":
-        return make(min_g, cfg.num_layers * (cfg.num_kv_heads // min_g), 0, chunk)
+        return on_cpu(make(min_g, cfg.num_layers * (cfg.num_kv_heads // min_g), 0, chunk))
     if policy == "auto":
         g = group_size or cfg.num_kv_heads
         # NOTE: everything stays resident if it does with a chunk of at least MIN_CHUNK tokens;
         # a smaller chunk would trade PCIe time for host-bound prefill.
         c = pick_chunk(g, lambda c: all_resident_kv(g, c), floor=min(MIN_CHUNK, chunk))
         if gpu_budget is None or fixed(c, g) + all_resident_kv(g, c) <= gpu_budget:
-            return make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0, c)
+            return on_cpu(make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0, c))
     if policy in ("layer", "head"):
         g = min_g
         avail = None if gpu_budget is None else gpu_budget - fixed(chunk, g)
         tok = kv_token_bytes(cfg, g, dtype_bytes)
-        return make(g, 0, _staging_tokens(avail, capacity, tok, block_size), chunk)
+        return on_cpu(make(g, 0, _staging_tokens(avail, capacity, tok, block_size), chunk))
     assert gpu_budget is not None
     candidates = [group_size] if group_size else _divisors(cfg.num_kv_heads)
     best: tuple[float, int, KVPlan] | None = None
@@ -274,7 +306,7 @@ def plan_kv(
     if best is None:  # the budget check guarantees room for group_size 1, so the host is too small
         assert host_error is not None
         raise host_error
-    return best[2]
+    return on_cpu(best[2])
 
 
 def _staging_tokens(avail: int | None, capacity: int, token_bytes: int, block_size: int) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError
+from kvtier.planner.cpu_split import decode_step_s, split_rates
 from kvtier.planner.hardware import Hardware
 from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import GPU_RESERVE_BYTES
@@ -44,8 +45,9 @@ class PlanRequest:
     policy: str = "auto"
     block_size: int = 256
     activation_model: str = "runner"
+    cpu_attention: str | int = "auto"
 
-    def inputs(self, context: int | None = None) -> PlanInputs:
+    def inputs(self, context: int | None = None, cpu_attention: str | int | None = None) -> PlanInputs:
         """`plan_for`'s inputs for this request at `context` (default: the asked one); the disk
         extends the host tier."""
         return PlanInputs(
@@ -59,11 +61,16 @@ class PlanRequest:
             head_group=self.group_size,
             chunk_size=self.chunk_size,
             block_size=self.block_size,
+            cpu_attention=self.cpu_attention if cpu_attention is None else cpu_attention,
         )
 
     def plan(self, context: int, codec: PackedFormat | None = None) -> KVPlan:
         """kvtier's lossless plan at `context` with these budgets (`codec`: sized packed)."""
         return self.inputs(context).plan(codec)
+
+    def fits(self, context: int) -> KVPlan:
+        """The plan at `context` without choosing CPU slices (which do not change what fits)."""
+        return self.inputs(context, cpu_attention="off").plan()
 
     @property
     def baseline_chunk(self) -> int:
@@ -82,6 +89,7 @@ class PlanReport:
     error: str | None
     decode: StepTime | None
     prefill_s: float | None
+    cpu: dict[str, Any] | None = None  # `cpu_report`: the CPU-attention split
 
 
 def build_report(req: PlanRequest) -> PlanReport:
@@ -93,7 +101,7 @@ def build_report(req: PlanRequest) -> PlanReport:
         )
         for m in METHODS[:-1]
     }
-    plan_for: Callable[[int], KVPlan] = functools.lru_cache(maxsize=None)(req.plan)
+    plan_for: Callable[[int], KVPlan] = functools.lru_cache(maxsize=None)(req.fits)
     max_contexts = {
         m: max_context(
             cfg,
@@ -108,24 +116,50 @@ def build_report(req: PlanRequest) -> PlanReport:
         for m in METHODS
     }
     try:
-        plan: KVPlan | None = plan_for(ctx)
+        plan: KVPlan | None = req.plan(ctx)
     except CapacityError as e:
         longest = max_contexts["auto"]
         hint = f"the longest context that fits is {longest:,} tokens" if longest else "no context fits"
         return PlanReport(req, rows, max_contexts, None, f"{e} ({hint})", None, None)
     assert plan is not None
     rows["auto"] = method_memory(cfg, "auto", ctx, dtype_bytes=b, plan=plan)
+    hw, cpu_s = req.hardware, 0.0
+    rates = split_rates(hw) if plan.cpu_slices else None
+    if rates is not None:  # the link and the CPU at their rates while both read host memory
+        hw = replace(hw, pcie_bw=rates.pcie_bw)
+        cpu_s = plan.cpu_slices * ctx * plan.slice_token_bytes / rates.cpu_bw
     decode = decode_time(
         cfg,
         ctx,
-        req.hardware,
+        hw,
         b,
         pcie_bytes=plan.pcie_bytes_per_decode_token,
-        streamed_pieces=plan.streamed_slices * plan.blocks_per_slice,
+        streamed_pieces=(plan.streamed_slices - plan.cpu_slices) * plan.blocks_per_slice + plan.cpu_slices,
+        cpu_s=cpu_s,
     )
     streamed_fraction = plan.streamed_slices / plan.num_slices
     prefill = prefill_time(cfg, ctx, plan.chunk_size, req.hardware, b, streamed_fraction)
-    return PlanReport(req, rows, max_contexts, plan, None, decode, prefill)
+    return PlanReport(req, rows, max_contexts, plan, None, decode, prefill, cpu_report(req, plan))
+
+
+def cpu_report(req: PlanRequest, plan: KVPlan) -> dict[str, Any] | None:
+    """The CPU-attention split of a streaming plan: slices, rates and the simulated decode step
+    with and without it (None when nothing is streamed)."""
+    if plan.streamed_slices == 0:
+        return None
+    hw, shape = req.hardware, plan.slice_shape(req.cfg)
+    rates = split_rates(hw)
+    return {
+        "mode": req.cpu_attention,
+        "cpu_slices": plan.cpu_slices,
+        "streamed_slices": plan.streamed_slices,
+        "cpu_attention_gb_s": hw.cpu_attention_bw / 1e9,
+        "contention": None if rates is None else rates.contention,
+        "pcie_gb_s_while_split": None if rates is None else rates.pcie_bw / 1e9,
+        "cpu_gb_s_while_split": None if rates is None else rates.cpu_bw / 1e9,
+        "decode_s_link_only": decode_step_s(req.cfg, shape, hw, req.dtype_bytes, 0),
+        "decode_s_split": decode_step_s(req.cfg, shape, hw, req.dtype_bytes, plan.cpu_slices),
+    }
 
 
 def report_json(rep: PlanReport) -> dict[str, Any]:
@@ -163,6 +197,8 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
             "decode_bound": rep.decode.bound,
             "prefill_s": rep.prefill_s,
             "max_context": rep.max_contexts["auto"],
+            "cpu_slices": plan.cpu_slices,
+            "cpu_attention": rep.cpu,
         }
     hw = req.hardware
     chunk = plan.chunk_size if plan else req.baseline_chunk
@@ -225,6 +261,8 @@ def format_report(rep: PlanReport) -> str:
             f"~{rec['decode_s_per_token']:.4g} s/token ({rec['decode_bound']}-bound); "
             f"prefill ~{rec['prefill_s']:.4g} s",
         ]
+        if rep.cpu is not None:
+            lines.append(_cpu_line(rep.cpu))
     roof = doc["roofline"]
     lines += [
         "",
@@ -237,6 +275,21 @@ def format_report(rep: PlanReport) -> str:
         f"  decode: {roof['decode_flop_per_byte']:.2f} FLOP/B read (memory-bound)",
     ]
     return "\n".join(lines)
+
+
+def _cpu_line(cpu: dict[str, Any]) -> str:
+    head = (
+        f"  cpu attention ({cpu['mode']}): {cpu['cpu_slices']}/{cpu['streamed_slices']} streamed "
+        "slices on the CPU at decode"
+    )
+    if cpu["contention"] is None:
+        return head + " (CPU attention rate unknown: give --cpu-attention-bw)"
+    return (
+        f"{head}; CPU {cpu['cpu_attention_gb_s']:.1f} GB/s alone, while splitting link "
+        f"{cpu['pcie_gb_s_while_split']:.1f} + CPU {cpu['cpu_gb_s_while_split']:.1f} GB/s "
+        f"(contention: {cpu['contention']}); simulated decode {cpu['decode_s_split']:.4g} s/token "
+        f"(link only {cpu['decode_s_link_only']:.4g})"
+    )
 
 
 def _gb(n: float) -> float:

@@ -127,16 +127,21 @@ class StepTime:
     hbm_s: float
     pcie_s: float
     overhead_s: float
+    cpu_s: float = 0.0  # host CPU attention of the slices it decodes (kvtier.planner.cpu_split)
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.hbm_s, self.pcie_s) + self.overhead_s
+        return max(self.compute_s, self.hbm_s, self.pcie_s, self.cpu_s) + self.overhead_s
 
     @property
     def bound(self) -> str:
-        """'compute', 'hbm' or 'pcie': which resource sets the time."""
+        """'compute', 'hbm', 'pcie' or 'cpu': which resource sets the time."""
         return max(
-            ("compute", self.compute_s), ("hbm", self.hbm_s), ("pcie", self.pcie_s), key=lambda p: p[1]
+            ("compute", self.compute_s),
+            ("hbm", self.hbm_s),
+            ("pcie", self.pcie_s),
+            ("cpu", self.cpu_s),
+            key=lambda p: p[1],
         )[0]
 
 
@@ -148,16 +153,18 @@ def decode_time(
     *,
     pcie_bytes: float,
     streamed_pieces: int,
+    cpu_s: float = 0.0,
 ) -> StepTime:
     """Time to decode one token: all weights and KV are read from HBM; `pcie_bytes` of streamed
     KV cross the link; each of `streamed_pieces` streamed slices (or sequence blocks) costs
-    `hw.slice_overhead_s`."""
+    `hw.slice_overhead_s`; `cpu_s`: the host CPU's attention, beside the link."""
     hbm = weight_bytes(cfg, dtype_bytes) + context * cfg.kv_bytes_per_token(dtype_bytes)
     return StepTime(
         compute_s=decode_flops(cfg, context) / hw.flops,
         hbm_s=hbm / hw.hbm_bw,
         pcie_s=pcie_bytes / hw.pcie_bw,
         overhead_s=streamed_pieces * hw.slice_overhead_s,
+        cpu_s=cpu_s,
     )
 
 

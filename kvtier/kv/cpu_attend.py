@@ -1,0 +1,149 @@
+"""Decode attention of some streamed slices on the CPU, where their KV already is.
+
+At a decode step (one new token) the plan's `cpu_slices` streamed slices are not copied over
+PCIe: the layer's query goes to the host, the CPU attends each such slice's stored tokens
+(`kvtier.attention.cpu_decode`), and the partial (out, lse) comes back and merges exactly with
+the new token's own attention by log-sum-exp, as sequence blocks do. The new token's K/V is
+written to the host tier as for any streamed slice. Prefill streams these slices as usual.
+
+```
+ layer l (has CPU slices):
+   main thread: q -> host (async) | start CPU slices | GPU slices: take, attend | wait CPU, merge
+   CPU pool:                        [ wait q ][ attend the CPU slices of layer l ....... ]
+   GPU:         .................   [ attend the streamed / resident slices of layer l ]  [merge]
+```
+
+The CPU work of layer l overlaps the GPU's (and the link's) work of the same layer; the
+layer's output waits for both. Which slices: `kvtier.planner.cpu_split.cpu_slice_flags`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
+from kvtier.attention.dense import attend_self_lse, merge_into
+from kvtier.kv.host_slice import HostSlice
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.streams import Streams
+from kvtier.planner.cpu_split import cpu_slice_flags
+
+# The store's own attention of one (layer, group) slice: (layer, group, q, kv_new) -> out.
+AttendSlice = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
+# The store's write-back of a streamed slice's new tokens: (slice, new, after) -> event.
+WriteBack = Callable[[int, torch.Tensor, torch.cuda.Event | None], torch.cuda.Event | None]
+
+
+@functools.cache
+def shared_decoder() -> CpuDecoder:
+    """One CPU attention pool per process, shared by every store (its threads are the cores')."""
+    return CpuDecoder()
+
+
+class CpuSlices:
+    """The slices a store attends on the CPU at decode, and the attention of layers that have some."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        hosts: dict[int, HostSlice],
+        count: int,
+        device: torch.device,
+        streams: Streams,
+        decoder: CpuDecoder | None = None,
+    ) -> None:
+        resident = [s not in hosts for s in range(layout.num_slices)]
+        flags = cpu_slice_flags(layout.num_layers, layout.num_groups, resident, count)
+        self.slices = frozenset(s for s, f in enumerate(flags) if f)
+        self.layers = frozenset(s // layout.num_groups for s in self.slices)
+        self.layout = layout
+        self.hosts = hosts
+        self.device = device
+        self.streams = streams
+        self.decoder = decoder or shared_decoder()
+
+    def begin_step(self, n_new: int) -> frozenset[int]:
+        """The slices this step attends on the CPU (none unless it decodes one token)."""
+        return self.slices if n_new == 1 else frozenset()
+
+    def attend_layer(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        length: int,
+        attend_slice: AttendSlice,
+        write_back: WriteBack,
+    ) -> torch.Tensor:
+        """Attention of one decode token at `layer` over `length` stored tokens: q [1, H_q, D]
+        (rotated), kv [1, 2, H_kv, D] the token's own K/V. CPU slices start first, the others run
+        through the store's `attend_slice`, then the CPU results are merged and the CPU slices'
+        new tokens go to the host through `write_back`; returns [1, H_q, D]."""
+        lay = self.layout
+        s = length
+        on_cpu = [g for g in range(lay.num_groups) if lay.slice_index(layer, g) in self.slices]
+        pending: dict[int, PendingDecode] = {}
+        if s > 0:
+            q_host, ready = self._query_to_host(q[0], [self.hosts[lay.slice_index(layer, g)] for g in on_cpu])
+            for g in on_cpu:
+                host = self.hosts[lay.slice_index(layer, g)]
+                pending[g] = self.decoder.start(q_host[lay.q_heads(g)], host.extents, s, ready)
+        outs: dict[int, torch.Tensor] = {}
+        for g in range(lay.num_groups):
+            if g not in pending and g not in on_cpu:
+                outs[g] = attend_slice(layer, g, q[:, lay.q_heads(g)], kv[:, :, lay.kv_heads(g)])
+        for g in on_cpu:
+            qg = q[:, lay.q_heads(g)]  # [1, H_q_g, D]
+            new = kv[:, :, lay.kv_heads(g)].contiguous()  # [1, 2, G, D]
+            part = attend_self_lse(qg, new[:, 0], new[:, 1])
+            if g in pending:
+                out, lse = pending[g].result()  # [H_q_g, D], [H_q_g] float32, on the CPU
+                part = merge_into((out.to(self.device)[None], lse.to(self.device)[None]), part)
+            outs[g] = part[0].to(q.dtype)
+            write_back(lay.slice_index(layer, g), new, self.streams.record())
+        return torch.cat([outs[g] for g in range(lay.num_groups)], dim=1)
+
+    def _query_to_host(
+        self, q: torch.Tensor, hosts: list[HostSlice]
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """q [H_q, D] on the host, and the event the CPU tasks wait for: the copy, and the last
+        write-back into the slices they read."""
+        if q.device.type == "cpu":
+            return q, None
+        # NOTE: the compute stream waits for the slices' last write-backs before the copy, so one
+        # event covers both; a pinned destination keeps the copy asynchronous.
+        self.streams.wait([h.last_write for h in hosts])
+        q_host = q.to("cpu", non_blocking=True)
+        return q_host, self.streams.record()
+
+
+@functools.cache
+def measured_rates(dtype: torch.dtype, head_dim: int, q_per_kv: int) -> tuple[float, float]:
+    """(CPU attention KV read rate, host memory read rate) of this machine, B/s, measured once
+    per process: the shared pool over one 256 MiB slice of one KV head in `dtype` (past the
+    caches), and a threaded fp32 sum over as many bytes. Takes about a second (plus the kernel's build
+    on first use)."""
+    import time
+
+    nbytes = 256 << 20
+    item = torch.empty((), dtype=dtype).element_size()
+    tokens = nbytes // (2 * head_dim * item)
+    ext = torch.full((tokens, 2, 1, head_dim), 0.01, dtype=dtype)
+    q = torch.full((q_per_kv, head_dim), 0.01, dtype=dtype)
+    dec = shared_decoder()
+
+    def best(fn: object, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()  # type: ignore[operator]
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    attn = nbytes / best(lambda: dec.attend(q, [ext], tokens))
+    flat = ext.view(-1) if dtype == torch.float32 else torch.ones(nbytes // 4)
+    read = flat.numel() * flat.element_size() / best(flat.sum)
+    return attn, read

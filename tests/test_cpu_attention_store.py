@@ -1,0 +1,156 @@
+"""Streamed slices attended on the CPU at decode: the same tokens as all-on-device attention,
+logits within fp32 rounding, exact bytes over each link, and the options that turn it on."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier.kv.cpu_attend as cpu_attend
+from kvtier import LLM, SamplingParams
+from kvtier.attention.cpu_decode import CpuDecoder
+from kvtier.cli.main import main as cli_main
+from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import KVPlan
+from tests.hf_reference import drive, make_hf_model
+
+CPU = torch.device("cpu")
+PROMPT, DECODE, CHUNK = 45, 9, 11  # the last prompt chunk is one token: a decode-shaped step too
+
+
+@pytest.fixture(scope="module")
+def gqa_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder: Path = tmp_path_factory.mktemp("gqa-cpu")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 2 KV heads of 2 query heads, head dim 16
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gqa_model(gqa_folder: Path) -> tuple[CausalLM, ModelConfig]:
+    return load_safetensors_folder(gqa_folder, CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(gqa_model: tuple[CausalLM, ModelConfig]) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits and tokens with every slice on the device."""
+    logits, tokens, store = run(*gqa_model, KVPlan("gpu", 2, 3, CHUNK, 0, 0))
+    store.close()
+    return logits, tokens
+
+
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param("native", marks=pytest.mark.skipif(shutil.which("c++") is None, reason="no c++")),
+    ]
+)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    dec = CpuDecoder(2, backend=request.param)
+    monkeypatch.setattr(cpu_attend, "shared_decoder", lambda: dec)
+    return str(request.param)
+
+
+def run(
+    model: CausalLM, cfg: ModelConfig, plan: KVPlan
+) -> tuple[list[torch.Tensor], list[int], TieredKVStore]:
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    store = TieredKVStore(
+        cfg,
+        plan,
+        device=CPU,
+        dtype=torch.float32,
+        capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=5, extent_blocks=2),  # extents of 10 tokens: many per slice
+    )
+    logits, tokens = drive(model, store, ids, CHUNK, DECODE)
+    return logits, tokens, store
+
+
+def plan(group: int, resident: int, cpu: int, staging: int = 60) -> KVPlan:
+    return KVPlan("head", group, resident, CHUNK, 2, staging, num_slices=3 * (2 // group), cpu_slices=cpu)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        plan(2, 0, 1),  # layer-wise: one whole layer on the CPU
+        plan(1, 0, 6),  # head-wise, every streamed slice
+        plan(1, 2, 4),  # resident slices next to CPU ones
+        plan(1, 0, 3, staging=15),  # the link's slices in sequence blocks
+    ],
+    ids=lambda p: f"g{p.group_size}-r{p.resident_slices}-cpu{p.cpu_slices}-s{p.staging_tokens}",
+)
+def test_cpu_slices_give_the_same_tokens(
+    gqa_model: tuple[CausalLM, ModelConfig],
+    reference: tuple[list[torch.Tensor], list[int]],
+    backend: str,
+    p: KVPlan,
+) -> None:
+    model, cfg = gqa_model
+    ref_logits, ref_tokens = reference
+    logits, tokens, store = run(model, cfg, p)
+    assert store.cpu is not None and len(store.cpu.slices) == p.cpu_slices
+    assert tokens == ref_tokens
+    # NOTE: not bitwise: the CPU kernels reduce in another order than SDPA's, then merge by
+    # log-sum-exp with the new token; fp32 rounding only.
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    token_bytes = 2 * p.group_size * cfg.head_dim * 4
+    streamed = p.num_slices - p.resident_slices
+    # Every streamed slice, CPU ones included, writes each new token to the host exactly once.
+    assert store.account.d2h_bytes == streamed * (PROMPT + DECODE) * token_bytes
+    # The link carries each step's stored tokens of every streamed slice but the CPU ones at
+    # one-token steps (the last prompt chunk and every decode step).
+    steps = [(s, min(CHUNK, PROMPT - s)) for s in range(0, PROMPT, CHUNK)] + [
+        (PROMPT + i, 1) for i in range(DECODE)
+    ]
+    loaded = sum(s * (streamed - (p.cpu_slices if n == 1 else 0)) for s, n in steps)
+    assert store.account.h2d_bytes == loaded * token_bytes
+    store.close()
+
+
+def test_a_store_with_a_method_kernel_or_codec_streams_its_cpu_slices(
+    gqa_model: tuple[CausalLM, ModelConfig],
+) -> None:
+    from kvtier.methods import build_policy
+
+    cfg = gqa_model[1]
+    parts = build_policy(cfg, device=CPU, kv_quant="int8")
+    store = TieredKVStore(
+        cfg, plan(1, 0, 3), device=CPU, dtype=torch.float32, capacity=64, **parts.store_kwargs()
+    )
+    assert store.cpu is None
+    store.close()
+
+
+def test_llm_cpu_attention_option(gqa_folder: Path) -> None:
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = list(range(3, 40))
+    ref = LLM(str(gqa_folder), device="cpu", kv="gpu").generate(prompt, params)[0]
+    llm = LLM(str(gqa_folder), device="cpu", kv="head", cpu_attention=3)
+    out = llm.generate(prompt, params)[0]
+    assert out.token_ids == ref.token_ids
+    assert out.stats.plan["cpu_slices"] == 3
+    # auto on the CPU device: no separate GPU to overlap with, so nothing goes to the CPU path.
+    assert LLM(str(gqa_folder), device="cpu", kv="head").plan(64).cpu_slices == 0
+    with pytest.raises(ConfigError, match="lossless attention only"):
+        llm.plan(64, llm.resolve_method("int8"))
+    with pytest.raises(ConfigError, match="--cpu-attention"):
+        LLM(str(gqa_folder), device="cpu", cpu_attention="most")
+
+
+def test_plan_cli_shows_the_split(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", "llama-3-8b", "--context", "512K", "--gpu", "h200", "--gpu-memory", "24GB"]
+    assert cli_main([*base, "--cpu-attention", "20"]) == 0
+    assert "cpu attention (20): 20/118 streamed slices on the CPU at decode" in capsys.readouterr().out
+    assert cli_main([*base, "--cpu-attention", "off", "--json"]) == 0
+    assert '"cpu_slices": 0' in capsys.readouterr().out
+    assert cli_main([*base, "--cpu-attention", "several"]) == 2
+    assert "--cpu-attention 'several': use auto, off or a number of slices" in capsys.readouterr().err
