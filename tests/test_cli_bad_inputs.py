@@ -137,6 +137,7 @@ BAD_INPUTS: list[tuple[list[str], list[str]]] = [
     (["serve", "--max-num", "2"], ["unrecognized arguments: --max-num"]),
     # serve: checked at parse time
     (["serve", "--api-key", ""], ["--api-key is empty"]),
+    (["serve", "--cpu-attention", "auto"], ["--cpu-attention is for kvtier generate"]),
     (["serve", "--api-key", " key"], ["--api-key must be printable ASCII"]),
     (["serve", "--max-body-bytes", "0"], ["--max-body-bytes must be at least 1, got 0"]),
     (["serve", "--max-prompt-tokens", "0"], ["--max-prompt-tokens must be at least 1, got 0"]),

@@ -171,9 +171,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-attention",
         type=cpu_attention_type,
-        default="auto",
-        help="streamed KV slices a decode step attends on the CPU instead of copying them: auto "
-        "(as many as this machine's CPU finishes in time, measured), off, or a number",
+        default="off",
+        help="streamed KV slices a decode step attends on the CPU instead of copying them: off "
+        "(default), auto (as many as this machine's CPU finishes in time, measured), or a number",
     )
     p.add_argument(
         "--max-model-len",

@@ -117,8 +117,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--cpu-attention",
         type=cpu_attention_type,
-        default="auto",
-        help="streamed slices a decode step attends on the host CPU: auto (rate model), off or a number",
+        default="off",
+        help="streamed slices a decode step attends on the host CPU: off (default), auto (rate "
+        "model) or a number",
     )
     p.add_argument(
         "--cpu-attention-bw",

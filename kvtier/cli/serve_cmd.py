@@ -137,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         threads=args.threads,
     )
+    if args.cpu_attention != "off":
+        # NOTE: a CPU-attended layer waits on the host for its query; the server's tiered runs
+        # are queued whole on their own stream, and the engine loop must never wait for them.
+        raise ConfigError("--cpu-attention is for kvtier generate (one request); kvtier serve streams its KV")
     check_can_listen(args.host, args.port)
     check_before_loading(args)
     llm = LLM(**llm_kwargs(args))

@@ -34,7 +34,7 @@ class EngineConfig:
     block_size: int = 256
     max_model_len: int | None = None
     seed: int = 0
-    cpu_attention: str | int = "auto"  # streamed slices decoded on the CPU (kvtier.planner.cpu_split)
+    cpu_attention: str | int = "off"  # streamed slices decoded on the CPU (kvtier.planner.cpu_split)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -42,9 +42,10 @@ class LLM:
     `kv` ("auto", "gpu", "layer", "head"), `gpu_memory` (e.g. "24GiB": the budget the planner
     fits weights, activations and KV into; on CUDA it also caps this process), `head_group`
     (KV heads per streamed group), `chunk_size` (prefill chunk; default from the planner),
-    `max_model_len` (allow prompts past the model's trained context), `cpu_attention` ("auto":
-    the planner gives the CPU the streamed slices it can decode in time, measured on this
-    machine; "off"; or a number of slices: `kvtier.planner.cpu_split`). The placement
+    `max_model_len` (allow prompts past the model's trained context), `cpu_attention` ("off", the
+    default; "auto": the planner gives the CPU the streamed slices it can decode in time,
+    measured on this machine; or a number of slices: `kvtier.planner.cpu_split`; opt-in until
+    its CUDA path has run on a GPU). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
     """
@@ -68,7 +69,7 @@ class LLM:
         evict: str | None = None,
         kv_budget: int | None = None,
         head_sparsity: float | None = None,
-        cpu_attention: str | int = "auto",
+        cpu_attention: str | int = "off",
     ) -> None:
         self.config = EngineConfig.with_sizes(
             gpu_memory,

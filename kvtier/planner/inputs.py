@@ -25,7 +25,7 @@ class PlanInputs:
     head_group: int | None = None  # KV heads per slice (None: the policy's choice)
     chunk_size: int | None = None  # prefill chunk (None: the roofline's)
     block_size: int = 256
-    cpu_attention: str | int = "auto"  # streamed slices decoded on the CPU: auto, off or a count
+    cpu_attention: str | int = "off"  # streamed slices decoded on the CPU: auto, off or a count
 
     def plan(self, codec: PackedFormat | None = None) -> KVPlan:
         """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""
