@@ -22,8 +22,16 @@ check_version(installed_version())
 
 # isort: off
 from kvtier.hf.cache import TieredCache  # noqa: E402
-from kvtier.hf.prefill import prefill_in_chunks  # noqa: E402
+from kvtier.hf.prefill import cache_keyword, prefill_in_chunks  # noqa: E402
 
 # isort: on
 
-__all__ = ["SUPPORTED", "TESTED", "TieredCache", "check_version", "installed_version", "prefill_in_chunks"]
+__all__ = [
+    "SUPPORTED",
+    "TESTED",
+    "TieredCache",
+    "cache_keyword",
+    "check_version",
+    "installed_version",
+    "prefill_in_chunks",
+]

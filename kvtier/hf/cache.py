@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.hf import attention
+from kvtier.hf.attention import NAME, HandOver, drop, hand_over, install
 from kvtier.hf.config import model_config
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
@@ -110,7 +110,7 @@ class TieredCache(Cache):
         self.block_size = block_size
         self.placement = Placement(plan) if plan is not None else plan_for(self.plan_inputs(), self.method)
         self.parts = self._build_parts()
-        attention.install(model)
+        install(model)
         self._hf_config = model.config
         super().__init__(layers=[_StoreLayer(self) for _ in range(self.model_config.num_layers)])
         self.store = self._make_store()
@@ -185,7 +185,10 @@ class TieredCache(Cache):
         that follows; the store appends them there. Returns them unchanged (not the context)."""
         b, t = key_states.shape[0], key_states.shape[2]
         if b != 1:
-            raise ConfigError(f"TieredCache holds one sequence: batch size must be 1, got {b}")
+            raise ConfigError(
+                f"TieredCache holds one sequence: batch size must be 1, got {b} (a batch of prompts, "
+                "num_beams > 1 or num_return_sequences > 1); run one sequence per cache"
+            )
         if key_states.dtype != self.dtype or key_states.device != self.device:
             raise ConfigError(
                 f"keys arrive as {key_states.dtype} on {key_states.device}, but the cache was built for "
@@ -195,7 +198,7 @@ class TieredCache(Cache):
             self._begin(t)
         elif not self._open or layer_idx != self._next_layer or t != self._step_tokens:
             self._broken(f"layer {layer_idx} updated out of order")
-        attention.hand_over(attention.HandOver(self, layer_idx, key_states, value_states))
+        hand_over(HandOver(self, layer_idx, key_states, value_states))
         return key_states, value_states
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -214,7 +217,7 @@ class TieredCache(Cache):
     def _begin(self, tokens: int) -> None:
         if self._open:
             self._broken("the previous forward through this cache stopped before its last layer")
-        if self._hf_config._attn_implementation != attention.NAME:
+        if self._hf_config._attn_implementation != NAME:
             raise ConfigError(
                 f"the model's attention was switched to {self._hf_config._attn_implementation!r} after "
                 "this TieredCache was built; build a new TieredCache (it switches it back to 'kvtier')"
@@ -229,7 +232,7 @@ class TieredCache(Cache):
         self._open, self._next_layer, self._step_tokens = True, 0, tokens
 
     def _broken(self, what: str) -> NoReturn:
-        attention.drop()
+        drop()
         raise ConfigError(
             f"{what}; the cache's contents are incomplete: call cache.reset() or build a new one"
         )
@@ -254,7 +257,7 @@ class TieredCache(Cache):
 
     def reset(self) -> None:
         """Empty the cache (a fresh store of the same plan)."""
-        attention.drop()
+        drop()
         self.store.close()
         self.parts = self._build_parts()
         self.store = self._make_store()
