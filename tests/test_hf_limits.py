@@ -95,7 +95,7 @@ def test_a_forward_that_failed_midway_needs_a_reset(llama: Any, monkeypatch: pyt
     monkeypatch.setattr(cache.store.__class__, "__call__", failing)
     with pytest.raises(RuntimeError, match="simulated"):
         generate(llama, cache, ids())
-    with pytest.raises(ConfigError, match="stopped before its last layer.*cache.reset"):
+    with pytest.raises(ConfigError, match=r"stopped before its last layer.*cache\.reset"):
         generate(llama, cache, ids())
     monkeypatch.undo()
     cache.reset()
