@@ -60,7 +60,7 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The packaging check (~20 s): `python -m build` makes the sdist and, from it, the wheel (with this
+# The packaging check (~20 s, docs/package_check.json): `python -m build` makes the sdist and, from it, the wheel (with this
 # venv's setuptools: --no-isolation downloads nothing); the wheel must carry the eval data files;
 # it is installed with --no-deps into a fresh venv whose dependencies come from this venv's
 # site-packages through a .pth file (paths a .pth adds come after the venv's own, so the wheel's

@@ -276,9 +276,9 @@ def main() -> None:
         if failed:
             print(f"{r['context']:>8} {r['system']:>13}   {failed[:90]}")
             continue
-        gb = (r.get("peak_gpu_bytes") or 0) / 1e9
+        gb = f"{r['peak_gpu_bytes'] / 1e9:.2f}" if r.get("peak_gpu_bytes") else "-"  # None on the CPU
         speed = f"{r['prefill_tok_s']:>11.0f} {r['decode_s_per_token']:>10.4f}"
-        print(f"{r['context']:>8} {r['system']:>13} {gb:>8.2f} {speed}")
+        print(f"{r['context']:>8} {r['system']:>13} {gb:>8} {speed}")
 
 
 if __name__ == "__main__":
