@@ -1,14 +1,16 @@
 """HF transformers' own model over kvtier's tiered store (`kvtier.hf.TieredCache`), against HF's
 layer-wise offload (`DynamicCache(offloading=True)`) and kvtier's own runner, in one run.
 
-One set of random weights of a preset's shapes (default llama-3-8b, bf16 on CUDA) is shared by
-kvtier's model and an HF `AutoModelForCausalLM` built on the meta device. The process is capped
+One set of weights (a preset's shapes with random weights, default llama-3-8b, or an HF folder
+given with --model; bf16 on CUDA) is loaded by kvtier and shared with an HF
+`AutoModelForCausalLM` built on the meta device, so the weights are in GPU memory once. The process is capped
 to `--gpu-memory` (as `kvtier generate --gpu-memory` caps it). For each context, each system:
 prefill tok/s (chunked where the system allows it), decode s/token (median of the steps after
 the first), peak GPU memory, or the error it stopped with.
 
     python bench/hf_cache.py --contexts 32K,128K --gpu-memory 24GiB --kv auto     # the H200 run
-    python bench/hf_cache.py --preset smollm2-135m --contexts 1K --kv head --decode-steps 4
+    python bench/hf_cache.py --preset smollm2-135m --contexts 1K --kv head --decode-steps 4 \
+        --systems hf-kvtier,hf-offloaded,hf-dynamic,kvtier --name hf_cache_cpu        # CPU check
 
 Systems (`--systems`): `hf-kvtier` (HF model + TieredCache, prompt fed by `prefill_in_chunks`
 in the plan's chunks), `hf-offloaded` (HF model + `DynamicCache(offloading=True)`: one forward,
@@ -63,12 +65,16 @@ def peak(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
-def hf_model(llm: LLM, preset: str) -> Any:
-    """An HF causal LM of the preset's shapes whose parameters *are* kvtier's (no copy)."""
+def hf_model(llm: LLM, spec: str) -> Any:
+    """An HF causal LM of `spec`'s config (a preset or an HF folder) whose parameters *are*
+    kvtier's (no copy)."""
     import transformers
 
-    fields = dict(PRESETS[preset])
-    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if spec in PRESETS:
+        fields = dict(PRESETS[spec])
+        cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        cfg = transformers.AutoConfig.from_pretrained(spec)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
@@ -223,6 +229,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS))
+    ap.add_argument("--model", default=None, help="an HF folder instead of --preset")
     ap.add_argument("--contexts", default="32K,128K")
     ap.add_argument("--gpu-memory", default="24GiB", help="process cap and planner budget (CUDA)")
     ap.add_argument(
@@ -243,13 +250,14 @@ def main() -> None:
     contexts = [parse_count(c, "--contexts") for c in args.contexts.split(",")]
     cuda = torch.cuda.is_available() and args.device != "cpu"
     args.gpu_memory = parse_size(args.gpu_memory, "--gpu-memory") if cuda else None
+    spec = args.model or args.preset
     llm = LLM(
-        args.preset,
+        spec,
         device=args.device,
         gpu_memory=args.gpu_memory,
         max_model_len=max(contexts) + args.decode_steps + 1,
     )
-    model = hf_model(llm, args.preset)
+    model = hf_model(llm, spec)
     rows: list[dict[str, Any]] = []
     for context in contexts:
         gen = torch.Generator(device=llm.device).manual_seed(context)
@@ -264,10 +272,10 @@ def main() -> None:
             # Rewritten after every row, so a run cut short by a time limit keeps what it measured.
             write_results(
                 args.name,
-                {"preset": args.preset, "kv": args.kv, "gpu_budget_bytes": args.gpu_memory, "rows": rows},
+                {"model": spec, "kv": args.kv, "gpu_budget_bytes": args.gpu_memory, "rows": rows},
             )
     path = write_results(
-        args.name, {"preset": args.preset, "kv": args.kv, "gpu_budget_bytes": args.gpu_memory, "rows": rows}
+        args.name, {"model": spec, "kv": args.kv, "gpu_budget_bytes": args.gpu_memory, "rows": rows}
     )
     print(f"\nresults: {path}")
     print(f"{'context':>8} {'system':>13} {'peak GB':>8} {'prefill t/s':>11} {'decode s/t':>10}")
