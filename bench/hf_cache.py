@@ -150,6 +150,8 @@ def run_hf_dynamic(
 
     if offloading and device.type != "cuda":
         return {"skipped": "DynamicCache(offloading=True) needs CUDA"}
+    # NOTE: HF's own SDPA path and masks, as without kvtier (a TieredCache switched it to "kvtier").
+    model.set_attn_implementation("sdpa")
     n = ids.shape[1]
     row: dict[str, Any] = {}
     key = cache_keyword(model)

@@ -204,7 +204,8 @@ class TieredCache(Cache):
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Append the step's K/V of `layer` to the store and attend: query [1, H_q, T, D], key and
         value [1, H_kv, T, D], all rotated; returns [1, T, H_q, D]. Called by "kvtier" attention."""
-        q = query[0].transpose(0, 1)  # [T, H_q, D]
+        # NOTE: contiguous, the layout kvtier's own model hands the store (HF's is head-major).
+        q = query[0].transpose(0, 1).contiguous()  # [T, H_q, D]
         k = key[0].transpose(0, 1)  # [T, H_kv, D]
         v = value[0].transpose(0, 1)
         out = self.store(layer, q, k, v)  # [T, H_q, D]
