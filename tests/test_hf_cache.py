@@ -74,6 +74,25 @@ def test_lossless_placements_equal_dynamic_cache(family: tuple[Any, list[int]], 
     assert cache.store.stored_bytes()["host"] == streamed * (PROMPT + NEW - 1) * token_bytes
 
 
+def test_cpu_attended_slices_equal_dynamic_cache(family: tuple[Any, list[int]]) -> None:
+    """Three of the streamed slices attended where the host KV is at decode (`cpu_attention`)."""
+    model, ref = family
+    cache = TieredCache(model, kv="head", context=CONTEXT, cpu_attention=3)
+    cpu = cache.store.cpu
+    assert cache.plan.cpu_slices == 3 and cpu is not None
+    layers: list[int] = []
+    attend_layer = cpu.attend_layer
+
+    def counted(layer: int, *args: Any) -> torch.Tensor:
+        layers.append(layer)
+        return attend_layer(layer, *args)
+
+    cpu.attend_layer = counted  # type: ignore[method-assign]
+    assert generate(model, prompt(), cache) == ref
+    # Every decode forward (NEW - 1 of them) attended the CPU slices' layers on the host.
+    assert layers == sorted(cpu.layers) * (NEW - 1)
+
+
 def test_sequence_blocks_and_chunked_prefill_equal_dynamic_cache(family: tuple[Any, list[int]]) -> None:
     """Staging buffers of 16 tokens (the prefix streams in blocks merged by log-sum-exp) and a
     prompt fed 7 tokens per forward by `prefill_in_chunks`, then `generate` for the last token."""

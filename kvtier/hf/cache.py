@@ -14,7 +14,7 @@ own K/V.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, NoReturn
 
 import torch
@@ -26,7 +26,8 @@ from kvtier.hf.attention import NAME, HandOver, drop, hand_over, install
 from kvtier.hf.config import model_config
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
-from kvtier.planner.hardware import detect_hardware, host_memory_available
+from kvtier.planner.cpu_split import parse_mode
+from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 from kvtier.units import parse_count, parse_size
@@ -78,6 +79,8 @@ class TieredCache(Cache):
     the process. `context` is the most tokens the cache will hold (prompt plus new tokens;
     default: the model's `max_position_embeddings`): the plan is made for it, and a longer
     sequence is refused. `plan` replaces the planner's placement with one of your own.
+    `cpu_attention` ("auto", "off" or a number of slices) lets decode attend some streamed
+    slices on the CPU where the KV already is, as `kvtier.LLM(cpu_attention=)` does.
 
     Lossless specs give the same greedy tokens as transformers' `DynamicCache`. Methods that
     keep keys un-rotated (StreamingLLM eviction, HiP's context extension) or that calibrate
@@ -94,6 +97,7 @@ class TieredCache(Cache):
         chunk_size: int | None = None,
         block_size: int = 256,
         plan: KVPlan | None = None,
+        cpu_attention: str | int = "auto",
     ) -> None:
         self.method = parse_choice(kv) if isinstance(kv, str) else kv
         self.model_config: ModelConfig = model_config(model)
@@ -108,6 +112,7 @@ class TieredCache(Cache):
             raise ConfigError(f"chunk_size must be at least 1, got {chunk_size}")
         self.chunk_size = chunk_size
         self.block_size = block_size
+        self.cpu_attention = parse_mode(cpu_attention)
         self.placement = Placement(plan) if plan is not None else plan_for(self.plan_inputs(), self.method)
         self.parts = self._build_parts()
         install(model)
@@ -134,7 +139,7 @@ class TieredCache(Cache):
         return PlanInputs(
             self.model_config,
             self.context,
-            hardware=detect_hardware(self.device),
+            hardware=self.hardware(),
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
             gpu_budget=budget,
             host_budget=host_memory_available() if cuda else None,
@@ -142,7 +147,20 @@ class TieredCache(Cache):
             head_group=self.method.head_group,
             chunk_size=self.chunk_size,
             block_size=self.block_size,
+            cpu_attention=self.cpu_attention,
         )
+
+    def hardware(self) -> Hardware:
+        """The device's hardware numbers; on CUDA with `cpu_attention="auto"`, with this host's
+        CPU attention and memory read rates measured (once per process), as `LLM.hardware`."""
+        hw = detect_hardware(self.device)
+        if self.device.type != "cuda" or self.cpu_attention != "auto":
+            return hw
+        from kvtier.kv.cpu_attend import measured_rates
+
+        cfg = self.model_config
+        attn, read = measured_rates(self.dtype, cfg.head_dim, cfg.q_per_kv)
+        return replace(hw, cpu_attention_bw=attn, host_read_bw=read)
 
     def _build_parts(self) -> PolicyParts:
         if self.method.head_sparsity is not None:
