@@ -2,6 +2,9 @@
 
 >>> from kvtier import LLM, SamplingParams
 >>> LLM().generate("Hello", SamplingParams(max_tokens=8))[0].text
+
+`kvtier.hf.TieredCache` runs a Hugging Face transformers model over the same store
+(`model.generate(..., past_key_values=cache)`); `kvtier.hf` is imported on first use.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    """The engine's classes, imported on first use.
+    """The engine's classes and the `hf` subpackage, imported on first use.
 
     NOTE: lazy so that `import kvtier` does not import torch: the `kvtier` script imports this
     package before `main` runs, and a Ctrl-C during torch's import would escape main's handler.
     """
+    if name == "hf":
+        return importlib.import_module("kvtier.hf")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -35,11 +35,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_hf_model(family: str, folder: Path, seed: int = 0) -> Any:
-    """Build a random tiny model of `family`, save it to `folder`, return the HF model (fp32)."""
+def make_hf_model(family: str, folder: Path, seed: int = 0, **overrides: Any) -> Any:
+    """Build a random tiny model of `family`, save it to `folder`, return the HF model (fp32).
+
+    `overrides` replace config fields of the family (e.g. `sliding_window=32`)."""
     import transformers
 
-    spec = dict(FAMILIES[family])
+    spec = {**FAMILIES[family], **overrides}
     cls = getattr(transformers, spec.pop("cls"))
     cfg = cls(
         hidden_size=64,

@@ -24,7 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"policies", "sparse"}),  # the methods' parts: codecs, evictors, kernels
     frozenset({"methods"}),  # the method registry and plan_for
     frozenset({"engine"}),  # LLM and the generation loop
-    frozenset({"eval", "serve"}),  # users of the engine
+    frozenset({"eval", "serve", "hf"}),  # users of the engine; hf: kvtier inside transformers
     frozenset({"cli", "__main__"}),  # the command line
 )
 """Each top-level module or package of kvtier, lowest first. `kvtier/__init__.py` re-exports

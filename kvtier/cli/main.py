@@ -17,9 +17,11 @@ from typing import NoReturn
 # Read when CUDA's allocator starts, so it is set before any subcommand touches the GPU.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+from kvtier import __version__
 from kvtier.errors import KvtierError
 
 SUBCOMMANDS = ("generate", "plan", "eval", "serve")
+VERSION_LINE = f"kvtier {__version__}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Long-context LLM inference with a tiered (GPU / host) KV cache.",
         allow_abbrev=False,
     )
+    parser.add_argument("-V", "--version", action="version", version=VERSION_LINE)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"kvtier.cli.{name}_cmd")
@@ -48,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvtier` script."""
+    given = sys.argv[1:] if argv is None else argv
+    if given in (["--version"], ["-V"]):
+        # NOTE: answered before the parser is built: building it imports torch (seconds).
+        print(VERSION_LINE)
+        return 0
     try:
         # NOTE: everything is inside the try: building the parser imports torch (a Ctrl-C there
         # is an interrupt like any other), and option types raise KvtierError themselves.
