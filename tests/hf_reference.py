@@ -29,6 +29,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     },
     "mistral": {"cls": "MistralConfig", "num_key_value_heads": 2, "sliding_window": None},
+    # Sliding windows shorter than the test prompts, so they bind in prefill chunks and decode.
+    "mistral-window": {"cls": "MistralConfig", "num_key_value_heads": 2, "sliding_window": 8},
+    "qwen2-window": {
+        "cls": "Qwen2Config",
+        "num_key_value_heads": 2,
+        "use_sliding_window": True,
+        "sliding_window": 6,
+        "max_window_layers": 1,  # layer 0 full, layers 1 and 2 windowed
+    },
     "qwen2-bias": {"cls": "Qwen2Config", "num_key_value_heads": 2},
     "qwen3-qknorm": {"cls": "Qwen3Config", "num_key_value_heads": 2, "head_dim": 16},
     "smollm-tied": {"cls": "LlamaConfig", "num_key_value_heads": 1, "tie_word_embeddings": True},

@@ -78,6 +78,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # Mistral-7B-v0.1: the one with a 4096-token sliding window on every layer (v0.2/v0.3,
+    # the "mistral-7b" shapes above, dropped it).
+    "mistral-7b-v0.1": {
+        "model_type": "mistral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "qwen2-7b": {
         "model_type": "qwen2",
         "vocab_size": 152064,
