@@ -210,7 +210,7 @@ class ModelConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
                 rope=_rope_from_hf(d),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # Gemma's default: tied
                 qkv_bias=model_type == "qwen2" or attention_bias,
                 o_bias=attention_bias and model_type != "qwen2",
                 qk_norm=model_type == "qwen3",

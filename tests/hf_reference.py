@@ -38,6 +38,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "sliding_window": 6,
         "max_window_layers": 1,  # layer 0 full, layers 1 and 2 windowed
     },
+    # Gemma-2: alternating local (window 8) and global layers, GeGLU, (1 + w) norms; caps small
+    # enough that tanh bends the scores and logits, and a query scale other than head_dim ** -0.5.
+    "gemma2": {
+        "cls": "Gemma2Config",
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 0.1,
+        "final_logit_softcapping": 3.0,
+    },
     "qwen2-bias": {"cls": "Qwen2Config", "num_key_value_heads": 2},
     "qwen3-qknorm": {"cls": "Qwen3Config", "num_key_value_heads": 2, "head_dim": 16},
     "smollm-tied": {"cls": "LlamaConfig", "num_key_value_heads": 1, "tie_word_embeddings": True},

@@ -1,5 +1,6 @@
-"""Sliding-window attention (Mistral, Qwen2): equal to Hugging Face transformers past the window
-for every lossless placement, with each windowed slice holding only its window."""
+"""Sliding-window attention (Mistral, Qwen2, Gemma-2's local layers): equal to Hugging Face
+transformers past the window for every lossless placement, with each windowed slice holding only
+its window. Gemma-2's own parts (soft-capping, presets, loading) are in tests/test_gemma2.py."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from kvtier.planner.placement import KVPlan, plan_kv
 from tests.hf_reference import drive, make_hf_model
 
 CPU = torch.device("cpu")
-PROMPT, DECODE, CHUNK, BLOCK = 23, 9, 5, 4  # windows 8 and 6: both bind in prefill and decode
+PROMPT, DECODE, CHUNK, BLOCK = 23, 9, 5, 4  # windows of 8 and 6: they bind in prefill and decode
 CONTEXT = PROMPT + DECODE
 
 
-@pytest.fixture(scope="module", params=["mistral-window", "qwen2-window"])
+@pytest.fixture(scope="module", params=["mistral-window", "qwen2-window", "gemma2"])
 def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder: Path = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, folder)
@@ -116,7 +117,7 @@ def test_greedy_tokens_equal_transformers_generate(windowed: dict[str, Any], kv:
     llm = LLM(str(windowed["folder"]), device="cpu", kv=kv, chunk_size=CHUNK, block_size=BLOCK)
     out = llm.generate(prompt, SamplingParams(max_tokens=14, ignore_eos=True))[0]
     assert out.token_ids == ref
-    if kv == "gpu":  # a list runs one prompt at a time past the window (the paged batch does not mask)
+    if kv == "gpu":  # a list past the window (or soft-capped) runs one prompt at a time, not paged
         two = llm.generate([prompt, prompt[:5]], SamplingParams(max_tokens=14, ignore_eos=True))
         assert two[0].token_ids == ref
         assert (
@@ -137,6 +138,10 @@ def test_lossy_parts_refuse_a_binding_window(windowed: dict[str, Any]) -> None:
 
     with pytest.raises(ConfigError, match="sliding windows"):
         store(CONTEXT)
+    if not cfg.plain_scores:  # Gemma-2: soft-capped scores refuse the method at any length
+        with pytest.raises(ConfigError, match="soft-capping"):
+            store(cfg.sliding_window)
+        return
     # Within the window the layers are plain causal: the method runs, and may not grow past it.
     short = store(cfg.sliding_window)
     short.begin_step(cfg.sliding_window)

@@ -20,6 +20,34 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
+
+def _gemma2(
+    *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, scalar: int
+) -> dict[str, Any]:
+    """A Gemma-2 config.json (google/gemma-2-*): the shapes vary, the rest is shared."""
+    return {
+        "model_type": "gemma2",
+        "vocab_size": 256000,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {
         "model_type": "llama",
@@ -109,6 +137,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 151643,
         "eos_token_id": 151643,
     },
+    # Gemma-2: even layers local (4096-token window), odd layers global; logits soft-capped.
+    "gemma-2-2b": _gemma2(
+        hidden=2304, intermediate=9216, layers=26, heads=8, kv_heads=4, head_dim=256, scalar=256
+    ),
+    "gemma-2-9b": _gemma2(
+        hidden=3584, intermediate=14336, layers=42, heads=16, kv_heads=8, head_dim=256, scalar=256
+    ),
+    "gemma-2-27b": _gemma2(
+        hidden=4608, intermediate=36864, layers=46, heads=32, kv_heads=16, head_dim=128, scalar=144
+    ),
     "llama-3-70b": {
         "model_type": "llama",
         "vocab_size": 128256,
