@@ -157,3 +157,20 @@ def test_local_layers_hold_the_window_and_global_layers_everything(tiny: tuple[P
     assert store.stored_bytes()["host"] == 40 * token * lay.num_groups  # global layer 1: every token
     assert set(store.hosts) == {lay.slice_index(1, g) for g in range(lay.num_groups)}
     store.close()
+
+
+def test_synthetic_fill_gives_windowed_slices_their_window(tiny: tuple[Path, Any]) -> None:
+    from kvtier.kv.synthetic import fill_synthetic
+
+    model, cfg = load_safetensors_folder(tiny[0], CPU, torch.float32)
+    plan = KVPlan("layer", cfg.num_kv_heads, 0, 4, 2, 64)
+    store = TieredKVStore(
+        cfg, plan, device=CPU, dtype=torch.float32, capacity=64, options=StoreOptions(block_size=4)
+    )
+    fill_synthetic(store, 50)
+    lay = store.layout
+    assert [store.slice_length[lay.slice_index(i, 0)] for i in range(3)] == [7, 50, 7]
+    store.begin_step(1)  # a decode step at position 50 over the synthetic KV
+    assert model(torch.tensor([3]), store).isfinite().all()
+    store.end_step()
+    store.close()
