@@ -14,18 +14,25 @@ from kvtier.config import ModelConfig
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.methods.choice import build_policy
-from kvtier.model.llama import CausalLM
 from kvtier.planner.memory import window_tokens
 from kvtier.planner.placement import KVPlan, plan_kv
-from tests.hf_reference import drive, make_hf_model
+from tests.hf_reference import (
+    BLOCK,
+    CHUNK,
+    CONTEXT,
+    PROMPT,
+    hf_step_logits,
+    make_hf_model,
+    placement_plans,
+    run_placement,
+)
 
 CPU = torch.device("cpu")
-PROMPT, DECODE, CHUNK, BLOCK = 23, 9, 5, 4  # windows of 8 and 6: they bind in prefill and decode
-CONTEXT = PROMPT + DECODE
+# windows of 8 and 6 bind in prefill and decode
 
 
 @pytest.fixture(scope="module", params=["mistral-window", "qwen2-window", "gemma2"])
@@ -36,43 +43,16 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return {"folder": folder, "hf": hf, "model": model, "cfg": cfg}
 
 
-def _plans(cfg: ModelConfig) -> dict[str, KVPlan]:
-    """The planner's plans for every lossless policy, plus a partly resident and a
-    sequence-block one (staging smaller than the context) built by hand."""
-    made = {
-        p: plan_kv(cfg, CONTEXT, policy=p, gpu_budget=None, dtype_bytes=4, chunk_size=CHUNK, block_size=BLOCK)
-        for p in ("gpu", "layer", "head", "auto")
-    }
-    made["auto-mixed"] = KVPlan("auto", 1, 1, CHUNK, 2, 32)
-    made["head-blocks"] = KVPlan("head", 1, 0, CHUNK, 2, 8)
-    return made
-
-
-def _run(model: CausalLM, cfg: ModelConfig, plan: KVPlan) -> tuple[torch.Tensor, list[int], TieredKVStore]:
-    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(5))
-    store = TieredKVStore(
-        cfg, plan, device=CPU, dtype=torch.float32, capacity=CONTEXT, options=StoreOptions(block_size=BLOCK)
-    )
-    logits, tokens = drive(model, store, ids, CHUNK, DECODE)
-    return torch.cat(logits), tokens, store
-
-
-def _hf_logits(hf: Any, cfg: ModelConfig, tokens: list[int]) -> torch.Tensor:
-    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return hf(torch.cat((ids, torch.tensor(tokens)))[None]).logits[0]  # type: ignore[no-any-return]
-
-
 def test_every_placement_equals_transformers_past_the_window(windowed: dict[str, Any]) -> None:
     model, cfg = windowed["model"], windowed["cfg"]
     assert cfg.windowed_layers(CONTEXT) == cfg.sliding_layers and cfg.sliding_window < PROMPT
-    plans = _plans(cfg)
-    ref_logits, ref_tokens, _ = _run(model, cfg, plans["gpu"])
-    hf = _hf_logits(windowed["hf"], cfg, ref_tokens)
+    plans = placement_plans(cfg)
+    ref_logits, ref_tokens, _ = run_placement(model, cfg, plans["gpu"])
+    hf = hf_step_logits(windowed["hf"], cfg, ref_tokens)
     assert torch.allclose(ref_logits, hf, rtol=1e-4, atol=1e-4)
     assert ref_tokens == hf[PROMPT - 1 : -1].argmax(-1).tolist()  # each decode step's greedy token
     for name, plan in plans.items():
-        logits, tokens, store = _run(model, cfg, plan)
+        logits, tokens, store = run_placement(model, cfg, plan)
         assert tokens == ref_tokens, name
         if name == "head-blocks":  # the full layer's prefix in blocks, merged by log-sum-exp
             assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -84,13 +64,13 @@ def test_every_placement_equals_transformers_past_the_window(windowed: dict[str,
 def test_windowed_slices_hold_only_their_window(windowed: dict[str, Any]) -> None:
     model, cfg = windowed["model"], windowed["cfg"]
     for policy in ("gpu", "head"):
-        plan = _plans(cfg)[policy]
+        plan = placement_plans(cfg)[policy]
         window = cfg.sliding_window
         per_layer = cfg.num_kv_heads // plan.group_size
         assert plan.window_slices == len(cfg.sliding_layers) * per_layer
         assert plan.num_slices == (cfg.num_layers - len(cfg.sliding_layers)) * per_layer
         assert plan.window_tokens == window_tokens(window, CHUNK, CONTEXT, BLOCK) == 12  # rounded up to 4
-        _, _, store = _run(model, cfg, plan)
+        _, _, store = run_placement(model, cfg, plan)
         lay = store.layout
         for layer in cfg.sliding_layers:
             for g in range(lay.num_groups):

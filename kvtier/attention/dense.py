@@ -44,8 +44,12 @@ def attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention = PLAIN) -> t
     """Causal attention of the last T positions, q [T, H_q, D], over kv [S, 2, H_kv, D], S >= T,
     scored as `attn` says (window, soft-capping, scale).
 
-    Returns [T, H_q, D]. The result of each head does not depend on how many heads share the call.
+    Returns [T, H_q, D] (a latent spec: [T, H_q, latent]). The result of each head does not
+    depend on how many heads share the call.
     """
+    if attn.latent is not None:
+        entry = _entries(kv)  # [S, 1, 2D]
+        return scored_attention(q, entry, entry[..., : attn.latent], attn, causal=True)[0].to(q.dtype)
     if attn.window is not None:
         t, w = q.shape[0], attn.window
         kv = kv[max(0, kv.shape[0] - (w + t - 1)) :]  # keys older than every query's window go
@@ -99,6 +103,12 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention) -> torch.Te
     return out[0].transpose(0, 1)  # [T, H_q, D]
 
 
+def _entries(kv: torch.Tensor) -> torch.Tensor:
+    """kv [S, 2, 1, D] of a latent layer -> its entries [S, 1, 2D] (K and V rows side by side: a
+    view, since slices are token-major)."""
+    return kv.reshape(kv.shape[0], 1, 2 * kv.shape[-1])
+
+
 def window_mask(t: int, s: int, window: int | None, device: torch.device) -> torch.Tensor:
     """[T, S] bool: query i of the last T positions may see key j (lower-right causal, and
     within `window` tokens of itself when given)."""
@@ -130,14 +140,16 @@ def scored_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with scores computed here (soft-capping, a custom scale, a window), exact.
 
-    q [T, H_q, D], k/v [S, H_kv, D]. `causal`: query i is at key position S - T + i (lower-right)
-    and sees keys up to it, within `attn.window`; else every key. Returns (out [T, H_q, D]
-    float32, natural-log lse [T, H_q] float32). Scores are q.k in the inputs' dtype (as
-    transformers' eager attention), then scaled and capped in float32; keys are taken in blocks
-    of `SCORE_ELEMENTS` scores with an online softmax, so memory is one block whatever S is.
+    q [T, H_q, D], k [S, H_kv, D], v [S, H_kv, Dv]. `causal`: query i is at key position
+    S - T + i (lower-right) and sees keys up to it, within `attn.window`; else every key.
+    Returns (out [T, H_q, Dv] float32, natural-log lse [T, H_q] float32). Scores are q.k in
+    the inputs' dtype (as transformers' eager attention), then scaled and capped in float32; keys
+    are taken in blocks of `SCORE_ELEMENTS` scores with an online softmax, so memory is one block
+    whatever S is.
     """
     t, hq, d = q.shape
     s, hkv, _ = k.shape
+    dv = v.shape[-1]
     r = hq // hkv
     scale = attn.scale if attn.scale is not None else d**-0.5
     qf = q.view(t, hkv, r, d).permute(1, 2, 0, 3)  # [H_kv, r, T, D]
@@ -147,7 +159,7 @@ def scored_attention(
     rows = torch.arange(t, device=q.device)[:, None] + (s - t)  # [T, 1] each query's key position
     m = torch.full((hkv, r, t), -math.inf, device=q.device)  # running max
     total = torch.zeros((hkv, r, t), device=q.device)  # running sum of exp
-    acc = torch.zeros((hkv, r, t, d), device=q.device)  # running output, float32
+    acc = torch.zeros((hkv, r, t, dv), device=q.device)  # running output, float32
     for a in range(0, s, block):
         b = min(a + block, s)
         sc = torch.matmul(qf, kt[:, None, :, a:b]).float() * scale  # [H_kv, r, T, n]
@@ -170,7 +182,7 @@ def scored_attention(
         m = m_new
     out = acc / total[..., None]
     lse = m + torch.log(total)
-    return out.permute(2, 0, 1, 3).reshape(t, hq, d), lse.permute(2, 0, 1).reshape(t, hq)
+    return out.permute(2, 0, 1, 3).reshape(t, hq, dv), lse.permute(2, 0, 1).reshape(t, hq)
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -234,6 +246,9 @@ def attend_prefix_lse(
     soft-cap or scale, not window (windowed layers are never streamed in blocks).
     """
     assert attn.window is None, "windowed layers are not streamed in sequence blocks"
+    if attn.latent is not None:
+        entry = _entries(kv)
+        return scored_attention(q, entry, entry[..., : attn.latent], attn, causal=False)
     if attn.scored:
         return scored_attention(q, kv[:, 0], kv[:, 1], attn, causal=False)
     t, hq, d = q.shape
@@ -252,6 +267,9 @@ def attend_self_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a chunk over its own keys, k and v [T, H_kv, D], with log-sum-exp."""
     assert attn.window is None, "windowed layers are not streamed in sequence blocks"
+    if attn.latent is not None:
+        entry = torch.cat((k, v), dim=-1)  # [T, 1, 2D]
+        return scored_attention(q, entry, entry[..., : attn.latent], attn, causal=True)
     if attn.scored:
         return scored_attention(q, k, v, attn, causal=True)
     hq, hkv = q.shape[1], k.shape[1]

@@ -55,7 +55,7 @@ from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
-from kvtier.model.rope import Rotary
+from kvtier.model.rope import rotary_for
 from kvtier.planner.memory import window_tokens
 from kvtier.planner.packed import uncoded_tokens
 from kvtier.planner.placement import KVPlan
@@ -103,7 +103,7 @@ class TieredKVStore:
         # Streamed slices this step that the kernel serves from its own GPU cache (nothing streamed).
         self._cached: frozenset[int] = frozenset()
         self.rotate_keys = rotate_keys
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
+        self.rotary = rotary_for(cfg, device)
         self.length = 0  # tokens stored in the longest slice (all slices, unless evicted)
         self.position = 0  # absolute position of the next token (> length once tokens are evicted)
         self._step_tokens = 0
@@ -337,8 +337,7 @@ class TieredKVStore:
         """`kvtier.attention.Attention`: rotate, append k/v of `layer`, attend. q [T, H_q, D]."""
         lay = self.layout
         if self.rotate_keys:
-            q = Rotary.apply(q, self._cos, self._sin)
-            k = Rotary.apply(k, self._cos, self._sin)
+            q, k, v = self.rotary.rotate_step(q, k, v, self._cos, self._sin)
         # NOTE: one stack per layer and one cat of the outputs, not a copy per slice: with 256
         # head-wise slices per step, per-slice kernel launches are what offload pays for.
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]

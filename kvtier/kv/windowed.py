@@ -84,7 +84,9 @@ def check_parts(
         what.append(f"sliding windows of {next(s.window for s in special if s.window is not None)} tokens")
     if any(s.softcap is not None for s in special):
         what.append("logit soft-capping")
-    if any(s.scale is not None for s in special):
+    if any(s.latent is not None for s in special):
+        what.append("latent attention (MLA)")
+    elif any(s.scale is not None for s in special):
         what.append("a custom query scale")
     raise ConfigError(
         f"{' and '.join(parts)} cannot run this model's attention ({', '.join(what)}) yet; "

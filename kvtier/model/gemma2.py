@@ -25,7 +25,7 @@ from kvtier.model.self_attention import SelfAttention
 
 
 class Gemma2DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = SelfAttention(cfg)

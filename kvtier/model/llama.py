@@ -1,5 +1,7 @@
-"""One lean decoder for the Llama family (Llama-2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) and
-Gemma-2 (its layer in `kvtier.model.gemma2`; here its embedding scale and final soft-cap).
+"""One lean decoder for the Llama family (Llama-2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM),
+Gemma-2 (its layer in `kvtier.model.gemma2`; here its embedding scale and final soft-cap) and
+DeepSeek-V2 (the Llama block with latent attention, `kvtier.model.mla`, and a mixture-of-experts
+FFN, `kvtier.model.moe`).
 
 The model is pure: it holds weights and computes projections, norms and MLPs on a flat
 [T, hidden] stream of tokens, and calls attention through `kvtier.attention.Attention`.
@@ -16,14 +18,24 @@ from kvtier.attention.interface import Attention
 from kvtier.config import ModelConfig
 from kvtier.model.gemma2 import Gemma2DecoderLayer
 from kvtier.model.layers import GatedMLP, OffsetRMSNorm, RMSNorm
+from kvtier.model.mla import LatentAttention
+from kvtier.model.moe import MoE
 from kvtier.model.self_attention import SelfAttention
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm attention and MLP; DeepSeek-V2 swaps in latent attention and, from layer
+    `moe.first_dense` on, the mixture of experts."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.self_attn: SelfAttention | LatentAttention = (
+            SelfAttention(cfg) if cfg.mla is None else LatentAttention(cfg)
+        )
+        moe = cfg.moe is not None and index >= cfg.moe.first_dense
+        self.mlp: GatedMLP | MoE = (
+            MoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -44,7 +56,7 @@ class DecoderStack(nn.Module):
         gemma = cfg.family == "gemma2"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layer = Gemma2DecoderLayer if gemma else DecoderLayer
-        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = (OffsetRMSNorm if gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -91,8 +91,9 @@ def activation_bytes(
     T = chunk
     t = min(mlp_chunk or T, T)
     g = group_size or cfg.num_kv_heads
-    h, inter, d, b = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, dtype_bytes
-    q_width, kv_width = cfg.num_heads * d, cfg.num_kv_heads * d
+    h, inter, d, b = cfg.hidden_size, cfg.intermediate_size, cfg.value_dim, dtype_bytes
+    # NOTE: MLA's absorbed queries are as wide as the cached entry, its outputs as the latent.
+    q_width, kv_width = cfg.num_heads * cfg.score_dim, cfg.num_kv_heads * cfg.head_dim
     gq = g * cfg.q_per_kv
 
     norm = T * h * (2 * b + 2 * 4)

@@ -29,9 +29,10 @@ HOST_MARGIN = 1.5  # GPU time per chunk / host issue time per chunk, at least
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
-    """2 x the parameters of the attention projections and MLPs (no embedding, no lm_head)."""
+    """2 x the parameters of the attention projections and MLPs (no embedding, no lm_head; of
+    a mixture of experts, the ones a token runs through)."""
     emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return 2 * (cfg.num_parameters() - emb)
+    return 2 * (cfg.num_parameters(active=True) - emb)
 
 
 def attention_flops(cfg: ModelConfig, queries: int, prefix: int) -> int:
@@ -40,7 +41,8 @@ def attention_flops(cfg: ModelConfig, queries: int, prefix: int) -> int:
     keys = queries * prefix + queries * (queries + 1) // 2  # sum over queries of keys attended
     windowed = len(cfg.windowed_layers(prefix + queries))
     window_keys = min(keys, queries * (cfg.sliding_window or 0))
-    return 4 * cfg.num_heads * cfg.head_dim * ((cfg.num_layers - windowed) * keys + windowed * window_keys)
+    per_key = 2 * cfg.num_heads * (cfg.score_dim + cfg.value_dim)  # q.k and p.v, every head
+    return per_key * ((cfg.num_layers - windowed) * keys + windowed * window_keys)
 
 
 def prefill_chunk_flops(cfg: ModelConfig, chunk: int, prefix: int) -> int:

@@ -109,8 +109,9 @@ class BatchEngine:
             )
         if not host.model_config.plain_scores:
             raise ConfigError(
-                "batched requests run on paged kernels without logit soft-capping, which this model "
-                "(Gemma-2) needs; run it one request at a time (kvtier generate, or LLM.generate)"
+                "batched requests run on paged kernels of plain attention, without the logit "
+                "soft-capping (Gemma-2) or latent attention (DeepSeek-V2) this model needs; run it one "
+                "request at a time (kvtier generate, or LLM.generate)"
             )
         self.model = host.model
         self.device = host.device
