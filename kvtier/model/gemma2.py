@@ -25,6 +25,8 @@ from kvtier.model.self_attention import SelfAttention
 
 
 class Gemma2DecoderLayer(nn.Module):
+    """One Gemma-2 layer; `index` is unused (every family's layer is built from (cfg, index))."""
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
