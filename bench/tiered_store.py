@@ -1,6 +1,7 @@
 """Lossless tiered-store benchmark (issue: head-wise offload) on a CUDA GPU.
 
-llama-3-8b preset (random weights, bf16), GPU capped with set_per_process_memory_fraction.
+llama-3-8b preset (random weights, bf16; `--model` another preset, e.g. gemma-2-9b), GPU capped
+with set_per_process_memory_fraction.
 For each context and policy: peak GPU memory (measured and planned), prefill tokens/s, decode
 s/token, bytes over PCIe per token and the PCIe floor. Contexts up to --full-prefill-max are
 prefilled for real; longer ones are filled with synthetic KV and then timed on real prefill
@@ -113,7 +114,7 @@ def run_policy(
     }
     predicted = (
         weight_bytes(cfg, 2)
-        + activation_bytes(cfg, plan.chunk_size, 2, group_size=plan.group_size)
+        + activation_bytes(cfg, plan.chunk_size, 2, group_size=plan.group_size, context=total)
         + plan.gpu_kv_bytes
     )
     gc.collect()
@@ -250,6 +251,7 @@ def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama-3-8b", help="a preset (random weights)")
     ap.add_argument("--contexts", default="32K,128K")
     ap.add_argument("--policies", default="gpu,layer,head,auto")
     ap.add_argument("--gpu-memory", default="24GB")
@@ -272,7 +274,7 @@ def main() -> None:
     torch.cuda.set_per_process_memory_fraction(args.budget / total)
     contexts = [parse_count(c) for c in args.contexts.split(",")]
     bw = pinned_h2d_gbps()
-    cfg = preset_config("llama-3-8b")
+    cfg = preset_config(args.model)
     model = random_model(cfg, DEV, torch.bfloat16)
     run_policy(model, cfg, "gpu", 8192, args, bw)  # warm-up: kernels, allocator, host threads
     rows = []

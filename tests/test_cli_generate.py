@@ -150,11 +150,11 @@ def test_config_json_without_required_fields(
 
 
 def test_unsupported_model_type(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = tmp_path / "gemma"
+    folder = tmp_path / "mamba"
     folder.mkdir()
     cfg = json.loads((tiny_llama / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma2"}))
-    expect_error(capsys, ["generate", "--prompt", "hi", "--model", str(folder)], "gemma2")
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    expect_error(capsys, ["generate", "--prompt", "hi", "--model", str(folder)], "mamba")
 
 
 def test_model_without_tokenizer_needs_token_ids(

@@ -82,7 +82,7 @@ def test_model_from_config_json(tmp_path: Path, where: str, capsys: CapSys) -> N
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--model", "gpt-7"], "known presets: llama-2-7b"),
+        (["--model", "gpt-7"], "known presets: " + ", ".join(sorted(PRESETS))),
         (["--model", "llama-3-8b", "--gpu-memory", "banana"], "--gpu-memory: cannot read 'banana' as a size"),
         (["--model", "llama-3-8b", "--context", "lots"], "--context: cannot read 'lots'"),
         (["--model", "llama-3-8b", "--group-size", "3"], "must divide the model's 8 KV heads"),

@@ -7,21 +7,30 @@ Hugging Face's `repeat_kv`). All functions are pure.
 Chunk-vs-prefix causality is "lower-right": query i of a chunk of T sees keys 0 .. S - T + i.
 It goes through `causal_lower_right`, which SDPA runs on a flash kernel on CUDA instead of an
 explicit mask tensor.
+
+A layer's `LayerAttention` may add a sliding window (query i also needs key j > S - T + i -
+window: an explicit [T, S] mask over the window's keys, SDPA's masked kernel), or soft-capping
+and a custom scale (Gemma-2), which no fused kernel takes: `scored_attention` computes those
+scores itself, over blocks of keys with an online softmax, so memory stays one block of scores.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.attention.cudnn_split import attend_split
+from kvtier.attention.spec import PLAIN, LayerAttention
 from kvtier.errors import ConfigError
 
 DECODE_SPLIT = 16384  # keys per segment of split-KV decode
+SCORE_ELEMENTS = 1 << 25  # scores per key block of `scored_attention` (x 12 B live per score)
 # Prefill attention on CUDA: "flash" (one lower-right causal call to PyTorch's flash kernel),
 # "cudnn" (cuDNN's kernel: prefix and chunk as calls merged by log-sum-exp, see
 # kvtier.attention.cudnn_split) or "auto" (cuDNN on Hopper and newer, where the H200 measured it
@@ -31,22 +40,38 @@ if ATTN_BACKEND not in ("auto", "flash", "cudnn"):
     raise ConfigError(f"KVTIER_ATTN_BACKEND={ATTN_BACKEND!r}: use 'auto', 'flash' or 'cudnn'")
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """Causal attention of the last T positions, q [T, H_q, D], over kv [S, 2, H_kv, D], S >= T.
+def attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention = PLAIN) -> torch.Tensor:
+    """Causal attention of the last T positions, q [T, H_q, D], over kv [S, 2, H_kv, D], S >= T,
+    scored as `attn` says (window, soft-capping, scale).
 
-    Returns [T, H_q, D]. The result of each head does not depend on how many heads share the call.
+    Returns [T, H_q, D] (a latent spec: [T, H_q, latent]). The result of each head does not
+    depend on how many heads share the call.
     """
+    if attn.latent is not None:
+        entry = _entries(kv)  # [S, 1, 2D]
+        return scored_attention(q, entry, entry[..., : attn.latent], attn, causal=True)[0].to(q.dtype)
+    if attn.window is not None:
+        t, w = q.shape[0], attn.window
+        kv = kv[max(0, kv.shape[0] - (w + t - 1)) :]  # keys older than every query's window go
+        if kv.shape[0] <= w:  # the window hides none of the rest
+            attn = replace(attn, window=None)
     hkv = kv.shape[2]
     if q.device.type == "cpu" and hkv > 1:
         # NOTE: the CPU kernels' reduction order depends on the number of heads in a call; one
         # call per KV head keeps results bitwise independent of the head-group size. CUDA kernels
         # compute each head in its own thread blocks, so they need no loop.
         r = q.shape[1] // hkv
-        return torch.cat([_attend(q[:, h * r : (h + 1) * r], kv[:, :, h : h + 1]) for h in range(hkv)], dim=1)
-    return _attend(q, kv)
+        return torch.cat(
+            [_attend(q[:, h * r : (h + 1) * r], kv[:, :, h : h + 1], attn) for h in range(hkv)], dim=1
+        )
+    return _attend(q, kv, attn)
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
+    if attn.scored:
+        return scored_attention(q, kv[:, 0], kv[:, 1], attn, causal=True)[0].to(q.dtype)
+    if attn.window is not None:
+        return _attend_windowed(q, kv, attn.window)
     t, hq, d = q.shape
     s, _, hkv, _ = kv.shape
     # NOTE: SDPA's fused (flash / memory-efficient) kernels take only 4-D [B, H, L, D] inputs;
@@ -76,6 +101,88 @@ def _attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         mask = causal_lower_right(t, s)
         out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     return out[0].transpose(0, 1)  # [T, H_q, D]
+
+
+def _entries(kv: torch.Tensor) -> torch.Tensor:
+    """kv [S, 2, 1, D] of a latent layer -> its entries [S, 1, 2D] (K and V rows side by side: a
+    view, since slices are token-major)."""
+    return kv.reshape(kv.shape[0], 1, 2 * kv.shape[-1])
+
+
+def window_mask(t: int, s: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[T, S] bool: query i of the last T positions may see key j (lower-right causal, and
+    within `window` tokens of itself when given)."""
+    rows = torch.arange(t, device=device)[:, None] + (s - t)  # [T, 1] the query's position
+    cols = torch.arange(s, device=device)[None, :]  # [1, S]
+    keep = cols <= rows
+    return keep if window is None else keep & (cols > rows - window)
+
+
+def _attend_windowed(q: torch.Tensor, kv: torch.Tensor, window: int) -> torch.Tensor:
+    """Sliding-window causal attention, q [T, H_q, D] over kv [S, 2, H_kv, D] -> [T, H_q, D].
+
+    The r query heads of a KV head fold into the query axis (their rows of the mask repeat), so
+    K/V are not expanded; the mask is [r T, S] with S <= window + T - 1 (`attend` crops the rest).
+    """
+    t, hq, d = q.shape
+    s, _, hkv, _ = kv.shape
+    r = hq // hkv
+    k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+    v = kv[:, 1].transpose(0, 1).unsqueeze(0)
+    qf = q.view(t, hkv, r, d).permute(1, 2, 0, 3).reshape(1, hkv, r * t, d)  # [1, H_kv, r T, D]
+    mask = window_mask(t, s, window, q.device).repeat(r, 1)  # [r T, S]
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask)  # [1, H_kv, r T, D]
+    return out[0].view(hkv, r, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
+
+
+def scored_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: LayerAttention, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with scores computed here (soft-capping, a custom scale, a window), exact.
+
+    q [T, H_q, D], k [S, H_kv, D], v [S, H_kv, Dv]. `causal`: query i is at key position
+    S - T + i (lower-right) and sees keys up to it, within `attn.window`; else every key.
+    Returns (out [T, H_q, Dv] float32, natural-log lse [T, H_q] float32). Scores are q.k in
+    the inputs' dtype (as transformers' eager attention), then scaled and capped in float32; keys
+    are taken in blocks of `SCORE_ELEMENTS` scores with an online softmax, so memory is one block
+    whatever S is.
+    """
+    t, hq, d = q.shape
+    s, hkv, _ = k.shape
+    dv = v.shape[-1]
+    r = hq // hkv
+    scale = attn.scale if attn.scale is not None else d**-0.5
+    qf = q.view(t, hkv, r, d).permute(1, 2, 0, 3)  # [H_kv, r, T, D]
+    kt = k.permute(1, 2, 0)  # [H_kv, D, S]
+    vt = v.transpose(0, 1)  # [H_kv, S, D]
+    block = max(1, SCORE_ELEMENTS // (hq * t))
+    rows = torch.arange(t, device=q.device)[:, None] + (s - t)  # [T, 1] each query's key position
+    m = torch.full((hkv, r, t), -math.inf, device=q.device)  # running max
+    total = torch.zeros((hkv, r, t), device=q.device)  # running sum of exp
+    acc = torch.zeros((hkv, r, t, dv), device=q.device)  # running output, float32
+    for a in range(0, s, block):
+        b = min(a + block, s)
+        sc = torch.matmul(qf, kt[:, None, :, a:b]).float() * scale  # [H_kv, r, T, n]
+        if attn.softcap is not None:
+            sc = torch.tanh(sc / attn.softcap) * attn.softcap
+        if causal and (b - 1 > s - t or (attn.window is not None and a <= s - 1 - attn.window)):
+            cols = torch.arange(a, b, device=q.device)[None, :]  # [1, n]
+            keep = cols <= rows
+            if attn.window is not None:
+                keep &= cols > rows - attn.window
+            sc = sc.masked_fill(~keep, -math.inf)
+        m_new = torch.maximum(m, sc.amax(-1))
+        # NOTE: a row whose keys were all masked so far has max -inf; shift it by 0 instead, so
+        # exp gives 0 rather than NaN.
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(sc - shift[..., None])  # [H_kv, r, T, n]
+        alpha = torch.exp(m - shift)
+        total = total * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.matmul(p.to(v.dtype), vt[:, None, a:b]).float()
+        m = m_new
+    out = acc / total[..., None]
+    lse = m + torch.log(total)
+    return out.permute(2, 0, 1, 3).reshape(t, hq, dv), lse.permute(2, 0, 1).reshape(t, hq)
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -129,12 +236,21 @@ def _split_kv_decode(qf: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return (o_all * w).sum(0, keepdim=True).to(qf.dtype)
 
 
-def attend_prefix_lse(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_prefix_lse(
+    q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention = PLAIN
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of all queries over a block of earlier keys, with log-sum-exp.
 
     q [T, H_q, D], kv [S, 2, H_kv, D] -> (out [T, H_q, D] float32, lse [T, H_q] float32).
-    Used to stream a long prefix in sequence blocks and merge the parts exactly.
+    Used to stream a long prefix in sequence blocks and merge the parts exactly. `attn` may
+    soft-cap or scale, not window (windowed layers are never streamed in blocks).
     """
+    assert attn.window is None, "windowed layers are not streamed in sequence blocks"
+    if attn.latent is not None:
+        entry = _entries(kv)
+        return scored_attention(q, entry, entry[..., : attn.latent], attn, causal=False)
+    if attn.scored:
+        return scored_attention(q, kv[:, 0], kv[:, 1], attn, causal=False)
     t, hq, d = q.shape
     hkv = kv.shape[2]
     r = hq // hkv
@@ -146,8 +262,16 @@ def attend_prefix_lse(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, 
     return out.float(), lse.float()
 
 
-def attend_self_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_self_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: LayerAttention = PLAIN
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of a chunk over its own keys, k and v [T, H_kv, D], with log-sum-exp."""
+    assert attn.window is None, "windowed layers are not streamed in sequence blocks"
+    if attn.latent is not None:
+        entry = torch.cat((k, v), dim=-1)  # [T, 1, 2D]
+        return scored_attention(q, entry, entry[..., : attn.latent], attn, causal=True)
+    if attn.scored:
+        return scored_attention(q, k, v, attn, causal=True)
     hq, hkv = q.shape[1], k.shape[1]
     r = hq // hkv
     kk = k.repeat_interleave(r, dim=1).transpose(0, 1)  # [H_q, T, D]

@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvtier.attention.spec import PLAIN, LayerAttention
+
 
 class Attention(Protocol):
     """Attention of one step (a prefill chunk or a decode token) over the cached context."""
@@ -29,11 +31,14 @@ class Attention(Protocol):
 
 @dataclass(frozen=True)
 class SliceStep:
-    """Where a slice kernel runs: slice (layer, group) and the step's first token index."""
+    """Where a slice kernel runs: slice (layer, group), the step's first token index, and how
+    the layer scores its keys (a kernel that is not exact for a spec other than `PLAIN` must not
+    be given one: the store refuses such combinations)."""
 
     layer: int
     group: int
     start: int  # tokens stored before this step; the step's own tokens are kv[start:]
+    attn: LayerAttention = PLAIN
 
 
 class SliceKernel(Protocol):
@@ -91,9 +96,10 @@ class CachingSliceKernel(Protocol):
 
 
 class DenseKernel:
-    """Exact causal attention over all stored tokens (the lossless default)."""
+    """Exact causal attention over all stored tokens, scored as the layer's spec says (window,
+    soft-capping, scale): the lossless default."""
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         from kvtier.attention.dense import attend
 
-        return attend(q, kv)
+        return attend(q, kv, step.attn)

@@ -217,12 +217,6 @@ class LLM:
 
     def _check_length(self, n_prompt: int, params: SamplingParams, limit: int) -> None:
         total = n_prompt + params.max_tokens
-        window = self.model_config.sliding_window
-        if window is not None and total > window:
-            raise PromptError(
-                f"this model uses sliding-window attention ({window} tokens), which kvtier does not "
-                f"implement; prompt plus max_tokens is {total}. Keep it within {window} tokens"
-            )
         if total > limit:
             raise PromptError(
                 f"the prompt has {n_prompt} tokens; with max_tokens={params.max_tokens} that is {total}, "
@@ -260,7 +254,9 @@ class LLM:
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
             self._check_length(len(ids), params, self.max_model_len_for(chosen))
-        if len(batch) > 1 and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE:
+        # NOTE: the paged batch kernels compute plain scores only (no soft-capping, no MLA).
+        batchable = self.model_config.plain_scores and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
+        if len(batch) > 1 and batchable:
             batched = self._generate_batched(batch, encoded, params, progress, chosen)
             if batched is not None:
                 return batched

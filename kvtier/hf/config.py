@@ -29,4 +29,10 @@ def model_config(model: Any) -> ModelConfig:
             f"{d.get('sliding_window')}, layer types {sorted(layer_types)}), which kvtier's store does "
             "not implement; kvtier.hf runs models with full attention in every layer"
         )
+    if not cfg.plain_scores:  # HF's attention hands the cache its own key layout for these
+        raise ConfigError(
+            f"this {cfg.model_type} model scores attention with soft-capping or latent attention (MLA), "
+            "which kvtier.hf cannot run through transformers' cache; use kvtier's own runner "
+            "(kvtier.LLM, kvtier generate)"
+        )
     return cfg

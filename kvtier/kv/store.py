@@ -21,6 +21,10 @@ set the store behaves exactly as before:
   tokens, per KV head, in token order. That slice's stored length shrinks; `position` never
   does. The slices it owns are always GPU-resident (sized by what they keep); the plan places
   the rest, so eviction composes with offload.
+
+Layers whose sliding window binds at the capacity keep only their window, resident
+(`kvtier.kv.windowed`); every slice's kernel gets its layer's `LayerAttention` (window,
+soft-capping, scale) in `SliceStep.attn`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from kvtier.attention.interface import (
     SliceKernel,
     SliceStep,
 )
+from kvtier.attention.spec import layer_attention
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.cpu_attend import CpuSlices
@@ -49,7 +54,9 @@ from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount
-from kvtier.model.rope import Rotary
+from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
+from kvtier.model.rope import rotary_for
+from kvtier.planner.memory import window_tokens
 from kvtier.planner.packed import uncoded_tokens
 from kvtier.planner.placement import KVPlan
 
@@ -96,7 +103,7 @@ class TieredKVStore:
         # Streamed slices this step that the kernel serves from its own GPU cache (nothing streamed).
         self._cached: frozenset[int] = frozenset()
         self.rotate_keys = rotate_keys
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, device)
+        self.rotary = rotary_for(cfg, device)
         self.length = 0  # tokens stored in the longest slice (all slices, unless evicted)
         self.position = 0  # absolute position of the next token (> length once tokens are evicted)
         self._step_tokens = 0
@@ -113,6 +120,17 @@ class TieredKVStore:
         self._evictable: frozenset[int] = frozenset()
         if evictor is not None:
             self._evictable = evictor.bind(lay, self._capacity)
+        # Each layer's scoring (window, soft-capping, scale) at this capacity; slices of layers
+        # whose window binds keep only the window, resident (kvtier.kv.windowed).
+        self.attn = layer_attention(cfg, capacity)
+        check_parts(self.attn, kernel, rotate_keys, codec is not None, evictor is not None)
+        self._windowed = windowed_slices(cfg, lay, capacity)  # slice -> window
+        self._plain_limit = plain_limit(cfg, capacity)
+        if cfg.sliding_window is not None:
+            # NOTE: the plan's size when plan_kv made it (the bytes it counted), else the same formula.
+            self._window_tokens = plan.window_tokens or window_tokens(
+                cfg.sliding_window, plan.chunk_size, capacity, lay.block_size
+            )
         extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
         # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
         extent_tokens = lay.block_size * min(extent_blocks, self._capacity // lay.block_size)
@@ -121,13 +139,17 @@ class TieredKVStore:
         # into the staging buffers when attended. Only the uncoded tail (plus one step's tokens)
         # stays full precision, in a ring of two extents.
         packing = packer is not None
-        places = place_slices(lay.num_slices, plan.resident_slices, self._evictable, packing)
+        places = place_slices(
+            lay.num_slices, plan.resident_slices, self._evictable | frozenset(self._windowed), packing
+        )
         self.on_device = places.on_device
         staged = places.staged
         if packer is not None:
             extent_tokens = lay.round_up(uncoded_tokens(packer) + plan.chunk_size)
         for s in sorted(places.resident):
             tokens = lay.block_size if s in self._evictable else self._capacity
+            if s in self._windowed:
+                tokens = self._window_tokens
             self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
             self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
         self.storage = SliceStorage(
@@ -170,7 +192,14 @@ class TieredKVStore:
         # full-precision host KV only; any other store streams them as usual.
         self.cpu: CpuSlices | None = None
         self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
-        if plan.cpu_slices and type(self.kernel) is DenseKernel and codec is None and evictor is None:
+        plain = not self._windowed and all(a.plain for a in self.attn)  # the CPU kernel's attention
+        if (
+            plan.cpu_slices
+            and plain
+            and type(self.kernel) is DenseKernel
+            and codec is None
+            and evictor is None
+        ):
             self.cpu = CpuSlices(lay, self.hosts, plan.cpu_slices, device, self.streams)
 
     # -- step protocol -------------------------------------------------------------------------
@@ -184,6 +213,13 @@ class TieredKVStore:
         self._step_tokens = n_new
         if n_new > 1 and isinstance(self.kernel, PrefillAwareKernel):
             self.kernel.begin_prefill()  # before the chunk's activations exist
+        if self._plain_limit is not None and self.position + n_new > self._plain_limit:
+            raise CapacityError(
+                f"this store was planned for {self._capacity} tokens, within the model's sliding window "
+                f"({self._plain_limit}), so it runs those layers as plain causal attention; a sequence "
+                f"of {self.position + n_new} tokens needs a store planned for its whole length"
+            )
+        self._fit_windows(n_new)
         if self.evictor is None:
             if end > self._capacity:
                 self._grow_resident(lay.round_up(max(end, 2 * self._capacity)))
@@ -201,6 +237,16 @@ class TieredKVStore:
         if self.ring is not None:
             read = self._read_packed if self.packed is not None else None
             self.ring.start(self._schedule(n_new), self.hosts, read)
+
+    def _fit_windows(self, n_new: int) -> None:
+        """Make room for `n_new` tokens in every windowed slice: drop what is past its window
+        when the buffer is full (and grow it for a step longer than the plan's chunk)."""
+        for sid, window in self._windowed.items():
+            buf, n = self.resident[sid], self.slice_length[sid]
+            if n + n_new > buf.shape[0]:
+                n = self.slice_length[sid] = trim(buf, n, window)
+                if n + n_new > buf.shape[0]:
+                    self._resize_slice(sid, self.layout.round_up(n + n_new))
 
     def end_step(self) -> None:
         n_new = self._step_tokens
@@ -274,7 +320,9 @@ class TieredKVStore:
             self._cached = frozenset(
                 sid
                 for sid in self.hosts
-                if not kernel.needs_slice(SliceStep(*divmod(sid, lay.num_groups), s), n_new)
+                if not kernel.needs_slice(
+                    SliceStep(*divmod(sid, lay.num_groups), s, self.attn[sid // lay.num_groups]), n_new
+                )
             )
         for sid in sorted(set(self.hosts) - self._cached - self._cpu):
             if s + n_new <= cap:
@@ -289,8 +337,7 @@ class TieredKVStore:
         """`kvtier.attention.Attention`: rotate, append k/v of `layer`, attend. q [T, H_q, D]."""
         lay = self.layout
         if self.rotate_keys:
-            q = Rotary.apply(q, self._cos, self._sin)
-            k = Rotary.apply(k, self._cos, self._sin)
+            q, k, v = self.rotary.rotate_step(q, k, v, self._cos, self._sin)
         # NOTE: one stack per layer and one cat of the outputs, not a copy per slice: with 256
         # head-wise slices per step, per-slice kernel launches are what offload pays for.
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
@@ -308,7 +355,7 @@ class TieredKVStore:
         """Append the step's kv_new [T, 2, G, D] to slice (layer, group) and attend q [T, H_q_g, D]."""
         sid = self.layout.slice_index(layer, group)
         s, t = self.slice_length[sid], q.shape[0]
-        step = SliceStep(layer, group, s)
+        step = SliceStep(layer, group, s, self.attn[layer])
         if sid in self.resident:
             buf = self.resident[sid]
             buf[s : s + t] = kv_new
@@ -324,7 +371,7 @@ class TieredKVStore:
                 f"{self.ring.tokens}; this attention method needs whole slices on the GPU: "
                 "give it more --gpu-memory or a finer --head-group"
             )
-        return self._attend_streamed_blocks(sid, q, kv_new)
+        return self._attend_streamed_blocks(sid, step, q, kv_new)
 
     def _attend_streamed(
         self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
@@ -361,7 +408,9 @@ class TieredKVStore:
         self._write_back(sid, new, self.streams.record())
         return out
 
-    def _attend_streamed_blocks(self, sid: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
+    def _attend_streamed_blocks(
+        self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
+    ) -> torch.Tensor:
         """The slice does not fit a staging buffer: stream its prefix in sequence blocks and merge
         the partial results by log-sum-exp, so GPU memory does not grow with the context."""
         assert self.ring is not None
@@ -369,9 +418,9 @@ class TieredKVStore:
         acc = None
         for a in range(0, s, cap):
             loaded = self.ring.take(Load(sid, a, min(a + cap, s)))
-            acc = merge_into(acc, attend_prefix_lse(q, loaded.view[: min(cap, s - a)]))
+            acc = merge_into(acc, attend_prefix_lse(q, loaded.view[: min(cap, s - a)], step.attn))
             self.ring.release(loaded, [self.streams.record()])
-        out = merge_into(acc, attend_self_lse(q, kv_new[:, 0], kv_new[:, 1]))[0].to(q.dtype)
+        out = merge_into(acc, attend_self_lse(q, kv_new[:, 0], kv_new[:, 1], step.attn))[0].to(q.dtype)
         new = kv_new.contiguous()  # [T, 2, G, D]
         self._write_back(sid, new, self.streams.record())
         return out
@@ -412,6 +461,8 @@ class TieredKVStore:
 
     def _grow_resident(self, tokens: int) -> None:
         for sid, old in self.resident.items():
+            if sid in self._windowed:
+                continue  # holds its window, not the context
             new = torch.empty(tokens, *old.shape[1:], dtype=old.dtype, device=old.device)
             new[: self.length] = old[: self.length]
             self.account.alloc(GPU, new.numel() * new.element_size())

@@ -13,8 +13,9 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
     Resident slices get fresh random values; host slices get copies of one random extent (a
     memcpy, since generating 100 GB of random numbers on the CPU would take minutes). Values do
     not affect the timing of copies and attention, but are never zero (zeros can run faster).
-    Slices an evictor owns get only the tokens it would keep; with a packing codec the host
-    slices' coded tokens get packed rows, as after a real prefill.
+    Slices an evictor owns get only the tokens it would keep, windowed slices the window's
+    earlier tokens; with a packing codec the host slices' coded tokens get packed rows, as after
+    a real prefill.
     """
     if store.length:
         raise ValueError("fill_synthetic needs an empty store")
@@ -22,6 +23,8 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
     lay = store.layout
     for sid in list(store.resident):
         n = tokens
+        if sid in store._windowed:  # a windowed layer keeps only the window's earlier tokens
+            n = min(tokens, store._windowed[sid] - 1)
         if store.evictor is not None and sid in store._evictable:
             keep = store.evictor.keep(sid, tokens, tokens)
             n = tokens if keep is None else keep.shape[1]

@@ -43,10 +43,11 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
     """A model of real shapes with random weights (for benchmarks and tests)."""
     model = build_empty(cfg, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
+    identity = 0.0 if cfg.family == "gemma2" else 1.0  # Gemma's norms scale by (1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(identity)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.02, generator=gen)
             else:

@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: RMSNorm and the gated MLP, and the switch to the fused kernels.
+"""Building blocks of the decoder: RMSNorm (Llama's, and Gemma's (1 + w) one), the gated MLP
+(SwiGLU or GeGLU), and the switch to the fused kernels.
 
 On CUDA with 16-bit activations the elementwise work runs in the Triton kernels of
 `kvtier.model.fused` (see `use_fused`); everywhere else, and with KVTIER_FUSED=0, it runs as the
@@ -62,15 +63,33 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32, rounded to the input dtype once
+    (as HF's Gemma2RMSNorm; the weight is stored as an offset from 1, so zeros are the identity)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), run in sub-chunks of tokens.
+    """Gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximated gelu
+    (GeGLU, Gemma's gelu_pytorch_tanh), run in sub-chunks of tokens.
 
     `max_tokens` bounds the [t, intermediate] temporaries: a long prefill chunk is split so that
     the MLP's activation memory stays proportional to `max_tokens`, not to the chunk.
     """
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -85,7 +104,9 @@ class GatedMLP(nn.Module):
         return out
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate(x)) * up(x) -> [t, intermediate]."""
+        """act(gate(x)) * up(x) -> [t, intermediate]."""
+        if self.act != "silu":
+            return F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
         if use_fused(x, self.gate_proj.weight, self.up_proj.weight):
             from kvtier.model import fused
 

@@ -1,9 +1,12 @@
-"""One lean decoder for the Llama family (Llama-2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM).
+"""One lean decoder for the Llama family (Llama-2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM),
+Gemma-2 (its layer in `kvtier.model.gemma2`; here its embedding scale and final soft-cap) and
+DeepSeek-V2 (the Llama block with latent attention, `kvtier.model.mla`, and a mixture-of-experts
+FFN, `kvtier.model.moe`).
 
 The model is pure: it holds weights and computes projections, norms and MLPs on a flat
 [T, hidden] stream of tokens, and calls attention through `kvtier.attention.Attention`.
-Module and parameter names follow Hugging Face's `LlamaForCausalLM`, so a HF state dict loads
-as it is.
+Module and parameter names follow Hugging Face's `LlamaForCausalLM` (`Gemma2ForCausalLM`), so
+a HF state dict loads as it is.
 """
 
 from __future__ import annotations
@@ -13,39 +16,26 @@ from torch import nn
 
 from kvtier.attention.interface import Attention
 from kvtier.config import ModelConfig
-from kvtier.model.layers import GatedMLP, RMSNorm
-
-
-class SelfAttention(nn.Module):
-    """Projections around attention; the attention itself is the injected `Attention`."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        d = cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-
-    def forward(self, x: torch.Tensor, layer: int, attention: Attention) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H_q, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = attention(layer, q, k, v)  # [T, H_q, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+from kvtier.model.gemma2 import Gemma2DecoderLayer
+from kvtier.model.layers import GatedMLP, OffsetRMSNorm, RMSNorm
+from kvtier.model.mla import LatentAttention
+from kvtier.model.moe import MoE
+from kvtier.model.self_attention import SelfAttention
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm attention and MLP; DeepSeek-V2 swaps in latent attention and, from layer
+    `moe.first_dense` on, the mixture of experts."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn: SelfAttention | LatentAttention = (
+            SelfAttention(cfg) if cfg.mla is None else LatentAttention(cfg)
+        )
+        moe = cfg.moe is not None and index >= cfg.moe.first_dense
+        self.mlp: GatedMLP | MoE = (
+            MoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -59,13 +49,15 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """Embeddings, layers and final norm (HF's `LlamaModel`)."""
+    """Embeddings, layers and final norm (HF's `LlamaModel`, `Gemma2Model`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        gemma = cfg.family == "gemma2"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layer = Gemma2DecoderLayer if gemma else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = (OffsetRMSNorm if gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -95,10 +87,24 @@ class CausalLM(nn.Module):
         Returns float32 logits [N, vocab] for the token indices `logits_at` (default: only the
         last token, so a long prefill never materializes [T, vocab]).
         """
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self._embed(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, attention, mlp_chunk)
+        return self._logits(x, input_ids, logits_at)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.config.family == "gemma2":
+            # NOTE: Gemma scales by sqrt(hidden) rounded to the weights' dtype first (as HF).
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def _logits(
+        self, x: torch.Tensor, input_ids: torch.Tensor, logits_at: torch.Tensor | None
+    ) -> torch.Tensor:
         if logits_at is None:
             logits_at = torch.tensor([input_ids.shape[0] - 1], device=input_ids.device)
         h = self.model.norm(x[logits_at])  # [N, hidden]
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()  # [N, vocab]
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

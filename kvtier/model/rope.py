@@ -1,4 +1,6 @@
-"""Rotary position embedding (RoPE), with the 'linear' and 'llama3' frequency scalings."""
+"""Rotary position embedding (RoPE), with the 'linear', 'llama3' and 'yarn' frequency scalings:
+`Rotary` rotates whole heads in halves (Llama's rotate_half), `LatentRotary` the decoupled RoPE
+part of DeepSeek-V2's queries and cache entries, in interleaved pairs (its complex form)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import math
 
 import torch
 
-from kvtier.config import RopeConfig
+from kvtier.config import ModelConfig, RopeConfig
 from kvtier.model.layers import use_fused
 
 
@@ -26,7 +28,30 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.kind == "yarn":
+        return _yarn(rope, head_dim, inv)
     return inv
+
+
+def _yarn(rope: RopeConfig, dim: int, extrapolated: torch.Tensor) -> torch.Tensor:
+    """YaRN: interpolated (/ factor) frequencies below the correction range, the original ones
+    above, a linear ramp between (transformers' `_compute_yarn_parameters`)."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # [D/2] weight of the original (extrapolated) frequency
+    pos = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (rope.factor * pos) * (1 - keep) + extrapolated * keep
 
 
 class Rotary:
@@ -39,12 +64,22 @@ class Rotary:
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str = "cpu") -> None:
         self.head_dim = head_dim
         self.inv_freq = inverse_frequencies(rope, head_dim).to(device)  # [D/2]
+        self.factor = rope.attention_factor  # YaRN's scale on cos and sin (1: none)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables for `positions` [T] -> two [T, D] tensors in `dtype`."""
         freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
+        return cos.to(dtype), sin.to(dtype)
+
+    def rotate_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's q [T, H_q, D] and k [T, H_kv, D] rotated, v as it is (what the store stores)."""
+        return self.apply(q, cos, sin), self.apply(k, cos, sin), v
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,3 +103,46 @@ def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     table = (x.shape[0], x.shape[-1])
     return cos.shape == table and sin.shape == table and cos.stride(-1) == 1 and sin.stride(-1) == 1
+
+
+class LatentRotary:
+    """RoPE of an MLA model (DeepSeek-V2): only the last `dims` values of each query head and of
+    each cache entry rotate, in interleaved pairs (x[2i], x[2i+1]) as complex numbers, in float32
+    (transformers' `apply_rotary_emb`). The store hands the entry over as its K and V halves
+    (`kvtier.model.mla`), so the rotated part is the tail of V.
+    """
+
+    def __init__(self, rope: RopeConfig, dims: int, device: torch.device | str = "cpu") -> None:
+        self.head_dim = dims
+        self.inv_freq = inverse_frequencies(rope, dims).to(device)  # [R/2]
+        self.factor = rope.attention_factor
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `positions` [T] -> two [T, R/2] float32 tables (any `dtype` asked)."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.factor, freqs.sin() * self.factor
+
+    def rotate_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, L + R] and the entry halves k, v [T, 1, (L + R) / 2]: the last R values of q
+        and of v (the decoupled key) rotated."""
+        r = self.head_dim
+        q = torch.cat((q[..., :-r], self.apply(q[..., -r:], cos, sin)), dim=-1)
+        v = torch.cat((v[..., :-r], self.apply(v[..., -r:], cos, sin)), dim=-1)
+        return q, k, v
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, R] times e^(i theta) pair by pair, cos/sin [T, R/2] float32 -> x's dtype."""
+        pairs = x.float().unflatten(-1, (-1, 2))  # [T, H, R/2, 2]
+        a, b = pairs[..., 0], pairs[..., 1]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
+
+
+def rotary_for(cfg: ModelConfig, device: torch.device | str = "cpu") -> Rotary | LatentRotary:
+    """The RoPE the store applies to a step of `cfg`'s model."""
+    if cfg.mla is not None:
+        return LatentRotary(cfg.rope, cfg.mla.qk_rope_head_dim, device)
+    return Rotary(cfg.rope, cfg.head_dim, device)

@@ -71,13 +71,13 @@ def method_memory(
         raise ConfigError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
     if activation_model not in ACTIVATION_MODELS:
         raise ConfigError(f"unknown activation model {activation_model!r}; use runner or paper")
-    kv_all = context * cfg.kv_bytes_per_token(dtype_bytes)
+    kv_all = cfg.kv_bytes(context, dtype_bytes)  # windowed layers: their window
     weights = weight_bytes(cfg, dtype_bytes)
     if method == "auto":
         if plan is None:
             raise ConfigError("method 'auto' needs the KVPlan made by plan_kv")
-        act = activation_bytes(cfg, plan.chunk_size, dtype_bytes, group_size=plan.group_size)
-        resident = plan.resident_slices * plan.capacity_tokens * plan.slice_token_bytes
+        act = activation_bytes(cfg, plan.chunk_size, dtype_bytes, group_size=plan.group_size, context=context)
+        resident = plan.resident_slices * plan.capacity_tokens * plan.slice_token_bytes + plan.window_kv_bytes
         return MethodMemory(
             method,
             context,
@@ -92,7 +92,7 @@ def method_memory(
     if activation_model == "paper":
         act = paper_activation_bytes(cfg, tokens, dtype_bytes)
     else:
-        act = activation_bytes(cfg, tokens, dtype_bytes, group_size=group)
+        act = activation_bytes(cfg, tokens, dtype_bytes, group_size=group, context=context)
     if method == "kv4":
         return MethodMemory(method, context, weights, kv_all // 4, act, kv_all // 4, 0)
     if method == "layer":

@@ -11,6 +11,11 @@ The KV cache is cut into slices, one per (layer, group of `group_size` KV heads)
     `staging_tokens` tokens each, in sequence blocks when staging_tokens is smaller than the
     context (partial attentions merged by log-sum-exp).
 
+Layers whose sliding window binds at the context (`ModelConfig.windowed_layers`) are not
+placed: their `window_slices` always stay on the GPU, holding `window_tokens` tokens each (the
+window plus one prefill chunk), and count as fixed GPU bytes next to the weights. `num_slices`
+and everything placed are the other layers' slices.
+
 `plan_kv` is the one source of truth: the KV store configures itself from its result, and
 `kvtier plan` prints the same numbers.
 """
@@ -24,7 +29,15 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
 from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
-from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, kv_token_bytes, round_up, weight_bytes
+from kvtier.planner.memory import (
+    GPU_RESERVE_BYTES,
+    activation_bytes,
+    kv_token_bytes,
+    round_up,
+    weight_bytes,
+    window_kv_bytes,
+    window_tokens,
+)
 from kvtier.planner.packed import PackedFormat, PackedSizing
 from kvtier.planner.roofline import MIN_CHUNK, default_chunk_size
 
@@ -45,8 +58,10 @@ class KVPlan:
     staging_tokens: int  # tokens one staging buffer holds; < capacity_tokens = sequence blocks
     context: int = 0  # tokens the plan was made for
     capacity_tokens: int = 0  # context rounded up to the block size: what each slice can hold
-    num_slices: int = 0  # num_layers x num_groups
+    num_slices: int = 0  # placed slices: full (non-windowed) layers x num_groups
     slice_token_bytes: int = 0  # K and V of one token of one slice, B
+    window_slices: int = 0  # slices of windowed layers: always on the GPU, not placed
+    window_tokens: int = 0  # tokens one windowed slice holds (its window plus one chunk)
     # A packing codec (quantized KV): every slice stores packed rows and a full-precision tail;
     # resident slices unpack on the GPU through the staging buffers.
     packed: PackedSizing | None = None
@@ -103,7 +118,12 @@ class KVPlan:
         staging = self.staging_buffers * self.staging_tokens * self.slice_token_bytes
         if self.packed is not None and self.staging_buffers:
             staging += self.packed.scratch_bytes(self.staging_tokens)
-        return self.resident_slices * self.slice_store_bytes + staging
+        return self.resident_slices * self.slice_store_bytes + staging + self.window_kv_bytes
+
+    @property
+    def window_kv_bytes(self) -> int:
+        """GPU bytes of the windowed layers' slices (part of `gpu_kv_bytes`)."""
+        return self.window_slices * self.window_tokens * self.slice_token_bytes
 
     @property
     def host_kv_bytes(self) -> int:
@@ -167,17 +187,23 @@ def plan_kv(
         raise ConfigError("--cpu-attention N does not apply to a quantized cache yet: use auto or off")
 
     def on_cpu(plan: KVPlan) -> KVPlan:
-        """The plan with its CPU-attended slices chosen."""
-        if codec is not None or plan.streamed_slices == 0:
+        """The plan with its CPU-attended slices chosen (none where the CPU kernel's plain
+        attention is not the model's, soft-capped or latent scores, and none next to windowed
+        layers, which the CPU split does not model yet)."""
+        if codec is not None or plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
             return plan
         k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
         return replace(plan, cpu_slices=k)
 
-    def fixed(c: int, g: int) -> int:  # GPU bytes that are not KV
+    placed_layers = cfg.full_layers(context)  # windowed layers are resident, outside the placement
+    windowed = cfg.num_layers - placed_layers
+
+    def fixed(c: int, g: int) -> int:  # GPU bytes that are not placed KV
         return (
             weight_bytes(cfg, dtype_bytes)
-            + activation_bytes(cfg, c, dtype_bytes, mlp_chunk, group_size=g)
+            + activation_bytes(cfg, c, dtype_bytes, mlp_chunk, group_size=g, context=context)
             + reserve_bytes
+            + window_kv_bytes(cfg, c, context, dtype_bytes, block_size)
         )
 
     def sizing(g: int) -> PackedSizing | None:
@@ -195,7 +221,7 @@ def plan_kv(
         return 2 * tokens * kv_token_bytes(cfg, g, dtype_bytes) + scratch
 
     def all_resident_kv(g: int, c: int) -> int:
-        n = cfg.num_layers * (cfg.num_kv_heads // g)
+        n = placed_layers * (cfg.num_kv_heads // g)
         return n * slice_kv(g, c) + (0 if codec is None else staging_kv(g, capacity))
 
     def pick_chunk(g: int, kv: Callable[[int], int], floor: int = MIN_REDUCED_CHUNK) -> int:
@@ -203,7 +229,7 @@ def plan_kv(
         the host's per-slice work), halved down to `floor` until it fits next to kv(chunk) bytes."""
         if chunk_size is not None:
             return min(chunk_size, context)
-        pieces = cfg.num_layers * (cfg.num_kv_heads // g)
+        pieces = placed_layers * (cfg.num_kv_heads // g) + windowed
         c = min(default_chunk_size(cfg, context, hw, dtype_bytes, pieces=pieces), context)
         while gpu_budget is not None and c > floor and fixed(c, g) + kv(c) > gpu_budget:
             c = max(c // 2, floor)
@@ -215,7 +241,7 @@ def plan_kv(
         min_kv = all_resident_kv(min_g, chunk)
     else:
         min_g = cfg.num_kv_heads if policy == "layer" else (group_size or 1)
-        min_kv = staging_kv(min_g, block_size)
+        min_kv = staging_kv(min_g, block_size) if placed_layers else 0  # nothing to stream: no staging
         chunk = pick_chunk(min_g, lambda c: min_kv)
     if gpu_budget is not None and fixed(chunk, min_g) + min_kv > gpu_budget:
         w = weight_bytes(cfg, dtype_bytes)
@@ -234,7 +260,7 @@ def plan_kv(
         )
 
     def make(g: int, resident: int, staging_tokens: int, c: int) -> KVPlan:
-        n = cfg.num_layers * (cfg.num_kv_heads // g)
+        n = placed_layers * (cfg.num_kv_heads // g)
         pk = sizing(g)
         staged = resident < n or pk is not None  # packed resident slices unpack through staging
         plan = KVPlan(
@@ -250,6 +276,10 @@ def plan_kv(
             slice_token_bytes=kv_token_bytes(cfg, g, dtype_bytes),
             packed=pk,
             packed_tail_tokens=0 if pk is None else pk.tail_tokens(c, block_size),
+            window_slices=windowed * (cfg.num_kv_heads // g),
+            window_tokens=0
+            if not windowed
+            else window_tokens(cfg.sliding_window or 0, c, context, block_size),
         )
         if host_budget is not None and plan.host_kv_bytes > host_budget:
             raise HostCapacityError(
@@ -260,14 +290,14 @@ def plan_kv(
         return plan
 
     if policy == "gpu":
-        return on_cpu(make(min_g, cfg.num_layers * (cfg.num_kv_heads // min_g), 0, chunk))
+        return on_cpu(make(min_g, placed_layers * (cfg.num_kv_heads // min_g), 0, chunk))
     if policy == "auto":
         g = group_size or cfg.num_kv_heads
         # NOTE: everything stays resident if it does with a chunk of at least MIN_CHUNK tokens;
         # a smaller chunk would trade PCIe time for host-bound prefill.
         c = pick_chunk(g, lambda c: all_resident_kv(g, c), floor=min(MIN_CHUNK, chunk))
         if gpu_budget is None or fixed(c, g) + all_resident_kv(g, c) <= gpu_budget:
-            return on_cpu(make(g, cfg.num_layers * (cfg.num_kv_heads // g), 0, c))
+            return on_cpu(make(g, placed_layers * (cfg.num_kv_heads // g), 0, c))
     if policy in ("layer", "head"):
         g = min_g
         avail = None if gpu_budget is None else gpu_budget - fixed(chunk, g)
@@ -287,11 +317,13 @@ def plan_kv(
         pk = sizing(g)
         scratch = 0 if pk is None else pk.scratch_bytes(capacity)
         avail = gpu_budget - fixed(c, g) - scratch
-        n = cfg.num_layers * (cfg.num_kv_heads // g)
+        n = placed_layers * (cfg.num_kv_heads // g)
         staging = _staging_tokens(avail, capacity, tok, block_size)
         if staging == 0:
             continue
-        resident = min((avail - 2 * capacity * tok) // slice_kv(g, c), n - 1) if staging == capacity else 0
+        resident = (
+            max(0, min((avail - 2 * capacity * tok) // slice_kv(g, c), n - 1)) if staging == capacity else 0
+        )
         try:
             plan = make(g, resident, staging, c)
         except CapacityError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -137,7 +138,7 @@ def build_report(req: PlanRequest) -> PlanReport:
         streamed_pieces=(plan.streamed_slices - plan.cpu_slices) * plan.blocks_per_slice + plan.cpu_slices,
         cpu_s=cpu_s,
     )
-    streamed_fraction = plan.streamed_slices / plan.num_slices
+    streamed_fraction = plan.streamed_slices / plan.num_slices if plan.num_slices else 0.0
     prefill = prefill_time(cfg, ctx, plan.chunk_size, req.hardware, b, streamed_fraction)
     return PlanReport(req, rows, max_contexts, plan, None, decode, prefill, cpu_report(req, plan))
 
@@ -188,6 +189,9 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
             "chunk_size": plan.chunk_size,
             "staging_buffers": plan.staging_buffers,
             "staging_tokens": plan.staging_tokens,
+            "window_slices": plan.window_slices,
+            "window_tokens": plan.window_tokens,
+            "window_kv_gb": _gb(plan.window_kv_bytes),
             "block_size": req.block_size,
             "gpu_kv_gb": _gb(plan.gpu_kv_bytes),
             "host_kv_gb": _gb(plan.host_kv_bytes - disk),
@@ -218,7 +222,9 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
             "pcie_gb_per_s": hw.pcie_bw / 1e9,
             "pcie_ridge_flop_per_byte": hw.pcie_ridge,
             "prefill_chunk": chunk,
-            "prefill_flop_per_pcie_byte": prefill_intensity(req.cfg, chunk, req.context, req.dtype_bytes),
+            "prefill_flop_per_pcie_byte": _finite(
+                prefill_intensity(req.cfg, chunk, req.context, req.dtype_bytes)
+            ),
             "min_compute_bound_chunk": min_compute_bound_chunk(req.cfg, req.context, hw, req.dtype_bytes),
             "decode_flop_per_byte": decode_intensity(req.cfg, req.context, req.dtype_bytes),
         },
@@ -257,6 +263,14 @@ def format_report(rep: PlanReport) -> str:
             f"recommended: policy {rec['policy']}, {groups}, "
             f"{rec['resident_slices']}/{rec['num_slices']} slices resident, chunk {rec['chunk_size']:,}",
             f"  staging: {rec['staging_buffers']} buffer(s) x {rec['staging_tokens']:,} tokens; {kv}",
+            *(
+                [
+                    f"  windowed layers: {rec['window_slices']} slices resident, {rec['window_tokens']:,} "
+                    f"tokens each (window + chunk), {rec['window_kv_gb']:.2f} GB of the GPU KV"
+                ]
+                if rec["window_slices"]
+                else []
+            ),
             f"  decode: {rec['pcie_gb_per_decode_token']:.3f} GB over PCIe per token, "
             f"~{rec['decode_s_per_token']:.4g} s/token ({rec['decode_bound']}-bound); "
             f"prefill ~{rec['prefill_s']:.4g} s",
@@ -270,7 +284,12 @@ def format_report(rep: PlanReport) -> str:
         f"PCIe {roof['pcie_gb_per_s']:.1f} GB/s -> ridge "
         f"{roof['pcie_ridge_flop_per_byte']:.0f} FLOP/PCIe byte",
         f"  prefill chunk {roof['prefill_chunk']:,} at {req.context:,}: "
-        f"{roof['prefill_flop_per_pcie_byte']:.0f} FLOP/B; smallest compute-bound chunk "
+        + (
+            "no KV crosses PCIe"
+            if roof["prefill_flop_per_pcie_byte"] is None
+            else f"{roof['prefill_flop_per_pcie_byte']:.0f} FLOP/B"
+        )
+        + "; smallest compute-bound chunk "
         f"{roof['min_compute_bound_chunk']:,}",
         f"  decode: {roof['decode_flop_per_byte']:.2f} FLOP/B read (memory-bound)",
     ]
@@ -290,6 +309,11 @@ def _cpu_line(cpu: dict[str, Any]) -> str:
         f"(contention: {cpu['contention']}); simulated decode {cpu['decode_s_split']:.4g} s/token "
         f"(link only {cpu['decode_s_link_only']:.4g})"
     )
+
+
+def _finite(x: float) -> float | None:
+    """x, or None where it is infinite (JSON has no infinity)."""
+    return None if math.isinf(x) else x
 
 
 def _gb(n: float) -> float:

@@ -29,15 +29,20 @@ HOST_MARGIN = 1.5  # GPU time per chunk / host issue time per chunk, at least
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> int:
-    """2 x the parameters of the attention projections and MLPs (no embedding, no lm_head)."""
+    """2 x the parameters of the attention projections and MLPs (no embedding, no lm_head; of
+    a mixture of experts, the ones a token runs through)."""
     emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return 2 * (cfg.num_parameters() - emb)
+    return 2 * (cfg.num_parameters(active=True) - emb)
 
 
 def attention_flops(cfg: ModelConfig, queries: int, prefix: int) -> int:
-    """QK^T and PV FLOPs of `queries` new tokens, causal, after `prefix` cached tokens."""
+    """QK^T and PV FLOPs of `queries` new tokens, causal, after `prefix` cached tokens (a
+    windowed layer's query attends at most its window)."""
     keys = queries * prefix + queries * (queries + 1) // 2  # sum over queries of keys attended
-    return 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * keys
+    windowed = len(cfg.windowed_layers(prefix + queries))
+    window_keys = min(keys, queries * (cfg.sliding_window or 0))
+    per_key = 2 * cfg.num_heads * (cfg.score_dim + cfg.value_dim)  # q.k and p.v, every head
+    return per_key * ((cfg.num_layers - windowed) * keys + windowed * window_keys)
 
 
 def prefill_chunk_flops(cfg: ModelConfig, chunk: int, prefix: int) -> int:
@@ -49,20 +54,23 @@ def prefill_chunk_flops(cfg: ModelConfig, chunk: int, prefix: int) -> int:
 def prefill_chunk_pcie_bytes(
     cfg: ModelConfig, chunk: int, prefix: int, dtype_bytes: int, streamed_fraction: float = 1.0
 ) -> float:
-    """Bytes over PCIe for one chunk: prefix KV in (H2D) + the chunk's new KV out (D2H)."""
-    return streamed_fraction * (prefix + chunk) * cfg.kv_bytes_per_token(dtype_bytes)
+    """Bytes over PCIe for one chunk: prefix KV in (H2D) + the chunk's new KV out (D2H), of the
+    layers that keep every token (windowed layers stay on the GPU)."""
+    per_layer = cfg.kv_bytes_per_token(dtype_bytes) // cfg.num_layers
+    return streamed_fraction * (prefix + chunk) * cfg.full_layers(prefix + chunk) * per_layer
 
 
 def prefill_intensity(cfg: ModelConfig, chunk: int, context: int, dtype_bytes: int) -> float:
     """FLOP per PCIe byte of the fully offloaded chunk that ends at `context` (the hardest one)."""
     chunk = min(chunk, context)
     prefix = context - chunk
-    return prefill_chunk_flops(cfg, chunk, prefix) / prefill_chunk_pcie_bytes(cfg, chunk, prefix, dtype_bytes)
+    pcie = prefill_chunk_pcie_bytes(cfg, chunk, prefix, dtype_bytes)
+    return prefill_chunk_flops(cfg, chunk, prefix) / pcie if pcie else math.inf  # inf: every layer windowed
 
 
 def decode_intensity(cfg: ModelConfig, context: int, dtype_bytes: int) -> float:
     """FLOP per byte read (weights + all KV) of one decoded token; ~Hq/Hkv at long context."""
-    read = weight_bytes(cfg, dtype_bytes) + context * cfg.kv_bytes_per_token(dtype_bytes)
+    read = weight_bytes(cfg, dtype_bytes) + cfg.kv_bytes(context, dtype_bytes)
     return decode_flops(cfg, context) / read
 
 
@@ -158,7 +166,7 @@ def decode_time(
     """Time to decode one token: all weights and KV are read from HBM; `pcie_bytes` of streamed
     KV cross the link; each of `streamed_pieces` streamed slices (or sequence blocks) costs
     `hw.slice_overhead_s`; `cpu_s`: the host CPU's attention, beside the link."""
-    hbm = weight_bytes(cfg, dtype_bytes) + context * cfg.kv_bytes_per_token(dtype_bytes)
+    hbm = weight_bytes(cfg, dtype_bytes) + cfg.kv_bytes(context, dtype_bytes)
     return StepTime(
         compute_s=decode_flops(cfg, context) / hw.flops,
         hbm_s=hbm / hw.hbm_bw,
@@ -186,6 +194,6 @@ def prefill_time(
         t = min(chunk, context - start)
         compute = prefill_chunk_flops(cfg, t, start) / hw.flops
         pcie = prefill_chunk_pcie_bytes(cfg, t, start, dtype_bytes, streamed_fraction) / hw.pcie_bw
-        hbm = (w + (start + t) * cfg.kv_bytes_per_token(dtype_bytes)) / hw.hbm_bw
+        hbm = (w + cfg.kv_bytes(start + t, dtype_bytes)) / hw.hbm_bw
         total += max(compute, pcie, hbm, host)
     return total

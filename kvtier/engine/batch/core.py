@@ -107,6 +107,12 @@ class BatchEngine:
                 f"batched requests keep their KV on the device; --kv {host.method.kv} "
                 "(offload of the active context) is for one request at a time. Use --kv gpu or auto"
             )
+        if not host.model_config.plain_scores:
+            raise ConfigError(
+                "batched requests run on paged kernels of plain attention, without the logit "
+                "soft-capping (Gemma-2) or latent attention (DeepSeek-V2) this model needs; run it one "
+                "request at a time (kvtier generate, or LLM.generate)"
+            )
         self.model = host.model
         self.device = host.device
         num_pages, host_pages = self._pool_sizes()
@@ -229,8 +235,10 @@ class BatchEngine:
             )
 
     def needs_offload(self, prompt: list[int], params: SamplingParams) -> bool:
-        """Whether the request needs more pages than the whole pool has (then it runs tiered)."""
-        return len(prompt) + params.max_tokens > self.pool_tokens
+        """Whether the request needs more pages than the whole pool has, or is longer than the
+        model's sliding window, which the paged kernels do not mask (then it runs tiered)."""
+        total = len(prompt) + params.max_tokens
+        return total > self.pool_tokens or bool(self.host.model_config.windowed_layers(total))
 
     @property
     def has_work(self) -> bool:
