@@ -28,7 +28,8 @@ from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
 from kvtier.planner.placement import POLICIES, KVPlan
-from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
+from kvtier.planner.report import PlanReport, PlanRequest, build_report, format_report, report_json
+from kvtier.planner.sharding import rank_config, rank_host_budget
 from kvtier.units import parse_count
 
 
@@ -156,6 +157,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--hip-preset", type=OPTIONS["hip_preset"].parse, default="default", help=OPTIONS["hip_preset"].help
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int_type("--tensor-parallel"),
+        default=1,
+        metavar="N",
+        help="plan one of N tensor-parallel ranks (its KV heads, weights and KV tiers): --gpu-memory "
+        "is one rank's GPU, --host-memory the machine's, split evenly; no CPU co-attention",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
     p.add_argument(
         "--plot",
@@ -203,7 +212,8 @@ def _config_json_file(path: Path) -> ModelConfig:
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
     """Parse and check the options (ConfigError / ModelLoadError on bad input)."""
-    cfg = resolve_model(args.model)
+    ranks = getattr(args, "tensor_parallel", 1)
+    cfg = rank_config(resolve_model(args.model), ranks)
     hw = hardware_preset(
         args.gpu,
         tflops=args.tflops,
@@ -212,12 +222,14 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         cpu_attention_bw=args.cpu_attention_bw,
     )
     gpu = hw.memory_bytes if args.gpu_memory is None else args.gpu_memory
+    host = rank_host_budget(args.host_memory, ranks)
+    assert host is not None
     return PlanRequest(
         cfg=cfg,
-        model=args.model,
+        model=args.model if ranks == 1 else f"{args.model} (one rank of {ranks})",
         context=args.context,
         gpu_budget=gpu,
-        host_budget=args.host_memory,
+        host_budget=host,
         disk_budget=args.disk,
         dtype_bytes=DTYPE_BYTES[args.dtype],
         hardware=hw,
@@ -226,7 +238,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         policy=args.policy,
         block_size=args.block_size,
         activation_model=args.activations,
-        cpu_attention=args.cpu_attention,
+        cpu_attention=args.cpu_attention if ranks == 1 else "off",  # NOTE: one CPU, N ranks: not modelled
     )
 
 
@@ -296,14 +308,60 @@ def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] |
     }
 
 
+def parallel_lines(args: argparse.Namespace, rep: PlanReport) -> dict[str, Any] | None:
+    """What --tensor-parallel N adds: the split, and the plan's streaming over all N links
+    (None for one rank)."""
+    ranks = int(getattr(args, "tensor_parallel", 1))
+    if ranks == 1:
+        return None
+    req, whole = rep.request, resolve_model(args.model)
+    out: dict[str, Any] = {
+        "ranks": ranks,
+        "query_heads_per_rank": req.cfg.num_heads,
+        "kv_heads_per_rank": req.cfg.num_kv_heads,
+        "mlp_width_per_rank": req.cfg.intermediate_size,
+        "gpu_memory_per_rank_gb": req.gpu_budget / 1e9,
+        "host_memory_per_rank_gb": req.host_budget / 1e9,
+        "all_reduce_gb_per_decode_token": 2 * whole.num_layers * whole.hidden_size * req.dtype_bytes / 1e9,
+    }
+    if rep.plan is not None and rep.decode is not None:
+        per_rank = rep.plan.pcie_bytes_per_decode_token
+        out.update(
+            host_kv_all_ranks_gb=ranks * rep.plan.host_kv_bytes / 1e9,
+            pcie_gb_per_decode_token_all_ranks=ranks * per_rank / 1e9,
+            decode_s_per_token=rep.decode.total_s,
+        )
+    return out
+
+
+def format_parallel(p: dict[str, Any]) -> str:
+    """The --tensor-parallel lines of the plain-text report."""
+    text = (
+        f"\ntensor parallel: {p['ranks']} ranks, each with {p['query_heads_per_rank']} query / "
+        f"{p['kv_heads_per_rank']} KV heads and {p['mlp_width_per_rank']:,} MLP channels on its own GPU "
+        f"and 1/{p['ranks']} of the host memory: every number above is one rank's"
+    )
+    if "pcie_gb_per_decode_token_all_ranks" in p:
+        text += (
+            f"\n  all ranks: {p['pcie_gb_per_decode_token_all_ranks']:.3f} GB over {p['ranks']} links "
+            f"per decode token, in parallel (~{p['decode_s_per_token']:.4g} s/token), plus 2 all-reduces "
+            f"per layer ({p['all_reduce_gb_per_decode_token'] * 1e3:.2f} MB per decode token, not in "
+            "the estimate)"
+        )
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
     req = build_request(args)
     rep = build_report(req)
     lossy = lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity)
     hip = hip_lines(req, args.attention, args.hip_preset) if rep.plan is not None else None
+    parallel = parallel_lines(args, rep)
     if args.json:
         out = report_json(rep)
+        if parallel:
+            out["tensor_parallel"] = parallel
         if lossy:
             out["lossy"] = lossy
         if hip:
@@ -311,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_report(rep))
+        if parallel:
+            print(format_parallel(parallel))
         if lossy:
             print(
                 f"\nwith {lossy['method']}: {lossy['resident_slices']}/{lossy['num_slices']} slices "

@@ -102,6 +102,11 @@ class BatchEngine:
     def __init__(self, host: ModelHost, config: BatchConfig | None = None) -> None:
         self.host = host
         self.config = cfg = config or BatchConfig()
+        if getattr(host, "tensor_parallel", 1) > 1:
+            raise ConfigError(
+                "batched requests (kvtier serve, LLM.generate over paged KV) do not run tensor-parallel "
+                "yet; use one process, or `kvtier generate --tensor-parallel N` for one prompt at a time"
+            )
         if host.method.kv not in ("auto", "gpu"):
             raise ConfigError(
                 f"batched requests keep their KV on the device; --kv {host.method.kv} "

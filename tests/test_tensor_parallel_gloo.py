@@ -1,0 +1,211 @@
+"""Tensor parallelism over 2 processes on the CPU (gloo), on a tiny random Llama: the tokens of
+every lossless placement equal one process's, whether rank 0 starts the other rank itself
+(`LLM(tensor_parallel=2)`, `kvtier generate --tensor-parallel 2`) or both are started as
+torchrun starts them (its environment, running `kvtier generate` and the model directly)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kvtier.cli.main import main
+from kvtier.engine.llm import LLM
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import CapacityError, ConfigError
+from kvtier.kv.store import TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.planner.hardware import detect_hardware
+from kvtier.planner.memory import GPU_RESERVE_BYTES
+from kvtier.planner.placement import plan_kv
+from kvtier.planner.sharding import rank_config
+from tests.hf_reference import drive, make_hf_model
+
+CHUNK = 16  # prefill chunk: the prompts take 2-3 chunks
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 211, (n,), generator=g).tolist() for n in (37, 20)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = tmp_path_factory.mktemp("mha")
+    make_hf_model("llama-mha", path)  # 3 layers, 4 query and 4 KV heads (2 per rank), d=16, vocab 211
+    return path
+
+
+def streaming_budget(folder: Path, context: int) -> int:
+    """A --gpu-memory under which one rank's `layer` and `head` plans fit and its `auto` plan keeps
+    some slices resident and streams the others (found by the planner, on the rank's config)."""
+    cfg = rank_config(load_safetensors_folder(folder, torch.device("cpu"), torch.float32)[1], 2)
+    kw: dict[str, Any] = {
+        "dtype_bytes": 4,
+        "chunk_size": CHUNK,
+        "hardware": detect_hardware(torch.device("cpu")),
+    }
+    budget = GPU_RESERVE_BYTES
+    while True:
+        budget += 4096
+        try:
+            plan_kv(cfg, context, policy="layer", gpu_budget=budget, **kw)
+            plan = plan_kv(cfg, context, policy="auto", gpu_budget=budget, **kw)
+        except CapacityError:
+            continue
+        if plan.streamed_slices and plan.resident_slices:
+            return budget
+
+
+def test_rank_0_starts_the_other_rank_and_every_placement_gives_one_process_tokens(folder: Path) -> None:
+    """Under a --gpu-memory that makes each rank's `auto` plan stream part of its KV, `layer`,
+    `head` and `auto` give one process's tokens (greedy, and sampled: rank 0's token is used);
+    `gpu` does not fit that budget, fails on both ranks alike, and the ranks go on."""
+    greedy, sampled = SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    budget = streaming_budget(folder, 37 + 10)
+    one = LLM(str(folder), device="cpu", chunk_size=CHUNK)
+    expected = [[one.generate(p, params)[0].token_ids for p in prompts()] for params in (greedy, sampled)]
+    assert len(set(expected[1][0])) > 3  # sampled tokens vary, so rank 0's broadcast token matters
+    llm = LLM(str(folder), device="cpu", chunk_size=CHUNK, gpu_memory=budget, tensor_parallel=2)
+    workers = llm._workers.processes if llm._workers else []
+    try:
+        assert (llm.tensor_parallel, llm.is_rank0, llm.model_config.num_kv_heads) == (2, True, 2)
+        for method in ("layer", "head,head_group=1", "auto"):
+            for params, want in zip((greedy, sampled), expected, strict=True):
+                outs = llm.generate(prompts(), params, method=method)  # a list: one at a time
+                assert [o.token_ids for o in outs] == want, method
+        plan = llm.generate(prompts()[0], greedy)[0].stats.plan
+        assert plan["tensor_parallel"] == 2
+        assert 0 < plan["resident_slices"] < plan["num_slices"] == 3 * 2 // plan["group_size"]
+        with pytest.raises(CapacityError, match="47 tokens need"):
+            llm.generate(prompts()[0], greedy, method="gpu")
+        with pytest.raises(ConfigError, match="lossless placements only"):
+            llm.generate(prompts()[0], greedy, method="int8")
+        # The worker met the same errors before any collective and waits for the next call.
+        assert llm.generate(prompts()[1], greedy)[0].token_ids == expected[0][1]
+    finally:
+        llm.close()
+    assert [p.exitcode for p in workers] == [0]  # the worker left when told to
+
+
+TEXT_ARGS = ["--prompt", "The capital of France is", "--max-new-tokens", "8", "--device", "cpu", "--json"]
+
+
+def _torchrun_rank(rank: int, ports: tuple[int, int], folder: str, text_model: str, results: Any) -> None:
+    """One of 2 ranks started as torchrun starts them (its environment): `kvtier generate` as
+    torchrun runs it, then the placements' logits over the rank's own stores."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    try:
+        os.environ["MASTER_PORT"] = str(ports[0])
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(["generate", "--model", text_model, *TEXT_ARGS]) == 0
+        os.environ["MASTER_PORT"] = str(ports[1])
+        llm = LLM(folder, device="cpu")  # joins the 2 ranks its environment describes
+        ids = torch.tensor(prompts()[0])
+        runs = {}
+        for kv, group in (("gpu", None), ("layer", None), ("head", 1), ("auto", None)):
+            plan = plan_kv(llm.model_config, 64, policy=kv, group_size=group, gpu_budget=None, dtype_bytes=4)
+            store, _ = llm.make_store(plan, 64)
+            runs[kv] = drive(llm.model, store, ids, CHUNK, decode=6)
+        logits, tokens = runs["gpu"]
+        for kv, (other_logits, other_tokens) in runs.items():  # the placements agree bitwise
+            assert other_tokens == tokens, kv
+            assert all(torch.equal(a, b) for a, b in zip(logits, other_logits, strict=True)), kv
+        assert llm.parallel is not None and llm.parallel.all_gather_object(tokens) == [tokens, tokens]
+        if rank == 0:  # one process, the whole model: the same tokens, logits to rounding
+            whole, cfg = load_safetensors_folder(Path(folder), torch.device("cpu"), torch.float32)
+            plan = plan_kv(cfg, 64, policy="gpu", gpu_budget=None, dtype_bytes=4)
+            store = TieredKVStore(cfg, plan, device=torch.device("cpu"), dtype=torch.float32, capacity=64)
+            ref_logits, ref_tokens = drive(whole, store, ids, CHUNK, decode=6)
+            assert tokens == ref_tokens
+            for a, b in zip(logits, ref_logits, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        llm.close()
+        results.put((rank, printed.getvalue(), None))
+    except BaseException as e:
+        results.put((rank, "", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_ranks_started_like_torchrun_print_once_agree_bitwise_and_match_one_process(
+    folder: Path, text_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", "--model", str(text_model), *TEXT_ARGS]) == 0
+    one = json.loads(capsys.readouterr().out)
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    ports = (_free_port(), _free_port())
+    args = (ports, str(folder), str(text_model), results)
+    procs = [ctx.Process(target=_torchrun_rank, args=(r, *args)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    got = sorted(results.get() for _ in procs)
+    assert [error for _, _, error in got] == [None, None]
+    assert [p.exitcode for p in procs] == [0, 0]
+    (_, rank0, _), (_, rank1, _) = got
+    assert rank1 == ""  # rank 0 alone prints
+    two = json.loads(rank0)
+    assert (two["text"], two["token_ids"]) == (one["text"], one["token_ids"])
+    assert two["stats"]["plan"]["tensor_parallel"] == 2
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory, embedded_hf_dir: Path) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer (so `generate` takes text): 2 layers,
+    4 query and 2 KV heads (1 per rank), vocab 49152."""
+    import transformers
+
+    path: Path = tmp_path_factory.mktemp("text")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=49152,
+        intermediate_size=96,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_hf_dir / name, path)
+    return path
+
+
+def test_generate_with_tensor_parallel_prints_one_process_text(
+    text_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvtier generate --tensor-parallel 2`: this process is rank 0 and starts rank 1."""
+    args = ["generate", "--model", str(text_model), *TEXT_ARGS, "--kv", "head"]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*args, "--tensor-parallel", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert (two["text"], two["token_ids"]) == (one["text"], one["token_ids"])
+    assert (two["stats"]["plan"]["tensor_parallel"], two["stats"]["plan"]["num_slices"]) == (2, 2)
+    assert (one["stats"]["plan"]["num_slices"], one["stats"]["peak_bytes"]["host_kv"]) == (
+        4,
+        2 * two["stats"]["peak_bytes"]["host_kv"],  # each rank streams half the KV
+    )
