@@ -91,6 +91,41 @@ def test_shard_keeps_each_ranks_heads_and_mlp_channels(folder: Path) -> None:
         assert set(model.state_dict()) == set(whole.state_dict())
 
 
+def test_a_rank_reads_its_blocks_from_the_checkpoint_as_shard_cuts_them(folder: Path) -> None:
+    """`load_folder_shard` (slices read from the safetensors file, nothing whole in memory) gives
+    the parameters of the whole model cut by `shard_`, bit for bit."""
+    from kvtier.parallel.load import load_folder_shard
+
+    for rank in (0, 1):
+        group: Any = _NoCommunication(rank, 2)
+        cut, whole = load_safetensors_folder(folder, torch.device("cpu"), torch.float32)
+        shard_(cut, group)
+        read, cfg = load_folder_shard(folder, torch.device("cpu"), torch.float32, group=group)
+        assert read.config == cut.config == cfg == rank_config(whole, 2)
+        expected = dict(cut.named_parameters())
+        got = dict(read.named_parameters())
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+        assert isinstance(read.model.layers[0].mlp.down_proj, RowParallelLinear)
+
+
+def test_split_dim_names_the_cuts_shard_makes() -> None:
+    from kvtier.model.llama import CausalLM
+    from kvtier.parallel.tensor import split_dim
+
+    cfg = preset_config("qwen2-7b")  # q/k/v biases: cut with their rows
+    with torch.device("meta"):
+        whole = dict(CausalLM(cfg).named_parameters())
+        model = CausalLM(cfg)
+    shard_(model, _NoCommunication(1, 4))  # type: ignore[arg-type]
+    for name, p in model.named_parameters():
+        shape, dim = list(whole[name].shape), split_dim(name)
+        if dim is not None:
+            shape[dim] //= 4
+        assert list(p.shape) == shape, name
+    assert split_dim("model.layers.0.self_attn.o_proj.bias") is None  # added after the all-reduce
+
+
 def test_shard_cuts_a_model_on_the_meta_device() -> None:
     from kvtier.model.llama import CausalLM
 
@@ -148,6 +183,16 @@ def test_plan_and_generate_refuse_a_size_that_does_not_split_the_model(
     code = main(["generate", "--model", str(folder), "--prompt", "x", "--tensor-parallel", "4"])
     assert code == 2
     assert "--tensor-parallel 4 must divide the model's 2 KV heads" in capsys.readouterr().err
+
+
+def test_generate_passes_tensor_parallel_to_the_llm() -> None:
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import llm_kwargs
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel", "2"])
+    assert llm_kwargs(args)["tensor_parallel"] == 2
+    assert llm_kwargs(build_parser().parse_args(["generate", "--prompt", "x"]))["tensor_parallel"] is None
+    assert llm_kwargs(build_parser().parse_args(["serve"]))["tensor_parallel"] is None  # no such flag
 
 
 def test_llm_refuses_what_tensor_parallelism_does_not_run(

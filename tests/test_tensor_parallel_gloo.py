@@ -1,7 +1,7 @@
 """Tensor parallelism over 2 processes on the CPU (gloo), on a tiny random Llama: the tokens of
 every lossless placement equal one process's, whether rank 0 starts the other rank itself
-(`LLM(tensor_parallel=2)`, `kvtier generate --tensor-parallel 2`) or both are started as
-torchrun starts them (its environment, running `kvtier generate` and the model directly)."""
+(`LLM(tensor_parallel=2)`, which `kvtier generate --tensor-parallel 2` builds) or both are
+started as torchrun starts them (its environment, running `kvtier generate` and the model)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from kvtier.cli.main import main
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
-from kvtier.errors import CapacityError, ConfigError
+from kvtier.errors import CapacityError, ConfigError, KvtierError
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.planner.hardware import detect_hardware
@@ -66,10 +66,13 @@ def streaming_budget(folder: Path, context: int) -> int:
             return budget
 
 
-def test_rank_0_starts_the_other_rank_and_every_placement_gives_one_process_tokens(folder: Path) -> None:
+def test_rank_0_starts_the_other_rank_and_every_placement_gives_one_process_tokens(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under a --gpu-memory that makes each rank's `auto` plan stream part of its KV, `layer`,
     `head` and `auto` give one process's tokens (greedy, and sampled: rank 0's token is used);
-    `gpu` does not fit that budget, fails on both ranks alike, and the ranks go on."""
+    `gpu` does not fit that budget, fails on both ranks alike, and the ranks go on; a failure
+    inside the model stops them."""
     greedy, sampled = SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)
     budget = streaming_budget(folder, 37 + 10)
     one = LLM(str(folder), device="cpu", chunk_size=CHUNK)
@@ -85,6 +88,8 @@ def test_rank_0_starts_the_other_rank_and_every_placement_gives_one_process_toke
                 assert [o.token_ids for o in outs] == want, method
         plan = llm.generate(prompts()[0], greedy)[0].stats.plan
         assert plan["tensor_parallel"] == 2
+        alone, ranked = (x.generate(prompts()[0], greedy, method="layer")[0].stats for x in (one, llm))
+        assert alone.peak_bytes["host_kv"] == 2 * ranked.peak_bytes["host_kv"] > 0  # each rank: half
         assert 0 < plan["resident_slices"] < plan["num_slices"] == 3 * 2 // plan["group_size"]
         with pytest.raises(CapacityError, match="47 tokens need"):
             llm.generate(prompts()[0], greedy, method="gpu")
@@ -92,9 +97,20 @@ def test_rank_0_starts_the_other_rank_and_every_placement_gives_one_process_toke
             llm.generate(prompts()[0], greedy, method="int8")
         # The worker met the same errors before any collective and waits for the next call.
         assert llm.generate(prompts()[1], greedy)[0].token_ids == expected[0][1]
+        # Rank 0 fails inside the model, its worker then waits in an all-reduce: no more calls
+        # are sent, and close() stops the worker rather than waiting for it.
+        monkeypatch.setattr(llm.model.model.layers[1].mlp, "forward", _fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(prompts()[0], greedy)
+        with pytest.raises(KvtierError, match="stopped after an error"):
+            llm.generate(prompts()[0], greedy)
     finally:
         llm.close()
-    assert [p.exitcode for p in workers] == [0]  # the worker left when told to
+    assert [p.exitcode for p in workers] == [-15]  # terminated, not joined
+
+
+def _fail(*args: Any) -> torch.Tensor:
+    raise RuntimeError("injected")
 
 
 TEXT_ARGS = ["--prompt", "The capital of France is", "--max-new-tokens", "8", "--device", "cpu", "--json"]
@@ -192,20 +208,3 @@ def text_model(tmp_path_factory: pytest.TempPathFactory, embedded_hf_dir: Path) 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(embedded_hf_dir / name, path)
     return path
-
-
-def test_generate_with_tensor_parallel_prints_one_process_text(
-    text_model: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`kvtier generate --tensor-parallel 2`: this process is rank 0 and starts rank 1."""
-    args = ["generate", "--model", str(text_model), *TEXT_ARGS, "--kv", "head"]
-    assert main(args) == 0
-    one = json.loads(capsys.readouterr().out)
-    assert main([*args, "--tensor-parallel", "2"]) == 0
-    two = json.loads(capsys.readouterr().out)
-    assert (two["text"], two["token_ids"]) == (one["text"], one["token_ids"])
-    assert (two["stats"]["plan"]["tensor_parallel"], two["stats"]["plan"]["num_slices"]) == (2, 2)
-    assert (one["stats"]["plan"]["num_slices"], one["stats"]["peak_bytes"]["host_kv"]) == (
-        4,
-        2 * two["stats"]["peak_bytes"]["host_kv"],  # each rank streams half the KV
-    )

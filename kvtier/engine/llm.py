@@ -18,7 +18,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import GenerationStats, RequestOutput
 from kvtier.engine.runner import generate_tokens, prefill_spans
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import CapacityError, ConfigError, PromptError
+from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.loading.resolve import read_model_config
@@ -84,8 +84,9 @@ class LLM:
         cpu_attention: str | int = "off",
         tensor_parallel: int | None = None,
     ) -> None:
-        options = dict(locals())
+        options = dict(locals())  # NOTE: first, so it holds the arguments alone (ranks 1..N-1 get them)
         del options["self"]
+        self.collectives_started = False  # whether the current generate call has run the model
         self.config = EngineConfig.with_sizes(
             gpu_memory,
             device=device,
@@ -241,7 +242,8 @@ class LLM:
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
             gpu_budget=self.gpu_budget(),
             host_budget=rank_host_budget(
-                host_memory_available() if self.device.type == "cuda" else None, self.tensor_parallel
+                host_memory_available() if self.device.type == "cuda" else None,
+                1 if self.parallel is None else self.parallel.local_size,
             ),
             kv=method.kv,
             head_group=method.head_group,
@@ -322,8 +324,28 @@ class LLM:
         KV, a prompt too long for the pool, a store that would stream) the prompts run one after
         the other, each planned alone. Under tensor parallelism every rank runs the call (rank 0
         sends it to the ranks it started) and the prompts run one at a time."""
-        if self._workers is not None:
-            self._workers.call("generate", prompts, params, chat=chat, progress=False, method=method)
+        self.collectives_started = False
+        if self._workers is None:
+            return self._generate(prompts, params, chat, progress, method)
+        self._workers.call("generate", prompts, params, chat=chat, progress=False, method=method)
+        try:
+            return self._generate(prompts, params, chat, progress, method)
+        except BaseException as e:
+            # NOTE: a KvtierError before the model ran (a bad prompt, a plan that does not fit) is
+            # met by every rank alike, before any collective; after it (or on an interrupt), a
+            # worker may be waiting in one.
+            if self.collectives_started or not isinstance(e, KvtierError):
+                self._workers.broken = True
+            raise
+
+    def _generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | None,
+        chat: bool,
+        progress: bool,
+        method: MethodChoice | str | None,
+    ) -> list[RequestOutput]:
         params = params or SamplingParams()
         chosen = self.resolve_method(method)
         if self.parallel is not None and not chosen.lossless:
@@ -484,6 +506,7 @@ class LLM:
         sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, self.device)
         if self.parallel is not None:
             sampler = self.parallel.synced(sampler)
+        self.collectives_started = True  # from here on an error may leave other ranks in a collective
         try:
             tokens, stats = generate_tokens(
                 self.loaded.model,

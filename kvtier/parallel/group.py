@@ -82,6 +82,7 @@ class RankGroup:
     rank: int
     size: int
     local_rank: int
+    local_size: int  # ranks on this machine (they share its cores and host memory)
     device: torch.device
     control: Any  # a gloo ProcessGroup for control messages
     owns_default: bool  # whether joining initialized torch.distributed (close() then destroys it)
@@ -181,4 +182,5 @@ def join(size: int | None, device_type: str) -> RankGroup:
     elif device_type == "cpu" and dist.get_backend() == "nccl":
         raise ConfigError("the process group runs NCCL, which needs the ranks on GPUs; use --device cuda")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return RankGroup(int(dist.get_rank()), launched, local_rank, device, control, owns, threads)
+    rank = int(dist.get_rank())
+    return RankGroup(rank, launched, local_rank, local_size, device, control, owns, threads)

@@ -66,20 +66,26 @@ class Workers:
     def __init__(self, processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
         self.processes = list(processes)
         self.group: RankGroup | None = None  # set once rank 0 has joined
+        # Rank 0 failed while the ranks were running collectives: the workers may be waiting in
+        # one, so close() stops them rather than sending them a call, and no call is sent again.
+        self.broken = False
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Make every worker run `obj.name(*args, **kwargs)` on its own object (results stay
         there); rank 0 then runs the same call itself."""
-        assert self.group is not None
+        if self.broken or self.group is None:
+            raise KvtierError(
+                "the tensor-parallel ranks stopped after an error in a run; build a new LLM to go on"
+            )
         self.group.broadcast_object((name, args, kwargs))
 
     def close(self, timeout_s: float = 30.0, notify: bool = True) -> None:
         """Tell the workers to leave (unless `notify` is False: they are leaving already, after a
         failed start), wait for them (terminating any that hang) and leave the group."""
-        if notify and self.group is not None and dist.is_initialized() and self.alive():
+        if notify and not self.broken and self.group is not None and dist.is_initialized() and self.alive():
             self.group.broadcast_object(None)
         for p in self.processes:
-            p.join(timeout_s)
+            p.join(1.0 if self.broken else timeout_s)
             if p.is_alive():
                 p.terminate()
                 p.join()
@@ -165,8 +171,9 @@ def _worker_main(
 def serve_calls(obj: Any, group: RankGroup) -> None:
     """Run rank 0's calls on `obj` until it sends None (`Workers.close`).
 
-    A call that raises a KvtierError raised the same on rank 0 (same inputs, same checks, before
-    any collective), which reports it; the worker goes on to the next call."""
+    A call that raises a KvtierError before `obj.collectives_started` raised the same on rank 0
+    (same inputs, same checks, before any collective), which reports it; the worker goes on to
+    the next call. Any other error ends the worker (rank 0's collective then fails too)."""
     while True:
         message = group.broadcast_object(None)
         if message is None:
@@ -175,4 +182,6 @@ def serve_calls(obj: Any, group: RankGroup) -> None:
         try:
             getattr(obj, name)(*args, **kwargs)
         except KvtierError:
+            if getattr(obj, "collectives_started", False):
+                raise
             continue

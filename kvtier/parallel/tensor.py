@@ -29,6 +29,23 @@ from kvtier.model.llama import CausalLM, DecoderLayer
 from kvtier.parallel.group import RankGroup
 from kvtier.planner.sharding import rank_config
 
+# The linears cut over the ranks, and the weight dim they are cut along (HF names).
+SPLIT_DIMS = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 0),  # column-parallel
+    **dict.fromkeys(("o_proj", "down_proj"), 1),  # row-parallel
+}
+
+
+def split_dim(name: str) -> int | None:
+    """The dim along which parameter `name` ("model.layers.3.self_attn.q_proj.weight") is cut
+    into N blocks, block r on rank r; None: whole on every rank. `shard_` makes these cuts; a
+    loader reading a checkpoint slice by slice makes the same ones from it."""
+    module, _, kind = name.rpartition(".")
+    dim = SPLIT_DIMS.get(module.rpartition(".")[2])
+    if dim == 1 and kind == "bias":
+        return None  # NOTE: a row-parallel bias is added once, after the sum
+    return dim
+
 
 class RowParallelLinear(nn.Linear):
     """A linear layer whose input features are split over the ranks: each rank multiplies its
