@@ -55,6 +55,13 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def init_default_group(device_type: str, local_rank: int, **how: Any) -> None:
+    """Initialize torch.distributed's default group (`how`: init_method, or store/rank/world_size):
+    NCCL bound to this rank's GPU, or gloo on the CPU."""
+    device_id = torch.device("cuda", local_rank) if device_type == "cuda" else None
+    dist.init_process_group(backend_for(device_type), timeout=COLLECTIVE_TIMEOUT, device_id=device_id, **how)
+
+
 def rank_device(device_type: str, local_rank: int, local_size: int) -> torch.device:
     """The device of the rank with `local_rank` on this machine: its own GPU, or the CPU.
 
@@ -178,7 +185,7 @@ def join(size: int | None, device_type: str) -> RankGroup:
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(launched)))
     device = rank_device(device_type, local_rank, local_size)
     if owns:
-        dist.init_process_group(backend_for(device_type), init_method="env://", timeout=COLLECTIVE_TIMEOUT)
+        init_default_group(device_type, local_rank, init_method="env://")
     elif device_type == "cpu" and dist.get_backend() == "nccl":
         raise ConfigError("the process group runs NCCL, which needs the ranks on GPUs; use --device cuda")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.parallel.group import COLLECTIVE_TIMEOUT, RankGroup, backend_for, join, launched_world_size
+from kvtier.parallel.group import RankGroup, init_default_group, join, launched_world_size
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT = dt.timedelta(minutes=10)  # for every worker to import torch and connect
@@ -132,9 +132,7 @@ def start_workers(
         time.sleep(0.02)
     if device_type == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group(
-        backend_for(device_type), store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT
-    )
+    init_default_group(device_type, 0, store=store, rank=0, world_size=size)
     return workers
 
 
@@ -152,9 +150,7 @@ def _worker_main(
     store.set(f"kvtier_worker_{rank}", "ready")
     if device_type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend_for(device_type), store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
-    )
+    init_default_group(device_type, rank, store=store, rank=rank, world_size=size)
     try:
         obj = factory(**kwargs)
     except Exception:
