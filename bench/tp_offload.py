@@ -14,11 +14,18 @@ N=1 run's floor / N (the issue asks decode <= 1.2x of it).
     python bench/tp_offload.py --tensor-parallel 1,2,4,8 --context 512K --gpu-memory 24GB
     python bench/tp_offload.py --tensor-parallel 1,2 --policies layer,auto --name tp_offload_2gpu
 
+With --full-prefill-max at least --context the prefill is real and each run's greedy tokens are
+checked against the N=1 run's (`tokens_equal_n1`; a folder or `tiny`: a random preset is another
+random model under N ranks), a check of NCCL:
+
+    python bench/tp_offload.py --model tiny --context 4K --full-prefill-max 4K --tensor-parallel 1,2,4,8 \
+        --policies gpu,layer,head --name tp_offload_tokens
+
 On the CPU (gloo; the "GPU" tier is host memory, so floors and bandwidths are not measured), a
 tiny random model checks that the script runs:
 
-    python bench/tp_offload.py --device cpu --model tiny --context 2K --tensor-parallel 1,2 \
-        --decode-steps 4 --name tp_offload_cpu_tiny
+    python bench/tp_offload.py --device cpu --model tiny --context 2K --full-prefill-max 2K \
+        --tensor-parallel 1,2 --decode-steps 4 --name tp_offload_cpu_tiny
 """
 
 from __future__ import annotations
@@ -77,10 +84,12 @@ def sync(device: torch.device) -> None:
 
 
 def run_policy(llm: LLM, policy: str, args: argparse.Namespace, bw: float | None) -> dict[str, Any]:
-    """One rank's run of `policy`: plan, synthetic fill, one real chunk, decode steps."""
+    """One rank's run of `policy`: plan, a prefill (real up to --full-prefill-max tokens, else
+    synthetic KV and one real chunk at the end), decode steps."""
     dev, total = llm.device, args.context + args.decode_steps
     plan = llm.plan(total, MethodChoice(kv=policy))
-    chunk = min(plan.chunk_size, args.context // 2)  # the real chunk at the end of the context
+    full = args.context <= args.full_prefill_max
+    chunk = plan.chunk_size if full else min(plan.chunk_size, args.context // 2)
     row: dict[str, Any] = {
         "rank": 0 if llm.parallel is None else llm.parallel.rank,
         "plan": {
@@ -92,19 +101,23 @@ def run_policy(llm: LLM, policy: str, args: argparse.Namespace, bw: float | None
     }
     store, _ = llm.make_store(plan, total)
     try:
-        fill_synthetic(store, args.context - chunk)
+        start = 0 if full else args.context - chunk
+        fill_synthetic(store, start)
         gen = torch.Generator().manual_seed(0)  # the same tokens on every rank
-        ids = torch.randint(0, llm.model_config.vocab_size, (chunk,), generator=gen).to(dev)
+        ids = torch.randint(0, llm.model_config.vocab_size, (args.context - start,), generator=gen).to(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         sync(dev)
         t = time.perf_counter()
-        store.begin_step(chunk)
-        logits = llm.model(ids, store, mlp_chunk=chunk)
-        store.end_step()
+        for s in range(0, ids.shape[0], chunk):
+            store.begin_step(ids[s : s + chunk].shape[0])
+            logits = llm.model(ids[s : s + chunk], store, mlp_chunk=chunk)
+            store.end_step()
         sync(dev)
-        row["prefill_chunk_tok_s"] = chunk / (time.perf_counter() - t)
+        row["prefill_tok_s"] = ids.shape[0] / (time.perf_counter() - t)
+        row["prefill_mode"] = "full" if full else f"one {chunk}-token chunk after {start} synthetic"
         token = logits[-1].argmax()
+        tokens = [int(token)]
         h2d0, steps = store.account.h2d_bytes, []
         for _ in range(args.decode_steps):
             sync(dev)
@@ -117,6 +130,10 @@ def run_policy(llm: LLM, policy: str, args: argparse.Namespace, bw: float | None
                 llm.parallel.broadcast_(token)
             sync(dev)
             steps.append(time.perf_counter() - t)
+            tokens.append(int(token))
+        # NOTE: after a full prefill the tokens must be the N=1 run's (same weights: a folder);
+        # after synthetic KV they differ (each rank's store draws its own random values).
+        row["tokens"] = tokens
         row["decode_steps_s"] = steps
         row["decode_s_per_token"] = median(steps[1:] if len(steps) > 2 else steps)
         row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
@@ -159,16 +176,21 @@ def rank_main(rank: int, size: int, port: int, args: argparse.Namespace, results
     llm.close()
 
 
-def summarize(n: int, policy: str, ranks: list[dict[str, Any]], floor_1: float | None) -> dict[str, Any]:
+def summarize(
+    n: int, policy: str, ranks: list[dict[str, Any]], floor_1: float | None, one_tokens: list[int] | None
+) -> dict[str, Any]:
     """A run's row: rank 0's time (the ranks move in lock step), the slowest rank's floor, the target."""
     r0 = ranks[0]
     out: dict[str, Any] = {"tensor_parallel": n, "policy": policy, "plan": r0["plan"]}
     if "oom" in r0:
         return {**out, "oom": r0["oom"]}
+    if one_tokens is not None and r0["prefill_mode"] == "full":
+        out["tokens_equal_n1"] = r0["tokens"] == one_tokens
     floors = [r["pcie_floor_s"] for r in ranks if r.get("pcie_floor_s") is not None]
     out.update(
         decode_s_per_token=r0["decode_s_per_token"],
-        prefill_chunk_tok_s=r0["prefill_chunk_tok_s"],
+        prefill_tok_s=r0["prefill_tok_s"],
+        prefill_mode=r0["prefill_mode"],
         h2d_gb_per_token_per_rank=[r["h2d_bytes_per_token"] / 1e9 for r in ranks],
         pinned_h2d_gbps_per_rank=[r["pinned_h2d_gbps"] for r in ranks],
         peak_gpu_gb_per_rank=[r.get("peak_gpu_bytes", 0) / 1e9 for r in ranks],
@@ -190,6 +212,12 @@ def main() -> None:
     ap.add_argument("--gpu-memory", default="24GB", help="per GPU (ignored on the CPU: no budget there)")
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--decode-steps", type=int, default=6)
+    ap.add_argument(
+        "--full-prefill-max",
+        type=parse_count,
+        default=0,
+        help="prefill contexts up to this for real, and check the tokens against N=1 (a folder or tiny)",
+    )
     ap.add_argument("--name", default="tp_offload")
     args = ap.parse_args()
     if args.model == "tiny":
@@ -220,7 +248,7 @@ def main() -> None:
     for (n, policy), ranks in runs.items():
         one = runs.get((1, policy))
         floor_1 = one[0].get("pcie_floor_s") if one else None
-        rows.append(summarize(n, policy, ranks, floor_1))
+        rows.append(summarize(n, policy, ranks, floor_1, one[0].get("tokens") if one else None))
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     model = TINY if args.model.startswith(tempfile.gettempdir()) else args.model
     path = write_results(
