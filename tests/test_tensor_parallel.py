@@ -204,6 +204,10 @@ def test_llm_refuses_what_tensor_parallelism_does_not_run(
         LLM(str(folder), device="cpu", tensor_parallel=2, kv_quant="int8")
     with pytest.raises(ConfigError, match="must divide the model's 2 KV heads"):
         LLM(str(folder), device="cpu", tensor_parallel=4)
+    with pytest.raises(ConfigError, match="between 1 and the model's 3 layers"):
+        LLM(str(folder), device="cpu", pipeline_parallel=4)
+    with pytest.raises(ConfigError, match="cannot be combined yet"):
+        LLM(str(folder), device="cpu", tensor_parallel=2, pipeline_parallel=2)
     # Under torchrun (its environment), the asked size must be the number of processes.
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="--tensor-parallel 1 disagrees with the 2 processes"):
@@ -219,3 +223,66 @@ def test_plan_of_a_rank_is_the_plan_of_its_config() -> None:
     cfg = rank_config(preset_config("llama-3-8b"), 2)
     plan = plan_kv(cfg, 512 * 1024, gpu_budget=24 * 10**9, hardware=hardware_preset("h200"))
     assert asdict(plan)["num_slices"] == 32 * 4 // plan.group_size
+
+
+def test_pipeline_stages_take_contiguous_layers_the_first_ones_one_more() -> None:
+    from kvtier.planner.sharding import check_pipeline_parallel, stage_config, stage_layers
+
+    assert [stage_layers(80, 3, r) for r in range(3)] == [range(0, 27), range(27, 54), range(54, 80)]
+    assert [len(stage_layers(3, 2, r)) for r in range(2)] == [2, 1]
+    cfg = preset_config("llama-3-70b")
+    assert stage_config(cfg, 3, 2).num_layers == 26
+    with pytest.raises(ConfigError, match="between 1 and the model's 80 layers"):
+        check_pipeline_parallel(cfg, 81)
+
+
+def test_stage_keeps_its_layers_and_hooks_the_boundaries() -> None:
+    from kvtier.model.llama import CausalLM
+    from kvtier.parallel.pipeline import local_name, stage_
+
+    with torch.device("meta"):
+        model = CausalLM(preset_config("llama-3-70b"))
+    stage_(model, _NoCommunication(1, 3))  # type: ignore[arg-type]
+    layers = model.model.layers
+    assert len(layers) == model.config.num_layers == 27
+    assert sum(p.numel() for p in model.parameters()) == model.config.num_parameters()
+    # A middle stage receives its input and sends its output; the others only one of the two.
+    assert (len(layers[0]._forward_pre_hooks), len(layers[-1]._forward_hooks)) == (1, 1)
+    up = "model.layers.{}.mlp.up_proj.weight"
+    assert local_name(up.format(30), range(27, 54)) == up.format(3)
+    assert local_name(up.format(3), range(27, 54)) is None
+    assert local_name("lm_head.weight", range(27, 54)) == "lm_head.weight"
+
+
+def test_a_stage_reads_its_layers_from_the_checkpoint(folder: Path) -> None:
+    from kvtier.parallel.load import load_folder_rank
+    from kvtier.parallel.pipeline import stage_
+
+    for rank in (0, 1):
+        group: Any = _NoCommunication(rank, 2)
+        cut, _ = load_safetensors_folder(folder, torch.device("cpu"), torch.float32)
+        stage_(cut, group)
+        read, cfg = load_folder_rank(folder, torch.device("cpu"), torch.float32, group=group, pipeline=True)
+        assert cfg == cut.config and cfg.num_layers == (2, 1)[rank]
+        expected, got = dict(cut.named_parameters()), dict(read.named_parameters())
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_plan_prints_the_first_pipeline_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.planner.sharding import stage_config
+
+    args = ("--model", "llama-3-70b", "--context", "1M", "--gpu-memory", "80GiB", "--gpu", "h200")
+    doc = _plan_json(capsys, *args, "--pipeline-parallel", "3")
+    expected = plan_kv(
+        stage_config(preset_config("llama-3-70b"), 3, 0),
+        1 << 20,
+        gpu_budget=80 * GiB,
+        host_budget=512 * GiB // 3,
+        hardware=hardware_preset("h200"),
+    )
+    rec = doc["recommended"]
+    assert (rec["resident_slices"], rec["num_slices"]) == (expected.resident_slices, expected.num_slices)
+    assert doc["pipeline_parallel"]["layers_per_stage"] == [27, 27, 26]
+    assert main(["plan", *args, "--pipeline-parallel", "2", "--tensor-parallel", "2"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err

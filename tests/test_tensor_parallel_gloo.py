@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from kvtier.cli.main import main
+from kvtier.config import ModelConfig
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError, ConfigError, KvtierError
@@ -27,10 +28,11 @@ from kvtier.loading.weights import load_safetensors_folder
 from kvtier.planner.hardware import detect_hardware
 from kvtier.planner.memory import GPU_RESERVE_BYTES
 from kvtier.planner.placement import plan_kv
-from kvtier.planner.sharding import rank_config
+from kvtier.planner.sharding import rank_config, stage_config
 from tests.hf_reference import drive, make_hf_model
 
 CHUNK = 16  # prefill chunk: the prompts take 2-3 chunks
+BLOCK = 16  # KV block: a 47-token context is 3 blocks, so staging can hold less than a slice
 
 
 def prompts() -> list[list[int]]:
@@ -45,18 +47,24 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def streaming_budget(folder: Path, context: int) -> int:
-    """A --gpu-memory under which one rank's `layer` and `head` plans fit and its `auto` plan keeps
-    some slices resident and streams the others (found by the planner, on the rank's config)."""
-    cfg = rank_config(load_safetensors_folder(folder, torch.device("cpu"), torch.float32)[1], 2)
+def rank0_config(folder: Path, mode: str) -> ModelConfig:
+    """Rank 0's config of 2 ranks: a tensor-parallel shard, or the first pipeline stage."""
+    cfg = load_safetensors_folder(folder, torch.device("cpu"), torch.float32)[1]
+    return rank_config(cfg, 2) if mode == "tensor" else stage_config(cfg, 2, 0)
+
+
+def streaming_budget(cfg: ModelConfig, context: int) -> int:
+    """A --gpu-memory under which a rank of config `cfg` fits `layer` and `head` plans and its
+    `auto` plan keeps some slices resident and streams the others (found by the planner)."""
     kw: dict[str, Any] = {
         "dtype_bytes": 4,
         "chunk_size": CHUNK,
+        "block_size": BLOCK,
         "hardware": detect_hardware(torch.device("cpu")),
     }
     budget = GPU_RESERVE_BYTES
     while True:
-        budget += 4096
+        budget += 512
         try:
             plan_kv(cfg, context, policy="layer", gpu_budget=budget, **kw)
             plan = plan_kv(cfg, context, policy="auto", gpu_budget=budget, **kw)
@@ -66,38 +74,44 @@ def streaming_budget(folder: Path, context: int) -> int:
             return budget
 
 
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_rank_0_starts_the_other_rank_and_every_placement_gives_one_process_tokens(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
+    folder: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    """Under a --gpu-memory that makes each rank's `auto` plan stream part of its KV, `layer`,
-    `head` and `auto` give one process's tokens (greedy, and sampled: rank 0's token is used);
-    `gpu` does not fit that budget, fails on both ranks alike, and the ranks go on; a failure
-    inside the model stops them."""
+    """Under a --gpu-memory that makes rank 0's `auto` plan stream part of its KV, `layer`,
+    `head` and `auto` give one process's tokens (greedy, and sampled: one rank's token is used),
+    over 2 tensor-parallel ranks and over 2 pipeline stages; `gpu` does not fit that budget,
+    fails on both ranks alike, and the ranks go on; a failure inside the model stops them."""
     greedy, sampled = SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=1.0, seed=3)
-    budget = streaming_budget(folder, 37 + 10)
-    one = LLM(str(folder), device="cpu", chunk_size=CHUNK)
+    cfg = rank0_config(folder, mode)
+    budget = streaming_budget(cfg, 37 + 10)
+    one = LLM(str(folder), device="cpu", chunk_size=CHUNK, block_size=BLOCK)
     expected = [[one.generate(p, params)[0].token_ids for p in prompts()] for params in (greedy, sampled)]
-    assert len(set(expected[1][0])) > 3  # sampled tokens vary, so rank 0's broadcast token matters
-    llm = LLM(str(folder), device="cpu", chunk_size=CHUNK, gpu_memory=budget, tensor_parallel=2)
+    assert len(set(expected[1][0])) > 3  # sampled tokens vary, so the broadcast token matters
+    ranks: dict[str, Any] = {f"{mode}_parallel": 2}
+    llm = LLM(str(folder), device="cpu", chunk_size=CHUNK, block_size=BLOCK, gpu_memory=budget, **ranks)
     workers = llm._workers.processes if llm._workers else []
     try:
-        assert (llm.tensor_parallel, llm.is_rank0, llm.model_config.num_kv_heads) == (2, True, 2)
+        assert (llm.tensor_parallel, llm.pipeline_parallel) == ((2, 1) if mode == "tensor" else (1, 2))
+        assert llm.is_rank0 and llm.model_config == cfg  # 2 of 4 KV heads, or 2 of 3 layers
         for method in ("layer", "head,head_group=1", "auto"):
             for params, want in zip((greedy, sampled), expected, strict=True):
                 outs = llm.generate(prompts(), params, method=method)  # a list: one at a time
                 assert [o.token_ids for o in outs] == want, method
         plan = llm.generate(prompts()[0], greedy)[0].stats.plan
-        assert plan["tensor_parallel"] == 2
+        assert plan[f"{mode}_parallel"] == 2
         alone, ranked = (x.generate(prompts()[0], greedy, method="layer")[0].stats for x in (one, llm))
-        assert alone.peak_bytes["host_kv"] == 2 * ranked.peak_bytes["host_kv"] > 0  # each rank: half
-        assert 0 < plan["resident_slices"] < plan["num_slices"] == 3 * 2 // plan["group_size"]
+        share = cfg.num_layers * cfg.num_kv_heads / (3 * 4)  # rank 0's part of the KV heads x layers
+        assert ranked.peak_bytes["host_kv"] == share * alone.peak_bytes["host_kv"] > 0
+        groups = cfg.num_kv_heads // plan["group_size"]
+        assert 0 < plan["resident_slices"] < plan["num_slices"] == cfg.num_layers * groups
         with pytest.raises(CapacityError, match="47 tokens need"):
             llm.generate(prompts()[0], greedy, method="gpu")
         with pytest.raises(ConfigError, match="lossless placements only"):
             llm.generate(prompts()[0], greedy, method="int8")
         # The worker met the same errors before any collective and waits for the next call.
         assert llm.generate(prompts()[1], greedy)[0].token_ids == expected[0][1]
-        # Rank 0 fails inside the model, its worker then waits in an all-reduce: no more calls
+        # Rank 0 fails inside the model, its worker then waits in a collective: no more calls
         # are sent, and close() stops the worker rather than waiting for it.
         monkeypatch.setattr(llm.model.model.layers[1].mlp, "forward", _fail)
         with pytest.raises(RuntimeError, match="injected"):
@@ -116,9 +130,18 @@ def _fail(*args: Any) -> torch.Tensor:
 TEXT_ARGS = ["--prompt", "The capital of France is", "--max-new-tokens", "8", "--device", "cpu", "--json"]
 
 
-def _torchrun_rank(rank: int, ports: tuple[int, int], folder: str, text_model: str, results: Any) -> None:
+def _one_process(folder: str, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+    """Logits and greedy tokens of the whole model in one process (`drive`, 6 decode steps)."""
+    whole, cfg = load_safetensors_folder(Path(folder), torch.device("cpu"), torch.float32)
+    plan = plan_kv(cfg, 64, policy="gpu", gpu_budget=None, dtype_bytes=4)
+    store = TieredKVStore(cfg, plan, device=torch.device("cpu"), dtype=torch.float32, capacity=64)
+    return drive(whole, store, ids, CHUNK, decode=6)
+
+
+def _torchrun_rank(rank: int, ports: tuple[int, ...], folder: str, text_model: str, results: Any) -> None:
     """One of 2 ranks started as torchrun starts them (its environment): `kvtier generate` as
-    torchrun runs it, then the placements' logits over the rank's own stores."""
+    torchrun runs it, then the placements' logits over the rank's own stores, as 2 tensor-parallel
+    ranks and as 2 pipeline stages."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     try:
         os.environ["MASTER_PORT"] = str(ports[0])
@@ -138,14 +161,28 @@ def _torchrun_rank(rank: int, ports: tuple[int, int], folder: str, text_model: s
             assert other_tokens == tokens, kv
             assert all(torch.equal(a, b) for a, b in zip(logits, other_logits, strict=True)), kv
         assert llm.parallel is not None and llm.parallel.all_gather_object(tokens) == [tokens, tokens]
-        if rank == 0:  # one process, the whole model: the same tokens, logits to rounding
-            whole, cfg = load_safetensors_folder(Path(folder), torch.device("cpu"), torch.float32)
-            plan = plan_kv(cfg, 64, policy="gpu", gpu_budget=None, dtype_bytes=4)
-            store = TieredKVStore(cfg, plan, device=torch.device("cpu"), dtype=torch.float32, capacity=64)
-            ref_logits, ref_tokens = drive(whole, store, ids, CHUNK, decode=6)
-            assert tokens == ref_tokens
-            for a, b in zip(logits, ref_logits, strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        ref_logits, ref_tokens = _one_process(folder, ids)
+        assert tokens == ref_tokens  # one process, the whole model: the same tokens, logits to rounding
+        for a, b in zip(logits, ref_logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        llm.close()
+        # Two pipeline stages: the last one's prefill logits are one process's, bit for bit (the
+        # same products in the same order; only the layers sit in two processes).
+        os.environ["MASTER_PORT"] = str(ports[2])
+        llm = LLM(folder, device="cpu", pipeline_parallel=2)
+        assert llm.model_config.num_layers == (2, 1)[rank]
+        for kv, group in (("gpu", None), ("layer", None), ("head", 1)):
+            plan = plan_kv(llm.model_config, 64, policy=kv, group_size=group, gpu_budget=None, dtype_bytes=4)
+            store, _ = llm.make_store(plan, 64)
+            staged = []
+            for s in range(0, ids.shape[0], CHUNK):  # drive's prefill chunks
+                part = ids[s : s + CHUNK]
+                store.begin_step(part.shape[0])
+                staged.append(llm.model(part, store, logits_at=torch.arange(part.shape[0])))
+                store.end_step()
+            if rank == 1:
+                prefill_logits = ref_logits[: -len(ref_tokens)]
+                assert all(torch.equal(a, b) for a, b in zip(staged, prefill_logits, strict=True)), kv
         llm.close()
         results.put((rank, printed.getvalue(), None))
     except BaseException as e:
@@ -167,7 +204,7 @@ def test_ranks_started_like_torchrun_print_once_agree_bitwise_and_match_one_proc
     one = json.loads(capsys.readouterr().out)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    ports = (_free_port(), _free_port())
+    ports = (_free_port(), _free_port(), _free_port())
     args = (ports, str(folder), str(text_model), results)
     procs = [ctx.Process(target=_torchrun_rank, args=(r, *args)) for r in (0, 1)]
     for p in procs:

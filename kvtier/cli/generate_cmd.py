@@ -84,8 +84,8 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def tp_note(plan: dict[str, object]) -> str:
-    """', per rank of N' for a tensor-parallel run's stats line (they are rank 0's), else ''."""
-    ranks = plan.get("tensor_parallel")
+    """' per rank of N' for a run over N ranks' stats line (they are rank 0's), else ''."""
+    ranks = plan.get("tensor_parallel") or plan.get("pipeline_parallel")
     return f" per rank of {ranks}" if ranks else ""
 
 

@@ -190,7 +190,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_option(p: argparse.ArgumentParser) -> None:
-    """--tensor-parallel N (`generate`): the model split over N ranks by KV heads."""
+    """--tensor-parallel N / --pipeline-parallel N (`generate`): the model over N ranks."""
     p.add_argument(
         "--tensor-parallel",
         type=int_type("--tensor-parallel"),
@@ -199,6 +199,15 @@ def add_parallel_option(p: argparse.ArgumentParser) -> None:
         help="split the model over N GPUs by KV heads: each rank holds its heads' weights and KV in "
         "its own GPU and host tiers, streamed over its own link; --gpu-memory is per GPU. Started "
         "here, or by `torchrun --nproc-per-node N -m kvtier generate` (default: torchrun's N, else 1)",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=int_type("--pipeline-parallel"),
+        default=None,
+        metavar="N",
+        help="split the model into N stages of contiguous layers instead, one per GPU, each with its "
+        "layers' KV in its own tiers; the stages run one after the other (more memory, not more "
+        "bandwidth). Started here or by torchrun, as --tensor-parallel",
     )
 
 
@@ -255,6 +264,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "cpu_attention": args.cpu_attention,
         "tensor_parallel": getattr(args, "tensor_parallel", None),
+        "pipeline_parallel": getattr(args, "pipeline_parallel", None),
         **method_kwargs(args),
     }
 
@@ -266,23 +276,29 @@ def check_before_loading(args: argparse.Namespace) -> None:
     Runs the planner for a one-token context on the model's config alone (no weights read; a GGUF
     file's metadata or cached config). Any longer context needs at least as much, so this never
     rejects a run the engine would take. Without either option there is nothing to check.
-    Under tensor parallelism (--tensor-parallel, or torchrun's ranks) the check is of one rank's
-    shard (`kvtier.planner.sharding.rank_config`), and a size that cannot split the model fails.
+    Over several ranks (--tensor-parallel, --pipeline-parallel, or torchrun's ranks) the check is
+    of one rank's part (`kvtier.planner.sharding`: a shard, or the first and largest stage), and a
+    size that cannot split the model fails.
     """
+    from kvtier.config import ModelConfig
+    from kvtier.loading.resolve import read_model_config
     from kvtier.parallel.group import launched_world_size
-    from kvtier.planner.sharding import rank_config
+    from kvtier.planner.sharding import rank_config, stage_config
 
-    ranks = getattr(args, "tensor_parallel", None) or launched_world_size() or 1
+    pipeline = (getattr(args, "pipeline_parallel", None) or 1) > 1
+    asked = args.pipeline_parallel if pipeline else getattr(args, "tensor_parallel", None)
+    ranks = asked or launched_world_size() or 1
+
+    def of_rank(cfg: ModelConfig) -> ModelConfig:
+        return stage_config(cfg, ranks, 0) if pipeline else rank_config(cfg, ranks)
+
     if ranks > 1:
-        from kvtier.loading.resolve import read_model_config
-
-        rank_config(read_model_config(args.model), ranks)  # ConfigError before any process starts
+        of_rank(read_model_config(args.model))  # ConfigError before any process starts
     if args.gpu_memory is None and args.head_group is None:
         return
     import torch
 
     from kvtier.engine.config import EngineConfig
-    from kvtier.loading.resolve import read_model_config
     from kvtier.methods import MethodChoice, PlanInputs, plan_for
     from kvtier.planner.hardware import detect_hardware
     from kvtier.planner.memory import weight_bytes
@@ -298,7 +314,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = rank_config(read_model_config(args.model), ranks)
+    cfg = of_rank(read_model_config(args.model))
     weights = weight_bytes(cfg, itemsize)
     if config.gpu_memory is not None and weights > config.gpu_memory:
         raise CapacityError(

@@ -19,6 +19,7 @@ from kvtier.cli.options import (
     size_type,
     text_type,
 )
+from kvtier.cli.plan_parallel import format_parallel, parallel_lines, rank_of
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, ModelLoadError
 from kvtier.loading.gguf import gguf_model_config, is_gguf_file
@@ -28,8 +29,8 @@ from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
 from kvtier.planner.placement import POLICIES, KVPlan
-from kvtier.planner.report import PlanReport, PlanRequest, build_report, format_report, report_json
-from kvtier.planner.sharding import rank_config, rank_host_budget
+from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
+from kvtier.planner.sharding import rank_host_budget
 from kvtier.units import parse_count
 
 
@@ -165,6 +166,13 @@ def add_parser(subparsers: Any) -> None:
         help="plan one of N tensor-parallel ranks (its KV heads, weights and KV tiers): --gpu-memory "
         "is one rank's GPU, --host-memory the machine's, split evenly; no CPU co-attention",
     )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=int_type("--pipeline-parallel"),
+        default=1,
+        metavar="N",
+        help="plan the first (largest) of N pipeline stages instead, as --tensor-parallel",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
     p.add_argument(
         "--plot",
@@ -212,8 +220,8 @@ def _config_json_file(path: Path) -> ModelConfig:
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
     """Parse and check the options (ConfigError / ModelLoadError on bad input)."""
-    ranks = getattr(args, "tensor_parallel", 1)
-    cfg = rank_config(resolve_model(args.model), ranks)
+    whole = resolve_model(args.model)
+    cfg, ranks, label = rank_of(args, whole)
     hw = hardware_preset(
         args.gpu,
         tflops=args.tflops,
@@ -226,7 +234,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     assert host is not None
     return PlanRequest(
         cfg=cfg,
-        model=args.model if ranks == 1 else f"{args.model} (one rank of {ranks})",
+        model=args.model if ranks == 1 else f"{args.model} ({label})",
         context=args.context,
         gpu_budget=gpu,
         host_budget=host,
@@ -308,60 +316,17 @@ def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] |
     }
 
 
-def parallel_lines(args: argparse.Namespace, rep: PlanReport) -> dict[str, Any] | None:
-    """What --tensor-parallel N adds: the split, and the plan's streaming over all N links
-    (None for one rank)."""
-    ranks = int(getattr(args, "tensor_parallel", 1))
-    if ranks == 1:
-        return None
-    req, whole = rep.request, resolve_model(args.model)
-    out: dict[str, Any] = {
-        "ranks": ranks,
-        "query_heads_per_rank": req.cfg.num_heads,
-        "kv_heads_per_rank": req.cfg.num_kv_heads,
-        "mlp_width_per_rank": req.cfg.intermediate_size,
-        "gpu_memory_per_rank_gb": req.gpu_budget / 1e9,
-        "host_memory_per_rank_gb": req.host_budget / 1e9,
-        "all_reduce_gb_per_decode_token": 2 * whole.num_layers * whole.hidden_size * req.dtype_bytes / 1e9,
-    }
-    if rep.plan is not None and rep.decode is not None:
-        per_rank = rep.plan.pcie_bytes_per_decode_token
-        out.update(
-            host_kv_all_ranks_gb=ranks * rep.plan.host_kv_bytes / 1e9,
-            pcie_gb_per_decode_token_all_ranks=ranks * per_rank / 1e9,
-            decode_s_per_token=rep.decode.total_s,
-        )
-    return out
-
-
-def format_parallel(p: dict[str, Any]) -> str:
-    """The --tensor-parallel lines of the plain-text report."""
-    text = (
-        f"\ntensor parallel: {p['ranks']} ranks, each with {p['query_heads_per_rank']} query / "
-        f"{p['kv_heads_per_rank']} KV heads and {p['mlp_width_per_rank']:,} MLP channels on its own GPU "
-        f"and 1/{p['ranks']} of the host memory: every number above is one rank's"
-    )
-    if "pcie_gb_per_decode_token_all_ranks" in p:
-        text += (
-            f"\n  all ranks: {p['pcie_gb_per_decode_token_all_ranks']:.3f} GB over {p['ranks']} links "
-            f"per decode token, in parallel (~{p['decode_s_per_token']:.4g} s/token), plus 2 all-reduces "
-            f"per layer ({p['all_reduce_gb_per_decode_token'] * 1e3:.2f} MB per decode token, not in "
-            "the estimate)"
-        )
-    return text
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
     req = build_request(args)
     rep = build_report(req)
     lossy = lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity)
     hip = hip_lines(req, args.attention, args.hip_preset) if rep.plan is not None else None
-    parallel = parallel_lines(args, rep)
+    parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)
         if parallel:
-            out["tensor_parallel"] = parallel
+            out[parallel["kind"]] = parallel
         if lossy:
             out["lossy"] = lossy
         if hip:

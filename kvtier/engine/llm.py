@@ -30,7 +30,7 @@ from kvtier.parallel.spawn import Workers, start_ranks
 from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
 from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
-from kvtier.planner.sharding import check_tensor_parallel, rank_host_budget
+from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
 from kvtier.policies import PolicyParts
 
 Prompt = str | list[int]
@@ -60,6 +60,8 @@ class LLM:
     plain process this LLM becomes rank 0 and starts ranks 1..N-1 itself (`close()` stops them);
     under `torchrun --nproc-per-node N` every process builds its LLM (None: as launched) and
     calls `generate` with the same arguments. Lossless methods only, prompts one at a time.
+    `pipeline_parallel=N` instead splits it into N stages of contiguous layers
+    (`kvtier.parallel.pipeline`), launched the same ways.
     """
 
     def __init__(
@@ -83,10 +85,12 @@ class LLM:
         head_sparsity: float | None = None,
         cpu_attention: str | int = "off",
         tensor_parallel: int | None = None,
+        pipeline_parallel: int | None = None,
     ) -> None:
         options = dict(locals())  # NOTE: first, so it holds the arguments alone (ranks 1..N-1 get them)
         del options["self"]
         self.collectives_started = False  # whether the current generate call has run the model
+        self.pipeline = False  # ranks are pipeline stages (else tensor-parallel shards)
         self.config = EngineConfig.with_sizes(
             gpu_memory,
             device=device,
@@ -122,7 +126,9 @@ class LLM:
                 self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
             else:
                 with self.parallel.agree("loading the model"):
-                    self.loaded = load_rank_model(model, self.parallel, self.device, self.dtype, seed)
+                    self.loaded = load_rank_model(
+                        model, self.parallel, self.device, self.dtype, seed, pipeline=self.pipeline
+                    )
         except BaseException:
             if self._workers is not None:
                 self._workers.close(timeout_s=5.0, notify=False)
@@ -134,23 +140,27 @@ class LLM:
         self.method.build(self.model_config, self.device, self.loaded.model)
 
     def _start_ranks(self, options: dict[str, Any]) -> tuple[RankGroup | None, Workers | None]:
-        """This LLM's tensor-parallel rank group (None: one process) and the workers it started
-        (rank 0 outside torchrun). The split is checked on the model's config before any process
-        starts."""
-        size = options["tensor_parallel"]
+        """This LLM's rank group (None: one process) and the workers it started (rank 0 outside
+        torchrun); sets `self.pipeline` (stages, not tensor-parallel shards). The split is checked
+        on the model's config before any process starts."""
+        tp, pp = options["tensor_parallel"] or 1, options["pipeline_parallel"] or 1
+        if tp > 1 and pp > 1:
+            raise ConfigError("--tensor-parallel and --pipeline-parallel cannot be combined yet; choose one")
+        self.pipeline = pp > 1
+        size = options["pipeline_parallel"] if self.pipeline else options["tensor_parallel"]
         launched = launched_world_size() or 1
         if size in (None, 1) and launched == 1:
             return None, None
-        n = size or launched
-        check_tensor_parallel(read_model_config(options["model"]), n)
+        check = check_pipeline_parallel if self.pipeline else check_tensor_parallel
+        check(read_model_config(options["model"]), size or launched)
         if not self.method.lossless:
             raise ConfigError(
-                "tensor parallelism runs the lossless placements (--kv gpu, layer, head, auto) only "
-                "for now; drop the lossy method options"
+                "tensor and pipeline parallelism run the lossless placements (--kv gpu, layer, head, "
+                "auto) only for now; drop the lossy method options"
             )
         if self.config.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(
-                f"--device {self.config.device!r}: under tensor parallelism rank r runs on cuda:r of its "
+                f"--device {self.config.device!r}: with several ranks, rank r runs on cuda:r of its "
                 "machine; pass --device cuda (or auto, or cpu)"
             )
         group, workers = start_ranks(size, self.device.type, LLM, options)
@@ -160,8 +170,13 @@ class LLM:
 
     @property
     def tensor_parallel(self) -> int:
-        """The number of ranks the model is split over (1: one process)."""
-        return 1 if self.parallel is None else self.parallel.size
+        """The number of tensor-parallel ranks the model is split over (1: none)."""
+        return 1 if self.parallel is None or self.pipeline else self.parallel.size
+
+    @property
+    def pipeline_parallel(self) -> int:
+        """The number of pipeline stages the model is split into (1: none)."""
+        return self.parallel.size if self.parallel is not None and self.pipeline else 1
 
     @property
     def is_rank0(self) -> bool:
@@ -350,7 +365,7 @@ class LLM:
         chosen = self.resolve_method(method)
         if self.parallel is not None and not chosen.lossless:
             raise ConfigError(
-                f"tensor parallelism runs the lossless placements only for now; method {method!r} is lossy"
+                f"several ranks run the lossless placements only for now; method {method!r} is lossy"
             )
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -498,14 +513,12 @@ class LLM:
         self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool, method: MethodChoice
     ) -> RequestOutput:
         context = len(ids) + params.max_tokens
-        placement = self.placement(context, method)
-        plan = placement.plan
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        store, parts = self.make_store(plan, context, placement.cache_tokens, method)
+        plan, store, parts = self._plan_and_store(context, method)
         sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, self.device)
-        if self.parallel is not None:
-            sampler = self.parallel.synced(sampler)
+        if self.parallel is not None:  # the last stage's logits are the model's
+            sampler = self.parallel.synced(sampler, src=self.parallel.size - 1 if self.pipeline else 0)
         self.collectives_started = True  # from here on an error may leave other ranks in a collective
         try:
             tokens, stats = generate_tokens(
@@ -533,9 +546,28 @@ class LLM:
         stats.plan = {**asdict(plan), "method": parts.describe}
         if self.parallel is not None:
             # NOTE: the plan, peaks and PCIe bytes are this rank's; every rank has the same plan.
-            stats.plan["tensor_parallel"] = self.parallel.size
+            stats.plan["pipeline_parallel" if self.pipeline else "tensor_parallel"] = self.parallel.size
         text, reason = self._finish(tokens, params)
         return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
+
+    def _plan_and_store(
+        self, context: int, method: MethodChoice
+    ) -> tuple[KVPlan, TieredKVStore, PolicyParts]:
+        """One request's plan and store. Over several ranks every rank plans its own part, and
+        they agree: a plan or store that fails on one rank (pipeline stages differ) fails on all,
+        before any collective, and all run the smallest rank's prefill chunk."""
+        if self.parallel is None:
+            placement = self.placement(context, method)
+            store, parts = self.make_store(placement.plan, context, placement.cache_tokens, method)
+            return placement.plan, store, parts
+        with self.parallel.agree("planning the request"):
+            placement = self.placement(context, method)
+        # NOTE: a stage sends its chunk's hidden states to the next: the spans must be the same.
+        chunk = min(self.parallel.all_gather_object(placement.plan.chunk_size))
+        plan = replace(placement.plan, chunk_size=chunk)
+        with self.parallel.agree("allocating the KV store"):
+            store, parts = self.make_store(plan, context, placement.cache_tokens, method)
+        return plan, store, parts
 
     def _stopper(self, params: SamplingParams) -> Any:
         eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)

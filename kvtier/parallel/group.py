@@ -109,12 +109,12 @@ class RankGroup:
         dist.broadcast(t, src)
         return t
 
-    def synced(self, sample: Sample) -> Sample:
-        """`sample` (logits -> token id, a 0-d tensor), with rank 0's token on every rank: each
-        rank then feeds the same token, whatever its sampler's seed drew."""
+    def synced(self, sample: Sample, src: int = 0) -> Sample:
+        """`sample` (logits -> token id, a 0-d tensor), with rank `src`'s token on every rank:
+        each rank then feeds the same token, whatever its own logits or sampler's seed gave."""
 
         def sample_synced(logits: torch.Tensor) -> torch.Tensor:
-            return self.broadcast_(sample(logits).contiguous())
+            return self.broadcast_(sample(logits).contiguous(), src)
 
         return sample_synced
 
@@ -149,8 +149,8 @@ class RankGroup:
             if report is not None:
                 cls, message = report
                 if isinstance(cls, type) and issubclass(cls, KvtierError):
-                    raise cls(f"{message} (tensor-parallel rank {rank}, {what})")
-                raise RuntimeError(f"tensor-parallel rank {rank} failed ({what}): {cls.__name__}: {message}")
+                    raise cls(f"{message} (rank {rank} of {self.size}, {what})")
+                raise RuntimeError(f"rank {rank} of {self.size} failed ({what}): {cls.__name__}: {message}")
 
     def close(self) -> None:
         """Leave the group: destroys torch.distributed's default group if joining made it, and

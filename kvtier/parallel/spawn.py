@@ -43,14 +43,14 @@ def start_ranks(
 
     - started as a rank (torchrun, a kvtier worker): its group; no workers.
     - a plain process and size > 1: rank 0 of workers started here, each running
-      `factory(**kwargs, tensor_parallel=size)`.
+      `factory(**kwargs)` (which asks for the same size).
     - a plain process (or a launch of one process) and size None or 1: (None, None), no ranks.
     """
     launched = launched_world_size()
     if launched is None or (launched == 1 and size in (None, 1)):
         if size is None or size == 1:
             return None, None
-        workers = start_workers(size, device_type, factory, {**kwargs, "tensor_parallel": size})
+        workers = start_workers(size, device_type, factory, kwargs)
         try:
             workers.group = join(size, device_type)
         except BaseException:

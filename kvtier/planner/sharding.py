@@ -1,5 +1,5 @@
-"""The model one tensor-parallel rank holds, as a `ModelConfig`, so that every formula and the
-placement planner apply to a rank unchanged.
+"""The model one tensor-parallel rank (or pipeline stage) holds, as a `ModelConfig`, so that
+every formula and the placement planner apply to a rank unchanged.
 
 With N ranks each rank owns num_kv_heads / N KV heads with their query heads and
 intermediate_size / N MLP channels (Megatron's column / row split); embeddings, norms and the
@@ -7,6 +7,9 @@ LM head are whole on every rank. A config with those three fields divided is exa
 module: its parameter count is the rank's weights, its KV heads are the rank's slices, its
 activations are the rank's (q, k, v and the MLP's [T, I] buffers split, the [T, hidden]
 residual whole). The planner plans a rank by planning this config on one GPU's budget.
+
+A pipeline stage holds a contiguous run of layers (`stage_layers`): its config is the model's
+with those layers only.
 """
 
 from __future__ import annotations
@@ -59,3 +62,27 @@ def rank_config(cfg: ModelConfig, size: int) -> ModelConfig:
 def rank_host_budget(host_budget: int | None, size: int) -> int | None:
     """One rank's share of the host memory: the ranks of one machine split it evenly."""
     return None if host_budget is None else host_budget // size
+
+
+def stage_layers(num_layers: int, size: int, rank: int) -> range:
+    """The decoder layers of pipeline stage `rank` of `size`: contiguous, in order; the first
+    num_layers % size stages take one layer more."""
+    base, extra = divmod(num_layers, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def check_pipeline_parallel(cfg: ModelConfig, size: int) -> None:
+    """ConfigError unless `size` stages can each take at least one of `cfg`'s layers."""
+    if not 1 <= size <= cfg.num_layers:
+        raise ConfigError(
+            f"--pipeline-parallel {size} must be between 1 and the model's {cfg.num_layers} layers "
+            "(each stage holds at least one)"
+        )
+
+
+def stage_config(cfg: ModelConfig, size: int, rank: int) -> ModelConfig:
+    """The config of pipeline stage `rank` of `size`: its layers (embeddings, final norm and LM
+    head are on every stage, so its parameter count is the stage's weights)."""
+    check_pipeline_parallel(cfg, size)
+    return replace(cfg, num_layers=len(stage_layers(cfg.num_layers, size, rank)))
