@@ -286,3 +286,19 @@ def test_plan_prints_the_first_pipeline_stage(capsys: pytest.CaptureFixture[str]
     assert doc["pipeline_parallel"]["layers_per_stage"] == [27, 27, 26]
     assert main(["plan", *args, "--pipeline-parallel", "2", "--tensor-parallel", "2"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_a_stage_keeps_its_per_layer_switches() -> None:
+    from kvtier.planner.sharding import stage_config, stage_layers
+
+    gemma = preset_config("gemma-2-2b")  # 26 layers, sliding-window attention on the even ones
+    assert gemma.sliding_layers == tuple(range(0, 26, 2))
+    stage = stage_config(gemma, 3, 1)  # layers 9..17: sliding on 10, 12, 14, 16
+    assert stage_layers(26, 3, 1) == range(9, 18)
+    assert stage.sliding_layers == (1, 3, 5, 7)
+    deepseek = preset_config("deepseek-v2-lite")  # its first layer keeps a dense MLP
+    assert deepseek.moe is not None and deepseek.moe.first_dense == 1
+    firsts = [stage_config(deepseek, 3, r).moe for r in range(3)]
+    assert [m.first_dense for m in firsts if m is not None] == [1, 0, 0]
+    with pytest.raises(ConfigError, match=r"latent attention.*use --pipeline-parallel"):
+        rank_config(deepseek, 2)

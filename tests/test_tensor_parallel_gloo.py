@@ -138,52 +138,67 @@ def _one_process(folder: str, ids: torch.Tensor) -> tuple[list[torch.Tensor], li
     return drive(whole, store, ids, CHUNK, decode=6)
 
 
-def _torchrun_rank(rank: int, ports: tuple[int, ...], folder: str, text_model: str, results: Any) -> None:
+def _prefill_logits(llm: LLM, plan: Any, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every position's logits of `drive`'s prefill chunks of `ids`, over a store of `plan`."""
+    store, _ = llm.make_store(plan, 64)
+    out = []
+    for s in range(0, ids.shape[0], CHUNK):
+        part = ids[s : s + CHUNK]
+        store.begin_step(part.shape[0])
+        out.append(llm.model(part, store, logits_at=torch.arange(part.shape[0])))
+        store.end_step()
+    return out
+
+
+def _check_tensor_parallel(llm: LLM, folder: str, ids: torch.Tensor) -> None:
+    """2 tensor-parallel ranks: the placements agree bitwise, both ranks feed the same tokens,
+    one process's whole model gives the same tokens and logits within 1e-5."""
+    runs = {}
+    for kv, group in (("gpu", None), ("layer", None), ("head", 1), ("auto", None)):
+        plan = plan_kv(llm.model_config, 64, policy=kv, group_size=group, gpu_budget=None, dtype_bytes=4)
+        store, _ = llm.make_store(plan, 64)
+        runs[kv] = drive(llm.model, store, ids, CHUNK, decode=6)
+    logits, tokens = runs["gpu"]
+    for kv, (other_logits, other_tokens) in runs.items():
+        assert other_tokens == tokens, kv
+        assert all(torch.equal(a, b) for a, b in zip(logits, other_logits, strict=True)), kv
+    assert llm.parallel is not None and llm.parallel.all_gather_object(tokens) == [tokens, tokens]
+    ref_logits, ref_tokens = _one_process(folder, ids)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _check_pipeline(llm: LLM, folder: str, ids: torch.Tensor) -> None:
+    """2 pipeline stages: the last stage's prefill logits are one process's, bit for bit (the
+    same products in the same order; only the layers sit in two processes)."""
+    ref_logits, ref_tokens = _one_process(folder, ids)
+    for kv, group in (("gpu", None), ("layer", None), ("head", 1)):
+        plan = plan_kv(llm.model_config, 64, policy=kv, group_size=group, gpu_budget=None, dtype_bytes=4)
+        staged = _prefill_logits(llm, plan, ids)
+        if llm.parallel is not None and llm.parallel.rank == 1:
+            prefill = ref_logits[: -len(ref_tokens)]
+            assert all(torch.equal(a, b) for a, b in zip(staged, prefill, strict=True)), (folder, kv)
+
+
+def _torchrun_rank(
+    rank: int, ports: list[int], runs: list[tuple[str, str]], text_model: str, results: Any
+) -> None:
     """One of 2 ranks started as torchrun starts them (its environment): `kvtier generate` as
-    torchrun runs it, then the placements' logits over the rank's own stores, as 2 tensor-parallel
-    ranks and as 2 pipeline stages."""
+    torchrun runs it, then for each (mode, folder) of `runs` the logits over the rank's own
+    stores, as 2 tensor-parallel ranks or 2 pipeline stages."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     try:
         os.environ["MASTER_PORT"] = str(ports[0])
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             assert main(["generate", "--model", text_model, *TEXT_ARGS]) == 0
-        os.environ["MASTER_PORT"] = str(ports[1])
-        llm = LLM(folder, device="cpu")  # joins the 2 ranks its environment describes
         ids = torch.tensor(prompts()[0])
-        runs = {}
-        for kv, group in (("gpu", None), ("layer", None), ("head", 1), ("auto", None)):
-            plan = plan_kv(llm.model_config, 64, policy=kv, group_size=group, gpu_budget=None, dtype_bytes=4)
-            store, _ = llm.make_store(plan, 64)
-            runs[kv] = drive(llm.model, store, ids, CHUNK, decode=6)
-        logits, tokens = runs["gpu"]
-        for kv, (other_logits, other_tokens) in runs.items():  # the placements agree bitwise
-            assert other_tokens == tokens, kv
-            assert all(torch.equal(a, b) for a, b in zip(logits, other_logits, strict=True)), kv
-        assert llm.parallel is not None and llm.parallel.all_gather_object(tokens) == [tokens, tokens]
-        ref_logits, ref_tokens = _one_process(folder, ids)
-        assert tokens == ref_tokens  # one process, the whole model: the same tokens, logits to rounding
-        for a, b in zip(logits, ref_logits, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        llm.close()
-        # Two pipeline stages: the last one's prefill logits are one process's, bit for bit (the
-        # same products in the same order; only the layers sit in two processes).
-        os.environ["MASTER_PORT"] = str(ports[2])
-        llm = LLM(folder, device="cpu", pipeline_parallel=2)
-        assert llm.model_config.num_layers == (2, 1)[rank]
-        for kv, group in (("gpu", None), ("layer", None), ("head", 1)):
-            plan = plan_kv(llm.model_config, 64, policy=kv, group_size=group, gpu_budget=None, dtype_bytes=4)
-            store, _ = llm.make_store(plan, 64)
-            staged = []
-            for s in range(0, ids.shape[0], CHUNK):  # drive's prefill chunks
-                part = ids[s : s + CHUNK]
-                store.begin_step(part.shape[0])
-                staged.append(llm.model(part, store, logits_at=torch.arange(part.shape[0])))
-                store.end_step()
-            if rank == 1:
-                prefill_logits = ref_logits[: -len(ref_tokens)]
-                assert all(torch.equal(a, b) for a, b in zip(staged, prefill_logits, strict=True)), kv
-        llm.close()
+        for port, (mode, folder) in zip(ports[1:], runs, strict=True):
+            os.environ["MASTER_PORT"] = str(port)
+            llm = LLM(folder, device="cpu", **{f"{mode}_parallel": 2})  # joins the 2 ranks
+            (_check_tensor_parallel if mode == "tensor" else _check_pipeline)(llm, folder, ids)
+            llm.close()
         results.put((rank, printed.getvalue(), None))
     except BaseException as e:
         results.put((rank, "", f"{type(e).__name__}: {e}"))
@@ -198,14 +213,20 @@ def _free_port() -> int:
 
 
 def test_ranks_started_like_torchrun_print_once_agree_bitwise_and_match_one_process(
-    folder: Path, text_model: Path, capsys: pytest.CaptureFixture[str]
+    folder: Path, text_model: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """Also over Gemma-2 (sliding-window layers, soft-caps; its stage 1 starts at an odd layer)
+    and, as pipeline stages only, DeepSeek-V2 (latent attention, MoE after a dense layer)."""
+    for family in ("gemma2", "deepseek-v2"):
+        make_hf_model(family, tmp_path / family)
+    runs = [("tensor", str(folder)), ("tensor", str(tmp_path / "gemma2"))]
+    runs += [("pipeline", str(f)) for f in (folder, tmp_path / "gemma2", tmp_path / "deepseek-v2")]
     assert main(["generate", "--model", str(text_model), *TEXT_ARGS]) == 0
     one = json.loads(capsys.readouterr().out)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    ports = (_free_port(), _free_port(), _free_port())
-    args = (ports, str(folder), str(text_model), results)
+    ports = [_free_port() for _ in range(1 + len(runs))]
+    args = (ports, runs, str(text_model), results)
     procs = [ctx.Process(target=_torchrun_rank, args=(r, *args)) for r in (0, 1)]
     for p in procs:
         p.start()

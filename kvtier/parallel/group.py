@@ -94,6 +94,7 @@ class RankGroup:
     control: Any  # a gloo ProcessGroup for control messages
     owns_default: bool  # whether joining initialized torch.distributed (close() then destroys it)
     threads_before: int  # torch's CPU threads before joining (restored by close())
+    closed: bool = False
 
     @property
     def is_rank0(self) -> bool:
@@ -154,7 +155,10 @@ class RankGroup:
 
     def close(self) -> None:
         """Leave the group: destroys torch.distributed's default group if joining made it, and
-        gives torch its CPU threads back."""
+        gives torch its CPU threads back. Only the first call acts."""
+        if self.closed:
+            return
+        self.closed = True
         torch.set_num_threads(self.threads_before)
         if dist.is_initialized():
             dist.destroy_process_group(self.control)

@@ -69,6 +69,7 @@ class Workers:
         # Rank 0 failed while the ranks were running collectives: the workers may be waiting in
         # one, so close() stops them rather than sending them a call, and no call is sent again.
         self.broken = False
+        self.closed = False
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Make every worker run `obj.name(*args, **kwargs)` on its own object (results stay
@@ -81,7 +82,11 @@ class Workers:
 
     def close(self, timeout_s: float = 30.0, notify: bool = True) -> None:
         """Tell the workers to leave (unless `notify` is False: they are leaving already, after a
-        failed start), wait for them (terminating any that hang) and leave the group."""
+        failed start), wait for them (terminating any that hang) and leave the group. Only the
+        first call acts (a finalizer calls it again, maybe while another LLM's group is up)."""
+        if self.closed:
+            return
+        self.closed = True
         if notify and not self.broken and self.group is not None and dist.is_initialized() and self.alive():
             self.group.broadcast_object(None)
         for p in self.processes:

@@ -12,12 +12,12 @@ each in N contiguous blocks, block r):
 
 Query head j reads KV head j // q_per_kv, so rank r's query heads read exactly rank r's KV
 heads: attention (and the KV cache) needs no communication. Two all-reduces of [T, hidden]
-per layer are the only traffic.
+per layer are the only traffic. The Llama family's blocks and Gemma-2's (whose extra norms are
+whole on every rank) are cut alike; DeepSeek-V2's latent attention has no KV heads to split and
+is refused (`kvtier.planner.sharding.check_tensor_parallel`), as pipeline stages run it.
 """
 
 from __future__ import annotations
-
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,9 @@ from torch import nn
 
 from kvtier.config import ModelConfig
 from kvtier.loading.weights import random_model
-from kvtier.model.llama import CausalLM, DecoderLayer
+from kvtier.model.layers import GatedMLP
+from kvtier.model.llama import CausalLM
+from kvtier.model.self_attention import SelfAttention
 from kvtier.parallel.group import RankGroup
 from kvtier.planner.sharding import rank_config
 
@@ -103,9 +105,9 @@ def _parallelize_(model: CausalLM, cfg: ModelConfig, group: RankGroup, cut: bool
     and row-parallel weights when `cut`; else they already have the rank's shapes)."""
     rank, size = group.rank, group.size
     local = rank_config(cfg, size)
-    for block in model.model.layers:
-        layer = cast(DecoderLayer, block)
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp  # the Llama family's and Gemma-2's blocks
+        assert isinstance(attn, SelfAttention) and isinstance(mlp, GatedMLP), "checked by rank_config"
         if cut:
             for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
                 _narrow_rows_(linear, rank, size)

@@ -33,6 +33,11 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
     """ConfigError, saying which sizes work, unless `size` ranks can split `cfg`."""
     if size < 1:
         raise ConfigError(f"--tensor-parallel must be at least 1, got {size}")
+    if size > 1 and (cfg.mla is not None or cfg.moe is not None):
+        raise ConfigError(
+            f"--tensor-parallel splits KV heads; {cfg.model_type}'s latent attention caches one entry "
+            "shared by every head (and its experts are not split yet): use --pipeline-parallel"
+        )
     if cfg.num_kv_heads % size:
         raise ConfigError(
             f"--tensor-parallel {size} must divide the model's {cfg.num_kv_heads} KV heads (each rank "
@@ -82,7 +87,17 @@ def check_pipeline_parallel(cfg: ModelConfig, size: int) -> None:
 
 
 def stage_config(cfg: ModelConfig, size: int, rank: int) -> ModelConfig:
-    """The config of pipeline stage `rank` of `size`: its layers (embeddings, final norm and LM
-    head are on every stage, so its parameter count is the stage's weights)."""
+    """The config of pipeline stage `rank` of `size`: its layers, renumbered from 0 (embeddings,
+    final norm and LM head are on every stage, so its parameter count is the stage's weights).
+
+    NOTE: what is per layer moves with the layers: the sliding-window layers (Gemma-2's
+    alternation, Qwen2's windows) and the first MoE layer (DeepSeek's dense ones before it)."""
     check_pipeline_parallel(cfg, size)
-    return replace(cfg, num_layers=len(stage_layers(cfg.num_layers, size, rank)))
+    layers = stage_layers(cfg.num_layers, size, rank)
+    moe = cfg.moe and replace(cfg.moe, first_dense=max(0, cfg.moe.first_dense - layers.start))
+    return replace(
+        cfg,
+        num_layers=len(layers),
+        sliding_layers=tuple(i - layers.start for i in cfg.sliding_layers if i in layers),
+        moe=moe,
+    )
