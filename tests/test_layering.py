@@ -21,6 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"attention"}),  # the model <-> cache interface and exact kernels
     frozenset({"model", "planner"}),  # the pure decoder; byte formulas and placement
     frozenset({"kv", "loading"}),  # the tiered store; checkpoints
+    frozenset({"parallel"}),  # tensor parallelism: the transform, rank groups, spawned ranks
     frozenset({"policies", "sparse"}),  # the methods' parts: codecs, evictors, kernels
     frozenset({"methods"}),  # the method registry and plan_for
     frozenset({"engine"}),  # LLM and the generation loop

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvtier.cli.options import (
     add_method_options,
     add_model_options,
+    add_parallel_option,
     check_before_loading,
     decode_utf8,
     float_type,
@@ -57,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     add_model_options(p)
+    add_parallel_option(p)
     add_method_options(p)
     p.set_defaults(func=run)
 
@@ -81,6 +83,12 @@ def read_prompt(args: argparse.Namespace) -> str:
     return decode_utf8(data, source)
 
 
+def tp_note(plan: dict[str, object]) -> str:
+    """' per rank of N' for a run over N ranks' stats line (they are rank 0's), else ''."""
+    ranks = plan.get("tensor_parallel") or plan.get("pipeline_parallel")
+    return f" per rank of {ranks}" if ranks else ""
+
+
 def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     if not prompt.strip():
@@ -95,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
     )
     check_before_loading(args)
     llm = LLM(**llm_kwargs(args))
-    out = llm.generate(prompt, params, chat=args.chat, progress=True)[0]
+    try:
+        out = llm.generate(prompt, params, chat=args.chat, progress=llm.is_rank0)[0]
+    finally:
+        llm.close()
+    if not llm.is_rank0:
+        return 0  # NOTE: under torchrun every rank runs this command; rank 0 prints
     if args.json:
         print(json.dumps(out.to_dict()))
         return 0
@@ -105,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s; "
         f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s; kv={s.plan.get('policy')} "
-        f"group={s.plan.get('group_size')} resident={s.plan.get('resident_slices')}; peak {peaks}]",
+        f"group={s.plan.get('group_size')} resident={s.plan.get('resident_slices')}"
+        f"{tp_note(s.plan)}; peak {peaks}]",
         file=sys.stderr,
     )
     return 0

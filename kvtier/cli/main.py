@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         return int(args.func(args))
     except KvtierError as e:
-        print(f"kvtier: error: {e}", file=sys.stderr)
+        # NOTE: under torchrun every rank runs the command; ranks past 0 say which they are.
+        rank = os.environ.get("RANK", "0")
+        print(f"kvtier: error{'' if rank == '0' else f' (rank {rank})'}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)

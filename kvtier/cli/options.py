@@ -189,6 +189,28 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parallel_option(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel N / --pipeline-parallel N (`generate`): the model over N ranks."""
+    p.add_argument(
+        "--tensor-parallel",
+        type=int_type("--tensor-parallel"),
+        default=None,
+        metavar="N",
+        help="split the model over N GPUs by KV heads: each rank holds its heads' weights and KV in "
+        "its own GPU and host tiers, streamed over its own link; --gpu-memory is per GPU. Started "
+        "here, or by `torchrun --nproc-per-node N -m kvtier generate` (default: torchrun's N, else 1)",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=int_type("--pipeline-parallel"),
+        default=None,
+        metavar="N",
+        help="split the model into N stages of contiguous layers instead, one per GPU, each with its "
+        "layers' KV in its own tiers; the stages run one after the other (more memory, not more "
+        "bandwidth). Started here or by torchrun, as --tensor-parallel",
+    )
+
+
 def _method_help(family: str) -> str:
     names = [n for n in choices(family) if n in REGISTRY]
     listed = "; ".join(f"{n}: {REGISTRY[n].help}" for n in names)
@@ -241,6 +263,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "seed": args.seed,
         "cpu_attention": args.cpu_attention,
+        "tensor_parallel": getattr(args, "tensor_parallel", None),
+        "pipeline_parallel": getattr(args, "pipeline_parallel", None),
         **method_kwargs(args),
     }
 
@@ -252,13 +276,29 @@ def check_before_loading(args: argparse.Namespace) -> None:
     Runs the planner for a one-token context on the model's config alone (no weights read; a GGUF
     file's metadata or cached config). Any longer context needs at least as much, so this never
     rejects a run the engine would take. Without either option there is nothing to check.
+    Over several ranks (--tensor-parallel, --pipeline-parallel, or torchrun's ranks) the check is
+    of one rank's part (`kvtier.planner.sharding`: a shard, or the first and largest stage), and a
+    size that cannot split the model fails.
     """
+    from kvtier.config import ModelConfig
+    from kvtier.loading.resolve import read_model_config
+    from kvtier.parallel.group import launched_world_size
+    from kvtier.planner.sharding import rank_config, stage_config
+
+    pipeline = (getattr(args, "pipeline_parallel", None) or 1) > 1
+    asked = args.pipeline_parallel if pipeline else getattr(args, "tensor_parallel", None)
+    ranks = asked or launched_world_size() or 1
+
+    def of_rank(cfg: ModelConfig) -> ModelConfig:
+        return stage_config(cfg, ranks, 0) if pipeline else rank_config(cfg, ranks)
+
+    if ranks > 1:
+        of_rank(read_model_config(args.model))  # ConfigError before any process starts
     if args.gpu_memory is None and args.head_group is None:
         return
     import torch
 
     from kvtier.engine.config import EngineConfig
-    from kvtier.loading.resolve import read_model_config
     from kvtier.methods import MethodChoice, PlanInputs, plan_for
     from kvtier.planner.hardware import detect_hardware
     from kvtier.planner.memory import weight_bytes
@@ -274,12 +314,13 @@ def check_before_loading(args: argparse.Namespace) -> None:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = read_model_config(args.model)
+    cfg = of_rank(read_model_config(args.model))
     weights = weight_bytes(cfg, itemsize)
     if config.gpu_memory is not None and weights > config.gpu_memory:
         raise CapacityError(
             f"--gpu-memory {format_bytes(config.gpu_memory)} is smaller than the model's weights alone "
-            f"({format_bytes(weights)} in {str(dtype).removeprefix('torch.')}); use a larger --gpu-memory"
+            f"({format_bytes(weights)} in {str(dtype).removeprefix('torch.')}"
+            f"{f', one rank of {ranks}' if ranks > 1 else ''}); use a larger --gpu-memory"
         )
     method = MethodChoice(kv=args.kv, head_group=args.head_group)
     inputs = PlanInputs(

@@ -19,6 +19,7 @@ from kvtier.cli.options import (
     size_type,
     text_type,
 )
+from kvtier.cli.plan_parallel import format_parallel, parallel_lines, rank_of
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, ModelLoadError
 from kvtier.loading.gguf import gguf_model_config, is_gguf_file
@@ -29,6 +30,7 @@ from kvtier.planner.memory import DTYPE_BYTES
 from kvtier.planner.methods import ACTIVATION_MODELS
 from kvtier.planner.placement import POLICIES, KVPlan
 from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
+from kvtier.planner.sharding import rank_host_budget
 from kvtier.units import parse_count
 
 
@@ -156,6 +158,21 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--hip-preset", type=OPTIONS["hip_preset"].parse, default="default", help=OPTIONS["hip_preset"].help
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int_type("--tensor-parallel"),
+        default=1,
+        metavar="N",
+        help="plan one of N tensor-parallel ranks (its KV heads, weights and KV tiers): --gpu-memory "
+        "is one rank's GPU, --host-memory the machine's, split evenly; no CPU co-attention",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=int_type("--pipeline-parallel"),
+        default=1,
+        metavar="N",
+        help="plan the first (largest) of N pipeline stages instead, as --tensor-parallel",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (GB = 1e9 bytes)")
     p.add_argument(
         "--plot",
@@ -203,7 +220,8 @@ def _config_json_file(path: Path) -> ModelConfig:
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
     """Parse and check the options (ConfigError / ModelLoadError on bad input)."""
-    cfg = resolve_model(args.model)
+    whole = resolve_model(args.model)
+    cfg, ranks, label = rank_of(args, whole)
     hw = hardware_preset(
         args.gpu,
         tflops=args.tflops,
@@ -212,12 +230,14 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         cpu_attention_bw=args.cpu_attention_bw,
     )
     gpu = hw.memory_bytes if args.gpu_memory is None else args.gpu_memory
+    host = rank_host_budget(args.host_memory, ranks)
+    assert host is not None
     return PlanRequest(
         cfg=cfg,
-        model=args.model,
+        model=args.model if ranks == 1 else f"{args.model} ({label})",
         context=args.context,
         gpu_budget=gpu,
-        host_budget=args.host_memory,
+        host_budget=host,
         disk_budget=args.disk,
         dtype_bytes=DTYPE_BYTES[args.dtype],
         hardware=hw,
@@ -226,7 +246,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         policy=args.policy,
         block_size=args.block_size,
         activation_model=args.activations,
-        cpu_attention=args.cpu_attention,
+        cpu_attention=args.cpu_attention if ranks == 1 else "off",  # NOTE: one CPU, N ranks: not modelled
     )
 
 
@@ -302,8 +322,11 @@ def run(args: argparse.Namespace) -> int:
     rep = build_report(req)
     lossy = lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity)
     hip = hip_lines(req, args.attention, args.hip_preset) if rep.plan is not None else None
+    parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)
+        if parallel:
+            out[parallel["kind"]] = parallel
         if lossy:
             out["lossy"] = lossy
         if hip:
@@ -311,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_report(rep))
+        if parallel:
+            print(format_parallel(parallel))
         if lossy:
             print(
                 f"\nwith {lossy['method']}: {lossy['resident_slices']}/{lossy['num_slices']} slices "

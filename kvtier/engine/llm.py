@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
@@ -17,14 +18,19 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import GenerationStats, RequestOutput
 from kvtier.engine.runner import generate_tokens, prefill_spans
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import CapacityError, ConfigError, PromptError
+from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
+from kvtier.loading.resolve import read_model_config
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
 from kvtier.model.llama import CausalLM
+from kvtier.parallel.group import RankGroup, launched_world_size
+from kvtier.parallel.load import load_rank_model
+from kvtier.parallel.spawn import Workers, start_ranks
 from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
 from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
+from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
 from kvtier.policies import PolicyParts
 
 Prompt = str | list[int]
@@ -48,6 +54,14 @@ class LLM:
     its CUDA path has run on a GPU). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
+
+    `tensor_parallel=N` splits the model over N ranks by KV heads (`kvtier.parallel`), each with
+    its own GPU, KV tiers and plan (`gpu_memory` is per GPU; host memory is split evenly). In a
+    plain process this LLM becomes rank 0 and starts ranks 1..N-1 itself (`close()` stops them);
+    under `torchrun --nproc-per-node N` every process builds its LLM (None: as launched) and
+    calls `generate` with the same arguments. Lossless methods only, prompts one at a time.
+    `pipeline_parallel=N` instead splits it into N stages of contiguous layers
+    (`kvtier.parallel.pipeline`), launched the same ways.
     """
 
     def __init__(
@@ -70,7 +84,13 @@ class LLM:
         kv_budget: int | None = None,
         head_sparsity: float | None = None,
         cpu_attention: str | int = "off",
+        tensor_parallel: int | None = None,
+        pipeline_parallel: int | None = None,
     ) -> None:
+        options = dict(locals())  # NOTE: first, so it holds the arguments alone (ranks 1..N-1 get them)
+        del options["self"]
+        self.collectives_started = False  # whether the current generate call has run the model
+        self.pipeline = False  # ranks are pipeline stages (else tensor-parallel shards)
         self.config = EngineConfig.with_sizes(
             gpu_memory,
             device=device,
@@ -93,20 +113,88 @@ class LLM:
             head_sparsity=head_sparsity,
         )
         self.device = self.config.torch_device()
-        self.dtype = self.config.torch_dtype(self.device)
-        if self.device.type == "cuda" and self.config.gpu_memory is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.config.gpu_memory / total), self.device)
-        self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
-        self.model_config = self.loaded.config
+        self.parallel, self._workers = self._start_ranks(options)
+        try:
+            if self.parallel is not None:
+                self.device = self.parallel.device
+            self.dtype = self.config.torch_dtype(self.device)
+            if self.device.type == "cuda" and self.config.gpu_memory is not None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                fraction = min(1.0, self.config.gpu_memory / total)
+                torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            if self.parallel is None:
+                self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
+            else:
+                with self.parallel.agree("loading the model"):
+                    self.loaded = load_rank_model(
+                        model, self.parallel, self.device, self.dtype, seed, pipeline=self.pipeline
+                    )
+        except BaseException:
+            if self._workers is not None:
+                self._workers.close(timeout_s=5.0, notify=False)
+            raise
+        self.model_config = self.loaded.config  # a rank's config under tensor parallelism
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model)
 
+    def _start_ranks(self, options: dict[str, Any]) -> tuple[RankGroup | None, Workers | None]:
+        """This LLM's rank group (None: one process) and the workers it started (rank 0 outside
+        torchrun); sets `self.pipeline` (stages, not tensor-parallel shards). The split is checked
+        on the model's config before any process starts."""
+        tp, pp = options["tensor_parallel"] or 1, options["pipeline_parallel"] or 1
+        if tp > 1 and pp > 1:
+            raise ConfigError("--tensor-parallel and --pipeline-parallel cannot be combined yet; choose one")
+        self.pipeline = pp > 1
+        size = options["pipeline_parallel"] if self.pipeline else options["tensor_parallel"]
+        launched = launched_world_size() or 1
+        if size in (None, 1) and launched == 1:
+            return None, None
+        check = check_pipeline_parallel if self.pipeline else check_tensor_parallel
+        check(read_model_config(options["model"]), size or launched)
+        if not self.method.lossless:
+            raise ConfigError(
+                "tensor and pipeline parallelism run the lossless placements (--kv gpu, layer, head, "
+                "auto) only for now; drop the lossy method options"
+            )
+        if self.config.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(
+                f"--device {self.config.device!r}: with several ranks, rank r runs on cuda:r of its "
+                "machine; pass --device cuda (or auto, or cpu)"
+            )
+        group, workers = start_ranks(size, self.device.type, LLM, options)
+        if workers is not None:
+            weakref.finalize(self, workers.close)
+        return group, workers
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The number of tensor-parallel ranks the model is split over (1: none)."""
+        return 1 if self.parallel is None or self.pipeline else self.parallel.size
+
+    @property
+    def pipeline_parallel(self) -> int:
+        """The number of pipeline stages the model is split into (1: none)."""
+        return self.parallel.size if self.parallel is not None and self.pipeline else 1
+
+    @property
+    def is_rank0(self) -> bool:
+        """Whether this process is rank 0 (or the only one): the one that prints."""
+        return self.parallel is None or self.parallel.is_rank0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this LLM started and leave their group (a no-op for
+        one process). The LLM cannot generate afterwards."""
+        if self._workers is not None:
+            self._workers.close()
+        elif self.parallel is not None:
+            self.parallel.close()
+        self._workers = None
+
     @property
     def model(self) -> CausalLM:
-        """The loaded decoder."""
+        """The loaded decoder (under tensor parallelism, this rank's shard)."""
         return self.loaded.model
 
     @property
@@ -168,19 +256,28 @@ class LLM:
             hardware=self.hardware(),
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
             gpu_budget=self.gpu_budget(),
-            host_budget=host_memory_available() if self.device.type == "cuda" else None,
+            host_budget=rank_host_budget(
+                host_memory_available() if self.device.type == "cuda" else None,
+                1 if self.parallel is None else self.parallel.local_size,
+            ),
             kv=method.kv,
             head_group=method.head_group,
             chunk_size=self.config.chunk_size,
             block_size=self.config.block_size,
-            cpu_attention=self.config.cpu_attention,
+            cpu_attention=self.cpu_attention,
         )
+
+    @property
+    def cpu_attention(self) -> str | int:
+        """The CPU co-attention mode the planner gets: this LLM's, or "off" under tensor
+        parallelism (the ranks of a machine would share one CPU pool; not modelled yet)."""
+        return self.config.cpu_attention if self.parallel is None else "off"
 
     def hardware(self) -> Hardware:
         """The device's hardware numbers; on CUDA with `cpu_attention="auto"`, with this host's
         CPU attention and memory read rates measured (once per process)."""
         hw = detect_hardware(self.device)
-        if self.device.type != "cuda" or self.config.cpu_attention != "auto":
+        if self.device.type != "cuda" or self.cpu_attention != "auto":
             return hw
         from kvtier.kv.cpu_attend import measured_rates
 
@@ -240,9 +337,36 @@ class LLM:
         batched, through the continuous-batching engine `kvtier serve` uses: over the page pool
         for a lossless method, each over a store of its own for a lossy one. Otherwise (offloaded
         KV, a prompt too long for the pool, a store that would stream) the prompts run one after
-        the other, each planned alone."""
+        the other, each planned alone. Under tensor parallelism every rank runs the call (rank 0
+        sends it to the ranks it started) and the prompts run one at a time."""
+        self.collectives_started = False
+        if self._workers is None:
+            return self._generate(prompts, params, chat, progress, method)
+        self._workers.call("generate", prompts, params, chat=chat, progress=False, method=method)
+        try:
+            return self._generate(prompts, params, chat, progress, method)
+        except BaseException as e:
+            # NOTE: a KvtierError before the model ran (a bad prompt, a plan that does not fit) is
+            # met by every rank alike, before any collective; after it (or on an interrupt), a
+            # worker may be waiting in one.
+            if self.collectives_started or not isinstance(e, KvtierError):
+                self._workers.broken = True
+            raise
+
+    def _generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | None,
+        chat: bool,
+        progress: bool,
+        method: MethodChoice | str | None,
+    ) -> list[RequestOutput]:
         params = params or SamplingParams()
         chosen = self.resolve_method(method)
+        if self.parallel is not None and not chosen.lossless:
+            raise ConfigError(
+                f"several ranks run the lossless placements only for now; method {method!r} is lossy"
+            )
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -256,7 +380,7 @@ class LLM:
             self._check_length(len(ids), params, self.max_model_len_for(chosen))
         # NOTE: the paged batch kernels compute plain scores only (no soft-capping, no MLA).
         batchable = self.model_config.plain_scores and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
-        if len(batch) > 1 and batchable:
+        if len(batch) > 1 and batchable and self.parallel is None:
             batched = self._generate_batched(batch, encoded, params, progress, chosen)
             if batched is not None:
                 return batched
@@ -389,17 +513,19 @@ class LLM:
         self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool, method: MethodChoice
     ) -> RequestOutput:
         context = len(ids) + params.max_tokens
-        placement = self.placement(context, method)
-        plan = placement.plan
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        store, parts = self.make_store(plan, context, placement.cache_tokens, method)
+        plan, store, parts = self._plan_and_store(context, method)
+        sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, self.device)
+        if self.parallel is not None:  # the last stage's logits are the model's
+            sampler = self.parallel.synced(sampler, src=self.parallel.size - 1 if self.pipeline else 0)
+        self.collectives_started = True  # from here on an error may leave other ranks in a collective
         try:
             tokens, stats = generate_tokens(
                 self.loaded.model,
                 store,
                 torch.tensor(ids, dtype=torch.long, device=self.device),
-                Sampler(params, self.device),
+                sampler,
                 params.max_tokens,
                 plan.chunk_size,
                 self._stopper(params),
@@ -418,8 +544,30 @@ class LLM:
         finally:
             store.close()
         stats.plan = {**asdict(plan), "method": parts.describe}
+        if self.parallel is not None:
+            # NOTE: the plan, peaks and PCIe bytes are this rank's; every rank has the same plan.
+            stats.plan["pipeline_parallel" if self.pipeline else "tensor_parallel"] = self.parallel.size
         text, reason = self._finish(tokens, params)
         return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
+
+    def _plan_and_store(
+        self, context: int, method: MethodChoice
+    ) -> tuple[KVPlan, TieredKVStore, PolicyParts]:
+        """One request's plan and store. Over several ranks every rank plans its own part, and
+        they agree: a plan or store that fails on one rank (pipeline stages differ) fails on all,
+        before any collective, and all run the smallest rank's prefill chunk."""
+        if self.parallel is None:
+            placement = self.placement(context, method)
+            store, parts = self.make_store(placement.plan, context, placement.cache_tokens, method)
+            return placement.plan, store, parts
+        with self.parallel.agree("planning the request"):
+            placement = self.placement(context, method)
+        # NOTE: a stage sends its chunk's hidden states to the next: the spans must be the same.
+        chunk = min(self.parallel.all_gather_object(placement.plan.chunk_size))
+        plan = replace(placement.plan, chunk_size=chunk)
+        with self.parallel.agree("allocating the KV store"):
+            store, parts = self.make_store(plan, context, placement.cache_tokens, method)
+        return plan, store, parts
 
     def _stopper(self, params: SamplingParams) -> Any:
         eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)

@@ -10,7 +10,6 @@ import torch
 from tqdm import tqdm
 
 from kvtier.engine.outputs import GenerationStats
-from kvtier.engine.sampling import Sampler
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 
@@ -72,13 +71,15 @@ def generate_tokens(
     model: CausalLM,
     store: TieredKVStore,
     ids: torch.Tensor,
-    sampler: Sampler,
+    sampler: Callable[[torch.Tensor], torch.Tensor],
     max_tokens: int,
     chunk_size: int,
     should_stop: Callable[[list[int]], bool],
     progress: bool = False,
 ) -> tuple[list[int], GenerationStats]:
-    """Prefill `ids` then decode up to `max_tokens` tokens until `should_stop(tokens)`."""
+    """Prefill `ids` then decode up to `max_tokens` tokens until `should_stop(tokens)`;
+    `sampler` (a `Sampler`, or one whose token all tensor-parallel ranks share) picks each token
+    from the logits [vocab]."""
     device = ids.device
     stats = GenerationStats(prompt_tokens=ids.shape[0])
     _sync(device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,14 +74,24 @@ def _classify(spec: str | None) -> tuple[str, Path]:
     )
 
 
-def load_model(spec: str | None, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
-    """Load `spec`: None = the embedded SmolLM2, a preset name, an HF folder or a GGUF file."""
+FolderLoader = Callable[[Path, torch.device, torch.dtype], tuple[CausalLM, ModelConfig]]
+
+
+def load_model(
+    spec: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    weights: FolderLoader = load_safetensors_folder,
+) -> LoadedModel:
+    """Load `spec`: None = the embedded SmolLM2, a preset name, an HF folder or a GGUF file.
+    `weights` builds the model of a folder (another: e.g. one tensor-parallel rank's shard)."""
     folder = resolve_folder(spec)
     if folder is None:
         assert spec is not None
         cfg = preset_config(spec)
         return LoadedModel(spec, random_model(cfg, device, dtype, seed), cfg, None, cfg.eos_token_ids)
-    model, cfg = load_safetensors_folder(folder, device, dtype)
+    model, cfg = weights(folder, device, dtype)
     tokenizer = _load_tokenizer(folder)
     eos = set(cfg.eos_token_ids) | set(read_generation_eos(folder))
     if tokenizer is not None and tokenizer.eos_token_id is not None:

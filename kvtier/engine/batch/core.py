@@ -102,6 +102,11 @@ class BatchEngine:
     def __init__(self, host: ModelHost, config: BatchConfig | None = None) -> None:
         self.host = host
         self.config = cfg = config or BatchConfig()
+        if getattr(host, "parallel", None) is not None:
+            raise ConfigError(
+                "batched requests (kvtier serve, LLM.generate over paged KV) do not run over several "
+                "ranks yet; use one process, or `kvtier generate --tensor-parallel N` for one prompt"
+            )
         if host.method.kv not in ("auto", "gpu"):
             raise ConfigError(
                 f"batched requests keep their KV on the device; --kv {host.method.kv} "
