@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from kvtier.engine.batch.core import BatchConfig, BatchEngine
-from kvtier.engine.batch.sequence import Delta, OwnStore, Sequence
+from kvtier.engine.batched import Prompt, generate_batched
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.outputs import GenerationStats, RequestOutput
-from kvtier.engine.runner import generate_tokens, prefill_spans
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
 from kvtier.kv.store import StoreOptions, TieredKVStore
@@ -28,12 +24,10 @@ from kvtier.parallel.group import RankGroup, launched_world_size
 from kvtier.parallel.load import load_rank_model
 from kvtier.parallel.spawn import Workers, start_ranks
 from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
-from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
 from kvtier.policies import PolicyParts
 
-Prompt = str | list[int]
 BATCHABLE = ("auto", "gpu")  # placements a list of prompts is batched under (KV on the device)
 
 
@@ -381,111 +375,13 @@ class LLM:
         # NOTE: the paged batch kernels compute plain scores only (no soft-capping, no MLA).
         batchable = self.model_config.plain_scores and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
         if len(batch) > 1 and batchable and self.parallel is None:
-            batched = self._generate_batched(batch, encoded, params, progress, chosen)
+            batched = generate_batched(self, batch, encoded, params, progress, chosen)
             if batched is not None:
                 return batched
         return [
             self._generate_one(p, ids, params, progress, chosen)
             for p, ids in zip(batch, encoded, strict=True)
         ]
-
-    def _generate_batched(
-        self,
-        batch: list[Prompt],
-        encoded: list[list[int]],
-        params: SamplingParams,
-        progress: bool,
-        method: MethodChoice,
-    ) -> list[RequestOutput] | None:
-        """All prompts at once through the continuous-batching engine (one forward per step for
-        every sequence), as `kvtier serve` runs them: over the page pool for a lossless method,
-        else each over a store of its own with `method` (`_own_stores`). None when one of them
-        does not fit (too long for the pool, or its store would stream): then they run one at a
-        time, each planned alone."""
-        cuda = self.device.type == "cuda"
-        config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
-        if not method.lossless:  # no sequence takes pages: a token pool
-            config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
-        engine = BatchEngine(self, config)
-        tokens: list[list[int]] = [[] for _ in batch]
-        done: list[float] = [0.0] * len(batch)
-        bar = tqdm(total=len(batch), unit="req", desc="generate", file=sys.stderr, disable=not progress)
-
-        def sink_for(i: int) -> Callable[[Delta], None]:
-            def sink(d: Delta) -> None:
-                tokens[i].extend(d.token_ids)
-                if d.finish_reason is not None:
-                    done[i] = time.perf_counter()
-                    bar.update(1)
-
-            return sink
-
-        seqs = [engine.make_sequence(ids, params, sink_for(i)) for i, ids in enumerate(encoded)]
-        if method.lossless and any(engine.needs_offload(ids, params) for ids in encoded):
-            return None
-        if not method.lossless and not self._own_stores(seqs, params, method, config.max_num_batched_tokens):
-            return None
-        own = [(s.own.store.account, s.own.describe) if s.own is not None else None for s in seqs]
-        start = time.perf_counter()
-        for seq in seqs:
-            engine.add(seq)
-        with bar:
-            engine.run_until_idle()
-        pool_pages = engine.store.num_pages
-        pool = engine.store.bytes_per_page * pool_pages
-        outputs = []
-        for prompt, ids, seq, toks, end, mine in zip(batch, encoded, seqs, tokens, done, own, strict=True):
-            first = seq.first_token_at or end
-            if mine is None:
-                peak = {"gpu_kv" if cuda else "host_kv": pool}
-                plan = {"policy": "batched", "method": f"paged batch of {len(batch)}", "pages": pool_pages}
-            else:  # its own store (the CPU's "gpu" tier is its memory)
-                account, describe = mine
-                peak = {"gpu_kv": account.peak["gpu"], "host_kv": account.peak["host"]}
-                plan = {"policy": "batched", "method": f"{describe}, own store, batch of {len(batch)}"}
-            stats = GenerationStats(
-                prompt_tokens=len(ids),
-                generated_tokens=len(toks),
-                prefill_s=first - start,
-                decode_s=end - first,
-                peak_bytes=peak,
-                plan=plan,
-            )
-            text, reason = self._finish(toks, params)
-            outputs.append(
-                RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, toks, reason, stats)
-            )
-        return outputs
-
-    def _own_stores(
-        self, seqs: list[Sequence], params: SamplingParams, method: MethodChoice, max_chunk: int
-    ) -> bool:
-        """Give each sequence a store of its own under `method`, planned within an equal share of
-        the GPU budget's KV room; False (none kept) when one of them would stream or fit nowhere."""
-        budget = self.gpu_budget()
-        share = None
-        if budget is not None:
-            itemsize = torch.empty((), dtype=self.dtype).element_size()
-            weights = weight_bytes(self.model_config, itemsize)
-            share = weights + max(0, budget - weights) // len(seqs)
-        made: list[TieredKVStore] = []
-        try:
-            for seq in seqs:
-                context = len(seq.prompt) + params.max_tokens
-                placed = plan_for(replace(self.plan_inputs(context, method), gpu_budget=share), method)
-                store, parts = self.make_store(placed.plan, context, placed.cache_tokens, method)
-                made.append(store)
-                if not store.all_on_device:
-                    raise CapacityError("a store would stream")
-                chunk = min(placed.plan.chunk_size, max_chunk)
-                seq.own = OwnStore(store, prefill_spans(len(seq.prompt), chunk, store), parts.describe)
-        except CapacityError:
-            for store in made:
-                store.close()
-            for seq in seqs:
-                seq.own = None
-            return False
-        return True
 
     def make_store(
         self,
@@ -547,7 +443,7 @@ class LLM:
         if self.parallel is not None:
             # NOTE: the plan, peaks and PCIe bytes are this rank's; every rank has the same plan.
             stats.plan["pipeline_parallel" if self.pipeline else "tensor_parallel"] = self.parallel.size
-        text, reason = self._finish(tokens, params)
+        text, reason = self.text_and_reason(tokens, params)
         return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
 
     def _plan_and_store(
@@ -582,7 +478,8 @@ class LLM:
 
         return should_stop
 
-    def _finish(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]:
+    def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]:
+        """The output text of `tokens` (cut at a stop string) and why generation ended."""
         eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
         for s in params.stop:

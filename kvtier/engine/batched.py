@@ -1,0 +1,144 @@
+"""`LLM.generate` with a list of prompts: all at once through the continuous-batching engine
+`kvtier serve` uses (`kvtier.engine.batch`), over the page pool for a lossless method, or each
+prompt over a store of its own (in the same forward) for a lossy one."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from kvtier.engine.batch.core import BatchConfig, BatchEngine, ModelHost
+from kvtier.engine.batch.sequence import Delta, OwnStore, Sequence
+from kvtier.engine.outputs import GenerationStats, RequestOutput
+from kvtier.engine.runner import prefill_spans
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import CapacityError
+from kvtier.kv.store import TieredKVStore
+from kvtier.methods import MethodChoice, PlanInputs, plan_for
+from kvtier.planner.memory import weight_bytes
+from kvtier.planner.placement import KVPlan
+from kvtier.policies import PolicyParts
+
+Prompt = str | list[int]
+
+
+class BatchHost(ModelHost, Protocol):
+    """What batched generation needs of a loaded model (`kvtier.engine.llm.LLM` is one)."""
+
+    def plan_inputs(self, context: int, method: MethodChoice) -> PlanInputs: ...
+
+    def make_store(
+        self,
+        plan: KVPlan,
+        context: int,
+        hip_cache_tokens: int | None = None,
+        method: MethodChoice | None = None,
+    ) -> tuple[TieredKVStore, PolicyParts]: ...
+
+    def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]: ...
+
+
+def generate_batched(
+    llm: BatchHost,
+    batch: list[Prompt],
+    encoded: list[list[int]],
+    params: SamplingParams,
+    progress: bool,
+    method: MethodChoice,
+) -> list[RequestOutput] | None:
+    """All prompts at once through the continuous-batching engine (one forward per step for
+    every sequence), as `kvtier serve` runs them: over the page pool for a lossless method,
+    else each over a store of its own with `method` (`own_stores`). None when one of them
+    does not fit (too long for the pool, or its store would stream): then they run one at a
+    time, each planned alone."""
+    cuda = llm.device.type == "cuda"
+    config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
+    if not method.lossless:  # no sequence takes pages: a token pool
+        config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
+    engine = BatchEngine(llm, config)
+    tokens: list[list[int]] = [[] for _ in batch]
+    done: list[float] = [0.0] * len(batch)
+    bar = tqdm(total=len(batch), unit="req", desc="generate", file=sys.stderr, disable=not progress)
+
+    def sink_for(i: int) -> Callable[[Delta], None]:
+        def sink(d: Delta) -> None:
+            tokens[i].extend(d.token_ids)
+            if d.finish_reason is not None:
+                done[i] = time.perf_counter()
+                bar.update(1)
+
+        return sink
+
+    seqs = [engine.make_sequence(ids, params, sink_for(i)) for i, ids in enumerate(encoded)]
+    if method.lossless and any(engine.needs_offload(ids, params) for ids in encoded):
+        return None
+    if not method.lossless and not own_stores(llm, seqs, params, method, config.max_num_batched_tokens):
+        return None
+    own = [(s.own.store.account, s.own.describe) if s.own is not None else None for s in seqs]
+    start = time.perf_counter()
+    for seq in seqs:
+        engine.add(seq)
+    with bar:
+        engine.run_until_idle()
+    pool_pages = engine.store.num_pages
+    pool = engine.store.bytes_per_page * pool_pages
+    outputs = []
+    for prompt, ids, seq, toks, end, mine in zip(batch, encoded, seqs, tokens, done, own, strict=True):
+        first = seq.first_token_at or end
+        if mine is None:
+            peak = {"gpu_kv" if cuda else "host_kv": pool}
+            plan = {"policy": "batched", "method": f"paged batch of {len(batch)}", "pages": pool_pages}
+        else:  # its own store (the CPU's "gpu" tier is its memory)
+            account, describe = mine
+            peak = {"gpu_kv": account.peak["gpu"], "host_kv": account.peak["host"]}
+            plan = {"policy": "batched", "method": f"{describe}, own store, batch of {len(batch)}"}
+        stats = GenerationStats(
+            prompt_tokens=len(ids),
+            generated_tokens=len(toks),
+            prefill_s=first - start,
+            decode_s=end - first,
+            peak_bytes=peak,
+            plan=plan,
+        )
+        text, reason = llm.text_and_reason(toks, params)
+        outputs.append(
+            RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, toks, reason, stats)
+        )
+    return outputs
+
+
+def own_stores(
+    llm: BatchHost, seqs: list[Sequence], params: SamplingParams, method: MethodChoice, max_chunk: int
+) -> bool:
+    """Give each sequence a store of its own under `method`, planned within an equal share of
+    the GPU budget's KV room; False (none kept) when one of them would stream or fit nowhere."""
+    budget = llm.gpu_budget()
+    share = None
+    if budget is not None:
+        itemsize = torch.empty((), dtype=llm.dtype).element_size()
+        weights = weight_bytes(llm.model_config, itemsize)
+        share = weights + max(0, budget - weights) // len(seqs)
+    made: list[TieredKVStore] = []
+    try:
+        for seq in seqs:
+            context = len(seq.prompt) + params.max_tokens
+            placed = plan_for(replace(llm.plan_inputs(context, method), gpu_budget=share), method)
+            store, parts = llm.make_store(placed.plan, context, placed.cache_tokens, method)
+            made.append(store)
+            if not store.all_on_device:
+                raise CapacityError("a store would stream")
+            chunk = min(placed.plan.chunk_size, max_chunk)
+            seq.own = OwnStore(store, prefill_spans(len(seq.prompt), chunk, store), parts.describe)
+    except CapacityError:
+        for store in made:
+            store.close()
+        for seq in seqs:
+            seq.own = None
+        return False
+    return True
