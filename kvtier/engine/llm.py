@@ -15,6 +15,7 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
+from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.loading.resolve import read_model_config
@@ -23,7 +24,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.parallel.group import RankGroup, launched_world_size
 from kvtier.parallel.load import load_rank_model
 from kvtier.parallel.spawn import Workers, start_ranks
-from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
+from kvtier.planner.hardware import Hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
 from kvtier.policies import PolicyParts
@@ -268,16 +269,9 @@ class LLM:
         return self.config.cpu_attention if self.parallel is None else "off"
 
     def hardware(self) -> Hardware:
-        """The device's hardware numbers; on CUDA with `cpu_attention="auto"`, with this host's
-        CPU attention and memory read rates measured (once per process)."""
-        hw = detect_hardware(self.device)
-        if self.device.type != "cuda" or self.cpu_attention != "auto":
-            return hw
-        from kvtier.kv.cpu_attend import measured_rates
-
-        cfg = self.model_config
-        attn, read = measured_rates(self.dtype, cfg.head_dim, cfg.q_per_kv)
-        return replace(hw, cpu_attention_bw=attn, host_read_bw=read)
+        """The device's hardware numbers, with this host's CPU rates measured when CPU attention
+        is `auto` on CUDA (`kvtier.kv.cpu_attend.hardware_for`)."""
+        return hardware_for(self.device, self.cpu_attention, self.dtype, self.model_config)
 
     # -- prompts -------------------------------------------------------------------------------
 

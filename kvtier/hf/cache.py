@@ -14,7 +14,7 @@ own K/V.
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any, NoReturn
 
 import torch
@@ -24,10 +24,11 @@ from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.hf.attention import NAME, HandOver, drop, hand_over, install
 from kvtier.hf.config import model_config
+from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
 from kvtier.planner.cpu_split import parse_mode
-from kvtier.planner.hardware import Hardware, detect_hardware, host_memory_available
+from kvtier.planner.hardware import Hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 from kvtier.units import parse_count, parse_size
@@ -151,16 +152,9 @@ class TieredCache(Cache):
         )
 
     def hardware(self) -> Hardware:
-        """The device's hardware numbers; on CUDA with `cpu_attention="auto"`, with this host's
-        CPU attention and memory read rates measured (once per process), as `LLM.hardware`."""
-        hw = detect_hardware(self.device)
-        if self.device.type != "cuda" or self.cpu_attention != "auto":
-            return hw
-        from kvtier.kv.cpu_attend import measured_rates
-
-        cfg = self.model_config
-        attn, read = measured_rates(self.dtype, cfg.head_dim, cfg.q_per_kv)
-        return replace(hw, cpu_attention_bw=attn, host_read_bw=read)
+        """The device's hardware numbers, with this host's CPU rates measured when CPU attention
+        is `auto` on CUDA (`kvtier.kv.cpu_attend.hardware_for`)."""
+        return hardware_for(self.device, self.cpu_attention, self.dtype, self.model_config)
 
     def _build_parts(self) -> PolicyParts:
         if self.method.head_sparsity is not None:

@@ -19,6 +19,7 @@ layer's output waits for both. Which slices: `kvtier.planner.cpu_split.cpu_slice
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -26,10 +27,12 @@ import torch
 
 from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
 from kvtier.attention.dense import attend_self_lse, merge_into
+from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.streams import Streams
 from kvtier.planner.cpu_split import cpu_slice_flags
+from kvtier.planner.hardware import Hardware, detect_hardware
 
 # The store's own attention of one (layer, group) slice: (layer, group, q, kv_new) -> out.
 AttendSlice = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -118,6 +121,19 @@ class CpuSlices:
         self.streams.wait([h.last_write for h in hosts])
         q_host = q.to("cpu", non_blocking=True)
         return q_host, self.streams.record()
+
+
+def hardware_for(
+    device: torch.device, cpu_attention: str | int, dtype: torch.dtype, cfg: ModelConfig
+) -> Hardware:
+    """The device's hardware numbers (`detect_hardware`); on CUDA with `cpu_attention="auto"`,
+    with this host's CPU attention and memory read rates measured (`measured_rates`, once per
+    process), which the planner's CPU/link split needs."""
+    hw = detect_hardware(device)
+    if device.type != "cuda" or cpu_attention != "auto":
+        return hw
+    attn, read = measured_rates(dtype, cfg.head_dim, cfg.q_per_kv)
+    return dataclasses.replace(hw, cpu_attention_bw=attn, host_read_bw=read)
 
 
 @functools.cache

@@ -8,7 +8,7 @@ memory stays near one tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,13 +87,7 @@ def load_safetensors_folder(
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"cannot read {f}: {e}") from None
-    if cfg.tie_word_embeddings:
-        seen.add("lm_head.weight")
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ModelLoadError(
-            f"{folder}: {len(missing)} weights missing from the safetensors files, e.g. {missing[:3]}"
-        )
+    check_all_loaded(folder, cfg, params, seen)
     return model, cfg
 
 
@@ -106,3 +100,13 @@ def read_generation_eos(folder: Path) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def check_all_loaded(folder: Path, cfg: ModelConfig, params: Mapping[str, object], seen: set[str]) -> None:
+    """Raise ModelLoadError if a parameter of the model got no weights from the checkpoint (a
+    tied LM head needs none)."""
+    missing = sorted(set(params) - seen - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    if missing:
+        raise ModelLoadError(
+            f"{folder}: {len(missing)} weights missing from the safetensors files, e.g. {missing[:3]}"
+        )

@@ -21,7 +21,7 @@ from kvtier.errors import ModelLoadError
 from kvtier.loading import LoadedModel, load_model
 from kvtier.loading.presets import preset_config
 from kvtier.loading.resolve import resolve_folder
-from kvtier.loading.weights import build_empty
+from kvtier.loading.weights import build_empty, check_all_loaded
 from kvtier.model.llama import CausalLM
 from kvtier.parallel.group import RankGroup
 from kvtier.parallel.pipeline import local_name, random_stage_model, stage_
@@ -89,13 +89,7 @@ def load_folder_rank(
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"cannot read {f}: {e}") from None
-    if cfg.tie_word_embeddings:
-        seen.add("lm_head.weight")
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise ModelLoadError(
-            f"{folder}: {len(missing)} weights missing from the safetensors files, e.g. {missing[:3]}"
-        )
+    check_all_loaded(folder, cfg, params, seen)
     return model, model.config
 
 
