@@ -18,9 +18,8 @@ from kvtier.attention.dense import attend, attend_prefix_lse, attend_self_lse, m
 from kvtier.attention.spec import LayerAttention
 from kvtier.cli.main import main
 from kvtier.config import ModelConfig
-from kvtier.engine.batch.core import BatchEngine
 from kvtier.engine.llm import LLM
-from kvtier.errors import ConfigError
+from kvtier.engine.sampling import SamplingParams
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.loading.weights import load_safetensors_folder, random_model
@@ -117,10 +116,27 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return folder, make_hf_model("gemma2", folder)
 
 
-def test_paged_batch_refuses_soft_capping(tiny: tuple[Path, Any]) -> None:
+def test_a_soft_capped_model_batches_over_stores_of_its_own(tiny: tuple[Path, Any]) -> None:
+    """The paged kernels have no soft-capping, so the batch gives every Gemma-2 request a store of
+    its own in the same forward (`LLM.generate([...])` and the server alike), with the tokens of
+    each prompt alone."""
+    from kvtier.serve.engine import ServeEngine
+
     llm = LLM(str(tiny[0]), device="cpu")
-    with pytest.raises(ConfigError, match="soft-capping"):
-        BatchEngine(llm)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 200, (n,), generator=gen).tolist() for n in (9, 23, 14)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    batched = llm.generate(prompts, params)
+    assert [o.token_ids for o in batched] == alone
+    assert all("own store" in o.stats.plan["method"] for o in batched)
+    engine = ServeEngine(llm)
+    assert not engine.paged and engine.needs_offload(prompts[0], params)
+    got: list[list[int]] = [[], [], []]
+    for i, p in enumerate(prompts):
+        engine.submit(p, params, lambda d, i=i: got[i].extend(d.token_ids))
+    engine.run_until_idle()
+    assert got == alone and engine.own_store_requests == 3 and engine.offloaded == 0
 
 
 def test_random_weights_start_from_identity_norms() -> None:

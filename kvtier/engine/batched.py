@@ -58,8 +58,11 @@ def generate_batched(
     does not fit (too long for the pool, or its store would stream): then they run one at a
     time, each planned alone."""
     cuda = llm.device.type == "cuda"
+    # A lossy method, or scores the paged kernels cannot compute (soft-capping, latent
+    # attention): every prompt over a store of its own, and no sequence takes pages.
+    own_only = not method.lossless or not llm.model_config.plain_scores
     config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
-    if not method.lossless:  # no sequence takes pages: a token pool
+    if own_only:
         config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
     engine = BatchEngine(llm, config)
     tokens: list[list[int]] = [[] for _ in batch]
@@ -76,9 +79,9 @@ def generate_batched(
         return sink
 
     seqs = [engine.make_sequence(ids, params, sink_for(i)) for i, ids in enumerate(encoded)]
-    if method.lossless and any(engine.needs_offload(ids, params) for ids in encoded):
+    if not own_only and any(engine.needs_offload(ids, params) for ids in encoded):
         return None
-    if not method.lossless and not own_stores(llm, seqs, params, method, config.max_num_batched_tokens):
+    if own_only and not own_stores(llm, seqs, params, method, config.max_num_batched_tokens):
         return None
     own = [(s.own.store.account, s.own.describe) if s.own is not None else None for s in seqs]
     start = time.perf_counter()

@@ -366,8 +366,7 @@ class LLM:
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
             self._check_length(len(ids), params, self.max_model_len_for(chosen))
-        # NOTE: the paged batch kernels compute plain scores only (no soft-capping, no MLA).
-        batchable = self.model_config.plain_scores and chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
+        batchable = chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
         if len(batch) > 1 and batchable and self.parallel is None:
             batched = generate_batched(self, batch, encoded, params, progress, chosen)
             if batched is not None:

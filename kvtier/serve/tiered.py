@@ -47,17 +47,21 @@ class OffloadHost(Protocol):
     device: torch.device
     eos: frozenset[int]
     tokenizer_lock: threading.Lock
+    pool_tokens: int
+    paged: bool  # whether requests can run over the page pool at all (plain scores)
 
     def offload_gpu_budget(self) -> int | None: ...
 
 
 def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
     """The method `seq` runs with: its own (`seq.method`) or the server's, placed by the planner
-    ("head" on the CPU for a request too long for the pool, so its KV really streams)."""
+    ("head" on the CPU for a request too long for the pool, so its KV really streams there too;
+    one that only needs a store the pool cannot be, such as a soft-capped model's, stays "auto")."""
     if seq.method is not None:
         return seq.method
+    too_long = engine.paged and len(seq.prompt) + seq.params.max_tokens > engine.pool_tokens
     # NOTE: on the CPU "auto" would keep it resident
-    return replace(engine.llm.method, kv="auto" if engine.device.type == "cuda" else "head")
+    return replace(engine.llm.method, kv="head" if too_long and engine.device.type != "cuda" else "auto")
 
 
 def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, TieredKVStore, str]:

@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -112,12 +112,12 @@ class BatchEngine:
                 f"batched requests keep their KV on the device; --kv {host.method.kv} "
                 "(offload of the active context) is for one request at a time. Use --kv gpu or auto"
             )
-        if not host.model_config.plain_scores:
-            raise ConfigError(
-                "batched requests run on paged kernels of plain attention, without the logit "
-                "soft-capping (Gemma-2) or latent attention (DeepSeek-V2) this model needs; run it one "
-                "request at a time (kvtier generate, or LLM.generate)"
-            )
+        # NOTE: the paged kernels compute plain scores only; a model with logit soft-capping
+        # (Gemma-2) or latent attention (DeepSeek-V2) batches every request over a store of its
+        # own (`needs_offload`), attended in the same forward, and keeps a token pool.
+        self.paged = host.model_config.plain_scores
+        if not self.paged:
+            self.config = cfg = replace(cfg, num_pages=1, num_host_pages=0, prefix_caching=False)
         self.model = host.model
         self.device = host.device
         num_pages, host_pages = self._pool_sizes()
@@ -240,10 +240,13 @@ class BatchEngine:
             )
 
     def needs_offload(self, prompt: list[int], params: SamplingParams) -> bool:
-        """Whether the request needs more pages than the whole pool has, or is longer than the
-        model's sliding window, which the paged kernels do not mask (then it runs tiered)."""
+        """Whether the request cannot run over the page pool: it needs more pages than the whole
+        pool has, is longer than the model's sliding window (which the paged kernels do not
+        mask), or the model's scores are not plain (`paged` is False). It then gets a store of
+        its own: in the batch's forward when it fits the device, else as a tiered run."""
         total = len(prompt) + params.max_tokens
-        return total > self.pool_tokens or bool(self.host.model_config.windowed_layers(total))
+        windowed = bool(self.host.model_config.windowed_layers(total))
+        return not self.paged or total > self.pool_tokens or windowed
 
     @property
     def has_work(self) -> bool:
