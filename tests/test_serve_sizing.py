@@ -76,6 +76,29 @@ def test_offloaded_requests_plan_within_the_budget_minus_the_pool() -> None:
     # Another process holds most of the GPU: what we hold plus what is free, minus the pool.
     assert offload_gpu_budget(24 * GiB, weights + pool, GiB // 2, pool) == weights + GiB // 2
     assert offload_gpu_budget(GiB, weights + pool, 0, pool) == 0
+    # A batch step's activations and gather are allocated beside the request: not its to plan with.
+    assert offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool, GiB) == 23 * GiB - pool
+
+
+def test_a_tiered_run_beside_a_full_batch_step_stays_in_the_budget() -> None:
+    """The H200 case that ran over (26.37 GB against 24 GiB): a pool sized from memory, a batch
+    step of 8192 tokens and a request over a store of its own, all at once."""
+    weights = weight_bytes(LLAMA3, 2)
+    act = step_activation_bytes(LLAMA3, 8192, 64, 2)
+    base = PoolBudget("GPU", "--gpu-memory", 24 * GiB, weights, act, GPU_RESERVE_BYTES, 8192, gather=1 / 32)
+    budget = base.with_default_offload()
+    assert budget.offload == base.room // 4 and budget.offload > GiB  # ~2 GiB kept for such requests
+    pool = budget.default_pages(PAGE) * PAGE
+    gather = int(pool * budget.gather)
+    planned = offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool, act + gather)
+    run_room = planned - weights - GPU_RESERVE_BYTES  # what the planner gives the request's buffers
+    assert run_room >= budget.offload
+    assert weights + pool + gather + act + run_room + GPU_RESERVE_BYTES <= 24 * GiB
+    # The default term is at most OFFLOAD_RESERVE_MAX, and messages name it.
+    big = dataclasses.replace(base, budget=80 * GiB).with_default_offload()
+    assert big.offload == sizing.OFFLOAD_RESERVE_MAX
+    with pytest.raises(CapacityError, match=r"4.00 GiB kept for offloaded requests \(--offload-reserve\)"):
+        big.check(10**7, PAGE)
 
 
 def test_the_h200_case_measures_the_budget_not_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,14 @@ import argparse
 import socket
 import sys
 
-from kvtier.cli.options import add_model_options, check_before_loading, int_type, llm_kwargs, text_type
+from kvtier.cli.options import (
+    add_model_options,
+    check_before_loading,
+    int_type,
+    llm_kwargs,
+    size_type,
+    text_type,
+)
 from kvtier.engine.llm import LLM
 from kvtier.errors import ConfigError
 
@@ -63,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int_type("--num-host-pages", 0),
         default=None,
         help="host-tier pages (default: --num-pages)",
+    )
+    p.add_argument(
+        "--offload-reserve",
+        type=size_type("--offload-reserve", positive=False),
+        default=None,
+        help="GPU memory kept out of the page pool for requests that stream their KV from the host "
+        "or name a method (default: a quarter of what the pool could take, at most 4 GiB)",
     )
     p.add_argument(
         "--threads", type=int_type("--threads"), default=None, help="torch CPU threads of the engine"
@@ -136,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching,
         threads=args.threads,
+        offload_reserve=args.offload_reserve,
     )
     if args.cpu_attention != "off":
         # NOTE: a CPU-attended layer waits on the host for its query; the server's tiered runs

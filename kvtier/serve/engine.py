@@ -67,13 +67,16 @@ class ServeEngine(BatchEngine):
 
     def offload_gpu_budget(self) -> int | None:
         """The GPU budget an offloaded request is planned within: the server's budget minus the
-        page pool (None on the CPU: unlimited)."""
+        page pool and what a batch step allocates beside it (None on the CPU: unlimited)."""
         budget = self.llm.gpu_budget()
         if self.device.type != "cuda" or budget is None:
             return None
         free, _ = torch.cuda.mem_get_info(self.device)
         allocated = int(torch.cuda.memory_allocated(self.device))
-        return offload_gpu_budget(budget, allocated, free, self.store.bytes_per_page * self.store.num_pages)
+        pool = self.store.bytes_per_page * self.store.num_pages
+        sized = self.pool_budget
+        batch = 0 if sized is None else sized.activation + int(pool * sized.gather)
+        return offload_gpu_budget(budget, allocated, free, pool, batch)
 
     # -- thread-safe API -----------------------------------------------------------------------
 

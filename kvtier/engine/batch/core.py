@@ -82,6 +82,9 @@ class BatchConfig:
     # graphs (None: on CUDA; on the CPU they run eagerly, for tests).
     static_decode: bool | None = None
     cuda_graphs: bool = True
+    # GPU bytes kept out of the pool for requests over stores of their own (tiered runs, methods);
+    # None: a quarter of the room, at most 4 GiB, when the pool is sized from memory (sizing.py).
+    offload_reserve: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -93,6 +96,8 @@ class BatchConfig:
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        if self.offload_reserve is not None and self.offload_reserve < 0:
+            raise ConfigError(f"--offload-reserve must not be negative, got {self.offload_reserve}")
 
 
 class BatchEngine:
@@ -167,8 +172,13 @@ class BatchEngine:
             host_.budget_given,
             cfg.max_num_batched_tokens,
             cfg.max_num_seqs,
+            cfg.offload_reserve or 0,
         )
         cpu = self.device.type != "cuda"
+        sized = cfg.offload_reserve is None and cfg.num_pages is None
+        if budget is not None and budget.where == "GPU" and sized:
+            budget = budget.with_default_offload()
+        self.pool_budget = budget
         if cfg.num_pages is not None:
             num_pages = cfg.num_pages
             if budget is not None:

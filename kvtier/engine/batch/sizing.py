@@ -9,6 +9,9 @@ The pool is what the memory budget leaves after everything else the process need
   - activation   one batch step of max_num_batched_tokens through the model (the planner's
                  estimate) with the logits of up to max_num_seqs sequences
   - reserve      CUDA context, cuBLAS workspaces, allocator slack (GPU_RESERVE_BYTES); 0 on the CPU
+  - offload      (GPU only) room kept for requests over stores of their own while the batch steps:
+                 a tiered run's buffers and activations, a method's store (`--offload-reserve`,
+                 default a quarter of what is left, at most OFFLOAD_RESERVE_MAX)
   = room         -> room // (bytes_per_page * (1 + gather)) pages; fewer than MIN_PAGES is a
                  CapacityError
 
@@ -19,12 +22,15 @@ the CUDA context, `bench/results/gpu_smoke_llama8b.json`). Padding to the longes
 still exceed it; an out-of-memory there fails the step's requests with an error, not the server.
 
 A request longer than the pool is a tiered run with offload (`kvtier.serve.tiered`), beside the
-batch, planned within the same budget minus the pool (`offload_gpu_budget`).
+batch, planned within the same budget minus the pool and minus what a batch step may allocate at
+the same time (its activations and gather: `offload_gpu_budget`). Without that second term a
+tiered run beside the batch took the server to 26.37 GB against 24 GiB on the H200
+(`bench/results/gpu_smoke_llama8b_serve.json`, 2026-12-01).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +41,7 @@ from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes
 from kvtier.units import format_bytes
 
 MIN_PAGES = 16  # a smaller pool cannot hold one page per sequence of a useful batch
+OFFLOAD_RESERVE_MAX = 4 * 1024**3  # the default offload term's ceiling (a quarter of the room below it)
 CPU_DEFAULT_PAGES = 1024  # the default pool on the CPU, when host memory allows it
 
 
@@ -66,15 +73,21 @@ class PoolBudget:
     max_num_batched_tokens: int
     used_by: str = "weights"  # what `used` is, for messages
     gather: float = 0.0  # extra bytes per page byte: one layer's gather of the pool (see the module)
+    offload: int = 0  # kept for requests over stores of their own (see the module)
 
     def __post_init__(self) -> None:
-        if min(self.budget, self.used, self.activation, self.reserve) < 0:
+        if min(self.budget, self.used, self.activation, self.reserve, self.offload) < 0:
             raise ConfigError(f"pool budget terms must not be negative: {self}")
 
     @property
     def room(self) -> int:
         """Bytes left for the pool (0 when the other terms already exceed the budget)."""
-        return max(0, self.budget - self.used - self.activation - self.reserve)
+        return max(0, self.budget - self.used - self.activation - self.reserve - self.offload)
+
+    def with_default_offload(self) -> PoolBudget:
+        """This budget with the default offload term: a quarter of the room, at most
+        OFFLOAD_RESERVE_MAX."""
+        return replace(self, offload=min(OFFLOAD_RESERVE_MAX, self.room // 4))
 
     def fitting(self, bytes_per_page: int) -> int:
         """Pages of `bytes_per_page` bytes that fit the room."""
@@ -118,6 +131,8 @@ class PoolBudget:
             )
         if self.reserve:
             parts.append(f"a {format_bytes(self.reserve)} reserve")
+        if self.offload:
+            parts.append(f"{format_bytes(self.offload)} kept for offloaded requests (--offload-reserve)")
         return " - ".join(parts)
 
     def _advice(self) -> str:
@@ -137,11 +152,13 @@ def measure_pool_budget(
     gpu_budget_given: bool,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    offload_reserve: int = 0,
 ) -> PoolBudget | None:
     """The budget of a pool on `device`, measured now (after the weights are loaded).
 
     `gpu_budget` is `LLM.gpu_budget()` (--gpu-memory, else the GPU's total memory);
-    `gpu_budget_given` says whether it came from --gpu-memory (for messages). None on a CPU whose
+    `gpu_budget_given` says whether it came from --gpu-memory (for messages); `offload_reserve`
+    is the GPU's offload term (`PoolBudget.with_default_offload` sizes a default). None on a CPU whose
     available memory is unknown (not Linux): nothing to check against.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -162,6 +179,7 @@ def measure_pool_budget(
             GPU_RESERVE_BYTES,
             max_num_batched_tokens,
             gather=1.0 / cfg.num_layers,
+            offload=offload_reserve,
         )
     available = host_memory_available()
     if available is None:
@@ -169,9 +187,10 @@ def measure_pool_budget(
     return PoolBudget("host", "host memory available", available, 0, activation, 0, max_num_batched_tokens)
 
 
-def offload_gpu_budget(budget: int, allocated: int, free: int, pool_bytes: int) -> int:
+def offload_gpu_budget(budget: int, allocated: int, free: int, pool_bytes: int, batch_bytes: int = 0) -> int:
     """The `gpu_budget` to plan an offloaded request with: the GPU budget (`LLM.gpu_budget()`,
     capped by what this process holds plus what is free on the GPU now) minus the page pool,
-    which stays allocated while the request runs. The planner takes weights, activations and
-    its reserve off this itself."""
-    return max(0, min(budget, allocated + free) - pool_bytes)
+    which stays allocated while the request runs, and minus `batch_bytes`, what a batch step
+    allocates beside it (its activations and one layer's gather of the pool). The planner takes
+    weights, the request's own activations and its reserve off this itself."""
+    return max(0, min(budget, allocated + free) - pool_bytes - batch_bytes)
