@@ -160,6 +160,16 @@ def generate_checks(smoke: Smoke, label: str, model: list[str], short: Path, lon
             check.detail += f"; peak {peak} B over the {CAP} cap"
         if name.startswith("kv=") and prompt_args is None:
             tokens[name] = data["token_ids"]
+            agree()  # kept current: a run cut short still says whether the policies agreed
+
+    def agree() -> None:
+        reference = tokens.get("kv=gpu")
+        differ = sorted(k for k, v in tokens.items() if v != reference)
+        smoke.agreement[label] = {
+            "policies": sorted(tokens),
+            "differ_from_kv=gpu": differ,
+            "tokens": reference,
+        }
 
     for kv in LOSSLESS:
         gen(f"kv={kv}", ["--kv", kv], cap=False)
@@ -171,9 +181,9 @@ def generate_checks(smoke: Smoke, label: str, model: list[str], short: Path, lon
     if long is not None:
         long_args = ["generate", *model, "--prompt-file", str(long), "--max-new-tokens", "4", "--json"]
         gen("long prompt, auto, cap", [], cap=True, prompt_args=long_args)
+    agree()
     reference = tokens.get("kv=gpu")
-    differ = sorted(k for k, v in tokens.items() if v != reference)
-    smoke.agreement[label] = {"policies": sorted(tokens), "differ_from_kv=gpu": differ, "tokens": reference}
+    differ = smoke.agreement[label]["differ_from_kv=gpu"]
     if not tokens:
         return
     smoke.add(

@@ -25,6 +25,7 @@ code on the CPU at small sizes (a check of the script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -40,6 +41,7 @@ from bench.common import write_results
 from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
+from kvtier.loading.resolve import read_model_config
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.units import parse_count
 
@@ -142,6 +144,8 @@ class Stream:
         self.times.extend([now] * len(d.token_ids))
         self.tokens.extend(d.token_ids)
         self.done = d.finish_reason is not None
+        if d.finish_reason == "error":
+            raise SystemExit(f"request failed: {getattr(d, 'error', d)}")
 
     def tpot(self) -> float | None:
         n = len(self.times)
@@ -149,7 +153,7 @@ class Stream:
 
 
 def run_mixed(
-    engine: ServeEngine, long_tokens: int, long_new: int, vocab: int, pcie_gbps: float
+    engine: ServeEngine, long_tokens: int, long_new: int, vocab: int, pcie_gbps: float, timeout_s: float
 ) -> dict[str, Any]:
     """One long request (served tiered) plus c32's short streams, submitted once it decodes."""
     n, prompt, new = CASES["c32"]
@@ -166,9 +170,30 @@ def run_mixed(
     sync(engine)
     t0 = time.perf_counter()
     engine._drain(block=False)
+    engine.step_tiered()  # plans its store: tiered (streams) or its own on the device (joins the batch)
+    run = next(iter(engine._tiered.values()), None)
+    if run is None:
+        raise SystemExit(
+            f"mixed: the {long_tokens}-token request got a store that fits the device, so it joined "
+            "the batch instead of streaming from the host tier; give a longer --long-tokens or a "
+            "smaller --gpu-memory"
+        )
+    route = f"tiered: {run.plan.policy} g{run.plan.group_size} chunk {run.plan.chunk_size}"
+    print(f"mixed: long request {route}, {len(run.spans)} prefill chunks", flush=True)
+    shown = t0
     while not long.tokens:  # its prefill (the tiered run alone)
         engine.step_tiered()
         engine._idle_wait()
+        now = time.perf_counter()
+        if now - t0 > timeout_s:
+            raise SystemExit(
+                f"mixed: no first token after {timeout_s:.0f} s ({run.done_spans}/{len(run.spans)} "
+                "prefill chunks launched); raise --mixed-timeout or shorten --long-tokens"
+            )
+        if now - shown >= 10:
+            done = f"{run.done_spans}/{len(run.spans)}"
+            print(f"mixed: prefill {done} chunks after {now - t0:.0f} s", flush=True)
+            shown = now
     prefill_s = time.perf_counter() - t0
     h2d_at_first = engine.transfer_bytes()[("h2d", "tiered")]
     shorts = [Stream() for _ in range(n)]
@@ -183,6 +208,7 @@ def run_mixed(
     floor = per_token / (pcie_gbps * 1e9)
     return {
         "long_prompt_tokens": long_tokens,
+        "long_route": route,
         "long_new_tokens": len(long.tokens),
         "long_prefill_s": round(prefill_s, 2),
         "long_decode_s_per_token": round(long_tpot, 4) if long_tpot else None,
@@ -248,6 +274,9 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
+    ap.add_argument(
+        "--mixed-timeout", type=float, default=240.0, help="mixed: seconds to wait for the long prefill"
+    )
     ap.add_argument("--prefix-tokens", type=parse_count, default=32 * 1024)
     ap.add_argument("--prefix-pool-tokens", type=parse_count, default=80 * 1024, help="prefix: the page pool")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a check of the script at small sizes")
@@ -258,11 +287,17 @@ def main() -> None:
     if args.small:
         for k, (n, prompt, new) in CASES.items():
             CASES[k] = (n, max(8, prompt // 16), max(2, new // 16))
+    # prefix last: it frees the engine for a pool of its own
+    cases = [c for c in cases if c != "prefix"] + ["prefix"] * ("prefix" in cases)
     unknown = [c for c in cases if c not in CASES and c not in SPECIAL]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join([*CASES, *SPECIAL])}")
     dtype = "bf16" if args.device.startswith("cuda") else "fp32"
-    llm = LLM(args.model, device=args.device, dtype=dtype, gpu_memory=args.gpu_memory)
+    # The mixed case's long request may run past the model's trained context (synthetic ids).
+    trained = int(read_model_config(args.model).max_position_embeddings)
+    long_len = args.long_tokens + args.long_new_tokens if "mixed" in cases else 0
+    max_len = long_len if long_len > trained else None
+    llm = LLM(args.model, device=args.device, dtype=dtype, gpu_memory=args.gpu_memory, max_model_len=max_len)
     cuda = llm.device.type == "cuda"
     cfg = ServeConfig(
         max_num_seqs=args.max_num_seqs,
@@ -274,6 +309,7 @@ def main() -> None:
     engine = ServeEngine(llm, cfg)
     vocab = llm.model_config.vocab_size
     run_case(engine, 2, 64, 4, vocab, seed=99)  # warm-up: kernels compile, first graphs
+    run_case(engine, 1, CASES["c1"][1], 8, vocab, seed=98)  # and c1's shapes (its first run was slow)
     results: dict[str, Any] = {
         "model": f"{args.model} (random {dtype} weights)" if llm.tokenizer is None else args.model,
         "data": "synthetic: prompts of random token ids, greedy, ignore_eos",
@@ -302,8 +338,18 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         if name == "mixed":
-            row = run_mixed(engine, args.long_tokens, args.long_new_tokens, vocab, args.pcie_gbps)
+            row = run_mixed(
+                engine, args.long_tokens, args.long_new_tokens, vocab, args.pcie_gbps, args.mixed_timeout
+            )
         elif name == "prefix":
+            # NOTE: a pool of its own; the main engine's pool is freed first, so both fit the budget
+            # (the prefix case is therefore the last one run).
+            counters = (engine.decoder.captures, engine.decoder.replays) if engine.decoder else (0, 0)
+            results["graph_captures"], results["graph_replays"] = counters
+            del engine
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
             row = run_prefix(llm, cfg, args.prefix_tokens, args.prefix_pool_tokens, vocab)
         else:
             n, prompt, new = CASES[name]
@@ -311,9 +357,10 @@ def main() -> None:
         row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None
         results["cases"][name] = row
         print(f"{name:<8} " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-        decoder = engine.decoder
-        results["graph_captures"] = decoder.captures if decoder is not None else 0
-        results["graph_replays"] = decoder.replays if decoder is not None else 0
+        if name != "prefix":
+            decoder = engine.decoder
+            results["graph_captures"] = decoder.captures if decoder is not None else 0
+            results["graph_replays"] = decoder.replays if decoder is not None else 0
         path = write_results(args.name, results)  # after every case: a cut-short run keeps its rows
     print(f"wrote {path}")
 

@@ -245,10 +245,18 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
             }
             text = httpx.get(url + "/metrics", timeout=5).text
             own = re.search(r"^kvtier:own_store_requests_total\{[^}]*\} ([0-9.e+]+)", text, re.M)
+            owned = own.group(1) if own else "?"
+            assert all(len(t) > 0 for t in together), "a request came back empty"
+            if label != "embedded":
+                # NOTE: random bf16 weights leave near-ties everywhere: a batch of another size
+                # rounds the projections differently and flips greedy picks (see "16 concurrent",
+                # where plain requests differ the same way), so only real weights assert equality.
+                # The H200 run of 2026-12-01 saw int8 and window differ here, equal on the
+                # embedded model.
+                n = f"{len(differ)}/{len(specs)}"
+                return f"{n} methods differ from alone (random weights); own-store requests: {owned}"
             assert not differ, f"{differ} differ from the same request alone"
-            return f"{len(specs)} methods beside 8 plain requests equal alone; own-store requests: " + (
-                own.group(1) if own else "?"
-            )
+            return f"{len(specs)} methods beside 8 plain requests equal alone; own-store requests: {owned}"
 
         def metrics() -> str:
             text = httpx.get(url + "/metrics", timeout=5).text
