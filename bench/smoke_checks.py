@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,16 +41,20 @@ class Smoke:
     agreement: dict[str, Any] = field(default_factory=dict)
     only: tuple[str, ...] = ()  # run only checks whose name holds one of these (empty: all)
     on_add: Any = None  # called after every check (the script rewrites its JSON)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # checks may run in threads
 
     def wanted(self, name: str) -> bool:
         return not self.only or any(o in name for o in self.only)
 
     def add(self, check: Check) -> Check:
-        self.checks.append(check)
-        if self.on_add is not None:
-            self.on_add()
-        mark = "ok " if check.ok else "FAIL"
-        print(f"[{mark}] {check.model:8s} {check.name:32s} {check.seconds:6.1f}s {check.detail}", flush=True)
+        with self.lock:
+            self.checks.append(check)
+            if self.on_add is not None:
+                self.on_add()
+            mark = "ok " if check.ok else "FAIL"
+            print(
+                f"[{mark}] {check.model:8s} {check.name:32s} {check.seconds:6.1f}s {check.detail}", flush=True
+            )
         return check
 
     def cli(
