@@ -6,7 +6,8 @@
 #   bash bench/pending_h200.sh 1   # (~9 min) the user paths: gpu_smoke on both models in two
 #                                  #           parts (generate checks 4 at a time; then plan, eval,
 #                                  #           serve), CUDA checks incl. CPU-attention rows
-#   bash bench/pending_h200.sh 2   # (~9 min) issue 18: serve_gpu whole-GPU cases, then the 24 GiB
+#   bash bench/pending_h200.sh 2   # (~10 min) issue 18: serve_gpu whole-GPU cases, where a decode
+#                                  #           step's time goes (serve_profile), then the 24 GiB
 #                                  #           mixed (256K tiered + 32 streams) and prefix cases
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
@@ -25,6 +26,7 @@ case "$group" in
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
+  run 120 $py bench/serve_profile.py --batches 1,64 --context 1024
   run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   ;;
 3)

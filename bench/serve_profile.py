@@ -1,8 +1,16 @@
-"""Where a decode step of the server's engine spends GPU time: torch.profiler over a few eager
-decode steps of B sequences (the kernels a CUDA graph replays), and wall time per step with and
-without the graphs. Llama-3.1-8B shapes, random bf16 weights, random prompt ids (synthetic).
+"""Where a decode step of the server's engine spends its time, per batch size: wall time per
+step with and without CUDA graphs, the GPU's busy time per step (torch.profiler over eager
+steps: the kernels a graph replays), the kernels that take it, and the step's bytes against the
+HBM roofline (weights once a step plus every sequence's KV, at `--hbm-gbps`).
 
-    python bench/serve_profile.py --batch 64 --context 1024
+Llama-3.1-8B shapes, random bf16 weights, random prompt ids (synthetic). A step whose wall time
+is well above its GPU busy time is host-bound; one whose busy time is well above the roofline
+is kernel-bound, and the kernel table says which.
+
+    python bench/serve_profile.py --batches 1,64 --context 1024     # bench/results/serve_profile.json
+
+`--device cpu --model <small>` runs the same code on the CPU (a check of the script: no graphs,
+profiler CPU times only).
 """
 
 from __future__ import annotations
@@ -11,55 +19,137 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import write_results
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
+from kvtier.planner.memory import weight_bytes
 from kvtier.serve.engine import ServeConfig, ServeEngine
+
+
+def prefill_all(engine: ServeEngine) -> None:
+    """Step until every submitted request has its whole prompt in the pool."""
+    engine._drain(block=False)
+    sched = engine.scheduler
+    while any(s.num_computed < len(s.prompt) for s in sched.running + list(sched.waiting)):
+        engine.step()
+
+
+def timed_steps(engine: ServeEngine, steps: int, cuda: bool) -> float:
+    """Mean wall seconds of `steps` decode steps (after 3 untimed ones)."""
+    for _ in range(3):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+Kernels = list[dict[str, Any]]
+
+
+def profile_steps(engine: ServeEngine, steps: int, cuda: bool, top: int) -> tuple[float, Kernels]:
+    """(device busy seconds per step, the `top` kernels by time per step) over eager steps."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    busy_us = 0.0
+    for e in prof.key_averages():
+        # NOTE: device_time_total of a kernel (no children on the device) is its own time; CPU
+        # operators also carry their kernels' device time, so only kernels are summed.
+        us = float(getattr(e, "self_device_time_total", 0.0) or 0.0) if cuda else float(e.self_cpu_time_total)
+        if us <= 0:
+            continue
+        busy_us += us
+        rows.append({"name": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": us / steps / 1e3})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    return busy_us / steps / 1e6, [{**r, "ms_per_step": round(r["ms_per_step"], 4)} for r in rows[:top]]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--batches", default="1,64", help="batch sizes, comma-separated")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens of every sequence")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
+    ap.add_argument("--hbm-gbps", type=float, default=4200.0, help="the roofline's HBM rate")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--name", default="serve_profile")
     args = ap.parse_args()
-    llm = LLM(args.model, device="cuda", dtype="bf16")
-    engine = ServeEngine(llm, ServeConfig(max_num_seqs=args.batch, max_num_batched_tokens=16384))
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-    for _ in range(args.batch):
-        ids = torch.randint(100, llm.model_config.vocab_size, (args.context,), generator=gen).tolist()
-        engine.submit(ids, params, lambda d: None)
-    engine._drain(block=False)
-    while any(
-        s.num_computed < len(s.prompt) for s in engine.scheduler.running + list(engine.scheduler.waiting)
-    ):
-        engine.step()
-    decoder = engine.decoder
-    assert decoder is not None
-    for graphs in (True, False):
-        decoder.graphs = graphs
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        print(
-            f"graphs={graphs}: {(time.perf_counter() - t0) / args.steps * 1e3:.2f} ms/step at B={args.batch}"
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    cuda = args.device.startswith("cuda")
+    llm = LLM(args.model, device=args.device, dtype="bf16" if cuda else "fp32")
+    cfg = llm.model_config
+    itemsize = 2 if cuda else 4
+    rows: dict[str, Any] = {}
+    for batch in batches:
+        engine = ServeEngine(
+            llm,
+            ServeConfig(
+                max_num_seqs=max(batches),
+                max_num_batched_tokens=max(8192, args.context),
+                static_decode=True,
+                cuda_graphs=cuda,
+                num_pages=None if cuda else 4 * max(batches) * (args.context // 16 + 64),
+            ),
         )
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            engine.step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        gen = torch.Generator().manual_seed(batch)
+        room = llm.max_model_len_for(llm.method) - args.context
+        params = SamplingParams(max_tokens=min(10_000, room), ignore_eos=True)
+        for _ in range(batch):
+            ids = torch.randint(100, cfg.vocab_size, (args.context,), generator=gen).tolist()
+            engine.submit(ids, params, lambda d: None)
+        prefill_all(engine)
+        decoder = engine.decoder
+        assert decoder is not None
+        row: dict[str, Any] = {}
+        if cuda:
+            decoder.graphs = True
+            row["graphs_ms_per_step"] = round(1e3 * timed_steps(engine, args.steps, cuda), 3)
+        decoder.graphs = False
+        row["eager_ms_per_step"] = round(1e3 * timed_steps(engine, args.steps, cuda), 3)
+        busy, kernels = profile_steps(engine, 3, cuda, args.top)
+        kv = batch * (args.context + 8) * cfg.kv_bytes_per_token(itemsize)
+        floor = (weight_bytes(cfg, itemsize) + kv) / (args.hbm_gbps * 1e9)
+        row |= {
+            "device_busy_ms_per_step": round(1e3 * busy, 3),
+            "hbm_floor_ms_per_step": round(1e3 * floor, 3),
+            "kv_bytes_per_step": kv,
+            "top_kernels": kernels,
+        }
+        rows[f"B{batch}"] = row
+        shown = "  ".join(f"{k} {v}" for k, v in row.items() if k != "top_kernels")
+        print(f"B={batch}: {shown}", flush=True)
+        for k in kernels[:6]:
+            print(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6g} {k['name']}", flush=True)
+        engine.shutdown()
+        del engine
+    path = write_results(
+        args.name,
+        {
+            "model": f"{args.model} (random weights)",
+            "data": "synthetic: prompts of random token ids",
+            "context": args.context,
+            "hbm_gbps_assumed": args.hbm_gbps,
+            "batches": rows,
+        },
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
