@@ -2,18 +2,19 @@
 # The H200 measurements the open issues still owe, in priority order, each under its own time
 # limit so one slow step cannot cost the rest. Every script writes its JSON under $OUT.
 # A bare machine first needs `source bench/h200_setup.sh` (wheels, the embedded GGUF, kvtier).
+# Each group fits one device call (10 min); give the call a timeout ~30 s over the group's sum.
 #
-#   bash bench/pending_h200.sh 1   # (~9 min) the user paths: gpu_smoke on both models in two
-#                                  #           parts (generate checks 4 at a time; then plan, eval,
-#                                  #           serve), CUDA checks incl. CPU-attention rows
-#   bash bench/pending_h200.sh 2   # (~10 min) issue 18: serve_gpu whole-GPU cases, where a decode
-#                                  #           step's time goes (serve_profile), then the 24 GiB
-#                                  #           mixed (256K tiered + 32 streams) and prefix cases
+#   bash bench/pending_h200.sh 1   # (~9.5 min) the user paths: gpu_smoke on both models in two
+#                                  #   parts (generate checks 4 at a time; then plan, eval, serve),
+#                                  #   CUDA checks incl. CPU-attention rows
+#   bash bench/pending_h200.sh 2   # (~7 min) issue 18: serve_gpu whole-GPU cases, where a decode
+#                                  #   step's time goes (serve_profile, fused and separate projections)
+#   bash bench/pending_h200.sh 3   # (~9 min) issue 18 under 24 GiB: c32, mixed (256K tiered + 32
+#                                  #   streams), prefix; issue 20's HF cache bench
+#   bash bench/pending_h200.sh 4   # (~9 min, after 1: it writes the 8B folder) issue 23 CPU
+#                                  #   attention, issue 21 Gemma-2-9B, issue 19 needle recall
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
-#   bash bench/pending_h200.sh 3   # (~9 min, after 1: it writes the 8B folder) issue 20 HF cache
-#                                  #           bench, issue 23 CPU attention, issue 21 Gemma-2-9B,
-#                                  #           issue 19 needle recall on structured KV
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
@@ -26,11 +27,14 @@ case "$group" in
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
-  run 120 $py bench/serve_profile.py --batches 1,64 --context 1024
-  run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
+  run 100 $py bench/serve_profile.py --batches 1,64 --context 1024
+  run 100 $py bench/serve_profile.py --batches 1,64 --context 1024 --no-fuse --name serve_profile_unfused
   ;;
 3)
+  run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   run 200 $py bench/hf_cache.py --contexts 32K,128K --gpu-memory 24GiB --kv auto
+  ;;
+4)
   run 120 $py bench/cpu_attention.py --threads 1,8,15 --combined --name cpu_attention_h200
   run 200 $py -m kvtier generate --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/long.txt \
     --gpu-memory 24GiB --cpu-attention auto --max-new-tokens 8 --json > "$OUT/cpu_attention_generate.json"

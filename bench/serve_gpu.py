@@ -271,6 +271,7 @@ def main() -> None:
         "--num-pages", type=int, default=None, help="the page pool (default: what the budget leaves)"
     )
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (no CUDA graphs)")
+    ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
@@ -297,7 +298,14 @@ def main() -> None:
     trained = int(read_model_config(args.model).max_position_embeddings)
     long_len = args.long_tokens + args.long_new_tokens if "mixed" in cases else 0
     max_len = long_len if long_len > trained else None
-    llm = LLM(args.model, device=args.device, dtype=dtype, gpu_memory=args.gpu_memory, max_model_len=max_len)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=dtype,
+        gpu_memory=args.gpu_memory,
+        max_model_len=max_len,
+        fuse_projections=not args.no_fuse,
+    )
     cuda = llm.device.type == "cuda"
     cfg = ServeConfig(
         max_num_seqs=args.max_num_seqs,
@@ -319,6 +327,7 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.no_graphs,
+        "fused_projections": not args.no_fuse,
         "engine_start_s": round(time.perf_counter() - t0, 2),
         "cases": {},
     }

@@ -89,11 +89,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
     ap.add_argument("--hbm-gbps", type=float, default=4200.0, help="the roofline's HBM rate")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
     ap.add_argument("--name", default="serve_profile")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     cuda = args.device.startswith("cuda")
-    llm = LLM(args.model, device=args.device, dtype="bf16" if cuda else "fp32")
+    dtype = "bf16" if cuda else "fp32"
+    llm = LLM(args.model, device=args.device, dtype=dtype, fuse_projections=not args.no_fuse)
     cfg = llm.model_config
     itemsize = 2 if cuda else 4
     rows: dict[str, Any] = {}
@@ -145,6 +147,7 @@ def main() -> None:
             "model": f"{args.model} (random weights)",
             "data": "synthetic: prompts of random token ids",
             "context": args.context,
+            "fused_projections": not args.no_fuse,
             "hbm_gbps_assumed": args.hbm_gbps,
             "batches": rows,
         },

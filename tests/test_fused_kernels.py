@@ -132,6 +132,12 @@ def test_silu_mul(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(out, ref)
     else:
         assert _ulps(out, ref) <= 1
+    # The two halves of one gate-up output (`GatedMLP` after `fuse()`): rows 2 x 5000 apart.
+    gate_up = torch.cat((gate, up), dim=1)  # [3, 10000]
+    halves = silu_mul(*gate_up.chunk(2, dim=1))
+    assert halves.is_contiguous() and torch.equal(halves, out)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        silu_mul(gate.t(), up.t())
 
 
 def _counting(calls: collections.Counter[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

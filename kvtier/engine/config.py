@@ -35,6 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_attention: str | int = "off"  # streamed slices decoded on the CPU (kvtier.planner.cpu_split)
+    fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (kvtier.model.fuse)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -20,6 +21,7 @@ from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.loading.resolve import read_model_config
 from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
+from kvtier.model.fuse import fuse_projections_
 from kvtier.model.llama import CausalLM
 from kvtier.parallel.group import RankGroup, launched_world_size
 from kvtier.parallel.load import load_rank_model
@@ -46,7 +48,8 @@ class LLM:
     `max_model_len` (allow prompts past the model's trained context), `cpu_attention` ("off", the
     default; "auto": the planner gives the CPU the streamed slices it can decode in time,
     measured on this machine; or a number of slices: `kvtier.planner.cpu_split`; opt-in until
-    its CUDA path has run on a GPU). The placement
+    its CUDA path has run on a GPU), `fuse_projections` (q/k/v and gate/up as one matmul each,
+    the default; False keeps the separate ones, for comparisons). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
 
@@ -79,6 +82,7 @@ class LLM:
         kv_budget: int | None = None,
         head_sparsity: float | None = None,
         cpu_attention: str | int = "off",
+        fuse_projections: bool = True,
         tensor_parallel: int | None = None,
         pipeline_parallel: int | None = None,
     ) -> None:
@@ -95,6 +99,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             cpu_attention=cpu_attention,
+            fuse_projections=fuse_projections,
         )
         # The default method of this LLM's requests; `generate(..., method=)` picks another.
         self.method = MethodChoice(
@@ -128,6 +133,15 @@ class LLM:
             if self._workers is not None:
                 self._workers.close(timeout_s=5.0, notify=False)
             raise
+        if self.config.fuse_projections:
+            # NOTE: after sharding (a rank fuses its own heads). Fusing a block briefly holds its
+            # weights twice; a model that fills the budget leaves the blocks past an OOM unfused.
+            with contextlib.suppress(torch.OutOfMemoryError):
+                fuse_projections_(self.loaded.model)
+            if self.device.type == "cuda":
+                # NOTE: the separate weights' segments are free now; hand them back before the
+                # planner and the memory cap see this process's reserved bytes.
+                torch.cuda.empty_cache()
         self.model_config = self.loaded.config  # a rank's config under tensor parallelism
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.max_model_len_for(self.method)

@@ -220,18 +220,22 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul_kernel(  # type: ignore[no-untyped-def]
-    gate,  # [n] contiguous
-    up,  # [n] contiguous
-    out,  # [n]
-    n,
+    gate,  # [T, I], rows `stride_g` apart, each contiguous
+    up,  # [T, I], rows `stride_u` apart, each contiguous
+    out,  # [T, I] contiguous
+    n,  # T * I
+    width,  # I
+    stride_g,
+    stride_u,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     dtype = out.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up + offs, mask=mask, other=0.0).to(tl.float32)
+    row, col = offs // width, offs % width
+    g = tl.load(gate + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
     # NOTE: torch's CUDA silu is x / (1 + expf(-x)) in float32 with an IEEE division; tl.exp and
     # `/` would be the fast approximations. The interpreter has no libdevice (numpy's exp there).
     e = tl.exp(-g) if INTERPRET else libdevice.exp(-g)
@@ -240,10 +244,11 @@ def _silu_mul_kernel(  # type: ignore[no-untyped-def]
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in one pass, gate and up contiguous, same shape and 16-bit dtype."""
-    if gate.shape != up.shape or not gate.is_contiguous() or not up.is_contiguous():
-        raise ValueError("fused silu_mul: gate and up must be contiguous and of one shape")
-    out = torch.empty_like(gate)
+    """silu(gate) * up in one pass -> [T, I] contiguous. gate and up: [T, I] of one 16-bit dtype
+    whose rows are contiguous (they may be the two halves of one [T, 2I] gate-up output)."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError("fused silu_mul: gate and up must be [T, I] of one shape with contiguous rows")
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
         _silu_mul_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
@@ -251,6 +256,9 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             up,
             out,
             n,
+            gate.shape[1],
+            gate.stride(0),
+            up.stride(0),
             BLOCK=_ELEMENTWISE_BLOCK,
             INTERPRET=_interpreting(),
             num_warps=8,

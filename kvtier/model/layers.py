@@ -93,6 +93,12 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # gate and up as one matmul, after `fuse()`
+
+    def fuse(self) -> None:
+        """Run gate and up as one matmul (`gate_up_proj`, weight [2I, hidden]); gate_proj and
+        up_proj become views of its halves (no extra memory). Mutates."""
+        self.gate_up_proj = fuse_linears_(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
         # x: [T, hidden]
@@ -105,12 +111,37 @@ class GatedMLP(nn.Module):
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate(x)) * up(x) -> [t, intermediate]."""
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [t, I] each, rows 2I apart
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if self.act != "silu":
-            return F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
-        if use_fused(x, self.gate_proj.weight, self.up_proj.weight):
+            return F.gelu(gate, approximate="tanh") * up
+        if use_fused(x, gate, up):
             from kvtier.model import fused
 
             # NOTE: gate, up and the product are alive together, the three [t, I] buffers the
             # planner's activation_bytes counts; the torch path below peaks at the same three.
-            return fused.silu_mul(self.gate_proj(x), self.up_proj(x))
-        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+            return fused.silu_mul(gate, up)
+        return F.silu(gate) * up
+
+
+def fuse_linears_(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose output is `parts`' outputs side by side (weights, and biases if any,
+    concatenated along the output dim); each part's weight and bias become views of its rows,
+    so the parts still compute the same and hold no memory of their own. Mutates the parts."""
+    weight = torch.cat([p.weight.data for p in parts])  # [sum of outs, in]
+    has_bias = parts[0].bias is not None
+    bias = torch.cat([p.bias.data for p in parts if p.bias is not None]) if has_bias else None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for p in parts:
+        end = start + p.weight.shape[0]
+        p.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return fused
