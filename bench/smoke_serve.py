@@ -261,7 +261,10 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
         def metrics() -> str:
             text = httpx.get(url + "/metrics", timeout=5).text
             assert "kvtier:generation_tokens_total" in text, "no kvtier:generation_tokens_total"
-            return f"{len(text.splitlines())} lines"
+            # On a GPU: where the process's memory is (the allocator's peaks, the CUDA context).
+            mem = dict(re.findall(r'^kvtier:gpu_memory_bytes\{[^}]*kind="(\w+)"\} ([0-9.e+]+)', text, re.M))
+            shown = ", ".join(f"{k} {float(v) / 1e9:.2f} GB" for k, v in mem.items() if k != "allocated")
+            return f"{len(text.splitlines())} lines" + (f"; {shown}" if shown else "")
 
         for step_name, fn in [
             ("completions", completion),

@@ -85,15 +85,18 @@ def test_a_tiered_run_beside_a_full_batch_step_stays_in_the_budget() -> None:
     step of 8192 tokens and a request over a store of its own, all at once."""
     weights = weight_bytes(LLAMA3, 2)
     act = step_activation_bytes(LLAMA3, 8192, 64, 2)
-    base = PoolBudget("GPU", "--gpu-memory", 24 * GiB, weights, act, GPU_RESERVE_BYTES, 8192, gather=1 / 32)
+    context = 600_000_000  # the CUDA context: nvidia-smi's 26.37 GB was the 25.77 GB cap plus ~0.6 GB
+    base = PoolBudget(
+        "GPU", "--gpu-memory", 24 * GiB, weights, act, GPU_RESERVE_BYTES, 8192, gather=1 / 32, context=context
+    )
     budget = base.with_default_offload()
     assert budget.offload == base.room // 4 and budget.offload > GiB  # ~2 GiB kept for such requests
     pool = budget.default_pages(PAGE) * PAGE
     gather = int(pool * budget.gather)
-    planned = offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool, act + gather)
+    planned = offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool, act + gather + context)
     run_room = planned - weights - GPU_RESERVE_BYTES  # what the planner gives the request's buffers
     assert run_room >= budget.offload
-    assert weights + pool + gather + act + run_room + GPU_RESERVE_BYTES <= 24 * GiB
+    assert context + weights + pool + gather + act + run_room + GPU_RESERVE_BYTES <= 24 * GiB
     # The default term is at most OFFLOAD_RESERVE_MAX, and messages name it.
     big = dataclasses.replace(base, budget=80 * GiB).with_default_offload()
     assert big.offload == sizing.OFFLOAD_RESERVE_MAX
@@ -108,6 +111,7 @@ def test_the_h200_case_measures_the_budget_not_the_free_memory(monkeypatch: pyte
     free = 141 * GiB - weights
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 141 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: weights)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: weights)  # nothing outside it
     cuda = torch.device("cuda", 0)
     budget = measure_pool_budget(LLAMA3, cuda, torch.bfloat16, 24 * GiB, True, 512, 64)
     assert budget == dataclasses.replace(llama3_in(24 * GiB), gather=1 / 32)
@@ -119,8 +123,19 @@ def test_the_h200_case_measures_the_budget_not_the_free_memory(monkeypatch: pyte
         weights + 20 * GiB,
         "the GPU memory free now plus this process's",
     )
-    room = 20 * GiB - budget.activation - GPU_RESERVE_BYTES
+    # NOTE: what the allocator does not hold is taken for this process's context, up to
+    # CONTEXT_MAX: here the other process's 121 GiB, so the most.
+    assert budget.context == sizing.CONTEXT_MAX
+    room = 20 * GiB - budget.activation - GPU_RESERVE_BYTES - sizing.CONTEXT_MAX
     assert budget.default_pages(PAGE) == room // int(PAGE * (1 + 1 / 32))
+    # The H200 alone, with a 600 MB context: it comes off the pool, and messages name it.
+    ctx = 600_000_000
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free - ctx, 141 * GiB))
+    budget = measure_pool_budget(LLAMA3, cuda, torch.bfloat16, 24 * GiB, True, 512, 64)
+    assert budget is not None and budget.context == ctx
+    assert budget.room == llama3_in(24 * GiB).room - ctx
+    with pytest.raises(CapacityError, match=r"572.20 MiB of CUDA context - a 512.00 MiB reserve"):
+        budget.check(10**7, PAGE)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import torch
 
 from kvtier.engine.batch.core import BatchConfig, BatchEngine
 from kvtier.engine.batch.sequence import OwnStore, Sequence, Sink, Status
-from kvtier.engine.batch.sizing import offload_gpu_budget
+from kvtier.engine.batch.sizing import offload_gpu_budget, outside_allocator_bytes
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
 from kvtier.engine.sampling import SamplingParams
@@ -67,7 +67,8 @@ class ServeEngine(BatchEngine):
 
     def offload_gpu_budget(self) -> int | None:
         """The GPU budget an offloaded request is planned within: the server's budget minus the
-        page pool and what a batch step allocates beside it (None on the CPU: unlimited)."""
+        page pool, what a batch step allocates beside it and the CUDA context (None on the CPU:
+        unlimited)."""
         budget = self.llm.gpu_budget()
         if self.device.type != "cuda" or budget is None:
             return None
@@ -75,7 +76,8 @@ class ServeEngine(BatchEngine):
         allocated = int(torch.cuda.memory_allocated(self.device))
         pool = self.store.bytes_per_page * self.store.num_pages
         sized = self.pool_budget
-        batch = 0 if sized is None else sized.activation + int(pool * sized.gather)
+        # NOTE: the context is not the planner's to give either (see sizing.py).
+        batch = 0 if sized is None else sized.activation + int(pool * sized.gather) + sized.context
         return offload_gpu_budget(budget, allocated, free, pool, batch)
 
     # -- thread-safe API -----------------------------------------------------------------------
@@ -294,6 +296,22 @@ class ServeEngine(BatchEngine):
     def num_tiered(self) -> tuple[int, int]:
         """(running, waiting) tiered runs."""
         return len(self._tiered), len(self._tiered_wait)
+
+    def gpu_memory(self) -> dict[str, int]:
+        """This process's GPU memory now, by kind, for /metrics: the allocator's allocated and
+        reserved bytes and their peaks, what it holds outside the allocator (the CUDA context;
+        `kvtier.engine.batch.sizing.outside_allocator_bytes`) and the budget. Empty on the CPU."""
+        if self.device.type != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {
+            "allocated": int(torch.cuda.memory_allocated(self.device)),
+            "reserved": int(torch.cuda.memory_reserved(self.device)),
+            "peak_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+            "peak_reserved": int(torch.cuda.max_memory_reserved(self.device)),
+            "outside_allocator": outside_allocator_bytes(self.device, free, total),
+            "budget": self.llm.gpu_budget() or total,
+        }
 
     def tiered_bytes(self) -> dict[str, int]:
         """KV bytes allocated now by the running tiered runs' stores, per tier (gpu, host)."""

@@ -74,6 +74,14 @@ def render(engine: ServeEngine, model_name: str) -> str:
             [(f'tier="{t}"', n) for t, n in engine.tiered_bytes().items()],
         ),
         (
+            "gpu_memory_bytes",
+            "gauge",
+            "This process's GPU memory by kind (allocated, reserved and their peaks; "
+            "outside_allocator: the CUDA context and library handles; budget: --gpu-memory). "
+            "No samples on the CPU.",
+            [(f'kind="{k}"', n) for k, n in engine.gpu_memory().items()],
+        ),
+        (
             "kv_pages_total",
             "gauge",
             "KV pages per tier.",

@@ -8,7 +8,11 @@ The pool is what the memory budget leaves after everything else the process need
                  CPU, where the loaded weights are already out of the host memory available
   - activation   one batch step of max_num_batched_tokens through the model (the planner's
                  estimate) with the logits of up to max_num_seqs sequences
-  - reserve      CUDA context, cuBLAS workspaces, allocator slack (GPU_RESERVE_BYTES); 0 on the CPU
+  - context      (GPU only) what the process holds outside PyTorch's allocator, measured at start:
+                 the CUDA context and the libraries' handles (at most CONTEXT_MAX; more is taken
+                 to be another process's)
+  - reserve      cuBLAS workspaces, kernels loaded later, allocator slack (GPU_RESERVE_BYTES); 0 on
+                 the CPU
   - offload      (GPU only) room kept for requests over stores of their own while the batch steps:
                  a tiered run's buffers and activations, a method's store (`--offload-reserve`,
                  default a quarter of what is left, at most OFFLOAD_RESERVE_MAX)
@@ -20,6 +24,10 @@ layer into a dense tensor, up to one layer's share of the whole pool, and frees 
 next layer. Without it a full pool ran past the budget on the H200 (25.94 GB against 24 GiB with
 the CUDA context, `bench/results/gpu_smoke_llama8b.json`). Padding to the longest sequence can
 still exceed it; an out-of-memory there fails the step's requests with an error, not the server.
+
+The allocator itself is capped at the whole budget, so without the context term a pool that
+filled the room let the caching allocator reach its cap with the context on top: 26.37 GB under
+nvidia-smi against `--gpu-memory 24GiB` (25.77 GB), 0.6 GB over.
 
 A request longer than the pool is a tiered run with offload (`kvtier.serve.tiered`), beside the
 batch, planned within the same budget minus the pool and minus what a batch step may allocate at
@@ -42,6 +50,7 @@ from kvtier.units import format_bytes
 
 MIN_PAGES = 16  # a smaller pool cannot hold one page per sequence of a useful batch
 OFFLOAD_RESERVE_MAX = 4 * 1024**3  # the default offload term's ceiling (a quarter of the room below it)
+CONTEXT_MAX = 1024**3  # the most a process's CUDA context and library handles are taken to hold
 CPU_DEFAULT_PAGES = 1024  # the default pool on the CPU, when host memory allows it
 
 
@@ -74,15 +83,18 @@ class PoolBudget:
     used_by: str = "weights"  # what `used` is, for messages
     gather: float = 0.0  # extra bytes per page byte: one layer's gather of the pool (see the module)
     offload: int = 0  # kept for requests over stores of their own (see the module)
+    context: int = 0  # held outside the allocator: the CUDA context, library handles (see the module)
 
     def __post_init__(self) -> None:
-        if min(self.budget, self.used, self.activation, self.reserve, self.offload) < 0:
+        terms = (self.budget, self.used, self.activation, self.reserve, self.offload, self.context)
+        if min(terms) < 0:
             raise ConfigError(f"pool budget terms must not be negative: {self}")
 
     @property
     def room(self) -> int:
         """Bytes left for the pool (0 when the other terms already exceed the budget)."""
-        return max(0, self.budget - self.used - self.activation - self.reserve - self.offload)
+        others = self.used + self.activation + self.reserve + self.offload + self.context
+        return max(0, self.budget - others)
 
     def with_default_offload(self) -> PoolBudget:
         """This budget with the default offload term: a quarter of the room, at most
@@ -129,6 +141,8 @@ class PoolBudget:
                 f"{format_bytes(self.activation)} of activations for a "
                 f"{self.max_num_batched_tokens}-token step"
             )
+        if self.context:
+            parts.append(f"{format_bytes(self.context)} of CUDA context")
         if self.reserve:
             parts.append(f"a {format_bytes(self.reserve)} reserve")
         if self.offload:
@@ -165,7 +179,7 @@ def measure_pool_budget(
     activation = step_activation_bytes(cfg, max_num_batched_tokens, max_num_seqs, itemsize)
     if device.type == "cuda":
         assert gpu_budget is not None
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         used = int(torch.cuda.memory_allocated(device))
         label = "--gpu-memory" if gpu_budget_given else "the GPU's memory"
         if used + free < gpu_budget:  # another process holds part of the GPU
@@ -180,11 +194,19 @@ def measure_pool_budget(
             max_num_batched_tokens,
             gather=1.0 / cfg.num_layers,
             offload=offload_reserve,
+            context=outside_allocator_bytes(device, free, total),
         )
     available = host_memory_available()
     if available is None:
         return None
     return PoolBudget("host", "host memory available", available, 0, activation, 0, max_num_batched_tokens)
+
+
+def outside_allocator_bytes(device: torch.device, free: int, total: int) -> int:
+    """What this process holds on `device` outside PyTorch's allocator, from `mem_get_info`'s
+    (free, total): used memory minus the allocator's reserved bytes, at most CONTEXT_MAX."""
+    outside = total - free - int(torch.cuda.memory_reserved(device))
+    return max(0, min(outside, CONTEXT_MAX))
 
 
 def offload_gpu_budget(budget: int, allocated: int, free: int, pool_bytes: int, batch_bytes: int = 0) -> int:
