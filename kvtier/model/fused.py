@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-_ELEMENTWISE_BLOCK = 4096  # elements of one silu_mul program: 16 per thread at 8 warps
+_ELEMENTWISE_BLOCK = 4096  # the most elements of one silu_mul program: 16 per thread at 8 warps
 _NORM_TILE = 4096  # elements of one rms_norm program (whole rows: BLOCK_M * BLOCK_N)
 
 
@@ -223,24 +223,24 @@ def _silu_mul_kernel(  # type: ignore[no-untyped-def]
     gate,  # [T, I], rows `stride_g` apart, each contiguous
     up,  # [T, I], rows `stride_u` apart, each contiguous
     out,  # [T, I] contiguous
-    n,  # T * I
     width,  # I
     stride_g,
     stride_u,
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    # NOTE: one program per (row, block of columns): no per-element division for the row.
     dtype = out.dtype.element_ty
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    row, col = offs // width, offs % width
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < width
     g = tl.load(gate + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
     # NOTE: torch's CUDA silu is x / (1 + expf(-x)) in float32 with an IEEE division; tl.exp and
     # `/` would be the fast approximations. The interpreter has no libdevice (numpy's exp there).
     e = tl.exp(-g) if INTERPRET else libdevice.exp(-g)
     act = _round(tl.math.div_rn(g, 1.0 + e), dtype, INTERPRET).to(tl.float32)
-    tl.store(out + offs, _round(act * u, dtype, INTERPRET), mask=mask)
+    tl.store(out + row * width + col, _round(act * u, dtype, INTERPRET), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -249,17 +249,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
         raise ValueError("fused silu_mul: gate and up must be [T, I] of one shape with contiguous rows")
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+    rows, width = gate.shape
+    if rows and width:
+        block = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(width))
+        _silu_mul_kernel[(rows, triton.cdiv(width, block))](
             gate,
             up,
             out,
-            n,
-            gate.shape[1],
+            width,
             gate.stride(0),
             up.stride(0),
-            BLOCK=_ELEMENTWISE_BLOCK,
+            BLOCK=block,
             INTERPRET=_interpreting(),
             num_warps=8,
             enable_fp_fusion=False,
