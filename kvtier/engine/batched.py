@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvtier.engine.batch.core import BatchConfig, BatchEngine, ModelHost
 from kvtier.engine.batch.sequence import Delta, OwnStore, Sequence
 from kvtier.engine.outputs import GenerationStats, RequestOutput
+from kvtier.engine.prompts import Prompt
 from kvtier.engine.runner import prefill_spans
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError
@@ -24,8 +25,6 @@ from kvtier.methods import MethodChoice, PlanInputs, plan_for
 from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
-
-Prompt = str | list[int]
 
 
 class BatchHost(ModelHost, Protocol):

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.batched import Prompt, generate_batched
+from kvtier.engine.batched import generate_batched
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.prompts import Prompt, check_length, encode_prompt, stopper, text_and_reason
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
@@ -291,37 +292,7 @@ class LLM:
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids of a prompt (text is tokenized; a list of ids is taken as it is)."""
-        if isinstance(prompt, list):
-            ids = [int(t) for t in prompt]
-        else:
-            if self.tokenizer is None:
-                raise PromptError(
-                    f"model {self.loaded.name!r} has no tokenizer (random-weight preset); pass token ids"
-                )
-            if not prompt.strip():
-                raise PromptError("the prompt is empty; give some text (--prompt or --prompt-file)")
-            if chat:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-                )
-                ids = list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-            else:
-                ids = list(self.tokenizer(prompt, verbose=False)["input_ids"])
-        if not ids:
-            raise PromptError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise PromptError(f"token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
-        return ids
-
-    def _check_length(self, n_prompt: int, params: SamplingParams, limit: int) -> None:
-        total = n_prompt + params.max_tokens
-        if total > limit:
-            raise PromptError(
-                f"the prompt has {n_prompt} tokens; with max_tokens={params.max_tokens} that is {total}, "
-                f"past this model's limit of {limit} tokens. Shorten the prompt, or pass "
-                "--max-model-len (max_model_len=) to run past the trained context (quality may drop)"
-            )
+        return encode_prompt(prompt, self.tokenizer, self.loaded.name, self.model_config.vocab_size, chat)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -379,7 +350,7 @@ class LLM:
             raise PromptError("no prompts given")
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
-            self._check_length(len(ids), params, self.max_model_len_for(chosen))
+            check_length(len(ids), params, self.max_model_len_for(chosen))
         batchable = chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
         if len(batch) > 1 and batchable and self.parallel is None:
             batched = generate_batched(self, batch, encoded, params, progress, chosen)
@@ -431,7 +402,7 @@ class LLM:
                 sampler,
                 params.max_tokens,
                 plan.chunk_size,
-                self._stopper(params),
+                stopper(params, self.loaded.eos_token_ids, self.tokenizer),
                 progress=progress and len(ids) > plan.chunk_size,
             )
             stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
@@ -472,28 +443,6 @@ class LLM:
             store, parts = self.make_store(plan, context, placement.cache_tokens, method)
         return plan, store, parts
 
-    def _stopper(self, params: SamplingParams) -> Any:
-        eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
-
-        def should_stop(tokens: list[int]) -> bool:
-            if tokens[-1] in eos:
-                return True
-            if params.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                return any(s in text for s in params.stop)
-            return False
-
-        return should_stop
-
     def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]:
         """The output text of `tokens` (cut at a stop string) and why generation ended."""
-        eos = set() if params.ignore_eos else set(self.loaded.eos_token_ids)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        for s in params.stop:
-            if s in text:
-                return text[: text.index(s)], "stop"
-        if tokens and tokens[-1] in eos:
-            return text, "stop"
-        if len(tokens) >= params.max_tokens:
-            return text, "length"
-        raise ConfigError("generation ended without a reason")  # pragma: no cover - invariant
+        return text_and_reason(tokens, params, self.loaded.eos_token_ids, self.tokenizer)
