@@ -50,6 +50,11 @@ def test_llama3_8b_pool_in_a_24_gib_budget() -> None:
     assert budget.room == 9_070_731_264
     assert budget.default_pages(PAGE) == 4325
     assert budget.default_pages(PAGE, cap=1024) == 1024
+    # The startup line says where the budget goes.
+    assert budget.describe(4325 * PAGE) == (
+        "--gpu-memory (24.00 GiB) = 14.96 GiB weights + 8.45 GiB KV pool + 96.97 MiB step activations"
+        " + 512.00 MiB reserve + 536.00 KiB unused"
+    )
     budget.check(4325, PAGE)
     with pytest.raises(CapacityError, match=r"--num-pages 4326 needs 8.45 GiB .* at most 4325 pages fit"):
         budget.check(4326, PAGE)
@@ -136,6 +141,8 @@ def test_the_h200_case_measures_the_budget_not_the_free_memory(monkeypatch: pyte
     assert budget.room == llama3_in(24 * GiB).room - ctx
     with pytest.raises(CapacityError, match=r"572.20 MiB of CUDA context - a 512.00 MiB reserve"):
         budget.check(10**7, PAGE)
+    pool = budget.default_pages(PAGE) * PAGE
+    assert " KV pool + " in budget.describe(pool) and " + 572.20 MiB CUDA context + " in budget.describe(pool)
 
 
 @pytest.fixture(scope="module")

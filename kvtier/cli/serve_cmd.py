@@ -173,5 +173,8 @@ def run(args: argparse.Namespace) -> int:
         f"{config.page_size} tokens, max {engine.max_model_len} tokens per sequence)",
         file=sys.stderr,
     )
+    if engine.pool_budget is not None and engine.pool_budget.where == "GPU":
+        pool = engine.store.bytes_per_page * engine.store.num_pages
+        print(f"kvtier serve: {engine.pool_budget.describe(pool)}", file=sys.stderr)
     serve_forever(build_app(engine, settings), args.host, args.port)
     return 0

@@ -132,6 +132,26 @@ class PoolBudget:
                 f"Lower {flag} (or leave it out to size it from memory). {self._advice()}"
             )
 
+    def describe(self, pool_bytes: int) -> str:
+        """Where the budget goes once a pool of `pool_bytes` is allocated, for the startup line:
+        "--gpu-memory (24.00 GiB) = 14.96 GiB weights + 6.10 GiB pool + ..."."""
+        parts = [f"{format_bytes(self.used)} {self.used_by}", f"{format_bytes(pool_bytes)} KV pool"]
+        if self.gather:
+            parts.append(f"{format_bytes(int(pool_bytes * self.gather))} decode gather")
+        if self.activation:
+            parts.append(f"{format_bytes(self.activation)} step activations")
+        if self.context:
+            parts.append(f"{format_bytes(self.context)} CUDA context")
+        if self.reserve:
+            parts.append(f"{format_bytes(self.reserve)} reserve")
+        if self.offload:
+            parts.append(f"{format_bytes(self.offload)} for offloaded requests")
+        spare = self.budget - self.used - int(pool_bytes * (1 + self.gather)) - self.activation
+        spare -= self.context + self.reserve + self.offload
+        if spare > 0:
+            parts.append(f"{format_bytes(spare)} unused")
+        return f"{self.label} ({format_bytes(self.budget)}) = " + " + ".join(parts)
+
     def _terms(self) -> str:
         parts = [f"{self.label} ({format_bytes(self.budget)})"]
         if self.used:
