@@ -18,6 +18,8 @@ from collections import OrderedDict, deque
 
 import torch
 
+from kvtier.kv.tiers import HostArena, TierAccount, balanced_slab_bytes
+
 
 def root_hash(salt: str) -> bytes:
     """The parent hash of a sequence's first page."""
@@ -35,19 +37,31 @@ def extend_hashes(hashes: list[bytes], tokens: list[int], page_size: int, root: 
 class HostPageCache:
     """Pages evicted from the device pool, kept in host memory by hash (LRU; dropped when full).
 
-    Holds one tensor per layer, [num_slots, page_size, 2, H_kv, D], pinned when the device is
-    CUDA, so a later prefix hit copies a page back instead of recomputing it.
+    A slot holds one page of every layer: per layer an extent [page_size, 2, H_kv, D] of a
+    `HostArena` (the tiered store's host memory: pinned slabs on CUDA, allocated whole and not
+    zeroed), so a later prefix hit copies a page back instead of recomputing it. Every slot is
+    taken at construction; `account` counts their bytes in the host tier.
     """
 
-    def __init__(self, device_pages: list[torch.Tensor], num_slots: int) -> None:
+    def __init__(
+        self, device_pages: list[torch.Tensor], num_slots: int, account: TierAccount | None = None
+    ) -> None:
         self.device_pages = device_pages  # per layer [num_pages, P, 2, H_kv, D]
         self.num_slots = num_slots
+        self.account = account if account is not None else TierAccount()
         pin = device_pages[0].device.type == "cuda" if device_pages else False
-        self.slots = (
-            [torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in device_pages]
-            if num_slots > 0
-            else []
-        )
+        self.arenas = [
+            HostArena(
+                tuple(t.shape[1:]),
+                t.dtype,
+                pin,
+                self.account,
+                slab_bytes=slab_bytes(t[0].numel() * t.element_size(), num_slots, pin),
+            )
+            for t in (device_pages if num_slots > 0 else [])
+        ]
+        # slots[layer][slot]: [P, 2, H_kv, D]
+        self.slots = [[arena.take() for _ in range(num_slots)] for arena in self.arenas]
         self.free: deque[int] = deque(range(num_slots))
         self.lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self.saved = self.loaded = self.dropped = 0
@@ -69,7 +83,7 @@ class HostPageCache:
             _, slot = self.lru.popitem(last=False)
             self.dropped += 1
         for host, dev in zip(self.slots, self.device_pages, strict=True):
-            host[slot].copy_(dev[page], non_blocking=True)
+            host[slot].copy_(dev[page], non_blocking=True)  # NOTE: host is a list of extents
         self.lru[h] = slot
         self.saved += 1
         return True
@@ -86,3 +100,21 @@ class HostPageCache:
         """Drop every saved page."""
         self.free.extend(self.lru.values())
         self.lru.clear()
+
+
+def slab_bytes(page_bytes: int, num_slots: int, pinned: bool) -> int:
+    """Slabs for `num_slots` pages of `page_bytes` each. Pinned, where PyTorch's pinned allocator rounds
+    every request up to a power of two, the largest power-of-two slab (at most 1 GiB) whose
+    slabs waste at most 1/32 of the pages' bytes (one tensor of them all could waste half);
+    elsewhere slabs split evenly, wasting at most one page each."""
+    if not pinned:
+        return balanced_slab_bytes(page_bytes, num_slots)
+    total = page_bytes * num_slots
+    for bits in range(30, 19, -1):  # 1 GiB down to 1 MiB
+        size = 1 << bits
+        if size < page_bytes:
+            break
+        slabs = -(-num_slots // (size // page_bytes))
+        if slabs * size - total <= total // 32:
+            return size
+    return 1 << max(20, (page_bytes - 1).bit_length())
