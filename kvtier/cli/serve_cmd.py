@@ -170,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"kvtier serve: {name} on http://{args.host}:{args.port} ({engine.store.num_pages} pages of "
-        f"{config.page_size} tokens, max {engine.max_model_len} tokens per sequence)",
+        f"{config.page_size} tokens, max {engine.max_model_len} tokens per sequence"
+        + (f", {engine.graphs_at_start} decode graphs captured" if engine.graphs_at_start else "")
+        + ")",
         file=sys.stderr,
     )
     if engine.pool_budget is not None and engine.pool_budget.where == "GPU":

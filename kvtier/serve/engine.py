@@ -18,6 +18,7 @@ PCIe streaming.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -64,6 +65,11 @@ class ServeEngine(BatchEngine):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closing = threading.Event()  # set by begin_shutdown: no new requests
+        # Every decode graph now, not at a request's first step of each batch size.
+        self.graphs_at_start = 0
+        if self.decoder is not None:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self.graphs_at_start = self.decoder.capture_all()
 
     def offload_gpu_budget(self) -> int | None:
         """The GPU budget an offloaded request is planned within: the server's budget minus the

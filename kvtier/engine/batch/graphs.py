@@ -72,6 +72,19 @@ class DecodeRunner:
         self.replays += 1
         return out[:n]
 
+    def capture_all(self) -> int:
+        """Capture every bucket's graph now, each over the store's scratch page alone, so that
+        no request waits for a capture later (a server does this at start; lazily, each new
+        batch size cost its first step a warm-up and a capture). Returns how many it captured."""
+        if not self.graphs:
+            return 0
+        todo = [rows for rows in self.buckets if rows not in self._captured]
+        for rows in todo:
+            self.store.begin_decode([SeqStep((self.store.scratch,), 0, 1)], rows)
+            self.ids[:rows].zero_()
+            self._captured[rows] = self._capture(rows)
+        return len(todo)
+
     def _forward(self, rows: int) -> torch.Tensor:
         self.store.decode_prologue(rows)
         logits = self.model(self.ids[:rows], self.store, logits_at=self.rows[:rows])  # [rows, vocab]
