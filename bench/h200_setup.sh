@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a bare H200 machine of the device tool for the user-path checks, from this checkout:
+# Set up a bare H200 machine of the device tool for the user-path checks, from this checkout
+# (the folders below are made here, on the dev machine, by bench/h200_prepare.sh):
 #   .whl/     wheels the machine lacks (fastapi, starlette, pydantic(-core), uvicorn, openai,
 #             httpx2, httpcore2, truststore, jiter, gguf, ...), downloaded here for cp312
 #   /tmp/gg/gguf_part_aa + .gguf_b/gguf_part_ab   the embedded SmolLM2 GGUF in two halves
