@@ -93,8 +93,7 @@ class PoolBudget:
     @property
     def room(self) -> int:
         """Bytes left for the pool (0 when the other terms already exceed the budget)."""
-        others = self.used + self.activation + self.reserve + self.offload + self.context
-        return max(0, self.budget - others)
+        return max(0, self.budget - sum(n for n, _, _ in self._others()))
 
     def with_default_offload(self) -> PoolBudget:
         """This budget with the default offload term: a quarter of the room, at most
@@ -134,40 +133,35 @@ class PoolBudget:
 
     def describe(self, pool_bytes: int) -> str:
         """Where the budget goes once a pool of `pool_bytes` is allocated, for the startup line:
-        "--gpu-memory (24.00 GiB) = 14.96 GiB weights + 6.10 GiB pool + ..."."""
-        parts = [f"{format_bytes(self.used)} {self.used_by}", f"{format_bytes(pool_bytes)} KV pool"]
-        if self.gather:
-            parts.append(f"{format_bytes(int(pool_bytes * self.gather))} decode gather")
-        if self.activation:
-            parts.append(f"{format_bytes(self.activation)} step activations")
-        if self.context:
-            parts.append(f"{format_bytes(self.context)} CUDA context")
-        if self.reserve:
-            parts.append(f"{format_bytes(self.reserve)} reserve")
-        if self.offload:
-            parts.append(f"{format_bytes(self.offload)} for offloaded requests")
-        spare = self.budget - self.used - int(pool_bytes * (1 + self.gather)) - self.activation
-        spare -= self.context + self.reserve + self.offload
+        "--gpu-memory (24.00 GiB) = 14.96 GiB weights + 6.10 GiB KV pool + ..."."""
+        (used, _, used_short), *rest = self._others()
+        gather = int(pool_bytes * self.gather)
+        parts = [used_short.format(format_bytes(used)), f"{format_bytes(pool_bytes)} KV pool"]
+        if gather:
+            parts.append(f"{format_bytes(gather)} decode gather")
+        parts += [short.format(format_bytes(n)) for n, _, short in rest if n]
+        spare = self.budget - sum(n for n, _, _ in self._others()) - pool_bytes - gather
         if spare > 0:
             parts.append(f"{format_bytes(spare)} unused")
         return f"{self.label} ({format_bytes(self.budget)}) = " + " + ".join(parts)
 
+    def _others(self) -> list[tuple[int, str, str]]:
+        """The terms besides the pool: (bytes, how messages name them, how the startup line does)."""
+        return [
+            (self.used, f"{{}} in use ({self.used_by})", f"{{}} {self.used_by}"),
+            (
+                self.activation,
+                f"{{}} of activations for a {self.max_num_batched_tokens}-token step",
+                "{} step activations",
+            ),
+            (self.context, "{} of CUDA context", "{} CUDA context"),
+            (self.reserve, "a {} reserve", "{} reserve"),
+            (self.offload, "{} kept for offloaded requests (--offload-reserve)", "{} for offloaded requests"),
+        ]
+
     def _terms(self) -> str:
-        parts = [f"{self.label} ({format_bytes(self.budget)})"]
-        if self.used:
-            parts.append(f"{format_bytes(self.used)} in use ({self.used_by})")
-        if self.activation:
-            parts.append(
-                f"{format_bytes(self.activation)} of activations for a "
-                f"{self.max_num_batched_tokens}-token step"
-            )
-        if self.context:
-            parts.append(f"{format_bytes(self.context)} of CUDA context")
-        if self.reserve:
-            parts.append(f"a {format_bytes(self.reserve)} reserve")
-        if self.offload:
-            parts.append(f"{format_bytes(self.offload)} kept for offloaded requests (--offload-reserve)")
-        return " - ".join(parts)
+        terms = [long.format(format_bytes(n)) for n, long, _ in self._others() if n]
+        return " - ".join([f"{self.label} ({format_bytes(self.budget)})", *terms])
 
     def _advice(self) -> str:
         if self.where == "GPU":
