@@ -56,16 +56,23 @@ CASES: dict[str, tuple[int, int, int]] = {
 SPECIAL = ("mixed", "prefix")  # cases with their own driver (`run_mixed`, `run_prefix`)
 
 
-def step_loop(engine: ServeEngine) -> int:
+def step_loop(engine: ServeEngine, times: dict[str, list[float]] | None = None) -> int:
     """Step the engine in this thread until idle, as its serving thread does (batch steps, then
-    tiered runs, never waiting on them while the batch has work). Returns the batch steps."""
+    tiered runs, never waiting on them while the batch has work). Returns the batch steps.
+    With `times`, the host seconds of each batch step ("step") and tiered-run call ("tiered")."""
     steps = 0
     engine._drain(block=False)
     while engine.has_work:
+        t0 = time.perf_counter()
         if engine.scheduler.has_work:
             engine.step()
             steps += 1
+        t1 = time.perf_counter()
         engine.step_tiered()
+        if times is not None:
+            if t1 > t0 and steps:
+                times["step"].append(t1 - t0)
+            times["tiered"].append(time.perf_counter() - t1)
         engine._idle_wait()
         engine._drain(block=False)
     return steps
@@ -200,7 +207,11 @@ def run_mixed(
     short_params = SamplingParams(max_tokens=new, ignore_eos=True)
     for s in shorts:
         engine.submit(torch.randint(100, vocab, (prompt,), generator=gen).tolist(), short_params, s)
-    step_loop(engine)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if engine.device.type == "cuda" else 0
+    times: dict[str, list[float]] = {"step": [], "tiered": []}
+    step_loop(engine, times)
+    if engine.device.type == "cuda":
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     decode_bytes = engine.transfer_bytes()[("h2d", "tiered")] - h2d_at_first
     long_tpot = long.tpot()
     tpots = [t for s in shorts if (t := s.tpot()) is not None]
@@ -221,15 +232,31 @@ def run_mixed(
         "short_new_tokens": new,
         "short_tpot_p50_ms": round(1e3 * statistics.median(tpots), 3) if tpots else None,
         "short_tpot_mean_ms": round(1e3 * statistics.fmean(tpots), 3) if tpots else None,
+        # where a short stream's time goes: the host time of each batch step (graph replays
+        # and its token read-back) and of each call that collects and launches the long
+        # request's step; allocator retries free cached blocks (a device-wide sync)
+        "batch_step_ms_p50": ms_p50(times["step"]),
+        "batch_step_ms_max": round(1e3 * max(times["step"], default=0.0), 3),
+        "tiered_call_ms_p50": ms_p50(times["tiered"]),
+        "tiered_call_ms_max": round(1e3 * max(times["tiered"], default=0.0), 3),
+        "alloc_retries": int(retries),
     }
 
 
-def run_prefix(
-    llm: LLM, cfg: ServeConfig, prefix_tokens: int, pool_tokens: int, vocab: int
-) -> dict[str, Any]:
+def ms_p50(xs: list[float]) -> float | None:
+    return round(1e3 * statistics.median(xs), 3) if xs else None
+
+
+def run_prefix(engine: ServeEngine, prefix_tokens: int, vocab: int) -> dict[str, Any]:
     """TTFT of a request whose `prefix_tokens` prefix is cached in the device tier, then in the
     host tier (after two other prompts of the same length pushed it out of the pool)."""
-    engine = ServeEngine(llm, replace(cfg, num_pages=pool_tokens // cfg.page_size))
+    if not prefix_tokens + 64 <= engine.pool_tokens < 3 * prefix_tokens:
+        raise SystemExit(
+            f"prefix: a pool of {engine.pool_tokens} tokens cannot show both tiers for a "
+            f"{prefix_tokens}-token prefix (it must hold the prefix and be under 3x it); give "
+            "--prefix-pool-tokens"
+        )
+    engine.kv.reset_prefix_cache()
     gen = torch.Generator().manual_seed(11)
     prefix = torch.randint(100, vocab, (prefix_tokens,), generator=gen).tolist()
 
@@ -279,7 +306,13 @@ def main() -> None:
         "--mixed-timeout", type=float, default=240.0, help="mixed: seconds to wait for the long prefill"
     )
     ap.add_argument("--prefix-tokens", type=parse_count, default=32 * 1024)
-    ap.add_argument("--prefix-pool-tokens", type=parse_count, default=80 * 1024, help="prefix: the page pool")
+    ap.add_argument(
+        "--prefix-pool-tokens",
+        type=parse_count,
+        default=None,
+        help="prefix: a page pool of its own (default: the main pool if it holds the prefix and is "
+        "under 3x it, else 2.5x --prefix-tokens)",
+    )
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a check of the script at small sizes")
     ap.add_argument("--small", action="store_true", help="cases at 1/16 of their prompt and new tokens")
     ap.add_argument("--name", default="serve_gpu")
@@ -343,6 +376,7 @@ def main() -> None:
         results["graphs_equal_eager_tokens"] = with_graphs == eager
         print(f"graph replays give the eager path's token ids: {with_graphs == eager}", flush=True)
     path = None
+    own_pool = False
     for i, name in enumerate(cases):
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -351,22 +385,29 @@ def main() -> None:
                 engine, args.long_tokens, args.long_new_tokens, vocab, args.pcie_gbps, args.mixed_timeout
             )
         elif name == "prefix":
-            # NOTE: a pool of its own; the main engine's pool is freed first, so both fit the budget
-            # (the prefix case is therefore the last one run).
-            counters = (engine.decoder.captures, engine.decoder.replays) if engine.decoder else (0, 0)
-            results["graph_captures"], results["graph_replays"] = counters
-            del engine
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-            row = run_prefix(llm, cfg, args.prefix_tokens, args.prefix_pool_tokens, vocab)
+            pool = args.prefix_pool_tokens
+            if pool is None and not args.prefix_tokens + 64 <= engine.pool_tokens < 3 * args.prefix_tokens:
+                pool = args.prefix_tokens * 5 // 2
+            own_pool = pool is not None and pool != engine.pool_tokens
+            if own_pool:
+                # NOTE: a pool of its own; the main engine's is freed first, so both fit the budget
+                # (the prefix case is therefore the last one run).
+                counters = (engine.decoder.captures, engine.decoder.replays) if engine.decoder else (0, 0)
+                results["graph_captures"], results["graph_replays"] = counters
+                decoder = None  # NOTE: it holds the engine's graphs and pool too
+                del engine
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+                engine = ServeEngine(llm, replace(cfg, num_pages=(pool or 0) // cfg.page_size))
+            row = run_prefix(engine, args.prefix_tokens, vocab)
         else:
             n, prompt, new = CASES[name]
             row, _ = run_case(engine, n, prompt, new, vocab, seed=i)
         row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None
         results["cases"][name] = row
         print(f"{name:<8} " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-        if name != "prefix":
+        if name != "prefix" or not own_pool:
             decoder = engine.decoder
             results["graph_captures"] = decoder.captures if decoder is not None else 0
             results["graph_replays"] = decoder.replays if decoder is not None else 0

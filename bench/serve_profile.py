@@ -16,6 +16,7 @@ profiler CPU times only).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -120,7 +121,10 @@ def main() -> None:
             engine.submit(ids, params, lambda d: None)
         prefill_all(engine)
         if len(engine.scheduler.running) != batch:
-            raise SystemExit(f"B={batch}: only {len(engine.scheduler.running)} requests run in the batch")
+            raise SystemExit(
+                f"B={batch}: only {len(engine.scheduler.running)} requests run in the batch "
+                f"(a pool of {engine.pool_tokens} tokens)"
+            )
         decoder = engine.decoder
         assert decoder is not None
         row: dict[str, Any] = {}
@@ -144,7 +148,12 @@ def main() -> None:
         for k in kernels[:6]:
             print(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6g} {k['name']}", flush=True)
         engine.shutdown()
-        del engine
+        # NOTE: `decoder` holds the engine's graphs and pool too: drop both before the next
+        # engine sizes its pool from free memory
+        del engine, decoder
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     path = write_results(
         args.name,
         {
