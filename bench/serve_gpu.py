@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -56,26 +57,53 @@ CASES: dict[str, tuple[int, int, int]] = {
 SPECIAL = ("mixed", "prefix")  # cases with their own driver (`run_mixed`, `run_prefix`)
 
 
-def step_loop(engine: ServeEngine, times: dict[str, list[float]] | None = None) -> int:
+def step_loop(
+    engine: ServeEngine,
+    times: dict[str, list[float]] | None = None,
+    profile_steps: tuple[int, int] | None = None,
+) -> tuple[int, list[dict[str, Any]] | None]:
     """Step the engine in this thread until idle, as its serving thread does (batch steps, then
-    tiered runs, never waiting on them while the batch has work). Returns the batch steps.
-    With `times`, the host seconds of each batch step ("step") and tiered-run call ("tiered")."""
+    tiered runs, never waiting on them while the batch has work). Returns the batch steps, and
+    with `profile_steps` (first, last) the kernels by device time over those batch steps (every
+    stream's: the tiered runs' too). With `times`, the host seconds of each batch step ("step")
+    and each tiered-run call ("tiered")."""
     steps = 0
+    prof: profile | None = None
+    kernels = None
     engine._drain(block=False)
     while engine.has_work:
+        if profile_steps is not None and prof is None and kernels is None and steps == profile_steps[0]:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         t0 = time.perf_counter()
-        if engine.scheduler.has_work:
+        stepped = engine.scheduler.has_work
+        if stepped:
             engine.step()
             steps += 1
         t1 = time.perf_counter()
         engine.step_tiered()
         if times is not None:
-            if t1 > t0 and steps:
+            if stepped:
                 times["step"].append(t1 - t0)
             times["tiered"].append(time.perf_counter() - t1)
+        if prof is not None and profile_steps is not None and steps >= profile_steps[1]:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels, prof = top_kernels(prof), None
         engine._idle_wait()
         engine._drain(block=False)
-    return steps
+    return steps, kernels
+
+
+def top_kernels(prof: profile, top: int = 14) -> list[dict[str, Any]]:
+    """The `top` device operations (kernels and copies) by their total device time."""
+    rows = []
+    for e in prof.key_averages():
+        us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+        if us > 0:
+            rows.append({"name": e.key[:90], "calls": e.count, "device_ms": round(us / 1e3, 3)})
+    rows.sort(key=lambda r: -r["device_ms"])
+    return rows[:top]
 
 
 def sync(engine: ServeEngine) -> None:
@@ -113,7 +141,7 @@ def run_case(
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.submit(p, params, sink_for(i))
-    steps = step_loop(engine)
+    steps, _ = step_loop(engine)
     wall = time.perf_counter() - t0
     ttft = [first[i] - t0 for i in range(n)]
     tpot = [(last[i] - first[i]) / (count[i] - 1) for i in range(n) if count[i] > 1]
@@ -209,7 +237,10 @@ def run_mixed(
         engine.submit(torch.randint(100, vocab, (prompt,), generator=gen).tolist(), short_params, s)
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if engine.device.type == "cuda" else 0
     times: dict[str, list[float]] = {"step": [], "tiered": []}
-    step_loop(engine, times)
+    cuda = engine.device.type == "cuda"
+    t_loop = time.perf_counter()
+    steps, kernels = step_loop(engine, times, profile_steps=(40, 50) if cuda else None)
+    loop_s = time.perf_counter() - t_loop
     if engine.device.type == "cuda":
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     decode_bytes = engine.transfer_bytes()[("h2d", "tiered")] - h2d_at_first
@@ -240,6 +271,10 @@ def run_mixed(
         "tiered_call_ms_p50": ms_p50(times["tiered"]),
         "tiered_call_ms_max": round(1e3 * max(times["tiered"], default=0.0), 3),
         "alloc_retries": int(retries),
+        "short_batch_steps": steps,
+        "short_loop_s": round(loop_s, 3),
+        # every stream's kernels and copies over batch steps 40-50 (the long request decoding)
+        "overlap_top_device_ops": kernels,
     }
 
 

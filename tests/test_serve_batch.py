@@ -148,7 +148,11 @@ def test_decode_buckets_and_padding(llm: LLM) -> None:
     for old, new in zip(before, store.pages, strict=True):
         changed = {int(p) for p in (old != new).flatten(1).any(1).nonzero().flatten()}
         assert changed <= written
+    # the padded row wrote to the scratch page and attended its first slot
     assert int(store.dec_write[3]) // 4 == store.scratch and int(store.dec_lens[3]) == 1
+    assert [int(x) for x in store.dec_lens[:3]] == [s.start + 1 for s in steps]
+    slots = [s.block_table[s.start // 4] * 4 + s.start % 4 for s in steps]
+    assert [int(x) for x in store.dec_write[:3]] == slots
 
 
 def test_decodes_of_many_sequences_attend_in_one_batched_call(llm: LLM) -> None:

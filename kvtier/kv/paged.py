@@ -92,7 +92,10 @@ class PagedKVStore:
         self.decode_kernel = decode_kernel or default_decode_kernel(device)
         blocks = num_pages if max_blocks is None else min(num_pages, max_blocks)
         self.max_batch = max_batch
-        self.dec_positions = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B_max]
+        # A decode step's token ids and positions in one buffer: one host->GPU copy a step (a
+        # small copy waits behind a tiered run's queued slice loads on the copy engine).
+        self.dec_in = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # [2, B_max]
+        self.dec_ids, self.dec_positions = self.dec_in[0], self.dec_in[1]  # [B_max] each
         self.dec_write = torch.full((max_batch,), self.scratch * page_size, dtype=torch.long, device=device)
         self.dec_tables = torch.full((max_batch, blocks), self.scratch, dtype=torch.int32, device=device)
         self.dec_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # [B_max]
@@ -110,12 +113,15 @@ class PagedKVStore:
     def bytes_per_page(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.pages)
 
-    def begin_decode(self, steps: list[SeqStep], rows: int) -> None:
-        """Fill the static decode buffers for `steps` (one new token each), padded to `rows`.
+    def begin_decode(self, steps: list[SeqStep], rows: int, ids: list[int] | None = None) -> None:
+        """Fill the static decode buffers for `steps` (one new token each, `ids` [len(steps)]
+        its token ids, default 0), padded to `rows`: two host->GPU copies, the ids with the
+        positions and the block tables.
 
         Padded rows write their k/v into the scratch page and attend to its first slot, so a
         forward of `rows` tokens has the same shapes (and tensors) whatever the batch; call
-        `decode_prologue(rows)` at the start of that forward.
+        `decode_prologue(rows)` at the start of that forward (it derives the write slots and
+        lengths on the device).
         """
         assert all(s.n_new == 1 for s in steps) and len(steps) <= rows <= self.max_batch
         p, n = self.page_size, len(steps)
@@ -125,19 +131,23 @@ class PagedKVStore:
         for b, s in enumerate(steps):
             used = s.block_table[: -(-(s.start + 1) // p)]
             tables[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
-        starts = torch.tensor([s.start for s in steps] + [0] * (rows - n), dtype=torch.long)
-        write = tables[torch.arange(rows), starts // p].long() * p + starts % p  # [rows]
-        lens = (starts + 1).to(torch.int32)
-        self.dec_positions[:rows].copy_(starts, non_blocking=True)
-        self.dec_write[:rows].copy_(write, non_blocking=True)
+        inputs = torch.zeros(2, self.max_batch, dtype=torch.long)  # [2, B_max]: ids, positions
+        if ids is not None:
+            inputs[0, :n] = torch.tensor(ids, dtype=torch.long)
+        inputs[1, :n] = torch.tensor([s.start for s in steps], dtype=torch.long)
+        self.dec_in.copy_(inputs, non_blocking=True)
         self.dec_tables[:rows, :width].copy_(tables, non_blocking=True)
-        self.dec_lens[:rows].copy_(lens, non_blocking=True)
         self._decode_rows = rows
 
     def decode_prologue(self, rows: int) -> None:
-        """The step's RoPE tables from the static positions: part of the captured forward."""
+        """From the static positions and tables: each row's write slot and key count, and the
+        step's RoPE tables. Part of the captured forward."""
         self._decode_rows = rows
-        self._cos, self._sin = self.rotary.cos_sin(self.dec_positions[:rows], self.dtype)
+        pos, p = self.dec_positions[:rows], self.page_size  # [rows]
+        page = self.dec_tables[:rows].gather(1, (pos // p).unsqueeze(1)).squeeze(1)  # [rows] int32
+        torch.add(page.long() * p, pos % p, out=self.dec_write[:rows])
+        self.dec_lens[:rows].copy_(pos + 1)
+        self._cos, self._sin = self.rotary.cos_sin(pos, self.dtype)
 
     def begin_step(self, steps: list[SeqStep]) -> None:
         """Set the batch of the next forward: one `SeqStep` per sequence, in token-stream order."""

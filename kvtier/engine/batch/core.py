@@ -384,6 +384,8 @@ def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, then
     one host sync for all."""
     greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
+    if len(greedy) == len(seqs):  # all greedy: no host->GPU copy of the row numbers
+        return [int(t) for t in logits[: len(seqs)].argmax(-1).tolist()]
     picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     if greedy:
         rows = torch.tensor(greedy, device=logits.device)

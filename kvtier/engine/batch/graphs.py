@@ -46,7 +46,7 @@ class DecodeRunner:
         dev = store.device
         self.graphs = dev.type == "cuda" if graphs is None else graphs
         self.buckets = buckets(store.max_batch)
-        self.ids = torch.zeros(store.max_batch, dtype=torch.long, device=dev)  # [B_max]
+        self.ids = store.dec_ids  # [B_max], filled by `store.begin_decode`
         self.rows = torch.arange(store.max_batch, device=dev)  # logits of every row
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None  # the graphs' shared memory pool (after the first capture)
@@ -60,9 +60,7 @@ class DecodeRunner:
         """Logits [len(ids), vocab] (float32) of one decode step: token ids[i] of steps[i]."""
         n = len(ids)
         rows = self.bucket(n)
-        self.store.begin_decode(steps, rows)
-        padded = torch.tensor(ids + [0] * (rows - n), dtype=torch.long)
-        self.ids[:rows].copy_(padded, non_blocking=True)
+        self.store.begin_decode(steps, rows, ids)
         if not self.graphs:
             return self._forward(rows)[:n]
         if rows not in self._captured:
@@ -80,8 +78,7 @@ class DecodeRunner:
             return 0
         todo = [rows for rows in self.buckets if rows not in self._captured]
         for rows in todo:
-            self.store.begin_decode([SeqStep((self.store.scratch,), 0, 1)], rows)
-            self.ids[:rows].zero_()
+            self.store.begin_decode([SeqStep((self.store.scratch,), 0, 1)], rows)  # ids 0
             self._captured[rows] = self._capture(rows)
         return len(todo)
 
