@@ -61,7 +61,17 @@ CASES = {
     "r4-p16-d128-fp32": ([257, 9, 2], 1, 4, 128, 16, torch.float32, 3, "sliced"),
     "r4-p5-bf16": ([3, 200], 2, 4, 64, 5, torch.bfloat16, 5, "sliced"),
     "r2-p7-d48-empty-seq": ([0, 64, 65], 2, 2, 48, 7, torch.float32, 2, "contiguous"),
+    "r4-p16-one-split-empty-seq": ([0, 130, 7], 2, 4, 64, 16, torch.float32, 1, "contiguous"),
 }
+
+
+def test_default_splits_give_the_gpu_about_two_programs_a_multiprocessor() -> None:
+    from kvtier.attention.paged_decode import MAX_SPLITS, default_splits
+
+    assert default_splits(64, 8, 132) == 1  # 512 programs already
+    assert default_splits(16, 8, 132) == 3
+    assert default_splits(1, 8, 132) == MAX_SPLITS  # capped
+    assert default_splits(1, 8, None) == MAX_SPLITS  # not a GPU
 
 
 @pytest.mark.parametrize("device", DEVICES)

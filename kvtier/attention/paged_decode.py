@@ -28,6 +28,7 @@ operands (its bf16 `tl.dot` is wrong).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -220,6 +221,24 @@ def paged_decode_splits(
     return part, lse
 
 
+MAX_SPLITS = 16
+
+
+def default_splits(batch: int, kv_heads: int, sms: int | None) -> int:
+    """Splits per (sequence, KV head) that give the GPU's `sms` multiprocessors about two
+    programs each, at most `MAX_SPLITS` (None: not a GPU, the most). A batch of 64 sequences
+    of 8 KV heads already has 512 programs: one split, no partials to merge; one sequence gets
+    16 splits."""
+    if sms is None:
+        return MAX_SPLITS
+    return max(1, min(MAX_SPLITS, -(-2 * sms // max(1, batch * kv_heads))))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def combine_splits(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Merge split partials: part [B, H, S, D] fp32, lse [B, H, S] -> [B, H, D] fp32.
 
@@ -237,7 +256,7 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    num_splits: int = 16,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query per sequence over its paged keys; CUDA-graph capturable.
 
@@ -246,9 +265,15 @@ def paged_decode(
     `pages[block_tables[b, t // P], t % P]`), seq_lens [B] int32 (keys 0 .. seq_lens[b] - 1;
     a sequence with 0 keys gets 0). Returns softmax(q k^T / sqrt(D)) v, [B, H_q, D] in q's dtype,
     query head h reading KV head h // (H_q // H_kv). num_splits: programs per (sequence, KV head),
-    each over a contiguous share of the sequence's keys.
+    each over a contiguous share of the sequence's keys (default: `default_splits` for the
+    batch and this GPU; static for a given batch size, so a captured graph keeps it).
     """
+    if num_splits is None:
+        sms = _sm_count(q.device.index or 0) if q.device.type == "cuda" else None
+        num_splits = default_splits(q.shape[0], pages.shape[3], sms)
     part, lse = paged_decode_splits(q, pages, block_tables, seq_lens, num_splits)
+    if num_splits == 1:  # one split holds every key: its output is the softmax's
+        return part[:, :, 0].to(q.dtype)
     return combine_splits(part, lse).to(q.dtype)
 
 
