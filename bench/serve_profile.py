@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=14, help="kernels listed per batch size")
     ap.add_argument("--hbm-gbps", type=float, default=4200.0, help="the roofline's HBM rate")
+    ap.add_argument("--tflops", type=float, default=790.0, help="the prefill floor's matmul rate")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
     ap.add_argument("--name", default="serve_profile")
@@ -119,6 +120,24 @@ def main() -> None:
         for _ in range(batch):
             ids = torch.randint(100, cfg.vocab_size, (args.context,), generator=gen).tolist()
             engine.submit(ids, params, lambda d: None)
+        prefill: dict[str, Any] | None = None
+        if batch >= 8 or batch * args.context >= 4096:
+            # The first step is prefill chunks alone (up to --max-num-batched-tokens of prompts):
+            # its device time against the matmul floor of its tokens.
+            engine._drain(block=False)
+            tokens = min(batch * args.context, 8192)
+            t0 = time.perf_counter()
+            busy, kernels = profile_steps(engine, 1, cuda, args.top)
+            # NOTE: the layers' weights only: embedding rows are looked up, logits are of last tokens
+            layer_params = cfg.num_parameters() - 2 * cfg.vocab_size * cfg.hidden_size
+            floor = 2 * tokens * layer_params / (args.tflops * 1e12)
+            prefill = {
+                "tokens": tokens,
+                "wall_ms_profiled": round(1e3 * (time.perf_counter() - t0), 3),
+                "device_busy_ms": round(1e3 * busy, 3),
+                "matmul_floor_ms": round(1e3 * floor, 3),
+                "top_kernels": kernels,
+            }
         prefill_all(engine)
         if len(engine.scheduler.running) != batch:
             raise SystemExit(
@@ -142,11 +161,18 @@ def main() -> None:
             "kv_bytes_per_step": kv,
             "top_kernels": kernels,
         }
+        if prefill is not None:
+            row["prefill_step"] = prefill
         rows[f"B{batch}"] = row
-        shown = "  ".join(f"{k} {v}" for k, v in row.items() if k != "top_kernels")
+        shown = "  ".join(f"{k} {v}" for k, v in row.items() if k not in ("top_kernels", "prefill_step"))
         print(f"B={batch}: {shown}", flush=True)
         for k in kernels[:6]:
             print(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6g} {k['name']}", flush=True)
+        if prefill is not None:
+            shown = "  ".join(f"{k} {v}" for k, v in prefill.items() if k != "top_kernels")
+            print(f"  prefill step: {shown}", flush=True)
+            for k in prefill["top_kernels"][:6]:
+                print(f"    {k['ms_per_step']:8.3f} ms  x{k['calls_per_step']:<6g} {k['name']}", flush=True)
         engine.shutdown()
         # NOTE: `decoder` holds the engine's graphs and pool too: drop both before the next
         # engine sizes its pool from free memory
