@@ -13,6 +13,9 @@
 #                                  #   streams), prefix; issue 20's HF cache bench
 #   bash bench/pending_h200.sh 4   # (~9 min, after 1: it writes the 8B folder) issue 23 CPU
 #                                  #   attention, issue 21 Gemma-2-9B, issue 19 needle recall
+#   bash bench/pending_h200.sh 5   # (~5 min) issue 18 after the late 2026-12-01 changes: copy-engine
+#                                  #   contention, mixed/prefix under 24 GiB with diagnostics, the
+#                                  #   two-copy decode step and per-batch splits, a prefill profile
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -42,5 +45,11 @@ case "$group" in
     --full-prefill-max 0 --gpu-memory 24GiB --name gemma2_9b_offload
   run 90 $py bench/hip_recall.py --device cuda --model llama-3-8b --layers 0 --tokens 512K \
     --name hip_recall_llama8b_512k
+  ;;
+5)
+  run 40 $py bench/copy_contention.py
+  run 230 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
+  run 100 $py bench/serve_gpu.py --cases c1,c64 --name serve_gpu
+  run 80 $py bench/serve_profile.py --batches 64 --context 1024
   ;;
 esac
