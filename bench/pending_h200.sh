@@ -49,7 +49,7 @@ case "$group" in
 5)
   run 40 $py bench/copy_contention.py
   run 230 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
-  run 100 $py bench/serve_gpu.py --cases c1,c64 --name serve_gpu
+  run 130 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
   run 80 $py bench/serve_profile.py --batches 64 --context 1024
   ;;
 esac
