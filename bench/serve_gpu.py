@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -100,7 +101,7 @@ def top_kernels(prof: profile, top: int = 14) -> list[dict[str, Any]]:
     rows = []
     for e in prof.key_averages():
         us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
-        if us > 0:
+        if us > 0 and e.device_type == DeviceType.CUDA:  # kernels and copies, not their operators
             rows.append({"name": e.key[:90], "calls": e.count, "device_ms": round(us / 1e3, 3)})
     rows.sort(key=lambda r: -r["device_ms"])
     return rows[:top]

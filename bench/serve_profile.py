@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,8 +74,8 @@ def profile_steps(engine: ServeEngine, steps: int, cuda: bool, top: int) -> tupl
         # NOTE: device_time_total of a kernel (no children on the device) is its own time; CPU
         # operators also carry their kernels' device time, so only kernels are summed.
         us = float(getattr(e, "self_device_time_total", 0.0) or 0.0) if cuda else float(e.self_cpu_time_total)
-        if us <= 0:
-            continue
+        if us <= 0 or (cuda and e.device_type != DeviceType.CUDA):
+            continue  # NOTE: an operator (aten::mm) carries its kernels' time too: count kernels once
         busy_us += us
         rows.append({"name": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": us / steps / 1e3})
     rows.sort(key=lambda r: -r["ms_per_step"])
