@@ -249,7 +249,7 @@ class ServeEngine(BatchEngine):
                 self.own_store_requests += 1
                 self.add(seq)
                 continue
-            self._tiered[seq] = TieredRun(self, seq, plan, store)
+            self._tiered[seq] = TieredRun(self, seq, plan, store, threaded=self.config.tiered_thread)
         for seq, run in list(self._tiered.items()):
             try:
                 self._advance(seq, run)

@@ -7,24 +7,34 @@ method (`"method": "quest,kv_budget=1k"` in the body: any registered method, ove
 store `kvtier generate` uses).
 
 On CUDA a run's steps (one prefill chunk, or one decode token) are queued on a stream of their
-own, at a lower priority than the batch's, and the engine loop never waits for them: it queues
-a step (`launch`), goes on with batch steps, and collects the sampled token once the step's
-event has completed (`ready`, `collect`). The run's PCIe streaming and compute thus overlap the
-batch's steps, and the GPU gives the batch's kernels precedence:
+own, at a lower priority than the batch's, and the engine loop never waits for them: it hands
+a step to the run's launcher thread (`launch`), goes on with batch steps, and collects the
+sampled token once the launcher is done and the step's event has completed (`ready`,
+`collect`). The run's PCIe streaming and compute thus overlap the batch's steps, and the GPU
+gives the batch's kernels precedence:
 
     batch stream (high priority):  [step][step][step][step][step][step][step] ...
     run stream (low priority):       [  chunk / token of the long request  ]  [  next  ] ...
     h2d copy stream:                 [ slice loads, ordered by events only ]
 
-On the CPU (no streams) a step runs when it is launched, so `ready` is True at once.
+The launcher thread is there because queuing a step can itself block: a 256K-token decode
+token of Llama-3-8B queues ~500 slice loads and ~1,000 kernels, more than CUDA's queues hold,
+so the host waits inside a launch until the device drains them (on the H200 the engine loop
+stood still up to 4.7 s a call, and 32 short streams ran 9x slower). The thread blocks instead
+of the loop; torch and Triton release the GIL while they wait.
+
+On the CPU (no streams) a step runs when it is launched, in the engine's thread, so `ready` is
+True at once (`BatchConfig.tiered_thread=True` runs it on the launcher thread there too).
 
     engine loop:  [batch step] [run A: collect, launch] [batch step] [run A: not ready] ...
+    launcher A:                 [queue A's step ......]
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
@@ -80,9 +90,16 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, TieredKVStor
 class TieredRun:
     """`seq` over its own `TieredKVStore` (from `plan_store`): `launch` queues one prefill chunk
     or decode token, `ready` says whether it has finished on the device, `collect` returns what
-    it sampled."""
+    it sampled. `threaded` (default: on CUDA): queue the steps from a launcher thread."""
 
-    def __init__(self, engine: OffloadHost, seq: Sequence, plan: KVPlan, store: TieredKVStore) -> None:
+    def __init__(
+        self,
+        engine: OffloadHost,
+        seq: Sequence,
+        plan: KVPlan,
+        store: TieredKVStore,
+        threaded: bool | None = None,
+    ) -> None:
         self.seq, self.model, self.device = seq, engine.model, engine.device
         self.plan = plan
         self.store: TieredKVStore | None = store
@@ -100,6 +117,9 @@ class TieredRun:
         self._done: torch.cuda.Event | None = None  # the launched step's end, on `stream`
         self._in_flight = False
         self._samples = False  # whether the launched step samples a token
+        threaded = engine.device.type == "cuda" if threaded is None else threaded
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tiered") if threaded else None
+        self._queued: Future[None] | None = None  # the launcher's current step
 
     @property
     def prefilling(self) -> bool:
@@ -111,15 +131,27 @@ class TieredRun:
         return self._in_flight
 
     def ready(self) -> bool:
-        """Whether the launched step has finished on the device (no host blocking)."""
+        """Whether the launched step has been queued and has finished on the device (no host
+        blocking)."""
+        if self._queued is not None and not self._queued.done():
+            return False
         return self._done is None or self._done.query()
 
     def launch(self) -> None:
         """Queue the next step (a prefill chunk, or the decode token after the last sampled one)
-        on the run's stream; returns without waiting for the device."""
-        store = self.store
-        assert store is not None, "the run was closed"
+        on the run's stream; returns without waiting for the device (with a launcher thread,
+        without waiting for the queuing either)."""
+        assert self.store is not None, "the run was closed"
         assert not self._in_flight, "collect the launched step first"
+        self._in_flight = True
+        if self._launcher is not None:
+            self._queued = self._launcher.submit(self._queue_step)
+        else:
+            self._queue_step()
+
+    def _queue_step(self) -> None:
+        store = self.store
+        assert store is not None
         on = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with on:
             if self.prefilling:
@@ -140,16 +172,19 @@ class TieredRun:
             if self._samples:
                 self.token = self.seq.sampler(logits[-1])
             if self.stream is not None:
-                self._done = torch.cuda.Event()
-                self._done.record(self.stream)
-        self._in_flight = True
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                self._done = done
 
     def collect(self) -> int | None:
         """The token the launched step sampled (None after a prefill chunk that samples none).
-        Call once `ready()`; it then never waits."""
+        Call once `ready()`; it then never waits. Raises what queuing the step raised."""
         assert self._in_flight, "nothing was launched"
         self._in_flight = False
+        queued, self._queued = self._queued, None
         self._done = None
+        if queued is not None:
+            queued.result()
         if not self._samples:
             return None
         assert self.token is not None
@@ -158,6 +193,9 @@ class TieredRun:
     def close(self) -> None:
         """Free the store (its GPU buffers and pinned host memory) once its queued work is done;
         keep its PCIe byte counts."""
+        if self._launcher is not None:
+            self._launcher.shutdown(wait=True)  # NOTE: a step being queued still uses the store
+            self._launcher = None
         if self.store is not None:
             if self.stream is not None:
                 self.stream.synchronize()  # NOTE: a launched step may still read the store

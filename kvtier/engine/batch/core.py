@@ -85,6 +85,9 @@ class BatchConfig:
     # GPU bytes kept out of the pool for requests over stores of their own (tiered runs, methods);
     # None: a quarter of the room, at most 4 GiB, when the pool is sized from memory (sizing.py).
     offload_reserve: int | None = None
+    # Queue a tiered run's steps from a thread of its own (None: on CUDA), so that a launch the
+    # device makes wait (its streams' queues full of slice loads) never holds the batch's steps.
+    tiered_thread: bool | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
