@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.kv.pages import PagePool
@@ -74,3 +75,27 @@ def test_host_tier_saves_loads_and_drops_oldest() -> None:
     host.load(b"b", 0)
     assert dev[0][0].flatten().tolist() == [2.0, 3.0]
     assert b"b" not in host and host.num_used == 1 and list(host.free) == [1]
+
+
+def test_host_tier_loads_many_pages_across_slabs_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_slots` gathers each slab's slots at once: pages from three slabs land in the
+    device pages they are given, in any order, and the slots are free afterwards."""
+    import kvtier.kv.prefix_cache as prefix_cache
+
+    dev = [torch.arange(8 * 2 * 1.0).view(8, 2, 1, 1, 1) + 100 * layer for layer in range(2)]
+    page_bytes = dev[0][0].numel() * dev[0].element_size()
+    monkeypatch.setattr(prefix_cache, "slab_bytes", lambda *a: 2 * page_bytes)  # 2 slots a slab
+    host = prefix_cache.HostPageCache(dev, num_slots=6)
+    assert len(host.arenas[0].slabs()) == 3
+    for page in range(6):
+        assert host.save(page, bytes([page]))
+    want = {layer: [t.clone() for t in dev[layer][:6]] for layer in range(2)}
+    for t in dev:
+        t.zero_()
+    pairs = [(host.take(bytes([p])), dst) for p, dst in [(5, 0), (0, 7), (3, 2), (4, 3)]]
+    host.load_slots(pairs)
+    for layer in range(2):
+        for p, dst in [(5, 0), (0, 7), (3, 2), (4, 3)]:
+            assert torch.equal(dev[layer][dst], want[layer][p])
+        assert float(dev[layer][1].abs().sum()) == 0.0  # untouched
+    assert host.num_used == 2 and sorted(host.free) == sorted(s for s, _ in pairs)

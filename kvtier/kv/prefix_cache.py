@@ -60,11 +60,14 @@ class HostPageCache:
             )
             for t in (device_pages if num_slots > 0 else [])
         ]
-        # slots[layer][slot]: [P, 2, H_kv, D]
+        # slots[layer][slot]: [P, 2, H_kv, D], row slot % per of slab slot // per
         self.slots = [[arena.take() for _ in range(num_slots)] for arena in self.arenas]
+        self._slabs = [arena.slabs() for arena in self.arenas]  # per layer [per, P, 2, H_kv, D]
+        self._per = self.arenas[0].extents_per_slab if self.arenas else 1
         self.free: deque[int] = deque(range(num_slots))
         self.lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self.saved = self.loaded = self.dropped = 0
+        self._saved: torch.cuda.Event | None = None  # the last save's copies, on CUDA
 
     @property
     def num_used(self) -> int:
@@ -84,17 +87,52 @@ class HostPageCache:
             self.dropped += 1
         for host, dev in zip(self.slots, self.device_pages, strict=True):
             host[slot].copy_(dev[page], non_blocking=True)  # NOTE: host is a list of extents
+        if self.device_pages[0].is_cuda:  # `load_slots` reads host slots on the host: wait for this
+            self._saved = torch.cuda.Event()
+            self._saved.record()
         self.lru[h] = slot
         self.saved += 1
         return True
 
     def load(self, h: bytes, page: int) -> None:
         """Copy the page cached under `h` into device `page`, and free its host slot. Mutates."""
-        slot = self.lru.pop(h)
-        for host, dev in zip(self.slots, self.device_pages, strict=True):
-            dev[page].copy_(host[slot], non_blocking=True)
-        self.free.append(slot)
+        self.load_slots([(self.take(h), page)])
+
+    def take(self, h: bytes) -> int:
+        """The slot cached under `h`, out of the cache; `load_slots` copies it and frees it."""
         self.loaded += 1
+        return self.lru.pop(h)
+
+    def load_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots into device pages, (slot, page) pairs, and free the slots: per layer
+        and slab one gather on the host, one copy to the device and one scatter into the pages
+        (page by page, a 32K-token prefix of Llama-3-8B was 65,536 copies of 64 KiB: 2.1 s on
+        the H200). Asynchronous on CUDA."""
+        if not pairs:
+            return
+        by_slab: dict[int, tuple[list[int], list[int]]] = {}
+        for slot, page in pairs:
+            slab, row = divmod(slot, self._per)
+            rows, pages = by_slab.setdefault(slab, ([], []))
+            rows.append(row)
+            pages.append(page)
+        device = self.device_pages[0].device
+        pin = device.type == "cuda"
+        if self._saved is not None:
+            # NOTE: a slot saved since the last step may still be in flight from the device
+            self._saved.synchronize()
+            self._saved = None
+        groups = [
+            (slab, torch.tensor(rows), torch.tensor(pages, device=device))
+            for slab, (rows, pages) in by_slab.items()
+        ]
+        for slabs, dev in zip(self._slabs, self.device_pages, strict=True):
+            for slab, rows_t, pages_t in groups:
+                src = slabs[slab]
+                staged = torch.empty((len(rows_t), *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
+                torch.index_select(src, 0, rows_t, out=staged)  # [k, P, 2, H_kv, D] on the host
+                dev.index_copy_(0, pages_t, staged.to(device, non_blocking=True))
+        self.free.extend(slot for slot, _ in pairs)
 
     def clear(self) -> None:
         """Drop every saved page."""

@@ -77,6 +77,12 @@ class HostArena:
             self._free.extend(reversed(slab.view(n, *self.extent_shape).unbind(0)))
         return self._free.pop()
 
+    def slabs(self) -> list[torch.Tensor]:
+        """Each slab as [extents_per_slab, *extent_shape]; `take` hands out a slab's extents
+        in row order, so the k-th extent taken overall is row k % extents_per_slab of slab
+        k // extents_per_slab while none has been given back."""
+        return [slab.view(self.extents_per_slab, *self.extent_shape) for slab in self._slabs]
+
     def close(self) -> None:
         """Release all slabs (and, on CUDA, the pinned allocator's cache of them)."""
         for slab in self._slabs:

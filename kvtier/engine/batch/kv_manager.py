@@ -63,6 +63,7 @@ class KVCacheManager:
     def _match(self, seq: Sequence) -> int:
         p, limit = self.page_size, len(seq.tokens) - 1
         extend_hashes(seq.hashes, seq.tokens, p, seq.root, limit)
+        from_host: list[tuple[int, int]] = []  # (host slot, device page), copied at the end
         for h in seq.hashes[: limit // p]:
             page = self.pool.lookup(h)
             if page is not None:
@@ -71,12 +72,15 @@ class KVCacheManager:
                 page = self.pool.allocate()
                 if page is None:
                     break
-                self.host.load(h, page)
+                from_host.append((self.host.take(h), page))
                 self.pool.register(page, h)
                 self.stats.host_hits += p
             else:
                 break
             seq.block_table.append(page)
+        # NOTE: after the loop's evictions (their saves are queued first, so a page saved and
+        # then reused here is read before it is overwritten)
+        self.host.load_slots(from_host)
         seq.num_computed = len(seq.block_table) * p
         seq.num_registered = len(seq.block_table)
         return seq.num_computed
