@@ -149,6 +149,9 @@ class TieredCache(Cache):
             chunk_size=self.chunk_size,
             block_size=self.block_size,
             cpu_attention=self.cpu_attention,
+            # NOTE: HF's own forward runs the chunks: it keeps more [T, h] tensors alive than
+            # kvtier's runner and its norms make fp32 copies (`hf_activation_bytes`).
+            activations="hf",
         )
 
     def hardware(self) -> Hardware:
