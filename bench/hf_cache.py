@@ -65,6 +65,18 @@ def peak(device: torch.device) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
+def peaks(device: torch.device) -> dict[str, int | None]:
+    """Peak bytes allocated to tensors and reserved by the caching allocator since the last
+    `fresh_peak`; the cap applies to the reserved ones (what fragmentation adds)."""
+    reserved = int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+    return {"peak_gpu_bytes": peak(device), "peak_reserved_bytes": reserved}
+
+
+def oom_text(e: torch.OutOfMemoryError) -> str:
+    """The error's first line, whole: it says how much PyTorch had allocated and reserved."""
+    return str(e).splitlines()[0]
+
+
 def hf_model(llm: LLM, spec: str) -> Any:
     """An HF causal LM of `spec`'s config (a preset or an HF folder) whose parameters *are*
     kvtier's (no copy)."""
@@ -101,16 +113,25 @@ def decode_loop(
 
 
 def run_hf_kvtier(
-    model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device
-) -> dict[str, Any]:
+    model: Any, ids: torch.Tensor, args: argparse.Namespace, device: torch.device, row: dict[str, Any]
+) -> None:
+    """Fills `row`; the plan and its GPU terms go in first, so a run that fails keeps them."""
     import kvtier.hf
+    from kvtier.planner.memory import GPU_RESERVE_BYTES, hf_activation_bytes, weight_bytes
 
     n = ids.shape[1]
     cache = kvtier.hf.TieredCache(
         model, kv=args.kv, gpu_memory=args.gpu_memory, context=n + args.decode_steps + 1
     )
     key = kvtier.hf.cache_keyword(model)
-    row: dict[str, Any] = {"plan": cache.describe()}
+    p, cfg, b = cache.plan, cache.model_config, torch.empty((), dtype=cache.dtype).element_size()
+    row["plan"] = cache.describe()
+    row["planned_gpu_bytes"] = {
+        "weights": weight_bytes(cfg, b),
+        "activations": hf_activation_bytes(cfg, p.chunk_size, b, group_size=p.group_size, context=p.context),
+        "kv": p.gpu_kv_bytes,
+        "reserve": GPU_RESERVE_BYTES,
+    }
     try:
         with torch.inference_mode():
 
@@ -127,7 +148,6 @@ def run_hf_kvtier(
         row["store_peak_bytes"] = dict(cache.store.account.peak)
     finally:
         cache.close()
-    return row
 
 
 def cache_keyword(model: Any) -> str:
@@ -165,9 +185,11 @@ def run_hf_dynamic(
                 token = out.logits[:, -1:].argmax(-1)
                 times, tokens = decode_loop(model, token, args.decode_steps, device, **cache)
             row.update(decode_s_per_token=median(times[1:] or times), decode_steps_s=times, tokens=tokens)
+            row.update(peaks(device))  # NOTE: before the finally below resets the peaks
             return row
         except torch.OutOfMemoryError as e:
-            row[f"oom_{mode}"] = str(e).splitlines()[0][:200]
+            row[f"oom_{mode}"] = oom_text(e)
+            row.update(peaks(device))
         finally:
             cache.clear()  # NOTE: frees the KV before the next mode or system
             fresh_peak(device)
@@ -195,14 +217,16 @@ def run(system: str, llm: LLM, model: Any, ids: torch.Tensor, args: argparse.Nam
     row: dict[str, Any] = {"system": system, "context": ids.shape[1]}
     try:
         if system == "hf-kvtier":
-            row.update(run_hf_kvtier(model, ids, args, device))
+            run_hf_kvtier(model, ids, args, device, row)
         elif system in ("hf-offloaded", "hf-dynamic"):
             row.update(run_hf_dynamic(model, ids, args, device, offloading=system == "hf-offloaded"))
         else:
             row.update(run_kvtier(llm, ids, args))
-        row["peak_gpu_bytes"] = peak(device)
+        if "peak_gpu_bytes" not in row:
+            row.update(peaks(device))
     except torch.OutOfMemoryError as e:
-        row["oom"] = str(e).splitlines()[0][:200]
+        row["oom"] = oom_text(e)
+        row.update(peaks(device))  # the peaks up to the failed allocation
     except KvtierError as e:
         row["error"] = str(e)
     fresh_peak(device)
@@ -280,15 +304,17 @@ def main() -> None:
         args.name, {"model": spec, "kv": args.kv, "gpu_budget_bytes": args.gpu_memory, "rows": rows}
     )
     print(f"\nresults: {path}")
-    print(f"{'context':>8} {'system':>13} {'peak GB':>8} {'prefill t/s':>11} {'decode s/t':>10}")
+    head = f"{'peak GB':>8} {'resv GB':>8} {'prefill t/s':>11} {'decode s/t':>10}"
+    print(f"{'context':>8} {'system':>13} {head}")
     for r in rows:
         failed = r.get("oom") or r.get("error") or r.get("skipped")
         if failed:
             print(f"{r['context']:>8} {r['system']:>13}   {failed[:90]}")
             continue
-        gb = f"{r['peak_gpu_bytes'] / 1e9:.2f}" if r.get("peak_gpu_bytes") else "-"  # None on the CPU
+        keys = ("peak_gpu_bytes", "peak_reserved_bytes")
+        gb, resv = (f"{r[k] / 1e9:.2f}" if r.get(k) else "-" for k in keys)  # None on the CPU
         speed = f"{r['prefill_tok_s']:>11.0f} {r['decode_s_per_token']:>10.4f}"
-        print(f"{r['context']:>8} {r['system']:>13} {gb:>8} {speed}")
+        print(f"{r['context']:>8} {r['system']:>13} {gb:>8} {resv:>8} {speed}")
 
 
 if __name__ == "__main__":

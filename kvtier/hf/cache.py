@@ -76,12 +76,13 @@ class TieredCache(Cache):
     "layer", "head", "head,head_group=2") and at most one lossy method ("int8",
     "window,kv_budget=512", "quest,kv_budget=1k", "kv=layer,kv_quant=int4"), or a
     `MethodChoice`. `gpu_memory` is the budget the planner fits weights, one prefill chunk's
-    activations and the KV into (default: the whole GPU; unlimited on the CPU); it does not cap
-    the process. `context` is the most tokens the cache will hold (prompt plus new tokens;
-    default: the model's `max_position_embeddings`): the plan is made for it, and a longer
-    sequence is refused. `plan` replaces the planner's placement with one of your own.
-    `cpu_attention` ("auto", "off" or a number of slices) lets decode attend some streamed
-    slices on the CPU where the KV already is, as `kvtier.LLM(cpu_attention=)` does.
+    activations (HF's forward's, `hf_activation_bytes`) and the KV into (default: the whole GPU;
+    unlimited on the CPU); it does not cap the process. `context` is the most tokens the cache
+    will hold (prompt plus new tokens; default: the model's `max_position_embeddings`): the plan
+    is made for it, and a longer sequence is refused. `plan` replaces the planner's placement
+    with one of your own. `cpu_attention` ("auto", "off" or a number of slices) lets decode
+    attend some streamed slices on the CPU where the KV already is, as
+    `kvtier.LLM(cpu_attention=)` does.
 
     Lossless specs give the same greedy tokens as transformers' `DynamicCache`. Methods that
     keep keys un-rotated (StreamingLLM eviction, HiP's context extension) or that calibrate
@@ -149,6 +150,9 @@ class TieredCache(Cache):
             chunk_size=self.chunk_size,
             block_size=self.block_size,
             cpu_attention=self.cpu_attention,
+            # NOTE: HF's own forward runs the chunks: it keeps more [T, h] tensors alive than
+            # kvtier's runner and its norms make fp32 copies (`hf_activation_bytes`).
+            activations="hf",
         )
 
     def hardware(self) -> Hardware:

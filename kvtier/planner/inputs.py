@@ -26,6 +26,7 @@ class PlanInputs:
     chunk_size: int | None = None  # prefill chunk (None: the roofline's)
     block_size: int = 256
     cpu_attention: str | int = "off"  # streamed slices decoded on the CPU: auto, off or a count
+    activations: str = "runner"  # whose forward runs the chunks: "runner" (kvtier's) or "hf"
 
     def plan(self, codec: PackedFormat | None = None) -> KVPlan:
         """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""
@@ -42,4 +43,5 @@ class PlanInputs:
             block_size=self.block_size,
             codec=codec,
             cpu_attention=self.cpu_attention,
+            activations=self.activations,
         )

@@ -1,9 +1,12 @@
 """Byte formulas for one sequence: weights, KV slices and prefill activations.
 
-Two activation models live here:
+Three activation models live here:
 
 * `activation_bytes` — what kvtier's runner holds at its peak while it runs one prefill chunk.
   The planner and the engine use this one (the engine reports it next to the measured peak).
+* `hf_activation_bytes` — what transformers' own forward (`LlamaModel` and its kin) holds for
+  one chunk over a `kvtier.hf.TieredCache`: more [T, h] tensors alive at once, fp32 norms.
+  The planner uses it for `kvtier.hf` (`PlanInputs.activations="hf"`).
 * `paper_activation_bytes` — HeadInfer's estimate, chunk x (D + 2 I) elements, which is what the
   paper's Table 10 uses (64 GiB unchunked at 1M, 0.625 GiB for a 10K chunk, Llama-3-8B). It
   leaves out q/k/v, the attention output and the third MLP temporary, so it undercounts.
@@ -13,6 +16,8 @@ parameters = 14.96 GiB, within 1% of its "15.08". Only the 2^30 reading matches 
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from kvtier.attention.dense import ATTN_BACKEND, SCORE_ELEMENTS
 from kvtier.config import ModelConfig
@@ -24,6 +29,21 @@ GiB = 1024**3
 GPU_RESERVE_BYTES = GiB // 2
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+ACTIVATIONS = ("runner", "hf")  # whose forward runs the prefill chunks: kvtier's, transformers'
+
+
+class Phases(NamedTuple):
+    """Bytes alive at the peak of each phase of one layer's forward, and the logits after them."""
+
+    norm: int
+    attention: int
+    mlp: int
+    logits: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.norm, self.attention, self.mlp) + self.logits
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
@@ -64,7 +84,21 @@ def activation_bytes(
     group_size: int | None = None,
     context: int | None = None,
 ) -> int:
-    """Peak activation bytes of the runner for one prefill chunk of `chunk` tokens.
+    """Peak activation bytes of the runner for one prefill chunk of `chunk` tokens
+    (`runner_phases`: the largest phase plus the logits)."""
+    return runner_phases(cfg, chunk, dtype_bytes, mlp_chunk, group_size=group_size, context=context).peak
+
+
+def runner_phases(
+    cfg: ModelConfig,
+    chunk: int,
+    dtype_bytes: int,
+    mlp_chunk: int | None = None,
+    *,
+    group_size: int | None = None,
+    context: int | None = None,
+) -> Phases:
+    """Activation bytes of the runner in each phase of one prefill chunk of `chunk` tokens.
 
     The runner keeps a flattened residual stream [T, h] in the model dtype and frees each block's
     locals when the block returns, so the peak is the largest of three phases (T = chunk,
@@ -112,7 +146,61 @@ def activation_bytes(
     attention = attn_base + max(rope_tmp, sdpa_tmp)
     mlp = T * (2 + (1 if t < T else 0)) * h * b + 3 * t * inter * b
     logits = cfg.vocab_size * (b + 4)
-    return max(norm, attention, mlp) + logits
+    return Phases(norm, attention, mlp, logits)
+
+
+def hf_activation_bytes(
+    cfg: ModelConfig,
+    chunk: int,
+    dtype_bytes: int,
+    *,
+    group_size: int | None = None,
+    context: int | None = None,
+) -> int:
+    """Peak activation bytes of transformers' forward for one prefill chunk over a
+    `kvtier.hf.TieredCache` (`hf_phases`: the largest phase plus the logits)."""
+    return hf_phases(cfg, chunk, dtype_bytes, group_size=group_size, context=context).peak
+
+
+def hf_phases(
+    cfg: ModelConfig,
+    chunk: int,
+    dtype_bytes: int,
+    *,
+    group_size: int | None = None,
+    context: int | None = None,
+) -> Phases:
+    """Activation bytes in each phase of transformers' forward (`LlamaModel` and the Mistral and
+    Qwen models built like it) for one chunk of `chunk` tokens over a `TieredCache`.
+
+    Attention runs inside the store (`kvtier.hf.attention`), so its kernels and their
+    temporaries are the runner's; around them HF's model code keeps more alive (T = chunk):
+
+    * `LlamaModel.forward` holds `inputs_embeds` [T,h] for the whole forward, and its loop holds
+      each layer's input [T,h] while the layer runs; both are in every phase below.
+    * RoPE tables: HF's cos and sin [T,d], the store's own [T,d] pair (`begin_step`), and the
+      int64 position ids [T] (8 bytes a token).
+    * norm (after attention): the residual [T,h], `LlamaRMSNorm`'s fp32 copy of it and its fp32
+      normalised result [T,h], and the fp32 variance [T,1] with its rsqrt.
+    * attention: the runner's attention phase (whose residual is the layer input) with
+      inputs_embeds and the tables beside it. HF's RoPE keeps the unrotated q and three q-sized
+      temporaries, as the runner's count.
+    * MLP: the residual and the normed input [T,h] and gate-activation, up and their product
+      [T,I] (`LlamaMLP` runs the whole chunk: no sub-chunks).
+
+    Measured on the CPU (bf16) per phase: `tests/test_hf_memory.py`. The logits are the runner's:
+    HF computes them for the last position only (`logits_to_keep=1`, which `generate` and
+    `prefill_in_chunks` pass).
+    """
+    T, h, inter, b = chunk, cfg.hidden_size, cfg.intermediate_size, dtype_bytes
+    runner = runner_phases(cfg, T, b, group_size=group_size, context=context)
+    embeds = T * h * b
+    tables = 4 * T * cfg.head_dim * b + 8 * T
+    held = embeds + T * h * b + tables  # inputs_embeds, the layer's input, RoPE tables
+    norm = held + T * h * (b + 2 * 4) + 2 * T * 4
+    attention = runner.attention + embeds + tables
+    mlp = held + 2 * T * h * b + 3 * T * inter * b
+    return Phases(norm, attention, mlp, runner.logits)
 
 
 def paper_activation_bytes(cfg: ModelConfig, chunk: int, dtype_bytes: int) -> int:

@@ -30,8 +30,10 @@ from kvtier.errors import CapacityError, ConfigError, HostCapacityError
 from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import (
+    ACTIVATIONS,
     GPU_RESERVE_BYTES,
     activation_bytes,
+    hf_activation_bytes,
     kv_token_bytes,
     round_up,
     weight_bytes,
@@ -166,6 +168,7 @@ def plan_kv(
     mlp_chunk: int | None = None,
     codec: PackedFormat | None = None,
     cpu_attention: str | int = "off",
+    activations: str = "runner",
 ) -> KVPlan:
     """Plan KV placement for one sequence of `context` tokens.
 
@@ -177,10 +180,14 @@ def plan_kv(
     per-slice overhead. With a packing `codec` (quantized KV) every slice is sized packed, and
     resident slices need two staging buffers to unpack into. `cpu_attention` ("off", "auto" or a
     number of slices) gives some streamed slices to the CPU at decode (`kvtier.planner.cpu_split`;
-    never with a codec: the CPU kernel reads full-precision KV). Raises ConfigError on bad
-    arguments and CapacityError with the numbers when the GPU or host budget is too small.
+    never with a codec: the CPU kernel reads full-precision KV). `activations` says whose forward
+    runs the chunks: "runner" (kvtier's, `activation_bytes`) or "hf" (transformers' model over a
+    `kvtier.hf.TieredCache`, `hf_activation_bytes`). Raises ConfigError on bad arguments and
+    CapacityError with the numbers when the GPU or host budget is too small.
     """
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"unknown activation model {activations!r}; use one of {', '.join(ACTIVATIONS)}")
     hw = hardware or DEFAULT_HARDWARE
     capacity = round_up(context, block_size)
     if codec is not None and isinstance(cpu_attention, int) and cpu_attention > 0:
@@ -199,9 +206,13 @@ def plan_kv(
     windowed = cfg.num_layers - placed_layers
 
     def fixed(c: int, g: int) -> int:  # GPU bytes that are not placed KV
+        if activations == "hf":
+            act = hf_activation_bytes(cfg, c, dtype_bytes, group_size=g, context=context)
+        else:
+            act = activation_bytes(cfg, c, dtype_bytes, mlp_chunk, group_size=g, context=context)
         return (
             weight_bytes(cfg, dtype_bytes)
-            + activation_bytes(cfg, c, dtype_bytes, mlp_chunk, group_size=g, context=context)
+            + act
             + reserve_bytes
             + window_kv_bytes(cfg, c, context, dtype_bytes, block_size)
         )
