@@ -13,9 +13,13 @@
 #                                  #   streams), prefix; issue 20's HF cache bench
 #   bash bench/pending_h200.sh 4   # (~9 min, after 1: it writes the 8B folder) issue 23 CPU
 #                                  #   attention, issue 21 Gemma-2-9B, issue 19 needle recall
-#   bash bench/pending_h200.sh 5   # (~5 min) issue 18 after the late 2026-12-01 changes: copy-engine
+#   bash bench/pending_h200.sh 5   # (~5 min; ran 2026-12-01 late at f1dbcc6) issue 18: copy-engine
 #                                  #   contention, mixed/prefix under 24 GiB with diagnostics, the
 #                                  #   two-copy decode step and per-batch splits, a prefill profile
+#   bash bench/pending_h200.sh 6   # (~6 min) NEXT: what the last session fixed without a GPU: the
+#                                  #   tiered launcher thread and batched host-tier prefix loads
+#                                  #   (mixed, prefix), hf_cache 128K planned for HF's forward (issue
+#                                  #   20), gpu_checks seeded (blocks rows), CPU attention threads
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -51,5 +55,11 @@ case "$group" in
   run 230 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   run 130 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
   run 80 $py bench/serve_profile.py --batches 64 --context 1024
+  ;;
+6)
+  run 200 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
+  run 100 $py bench/hf_cache.py --contexts 128K --gpu-memory 24GiB --kv auto --name hf_cache_128k
+  run 50 $py bench/gpu_checks.py
+  run 60 $py bench/cpu_attention.py --threads 1,8,15 --combined --name cpu_attention_h200
   ;;
 esac
