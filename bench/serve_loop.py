@@ -1,0 +1,90 @@
+"""Driving `kvtier serve`'s engine in-process for the serve benches: its step loop as the serving
+thread runs it (with host timings and a profile window), token arrival times per request, and a
+device-op table of a profile."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from kvtier.engine.batch.sequence import Delta
+from kvtier.serve.engine import ServeEngine
+
+
+def step_loop(
+    engine: ServeEngine,
+    times: dict[str, list[float]] | None = None,
+    profile_steps: tuple[int, int] | None = None,
+) -> tuple[int, list[dict[str, Any]] | None]:
+    """Step the engine in this thread until idle, as its serving thread does (batch steps, then
+    tiered runs, never waiting on them while the batch has work). Returns the batch steps, and
+    with `profile_steps` (first, last) the kernels by device time over those batch steps (every
+    stream's: the tiered runs' too). With `times`, the host seconds of each batch step ("step")
+    and each tiered-run call ("tiered")."""
+    steps = 0
+    prof: profile | None = None
+    kernels = None
+    engine._drain(block=False)
+    while engine.has_work:
+        if profile_steps is not None and prof is None and kernels is None and steps == profile_steps[0]:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        stepped = engine.scheduler.has_work
+        if stepped:
+            engine.step()
+            steps += 1
+        t1 = time.perf_counter()
+        engine.step_tiered()
+        if times is not None:
+            if stepped:
+                times["step"].append(t1 - t0)
+            times["tiered"].append(time.perf_counter() - t1)
+        if prof is not None and profile_steps is not None and steps >= profile_steps[1]:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels, prof = top_kernels(prof), None
+        engine._idle_wait()
+        engine._drain(block=False)
+    return steps, kernels
+
+
+def top_kernels(prof: profile, top: int = 14) -> list[dict[str, Any]]:
+    """The `top` device operations (kernels and copies) by their total device time."""
+    rows = []
+    for e in prof.key_averages():
+        us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+        if us > 0 and e.device_type == DeviceType.CUDA:  # kernels and copies, not their operators
+            rows.append({"name": e.key[:90], "calls": e.count, "device_ms": round(us / 1e3, 3)})
+    rows.sort(key=lambda r: -r["device_ms"])
+    return rows[:top]
+
+
+def sync(engine: ServeEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Stream:
+    """Token arrival times of one request (a sink)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.done = False
+
+    def __call__(self, d: Delta) -> None:
+        now = time.perf_counter()
+        self.times.extend([now] * len(d.token_ids))
+        self.tokens.extend(d.token_ids)
+        self.done = d.finish_reason is not None
+        if d.finish_reason == "error":
+            raise SystemExit(f"request failed: {getattr(d, 'error', d)}")
+
+    def tpot(self) -> float | None:
+        n = len(self.times)
+        return (self.times[-1] - self.times[0]) / (n - 1) if n > 1 else None
