@@ -209,12 +209,18 @@ def ms_p50(xs: list[float]) -> float | None:
 
 def run_prefix(engine: ServeEngine, prefix_tokens: int, vocab: int) -> dict[str, Any]:
     """TTFT of a request whose `prefix_tokens` prefix is cached in the device tier, then in the
-    host tier (after two other prompts of the same length pushed it out of the pool)."""
+    host tier (after one other prompt as long as the pool pushed all of it out of the pool)."""
+    page = engine.store.page_size
     if not prefix_tokens + 64 <= engine.pool_tokens < 3 * prefix_tokens:
         raise SystemExit(
             f"prefix: a pool of {engine.pool_tokens} tokens cannot show both tiers for a "
             f"{prefix_tokens}-token prefix (it must hold the prefix and be under 3x it); give "
             "--prefix-pool-tokens"
+        )
+    if engine.kv.host.num_slots * page < prefix_tokens:
+        raise SystemExit(
+            f"prefix: the host tier holds {engine.kv.host.num_slots} pages, fewer than the "
+            f"{prefix_tokens}-token prefix's; give --num-host-pages to kvtier's engine"
         )
     engine.kv.reset_prefix_cache()
     gen = torch.Generator().manual_seed(11)
@@ -231,8 +237,9 @@ def run_prefix(engine: ServeEngine, prefix_tokens: int, vocab: int) -> dict[str,
     cold = ttft([*prefix, 7])
     device_hit = ttft([*prefix, 8])
     host_hits_before = engine.kv.stats.host_hits
-    for _ in range(2):  # two other long prompts evict the prefix's pages to the host tier
-        ttft(torch.randint(100, vocab, (prefix_tokens,), generator=gen).tolist())
+    # One prompt that needs the whole pool evicts every cached page, the prefix's to the host
+    # tier (two prefix-long prompts, as before, evicted more pages than the host tier holds).
+    ttft(torch.randint(100, vocab, (engine.pool_tokens - page - 2,), generator=gen).tolist())
     host_hit = ttft([*prefix, 9])
     return {
         "prefix_tokens": prefix_tokens,
@@ -241,7 +248,8 @@ def run_prefix(engine: ServeEngine, prefix_tokens: int, vocab: int) -> dict[str,
         "ttft_cold_s": round(cold, 4),
         "ttft_device_hit_s": round(device_hit, 4),
         "ttft_host_hit_s": round(host_hit, 4),
-        "host_hit_tokens": engine.kv.stats.host_hits - host_hits_before,
+        "host_hit_tokens": engine.kv.stats.host_hits - host_hits_before,  # of the prefix's full pages
+        "prefix_page_tokens": prefix_tokens // page * page,
     }
 
 

@@ -98,6 +98,10 @@ class HostPageCache:
         """Copy the page cached under `h` into device `page`, and free its host slot. Mutates."""
         self.load_slots([(self.take(h), page)])
 
+    def touch(self, h: bytes) -> None:
+        """Mark `h` as just used: it is dropped last when the cache is full."""
+        self.lru.move_to_end(h)
+
     def take(self, h: bytes) -> int:
         """The slot cached under `h`, out of the cache; `load_slots` copies it and frees it."""
         self.loaded += 1

@@ -63,8 +63,16 @@ class KVCacheManager:
     def _match(self, seq: Sequence) -> int:
         p, limit = self.page_size, len(seq.tokens) - 1
         extend_hashes(seq.hashes, seq.tokens, p, seq.root, limit)
+        chain = seq.hashes[: limit // p]
+        for h in chain:
+            # NOTE: the host hits first become the newest host entries, so that the evictions
+            # below (each saves a device page to the host tier) drop other entries before them
+            if self.pool.lookup(h) is None:
+                if h not in self.host:
+                    break
+                self.host.touch(h)
         from_host: list[tuple[int, int]] = []  # (host slot, device page), copied at the end
-        for h in seq.hashes[: limit // p]:
+        for h in chain:
             page = self.pool.lookup(h)
             if page is not None:
                 self.pool.touch(page)
