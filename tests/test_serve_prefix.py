@@ -99,3 +99,16 @@ def test_cache_salt_isolates_tenants(llm: LLM) -> None:
     engine.submit(B, SamplingParams(max_tokens=1), got.append, cache_salt="tenant-1")
     engine.run_until_idle()
     assert [d.cached_tokens for d in got] == [0, 16]
+
+
+def test_a_full_host_tier_keeps_the_pages_a_match_loads_while_it_evicts(llm: LLM) -> None:
+    """The host tier is full of A's four prefix pages when B matches them; loading them takes
+    device pages whose eviction saves OTHER's pages to the host tier. Those saves must not drop
+    the prefix pages still to be loaded (they are pinned): all 16 tokens come from the host."""
+    expected_b = run(fresh(llm, 16), B)[0]
+    engine = fresh(llm, 6, host=4)
+    run(engine, A)
+    run(engine, OTHER)  # evicts A's four pages: the host tier is full
+    assert engine.kv.host.num_used == 4 and not engine.kv.host.free
+    assert run(engine, B) == (expected_b, 16)
+    assert engine.kv.stats.host_hits == 16 and engine.kv.host.loaded == 4

@@ -67,6 +67,7 @@ class HostPageCache:
         self.free: deque[int] = deque(range(num_slots))
         self.lru: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self.saved = self.loaded = self.dropped = 0
+        self._pinned: set[bytes] = set()  # entries `save` must not drop (a subset of lru)
         self._saved: torch.cuda.Event | None = None  # the last save's copies, on CUDA
 
     @property
@@ -83,7 +84,10 @@ class HostPageCache:
         if self.free:
             slot = self.free.popleft()
         else:
-            _, slot = self.lru.popitem(last=False)
+            if len(self._pinned) >= len(self.lru):
+                return False  # every entry is about to be loaded: the page is not kept
+            victim = next(k for k in self.lru if k not in self._pinned)  # the oldest unpinned
+            slot = self.lru.pop(victim)
             self.dropped += 1
         for host, dev in zip(self.slots, self.device_pages, strict=True):
             host[slot].copy_(dev[page], non_blocking=True)  # NOTE: host is a list of extents
@@ -98,14 +102,24 @@ class HostPageCache:
         """Copy the page cached under `h` into device `page`, and free its host slot. Mutates."""
         self.load_slots([(self.take(h), page)])
 
-    def touch(self, h: bytes) -> None:
-        """Mark `h` as just used: it is dropped last when the cache is full."""
+    def pin(self, h: bytes) -> None:
+        """Keep `h` from being dropped by `save` until it is taken or `unpin_all` (a prefix
+        match pins the host hits it is about to load, as its own evictions save pages here)."""
         self.lru.move_to_end(h)
+        self._pinned.add(h)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
 
     def take(self, h: bytes) -> int:
-        """The slot cached under `h`, out of the cache; `load_slots` copies it and frees it."""
-        self.loaded += 1
+        """The slot cached under `h`, out of the cache; `load_slots` copies it and frees it
+        (`put_back` returns it untouched)."""
+        self._pinned.discard(h)
         return self.lru.pop(h)
+
+    def put_back(self, h: bytes, slot: int) -> None:
+        """A slot from `take` that will not be loaded, back in the cache under `h`."""
+        self.lru[h] = slot
 
     def load_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host slots into device pages, (slot, page) pairs, and free the slots: per layer
@@ -114,6 +128,7 @@ class HostPageCache:
         the H200). Asynchronous on CUDA."""
         if not pairs:
             return
+        self.loaded += len(pairs)
         by_slab: dict[int, tuple[list[int], list[int]]] = {}
         for slot, page in pairs:
             slab, row = divmod(slot, self._per)
@@ -142,6 +157,7 @@ class HostPageCache:
         """Drop every saved page."""
         self.free.extend(self.lru.values())
         self.lru.clear()
+        self._pinned.clear()
 
 
 def slab_bytes(page_bytes: int, num_slots: int, pinned: bool) -> int:

@@ -65,27 +65,30 @@ class KVCacheManager:
         extend_hashes(seq.hashes, seq.tokens, p, seq.root, limit)
         chain = seq.hashes[: limit // p]
         for h in chain:
-            # NOTE: the host hits first become the newest host entries, so that the evictions
-            # below (each saves a device page to the host tier) drop other entries before them
+            # NOTE: the evictions below save device pages to the host tier; pinned, the host
+            # hits they would otherwise push out stay until they are loaded
             if self.pool.lookup(h) is None:
                 if h not in self.host:
                     break
-                self.host.touch(h)
+                self.host.pin(h)
         from_host: list[tuple[int, int]] = []  # (host slot, device page), copied at the end
         for h in chain:
             page = self.pool.lookup(h)
             if page is not None:
                 self.pool.touch(page)
             elif h in self.host:
+                slot = self.host.take(h)
                 page = self.pool.allocate()
                 if page is None:
+                    self.host.put_back(h, slot)
                     break
-                from_host.append((self.host.take(h), page))
+                from_host.append((slot, page))
                 self.pool.register(page, h)
                 self.stats.host_hits += p
             else:
                 break
             seq.block_table.append(page)
+        self.host.unpin_all()
         # NOTE: after the loop's evictions (their saves are queued first, so a page saved and
         # then reused here is read before it is overwritten)
         self.host.load_slots(from_host)
