@@ -124,8 +124,8 @@ class HostPageCache:
     def load_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host slots into device pages, (slot, page) pairs, and free the slots: per layer
         and slab one gather on the host, one copy to the device and one scatter into the pages
-        (page by page, a 32K-token prefix of Llama-3-8B was 65,536 copies of 64 KiB: 2.1 s on
-        the H200). Asynchronous on CUDA."""
+        (page by page, a 32K-token prefix of Llama-3-8B is 65,536 copies of 64 KiB, each a
+        launch on the host). Asynchronous on CUDA."""
         if not pairs:
             return
         self.loaded += len(pairs)
