@@ -1,6 +1,7 @@
 // Decode attention on the CPU: one query token, R query heads per KV head, over n tokens of
 // token-major KV ([tokens, 2, G, D]: a token's K heads, then its V heads). Single-threaded;
-// kvtier/attention/cpu_decode.py builds this file at first use and runs tasks on a thread pool.
+// kvtier/attention/cpu_decode.py builds this file with cpu_pool.cpp at first use, which runs
+// the tasks of a slice on native threads.
 //
 // fp32 accumulation, an online softmax over blocks of BLK tokens. GCC/Clang vector extensions
 // (8 floats) instead of intrinsics, so it builds for any target with -march=native. Results
@@ -21,6 +22,7 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 
 constexpr int BLK = 32;      // tokens per online-softmax block
 constexpr int MAX_DV = 64;   // head_dim up to 512
+constexpr int MAX_R = 8;     // query heads per KV head in one pass over the KV
 
 struct F32 {
   static constexpr int bytes = 4;
@@ -172,13 +174,15 @@ struct Head {
 
 // All G KV heads of n tokens, block by block: a block's rows (all heads) are read once, in
 // order, and the next block is prefetched (the hardware prefetcher does not follow the K/V
-// interleave well). kv: the first token's row; q [G, R, D]; out [G, R, D]; lse [G, R].
+// interleave well). kv: the first token's row; the R query heads of KV head g are rows
+// g * RS .. g * RS + R of q [G, RS, D], out [G, RS, D] and lse [G, RS].
 template <class T, int R>
-void decode(const char* kv, int64_t n, int G, const float* q, float scale, int D, float* out, float* lse) {
+void decode(const char* kv, int64_t n, int G, const float* q, float scale, int RS, int D, float* out,
+            float* lse) {
   constexpr int E = T::bytes;
   const int64_t stride = 2 * (int64_t)G * D, v_off = (int64_t)G * D, row = stride * E;
   std::vector<Head<T, R>> heads(G);
-  for (int g = 0; g < G; ++g) heads[g].init(q + g * R * D, scale, D);
+  for (int g = 0; g < G; ++g) heads[g].init(q + g * RS * D, scale, D);
   for (int64_t t0 = 0; t0 < n; t0 += BLK) {
     const int nb = (int)(n - t0 < BLK ? n - t0 : BLK);
     const char* blk = kv + t0 * row;
@@ -186,24 +190,30 @@ void decode(const char* kv, int64_t n, int G, const float* q, float scale, int D
     for (int64_t b = 0; b < ahead; b += 64) __builtin_prefetch(blk + BLK * row + b, 0, 2);
     for (int g = 0; g < G; ++g) heads[g].block(blk + g * D * E, nb, stride, v_off, D);
   }
-  for (int g = 0; g < G; ++g) heads[g].finish(out + g * R * D, lse + g * R, D);
+  for (int g = 0; g < G; ++g) heads[g].finish(out + g * RS * D, lse + g * RS, D);
 }
 
+// NOTE: more than MAX_R query heads per KV head run MAX_R at a time (each pass reads the KV again).
 template <class T>
 int dispatch(const char* kv, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
              float* lse) {
-  if (n < 1 || G < 1 || D % 8 != 0 || D / 8 > MAX_DV) return -1;
-  switch (R) {
-    case 1: decode<T, 1>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 2: decode<T, 2>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 3: decode<T, 3>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 4: decode<T, 4>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 5: decode<T, 5>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 6: decode<T, 6>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 7: decode<T, 7>(kv, n, G, q, scale, D, out, lse); return 0;
-    case 8: decode<T, 8>(kv, n, G, q, scale, D, out, lse); return 0;
-    default: return -1;
+  if (n < 1 || G < 1 || R < 1 || D % 8 != 0 || D / 8 > MAX_DV) return -1;
+  for (int h0 = 0; h0 < R; h0 += MAX_R) {
+    const int r = R - h0 < MAX_R ? R - h0 : MAX_R;
+    const float* qh = q + h0 * D;
+    float *oh = out + h0 * D, *lh = lse + h0;
+    switch (r) {
+      case 1: decode<T, 1>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 2: decode<T, 2>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 3: decode<T, 3>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 4: decode<T, 4>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 5: decode<T, 5>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 6: decode<T, 6>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 7: decode<T, 7>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      default: decode<T, 8>(kv, n, G, qh, scale, R, D, oh, lh); break;
+    }
   }
+  return 0;
 }
 
 }  // namespace
@@ -211,8 +221,9 @@ int dispatch(const char* kv, int64_t n, int G, const float* q, float scale, int 
 extern "C" {
 
 // n tokens of a slice's rows (kv: [n, 2, G, D], contiguous rows), queries q [G, R, D] float32
-// (scores are q . k * scale) -> out [G, R, D] and lse [G, R] float32. Returns 0, or -1 for
-// shapes it does not take (R > 8, D not a multiple of 8 or > 512, n < 1).
+// (scores are q . k * scale) -> out [G, R, D] and lse [G, R] float32. One task, on the calling
+// thread (cpu_pool.cpp runs many). Returns 0, or -1 for shapes it does not take (D not a
+// multiple of 8 or > 512, n < 1).
 int kvtier_decode_f32(const void* kv, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
                       float* lse) {
   return dispatch<F32>((const char*)kv, n, G, q, scale, R, D, out, lse);
