@@ -103,7 +103,8 @@ def test_native_threads_give_bitwise_the_same_result(dtype: torch.dtype, g: int,
 @pytest.mark.parametrize("dtype,g,r,d", NATIVE_CASES)
 def test_one_native_call_equals_the_kernel_task_by_task(dtype: torch.dtype, g: int, r: int, d: int) -> None:
     """The pool's single call per start against the kernel called once per task from Python
-    (the path before the pool), merged the same way: bitwise equal."""
+    (the path before the pool), merged by the same native merge: bitwise equal. PyTorch's
+    merge of the same partials agrees to fp32 rounding."""
     q, extents = slice_of(g, r, d, dtype, 6000, seed=g + r + d)
     length = 11000
     dec = CpuDecoder(2, backend="native")
@@ -119,8 +120,31 @@ def test_one_native_call_equals_the_kernel_task_by_task(dtype: torch.dtype, g: i
     for n, t in enumerate(tasks):
         kv = extents[t.extent][t.start : t.start + t.tokens].data_ptr()
         assert fn(kv, t.tokens, g, qs.data_ptr(), d**-0.5, r, d, out[n].data_ptr(), lse[n].data_ptr()) == 0
-    want = merge(out, lse, g * r)
+    want = (torch.empty(g * r, d), torch.empty(g * r))
+    lib.kvtier_merge(len(tasks), g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in want))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch_out, torch_lse = merge(out, lse, g * r)
+    assert torch.allclose(torch_out, got[0], rtol=1e-6, atol=1e-7)
+    assert torch.allclose(torch_lse, got[1], rtol=1e-6, atol=1e-7)
+
+
+@NEEDS_CXX
+def test_native_result_does_not_depend_on_torchs_thread_count() -> None:
+    """PyTorch's sum over the tasks splits differently with its intra-op threads; the native
+    merge adds in task order."""
+    q, extents = slice_of(2, 4, 128, torch.bfloat16, 9000, seed=9)
+    dec = CpuDecoder(2, backend="native")
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            results.append(dec.attend(q, extents, 17000))
+    finally:
+        torch.set_num_threads(before)
+        dec.close()
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -314,4 +314,26 @@ int kvtier_decode_bf16(const void* kv, int64_t n, int G, const float* q, float s
   return dispatch<BF16>((const char*)kv, n, G, q, scale, R, D, out, lse);
 }
 
+// The P tasks' partial results out [P, H, D], lse [P, H] merged by log-sum-exp -> merged
+// [H, D], merged_lse [H] (float32; weights and sums in double). NOTE: added task by task in
+// order on one thread, so the result depends on neither thread count (PyTorch's sum over P
+// splits it differently with its intra-op thread count).
+void kvtier_merge(int64_t P, int H, int D, const float* out, const float* lse, float* merged,
+                  float* merged_lse) {
+  std::vector<double> acc(D);
+  for (int h = 0; h < H; ++h) {
+    double m = -INFINITY, total = 0.0;
+    for (int64_t p = 0; p < P; ++p) m = lse[p * H + h] > m ? lse[p * H + h] : m;
+    for (int d = 0; d < D; ++d) acc[d] = 0.0;
+    for (int64_t p = 0; p < P; ++p) {
+      const double w = exp(lse[p * H + h] - m);
+      const float* o = out + (p * H + h) * D;
+      total += w;
+      for (int d = 0; d < D; ++d) acc[d] += w * o[d];
+    }
+    for (int d = 0; d < D; ++d) merged[h * D + d] = (float)(acc[d] / total);
+    merged_lse[h] = (float)(m + log(total));
+  }
+}
+
 }  // extern "C"

@@ -10,9 +10,10 @@ query head, to merge exactly with other partial results (`kvtier.attention.dense
  tasks:    token ranges within one extent (all KV heads of the slice), ~1 MiB each; task n
            writes out[n], lse[n] only
  native:   one issuing thread per decoder: waits for `ready`, then one call runs every task of
-           the start on native threads (cpu_pool.cpp), the GIL released once
- torch:    one Python pool task per task
- merge:    softmax over the tasks' lse, in task order (independent of thread timing)
+           the start on native threads (cpu_pool.cpp), the GIL released once, and one more
+           merges them in task order (kvtier_merge)
+ torch:    one Python pool task per task, merged by PyTorch at result()
+ merge:    softmax over the tasks' lse (independent of which thread ran which task)
 ```
 
 Two backends, chosen by measurement (bench/results/cpu_attention_cpu.json): "native", a C++
@@ -114,6 +115,8 @@ def native_library() -> ctypes.CDLL | None:
     dll.kvtier_pool_run.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
     dll.kvtier_pool_run.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     dll.kvtier_pool_run.restype = ctypes.c_int
+    dll.kvtier_merge.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4
+    dll.kvtier_merge.restype = None
     return dll
 
 
@@ -140,8 +143,10 @@ def plan_tasks(extents: list[torch.Tensor], length: int) -> list[Task]:
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tasks' partial results out [P, G, r, D], lse [P, G, r] (float32) merged in task order
-    -> (out [H_q, D], lse [H_q]), H_q = heads = G x r."""
+    """The tasks' partial results out [P, G, r, D], lse [P, G, r] (float32) merged -> (out
+    [H_q, D], lse [H_q]), H_q = heads = G x r. The torch backend's merge. NOTE: PyTorch's sum
+    over P may split differently with its intra-op thread count; the native backend merges in
+    task order instead (`kvtier_merge`)."""
     w = torch.softmax(lse, dim=0)  # [P, G, r]
     merged = (out * w[..., None]).sum(0)  # [G, r, D]
     return merged.reshape(heads, -1), torch.logsumexp(lse, dim=0).reshape(heads)
@@ -150,16 +155,26 @@ def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tenso
 class PendingDecode:
     """CPU attention started by `CpuDecoder.start`; `result()` waits for it and merges."""
 
-    def __init__(self, futures: list[Future[None]], out: torch.Tensor, lse: torch.Tensor, heads: int) -> None:
+    def __init__(
+        self,
+        futures: list[Future[None]],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        heads: int,
+        merged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self._futures = futures
         self._out = out  # [P, G, r, D] float32
         self._lse = lse  # [P, G, r]
         self._heads = heads
+        self._merged = merged  # written by the futures (native), else merged here
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [H_q, D] float32, lse [H_q] float32), H_q = G x r, on the CPU."""
         for f in self._futures:
             f.result()
+        if self._merged is not None:
+            return self._merged
         return merge(self._out, self._lse, self._heads)
 
 
@@ -167,8 +182,8 @@ class CpuDecoder:
     """Runs decode attention over host extents on `threads` threads.
 
     Native backend: a start is one job for the decoder's issuing thread, which waits for the
-    start's `ready` event and then runs every task on `threads` native threads (itself and
-    `threads - 1` pool threads). Torch backend: one task per Python pool thread. `start` may be
+    start's `ready` event, runs every task on `threads` native threads (itself and `threads - 1`
+    pool threads) and merges them. Torch backend: one task per Python pool thread. `start` may be
     called again while earlier starts still run (they run in order). `close()` stops the threads.
     """
 
@@ -180,11 +195,20 @@ class CpuDecoder:
         if backend == "native" and self.lib is None:
             raise ConfigError("the native CPU attention kernel did not build: install a C++ compiler (g++)")
         self.backend = "native" if self.lib is not None else "torch"
-        # NOTE: executors start their threads at the first submit, so the unused one costs nothing.
+        self._free: weakref.finalize | None = None
+        self._threads_for(os.getpid())
+
+    def _threads_for(self, pid: int) -> None:
+        """New executors (their threads start at the first submit, so an unused one costs
+        nothing); the native pool is made at the first native start. NOTE: called again in a
+        forked child, which has none of the parent's threads (and never frees their pool)."""
+        self._pid = pid
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvtier-cpu-attn")
         self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cpu-attn-issue")
-        self._native: tuple[int, int] | None = None  # (pid, pool handle), made at the first native start
-        self._free: weakref.finalize | None = None
+        self._native: int | None = None  # the native pool's handle
+        if self._free is not None:
+            self._free.detach()
+            self._free = None
 
     def start(
         self,
@@ -202,6 +226,8 @@ class CpuDecoder:
         r = hq // g
         if length < 1 or length > e * len(extents):
             raise ValueError(f"length {length} outside 1..{e * len(extents)}")
+        if os.getpid() != self._pid:
+            self._threads_for(os.getpid())
         tasks = plan_tasks(extents, length)
         out = torch.empty(len(tasks), g, r, d, dtype=torch.float32)
         lse = torch.empty(len(tasks), g, r, dtype=torch.float32)
@@ -213,12 +239,13 @@ class CpuDecoder:
             and all(x.is_contiguous() for x in extents)
         )
         if native:
-            futures = [self._issuer.submit(self._run_native, q, extents, tasks, out, lse, ready)]
-        else:
-            futures = [
-                self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready)
-                for n, t in enumerate(tasks)
-            ]
+            merged = (torch.empty(hq, d), torch.empty(hq))
+            job = (q, extents, tasks, out, lse, merged, ready)
+            return PendingDecode([self._issuer.submit(self._run_native, *job)], out, lse, hq, merged)
+        futures = [
+            self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready)
+            for n, t in enumerate(tasks)
+        ]
         return PendingDecode(futures, out, lse, hq)
 
     def attend(
@@ -228,18 +255,15 @@ class CpuDecoder:
         return self.start(q, extents, length).result()
 
     def _native_pool(self) -> int:
-        """The native thread pool's handle. NOTE: made again in a forked child, whose copy of the
-        parent's pool has no threads (the child never frees the parent's handle)."""
+        """The native thread pool's handle (only the issuing thread calls this)."""
         assert self.lib is not None
-        if self._native is None or self._native[0] != os.getpid():
-            if self._free is not None:
-                self._free.detach()
+        if self._native is None:
             handle = self.lib.kvtier_pool_new(self.threads - 1)
             if not handle:
                 raise RuntimeError(f"could not start {self.threads - 1} native CPU attention threads")
-            self._native = (os.getpid(), handle)
+            self._native = handle
             self._free = weakref.finalize(self, self.lib.kvtier_pool_free, handle)
-        return self._native[1]
+        return self._native
 
     def _run_native(
         self,
@@ -248,9 +272,11 @@ class CpuDecoder:
         tasks: list[Task],
         out: torch.Tensor,
         lse: torch.Tensor,
+        merged: tuple[torch.Tensor, torch.Tensor],
         ready: torch.cuda.Event | None,
     ) -> None:
-        """Every task of a start in one native call, on the issuing thread (the GIL released)."""
+        """Every task of a start in one native call, then their merge into `merged` (out
+        [H_q, D], lse [H_q]) in another, on the issuing thread (the GIL released in both)."""
         assert self.lib is not None
         if ready is not None:
             ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
@@ -265,6 +291,7 @@ class CpuDecoder:
         args = (kv, n, p, g, qs.data_ptr(), d**-0.5, r, d, out.data_ptr(), lse.data_ptr())
         if self.lib.kvtier_pool_run(self._native_pool(), bf16, *args) != 0:
             raise RuntimeError(f"native CPU attention rejected G={g}, r={r}, D={d}")
+        self.lib.kvtier_merge(p, g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in merged))
 
     def _run_torch(
         self,
