@@ -12,8 +12,8 @@
 //   fp32:  chunk c = values 8c .. 8c+7
 //   bf16:  one 32-byte load holds values 16p .. 16p+15 as 8 32-bit words; word << 16 is the
 //          even values (chunk 2p), word & 0xffff0000 the odd ones (chunk 2p+1): one instruction
-//          per chunk instead of a widening convert. A D that is not a multiple of 16 ends with
-//          one chunk of 8 values in order.
+//          per chunk instead of a widening convert (NOTE: little-endian, value 2i is word i's
+//          low half). A D that is not a multiple of 16 ends with one chunk of 8 values in order.
 //
 // q is permuted into chunk order once per call and the output back at the end; a dot product
 // does not care about the order of its terms.
@@ -61,10 +61,12 @@ struct BF16 {
     memcpy(&x, &u, 32);
     return x;
   }
-  static inline int value(int c, int i, int D) { return c < D / 16 * 2 ? c / 2 * 16 + 2 * i + (c & 1) : c * 8 + i; }
+  static inline int value(int c, int i, int D) {
+    return c < D / 16 * 2 ? c / 2 * 16 + 2 * i + (c & 1) : c * 8 + i;
+  }
 };
 
-// Chunks c and c + 1 (c even) of a row; only chunk c when it is the odd tail of a D % 16 == 8 row.
+// Chunks c and c + 1 (c even) of a row; chunk c alone (b = 0) when it is the last of a D % 16 == 8 row.
 template <class T>
 inline void chunks(const char* row, int c, int C, v8f& a, v8f& b) {
   if (c + 1 < C) {

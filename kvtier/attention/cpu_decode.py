@@ -20,8 +20,8 @@ Two backends, chosen by measurement (bench/results/cpu_attention_cpu.json): "nat
 kernel (`cpu_decode.cpp`, built with `cpu_pool.cpp` by the system compiler at first use into
 kvtier's cache folder and called through ctypes) and "torch", PyTorch's CPU flash kernel over
 the same tasks (used when no compiler is found, or for fp16 and shapes the kernel does not
-take). The task split depends on the shapes only, so both backends give the same result with
-any number of threads.
+take). The task split depends on the shapes only, so each backend gives bitwise the same
+result with any number of decoder threads (the native one with any PyTorch thread count too).
 """
 
 from __future__ import annotations
