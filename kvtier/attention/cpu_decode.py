@@ -7,15 +7,21 @@ query head, to merge exactly with other partial results (`kvtier.attention.dense
 
 ```
  extents:  [e0: tokens 0..E) [e1: E..2E) [e2: 2E..length)
- tasks:    token ranges within one extent (all KV heads of the slice), ~1 MiB each, on a pool
- merge:    softmax over the tasks' lse, in task order (independent of thread timing)
+ tasks:    token ranges within one extent (all KV heads of the slice), ~1 MiB each; task n
+           writes out[n], lse[n] only
+ native:   one issuing thread per decoder: waits for `ready`, then one call runs every task of
+           the start on native threads (cpu_pool.cpp), the GIL released once, and one more
+           merges them in task order (kvtier_merge)
+ torch:    one Python pool task per task, merged by PyTorch at result()
+ merge:    softmax over the tasks' lse (independent of which thread ran which task)
 ```
 
-Two backends, chosen by measurement (bench/results/cpu_attention.json): "native", a C++ kernel
-(`cpu_decode.cpp`, built with the system compiler at first use into kvtier's cache folder and
-called through ctypes, which releases the GIL) and "torch", PyTorch's CPU flash kernel over
+Two backends, chosen by measurement (bench/results/cpu_attention_cpu.json): "native", a C++
+kernel (`cpu_decode.cpp`, built with `cpu_pool.cpp` by the system compiler at first use into
+kvtier's cache folder and called through ctypes) and "torch", PyTorch's CPU flash kernel over
 the same tasks (used when no compiler is found, or for fp16 and shapes the kernel does not
-take). On the 2-core development machine the native kernel read bf16 KV about 1.7x as fast.
+take). The task split depends on the shapes only, so each backend gives bitwise the same
+result with any number of decoder threads (the native one with any PyTorch thread count too).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +45,11 @@ from kvtier.errors import ConfigError
 
 BACKENDS = ("auto", "native", "torch")
 TASK_BYTES = 1 << 20  # KV bytes per task (per KV head), about: enough to amortize a task's overhead
-MAX_NATIVE_HEADS = 8  # query heads per KV head one native call takes; more run in several calls
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-_FLAGS = ("-O3", "-march=native", "-funroll-loops", "-shared", "-fPIC")
+MAX_NATIVE_DIM = 512  # the largest head dim the native kernel takes
+_SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_decode.cpp", "cpu_pool.cpp"))
+_FLAGS = ("-O3", "-march=native", "-funroll-loops", "-pthread", "-shared", "-fPIC")
+_KERNEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+_KERNEL_ARGS += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
 def default_threads() -> int:
@@ -64,12 +73,12 @@ def _cache_dir() -> Path:
 
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, compiler and machine; None when no C++
-    compiler is found or the build fails (the torch backend is used instead)."""
+    """The compiled kernel and its thread pool, built once per source, compiler and machine;
+    None when no C++ compiler is found or the build fails (the torch backend is used instead)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in _SOURCES)
     key = hashlib.sha256(source + " ".join((cxx, *_FLAGS, os.uname().machine)).encode()).hexdigest()[:16]
     lib = _cache_dir() / "cpu_decode" / f"cpu_decode-{key}.so"
     if not lib.exists():
@@ -79,7 +88,8 @@ def native_library() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cxx, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, timeout=300)
+            cmd = [cxx, *_FLAGS, *map(str, _SOURCES), "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, timeout=300)
             if done.returncode != 0:
                 print(
                     f"kvtier: CPU attention kernel did not build, using torch: {done.stderr[-400:]!r}",
@@ -95,43 +105,86 @@ def native_library() -> ctypes.CDLL | None:
     dll = ctypes.CDLL(str(lib))
     for name in ("kvtier_decode_f32", "kvtier_decode_bf16"):
         fn = getattr(dll, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
-        fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes = _KERNEL_ARGS
         fn.restype = ctypes.c_int
+    dll.kvtier_pool_new.argtypes = [ctypes.c_int]
+    dll.kvtier_pool_new.restype = ctypes.c_void_p
+    dll.kvtier_pool_free.argtypes = [ctypes.c_void_p]
+    dll.kvtier_pool_free.restype = None
+    dll.kvtier_pool_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    dll.kvtier_pool_run.argtypes += [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+    dll.kvtier_pool_run.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    dll.kvtier_pool_run.restype = ctypes.c_int
+    dll.kvtier_merge.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4
+    dll.kvtier_merge.restype = None
     return dll
 
 
 @dataclass(frozen=True)
-class _Task:
+class Task:
+    """One task of a start: `tokens` tokens from token `start` of extent `extent`, all KV heads."""
+
     extent: int
     start: int  # token offset in the extent
     tokens: int
 
 
+def plan_tasks(extents: list[torch.Tensor], length: int) -> list[Task]:
+    """The tasks over tokens [0, length) of `extents`, in merge order. NOTE: they depend on the
+    shapes only (never on the thread count), which keeps results bitwise independent of it."""
+    e, _, g, d = extents[0].shape
+    step = max(64, TASK_BYTES // (2 * g * d * extents[0].element_size()))
+    return [
+        Task(i, a, min(a + step, end) - a)
+        for i in range(-(-length // e))
+        for end in (min(e, length - i * e),)  # tokens of extent i that are attended
+        for a in range(0, end, step)
+    ]
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tasks' partial results out [P, G, r, D], lse [P, G, r] (float32) merged -> (out
+    [H_q, D], lse [H_q]), H_q = heads = G x r. The torch backend's merge. NOTE: PyTorch's sum
+    over P may split differently with its intra-op thread count; the native backend merges in
+    task order instead (`kvtier_merge`)."""
+    w = torch.softmax(lse, dim=0)  # [P, G, r]
+    merged = (out * w[..., None]).sum(0)  # [G, r, D]
+    return merged.reshape(heads, -1), torch.logsumexp(lse, dim=0).reshape(heads)
+
+
 class PendingDecode:
     """CPU attention started by `CpuDecoder.start`; `result()` waits for it and merges."""
 
-    def __init__(self, futures: list[Future[None]], out: torch.Tensor, lse: torch.Tensor, heads: int) -> None:
+    def __init__(
+        self,
+        futures: list[Future[None]],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        heads: int,
+        merged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self._futures = futures
         self._out = out  # [P, G, r, D] float32
         self._lse = lse  # [P, G, r]
         self._heads = heads
+        self._merged = merged  # written by the futures (native), else merged here
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [H_q, D] float32, lse [H_q] float32), H_q = G x r, on the CPU."""
         for f in self._futures:
             f.result()
-        w = torch.softmax(self._lse, dim=0)  # [P, G, r]
-        out = (self._out * w[..., None]).sum(0)  # [G, r, D]
-        lse = torch.logsumexp(self._lse, dim=0)
-        return out.reshape(self._heads, -1), lse.reshape(self._heads)
+        if self._merged is not None:
+            return self._merged
+        return merge(self._out, self._lse, self._heads)
 
 
 class CpuDecoder:
-    """Runs decode attention over host extents on a pool of `threads` worker threads.
+    """Runs decode attention over host extents on `threads` threads.
 
-    `start` may be called again while earlier starts still run (their tasks queue in order).
-    `close()` stops the pool.
+    Native backend: a start is one job for the decoder's issuing thread, which waits for the
+    start's `ready` event, runs every task on `threads` native threads (itself and `threads - 1`
+    pool threads) and merges them. Torch backend: one task per Python pool thread. `start` may be
+    called again while earlier starts still run (they run in order). `close()` stops the threads.
     """
 
     def __init__(self, threads: int | None = None, backend: str = "auto") -> None:
@@ -142,7 +195,20 @@ class CpuDecoder:
         if backend == "native" and self.lib is None:
             raise ConfigError("the native CPU attention kernel did not build: install a C++ compiler (g++)")
         self.backend = "native" if self.lib is not None else "torch"
+        self._free: weakref.finalize | None = None
+        self._threads_for(os.getpid())
+
+    def _threads_for(self, pid: int) -> None:
+        """New executors (their threads start at the first submit, so an unused one costs
+        nothing); the native pool is made at the first native start. NOTE: called again in a
+        forked child, which has none of the parent's threads (and never frees their pool)."""
+        self._pid = pid
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvtier-cpu-attn")
+        self._issuer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-cpu-attn-issue")
+        self._native: int | None = None  # the native pool's handle
+        if self._free is not None:
+            self._free.detach()
+            self._free = None
 
     def start(
         self,
@@ -153,25 +219,31 @@ class CpuDecoder:
     ) -> PendingDecode:
         """Attend q [H_q, D] (one token; any float dtype, CPU) over tokens [0, length) of the
         token-major `extents` (each [E, 2, G, D], CPU), non-causally. Returns at once; the work
-        runs on the pool, each task first waiting for `ready` (e.g. q's copy to the host and the
-        last write to the extents). length must be at least 1."""
+        runs on the decoder's threads, after waiting for `ready` (e.g. q's copy to the host and
+        the last write to the extents) off the caller's thread. length must be at least 1."""
         e, _, g, d = extents[0].shape
         hq = q.shape[0]
         r = hq // g
         if length < 1 or length > e * len(extents):
             raise ValueError(f"length {length} outside 1..{e * len(extents)}")
-        step = max(64, TASK_BYTES // (2 * g * d * extents[0].element_size()))
-        tasks = [
-            _Task(i, a, min(a + step, end) - a)
-            for i in range(-(-length // e))
-            for end in (min(e, length - i * e),)  # tokens of extent i that are attended
-            for a in range(0, end, step)
-        ]
+        if os.getpid() != self._pid:
+            self._threads_for(os.getpid())
+        tasks = plan_tasks(extents, length)
         out = torch.empty(len(tasks), g, r, d, dtype=torch.float32)
         lse = torch.empty(len(tasks), g, r, dtype=torch.float32)
-        native = self.lib is not None and extents[0].dtype in (torch.float32, torch.bfloat16) and d % 8 == 0
+        native = (
+            self.lib is not None
+            and extents[0].dtype in (torch.float32, torch.bfloat16)
+            and d % 8 == 0
+            and d <= MAX_NATIVE_DIM
+            and all(x.is_contiguous() for x in extents)
+        )
+        if native:
+            merged = (torch.empty(hq, d), torch.empty(hq))
+            job = (q, extents, tasks, out, lse, merged, ready)
+            return PendingDecode([self._issuer.submit(self._run_native, *job)], out, lse, hq, merged)
         futures = [
-            self._pool.submit(self._run, native and d <= 512, q, extents, t, out[n], lse[n], ready)
+            self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready)
             for n, t in enumerate(tasks)
         ]
         return PendingDecode(futures, out, lse, hq)
@@ -182,52 +254,71 @@ class CpuDecoder:
         """`start(...).result()`: (out [H_q, D] float32, lse [H_q] float32)."""
         return self.start(q, extents, length).result()
 
-    def _run(
+    def _native_pool(self) -> int:
+        """The native thread pool's handle (only the issuing thread calls this)."""
+        assert self.lib is not None
+        if self._native is None:
+            handle = self.lib.kvtier_pool_new(self.threads - 1)
+            if not handle:
+                raise RuntimeError(f"could not start {self.threads - 1} native CPU attention threads")
+            self._native = handle
+            self._free = weakref.finalize(self, self.lib.kvtier_pool_free, handle)
+        return self._native
+
+    def _run_native(
         self,
-        native: bool,
         q: torch.Tensor,
         extents: list[torch.Tensor],
-        t: _Task,
+        tasks: list[Task],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        merged: tuple[torch.Tensor, torch.Tensor],
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        """Every task of a start in one native call, then their merge into `merged` (out
+        [H_q, D], lse [H_q]) in another, on the issuing thread (the GIL released in both)."""
+        assert self.lib is not None
+        if ready is not None:
+            ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
+        p, g, r, d = out.shape
+        # NOTE: inference mode is per thread; the model's tensors (q, out) may be inference tensors.
+        with torch.inference_mode():
+            qs = q.float().contiguous()  # [G * r, D]
+        row = 2 * g * d * extents[0].element_size()
+        kv = (ctypes.c_void_p * p)(*(extents[t.extent].data_ptr() + t.start * row for t in tasks))
+        n = (ctypes.c_int64 * p)(*(t.tokens for t in tasks))
+        bf16 = int(extents[0].dtype == torch.bfloat16)
+        args = (kv, n, p, g, qs.data_ptr(), d**-0.5, r, d, out.data_ptr(), lse.data_ptr())
+        if self.lib.kvtier_pool_run(self._native_pool(), bf16, *args) != 0:
+            raise RuntimeError(f"native CPU attention rejected G={g}, r={r}, D={d}")
+        self.lib.kvtier_merge(p, g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in merged))
+
+    def _run_torch(
+        self,
+        q: torch.Tensor,
+        ext: torch.Tensor,
+        t: Task,
         out: torch.Tensor,
         lse: torch.Tensor,
         ready: torch.cuda.Event | None,
     ) -> None:
-        """One task: every KV head over t.tokens tokens of extent t.extent -> out [G, r, D], lse [G, r]."""
+        """One task on PyTorch's CPU flash kernel: every KV head over t.tokens tokens of `ext`
+        -> out [G, r, D], lse [G, r]."""
         if ready is not None:
             ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
-        # NOTE: inference mode is per thread; the model's tensors (q, out) may be inference tensors.
-        with torch.inference_mode():
-            self._attend_task(native, q, extents[t.extent], t, out, lse)
-
-    def _attend_task(
-        self, native: bool, q: torch.Tensor, ext: torch.Tensor, t: _Task, out: torch.Tensor, lse: torch.Tensor
-    ) -> None:
-        kv = ext[t.start : t.start + t.tokens]  # [n, 2, G, D], contiguous rows
         g, r, d = out.shape
-        qs = q.float().view(g, r, d).contiguous()  # [G, r, D]
-        if not native:
+        with torch.inference_mode():
+            kv = ext[t.start : t.start + t.tokens]  # [n, 2, G, D]
+            qs = q.reshape(g, r, d).to(ext.dtype)[None]  # [1, G, r, D]
             k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, G, n, D]
             v = kv[:, 1].transpose(0, 1).unsqueeze(0)
-            res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs.to(ext.dtype)[None], k, v)
+            res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k, v)
             out.copy_(res[0][0])
             lse.copy_(res[1][0])
-            return
-        assert self.lib is not None
-        fn = self.lib.kvtier_decode_bf16 if ext.dtype == torch.bfloat16 else self.lib.kvtier_decode_f32
-        # NOTE: more than 8 query heads per KV head run 8 at a time (each pass reads the KV again).
-        for h0 in range(0, r, MAX_NATIVE_HEADS):
-            heads = slice(h0, min(h0 + MAX_NATIVE_HEADS, r))
-            n_h = heads.stop - h0
-            qc = qs[:, heads].contiguous()  # [G, n_h, D]
-            oc = out if n_h == r else torch.empty(g, n_h, d)
-            lc = lse if n_h == r else torch.empty(g, n_h)
-            rc = fn(kv.data_ptr(), t.tokens, g, qc.data_ptr(), d**-0.5, n_h, d, oc.data_ptr(), lc.data_ptr())
-            if rc != 0:
-                raise RuntimeError(f"native CPU attention rejected G={g}, r={n_h}, D={d}, n={t.tokens}")
-            if n_h < r:
-                out[:, heads] = oc
-                lse[:, heads] = lc
 
     def close(self) -> None:
-        """Stop the worker threads (after the tasks already started)."""
+        """Stop the threads (after the tasks already started)."""
+        self._issuer.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        if self._free is not None:
+            self._free()
