@@ -142,3 +142,11 @@ def test_check_stop_holds_back_a_possible_stop_string() -> None:
     assert check_stop([9], "ab", SamplingParams(ignore_eos=True), {9}, True) == ("ab", "length")
     assert check_stop([1], "a\ufffd", SamplingParams(), {9}, False) == (None, None)
     assert check_stop([1] * 5, "abcEN", p, {9}, False) == ("abcEN", "length")
+
+
+def test_serve_takes_8k_token_steps_on_cuda_and_512_on_the_cpu_unless_told() -> None:
+    from kvtier.cli.serve_cmd import CPU_STEP_TOKENS, GPU_STEP_TOKENS, step_tokens
+
+    assert (GPU_STEP_TOKENS, CPU_STEP_TOKENS) == (8192, 512)
+    assert step_tokens(None, "cuda") == 8192 and step_tokens(None, "cpu") == 512
+    assert step_tokens(2048, "cuda") == 2048 and step_tokens(2048, "cpu") == 2048

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from dataclasses import replace
 
 from kvtier.cli.options import (
     add_model_options,
@@ -16,6 +17,12 @@ from kvtier.cli.options import (
 )
 from kvtier.engine.llm import LLM
 from kvtier.errors import ConfigError
+
+# Prompt tokens a batch step takes by default. On a GPU a step of 8,192 tokens keeps the matmuls
+# compute-bound (vLLM's default on large GPUs); the CPU, where a step's time grows with its
+# tokens, keeps decode steps short with 512.
+GPU_STEP_TOKENS = 8192
+CPU_STEP_TOKENS = 512
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,8 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int_type("--max-num-batched-tokens"),
-        default=512,
-        help="tokens per step (512)",
+        default=None,
+        help=f"tokens per step (default: {GPU_STEP_TOKENS} on CUDA, {CPU_STEP_TOKENS} on the CPU)",
     )
     p.add_argument("--page-size", type=int_type("--page-size"), default=16, help="tokens per KV page (16)")
     p.add_argument(
@@ -129,6 +136,13 @@ def check_can_listen(host: str, port: int) -> None:
         raise ConfigError(f"cannot listen on {where}: {_reason(e)}; pick another --port or --host") from None
 
 
+def step_tokens(requested: int | None, device_type: str) -> int:
+    """--max-num-batched-tokens as given, else the default for the device the model is on."""
+    if requested is not None:
+        return requested
+    return GPU_STEP_TOKENS if device_type == "cuda" else CPU_STEP_TOKENS
+
+
 def _reason(e: BaseException) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
@@ -147,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
         num_pages=args.num_pages,
         num_host_pages=args.num_host_pages,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=CPU_STEP_TOKENS
+        if args.max_num_batched_tokens is None
+        else args.max_num_batched_tokens,
         prefix_caching=not args.no_prefix_caching,
         threads=args.threads,
         offload_reserve=args.offload_reserve,
@@ -159,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     check_can_listen(args.host, args.port)
     check_before_loading(args)
     llm = LLM(**llm_kwargs(args))
+    config = replace(config, max_num_batched_tokens=step_tokens(args.max_num_batched_tokens, llm.device.type))
     engine = ServeEngine(llm, config)
     name = args.served_model_name or llm.loaded.name
     settings = AppSettings(
