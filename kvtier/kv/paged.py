@@ -92,8 +92,9 @@ class PagedKVStore:
         self.decode_kernel = decode_kernel or default_decode_kernel(device)
         blocks = num_pages if max_blocks is None else min(num_pages, max_blocks)
         self.max_batch = max_batch
-        # A decode step's token ids and positions in one buffer: one host->GPU copy a step (a
-        # small copy waits behind a tiered run's queued slice loads on the copy engine).
+        # A decode step's token ids and positions in one buffer, one host->GPU copy (each copy
+        # from pageable memory is a launch and a wait on the host); slots and lengths follow
+        # from them on the device (`decode_prologue`).
         self.dec_in = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # [2, B_max]
         self.dec_ids, self.dec_positions = self.dec_in[0], self.dec_in[1]  # [B_max] each
         self.dec_write = torch.full((max_batch,), self.scratch * page_size, dtype=torch.long, device=device)

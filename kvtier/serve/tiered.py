@@ -17,11 +17,12 @@ gives the batch's kernels precedence:
     run stream (low priority):       [  chunk / token of the long request  ]  [  next  ] ...
     h2d copy stream:                 [ slice loads, ordered by events only ]
 
-The launcher thread is there because queuing a step can itself block: a 256K-token decode
-token of Llama-3-8B queues ~500 slice loads and ~1,000 kernels, more than CUDA's queues hold,
-so the host waits inside a launch until the device drains them (on the H200 the engine loop
-stood still up to 4.7 s a call, and 32 short streams ran 9x slower). The thread blocks instead
-of the loop; torch and Triton release the GIL while they wait.
+The launcher thread is there because queuing a step can itself block: on the H200 the call
+that queued a 256K-token request's decode token held the engine loop up to 4.7 s, and 32 short
+streams beside it ran 9x slower. The likely cause: such a token queues ~500 slice loads and
+~1,000 kernels, more than CUDA's launch queues hold, so the host waits inside a launch until
+the device drains them. The thread blocks instead of the loop; torch and Triton release the
+GIL while they wait.
 
 On the CPU (no streams) a step runs when it is launched, in the engine's thread, so `ready` is
 True at once (`BatchConfig.tiered_thread=True` runs it on the launcher thread there too).
