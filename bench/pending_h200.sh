@@ -19,7 +19,8 @@
 #   bash bench/pending_h200.sh 6   # (~6 min) NEXT: what the last session fixed without a GPU: the
 #                                  #   tiered launcher thread and batched host-tier prefix loads
 #                                  #   (mixed, prefix), hf_cache 128K planned for HF's forward (issue
-#                                  #   20), gpu_checks seeded (blocks rows), CPU attention threads
+#                                  #   20), gpu_checks seeded (blocks rows), CPU attention threads;
+#                                  #   then group 1 again (gpu_smoke: GPU-facing code changed since)
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
