@@ -21,6 +21,11 @@
 #                                  #   (mixed, prefix), hf_cache 128K planned for HF's forward (issue
 #                                  #   20), gpu_checks seeded (blocks rows), CPU attention threads;
 #                                  #   then group 1 again (gpu_smoke: GPU-facing code changed since)
+#   bash bench/pending_h200.sh 7   # (~7 min) 2026-12-02: issue 23 lossless decode with CPU attention
+#                                  #   at 128K and 512K (measured preset), issue 18 under 24 GiB with the
+#                                  #   store built and freed off the loop and run-wise host-tier loads
+#   bash bench/pending_h200.sh 8   # (~6 min) the mixed case with 32 CUDA connections; HF's cache at
+#                                  #   128K beside HF's offloaded cache and kvtier's runner (issue 20)
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -62,5 +67,15 @@ case "$group" in
   run 100 $py bench/hf_cache.py --contexts 128K --gpu-memory 24GiB --kv auto --name hf_cache_128k
   run 50 $py bench/gpu_checks.py
   run 60 $py bench/cpu_attention.py --threads 1,8,15 --combined --name cpu_attention_h200
+  ;;
+7)
+  run 250 $py bench/tiered_store.py --contexts 128K,512K --policies auto --cpu-attention off,auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 6 --name cpu_attention_decode
+  run 220 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
+  ;;
+8)
+  CUDA_DEVICE_MAX_CONNECTIONS=32 run 160 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed \
+    --name serve_gpu_24gib_conn32
+  run 230 $py bench/hf_cache.py --contexts 128K --gpu-memory 24GiB --kv auto --name hf_cache_128k
   ;;
 esac

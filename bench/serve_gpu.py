@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -139,12 +140,15 @@ def run_mixed(
             "smaller --gpu-memory"
         )
     route = f"tiered: {run.plan.policy} g{run.plan.group_size} chunk {run.plan.chunk_size}"
-    print(f"mixed: long request {route}, {len(run.spans)} prefill chunks", flush=True)
-    shown = t0
+    print(f"mixed: long request {route}", flush=True)
+    shown, built_s = t0, None
     while not long.tokens:  # its prefill (the tiered run alone)
         engine.step_tiered()
         engine._idle_wait()
         now = time.perf_counter()
+        if built_s is None and not run.opening:
+            built_s = now - t0
+            print(f"mixed: store built after {built_s:.1f} s; {len(run.spans)} prefill chunks", flush=True)
         if now - t0 > timeout_s:
             raise SystemExit(
                 f"mixed: no first token after {timeout_s:.0f} s ({run.done_spans}/{len(run.spans)} "
@@ -177,7 +181,8 @@ def run_mixed(
         "long_prompt_tokens": long_tokens,
         "long_route": route,
         "long_new_tokens": len(long.tokens),
-        "long_prefill_s": round(prefill_s, 2),
+        "long_prefill_s": round(prefill_s, 2),  # from its arrival: building its store, then its chunks
+        "long_store_build_s": round(built_s, 2) if built_s is not None else None,
         "long_decode_s_per_token": round(long_tpot, 4) if long_tpot else None,
         "long_decode_h2d_bytes_per_token": int(per_token),
         "long_pcie_floor_s": round(floor, 4),
@@ -192,7 +197,11 @@ def run_mixed(
         # and its token read-back) and of each call that collects and launches the long
         # request's step; allocator retries free cached blocks (a device-wide sync)
         "batch_step_ms_p50": ms_p50(times["step"]),
+        "batch_step_ms_p90": ms_quantile(times["step"], 0.9),
         "batch_step_ms_max": round(1e3 * max(times["step"], default=0.0), 3),
+        "batch_steps_over_50ms": sum(t > 0.05 for t in times["step"]),
+        "batch_step_s_over_50ms": round(sum(t for t in times["step"] if t > 0.05), 3),
+        "shorts_span_s": round(max(s.times[-1] for s in shorts) - min(s.times[0] for s in shorts), 3),
         "tiered_call_ms_p50": ms_p50(times["tiered"]),
         "tiered_call_ms_max": round(1e3 * max(times["tiered"], default=0.0), 3),
         "alloc_retries": int(retries),
@@ -205,6 +214,10 @@ def run_mixed(
 
 def ms_p50(xs: list[float]) -> float | None:
     return round(1e3 * statistics.median(xs), 3) if xs else None
+
+
+def ms_quantile(xs: list[float], q: float) -> float | None:
+    return round(1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
 
 
 def run_prefix(engine: ServeEngine, prefix_tokens: int, vocab: int) -> dict[str, Any]:
@@ -330,6 +343,9 @@ def main() -> None:
         "cuda_graphs": not args.no_graphs,
         "fused_projections": not args.no_fuse,
         "engine_start_s": round(time.perf_counter() - t0, 2),
+        # NOTE: hardware queues CUDA maps streams onto (default 8): a tiered run's stream waiting
+        # on its slice loads could hold up a batch stream that shares its queue
+        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
         "cases": {},
     }
     if engine.decoder is not None and engine.decoder.graphs:

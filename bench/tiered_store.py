@@ -19,6 +19,9 @@ planner's chunk, so policies compare at the same chunk size: `gpu@8192,head@8192
 
     python bench/tiered_store.py --contexts 128K,512K --full-prefill-max 0 \
         --policies head,head+int8,head+int4,head+heads50 --name kv_policies_offload
+
+`--cpu-attention off,auto` runs each policy twice: streaming every offloaded slice, then with the
+planner's share of them attended on the CPU at decode (issue 23; lossless).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -42,6 +46,7 @@ from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
 from kvtier.methods import MethodChoice, parse_choice
+from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.memory import activation_bytes, weight_bytes
 from kvtier.planner.placement import plan_kv
@@ -76,13 +81,13 @@ def method_parts(cfg: Any, model: Any, method: str) -> dict[str, Any]:
 
 
 def run_policy(
-    model: Any, cfg: Any, spec: str, context: int, args: argparse.Namespace, bw: float
+    model: Any, cfg: Any, spec: str, context: int, args: argparse.Namespace, bw: float, cpu: str = "off"
 ) -> dict[str, Any]:
     # spec: POLICY[+METHOD][@CHUNK], e.g. "head+int4" or "head@8192" (a fixed prefill chunk).
     spec_chunk = spec.partition("@")
     policy, _, method = spec_chunk[0].partition("+")
     chunk_size = int(spec_chunk[2]) if spec_chunk[2] else args.chunk_size
-    row: dict[str, Any] = {"policy": spec, "context": context}
+    row: dict[str, Any] = {"policy": spec if cpu == "off" else f"{spec} cpu={cpu}", "context": context}
     total = context + args.decode_steps
     try:
         plan = plan_kv(
@@ -94,6 +99,7 @@ def run_policy(
             chunk_size=chunk_size,
             hardware=hardware_preset("h200"),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
+            cpu_attention=parse_mode(cpu),
         )
     except CapacityError as e:
         row["skipped"] = str(e)
@@ -110,6 +116,7 @@ def run_policy(
             "staging_buffers",
             "staging_tokens",
             "num_slices",
+            "cpu_slices",
         )
     }
     predicted = (
@@ -173,6 +180,7 @@ def run_policy(
         row["decode_steps_s"] = steps
         row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
         row["host_kv_bytes"] = store.account.peak["host"]
+        # NOTE: every streamed slice over the link, as without CPU attention (the floor it beats)
         row["pcie_floor_s"] = store.length * plan.slice_token_bytes * plan.streamed_slices / (bw * 1e9)
         row["decode_vs_floor"] = (
             (row["decode_s_per_token"] / row["pcie_floor_s"]) if row["pcie_floor_s"] else None
@@ -267,6 +275,12 @@ def main() -> None:
         default="offloaded",
         help="HF's cache with --hf: its layer-wise offload (default) or its default cache on the GPU",
     )
+    ap.add_argument(
+        "--cpu-attention",
+        default="off",
+        help="comma list of modes (off, auto, a slice count): each policy runs with each; with auto "
+        "the planner gives the H200 preset's CPU attention some streamed slices at decode",
+    )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
     args.budget = parse_size(args.gpu_memory)
@@ -279,8 +293,8 @@ def main() -> None:
     run_policy(model, cfg, "gpu", 8192, args, bw)  # warm-up: kernels, allocator, host threads
     rows = []
     for context in contexts:
-        for policy in args.policies.split(","):
-            row = run_policy(model, cfg, policy, context, args, bw)
+        for policy, cpu in itertools.product(args.policies.split(","), args.cpu_attention.split(",")):
+            row = run_policy(model, cfg, policy, context, args, bw, cpu)
             rows.append(row)
             # Rewritten after every row, so a run cut short by a time limit keeps what it measured.
             write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})

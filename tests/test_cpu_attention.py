@@ -25,7 +25,7 @@ from kvtier.planner.cpu_split import (
     split_rates,
     spread,
 )
-from kvtier.planner.hardware import CPU_ATTENTION_READ_FRACTION, HARDWARE
+from kvtier.planner.hardware import HARDWARE
 from kvtier.planner.placement import KVPlan, plan_kv
 
 H200 = HARDWARE["h200"]
@@ -284,18 +284,21 @@ def test_auto_splits_on_the_h200_and_gives_a_two_core_cpu_nothing() -> None:
 
 
 def test_contention_scales_both_rates_to_the_combined_one() -> None:
-    assert H200.cpu_attention_bw == CPU_ATTENTION_READ_FRACTION * 102e9
+    # the preset's rates, measured on the H200's host (cpu_attention_h200.json): 49.2 + 61.4
+    preset = split_rates(H200)
+    assert preset is not None and preset.contention == "measured"
+    assert preset.pcie_bw + preset.cpu_bw == pytest.approx(110.6e9)
     measured = split_rates(replace(H200, cpu_attention_bw=80e9, host_combined_bw=90e9))
     assert measured is not None and measured.contention == "measured"
     assert measured.pcie_bw + measured.cpu_bw == pytest.approx(90e9)
     assert measured.pcie_bw / measured.cpu_bw == pytest.approx(55 / 80)
-    read = split_rates(replace(H200, cpu_attention_bw=80e9))
+    read = split_rates(replace(H200, cpu_attention_bw=80e9, host_combined_bw=0.0))
     assert (
         read is not None
         and read.contention == "host read rate"
         and read.pcie_bw + read.cpu_bw == pytest.approx(102e9)
     )
-    factor = split_rates(replace(H200, cpu_attention_bw=45e9, host_read_bw=0.0))
+    factor = split_rates(replace(H200, cpu_attention_bw=45e9, host_read_bw=0.0, host_combined_bw=0.0))
     assert (
         factor is not None
         and factor.contention == "factor"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from queue import Queue
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
+from kvtier.kv.store import TieredKVStore
 from kvtier.methods import parse_choice
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.tiered import TieredRun
@@ -92,3 +94,84 @@ def test_an_error_while_queuing_fails_only_its_request(llm: LLM, monkeypatch: py
     assert deltas[-1].finish_reason == "error" and "device lost" in (deltas[-1].error or "")
     assert len(tokens(short_q)) == 3
     assert engine.tiered_bytes() == {"gpu": 0, "host": 0} and not engine.has_work
+
+
+def test_the_store_is_built_and_freed_on_the_launcher(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a long request's store (pinning its host memory) and freeing it take seconds on
+    CUDA: both run on the launcher thread, the tokens still equal alone, and the engine is idle
+    only once the store is freed."""
+    long_ids, params = ids(40, 3), SamplingParams(max_tokens=4)
+    expected = llm.generate(long_ids, params, method="head")[0].token_ids
+    where: dict[str, str] = {}
+    make_store, close = LLM.make_store, TieredKVStore.close
+
+    def made(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        where["make"] = threading.current_thread().name
+        return make_store(self, *args, **kwargs)
+
+    def closed(self: TieredKVStore) -> None:
+        where["close"] = threading.current_thread().name
+        close(self)
+
+    monkeypatch.setattr(LLM, "make_store", made)
+    monkeypatch.setattr(TieredKVStore, "close", closed)
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_thread=True))
+    q: Queue[Delta] = Queue()
+    engine.submit(long_ids, params, q.put, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected) and engine.offloaded == 1
+    for f in engine._closing_runs:
+        f.result(timeout=30)
+    assert where["make"].startswith("kvtier-tiered") and where["close"].startswith("kvtier-tiered")
+    assert engine.tiered_bytes() == {"gpu": 0, "host": 0}
+    assert engine.transfer_bytes()[("h2d", "tiered")] > 0  # counted at its finish, before the free
+
+
+def test_a_store_that_cannot_be_built_fails_only_its_request(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What building the store raises on the launcher (host memory that cannot be pinned)
+    reaches its request as an error; the batch's request is served."""
+
+    def failing(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("cannot pin 34 GB")
+
+    monkeypatch.setattr(LLM, "make_store", failing)
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_thread=True))
+    long_q: Queue[Delta] = Queue()
+    short_q: Queue[Delta] = Queue()
+    engine.submit(ids(40, 1), SamplingParams(max_tokens=4), long_q.put, method=parse_choice("head"))
+    engine.submit(ids(6, 2), SamplingParams(max_tokens=3), short_q.put)
+    engine.run_until_idle()
+    deltas = [long_q.get() for _ in range(long_q.qsize())]
+    assert deltas[-1].finish_reason == "error" and "cannot pin" in (deltas[-1].error or "")
+    assert len(tokens(short_q)) == 3 and not engine.has_work
+
+
+def test_no_run_is_planned_while_another_builds_its_store(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store being built holds memory the GPU budget does not show yet: the next tiered
+    request is planned only after it (both then equal alone)."""
+    first, second, params = ids(40, 4), ids(36, 5), SamplingParams(max_tokens=3)
+    expected = [llm.generate(p, params, method="head")[0].token_ids for p in (first, second)]
+    release = threading.Event()
+    started: list[int] = []
+    make_store = LLM.make_store
+
+    def slow(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        started.append(len(started))
+        if len(started) == 1:
+            assert release.wait(timeout=60)
+        return make_store(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "make_store", slow)
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_thread=True))
+    qs: list[Queue[Delta]] = [Queue(), Queue()]
+    for p, q in zip((first, second), qs, strict=True):
+        engine.submit(p, params, q.put, method=parse_choice("head"))
+    engine._drain(block=False)
+    for _ in range(20):
+        engine.step_tiered()
+    assert len(started) == 1 and engine.num_tiered == (1, 1)
+    release.set()
+    engine.run_until_idle()
+    assert [tokens(q) for q in qs] == [list(e) for e in expected]

@@ -22,11 +22,12 @@ H200_SLICE_OVERHEAD_S = 215e-6
 H200_PREFILL_SLICE_OVERHEAD_S = 435e-6
 H200_LAYER_OVERHEAD_S = 850e-6
 # The H200 machine's host: 16 cores read host memory at ~102 GB/s (a threaded fp32 sum; issue
-# 23). Its CPU attention rate is a prediction, not a measurement: that read rate times the
-# fraction of the read rate the native kernel reached on the 2-core development machine
-# (bf16, 2 threads, 0.219: bench/results/cpu_attention_cpu.json; docs/cpu_attention.md).
+# 23). Its CPU attention rates were measured there (bench/results/cpu_attention_h200.json,
+# 2026-12-02, the native kernel on 15 threads, bf16, one KV head a slice): 68.6 GB/s of KV
+# alone; with pinned H2D copies running, 60.7 GB/s beside the copies' 49.9 (110.6 combined).
 H200_HOST_READ_BW = 102e9
-CPU_ATTENTION_READ_FRACTION = 0.22
+H200_CPU_ATTENTION_BW = 68.6e9
+H200_HOST_COMBINED_BW = 110.6e9
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ HARDWARE: dict[str, Hardware] = {
         slice_overhead_s=H200_SLICE_OVERHEAD_S,
         prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
         layer_overhead_s=H200_LAYER_OVERHEAD_S,
-        cpu_attention_bw=CPU_ATTENTION_READ_FRACTION * H200_HOST_READ_BW,
+        cpu_attention_bw=H200_CPU_ATTENTION_BW,
         host_read_bw=H200_HOST_READ_BW,
+        host_combined_bw=H200_HOST_COMBINED_BW,
     ),
 }
 

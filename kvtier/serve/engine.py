@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ class ServeEngine(BatchEngine):
         self.llm = llm
         self._tiered_wait: deque[Sequence] = deque()  # requests for tiered runs, not started yet
         self._tiered: dict[Sequence, TieredRun] = {}  # the running ones
+        self._closing_runs: list[Future[None]] = []  # finished runs whose stores are being freed
         self.offloaded = 0  # tiered runs finished
         self.own_store_requests = 0  # requests whose own store joined the batch's forward
         self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
@@ -230,10 +232,12 @@ class ServeEngine(BatchEngine):
             if seq.status is Status.FINISHED:  # aborted while it waited
                 self._tiered_wait.popleft()
                 continue
+            if any(run.opening for run in self._tiered.values()):
+                break  # NOTE: its store's memory is not in the budget yet: plan after it
             try:
-                plan, store, describe = plan_store(self, seq)
+                plan, make_store = plan_store(self, seq)
             except CapacityError as e:
-                if self._tiered:  # others hold the memory: wait for one of them to finish
+                if self._tiered or self._closing_runs:  # others hold the memory: wait for them
                     break
                 self._tiered_wait.popleft()
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
@@ -243,13 +247,19 @@ class ServeEngine(BatchEngine):
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
                 continue
             self._tiered_wait.popleft()
-            if store.all_on_device:  # nothing streams: its store joins the batch's forward
+            if plan.streamed_slices == 0:  # nothing streams: its store joins the batch's forward
+                try:
+                    store, describe = make_store()
+                except Exception as e:
+                    self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+                    continue
                 chunk = min(plan.chunk_size, self.config.max_num_batched_tokens)
                 seq.own = OwnStore(store, prefill_spans(len(seq.prompt), chunk, store), describe)
                 self.own_store_requests += 1
                 self.add(seq)
                 continue
-            self._tiered[seq] = TieredRun(self, seq, plan, store, threaded=self.config.tiered_thread)
+            self._tiered[seq] = TieredRun(self, seq, plan, make_store, threaded=self.config.tiered_thread)
+        self._closing_runs = [f for f in self._closing_runs if not f.done()]
         for seq, run in list(self._tiered.items()):
             try:
                 self._advance(seq, run)
@@ -289,7 +299,9 @@ class ServeEngine(BatchEngine):
             return
         run = self._tiered.pop(seq, None)
         if run is not None:  # NOTE: a tiered sequence is in no scheduler queue and holds no pages
-            run.close()
+            freed = run.close(wait=self._stop.is_set())  # NOTE: freeing pinned memory takes seconds
+            if freed is not None:
+                self._closing_runs.append(freed)
             self.offloaded += 1
             self.tiered_h2d_bytes += run.h2d_bytes
             self.tiered_d2h_bytes += run.d2h_bytes

@@ -24,6 +24,10 @@ streams beside it ran 9x slower. The likely cause: such a token queues ~500 slic
 the device drains them. The thread blocks instead of the loop; torch and Triton release the
 GIL while they wait.
 
+The launcher also builds the run's store and frees it: a 256K-token request pins ~34 GB of host
+memory, seconds of page locking (~25 s before its first prefill chunk on the H200), and freeing
+it took the loop 5.9 s at the run's end (`bench/results/serve_gpu_24gib.json`, 716554e).
+
 On the CPU (no streams) a step runs when it is launched, in the engine's thread, so `ready` is
 True at once (`BatchConfig.tiered_thread=True` runs it on the launcher thread there too).
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
@@ -45,6 +50,7 @@ from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
 from kvtier.kv.store import TieredKVStore
+from kvtier.kv.tiers import TierAccount
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
@@ -75,42 +81,52 @@ def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
     return replace(engine.llm.method, kv="head" if too_long and engine.device.type != "cuda" else "auto")
 
 
-def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, TieredKVStore, str]:
+StoreMaker = Callable[[], tuple[TieredKVStore, str]]
+"""Builds a request's store (allocating its tiers) and returns it with its method's description."""
+
+
+def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker]:
     """`seq`'s placement under its method (`run_method`), planned within what the server's GPU
-    budget leaves now, a fresh store for it, and the method's description. Raises
-    `CapacityError` when it fits nowhere."""
+    budget leaves now, and a function that builds its store (slow for a long request's pinned
+    host memory, so a `TieredRun` calls it on its launcher thread). Raises `CapacityError` when
+    it fits nowhere."""
     llm = engine.llm
     method = run_method(engine, seq)
     context = len(seq.prompt) + seq.params.max_tokens
     inputs = replace(llm.plan_inputs(context, method), gpu_budget=engine.offload_gpu_budget())
     placement = plan_for(inputs, method)
-    store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method)
-    return placement.plan, store, parts.describe
+
+    def make() -> tuple[TieredKVStore, str]:
+        store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method)
+        return store, parts.describe
+
+    return placement.plan, make
 
 
 class TieredRun:
-    """`seq` over its own `TieredKVStore` (from `plan_store`): `launch` queues one prefill chunk
-    or decode token, `ready` says whether it has finished on the device, `collect` returns what
-    it sampled. `threaded` (default: on CUDA): queue the steps from a launcher thread."""
+    """`seq` over its own `TieredKVStore` (built by `plan_store`'s maker): `launch` queues one
+    prefill chunk or decode token, `ready` says whether it has finished on the device,
+    `collect` returns what it sampled, `close` frees the store. `threaded` (default: on CUDA):
+    build the store, queue the steps and free the store on a launcher thread, in that order."""
 
     def __init__(
         self,
         engine: OffloadHost,
         seq: Sequence,
         plan: KVPlan,
-        store: TieredKVStore,
+        make_store: StoreMaker,
         threaded: bool | None = None,
     ) -> None:
         self.seq, self.model, self.device = seq, engine.model, engine.device
         self.plan = plan
-        self.store: TieredKVStore | None = store
+        self.store: TieredKVStore | None = None  # set by `_open` (on the launcher thread)
+        self.account: TierAccount | None = None  # the store's byte counts, kept after `close`
         self.ids = torch.tensor(seq.prompt, dtype=torch.long, device=engine.device)  # [N]
-        self.spans = prefill_spans(len(seq.prompt), self.plan.chunk_size, store)
+        self.spans: list[tuple[int, int]] = []  # the prefill steps, once the store is built
         self.done_spans = 0
         self.token: torch.Tensor | None = None  # the last sampled token (0-d, on the device)
-        self.h2d_bytes = self.d2h_bytes = 0  # what its store moved over PCIe (set by `close`)
-        # The run's own stream (default priority, below the batch's), ordered after the store's
-        # allocation and the prompt's copy on the engine's current stream.
+        # The run's own stream (default priority, below the batch's), ordered after the prompt's
+        # copy on the engine's current stream (and, in `_open`, after the store's allocation).
         self.stream: torch.cuda.Stream | None = None
         if engine.device.type == "cuda":
             self.stream = torch.cuda.Stream(engine.device)
@@ -118,18 +134,48 @@ class TieredRun:
         self._done: torch.cuda.Event | None = None  # the launched step's end, on `stream`
         self._in_flight = False
         self._samples = False  # whether the launched step samples a token
+        self._open_error: BaseException | None = None  # what building the store raised
+        self._closed = False
         threaded = engine.device.type == "cuda" if threaded is None else threaded
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tiered") if threaded else None
+        self._opening: Future[None] | None = None  # the store being built
         self._queued: Future[None] | None = None  # the launcher's current step
+        if self._launcher is not None:
+            self._opening = self._launcher.submit(self._open, make_store)
+        else:
+            self._open(make_store)
+
+    def _open(self, make_store: StoreMaker) -> None:
+        try:
+            store, _ = make_store()
+        except BaseException as e:  # NOTE: raised again by the first step's `collect`
+            self._open_error = e
+            return
+        if self.stream is not None:  # NOTE: the store's buffers were allocated on this thread's stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.spans = prefill_spans(len(self.seq.prompt), self.plan.chunk_size, store)
+        self.account = store.account
+        self.store = store
 
     @property
-    def prefilling(self) -> bool:
-        return self.done_spans < len(self.spans)
+    def opening(self) -> bool:
+        """Whether its store is still being built (it then holds memory the budget does not
+        show yet, so the engine starts no other run meanwhile)."""
+        return self._opening is not None and not self._opening.done()
 
     @property
     def in_flight(self) -> bool:
         """Whether a step was launched and not collected yet."""
         return self._in_flight
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes its store copied host-to-device so far."""
+        return self.account.h2d_bytes if self.account is not None else 0
+
+    @property
+    def d2h_bytes(self) -> int:
+        return self.account.d2h_bytes if self.account is not None else 0
 
     def ready(self) -> bool:
         """Whether the launched step has been queued and has finished on the device (no host
@@ -141,8 +187,8 @@ class TieredRun:
     def launch(self) -> None:
         """Queue the next step (a prefill chunk, or the decode token after the last sampled one)
         on the run's stream; returns without waiting for the device (with a launcher thread,
-        without waiting for the queuing either)."""
-        assert self.store is not None, "the run was closed"
+        without waiting for the store to be built or the step queued either)."""
+        assert not self._closed, "the run was closed"
         assert not self._in_flight, "collect the launched step first"
         self._in_flight = True
         if self._launcher is not None:
@@ -151,11 +197,13 @@ class TieredRun:
             self._queue_step()
 
     def _queue_step(self) -> None:
+        if self._open_error is not None:
+            raise self._open_error
         store = self.store
         assert store is not None
         on = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with on:
-            if self.prefilling:
+            if self.done_spans < len(self.spans):
                 s, e = self.spans[self.done_spans]
                 last = e == len(self.seq.prompt)
                 none = torch.empty(0, dtype=torch.long, device=self.device)
@@ -179,7 +227,8 @@ class TieredRun:
 
     def collect(self) -> int | None:
         """The token the launched step sampled (None after a prefill chunk that samples none).
-        Call once `ready()`; it then never waits. Raises what queuing the step raised."""
+        Call once `ready()`; it then never waits. Raises what building the store or queuing
+        the step raised."""
         assert self._in_flight, "nothing was launched"
         self._in_flight = False
         queued, self._queued = self._queued, None
@@ -191,15 +240,25 @@ class TieredRun:
         assert self.token is not None
         return int(self.token)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> Future[None] | None:
         """Free the store (its GPU buffers and pinned host memory) once its queued work is done;
-        keep its PCIe byte counts."""
-        if self._launcher is not None:
-            self._launcher.shutdown(wait=True)  # NOTE: a step being queued still uses the store
-            self._launcher = None
-        if self.store is not None:
+        `account` keeps its PCIe byte counts. With a launcher thread and `wait=False` the
+        launcher frees it (after any step it is queuing) and the returned future completes
+        then; the GPU memory stays allocated until it does."""
+        if self._closed:
+            return None
+        self._closed = True
+        launcher, self._launcher = self._launcher, None
+        if launcher is None:
+            self._free()
+            return None
+        freed = launcher.submit(self._free)
+        launcher.shutdown(wait=wait)
+        return None if wait else freed
+
+    def _free(self) -> None:
+        store, self.store = self.store, None
+        if store is not None:
             if self.stream is not None:
                 self.stream.synchronize()  # NOTE: a launched step may still read the store
-            self.h2d_bytes, self.d2h_bytes = self.store.account.h2d_bytes, self.store.account.d2h_bytes
-            self.store.close()
-            self.store = None
+            store.close()
