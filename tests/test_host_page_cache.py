@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvtier.kv.prefix_cache as prefix_cache
 from kvtier.kv.prefix_cache import HostPageCache, slab_bytes
 from kvtier.kv.tiers import HOST
 
@@ -43,3 +44,97 @@ def test_pages_round_trip_through_their_own_slots() -> None:
         t[2].zero_()
     cache.load(b"h2", 5)
     assert all(torch.equal(t[5], b) for t, b in zip(layers, before, strict=True))
+
+
+PER = 8  # slots a slab in the load tests below
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # a dtype a layer: one staging buffer serves all
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bits, so a comparison is bit for bit."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def saved_cache(
+    monkeypatch: pytest.MonkeyPatch, num_slots: int = 40, num_pages: int = 48
+) -> tuple[prefix_cache.HostPageCache, list[torch.Tensor], list[list[torch.Tensor]]]:
+    """A host tier of `num_slots` slots in slabs of PER, slot s holding device page s of three
+    layers, and the device pages set to -1 afterwards; returns it, the device pages [num_pages,
+    P, 2, H_kv, D] per layer and the saved pages per layer and slot."""
+    g = torch.Generator().manual_seed(0)
+    dev = [torch.randn(num_pages, 4, 2, 2, 8, generator=g).to(dtype) for dtype in DTYPES]
+    monkeypatch.setattr(prefix_cache, "slab_bytes", lambda page_bytes, *a: PER * page_bytes)
+    cache = prefix_cache.HostPageCache(dev, num_slots=num_slots)
+    assert cache._per == PER
+    assert all(len(slabs) == -(-num_slots // PER) for slabs in cache._slabs)
+    for page in range(num_slots):
+        assert cache.save(page, bytes([page]))  # a fresh cache takes its slots in order
+    want = [[t[slot].clone() for slot in range(num_slots)] for t in dev]
+    for t in dev:
+        t.fill_(-1)
+    return cache, dev, want
+
+
+def load_and_check(
+    cache: prefix_cache.HostPageCache,
+    dev: list[torch.Tensor],
+    want: list[list[torch.Tensor]],
+    slots: list[int],
+) -> None:
+    """Load `slots` into device pages in another order (slot i of the list to page perm[i]) and
+    check every page bit for bit, the pages not loaded untouched and the slots freed in order."""
+    perm = torch.randperm(len(dev[0]), generator=torch.Generator().manual_seed(1))[: len(slots)]
+    pairs = [(cache.take(bytes([slot])), int(page)) for slot, page in zip(slots, perm, strict=True)]
+    free_before, loaded_before = list(cache.free), cache.loaded
+    cache.load_slots(pairs)
+    for layer, t in enumerate(dev):
+        for slot, page in pairs:
+            assert torch.equal(bits(t[page]), bits(want[layer][slot])), (layer, slot, page)
+        untouched = [p for p in range(len(t)) if p not in {page for _, page in pairs}]
+        assert bool((t[untouched] == -1).all())
+    assert list(cache.free) == free_before + slots
+    assert cache.loaded == loaded_before + len(slots)
+
+
+def test_slot_runs_split_at_gaps_and_slabs() -> None:
+    runs, pages = prefix_cache.slot_runs([(9, 0), (3, 1), (7, 2), (8, 3), (4, 4), (12, 5)], per=8)
+    assert runs == [(0, 3, 5), (0, 7, 8), (1, 0, 2), (1, 4, 5)]  # 7 and 8 are in two slabs
+    assert pages == [1, 4, 2, 3, 0, 5]  # each sorted slot's page
+
+
+SLOT_ORDERS = {
+    "contiguous": (list(range(40)), False),  # 5 runs: one a slab
+    "reversed": (list(range(39, -1, -1)), False),
+    "two_slabs": (list(range(5, 13)), False),  # rows 5-7 of slab 0, 0-4 of slab 1
+    "8_runs_of_three": ([s for s in range(32) if s % 4 < 3][::-1], False),  # max(8, 24 // 8)
+    "9_runs_of_three": ([s for s in range(36) if s % 4 < 3][::-1], True),
+    "every_other": (list(range(0, 40, 2)), True),  # 20 runs of one
+    "every_third_shuffled": ([27, 3, 39, 12, 0, 21, 33, 6, 18, 30, 9, 36, 15, 24], True),
+}
+
+
+@pytest.mark.parametrize("order", list(SLOT_ORDERS))
+def test_load_slots_puts_every_slot_in_its_page_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """Runs of consecutive slots are copied run by run; slots too scattered for that (more runs
+    than max(8, k // 8)) are gathered on the host. Either way each page gets its own slot."""
+    slots, gathered = SLOT_ORDERS[order]
+    cache, dev, want = saved_cache(monkeypatch)
+    load_and_check(cache, dev, want, slots)
+    assert cache.gathered == int(gathered)
+    assert (cache._staging is not None) == gathered  # the run path stages on the device
+
+
+def test_the_host_staging_buffer_is_reused_and_grown_only_when_too_small(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache, dev, want = saved_cache(monkeypatch)
+    load_and_check(cache, dev, want, list(range(1, 40, 4)))  # 10 runs of one
+    assert cache._staging is not None
+    first = cache._staging.data_ptr(), cache._staging.numel()
+    assert first[1] == 10 * dev[0][0].numel() * 4  # float32's layer is the largest
+    load_and_check(cache, dev, want, list(range(0, 40, 4)))  # as many: the same buffer
+    assert (cache._staging.data_ptr(), cache._staging.numel()) == first and cache.gathered == 2
+    load_and_check(cache, dev, want, [s for s in range(40) if s % 4 >= 2])  # 10 runs of two
+    assert cache._staging.numel() == 2 * first[1] and cache.gathered == 3

@@ -78,7 +78,7 @@ def test_host_tier_saves_loads_and_drops_oldest() -> None:
 
 
 def test_host_tier_loads_many_pages_across_slabs_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`load_slots` gathers each slab's slots at once: pages from three slabs land in the
+    """`load_slots` copies each slab's slots in runs: pages from three slabs land in the
     device pages they are given, in any order, and the slots are free afterwards."""
     import kvtier.kv.prefix_cache as prefix_cache
 
