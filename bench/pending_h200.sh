@@ -24,8 +24,8 @@
 #   bash bench/pending_h200.sh 7   # (~7 min) 2026-12-02: issue 23 lossless decode with CPU attention
 #                                  #   at 128K and 512K (measured preset), issue 18 under 24 GiB with the
 #                                  #   store built and freed off the loop and run-wise host-tier loads
-#   bash bench/pending_h200.sh 8   # (~6 min) the mixed case with 32 CUDA connections; HF's cache at
-#                                  #   128K beside HF's offloaded cache and kvtier's runner (issue 20)
+#   bash bench/pending_h200.sh 8   # (~6 min) HF's cache at 128K beside HF's offloaded cache and
+#                                  #   kvtier's runner (issue 20); the mixed case with 32 CUDA connections
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -74,8 +74,8 @@ case "$group" in
   run 220 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   ;;
 8)
+  run 230 $py bench/hf_cache.py --contexts 128K --gpu-memory 24GiB --kv auto --name hf_cache_128k
   CUDA_DEVICE_MAX_CONNECTIONS=32 run 160 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed \
     --name serve_gpu_24gib_conn32
-  run 230 $py bench/hf_cache.py --contexts 128K --gpu-memory 24GiB --kv auto --name hf_cache_128k
   ;;
 esac
