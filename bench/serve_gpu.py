@@ -165,7 +165,7 @@ def run_mixed(
     for s in shorts:
         engine.submit(torch.randint(100, vocab, (prompt,), generator=gen).tolist(), short_params, s)
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if engine.device.type == "cuda" else 0
-    times: dict[str, list[float]] = {"step": [], "tiered": []}
+    times: dict[str, list[Any]] = {"step": [], "tiered": []}
     cuda = engine.device.type == "cuda"
     t_loop = time.perf_counter()
     steps, kernels = step_loop(engine, times, profile_steps=(40, 50) if cuda else None)
@@ -201,6 +201,9 @@ def run_mixed(
         "batch_step_ms_max": round(1e3 * max(times["step"], default=0.0), 3),
         "batch_steps_over_50ms": sum(t > 0.05 for t in times["step"]),
         "batch_step_s_over_50ms": round(sum(t for t in times["step"] if t > 0.05), 3),
+        # each batch step over 50 ms: [step, ms, then during it and since the step before:
+        # cudaMalloc, cudaFree, allocation retries, pinned host allocs, pinned host frees]
+        "slow_steps": times["slow"],
         "shorts_span_s": round(max(s.times[-1] for s in shorts) - min(s.times[0] for s in shorts), 3),
         "tiered_call_ms_p50": ms_p50(times["tiered"]),
         "tiered_call_ms_max": round(1e3 * max(times["tiered"], default=0.0), 3),

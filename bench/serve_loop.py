@@ -17,28 +17,44 @@ from kvtier.serve.engine import ServeEngine
 
 def step_loop(
     engine: ServeEngine,
-    times: dict[str, list[float]] | None = None,
+    times: dict[str, list[Any]] | None = None,
     profile_steps: tuple[int, int] | None = None,
 ) -> tuple[int, list[dict[str, Any]] | None]:
     """Step the engine in this thread until idle, as its serving thread does (batch steps, then
     tiered runs, never waiting on them while the batch has work). Returns the batch steps, and
     with `profile_steps` (first, last) the kernels by device time over those batch steps (every
     stream's: the tiered runs' too). With `times`, the host seconds of each batch step ("step")
-    and each tiered-run call ("tiered")."""
+    and each tiered-run call ("tiered"), and on CUDA for each batch step over 50 ms ("slow", as
+    [step, ms, *counts]) what could have made it wait on other streams' work: the allocator's
+    counts of cudaMalloc, cudaFree, allocation retries and pinned host allocations and frees
+    (CUDA synchronizes implicitly around device and page-locked allocations), during the step
+    and since the previous one (any thread's, the tiered launcher's too)."""
     steps = 0
     prof: profile | None = None
     kernels = None
     engine._drain(block=False)
+    cuda = engine.device.type == "cuda" and times is not None
+    if times is not None:
+        times.setdefault("slow", [])
+    before = sync_counts() if cuda else None
     while engine.has_work:
         if profile_steps is not None and prof is None and kernels is None and steps == profile_steps[0]:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
+        start = sync_counts() if cuda else None
         t0 = time.perf_counter()
         stepped = engine.scheduler.has_work
         if stepped:
             engine.step()
             steps += 1
         t1 = time.perf_counter()
+        if start is not None and before is not None and stepped and t1 - t0 > 0.05:
+            end = sync_counts()
+            during = [b - a for a, b in zip(start, end, strict=True)]
+            since = [b - a for a, b in zip(before, start, strict=True)]
+            assert times is not None
+            times["slow"].append([steps, round(1e3 * (t1 - t0), 1), *during, *since])
+        before = start
         engine.step_tiered()
         if times is not None:
             if stepped:
@@ -51,6 +67,18 @@ def step_loop(
         engine._idle_wait()
         engine._drain(block=False)
     return steps, kernels
+
+
+SYNC_COUNTS = ("cuda_malloc", "cuda_free", "alloc_retries", "host_alloc", "host_free")
+
+
+def sync_counts() -> list[int]:
+    """Counts of the allocator calls CUDA synchronizes around (`SYNC_COUNTS`, in that order)."""
+    dev = torch.cuda.memory_stats()
+    host = torch.cuda.host_memory_stats()
+    dev_keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    host_keys = ("num_host_alloc", "num_host_free")
+    return [int(dev.get(k, 0)) for k in dev_keys] + [int(host.get(k, 0)) for k in host_keys]
 
 
 def top_kernels(prof: profile, top: int = 14) -> list[dict[str, Any]]:
