@@ -109,9 +109,10 @@ def test_the_store_is_built_and_freed_on_the_launcher(llm: LLM, monkeypatch: pyt
         where["make"] = threading.current_thread().name
         return make_store(self, *args, **kwargs)
 
-    def closed(self: TieredKVStore) -> None:
+    def closed(self: TieredKVStore, release_host: bool = True) -> None:
         where["close"] = threading.current_thread().name
-        close(self)
+        where["release_host"] = str(release_host)
+        close(self, release_host)
 
     monkeypatch.setattr(LLM, "make_store", made)
     monkeypatch.setattr(TieredKVStore, "close", closed)
@@ -123,6 +124,7 @@ def test_the_store_is_built_and_freed_on_the_launcher(llm: LLM, monkeypatch: pyt
     for f in engine._closing_runs:
         f.result(timeout=30)
     assert where["make"].startswith("kvtier-tiered") and where["close"].startswith("kvtier-tiered")
+    assert where["release_host"] == "False"  # the pinned memory stays cached for the next run
     assert engine.tiered_bytes() == {"gpu": 0, "host": 0}
     assert engine.transfer_bytes()[("h2d", "tiered")] > 0  # counted at its finish, before the free
 

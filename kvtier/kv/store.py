@@ -53,7 +53,7 @@ from kvtier.kv.reader import SliceReader
 from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HOST, TierAccount
+from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.model.rope import rotary_for
 from kvtier.planner.memory import window_tokens
@@ -480,8 +480,10 @@ class TieredKVStore:
         self.account.free(GPU, old.numel() * old.element_size())
         self.resident[sid] = new
 
-    def close(self) -> None:
-        """Free every tier. The store is unusable afterwards."""
+    def close(self, release_host: bool = True) -> None:
+        """Free every tier. The store is unusable afterwards. `release_host=False` leaves its
+        pinned host memory in PyTorch's pinned cache, for the next store to reuse without
+        pinning it again (`kvtier.kv.tiers.release_pinned_cache`)."""
         self.streams.synchronize()
         for buf in self.resident.values():
             self.account.free(GPU, buf.numel() * buf.element_size())
@@ -491,3 +493,5 @@ class TieredKVStore:
         if self.packed is not None:
             self.packed.close()
         self.storage.close()
+        if release_host:
+            release_pinned_cache()

@@ -136,12 +136,24 @@ def detect_hardware(device: torch.device) -> Hardware:
 
 
 def host_memory_available() -> int | None:
-    """Bytes of host memory available now (Linux MemAvailable), None where unknown."""
+    """Bytes of host memory available now (Linux MemAvailable, plus the pinned blocks PyTorch
+    caches for reuse: a served request's store leaves its pinned memory there for the next
+    one), None where unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * 1024 + cached_pinned_bytes()
     except OSError:
         return None
     return None
+
+
+def cached_pinned_bytes() -> int:
+    """Pinned host bytes PyTorch's pinned allocator holds but no tensor uses (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    return max(0, int(stats.get("allocated_bytes.current", 0)) - int(stats.get("active_bytes.current", 0)))

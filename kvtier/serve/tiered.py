@@ -261,4 +261,4 @@ class TieredRun:
         if store is not None:
             if self.stream is not None:
                 self.stream.synchronize()  # NOTE: a launched step may still read the store
-            store.close()
+            store.close(release_host=False)  # NOTE: the next long request reuses its pinned memory
