@@ -40,6 +40,7 @@ def test_pages_round_trip_through_their_own_slots() -> None:
     assert len(ptrs) == 3 * 4  # no two slots share memory
     before = [t[2].clone() for t in layers]
     assert cache.save(2, b"h2")
+    cache.flush()  # the copy, queued before anything writes page 2 again
     for t in layers:
         t[2].zero_()
     cache.load(b"h2", 5)
@@ -69,6 +70,7 @@ def saved_cache(
     assert all(len(slabs) == -(-num_slots // PER) for slabs in cache._slabs)
     for page in range(num_slots):
         assert cache.save(page, bytes([page]))  # a fresh cache takes its slots in order
+    cache.flush()
     want = [[t[slot].clone() for slot in range(num_slots)] for t in dev]
     for t in dev:
         t.fill_(-1)
@@ -138,3 +140,27 @@ def test_the_host_staging_buffer_is_reused_and_grown_only_when_too_small(
     assert (cache._staging.data_ptr(), cache._staging.numel()) == first and cache.gathered == 2
     load_and_check(cache, dev, want, [s for s in range(40) if s % 4 >= 2])  # 10 runs of two
     assert cache._staging.numel() == 2 * first[1] and cache.gathered == 3
+
+
+def test_saves_are_copied_at_flush_in_runs_and_before_a_load_reuses_the_page() -> None:
+    """`save` only takes a slot; `flush` copies every pending page (a dropped entry's pending
+    copy replaced by its slot's new page), and `load_slots` flushes before it overwrites a
+    page that was just saved, so the saved slot keeps the page's old contents."""
+    g = torch.Generator().manual_seed(1)
+    dev = [torch.randn(6, 4, 2, 2, 8, generator=g) for _ in range(2)]
+    cache = HostPageCache(dev, num_slots=3)
+    old = [t.clone() for t in dev]
+    for page in (0, 1, 2, 3):  # the 4th drops page 0's entry and takes its slot
+        assert cache.save(page, bytes([page]))
+    assert cache._pending == {0: 3, 1: 1, 2: 2} and cache.dropped == 1
+    cache.flush()
+    assert not cache._pending
+    for layer in range(len(dev)):
+        for page in (1, 2, 3):
+            assert torch.equal(cache.slots[layer][cache.lru[bytes([page])]], old[layer][page])
+    # page 4 is saved (pending) and, in the same step, a host hit is loaded into it
+    assert cache.save(4, b"four") is True  # drops page 1's entry (the oldest)
+    cache.load_slots([(cache.take(bytes([2])), 4)])
+    for layer, t in enumerate(dev):
+        assert torch.equal(t[4], old[layer][2])  # the load landed
+        assert torch.equal(cache.slots[layer][cache.lru[b"four"]], old[layer][4])  # saved first

@@ -71,6 +71,7 @@ def test_host_tier_saves_loads_and_drops_oldest() -> None:
     host = HostPageCache(dev, num_slots=2)
     assert host.save(0, b"a") and host.save(1, b"b") and host.save(2, b"c")
     assert b"a" not in host and host.dropped == 1  # full: the oldest is dropped
+    host.flush()
     dev[0].zero_()
     host.load(b"b", 0)
     assert dev[0][0].flatten().tolist() == [2.0, 3.0]
@@ -89,6 +90,7 @@ def test_host_tier_loads_many_pages_across_slabs_in_one_call(monkeypatch: pytest
     assert len(host.arenas[0].slabs()) == 3
     for page in range(6):
         assert host.save(page, bytes([page]))
+    host.flush()
     want = {layer: [t.clone() for t in dev[layer][:6]] for layer in range(2)}
     for t in dev:
         t.zero_()

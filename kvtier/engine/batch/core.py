@@ -280,6 +280,7 @@ class BatchEngine:
 
     def _step(self) -> int:
         batch = self.scheduler.schedule()
+        self.kv.host.flush()  # NOTE: the pages scheduling evicted, copied before the forward reuses them
         if not batch:
             return 0
         # Paged sequences first, then those with stores of their own (`kvtier.kv.batch_step`).
