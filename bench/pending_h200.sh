@@ -26,7 +26,8 @@
 #                                  #   store built and freed off the loop and run-wise host-tier loads
 #   bash bench/pending_h200.sh 8   # (~6 min) HF's cache at 128K beside HF's offloaded cache and
 #                                  #   kvtier's runner (issue 20); the mixed case with 32 CUDA connections
-#   bash bench/pending_h200.sh 9   # (~8 min) NEXT: issue 18 under 24 GiB again (pinned memory kept
+#   bash bench/pending_h200.sh 9   # (~8 min) NEXT: issue 18 under 24 GiB again (batched host-tier
+#                                  #   saves, pinned memory kept
 #                                  #   for the next run, allocator counts of each slow batch step);
 #                                  #   issue 23 CPU-slice counts beside the planner's, 512K and 128K
 #   bash bench/pending_h200.sh 10  # (~6 min) issue 21 Gemma-2-9B at its longest context; then group
