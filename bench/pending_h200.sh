@@ -30,7 +30,8 @@
 #                                  #   saves, pinned memory kept
 #                                  #   for the next run, allocator counts of each slow batch step);
 #                                  #   issue 23 CPU-slice counts beside the planner's, 512K and 128K
-#   bash bench/pending_h200.sh 10  # (~6 min) issue 21 Gemma-2-9B at its longest context; then group
+#   bash bench/pending_h200.sh 10  # (~8 min) issue 21: Gemma-2-9B at its longest context, DeepSeek-V2-
+#                                  #   Lite at 128K and 1M under 48 GiB (its weights are 31.4 GB); then group
 #                                  #   1 (gpu_smoke) again: the tiered store is built and freed on the
 #                                  #   launcher thread, host-tier loads copy runs of slots
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
@@ -93,7 +94,9 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 6 --name cpu_attention_sweep_128k
   ;;
 10)
-  run 300 $py bench/tiered_store.py --model gemma-2-9b --contexts 640K --policies auto \
+  run 280 $py bench/tiered_store.py --model gemma-2-9b --contexts 640K --policies auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name gemma2_9b_offload_max
+  run 220 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 128K,1M --policies auto \
+    --full-prefill-max 1 --gpu-memory 48GiB --decode-steps 3 --name deepseek_v2_lite_offload
   ;;
 esac
