@@ -177,3 +177,51 @@ def test_no_run_is_planned_while_another_builds_its_store(llm: LLM, monkeypatch:
     release.set()
     engine.run_until_idle()
     assert [tokens(q) for q in qs] == [list(e) for e in expected]
+
+
+def test_paced_attention_keeps_the_launcher_a_few_layers_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before queuing layer l, `PacedAttention` waits for the mark of layer l - ahead: at most
+    `ahead` layers are outstanding, in order, and every call reaches the store unchanged."""
+    from kvtier.serve.tiered import PacedAttention
+
+    log: list[tuple[str, int]] = []
+
+    class Mark:
+        made = 0
+
+        def __init__(self) -> None:
+            self.n = Mark.made
+            Mark.made += 1
+
+        def record(self, stream: object) -> None:
+            log.append(("record", self.n))
+
+        def synchronize(self) -> None:
+            log.append(("wait", self.n))
+
+    monkeypatch.setattr(torch.cuda, "Event", Mark)
+    calls: list[int] = []
+
+    def store(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        calls.append(layer)
+        return q + layer
+
+    paced = PacedAttention(store, stream=object(), ahead=2)  # type: ignore[arg-type]
+    q = torch.zeros(1, 2, 4)
+    outs = [paced(layer, q, q, q) for layer in range(5)]
+    assert calls == [0, 1, 2, 3, 4] and all(torch.equal(o, q + i) for i, o in enumerate(outs))
+    # layer 2 waits for layer 0's mark, layer 3 for layer 1's, layer 4 for layer 2's
+    assert log == [
+        ("record", 0),
+        ("record", 1),
+        ("record", 2),
+        ("wait", 0),
+        ("record", 3),
+        ("wait", 1),
+        ("record", 4),
+        ("wait", 2),
+    ]
+    unpaced = PacedAttention(store, stream=None, ahead=2)  # type: ignore[arg-type]
+    log.clear()
+    unpaced(0, q, q, q)
+    assert log == []  # the CPU, or the engine's own thread: never a wait

@@ -258,7 +258,14 @@ class ServeEngine(BatchEngine):
                 self.own_store_requests += 1
                 self.add(seq)
                 continue
-            self._tiered[seq] = TieredRun(self, seq, plan, make_store, threaded=self.config.tiered_thread)
+            self._tiered[seq] = TieredRun(
+                self,
+                seq,
+                plan,
+                make_store,
+                threaded=self.config.tiered_thread,
+                lookahead_layers=self.config.tiered_lookahead_layers,
+            )
         self._closing_runs = [f for f in self._closing_runs if not f.done()]
         for seq, run in list(self._tiered.items()):
             try:

@@ -24,6 +24,10 @@ streams beside it ran 9x slower. The likely cause: such a token queues ~500 slic
 the device drains them. The thread blocks instead of the loop; torch and Triton release the
 GIL while they wait.
 
+The launcher is paced (`PacedAttention`, `BatchConfig.tiered_lookahead_layers`): it queues a
+layer only once the device has reached the layer a few before it, so the run never has a
+whole token's work queued ahead of the batch.
+
 The launcher also builds the run's store and frees it: a 256K-token request pins ~34 GB of host
 memory, seconds of page locking (~25 s before its first prefill chunk on the H200), and freeing
 it took the loop 5.9 s at the run's end (`bench/results/serve_gpu_24gib.json`, 716554e).
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -103,6 +108,33 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker]:
     return placement.plan, make
 
 
+class PacedAttention:
+    """A run's store as the model's attention (`kvtier.attention.Attention`), keeping the
+    launcher thread at most `ahead` layers ahead of the device: before queuing layer l it waits
+    (on the host, the launcher's thread only) until the device has reached layer l - ahead.
+
+    Queued all at once, a 256K-token request's decode token is ~1,000 kernels and ~500 slice
+    loads, ~0.8 s of device work; on the H200 the batch beside it lost ~0.47 s once per such
+    token (`bench/results/serve_gpu_24gib.json`). Whatever makes a batch step wait for the work
+    queued before it (an implicit device synchronization, a full launch queue), the wait is
+    then at most `ahead` layers of the run, not a whole token. The launcher's host work per
+    layer is far below the device's at such lengths, so the device never waits for it.
+    """
+
+    def __init__(self, store: TieredKVStore, stream: torch.cuda.Stream | None, ahead: int) -> None:
+        self.store, self.stream, self.ahead = store, stream, ahead
+        self._marks: deque[torch.cuda.Event] = deque()  # each queued layer's start, on `stream`
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.stream is not None and self.ahead > 0:
+            mark = torch.cuda.Event()
+            mark.record(self.stream)
+            self._marks.append(mark)
+            while len(self._marks) > self.ahead:
+                self._marks.popleft().synchronize()  # NOTE: releases the GIL while it waits
+        return self.store(layer, q, k, v)
+
+
 class TieredRun:
     """`seq` over its own `TieredKVStore` (built by `plan_store`'s maker): `launch` queues one
     prefill chunk or decode token, `ready` says whether it has finished on the device,
@@ -116,6 +148,7 @@ class TieredRun:
         plan: KVPlan,
         make_store: StoreMaker,
         threaded: bool | None = None,
+        lookahead_layers: int = 0,
     ) -> None:
         self.seq, self.model, self.device = seq, engine.model, engine.device
         self.plan = plan
@@ -138,6 +171,9 @@ class TieredRun:
         self._closed = False
         threaded = engine.device.type == "cuda" if threaded is None else threaded
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tiered") if threaded else None
+        # NOTE: paced only on the launcher: its waits must never be the engine loop's
+        self._ahead = lookahead_layers if threaded else 0
+        self._attention: PacedAttention | None = None
         self._opening: Future[None] | None = None  # the store being built
         self._queued: Future[None] | None = None  # the launcher's current step
         if self._launcher is not None:
@@ -155,6 +191,7 @@ class TieredRun:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.spans = prefill_spans(len(self.seq.prompt), self.plan.chunk_size, store)
         self.account = store.account
+        self._attention = PacedAttention(store, self.stream, self._ahead)
         self.store = store
 
     @property
@@ -199,8 +236,8 @@ class TieredRun:
     def _queue_step(self) -> None:
         if self._open_error is not None:
             raise self._open_error
-        store = self.store
-        assert store is not None
+        store, attention = self.store, self._attention
+        assert store is not None and attention is not None
         on = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with on:
             if self.done_spans < len(self.spans):
@@ -208,14 +245,15 @@ class TieredRun:
                 last = e == len(self.seq.prompt)
                 none = torch.empty(0, dtype=torch.long, device=self.device)
                 store.begin_step(e - s)
-                logits = self.model(self.ids[s:e], store, logits_at=None if last else none, mlp_chunk=e - s)
+                at = None if last else none
+                logits = self.model(self.ids[s:e], attention, logits_at=at, mlp_chunk=e - s)
                 store.end_step()
                 self.done_spans += 1
                 self._samples = last
             else:
                 assert self.token is not None
                 store.begin_step(1)
-                logits = self.model(self.token.view(1), store)
+                logits = self.model(self.token.view(1), attention)
                 store.end_step()
                 self._samples = True
             if self._samples:

@@ -88,8 +88,13 @@ class BatchConfig:
     # Queue a tiered run's steps from a thread of its own (None: on CUDA), so that a launch the
     # device makes wait (its streams' queues full of slice loads) never holds the batch's steps.
     tiered_thread: bool | None = None
+    # With that thread, keep it at most this many layers ahead of the device (0: unpaced), so a
+    # tiered run never has more than a few layers' kernels and slice loads queued at once.
+    tiered_lookahead_layers: int = 4
 
     def __post_init__(self) -> None:
+        if self.tiered_lookahead_layers < 0:
+            raise ConfigError(f"tiered_lookahead_layers must be >= 0, got {self.tiered_lookahead_layers}")
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be at least 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
