@@ -26,8 +26,8 @@
 #                                  #   store built and freed off the loop and run-wise host-tier loads
 #   bash bench/pending_h200.sh 8   # (~6 min) HF's cache at 128K beside HF's offloaded cache and
 #                                  #   kvtier's runner (issue 20); the mixed case with 32 CUDA connections
-#   bash bench/pending_h200.sh 9   # (~8 min) NEXT: issue 18 under 24 GiB again (batched host-tier
-#                                  #   saves, pinned memory kept
+#   bash bench/pending_h200.sh 9   # (~10 min) NEXT: issue 18 under 24 GiB again (batched host-tier
+#                                  #   saves, the paced launcher and unpaced beside it, pinned memory kept
 #                                  #   for the next run, allocator counts of each slow batch step);
 #                                  #   issue 23 CPU-slice counts beside the planner's, 512K and 128K
 #   bash bench/pending_h200.sh 10  # (~8 min) issue 21: Gemma-2-9B at its longest context, DeepSeek-V2-
@@ -88,6 +88,8 @@ case "$group" in
   ;;
 9)
   run 220 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
+  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-lookahead-layers 0 \
+    --name serve_gpu_24gib_unpaced
   run 140 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 20,44,58 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_sweep_512k
   run 100 $py bench/tiered_store.py --contexts 128K --policies auto --cpu-attention 4,10,17 \

@@ -283,6 +283,12 @@ def main() -> None:
     )
     ap.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (no CUDA graphs)")
     ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
+    ap.add_argument(
+        "--tiered-lookahead-layers",
+        type=int,
+        default=ServeConfig.tiered_lookahead_layers,
+        help="how far a tiered run's launcher may run ahead of the device (0: unpaced)",
+    )
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
@@ -329,6 +335,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_pages=args.num_pages,
         cuda_graphs=not args.no_graphs,
+        tiered_lookahead_layers=args.tiered_lookahead_layers,
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -349,6 +356,7 @@ def main() -> None:
         # NOTE: hardware queues CUDA maps streams onto (default 8): a tiered run's stream waiting
         # on its slice loads could hold up a batch stream that shares its queue
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
+        "tiered_lookahead_layers": args.tiered_lookahead_layers,
         "cases": {},
     }
     if engine.decoder is not None and engine.decoder.graphs:
