@@ -26,14 +26,14 @@
 #                                  #   store built and freed off the loop and run-wise host-tier loads
 #   bash bench/pending_h200.sh 8   # (~6 min) HF's cache at 128K beside HF's offloaded cache and
 #                                  #   kvtier's runner (issue 20); the mixed case with 32 CUDA connections
-#   bash bench/pending_h200.sh 9   # (~10 min) NEXT: issue 18 under 24 GiB again (batched host-tier
-#                                  #   saves, the paced launcher and unpaced beside it, pinned memory kept
-#                                  #   for the next run, allocator counts of each slow batch step);
-#                                  #   issue 23 CPU-slice counts beside the planner's, 512K and 128K
-#   bash bench/pending_h200.sh 10  # (~8 min) issue 21: Gemma-2-9B at its longest context, DeepSeek-V2-
-#                                  #   Lite at 128K and 1M under 48 GiB (its weights are 31.4 GB); then group
-#                                  #   1 (gpu_smoke) again: the tiered store is built and freed on the
-#                                  #   launcher thread, host-tier loads copy runs of slots
+#   bash bench/pending_h200.sh 9   # (~8 min) NEXT: issue 18 under 24 GiB (batched host-tier saves,
+#                                  #   the paced launcher and unpaced beside it, pinned memory kept for
+#                                  #   the next run, allocator counts of each slow batch step); issue 23
+#                                  #   CPU-slice counts beside the planner's at 128K
+#   then group 1 (gpu_smoke: the store is built, paced and freed on the launcher thread, host-tier
+#   loads and saves copy runs of slots), then:
+#   bash bench/pending_h200.sh 10  # (~7 min) issue 23 counts at 512K; issue 21 Gemma-2-9B at 640K
+#   bash bench/pending_h200.sh 11  # (~4 min) issue 21 DeepSeek-V2-Lite at 128K and 1M under 48 GiB
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -90,14 +90,16 @@ case "$group" in
   run 220 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-lookahead-layers 0 \
     --name serve_gpu_24gib_unpaced
-  run 140 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 20,44,58 \
-    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_sweep_512k
   run 100 $py bench/tiered_store.py --contexts 128K --policies auto --cpu-attention 4,10,17 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 6 --name cpu_attention_sweep_128k
   ;;
 10)
+  run 140 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 20,44,58 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_sweep_512k
   run 280 $py bench/tiered_store.py --model gemma-2-9b --contexts 640K --policies auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name gemma2_9b_offload_max
+  ;;
+11)
   run 220 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 128K,1M --policies auto \
     --full-prefill-max 1 --gpu-memory 48GiB --decode-steps 3 --name deepseek_v2_lite_offload
   ;;
