@@ -16,15 +16,15 @@
 #   bash bench/pending_h200.sh 5   # (~5 min; ran 2026-12-01 late at f1dbcc6) issue 18: copy-engine
 #                                  #   contention, mixed/prefix under 24 GiB with diagnostics, the
 #                                  #   two-copy decode step and per-batch splits, a prefill profile
-#   bash bench/pending_h200.sh 6   # (~6 min) NEXT: what the last session fixed without a GPU: the
+#   bash bench/pending_h200.sh 6   # (~6 min; ran 2026-12-02 at 716554e) what had no GPU run: the
 #                                  #   tiered launcher thread and batched host-tier prefix loads
 #                                  #   (mixed, prefix), hf_cache 128K planned for HF's forward (issue
 #                                  #   20), gpu_checks seeded (blocks rows), CPU attention threads;
 #                                  #   then group 1 again (gpu_smoke: GPU-facing code changed since)
-#   bash bench/pending_h200.sh 7   # (~7 min) 2026-12-02: issue 23 lossless decode with CPU attention
+#   bash bench/pending_h200.sh 7   # (~7 min; ran 2026-12-02 at c8b4a00) issue 23 lossless decode with CPU attention
 #                                  #   at 128K and 512K (measured preset), issue 18 under 24 GiB with the
 #                                  #   store built and freed off the loop and run-wise host-tier loads
-#   bash bench/pending_h200.sh 8   # (~6 min) HF's cache at 128K beside HF's offloaded cache and
+#   bash bench/pending_h200.sh 8   # (~6 min; ran at c8b4a00) HF's cache at 128K beside HF's offloaded cache and
 #                                  #   kvtier's runner (issue 20); the mixed case with 32 CUDA connections
 #   bash bench/pending_h200.sh 9   # (~8 min) NEXT: issue 18 under 24 GiB (batched host-tier saves,
 #                                  #   the paced launcher and unpaced beside it, pinned memory kept for
