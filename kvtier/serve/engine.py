@@ -351,7 +351,7 @@ class ServeEngine(BatchEngine):
         """PCIe bytes so far by (direction, source): the prefix cache's host tier, and the
         tiered runs (finished ones, plus what running ones have moved)."""
         page = self.store.bytes_per_page
-        running = [r.store.account for r in self._tiered.values() if r.store is not None]
+        running = [r.account for r in self._tiered.values() if r.account is not None]
         return {
             ("d2h", "prefix_cache"): self.kv.host.saved * page,
             ("h2d", "prefix_cache"): self.kv.host.loaded * page,
