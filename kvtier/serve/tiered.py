@@ -29,8 +29,9 @@ layer only once the device has reached the layer a few before it, so the run nev
 whole token's work queued ahead of the batch.
 
 The launcher also builds the run's store and frees it: a 256K-token request pins ~34 GB of host
-memory, seconds of page locking (~25 s before its first prefill chunk on the H200), and freeing
-it took the loop 5.9 s at the run's end (`bench/results/serve_gpu_24gib.json`, 716554e).
+memory (14.1 s on the H200, `bench/results/serve_gpu_24gib.json`), and freeing it had held the
+loop 5.9 s at the run's end (`serve_gpu_24gib_716554e.json`); the server's runs now leave that
+memory in PyTorch's pinned cache for the next one (`TieredKVStore.close(release_host=False)`).
 
 On the CPU (no streams) a step runs when it is launched, in the engine's thread, so `ready` is
 True at once (`BatchConfig.tiered_thread=True` runs it on the launcher thread there too).
