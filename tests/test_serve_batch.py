@@ -406,3 +406,39 @@ def test_preemption_restores_full_pages_from_the_cache_tiers_instead_of_recomput
     needed = sum(len(p) for p in prompts()) + len(prompts()) * (params.max_tokens - 1)
     assert preemptions > 0 and engine.kv.host.loaded > 0  # pages came back from the host tier
     assert run - needed < preemptions * 4  # at most a partial page per preemption recomputed
+
+
+def test_metrics_histograms_count_every_request_and_token(llm: LLM) -> None:
+    """/metrics' latency histograms (vLLM's names): one time-to-first-token and one end-to-end
+    observation per request, one time-per-output-token per later token, batched or tiered;
+    buckets cumulative up to +Inf = _count."""
+    from kvtier.methods import parse_choice
+    from kvtier.serve.metrics import render
+
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, num_host_pages=0))
+    new = 4
+    for ids in prompts()[:3]:
+        collect(engine, ids, SamplingParams(max_tokens=new))
+    collect(engine, prompts()[3], SamplingParams(max_tokens=new))
+    engine.submit(prompts()[3], SamplingParams(max_tokens=new), lambda d: None, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert engine.offloaded == 1  # the last one ran tiered
+    lines = render(engine, "m").splitlines()
+
+    def sample(name: str, extra: str = "") -> float:
+        labels = ",".join(x for x in ('model_name="m"', extra) if x)
+        prefix = f"kvtier:{name}{{{labels}}} "
+        return float(next(line for line in lines if line.startswith(prefix)).split()[-1])
+
+    n = 5
+    for name, count in (
+        ("time_to_first_token_seconds", n),
+        ("time_per_output_token_seconds", n * (new - 1)),
+        ("e2e_request_latency_seconds", n),
+    ):
+        assert f"# TYPE kvtier:{name} histogram" in lines
+        assert sample(f"{name}_count") == count and sample(f"{name}_sum") > 0
+        buckets = [line for line in lines if line.startswith(f"kvtier:{name}_bucket{{")]
+        cumulative = [float(b.split()[-1]) for b in buckets]
+        assert cumulative == sorted(cumulative) and cumulative[-1] == count
+        assert buckets[-1].startswith(f'kvtier:{name}_bucket{{model_name="m",le="+Inf"}}')

@@ -290,11 +290,8 @@ class ServeEngine(BatchEngine):
         if token is None:
             return
         now = time.perf_counter()
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.prompt_tokens += len(seq.prompt)
+        self._count_token(seq, now)
         seq.tokens.append(token)
-        self.generation_tokens += 1
         self._recent.append((now, 1))
         self._after_token(seq)
 

@@ -124,15 +124,39 @@ def render(engine: ServeEngine, model_name: str) -> str:
             [("", kv.pool.evictions)],
         ),
     ]
+    lat = engine.latency
+    histograms = [
+        ("time_to_first_token_seconds", "Time from a request's arrival to its first token.", lat.ttft),
+        ("time_per_output_token_seconds", "Time between a request's consecutive tokens.", lat.tpot),
+        ("e2e_request_latency_seconds", "Time from a request's arrival to its end.", lat.e2e),
+    ]
+    for name, help_text, hist in histograms:
+        samples: list[tuple[str, float]] = [(f'le="{le}"', n) for le, n in hist.cumulative()]
+        rows.append((f"{name}_bucket", "histogram", help_text, samples))
+        rows.append((f"{name}_sum", "", "", [("", hist.total)]))
+        rows.append((f"{name}_count", "", "", [("", hist.count)]))
     lines = []
     for name, kind, help_text, samples in rows:
+        if kind == "histogram":  # NOTE: one HELP/TYPE for the family, named without _bucket
+            family = name.removesuffix("_bucket")
+            lines.append(f"# HELP {PREFIX}{family} {help_text}")
+            lines.append(f"# TYPE {PREFIX}{family} histogram")
+            _samples(lines, name, label, samples)
+            continue
+        if not kind:  # a histogram's _sum or _count
+            _samples(lines, name, label, samples)
+            continue
         lines.append(f"# HELP {PREFIX}{name} {help_text}")
         lines.append(f"# TYPE {PREFIX}{name} {kind}")
-        for extra, value in samples:
-            labels = ",".join(x for x in (label, extra) if x)
-            v = float(value)
-            lines.append(f"{PREFIX}{name}{{{labels}}} {int(v) if v.is_integer() else v!r}")
+        _samples(lines, name, label, samples)
     return "\n".join(lines) + "\n"
+
+
+def _samples(lines: list[str], name: str, label: str, samples: list[tuple[str, float]]) -> None:
+    for extra, value in samples:
+        labels = ",".join(x for x in (label, extra) if x)
+        v = float(value)
+        lines.append(f"{PREFIX}{name}{{{labels}}} {int(v) if v.is_integer() else v!r}")
 
 
 def _escape(s: str) -> str:

@@ -25,6 +25,7 @@ from kvtier.attention.interface import Attention
 from kvtier.config import ModelConfig
 from kvtier.engine.batch.graphs import DecodeRunner
 from kvtier.engine.batch.kv_manager import KVCacheManager
+from kvtier.engine.batch.latency import RequestLatency
 from kvtier.engine.batch.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.batch.sequence import Delta, Sequence, Sink, Status
 from kvtier.engine.batch.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget
@@ -165,6 +166,7 @@ class BatchEngine:
         self.tokenizer_lock = threading.Lock()
         self.prompt_tokens = self.generation_tokens = self.finished = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
+        self.latency = RequestLatency()
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(device pages, host-tier pages): as given, checked against the memory budget, or sized
@@ -325,16 +327,24 @@ class BatchEngine:
         tokens = sample_all(samplers, logits)
         now = time.perf_counter()
         for seq, tok in zip(samplers, tokens, strict=True):
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                self.prompt_tokens += len(seq.prompt)
+            self._count_token(seq, now)
             seq.tokens.append(tok)
             self._after_token(seq)
-        self.generation_tokens += len(tokens)
         self._recent.append((now, len(tokens)))
         while now - self._recent[0][0] > 60.0:
             self._recent.popleft()
         return len(ids)
+
+    def _count_token(self, seq: Sequence, now: float) -> None:
+        """Count one new token of `seq` at `now`: its time to first token or since its last."""
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.prompt_tokens += len(seq.prompt)
+            self.latency.ttft.observe(now - seq.arrival)
+        elif seq.last_token_at is not None:
+            self.latency.tpot.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        self.generation_tokens += 1
 
     def _after_token(self, seq: Sequence) -> None:
         text = ""
@@ -380,6 +390,8 @@ class BatchEngine:
             seq.own.store.close()  # NOTE: synchronizes: queued steps may still read its buffers
             seq.own = None
         self.finished += 1
+        if seq.first_token_at is not None:
+            self.latency.e2e.observe(time.perf_counter() - seq.arrival)
         if not emitted:
             self._emit(seq, "", reason, error)
 

@@ -85,6 +85,7 @@ class Sequence:
     emitted_text: int = 0  # characters of the output text already sent
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     method: MethodChoice | None = None  # a method of its own: served over a tiered store
     own: OwnStore | None = None  # that store, when the batch's forward attends it (no pages)
 
