@@ -264,7 +264,19 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
             # On a GPU: where the process's memory is (the allocator's peaks, the CUDA context).
             mem = dict(re.findall(r'^kvtier:gpu_memory_bytes\{[^}]*kind="(\w+)"\} ([0-9.e+]+)', text, re.M))
             shown = ", ".join(f"{k} {float(v) / 1e9:.2f} GB" for k, v in mem.items() if k != "allocated")
-            return f"{len(text.splitlines())} lines" + (f"; {shown}" if shown else "")
+            # The latency histograms (vLLM's names): every request so far had a first token.
+            lat = {
+                m[0]: float(m[1])
+                for m in re.findall(r"^kvtier:(\w+_seconds_(?:count|sum))\{[^}]*\} ([0-9.e+]+)", text, re.M)
+            }
+            ttft = lat.get("time_to_first_token_seconds_count", 0.0)
+            assert ttft > 0, "no time_to_first_token_seconds observations"
+            mean = lat["time_to_first_token_seconds_sum"] / ttft
+            tpot = lat.get("time_per_output_token_seconds_sum", 0.0) / max(
+                1.0, lat.get("time_per_output_token_seconds_count", 0.0)
+            )
+            latency = f"TTFT mean {mean:.3f} s over {int(ttft)}, TPOT mean {1e3 * tpot:.1f} ms"
+            return "; ".join(x for x in (f"{len(text.splitlines())} lines", shown, latency) if x)
 
         for step_name, fn in [
             ("completions", completion),
