@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from kvtier.engine.batch.core import BatchConfig, BatchEngine, ModelHost
+from kvtier.engine.batch.config import BatchConfig, ModelHost
+from kvtier.engine.batch.core import BatchEngine
 from kvtier.engine.batch.sequence import Delta, OwnStore, Sequence
 from kvtier.engine.outputs import GenerationStats, RequestOutput
 from kvtier.engine.prompts import Prompt

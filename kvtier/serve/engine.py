@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from kvtier.engine.batch.core import BatchConfig, BatchEngine
+from kvtier.engine.batch.config import BatchConfig
+from kvtier.engine.batch.core import BatchEngine
 from kvtier.engine.batch.sequence import OwnStore, Sequence, Sink, Status
 from kvtier.engine.batch.sizing import offload_gpu_budget, outside_allocator_bytes
 from kvtier.engine.llm import LLM

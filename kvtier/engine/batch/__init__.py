@@ -7,7 +7,9 @@ forward per step.
     stopping.py   EOS / stop strings / max_tokens, and how much text may be sent yet
     sizing.py     the page pool sized from the GPU budget (and checked against it)
     graphs.py     DecodeRunner: decode-only steps from static buffers, CUDA graphs per bucket
-    core.py       BatchConfig, BatchEngine
+    config.py     BatchConfig (pool and batch sizes, the tiered launcher), ModelHost
+    latency.py    request latency histograms (time to first token, per output token, end to end)
+    core.py       BatchEngine
 
 May import: `kvtier.engine.sampling`, the methods registry and below (`kvtier.kv.paged` holds
 the pages). Imported by `kvtier.engine.llm` and `kvtier.serve`.

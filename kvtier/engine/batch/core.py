@@ -16,13 +16,12 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
 
 import torch
 
 from kvtier.attention.interface import Attention
-from kvtier.config import ModelConfig
+from kvtier.engine.batch.config import BatchConfig, ModelHost
 from kvtier.engine.batch.graphs import DecodeRunner
 from kvtier.engine.batch.kv_manager import KVCacheManager
 from kvtier.engine.batch.latency import RequestLatency
@@ -36,77 +35,9 @@ from kvtier.kv.batch_step import MixedStep
 from kvtier.kv.paged import PagedKVStore, SeqStep
 from kvtier.kv.prefix_cache import root_hash
 from kvtier.methods import MethodChoice
-from kvtier.model.llama import CausalLM
 from kvtier.planner.hardware import host_memory_available
 
-
-class ModelHost(Protocol):
-    """What the batch engine needs of a loaded model (`kvtier.engine.llm.LLM` is one)."""
-
-    model_config: ModelConfig
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
-    tokenizer: Any
-    method: MethodChoice
-
-    @property
-    def model(self) -> CausalLM: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    @property
-    def budget_given(self) -> bool: ...
-
-    def gpu_budget(self) -> int | None: ...
-
-
 BATCH_STREAM_PRIORITY = -1  # CUDA stream priority of batch steps (lower = higher; default 0)
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """Pool and batch sizes. None = chosen from the device at start."""
-
-    page_size: int = 16
-    num_pages: int | None = None  # device pages (default: what the memory budget leaves; see sizing.py)
-    num_host_pages: int | None = None  # host-tier pages for evicted prefixes (default: num_pages, capped)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    prefix_caching: bool = True
-    threads: int | None = None  # torch CPU threads of the engine thread (None: torch's default)
-    # Decode-only steps from static buffers (`kvtier.engine.batch.graphs`), replayed as CUDA
-    # graphs (None: on CUDA; on the CPU they run eagerly, for tests).
-    static_decode: bool | None = None
-    cuda_graphs: bool = True
-    # GPU bytes kept out of the pool for requests over stores of their own (tiered runs, methods);
-    # None: a quarter of the room, at most 4 GiB, when the pool is sized from memory (sizing.py).
-    offload_reserve: int | None = None
-    # Queue a tiered run's steps from a thread of its own (None: on CUDA), so that a launch the
-    # device makes wait (its streams' queues full of slice loads) never holds the batch's steps.
-    tiered_thread: bool | None = None
-    # With that thread, keep it at most this many layers ahead of the device (0: unpaced), so a
-    # tiered run never has more than a few layers' kernels and slice loads queued at once.
-    tiered_lookahead_layers: int = 4
-
-    def __post_init__(self) -> None:
-        if self.tiered_lookahead_layers < 0:
-            raise ConfigError(f"tiered_lookahead_layers must be >= 0, got {self.tiered_lookahead_layers}")
-        if self.page_size < 1:
-            raise ConfigError(f"--page-size must be at least 1, got {self.page_size}")
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ConfigError(f"--num-pages must be at least 1, got {self.num_pages}")
-        if self.num_host_pages is not None and self.num_host_pages < 0:
-            raise ConfigError(f"--num-host-pages must not be negative, got {self.num_host_pages}")
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # validates
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
-        if self.offload_reserve is not None and self.offload_reserve < 0:
-            raise ConfigError(f"--offload-reserve must not be negative, got {self.offload_reserve}")
 
 
 class BatchEngine:
