@@ -24,12 +24,13 @@ streams beside it ran 9x slower. The likely cause: such a token queues ~500 slic
 the device drains them. The thread blocks instead of the loop; torch and Triton release the
 GIL while they wait.
 
-The launcher is paced (`PacedAttention`, `BatchConfig.tiered_lookahead_layers`): it queues a
-layer only once the device has reached the layer a few before it, so the run never has a
-whole token's work queued ahead of the batch.
+The launcher can be paced (`PacedAttention`, `BatchConfig.tiered_lookahead_layers` > 0): it then
+queues a layer only once the device has reached the layer a few before it. On the H200 that made
+the short streams and the long run both slower (bench/results/serve_gpu_24gib.json, 4 layers,
+beside serve_gpu_24gib_unpaced.json), so it is off by default.
 
 The launcher also builds the run's store and frees it: a 256K-token request pins ~34 GB of host
-memory (14.1 s on the H200, `bench/results/serve_gpu_24gib.json`), and freeing it had held the
+memory (14.1 s on the H200, `bench/results/serve_gpu_24gib_c8b4a00.json`), and freeing it had held the
 loop 5.9 s at the run's end (`serve_gpu_24gib_716554e.json`); the server's runs now leave that
 memory in PyTorch's pinned cache for the next one (`TieredKVStore.close(release_host=False)`).
 

@@ -61,9 +61,10 @@ class BatchConfig:
     # Queue a tiered run's steps from a thread of its own (None: on CUDA), so that a launch the
     # device makes wait (its streams' queues full of slice loads) never holds the batch's steps.
     tiered_thread: bool | None = None
-    # With that thread, keep it at most this many layers ahead of the device (0: unpaced), so a
-    # tiered run never has more than a few layers' kernels and slice loads queued at once.
-    tiered_lookahead_layers: int = 4
+    # With that thread, keep it at most this many layers ahead of the device (0: unpaced). On the
+    # H200 pacing at 4 layers made both the short streams and the long run slower
+    # (bench/results/serve_gpu_24gib.json beside serve_gpu_24gib_unpaced.json), hence 0.
+    tiered_lookahead_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.tiered_lookahead_layers < 0:
