@@ -133,7 +133,9 @@ def run_policy(
             cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total, **method_parts(cfg, model, method)
         )
         gen = torch.Generator(device=DEV).manual_seed(0)
-        chunk = plan.chunk_size
+        # NOTE: a plan's chunk may exceed a short context (DeepSeek-V2-Lite's 9,216 at the 8K
+        # warm-up): the synthetic fill would then start at a negative length.
+        chunk = min(plan.chunk_size, context)
         if context <= args.full_prefill_max:
             ids = torch.randint(0, cfg.vocab_size, (context,), device=DEV, generator=gen)
             none = torch.empty(0, dtype=torch.long, device=DEV)
