@@ -19,6 +19,8 @@ def fill_synthetic(store: TieredKVStore, tokens: int, seed: int = 0) -> None:
     """
     if store.length:
         raise ValueError("fill_synthetic needs an empty store")
+    if tokens < 0:
+        raise ValueError(f"fill_synthetic needs tokens >= 0, got {tokens}")
     gen = torch.Generator(device=store.device).manual_seed(seed)
     lay = store.layout
     for sid in list(store.resident):
