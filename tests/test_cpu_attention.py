@@ -283,28 +283,68 @@ def test_auto_splits_on_the_h200_and_gives_a_two_core_cpu_nothing() -> None:
         assert plan_kv(LLAMA3, 524288, hardware=H200, **kw).cpu_slices == 0  # plan_kv's default: off
 
 
-def test_contention_scales_both_rates_to_the_combined_one() -> None:
-    # the preset's rates, measured on the H200's host (cpu_attention_h200.json): 49.2 + 61.4
+def test_contention_leaves_the_link_its_rate_and_the_cpu_the_rest() -> None:
+    # the preset: the link at 55 GB/s, the CPU at 104 - 55 = 49 (fitted to the decode sweeps)
     preset = split_rates(H200)
     assert preset is not None and preset.contention == "measured"
-    assert preset.pcie_bw + preset.cpu_bw == pytest.approx(110.6e9)
-    measured = split_rates(replace(H200, cpu_attention_bw=80e9, host_combined_bw=90e9))
-    assert measured is not None and measured.contention == "measured"
-    assert measured.pcie_bw + measured.cpu_bw == pytest.approx(90e9)
-    assert measured.pcie_bw / measured.cpu_bw == pytest.approx(55 / 80)
+    assert (preset.pcie_bw, preset.cpu_bw) == (pytest.approx(55e9), pytest.approx(49e9))
+    measured = split_rates(replace(H200, cpu_attention_bw=30e9, host_combined_bw=120e9))
+    assert measured is not None and (measured.pcie_bw, measured.cpu_bw) == (55e9, 30e9)  # no contention
     read = split_rates(replace(H200, cpu_attention_bw=80e9, host_combined_bw=0.0))
-    assert (
-        read is not None
-        and read.contention == "host read rate"
-        and read.pcie_bw + read.cpu_bw == pytest.approx(102e9)
-    )
+    assert read is not None and read.contention == "host read rate"
+    assert (read.pcie_bw, read.cpu_bw) == (pytest.approx(55e9), pytest.approx(47e9))
     factor = split_rates(replace(H200, cpu_attention_bw=45e9, host_read_bw=0.0, host_combined_bw=0.0))
-    assert (
-        factor is not None
-        and factor.contention == "factor"
-        and factor.pcie_bw + factor.cpu_bw == pytest.approx(75e9)
-    )
+    assert factor is not None and factor.contention == "factor"
+    assert factor.pcie_bw + factor.cpu_bw == pytest.approx(75e9)
+    slow_host = split_rates(replace(H200, host_combined_bw=50e9))
+    assert slow_host is not None and (slow_host.pcie_bw, slow_host.cpu_bw) == (50e9, 0.0)
     assert split_rates(HARDWARE["rtx4090"]) is None
+
+
+def test_the_simulation_matches_the_h200_cpu_slice_sweeps() -> None:
+    """Decode with 0 to 44 streamed slices on the CPU at 128K and 512K (the H200 runs with the
+    counts forced; two staging buffers, the plans of those runs): within 7% of each measured step
+    but one, and 5% on average; the best count it finds is within a few of the measured best.
+    The one: 17 of 34 slices at 128K ran 0.172 s, the simulation says 0.145 (16% low); past the
+    balance point the CPU costs more there than the model knows (the planner picks 11-12)."""
+    res = Path("bench/results")
+    rows = [
+        r
+        for name in ("cpu_attention_sweep_128k", "cpu_attention_sweep_512k", "cpu_attention_decode")
+        for r in json.loads((res / f"{name}.json").read_text())["rows"]
+    ]
+    errors = []
+    for row in rows:
+        p, ctx = row["plan"], row["context"]
+        g = p["group_size"]
+        blocks = -(-(-(-ctx // 256) * 256) // p["staging_tokens"])
+        shape = SliceShape(32, 8 // g, p["resident_slices"], ctx, 512 * g, blocks, p["staging_buffers"])
+        predicted = decode_step_s(LLAMA3, shape, H200, 2, p["cpu_slices"])
+        errors.append(predicted / row["decode_s_per_token"] - 1)
+    assert len(errors) == 9
+    assert sorted(abs(e) for e in errors)[-2] < 0.07 and min(errors) > -0.17
+    assert sum(abs(e) for e in errors) / len(errors) < 0.05
+    # measured best: 10 of 34 at 128K (of 0, 4, 10, 17), 32 of 58 at 512K (of 0, 20, 32, 44)
+    for ctx, measured_best in ((131072, 10), (524288, 32)):
+        p = next(r["plan"] for r in rows if r["context"] == ctx)
+        shape = SliceShape(32, 2, p["resident_slices"], ctx, 2048, 1, 2)
+        assert abs(choose_cpu_slices(LLAMA3, shape, H200, 2, "auto") - measured_best) <= 6
+
+
+def test_a_third_staging_buffer_is_bought_with_a_resident_slice_where_it_pays() -> None:
+    budget = 24 * 2**30
+    for ctx in (131072, 524288):
+        off = plan_kv(LLAMA3, ctx, gpu_budget=budget, hardware=H200)
+        split = plan_kv(LLAMA3, ctx, gpu_budget=budget, hardware=H200, cpu_attention="auto")
+        assert (off.staging_buffers, off.cpu_slices) == (2, 0)
+        assert split.staging_buffers == 3 and split.resident_slices == off.resident_slices - 1
+        assert split.gpu_kv_bytes <= off.gpu_kv_bytes
+        two = replace(off, cpu_slices=choose_cpu_slices(LLAMA3, off.slice_shape(LLAMA3), H200, 2, "auto"))
+        t3, t2 = (decode_step_s(LLAMA3, p.slice_shape(LLAMA3), H200, 2, p.cpu_slices) for p in (split, two))
+        assert t3 < t2
+    # nothing resident to give: two buffers stay
+    layer = plan_kv(LLAMA3, 524288, policy="layer", gpu_budget=budget, hardware=H200, cpu_attention="auto")
+    assert layer.resident_slices == 0 and layer.staging_buffers == 2 and layer.cpu_slices > 0
 
 
 def test_kvplan_checks_its_cpu_slices() -> None:

@@ -73,8 +73,10 @@ def run(
     return logits, tokens, store
 
 
-def plan(group: int, resident: int, cpu: int, staging: int = 60) -> KVPlan:
-    return KVPlan("head", group, resident, CHUNK, 2, staging, num_slices=3 * (2 // group), cpu_slices=cpu)
+def plan(group: int, resident: int, cpu: int, staging: int = 60, buffers: int = 2) -> KVPlan:
+    return KVPlan(
+        "head", group, resident, CHUNK, buffers, staging, num_slices=3 * (2 // group), cpu_slices=cpu
+    )
 
 
 @pytest.mark.parametrize(
@@ -84,8 +86,11 @@ def plan(group: int, resident: int, cpu: int, staging: int = 60) -> KVPlan:
         plan(1, 0, 6),  # head-wise, every streamed slice
         plan(1, 2, 4),  # resident slices next to CPU ones
         plan(1, 0, 3, staging=15),  # the link's slices in sequence blocks
+        plan(1, 1, 2, buffers=3),  # three staging buffers, as the planner buys them for the CPU
     ],
-    ids=lambda p: f"g{p.group_size}-r{p.resident_slices}-cpu{p.cpu_slices}-s{p.staging_tokens}",
+    ids=lambda p: (
+        f"g{p.group_size}-r{p.resident_slices}-cpu{p.cpu_slices}-s{p.staging_tokens}-b{p.staging_buffers}"
+    ),
 )
 def test_cpu_slices_give_the_same_tokens(
     gqa_model: tuple[CausalLM, ModelConfig],

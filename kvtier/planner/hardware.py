@@ -25,9 +25,12 @@ H200_LAYER_OVERHEAD_S = 850e-6
 # 23). Its CPU attention rates were measured there (bench/results/cpu_attention_h200.json,
 # 2026-12-02, the native kernel on 15 threads, bf16, one KV head a slice): 68.6 GB/s of KV
 # alone; with pinned H2D copies running, 60.7 GB/s beside the copies' 49.9 (110.6 combined).
+# In decode the link keeps ~55 GB/s and the CPU gets ~49 (cpu_attention_sweep_128k.json and
+# _512k.json, fitted by kvtier.planner.cpu_split's simulation), so the combined rate the planner
+# uses is 104 GB/s.
 H200_HOST_READ_BW = 102e9
 H200_CPU_ATTENTION_BW = 68.6e9
-H200_HOST_COMBINED_BW = 110.6e9
+H200_HOST_COMBINED_BW = 104e9
 
 
 @dataclass(frozen=True)

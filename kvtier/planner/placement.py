@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
-from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices
+from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices, decode_step_s
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import (
     ACTIVATIONS,
@@ -152,6 +152,18 @@ class KVPlan:
         )
 
 
+def _one_more_buffer(plan: KVPlan) -> KVPlan | None:
+    """`plan` with three staging buffers instead of two, the third paid for with resident
+    slices (GPU KV bytes do not grow); None where it has no resident slice to give."""
+    if plan.staging_buffers != 2 or plan.packed is not None:
+        return None
+    buffer = plan.staging_tokens * plan.slice_token_bytes
+    drop = -(-buffer // plan.slice_store_bytes)
+    if plan.resident_slices < drop:
+        return None
+    return replace(plan, staging_buffers=3, resident_slices=plan.resident_slices - drop)
+
+
 def plan_kv(
     cfg: ModelConfig,
     context: int,
@@ -200,7 +212,18 @@ def plan_kv(
         if codec is not None or plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
             return plan
         k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
-        return replace(plan, cpu_slices=k)
+        best = replace(plan, cpu_slices=k)
+        wider = _one_more_buffer(plan) if k else None
+        if wider is not None:
+            # NOTE: while the host waits for a layer's CPU results only `staging_buffers - 1`
+            # loads are queued; one more buffer (paid for with a resident slice) keeps the link
+            # busy through the wait, where the simulation says that pays.
+            kw = choose_cpu_slices(cfg, wider.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
+            if kw and decode_step_s(cfg, wider.slice_shape(cfg), hw, dtype_bytes, kw) < decode_step_s(
+                cfg, best.slice_shape(cfg), hw, dtype_bytes, k
+            ):
+                best = replace(wider, cpu_slices=kw)
+        return best
 
     placed_layers = cfg.full_layers(context)  # windowed layers are resident, outside the placement
     windowed = cfg.num_layers - placed_layers
