@@ -19,7 +19,9 @@ from bench.common import write_results
 from kvtier.attention.dense import attend
 from kvtier.config import ModelConfig
 from kvtier.kv.store import StoreOptions, TieredKVStore
-from kvtier.loading.weights import random_model
+from kvtier.loading.presets import preset_config
+from kvtier.loading.weights import build_empty, random_model, with_experts_on_host
+from kvtier.model.moe import MoE
 from kvtier.planner.placement import KVPlan
 
 DEV = torch.device("cuda")
@@ -53,6 +55,41 @@ def run(model, cfg, plan, ids, decode=6, feed=None):  # type: ignore[no-untyped-
         store.end_step()
     store.close()
     return torch.cat(logits), toks
+
+
+def experts_on_host_check() -> dict[str, object]:
+    """A tiny DeepSeek-V2 (MLA + MoE) with its routed experts in pinned host memory, copied in per
+    step, against the same weights all on the GPU: the copies are exact, so bitwise equal."""
+    big = preset_config("deepseek-v2-lite")
+    assert big.moe is not None and big.mla is not None
+    mla = replace(big.mla, kv_lora_rank=64)
+    cfg = replace(
+        big,
+        vocab_size=1000,
+        hidden_size=256,
+        num_layers=3,
+        num_heads=4,
+        head_dim=mla.entry // 2,
+        moe=replace(big.moe, num_experts=16, intermediate_size=128),
+        mla=mla,
+    )
+    gpu = random_model(cfg, DEV, torch.bfloat16)
+    host_cfg = with_experts_on_host(cfg, True)
+    host = build_empty(host_cfg, DEV, torch.bfloat16)
+    state = gpu.state_dict()
+    with torch.no_grad():
+        for name, t in host.state_dict().items():
+            t.copy_(state[name])
+    ids = torch.randint(0, 1000, (700,), device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    plan = KVPlan("gpu", 1, cfg.num_layers, 256, 0, 0)
+    ref, ref_t = run(gpu, cfg, plan, ids)
+    lg, t = run(host, host_cfg, plan, ids)
+    slabs = [m.host_experts for m in host.modules() if isinstance(m, MoE) and m.host_experts is not None]
+    return {
+        "tokens_equal": t == ref_t,
+        "bitwise": bool(torch.equal(lg, ref)),
+        "pinned": bool(slabs) and all(x.is_pinned() for x in slabs) if DEV.type == "cuda" else None,
+    }
 
 
 def main() -> None:
@@ -102,6 +139,7 @@ def main() -> None:
     }.items():
         lg, t = run(model, cfg, plan, ids, feed=ref_t)
         results[name] = {"tokens_equal": t == ref_t, "rel": float((lg - ref).norm() / ref.norm())}
+    results["moe-experts-on-host"] = experts_on_host_check()
     # lower-right causal flash path vs an fp32 reference
     q = torch.randn(300, 32, 128, device=DEV, dtype=torch.bfloat16)
     kv = torch.randn(2000, 2, 8, 128, device=DEV, dtype=torch.bfloat16)

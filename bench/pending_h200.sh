@@ -33,7 +33,12 @@
 #   then group 1 (gpu_smoke: the store is built, paced and freed on the launcher thread, host-tier
 #   loads and saves copy runs of slots), then:
 #   bash bench/pending_h200.sh 10  # (~7 min) issue 23 counts at 512K; issue 21 Gemma-2-9B at 640K
-#   bash bench/pending_h200.sh 11  # (~4 min) issue 21 DeepSeek-V2-Lite at 128K and 1M under 48 GiB
+#   bash bench/pending_h200.sh 11  # (~4 min) issue 21 DeepSeek-V2-Lite at 128K, 1M and 2M under 24 GiB
+#                                  #   (its routed experts in pinned host memory, --experts auto)
+# The 2026-12-02 (eighth) session: groups 9, 10 ran at b7512d8; then, after the GGUF's two halves,
+#   bash bench/pending_h200.sh 13  # (~5 min) gpu_smoke generate part + gpu_checks (MoE row)
+#   bash bench/pending_h200.sh 12  # (~9 min) gpu_smoke plan/eval/serve part, group 11, and issue
+#                                  #   23's planner with a third staging buffer at 128K and 512K
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -100,7 +105,18 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name gemma2_9b_offload_max
   ;;
 11)
-  run 220 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 128K,1M --policies auto \
-    --full-prefill-max 1 --gpu-memory 48GiB --decode-steps 3 --name deepseek_v2_lite_offload
+  run 220 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 128K,1M,2M --policies auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name deepseek_v2_lite_offload
+  ;;
+12)
+  run 200 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 160 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 128K,1M,2M --policies auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name deepseek_v2_lite_offload
+  run 180 $py bench/tiered_store.py --contexts 128K,512K --policies auto --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_decode_3buf
+  ;;
+13)
+  run 260 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
+  run 60 $py bench/gpu_checks.py
   ;;
 esac

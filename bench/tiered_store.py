@@ -48,7 +48,14 @@ from kvtier.loading.weights import random_model
 from kvtier.methods import MethodChoice, parse_choice
 from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.hardware import hardware_preset
-from kvtier.planner.memory import activation_bytes, weight_bytes
+from kvtier.planner.memory import (
+    EXPERT_PLACES,
+    activation_bytes,
+    expert_copy_bytes,
+    host_weight_bytes,
+    place_experts,
+    weight_bytes,
+)
 from kvtier.planner.placement import plan_kv
 from kvtier.policies.head_sparsity import HeadStreamingEvictor
 from kvtier.units import parse_count, parse_size
@@ -183,7 +190,12 @@ def run_policy(
         row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
         row["host_kv_bytes"] = store.account.peak["host"]
         # NOTE: every streamed slice over the link, as without CPU attention (the floor it beats)
-        row["pcie_floor_s"] = store.length * plan.slice_token_bytes * plan.streamed_slices / (bw * 1e9)
+        # NOTE: with a MoE model's routed experts on the host, a token also copies in its chosen
+        # experts (`expert_copy_bytes`): part of the floor, not of the store's own bytes.
+        row["expert_bytes_per_token"] = expert_copy_bytes(cfg, 1, 2)
+        row["pcie_floor_s"] = (
+            store.length * plan.slice_token_bytes * plan.streamed_slices + row["expert_bytes_per_token"]
+        ) / (bw * 1e9)
         row["decode_vs_floor"] = (
             (row["decode_s_per_token"] / row["pcie_floor_s"]) if row["pcie_floor_s"] else None
         )
@@ -283,6 +295,12 @@ def main() -> None:
         help="comma list of modes (off, auto, a slice count): each policy runs with each; with auto "
         "the planner gives the H200 preset's CPU attention some streamed slices at decode",
     )
+    ap.add_argument(
+        "--experts",
+        choices=EXPERT_PLACES,
+        default="auto",
+        help="a MoE preset's routed experts: on the GPU, in pinned host memory, or auto (as LLM)",
+    )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
     args.budget = parse_size(args.gpu_memory)
@@ -290,7 +308,7 @@ def main() -> None:
     torch.cuda.set_per_process_memory_fraction(args.budget / total)
     contexts = [parse_count(c) for c in args.contexts.split(",")]
     bw = pinned_h2d_gbps()
-    cfg = preset_config(args.model)
+    cfg = place_experts(preset_config(args.model), args.budget, 2, args.experts)
     model = random_model(cfg, DEV, torch.bfloat16)
     run_policy(model, cfg, "gpu", 8192, args, bw)  # warm-up: kernels, allocator, host threads
     rows = []
@@ -315,7 +333,11 @@ def main() -> None:
         base = lossless.get(r["context"])
         if base and r.get("decode_s_per_token") and "+" in r["policy"]:
             r["decode_speedup_vs_head"] = base / r["decode_s_per_token"]
-    path = write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})
+    head = {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw}
+    if cfg.moe is not None:
+        head["experts_on_host"] = cfg.moe.experts_on_host
+        head["host_weight_bytes"] = host_weight_bytes(cfg, 2)
+    path = write_results(args.name, {**head, "rows": rows})
     print(f"\npinned H2D {bw:.1f} GB/s; budget {args.budget / 1e9:.1f} GB; results: {path}")
     print(
         f"{'context':>8} {'policy':>13} {'peak GB':>8} {'plan GB':>8} {'prefill t/s':>11} "

@@ -23,7 +23,9 @@ from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.methods.choice import build_policy
+from kvtier.model.moe import MoE
 from kvtier.model.rope import inverse_frequencies
+from kvtier.planner.memory import expert_copy_bytes, host_weight_bytes, place_experts, weight_bytes
 from kvtier.planner.placement import KVPlan, plan_kv
 from tests.hf_reference import PROMPT, hf_step_logits, make_hf_model, placement_plans, run_placement
 
@@ -114,10 +116,67 @@ def test_preset_has_the_published_shapes() -> None:
     )
 
 
+def test_experts_in_host_memory_give_the_same_tokens(
+    lite: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = torch.randint(1, 211, (19,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    kw: dict[str, Any] = {"device": "cpu", "kv": "gpu", "chunk_size": 6, "block_size": 4}
+    ref = LLM(str(lite["folder"]), **kw).generate(prompt, params)
+    copies: list[int] = []  # experts a step copied in: all 4 of a layer at once, or one at a time
+    real = MoE._copy_in
+
+    def spy(self: MoE, used: list[int], device: torch.device) -> dict[int, torch.Tensor] | None:
+        copies.append(4 if 2 * len(used) > 4 else len(used))
+        return real(self, used, device)
+
+    monkeypatch.setattr(MoE, "_copy_in", spy)
+    llm = LLM(str(lite["folder"]), **kw, experts="host")
+    cfg = llm.model_config
+    assert cfg.moe is not None and cfg.moe.experts_on_host
+    moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    assert len(moes) == cfg.num_layers - cfg.moe.first_dense
+    for m in moes:  # every expert weight is a view of its layer's host rows, which hold the checkpoint
+        assert m.host_experts is not None and m.host_experts.shape == (4, 3, 32 * cfg.hidden_size)
+        base = m.host_experts.untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == base for p in m.experts.parameters())
+    out = llm.generate(prompt, params)
+    assert out[0].token_ids == ref[0].token_ids
+    assert 4 in copies and any(
+        c < 4 for c in copies
+    )  # prefill chunks copy whole layers, decode single experts
+
+
+def test_experts_go_to_the_host_when_the_weights_crowd_the_budget() -> None:
+    cfg = preset_config("deepseek-v2-lite")
+    assert cfg.moe is not None and not cfg.moe.experts_on_host
+    placed = place_experts(cfg, 24 << 30, 2)
+    assert placed.moe is not None and placed.moe.experts_on_host
+    experts = 26 * 64 * 3 * 2048 * 1408 * 2
+    assert host_weight_bytes(placed, 2) == experts
+    assert weight_bytes(placed, 2) == weight_bytes(cfg, 2) - experts + experts // 26  # one layer's copies
+    # one decode token copies its 6 experts in each of the 26 MoE layers; a long chunk every expert
+    assert expert_copy_bytes(placed, 1, 2) == 26 * 6 * 3 * 2048 * 1408 * 2
+    assert expert_copy_bytes(placed, 4096, 2) == experts and expert_copy_bytes(cfg, 1, 2) == 0
+    for budget, where in ((80 << 30, False), (None, False)):
+        got = place_experts(cfg, budget, 2)
+        assert got.moe is not None and got.moe.experts_on_host is where
+    forced = place_experts(cfg, None, 2, "host")
+    assert forced.moe is not None and forced.moe.experts_on_host
+    assert place_experts(preset_config("llama-3-8b"), 1 << 30, 2) == preset_config("llama-3-8b")
+    with pytest.raises(ConfigError, match="--experts"):
+        place_experts(cfg, None, 2, "disk")
+
+
 def test_plan_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    # The weights alone (15.7B parameters, 31.4 GB in bf16) exceed a 24 GiB GPU.
-    assert main(["plan", "--model", "deepseek-v2-lite", "--context", "1M", "--gpu-memory", "24GiB"]) == 2
+    # The weights alone (15.7B parameters, 31.4 GB in bf16) exceed a 24 GiB GPU: with the routed
+    # experts in host memory 3.7 GB stay, and 1M tokens fit.
+    args = ["plan", "--model", "deepseek-v2-lite", "--context", "1M", "--gpu-memory", "24GiB"]
+    assert main([*args, "--experts", "gpu"]) == 2
     assert "weights 31.41 GB" in capsys.readouterr().err
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "routed experts in host memory: 28.79 GB" in out and "recommended: policy auto" in out
     assert (
         main(["plan", "--model", "deepseek-v2-lite", "--context", "1M", "--gpu-memory", "48GiB", "--json"])
         == 0

@@ -15,6 +15,7 @@ from typing import Any
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.methods import FAMILIES, OPTIONS, REGISTRY, choices
 from kvtier.planner.cpu_split import parse_mode
+from kvtier.planner.memory import EXPERT_PLACES
 from kvtier.planner.placement import POLICIES
 from kvtier.units import (
     COUNT_LIMIT,
@@ -176,6 +177,14 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "(default), auto (as many as this machine's CPU finishes in time, measured), or a number",
     )
     p.add_argument(
+        "--experts",
+        choices=EXPERT_PLACES,
+        default="auto",
+        help="a mixture-of-experts model's routed experts: in GPU memory, or in host memory with "
+        "each step copying in the experts it chose; auto (default): host memory when the weights "
+        "would leave under a quarter of --gpu-memory",
+    )
+    p.add_argument(
         "--max-model-len",
         type=count_type("--max-model-len"),
         default=None,
@@ -263,6 +272,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "seed": args.seed,
         "cpu_attention": args.cpu_attention,
+        "experts": args.experts,
         "tensor_parallel": getattr(args, "tensor_parallel", None),
         "pipeline_parallel": getattr(args, "pipeline_parallel", None),
         **method_kwargs(args),
@@ -301,7 +311,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
     from kvtier.engine.config import EngineConfig
     from kvtier.methods import MethodChoice, PlanInputs, plan_for
     from kvtier.planner.hardware import detect_hardware
-    from kvtier.planner.memory import weight_bytes
+    from kvtier.planner.memory import place_experts, weight_bytes
 
     config = EngineConfig.with_sizes(
         args.gpu_memory,
@@ -314,7 +324,8 @@ def check_before_loading(args: argparse.Namespace) -> None:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg = of_rank(read_model_config(args.model))
+    experts = args.experts if device.type == "cuda" or args.experts != "auto" else "gpu"  # as LLM does
+    cfg = place_experts(of_rank(read_model_config(args.model)), config.gpu_memory, itemsize, experts)
     weights = weight_bytes(cfg, itemsize)
     if config.gpu_memory is not None and weights > config.gpu_memory:
         raise CapacityError(

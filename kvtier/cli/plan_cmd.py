@@ -26,7 +26,13 @@ from kvtier.loading.gguf import gguf_model_config, is_gguf_file
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.methods import OPTIONS, REGISTRY, MethodChoice, choices, names, plan_for
 from kvtier.planner.hardware import HARDWARE, hardware_preset
-from kvtier.planner.memory import DTYPE_BYTES
+from kvtier.planner.memory import (
+    DTYPE_BYTES,
+    EXPERT_PLACES,
+    expert_layer_bytes,
+    host_weight_bytes,
+    place_experts,
+)
 from kvtier.planner.methods import ACTIVATION_MODELS
 from kvtier.planner.placement import POLICIES, KVPlan
 from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
@@ -122,6 +128,13 @@ def add_parser(subparsers: Any) -> None:
         default="off",
         help="streamed slices a decode step attends on the host CPU: off (default), auto (rate "
         "model) or a number",
+    )
+    p.add_argument(
+        "--experts",
+        choices=EXPERT_PLACES,
+        default="auto",
+        help="a mixture-of-experts model's routed experts: gpu, host (copied in per step), or auto "
+        "(default: host when the weights would leave under a quarter of the GPU memory)",
     )
     p.add_argument(
         "--cpu-attention-bw",
@@ -230,8 +243,10 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         cpu_attention_bw=args.cpu_attention_bw,
     )
     gpu = hw.memory_bytes if args.gpu_memory is None else args.gpu_memory
+    cfg = place_experts(cfg, gpu, DTYPE_BYTES[args.dtype], args.experts)
     host = rank_host_budget(args.host_memory, ranks)
     assert host is not None
+    host -= host_weight_bytes(cfg, DTYPE_BYTES[args.dtype])  # the experts' host memory, if there
     return PlanRequest(
         cfg=cfg,
         model=args.model if ranks == 1 else f"{args.model} ({label})",
@@ -334,6 +349,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_report(rep))
+        on_host = host_weight_bytes(req.cfg, req.dtype_bytes)
+        if on_host:
+            print(
+                f"\nrouted experts in host memory: {on_host / 1e9:.2f} GB (the weights column counts "
+                f"one MoE layer's experts, {expert_layer_bytes(req.cfg, req.dtype_bytes) / 1e9:.2f} GB, "
+                "copied in per step; --experts gpu keeps them on the GPU)"
+            )
         if parallel:
             print(format_parallel(parallel))
         if lossy:

@@ -94,7 +94,9 @@ class MoEConfig:
     """A DeepSeek mixture-of-experts FFN: a softmax router picks `experts_per_token` of
     `num_experts` (greedy, or within the `topk_group` best of `n_group` groups), weights scaled
     by `routed_scaling_factor`, plus `num_shared` always-on experts; the first `first_dense`
-    layers keep a dense MLP."""
+    layers keep a dense MLP. `experts_on_host`: where the model as loaded keeps its routed
+    experts, in pinned host memory (each step copies in the experts its tokens chose) instead of
+    on the device; `kvtier.planner.memory.place_experts` decides it from the GPU budget."""
 
     num_experts: int
     experts_per_token: int
@@ -105,6 +107,7 @@ class MoEConfig:
     topk_method: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
+    experts_on_host: bool = False
 
     def __post_init__(self) -> None:
         if min(self.num_experts, self.experts_per_token, self.intermediate_size) < 1:

@@ -11,6 +11,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.planner.cpu_split import parse_mode
+from kvtier.planner.memory import EXPERT_PLACES
 from kvtier.units import parse_size
 
 _DTYPES = {
@@ -36,6 +37,7 @@ class EngineConfig:
     seed: int = 0
     cpu_attention: str | int = "off"  # streamed slices decoded on the CPU (kvtier.planner.cpu_split)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (kvtier.model.fuse)
+    experts: str = "auto"  # a MoE model's routed experts: auto, gpu or host (planner.memory.place_experts)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -45,6 +47,8 @@ class EngineConfig:
         if self.block_size < 1:
             raise ConfigError(f"block size must be at least 1, got {self.block_size}")
         object.__setattr__(self, "cpu_attention", parse_mode(self.cpu_attention))
+        if self.experts not in EXPERT_PLACES:
+            raise ConfigError(f"--experts {self.experts!r}: use one of {', '.join(EXPERT_PLACES)}")
 
     @staticmethod
     def with_sizes(gpu_memory: str | int | None = None, **kw: object) -> EngineConfig:

@@ -28,6 +28,7 @@ from kvtier.parallel.group import RankGroup, launched_world_size
 from kvtier.parallel.load import load_rank_model
 from kvtier.parallel.spawn import Workers, start_ranks
 from kvtier.planner.hardware import Hardware, host_memory_available
+from kvtier.planner.memory import place_experts
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
 from kvtier.policies import PolicyParts
@@ -84,6 +85,7 @@ class LLM:
         head_sparsity: float | None = None,
         cpu_attention: str | int = "off",
         fuse_projections: bool = True,
+        experts: str = "auto",
         tensor_parallel: int | None = None,
         pipeline_parallel: int | None = None,
     ) -> None:
@@ -101,6 +103,7 @@ class LLM:
             seed=seed,
             cpu_attention=cpu_attention,
             fuse_projections=fuse_projections,
+            experts=experts,
         )
         # The default method of this LLM's requests; `generate(..., method=)` picks another.
         self.method = MethodChoice(
@@ -124,7 +127,9 @@ class LLM:
                 fraction = min(1.0, self.config.gpu_memory / total)
                 torch.cuda.set_per_process_memory_fraction(fraction, self.device)
             if self.parallel is None:
-                self.loaded: LoadedModel = load_model(model, self.device, self.dtype, seed)
+                self.loaded: LoadedModel = load_model(
+                    model, self.device, self.dtype, seed, experts_on_host=self._experts_on_host(model)
+                )
             else:
                 with self.parallel.agree("loading the model"):
                     self.loaded = load_rank_model(
@@ -148,6 +153,15 @@ class LLM:
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model)
+
+    def _experts_on_host(self, model: str | None) -> bool:
+        """Whether a MoE model's routed experts go to host memory (`place_experts`: "auto" when
+        the weights would leave too little of --gpu-memory; always in device memory on the CPU)."""
+        if self.config.experts == "gpu" or (self.device.type != "cuda" and self.config.experts == "auto"):
+            return False
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        cfg = place_experts(read_model_config(model), self.config.gpu_memory, itemsize, self.config.experts)
+        return cfg.moe is not None and cfg.moe.experts_on_host
 
     def _start_ranks(self, options: dict[str, Any]) -> tuple[RankGroup | None, Workers | None]:
         """This LLM's rank group (None: one process) and the workers it started (rank 0 outside

@@ -10,9 +10,14 @@ from typing import Any
 import torch
 
 from kvtier.config import ModelConfig
-from kvtier.errors import ModelLoadError
+from kvtier.errors import ConfigError, ModelLoadError
 from kvtier.loading.presets import PRESETS, preset_config
-from kvtier.loading.weights import load_safetensors_folder, random_model, read_generation_eos
+from kvtier.loading.weights import (
+    load_safetensors_folder,
+    random_model,
+    read_generation_eos,
+    with_experts_on_host,
+)
 from kvtier.model.llama import CausalLM
 
 
@@ -83,15 +88,22 @@ def load_model(
     dtype: torch.dtype,
     seed: int = 0,
     weights: FolderLoader = load_safetensors_folder,
+    experts_on_host: bool = False,
 ) -> LoadedModel:
     """Load `spec`: None = the embedded SmolLM2, a preset name, an HF folder or a GGUF file.
-    `weights` builds the model of a folder (another: e.g. one tensor-parallel rank's shard)."""
+    `weights` builds the model of a folder (another: e.g. one tensor-parallel rank's shard);
+    `experts_on_host` keeps a MoE model's routed experts in host memory (`build_empty`)."""
     folder = resolve_folder(spec)
     if folder is None:
         assert spec is not None
-        cfg = preset_config(spec)
+        cfg = with_experts_on_host(preset_config(spec), experts_on_host)
         return LoadedModel(spec, random_model(cfg, device, dtype, seed), cfg, None, cfg.eos_token_ids)
-    model, cfg = weights(folder, device, dtype)
+    if experts_on_host:
+        if weights is not load_safetensors_folder:
+            raise ConfigError("experts in host memory need the default loader (not a parallel rank's)")
+        model, cfg = load_safetensors_folder(folder, device, dtype, experts_on_host=True)
+    else:
+        model, cfg = weights(folder, device, dtype)
     tokenizer = _load_tokenizer(folder)
     eos = set(cfg.eos_token_ids) | set(read_generation_eos(folder))
     if tokenizer is not None and tokenizer.eos_token_id is not None:

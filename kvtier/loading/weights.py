@@ -7,6 +7,7 @@ memory stays near one tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvtier.config import ModelConfig
 from kvtier.errors import ModelLoadError
 from kvtier.model.llama import CausalLM
+from kvtier.model.moe import MoE
 
 
 @contextmanager
@@ -31,36 +34,55 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_empty(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """An uninitialized model with storage on `device` in `dtype` (no host round trip)."""
+    """An uninitialized model with storage on `device` in `dtype` (no host round trip). With
+    `MoEConfig.experts_on_host` the routed experts get host memory instead: one tensor
+    [E, 3, I * hidden] per MoE layer, views of one allocation, pinned when `device` is CUDA."""
     with _default_dtype(dtype), torch.device("meta"):
         model = CausalLM(cfg)
+    moes = [m for m in model.modules() if isinstance(m, MoE)] if cfg.moe and cfg.moe.experts_on_host else []
+    held = [m.experts for m in moes]
+    for m in moes:
+        m.experts = nn.ModuleList()  # kept off the device while the rest is materialized
     model.to_empty(device=device)
+    if moes:
+        assert cfg.moe is not None
+        shape = (len(moes), cfg.moe.num_experts, 3, cfg.moe.intermediate_size * cfg.hidden_size)
+        slabs = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        for m, experts, slab in zip(moes, held, slabs, strict=True):
+            m.attach_host_experts(experts, slab)
     model.tie_weights()
     return model.eval()
 
 
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """A model of real shapes with random weights (for benchmarks and tests)."""
+    """A model of real shapes with random weights (for benchmarks and tests). On CUDA, experts in
+    host memory are drawn on the device an expert at a time, after the other parameters, and
+    copied out (so not the numbers an all-device model of that seed gets; on the CPU they are)."""
     model = build_empty(cfg, device, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     identity = 0.0 if cfg.family == "gemma2" else 1.0  # Gemma's norms scale by (1 + weight)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if p.device.type != device.type:
+                continue  # a host expert: below
             if name.endswith("norm.weight"):
                 p.fill_(identity)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, 0.02, generator=gen)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        for m in model.modules():
+            if isinstance(m, MoE) and m.host_experts is not None and device.type != "cpu":
+                for row in m.host_experts:  # [3, I * h] per expert
+                    row.copy_(torch.empty_like(row, device=device).normal_(0.0, 0.02, generator=gen))
     return model
 
 
 def load_safetensors_folder(
-    folder: Path, device: torch.device, dtype: torch.dtype
+    folder: Path, device: torch.device, dtype: torch.dtype, experts_on_host: bool = False
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load config.json and every *.safetensors shard of a Hugging Face model folder."""
+    """Load config.json and every *.safetensors shard of a Hugging Face model folder
+    (`experts_on_host`: a MoE model's routed experts into host memory, `build_empty`)."""
     folder = Path(folder)
-    cfg = ModelConfig.from_json(folder / "config.json")
+    cfg = with_experts_on_host(ModelConfig.from_json(folder / "config.json"), experts_on_host)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has a config.json but no *.safetensors weights")
@@ -89,6 +111,13 @@ def load_safetensors_folder(
             raise ModelLoadError(f"cannot read {f}: {e}") from None
     check_all_loaded(folder, cfg, params, seen)
     return model, cfg
+
+
+def with_experts_on_host(cfg: ModelConfig, on_host: bool) -> ModelConfig:
+    """`cfg` with its routed experts in host memory when `on_host` (a MoE model only)."""
+    if cfg.moe is None or cfg.moe.experts_on_host == on_host:
+        return cfg
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, experts_on_host=on_host))
 
 
 def read_generation_eos(folder: Path) -> tuple[int, ...]:

@@ -115,15 +115,36 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [t, I] each, rows 2I apart
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.act != "silu":
-            return F.gelu(gate, approximate="tanh") * up
-        if use_fused(x, gate, up):
-            from kvtier.model import fused
+        return gate_act(gate, up, self.act)
 
-            # NOTE: gate, up and the product are alive together, the three [t, I] buffers the
-            # planner's activation_bytes counts; the torch path below peaks at the same three.
-            return fused.silu_mul(gate, up)
-        return F.silu(gate) * up
+
+def gate_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up, [t, I]: silu (fused on CUDA) or tanh-approximated gelu."""
+    if act != "silu":
+        return F.gelu(gate, approximate="tanh") * up
+    if use_fused(gate, up):
+        from kvtier.model import fused
+
+        # NOTE: gate, up and the product are alive together, the three [t, I] buffers the
+        # planner's activation_bytes counts; the torch path below peaks at the same three.
+        return fused.silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def gated_mlp(x: torch.Tensor, w: torch.Tensor, act: str, max_tokens: int | None = None) -> torch.Tensor:
+    """`GatedMLP` over weights packed as w [3, I * hidden] (gate [I, h], up [I, h] and down
+    [h, I], each flattened), e.g. an expert copied in from host memory; x [T, hidden]."""
+    h = x.shape[-1]
+    i = w.shape[1] // h
+    gate, up, down = w[0].view(i, h), w[1].view(i, h), w[2].view(h, i)
+    step = max_tokens or max(x.shape[0], 1)
+    if x.shape[0] <= step:
+        return F.linear(gate_act(F.linear(x, gate), F.linear(x, up), act), down)
+    out = torch.empty_like(x)
+    for s in range(0, x.shape[0], step):
+        xs = x[s : s + step]
+        out[s : s + step] = F.linear(gate_act(F.linear(xs, gate), F.linear(xs, up), act), down)
+    return out
 
 
 def fuse_linears_(*parts: nn.Linear) -> nn.Linear:

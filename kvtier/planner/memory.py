@@ -17,10 +17,12 @@ parameters = 14.96 GiB, within 1% of its "15.08". Only the 2^30 reading matches 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from kvtier.attention.dense import ATTN_BACKEND, SCORE_ELEMENTS
 from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
 
 GiB = 1024**3
 
@@ -31,6 +33,7 @@ GPU_RESERVE_BYTES = GiB // 2
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 ACTIVATIONS = ("runner", "hf")  # whose forward runs the prefill chunks: kvtier's, transformers'
+EXPERT_PLACES = ("auto", "gpu", "host")  # where a MoE model's routed experts live (`--experts`)
 
 
 class Phases(NamedTuple):
@@ -47,8 +50,61 @@ class Phases(NamedTuple):
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """All parameters on the GPU in the model dtype (tied embeddings counted once)."""
-    return cfg.num_parameters() * dtype_bytes
+    """Parameter bytes on the GPU in the model dtype (tied embeddings counted once). With the
+    routed experts on the host (`MoEConfig.experts_on_host`) those are left out and one MoE
+    layer's worth of them is counted instead: the copies a prefill chunk that routes to every
+    expert holds while the layer runs."""
+    on_gpu = cfg.num_parameters() * dtype_bytes
+    if cfg.moe is None or not cfg.moe.experts_on_host:
+        return on_gpu
+    return on_gpu - host_weight_bytes(cfg, dtype_bytes) + expert_layer_bytes(cfg, dtype_bytes)
+
+
+def expert_layer_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """The routed experts of one MoE layer (gate, up and down of each), in bytes."""
+    moe = cfg.moe
+    if moe is None:
+        return 0
+    return moe.num_experts * 3 * cfg.hidden_size * moe.intermediate_size * dtype_bytes
+
+
+def host_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Parameter bytes kept in host memory: the routed experts of every MoE layer when
+    `experts_on_host`, else 0."""
+    moe = cfg.moe
+    if moe is None or not moe.experts_on_host:
+        return 0
+    return (cfg.num_layers - min(moe.first_dense, cfg.num_layers)) * expert_layer_bytes(cfg, dtype_bytes)
+
+
+def expert_copy_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """Bytes of routed experts a step of `tokens` tokens copies in over the host link with the
+    experts on the host (0 otherwise): per MoE layer at most tokens x experts_per_token experts,
+    and every expert once more than half may be chosen (`kvtier.model.moe.MoE`)."""
+    moe = cfg.moe
+    if moe is None or not moe.experts_on_host:
+        return 0
+    chosen = min(moe.num_experts, tokens * moe.experts_per_token)
+    per_layer = moe.num_experts if 2 * chosen > moe.num_experts else chosen
+    layers = cfg.num_layers - min(moe.first_dense, cfg.num_layers)
+    return layers * per_layer * (expert_layer_bytes(cfg, dtype_bytes) // moe.num_experts)
+
+
+def place_experts(
+    cfg: ModelConfig, gpu_budget: int | None, dtype_bytes: int, experts: str = "auto"
+) -> ModelConfig:
+    """`cfg` with its routed experts placed: "gpu", "host", or "auto" (the host when the weights
+    alone leave less than a quarter of `gpu_budget`, after the reserve, for KV and activations;
+    the device otherwise, and always without a budget). Not a MoE model: `cfg` unchanged."""
+    if experts not in EXPERT_PLACES:
+        raise ConfigError(f"--experts {experts!r}: use one of {', '.join(EXPERT_PLACES)}")
+    if cfg.moe is None:
+        return cfg
+    host = experts == "host"
+    if experts == "auto" and gpu_budget is not None:
+        gpu = replace(cfg, moe=replace(cfg.moe, experts_on_host=False))
+        host = weight_bytes(gpu, dtype_bytes) > 0.75 * (gpu_budget - GPU_RESERVE_BYTES)
+    return replace(cfg, moe=replace(cfg.moe, experts_on_host=host))
 
 
 def kv_token_bytes(cfg: ModelConfig, group_size: int, dtype_bytes: int) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvtier.config import ModelConfig
 from kvtier.planner.hardware import Hardware
-from kvtier.planner.memory import round_up, weight_bytes
+from kvtier.planner.memory import expert_copy_bytes, round_up, weight_bytes
 
 MIN_CHUNK = 2048
 MAX_CHUNK = 16384
@@ -170,7 +170,7 @@ def decode_time(
     return StepTime(
         compute_s=decode_flops(cfg, context) / hw.flops,
         hbm_s=hbm / hw.hbm_bw,
-        pcie_s=pcie_bytes / hw.pcie_bw,
+        pcie_s=(pcie_bytes + expert_copy_bytes(cfg, 1, dtype_bytes)) / hw.pcie_bw,
         overhead_s=streamed_pieces * hw.slice_overhead_s,
         cpu_s=cpu_s,
     )
@@ -193,7 +193,10 @@ def prefill_time(
     for start in range(0, context, chunk):
         t = min(chunk, context - start)
         compute = prefill_chunk_flops(cfg, t, start) / hw.flops
-        pcie = prefill_chunk_pcie_bytes(cfg, t, start, dtype_bytes, streamed_fraction) / hw.pcie_bw
+        pcie = (
+            prefill_chunk_pcie_bytes(cfg, t, start, dtype_bytes, streamed_fraction)
+            + expert_copy_bytes(cfg, t, dtype_bytes)
+        ) / hw.pcie_bw
         hbm = (w + cfg.kv_bytes(start + t, dtype_bytes)) / hw.hbm_bw
         total += max(compute, pcie, hbm, host)
     return total
