@@ -109,14 +109,14 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name deepseek_v2_lite_offload
   ;;
 12)
-  run 200 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 250 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
   run 160 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 128K,1M,2M --policies auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name deepseek_v2_lite_offload
   run 180 $py bench/tiered_store.py --contexts 128K,512K --policies auto --cpu-attention auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_decode_3buf
   ;;
 13)
-  run 260 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
+  run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
   run 60 $py bench/gpu_checks.py
   ;;
 esac
