@@ -39,6 +39,9 @@
 #   bash bench/pending_h200.sh 13  # (~5 min) gpu_smoke generate part + gpu_checks (MoE row)
 #   bash bench/pending_h200.sh 12  # (~9 min) gpu_smoke plan/eval/serve part, group 11, and issue
 #                                  #   23's planner with a third staging buffer at 128K and 512K
+# NEXT (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
+#   group 1 (the smoke in full, after this session's expert offload), then
+#   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
 # ~17 s each), hence the parts and --jobs.
 set -u
@@ -114,6 +117,14 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --name deepseek_v2_lite_offload
   run 180 $py bench/tiered_store.py --contexts 128K,512K --policies auto --cpu-attention auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_decode_3buf
+  ;;
+14)
+  # issue 23: the split simulation predicts finer slices meet 0.65 s at 512K (1 KV head a slice
+  # 0.634, 2 heads 0.643, the planner's 4 heads 0.671); auto picks the group without the CPU
+  run 200 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1
+  run 160 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 2 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g2
   ;;
 13)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"

@@ -104,6 +104,7 @@ def run_policy(
             gpu_budget=args.budget,
             dtype_bytes=2,
             chunk_size=chunk_size,
+            group_size=args.head_group,
             hardware=hardware_preset("h200"),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
             cpu_attention=parse_mode(cpu),
@@ -278,6 +279,9 @@ def main() -> None:
     ap.add_argument("--policies", default="gpu,layer,head,auto")
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument(
+        "--head-group", type=int, default=None, help="KV heads per slice (default: the policy's choice)"
+    )
     ap.add_argument("--decode-steps", type=int, default=4)
     ap.add_argument("--measure-chunks", type=int, default=1)
     ap.add_argument("--staging-buffers", type=int, default=0, help="override the plan's ping-pong depth")
