@@ -161,6 +161,8 @@ def test_experts_go_to_the_host_when_the_weights_crowd_the_budget() -> None:
     for budget, where in ((80 << 30, False), (None, False)):
         got = place_experts(cfg, budget, 2)
         assert got.moe is not None and got.moe.experts_on_host is where
+    cpu = place_experts(cfg, 24 << 30, 2, on_gpu=False)  # one memory: nothing to move
+    assert cpu.moe is not None and not cpu.moe.experts_on_host
     forced = place_experts(cfg, None, 2, "host")
     assert forced.moe is not None and forced.moe.experts_on_host
     assert place_experts(preset_config("llama-3-8b"), 1 << 30, 2) == preset_config("llama-3-8b")

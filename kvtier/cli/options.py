@@ -324,8 +324,13 @@ def check_before_loading(args: argparse.Namespace) -> None:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    experts = args.experts if device.type == "cuda" or args.experts != "auto" else "gpu"  # as LLM does
-    cfg = place_experts(of_rank(read_model_config(args.model)), config.gpu_memory, itemsize, experts)
+    cfg = place_experts(
+        of_rank(read_model_config(args.model)),
+        config.gpu_memory,
+        itemsize,
+        args.experts,
+        on_gpu=device.type == "cuda",
+    )
     weights = weight_bytes(cfg, itemsize)
     if config.gpu_memory is not None and weights > config.gpu_memory:
         raise CapacityError(

@@ -155,12 +155,18 @@ class LLM:
         self.method.build(self.model_config, self.device, self.loaded.model)
 
     def _experts_on_host(self, model: str | None) -> bool:
-        """Whether a MoE model's routed experts go to host memory (`place_experts`: "auto" when
-        the weights would leave too little of --gpu-memory; always in device memory on the CPU)."""
-        if self.config.experts == "gpu" or (self.device.type != "cuda" and self.config.experts == "auto"):
-            return False
+        """Whether a MoE model's routed experts go to host memory (`place_experts`: with "auto",
+        when the weights would leave too little of --gpu-memory on a GPU)."""
+        if self.config.experts == "gpu":
+            return False  # NOTE: no config read for the default of most models
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        cfg = place_experts(read_model_config(model), self.config.gpu_memory, itemsize, self.config.experts)
+        cfg = place_experts(
+            read_model_config(model),
+            self.config.gpu_memory,
+            itemsize,
+            self.config.experts,
+            on_gpu=self.device.type == "cuda",
+        )
         return cfg.moe is not None and cfg.moe.experts_on_host
 
     def _start_ranks(self, options: dict[str, Any]) -> tuple[RankGroup | None, Workers | None]:

@@ -91,17 +91,18 @@ def expert_copy_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
 
 
 def place_experts(
-    cfg: ModelConfig, gpu_budget: int | None, dtype_bytes: int, experts: str = "auto"
+    cfg: ModelConfig, gpu_budget: int | None, dtype_bytes: int, experts: str = "auto", on_gpu: bool = True
 ) -> ModelConfig:
     """`cfg` with its routed experts placed: "gpu", "host", or "auto" (the host when the weights
     alone leave less than a quarter of `gpu_budget`, after the reserve, for KV and activations;
-    the device otherwise, and always without a budget). Not a MoE model: `cfg` unchanged."""
+    the device otherwise, always without a budget, and always when the model does not run on a
+    GPU, `on_gpu` False: host and device memory are one there). Not a MoE model: `cfg` unchanged."""
     if experts not in EXPERT_PLACES:
         raise ConfigError(f"--experts {experts!r}: use one of {', '.join(EXPERT_PLACES)}")
     if cfg.moe is None:
         return cfg
     host = experts == "host"
-    if experts == "auto" and gpu_budget is not None:
+    if experts == "auto" and gpu_budget is not None and on_gpu:
         gpu = replace(cfg, moe=replace(cfg.moe, experts_on_host=False))
         host = weight_bytes(gpu, dtype_bytes) > 0.75 * (gpu_budget - GPU_RESERVE_BYTES)
     return replace(cfg, moe=replace(cfg.moe, experts_on_host=host))

@@ -218,10 +218,10 @@ def plan_kv(
             # NOTE: while the host waits for a layer's CPU results only `staging_buffers - 1`
             # loads are queued; one more buffer (paid for with a resident slice) keeps the link
             # busy through the wait, where the simulation says that pays.
-            kw = choose_cpu_slices(cfg, wider.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
-            if kw and decode_step_s(cfg, wider.slice_shape(cfg), hw, dtype_bytes, kw) < decode_step_s(
-                cfg, best.slice_shape(cfg), hw, dtype_bytes, k
-            ):
+            shape = wider.slice_shape(cfg)
+            kw = choose_cpu_slices(cfg, shape, hw, dtype_bytes, cpu_attention)
+            step_s = decode_step_s(cfg, best.slice_shape(cfg), hw, dtype_bytes, k)
+            if kw and decode_step_s(cfg, shape, hw, dtype_bytes, kw) < step_s:
                 best = replace(wider, cpu_slices=kw)
         return best
 
