@@ -126,6 +126,16 @@ case "$group" in
   run 160 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 2 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g2
   ;;
+15)
+  # the ninth session's first call: group 14, then issue 21's DeepSeek-V2-Lite at its longest
+  # contexts under 24 GiB (the plan says ~2.8M fit 100 GiB of host; 1M is measured)
+  run 200 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1
+  run 160 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 2 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g2
+  run 200 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 2M,2560K --policies auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --chunk-size 1024 --name deepseek_v2_lite_offload_max
+  ;;
 13)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
   run 60 $py bench/gpu_checks.py
