@@ -104,7 +104,7 @@ def run_policy(
             gpu_budget=args.budget,
             dtype_bytes=2,
             chunk_size=chunk_size,
-            group_size=args.head_group,
+            group_size=args.head_group if policy in ("head", "auto") else None,
             hardware=hardware_preset("h200"),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
             cpu_attention=parse_mode(cpu),
