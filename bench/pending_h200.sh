@@ -136,6 +136,18 @@ case "$group" in
   run 200 $py bench/tiered_store.py --model deepseek-v2-lite --contexts 2M,2560K --policies auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --chunk-size 1024 --name deepseek_v2_lite_offload_max
   ;;
+16)
+  # the ninth session, after the GGUF: one store (page-major pool, tiered runs over lent pages,
+  # host slots of every layer): the server's user paths, then the whole-GPU cases
+  run 250 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 150 $py bench/serve_gpu.py --cases c1,c1-32k,c64 --name serve_gpu
+  ;;
+17)
+  # under 24 GiB: the mixed case with the long request's buffers in lent pool pages (the default
+  # share, 0.25) and without (0: the offload reserve only, as before), and the prefix case
+  run 240 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
+  run 170 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-share 0 --name serve_gpu_24gib_share0
+  ;;
 13)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
   run 60 $py bench/gpu_checks.py

@@ -139,7 +139,11 @@ def run_mixed(
             "the batch instead of streaming from the host tier; give a longer --long-tokens or a "
             "smaller --gpu-memory"
         )
-    route = f"tiered: {run.plan.policy} g{run.plan.group_size} chunk {run.plan.chunk_size}"
+    lent = engine.kv.pool.num_lent  # pool pages its buffers live in (0: all in the offload reserve)
+    route = (
+        f"tiered: {run.plan.policy} g{run.plan.group_size} chunk {run.plan.chunk_size}, "
+        f"{run.plan.resident_slices} resident slices, {lent} pool pages borrowed"
+    )
     print(f"mixed: long request {route}", flush=True)
     shown, built_s = t0, None
     while not long.tokens:  # its prefill (the tiered run alone)
@@ -168,7 +172,10 @@ def run_mixed(
     times: dict[str, list[Any]] = {"step": [], "tiered": []}
     cuda = engine.device.type == "cuda"
     t_loop = time.perf_counter()
+    preempted = engine.scheduler.num_preemptions
     steps, kernels = step_loop(engine, times, profile_steps=(40, 50) if cuda else None)
+    preempted = engine.scheduler.num_preemptions - preempted
+    max_waiting = max(times.get("waiting", [0]), default=0)  # shorts queued for pages or seats
     loop_s = time.perf_counter() - t_loop
     if engine.device.type == "cuda":
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
@@ -180,6 +187,9 @@ def run_mixed(
     return {
         "long_prompt_tokens": long_tokens,
         "long_route": route,
+        "long_lent_pages": lent,
+        "short_waiting_at_most": max_waiting,
+        "short_preemptions": preempted,
         "long_new_tokens": len(long.tokens),
         "long_prefill_s": round(prefill_s, 2),  # from its arrival: building its store, then its chunks
         "long_store_build_s": round(built_s, 2) if built_s is not None else None,
@@ -289,6 +299,12 @@ def main() -> None:
         default=ServeConfig.tiered_lookahead_layers,
         help="how far a tiered run's launcher may run ahead of the device (0: unpaced)",
     )
+    ap.add_argument(
+        "--tiered-share",
+        type=float,
+        default=ServeConfig.tiered_share,
+        help="share of the page pool tiered runs may borrow for their buffers (0: the reserve only)",
+    )
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
@@ -336,6 +352,7 @@ def main() -> None:
         num_pages=args.num_pages,
         cuda_graphs=not args.no_graphs,
         tiered_lookahead_layers=args.tiered_lookahead_layers,
+        tiered_share=args.tiered_share,
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -357,6 +374,7 @@ def main() -> None:
         # on its slice loads could hold up a batch stream that shares its queue
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
         "tiered_lookahead_layers": args.tiered_lookahead_layers,
+        "tiered_share": args.tiered_share,
         "cases": {},
     }
     if engine.decoder is not None and engine.decoder.graphs:

@@ -60,6 +60,7 @@ def step_loop(
             if stepped:
                 times["step"].append(t1 - t0)
             times["tiered"].append(time.perf_counter() - t1)
+            times.setdefault("waiting", []).append(len(engine.scheduler.waiting))
         if prof is not None and profile_steps is not None and steps >= profile_steps[1]:
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)

@@ -128,6 +128,29 @@ def test_load_slots_puts_every_slot_in_its_page_bit_for_bit(
     assert (cache._staging is not None) == gathered  # the run path stages on the device
 
 
+@pytest.mark.parametrize("order", ["contiguous", "every_third_shuffled"])
+def test_loads_and_saves_go_a_chunk_of_pages_at_a_time(monkeypatch: pytest.MonkeyPatch, order: str) -> None:
+    """With CHUNK_BYTES of 3 pages (all three dtypes' pages), saving 40 pages and loading them
+    back go 3 pages a gather, and every page still lands in its own place."""
+    page = sum(
+        torch.empty(4, 2, 2, 8, dtype=d).numel() * torch.empty((), dtype=d).element_size() for d in DTYPES
+    )
+    monkeypatch.setattr(prefix_cache, "CHUNK_BYTES", 3 * page)
+    cache, dev, want = saved_cache(monkeypatch)
+    assert cache.chunk_pages == 3
+    gathers: list[int] = []
+    chunk = prefix_cache.HostPageCache._load_chunk
+
+    def counted(self: prefix_cache.HostPageCache, pairs: list[tuple[int, int]]) -> None:
+        gathers.append(len(pairs))
+        chunk(self, pairs)
+
+    monkeypatch.setattr(prefix_cache.HostPageCache, "_load_chunk", counted)
+    slots = SLOT_ORDERS[order][0]
+    load_and_check(cache, dev, want, slots)
+    assert max(gathers) == 3 and sum(gathers) == len(slots)
+
+
 def test_the_host_staging_buffer_is_reused_and_grown_only_when_too_small(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -149,9 +149,11 @@ def test_decode_buckets_and_padding(llm: LLM) -> None:
         changed = {int(p) for p in (old != new).flatten(1).any(1).nonzero().flatten()}
         assert changed <= written
     # the padded row wrote to the scratch page and attended its first slot
-    assert int(store.dec_write[3]) // 4 == store.scratch and int(store.dec_lens[3]) == 1
+    stride = store.slot_stride  # flat slots from one page to the next: layers x page size
+    assert stride == llm.model_config.num_layers * 4
+    assert int(store.dec_write[3]) // stride == store.scratch and int(store.dec_lens[3]) == 1
     assert [int(x) for x in store.dec_lens[:3]] == [s.start + 1 for s in steps]
-    slots = [s.block_table[s.start // 4] * 4 + s.start % 4 for s in steps]
+    slots = [s.block_table[s.start // 4] * stride + s.start % 4 for s in steps]
     assert [int(x) for x in store.dec_write[:3]] == slots
 
 

@@ -9,15 +9,35 @@ from kvtier.kv.pages import PagePool
 from kvtier.kv.prefix_cache import HostPageCache, extend_hashes, root_hash
 
 
-def test_free_list_hands_out_ids_in_order_and_reuses_freed_last() -> None:
+def test_free_ids_go_out_lowest_first() -> None:
     pool = PagePool(4)
     assert [pool.allocate() for _ in range(3)] == [0, 1, 2]
     pool.release(1)
-    assert list(pool.free) == [3, 1]
+    assert pool.free == [1, 3]
+    assert pool.allocate() == 1  # the lowest: sequences fill the pool from the bottom
     assert pool.allocate() == 3
-    assert pool.allocate() == 1
     assert pool.allocate() is None
     assert pool.num_free == 0 and pool.num_used == 4
+
+
+def test_runs_are_lent_from_the_top_and_evict_cached_pages_in_their_way() -> None:
+    evicted: list[tuple[int, bytes]] = []
+    pool = PagePool(10, on_evict=lambda p, h: evicted.append((p, h)))
+    pages = [pool.allocate() for _ in range(4)]  # 0 1 2 3
+    assert pool.register(3, b"h3")
+    pool.release(3)  # idle cached: a run may take it
+    pool.release(1)  # free
+    assert pool.largest_run() == 7  # 3 .. 9
+    assert pool.take_run(5) == 5  # the highest stretch: 5 .. 9
+    assert pool.num_lent == 5 and pool.num_used == 2 + 5
+    assert pool.take_run(3) is None  # 1 and 3, 4 are what is left: no 3 in a row
+    assert pool.take_run(2) == 3  # 3 .. 4: evicts the cached page 3
+    assert evicted == [(3, b"h3")] and pool.lookup(b"h3") is None
+    assert pool.allocate() == 1 and pool.allocate() is None  # runs never hand out their ids
+    pool.return_run(5)
+    assert pool.free == [5, 6, 7, 8, 9] and pool.lent == {3: 2}
+    assert pool.allocate() == 5
+    assert pages == [0, 1, 2, 3]
 
 
 def test_refcounts_and_cached_pages_go_to_lru_tail_first() -> None:
@@ -34,7 +54,7 @@ def test_refcounts_and_cached_pages_go_to_lru_tail_first() -> None:
     assert pool.ref == [1, 0, 1] and list(pool.lru) == [1]
     pool.release(0)
     pool.release(2)  # unhashed: back to the free list
-    assert list(pool.lru) == [1, 0] and list(pool.free) == [2]
+    assert list(pool.lru) == [1, 0] and pool.free == [2]
     assert pool.num_free == 3
     assert pool.allocate() == 2
     assert pool.allocate() == 1  # evicts the LRU's oldest cached page
@@ -50,7 +70,7 @@ def test_reset_cache_frees_idle_pages() -> None:
     pool.register(0, b"x")
     pool.release(0)
     assert pool.reset_cache() == 1
-    assert list(pool.free) == [1, 0] and pool.lookup(b"x") is None
+    assert pool.free == [0, 1] and pool.lookup(b"x") is None
 
 
 def test_hashes_chain_the_whole_prefix() -> None:

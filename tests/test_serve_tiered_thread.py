@@ -121,7 +121,7 @@ def test_the_store_is_built_and_freed_on_the_launcher(llm: LLM, monkeypatch: pyt
     engine.submit(long_ids, params, q.put, method=parse_choice("head"))
     engine.run_until_idle()
     assert tokens(q) == list(expected) and engine.offloaded == 1
-    for f in engine._closing_runs:
+    for f, _ in engine._closing_runs:
         f.result(timeout=30)
     assert where["make"].startswith("kvtier-tiered") and where["close"].startswith("kvtier-tiered")
     assert where["release_host"] == "False"  # the pinned memory stays cached for the next run

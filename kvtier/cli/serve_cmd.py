@@ -10,6 +10,7 @@ from dataclasses import replace
 from kvtier.cli.options import (
     add_model_options,
     check_before_loading,
+    float_type,
     int_type,
     llm_kwargs,
     size_type,
@@ -84,6 +85,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="GPU memory kept out of the page pool for requests that stream their KV from the host "
         "or name a method (default: a quarter of what the pool could take, at most 4 GiB)",
+    )
+    p.add_argument(
+        "--tiered-share",
+        type=float_type("--tiered-share", 0.0, 1.0),
+        default=0.25,
+        help="share of the page pool that requests streaming their KV from the host may borrow for "
+        "resident slices and staging buffers (default 0.25; 0: only --offload-reserve)",
     )
     p.add_argument(
         "--threads", type=int_type("--threads"), default=None, help="torch CPU threads of the engine"
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         threads=args.threads,
         offload_reserve=args.offload_reserve,
+        tiered_share=args.tiered_share,
     )
     if args.cpu_attention != "off":
         # NOTE: a CPU-attended layer waits on the host for its query; the server's tiered runs

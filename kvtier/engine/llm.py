@@ -18,6 +18,7 @@ from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
 from kvtier.kv.cpu_attend import hardware_for
+from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.loading.resolve import read_model_config
@@ -387,9 +388,11 @@ class LLM:
         context: int,
         hip_cache_tokens: int | None = None,
         method: MethodChoice | None = None,
+        memory: DeviceMemory | None = None,
     ) -> tuple[TieredKVStore, PolicyParts]:
         """A fresh KV store for one sequence of `context` tokens, with `method`'s parts (default:
-        this LLM's; `hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's)."""
+        this LLM's; `hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's;
+        `memory`: where its whole-capacity buffers live, None: the caching allocator)."""
         method = method or self.method
         parts = method.build(self.model_config, self.device, self.loaded.model, hip_cache_tokens)
         store = TieredKVStore(
@@ -399,6 +402,7 @@ class LLM:
             dtype=self.dtype,
             capacity=context,
             options=StoreOptions(block_size=self.config.block_size),
+            memory=memory,
             **parts.store_kwargs(),
         )
         return store, parts

@@ -1,13 +1,18 @@
 """Paged KV for many sequences on one device, and the `Attention` of one batch step.
 
-Each layer owns one page tensor [num_pages, P, 2, H_kv, D]. A sequence's tokens live in the
-pages of its block table; token position p is at (block_table[p // P], p % P), i.e. at flat
-slot block_table[p // P] * P + p % P of the layer's [num_pages * P, 2, H_kv, D] view:
+All pages live in ONE tensor, page-major: `storage [num_pages + 1, L, P, 2, H_kv, D]`, so a
+page holds its P tokens of every layer in one contiguous block, and a run of consecutive page
+ids is one contiguous region of device memory (`page_run`: what a tiered request's buffers are
+carved from, `kvtier.kv.page_memory`). Layer l's pages are the strided view `pages[l] =
+storage[:, l]` [num_pages + 1, P, 2, H_kv, D]. A sequence's tokens live in the pages of its
+block table; token position p is at (block_table[p // P], p % P), i.e. at flat slot
+block_table[p // P] * L * P + p % P of layer l's flat view (the storage's [(N + 1) * L * P,
+2, H_kv, D] view from row l * P on), here with L = 2 layers:
 
-    block table   [ 7,        2,        9      ]        P = 4, start = 9, n_new = 2
+    block table   [ 7,        2,        9      ]        P = 4, L = 2, start = 9, n_new = 2
     positions      0 1 2 3 | 4 5 6 7 | 8 9 10
-    flat slots    28 .. 31 | 8 .. 11 | 36 37 38
-                                          ^^ ^^  the step writes slots 37, 38 (positions 9, 10)
+    flat slots    56 .. 59 |16 .. 19 | 72 73 74
+                                          ^^ ^^  the step writes slots 73, 74 (positions 9, 10)
                                                  and attends over all 11 slots
 
 A batch step concatenates every scheduled sequence's new tokens into one flat stream (prefill
@@ -86,9 +91,13 @@ class PagedKVStore:
         self.dtype = dtype
         # One page past the pool: the scratch page that padded decode rows write and read.
         self.scratch = num_pages
-        shape = (num_pages + 1, page_size, 2, cfg.num_kv_heads, cfg.head_dim)
+        self.num_layers = cfg.num_layers
+        shape = (num_pages + 1, cfg.num_layers, page_size, 2, cfg.num_kv_heads, cfg.head_dim)
         # NOTE: zeros, not empty: on the CPU untouched pages then cost no resident memory.
-        self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.pages = [self.storage[:, layer] for layer in range(cfg.num_layers)]  # [N + 1, P, 2, H_kv, D]
+        self._flat = self.storage.view(-1, *shape[3:])  # [(N + 1) * L * P, 2, H_kv, D]
+        self.slot_stride = cfg.num_layers * page_size  # flat slots from one page to the next
         self.decode_kernel = decode_kernel or default_decode_kernel(device)
         blocks = num_pages if max_blocks is None else min(num_pages, max_blocks)
         self.max_batch = max_batch
@@ -97,7 +106,9 @@ class PagedKVStore:
         # from them on the device (`decode_prologue`).
         self.dec_in = torch.zeros(2, max_batch, dtype=torch.long, device=device)  # [2, B_max]
         self.dec_ids, self.dec_positions = self.dec_in[0], self.dec_in[1]  # [B_max] each
-        self.dec_write = torch.full((max_batch,), self.scratch * page_size, dtype=torch.long, device=device)
+        self.dec_write = torch.full(
+            (max_batch,), self.scratch * self.slot_stride, dtype=torch.long, device=device
+        )
         self.dec_tables = torch.full((max_batch, blocks), self.scratch, dtype=torch.int32, device=device)
         self.dec_lens = torch.ones(max_batch, dtype=torch.int32, device=device)  # [B_max]
         self._decode_rows = 0  # > 0: the step runs from the static buffers, this many rows
@@ -112,7 +123,17 @@ class PagedKVStore:
 
     @property
     def bytes_per_page(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.pages)
+        return self.storage[0].numel() * self.storage.element_size()
+
+    def page_run(self, first: int, count: int) -> torch.Tensor:
+        """Pages first .. first + count - 1 of every layer as one flat byte tensor (a view): the
+        device memory a run of consecutive page ids holds."""
+        assert first >= 0 and first + count <= self.num_pages, "a run past the pool"
+        return self.storage[first : first + count].view(-1).view(torch.uint8)
+
+    def layer_flat(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s flat view [.., 2, H_kv, D]: slot `page * slot_stride + offset`."""
+        return self._flat[layer * self.page_size :]
 
     def begin_decode(self, steps: list[SeqStep], rows: int, ids: list[int] | None = None) -> None:
         """Fill the static decode buffers for `steps` (one new token each, `ids` [len(steps)]
@@ -146,7 +167,7 @@ class PagedKVStore:
         self._decode_rows = rows
         pos, p = self.dec_positions[:rows], self.page_size  # [rows]
         page = self.dec_tables[:rows].gather(1, (pos // p).unsqueeze(1)).squeeze(1)  # [rows] int32
-        torch.add(page.long() * p, pos % p, out=self.dec_write[:rows])
+        torch.add(page.long() * self.slot_stride, pos % p, out=self.dec_write[:rows])
         self.dec_lens[:rows].copy_(pos + 1)
         self._cos, self._sin = self.rotary.cos_sin(pos, self.dtype)
 
@@ -162,7 +183,7 @@ class PagedKVStore:
             assert len(s.block_table) * p >= end, "block table too short for the step"
             pos = torch.arange(end)
             table = torch.tensor(s.block_table, dtype=torch.long)
-            slots = table[pos // p] * p + pos % p  # [end]
+            slots = table[pos // p] * self.slot_stride + pos % p  # [end]
             positions.append(pos[s.start :])
             writes.append(slots[s.start :])
             if s.n_new == 1:
@@ -210,7 +231,7 @@ class PagedKVStore:
         """
         q = Rotary.apply(q, self._cos, self._sin)
         k = Rotary.apply(k, self._cos, self._sin)
-        flat = self.pages[layer].view(-1, *self.pages[layer].shape[2:])  # [num_pages * P, 2, H_kv, D]
+        flat = self.layer_flat(layer)  # slot page * L * P + offset -> [2, H_kv, D]
         rows = self._decode_rows
         if rows:  # static decode buffers: no host work, nothing depends on values
             flat[self.dec_write[:rows]] = torch.stack((k, v), dim=1)
@@ -251,10 +272,8 @@ def reference_decode(
     """`DecodeKernel` in torch (the CPU's static decode path): each row through `attend` over
     its gathered KV, so it equals the eager path. q [B, H_q, D] -> [B, H_q, D]."""
     p = pages.shape[1]
-    flat = pages.view(-1, *pages.shape[2:])  # [N * P, 2, H_kv, D]
     out = torch.empty_like(q)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n, device=pages.device)
-        slots = tables[b, pos // p].long() * p + pos % p
-        out[b] = attend(q[b : b + 1], flat[slots])[0]
+        out[b] = attend(q[b : b + 1], pages[tables[b, pos // p].long(), pos % p])[0]  # kv [n, 2, H_kv, D]
     return out

@@ -1,20 +1,28 @@
-"""The block pool: page ids, reference counts, an O(1) free list and the cached-page LRU.
+"""The block pool: page ids, reference counts, the free ids, the cached-page LRU, and page runs.
 
 A page holds `page_size` consecutive tokens of one sequence (all layers; the tensors live in
 `PagedKVStore`). The pool knows only ids, refcounts and hashes:
 
     state            ref   hash   where
-    free             0     None   `free` deque (allocated from the left, returned on the right)
+    free             0     None   the free ids (`allocate` takes the lowest)
     in use           >=1   any    some sequences' block tables
+    lent             1     None   a run of consecutive ids a tiered store's buffers live in (`lent`)
     cached, idle     0     set    `lru` (oldest first): reusable, but a prefix hit revives it
 
-`allocate` takes a free page first; when there is none it evicts the least recently used
+`allocate` takes the lowest free page first; when there is none it evicts the least recently used
 cached page (calling `on_evict(page, hash)` first, so the host tier can save its contents).
+`take_run(n)` lends the highest n consecutive unreferenced ids at once (evicting the cached ones
+among them): sequences fill the pool from the bottom and runs from the top, so a run finds room
+while the batch uses less than the rest.
+
+    ids   0 ..................................................... N - 1
+          [seq pages, lowest first ->   free / cached   <- lent runs, highest first]
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvtier.errors import ConfigError
@@ -23,7 +31,7 @@ EvictHook = Callable[[int, bytes], object]
 
 
 class PagePool:
-    """Page ids 0 .. num_pages - 1 with refcounts and a hash -> page map (prefix cache)."""
+    """Page ids 0 .. num_pages - 1 with refcounts, a hash -> page map (prefix cache) and lent runs."""
 
     def __init__(self, num_pages: int, on_evict: EvictHook | None = None) -> None:
         if num_pages < 1:
@@ -32,42 +40,70 @@ class PagePool:
         self.on_evict = on_evict
         self.ref = [0] * num_pages
         self.page_hash: list[bytes | None] = [None] * num_pages
-        self.free: deque[int] = deque(range(num_pages))
+        self._heap: list[int] = list(range(num_pages))  # free ids; stale entries are skipped
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._num_free = num_pages
         self.lru: OrderedDict[int, None] = OrderedDict()  # idle cached pages, oldest first
         self.cached: dict[bytes, int] = {}
+        self.lent: dict[int, int] = {}  # first id of a lent run -> its length
         self.evictions = 0
 
     # -- counts --------------------------------------------------------------------------------
 
     @property
+    def free(self) -> list[int]:
+        """The free ids, lowest first (the order `allocate` takes them in)."""
+        return [p for p in range(self.num_pages) if self._is_free[p]]
+
+    @property
     def num_free(self) -> int:
         """Pages `allocate` can hand out now: free ones plus idle cached ones."""
-        return len(self.free) + len(self.lru)
+        return self._num_free + len(self.lru)
 
     @property
     def num_used(self) -> int:
-        """Pages referenced by at least one sequence."""
-        return self.num_pages - self.num_free
+        """Pages referenced by at least one sequence or lent to a run."""
+        return self.num_pages - self._num_free - len(self.lru)
+
+    @property
+    def num_lent(self) -> int:
+        return sum(self.lent.values())
 
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate(self) -> int | None:
         """A page with refcount 1, or None when every page is in use. Mutates the pool."""
-        if self.free:
-            page = self.free.popleft()
-        elif self.lru:
-            page, _ = self.lru.popitem(last=False)
-            h = self.page_hash[page]
-            assert h is not None
-            if self.on_evict is not None:
-                self.on_evict(page, h)
-            del self.cached[h]
-            self.page_hash[page] = None
-            self.evictions += 1
-        else:
+        if self.num_free == 0:
             return None
+        if self._num_free:
+            page = heapq.heappop(self._heap)
+            while not self._is_free[page]:  # NOTE: lent since it was freed
+                page = heapq.heappop(self._heap)
+            self._take_free(page)
+        else:
+            page, _ = self.lru.popitem(last=False)
+            self._evict(page)
         self.ref[page] = 1
         return page
+
+    def _take_free(self, page: int) -> None:
+        self._is_free[page] = 0
+        self._num_free -= 1
+
+    def _put_free(self, page: int) -> None:
+        self._is_free[page] = 1
+        self._num_free += 1
+        heapq.heappush(self._heap, page)
+
+    def _evict(self, page: int) -> None:
+        """Drop idle cached `page`'s hash (saving it through `on_evict`); it is then unowned."""
+        h = self.page_hash[page]
+        assert h is not None
+        if self.on_evict is not None:
+            self.on_evict(page, h)
+        del self.cached[h]
+        self.page_hash[page] = None
+        self.evictions += 1
 
     def touch(self, page: int) -> None:
         """One more reference to `page` (a prefix hit); revives it from the LRU if idle."""
@@ -76,14 +112,54 @@ class PagePool:
         self.ref[page] += 1
 
     def release(self, page: int) -> None:
-        """Drop one reference. An unreferenced page goes to the LRU if cached, else to the free list."""
+        """Drop one reference. An unreferenced page goes to the LRU if cached, else to the free ids."""
         assert self.ref[page] > 0, f"page {page} released more often than referenced"
         self.ref[page] -= 1
         if self.ref[page] == 0:
             if self.page_hash[page] is not None:
                 self.lru[page] = None
             else:
-                self.free.append(page)
+                self._put_free(page)
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    def largest_run(self) -> int:
+        """The longest stretch of consecutive unreferenced ids (free or idle cached): the
+        largest run `take_run` can lend now."""
+        best = here = 0
+        for r in self.ref:
+            here = here + 1 if r == 0 else 0
+            best = max(best, here)
+        return best
+
+    def take_run(self, count: int) -> int | None:
+        """Lend the highest `count` consecutive unreferenced ids (evicting the cached ones among
+        them); returns the first id, or None when no such stretch exists. Mutates the pool."""
+        if count < 1 or count > self.num_pages:
+            return None
+        here = 0
+        for first in range(self.num_pages - 1, -1, -1):
+            here = here + 1 if self.ref[first] == 0 else 0
+            if here == count:
+                break
+        else:
+            return None
+        for page in range(first, first + count):
+            if self._is_free[page]:
+                self._take_free(page)
+            else:
+                del self.lru[page]
+                self._evict(page)
+            self.ref[page] = 1
+        self.lent[first] = count
+        return first
+
+    def return_run(self, first: int) -> None:
+        """Take back the run lent at `first`: its ids are free again."""
+        count = self.lent.pop(first)
+        for page in range(first, first + count):
+            self.ref[page] = 0
+            self._put_free(page)
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -103,7 +179,7 @@ class PagePool:
         """Forget every hash; idle cached pages become free. Returns how many hashes were dropped."""
         dropped = len(self.cached)
         for page in self.lru:
-            self.free.append(page)
+            self._put_free(page)
         self.lru.clear()
         self.cached.clear()
         self.page_hash = [None] * self.num_pages

@@ -37,16 +37,18 @@ def extend_hashes(hashes: list[bytes], tokens: list[int], page_size: int, root: 
 class HostPageCache:
     """Pages evicted from the device pool, kept in host memory by hash (LRU; dropped when full).
 
-    A slot holds one page of every layer: per layer an extent [page_size, 2, H_kv, D] of a
-    `HostArena` (the tiered store's host memory: pinned slabs on CUDA, allocated whole and not
-    zeroed), so a later prefix hit copies a page back instead of recomputing it. Every slot is
-    taken at construction; `account` counts their bytes in the host tier.
+    A slot holds one page of every device tensor in `device_pages` (each [num_pages, ...], pages
+    along dim 0): per tensor an extent of a `HostArena` (the tiered store's host memory: pinned
+    slabs on CUDA, allocated whole and not zeroed), so a later prefix hit copies a page back
+    instead of recomputing it. The server passes its page-major storage [N, L, P, 2, H_kv, D] as
+    the one tensor, so a slot is a page of every layer and a run of slots one copy. Every slot
+    is taken at construction; `account` counts their bytes in the host tier.
     """
 
     def __init__(
         self, device_pages: list[torch.Tensor], num_slots: int, account: TierAccount | None = None
     ) -> None:
-        self.device_pages = device_pages  # per layer [num_pages, P, 2, H_kv, D]
+        self.device_pages = device_pages  # each [num_pages, ...]: e.g. [N, L, P, 2, H_kv, D]
         self.num_slots = num_slots
         self.account = account if account is not None else TierAccount()
         pin = device_pages[0].device.type == "cuda" if device_pages else False
@@ -101,18 +103,25 @@ class HostPageCache:
         self.saved += 1
         return True
 
+    @property
+    def chunk_pages(self) -> int:
+        """Pages one gather on the device moves at most (its temporary is at most CHUNK_BYTES)."""
+        page = sum(t[0].numel() * t.element_size() for t in self.device_pages)
+        return max(1, CHUNK_BYTES // max(1, page))
+
     def flush(self) -> None:
-        """Queue the copies of the pages `save` took since the last flush: per layer and at
-        most FLUSH_PAGES pages, one gather on the device and one copy per run of consecutive
-        host slots (page by page, evicting 2,048 pages of Llama-3-8B was 65,536 copies of
-        64 KiB, each a launch on the host). Asynchronous on CUDA."""
+        """Queue the copies of the pages `save` took since the last flush: per device tensor and
+        at most `chunk_pages` pages, one gather on the device and one copy per run of
+        consecutive host slots (page by page, evicting 2,048 pages of Llama-3-8B was 65,536
+        copies of 64 KiB, each a launch on the host). Asynchronous on CUDA."""
         if not self._pending:
             return
         pairs = sorted(self._pending.items())  # (slot, page)
         self._pending.clear()
         device = self.device_pages[0].device
-        for start in range(0, len(pairs), FLUSH_PAGES):
-            runs, pages = slot_runs(pairs[start : start + FLUSH_PAGES], self._per)
+        step = self.chunk_pages
+        for start in range(0, len(pairs), step):
+            runs, pages = slot_runs(pairs[start : start + step], self._per)
             pages_t = torch.tensor(pages, device=device)  # [k]
             for slabs, dev in zip(self._slabs, self.device_pages, strict=True):
                 staged = dev.index_select(0, pages_t)  # [k, P, 2, H_kv, D] on the device
@@ -151,9 +160,10 @@ class HostPageCache:
         """Copy host slots into device pages, (slot, page) pairs, and free the slots. Mutates;
         asynchronous on CUDA.
 
-        The slots, sorted, form runs of consecutive rows of a slab; per layer each run is one
-        copy from the pinned slab straight into a device buffer [k, P, 2, H_kv, D], and one
-        `index_copy_` puts the buffer's rows into their pages. Slots scattered into many short
+        The slots, sorted, go `chunk_pages` at a time; they form runs of consecutive rows of a
+        slab, and per device tensor (the server's one: every layer at once) each run is one copy
+        from the pinned slab straight into a device buffer [k, ...], and one `index_copy_` puts
+        the buffer's rows into their pages. Slots scattered into many short
         runs (more than max(8, k // 8)) are gathered on the host instead, into one pinned
         buffer the cache keeps across layers and calls. Gathered on the host into a fresh pinned
         buffer per layer and slab (512 of them for 2,047 pages in 8 MiB slabs), a 32K-token
@@ -163,6 +173,13 @@ class HostPageCache:
         if not pairs:
             return
         self.loaded += len(pairs)
+        ordered, step = sorted(pairs), self.chunk_pages
+        for start in range(0, len(ordered), step):
+            self._load_chunk(ordered[start : start + step])
+        self.free.extend(slot for slot, _ in pairs)
+
+    def _load_chunk(self, pairs: list[tuple[int, int]]) -> None:
+        """`load_slots` for at most `chunk_pages` pairs (a temporary of at most CHUNK_BYTES)."""
         device = self.device_pages[0].device
         runs, pages = slot_runs(pairs, self._per)
         k = len(pages)
@@ -196,7 +213,6 @@ class HostPageCache:
                     staged[off : off + r1 - r0].copy_(slabs[slab][r0:r1], non_blocking=True)
                     off += r1 - r0
             dev.index_copy_(0, pages_t, staged)
-        self.free.extend(slot for slot, _ in pairs)
 
     def _host_buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """The cache's host staging buffer as [rows, *like.shape[1:]] of like's dtype (pinned on
@@ -217,7 +233,7 @@ class HostPageCache:
         self._pending.clear()
 
 
-FLUSH_PAGES = 1024  # pages a flush gathers on the device at once (64 MiB a layer for Llama-3-8B)
+CHUNK_BYTES = 64 << 20  # the most one gather of pages (a save or a load) stages on the device
 
 
 def slot_runs(pairs: list[tuple[int, int]], per: int) -> tuple[list[tuple[int, int, int]], list[int]]:

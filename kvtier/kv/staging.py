@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.streams import Event, Streams
 from kvtier.kv.tiers import GPU, TierAccount
@@ -57,14 +58,14 @@ class StagingRing:
         tokens: int,
         shape: tuple[int, int, int],
         dtype: torch.dtype,
-        device: torch.device,
+        memory: DeviceMemory,
         streams: Streams,
         account: TierAccount,
     ) -> None:
         self.tokens = tokens
         self.streams = streams
         self.account = account
-        self.buffers = [torch.empty(tokens, *shape, dtype=dtype, device=device) for _ in range(n)]
+        self.buffers = [memory.empty((tokens, *shape), dtype) for _ in range(n)]
         self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
         account.alloc(GPU, self.nbytes)
         self._free_after: list[list[Event | None]] = [[] for _ in range(n)]

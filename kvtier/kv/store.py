@@ -45,6 +45,7 @@ from kvtier.attention.spec import layer_attention
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.cpu_attend import CpuSlices
+from kvtier.kv.device_memory import CachingMemory, DeviceMemory
 from kvtier.kv.hooks import Evictor, KVCodec, RoundTripCodec, StoreOptions, packing_codec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
@@ -80,8 +81,12 @@ class TieredKVStore:
         rotate_keys: bool = True,
         codec: KVCodec | RoundTripCodec | None = None,
         evictor: Evictor | None = None,
+        memory: DeviceMemory | None = None,
     ) -> None:
         opts = options or StoreOptions()
+        # Where the resident slices of the whole capacity and the staging buffers live: the
+        # caching allocator, or a region someone else owns (the server's page runs).
+        self.memory: DeviceMemory = memory or CachingMemory(device)
         self.plan = plan
         self.device = device
         self.layout = KVLayout(
@@ -148,9 +153,13 @@ class TieredKVStore:
             extent_tokens = lay.round_up(uncoded_tokens(packer) + plan.chunk_size)
         for s in sorted(places.resident):
             tokens = lay.block_size if s in self._evictable else self._capacity
+            whole = s not in self._evictable and s not in self._windowed
             if s in self._windowed:
                 tokens = self._window_tokens
-            self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
+            if whole:
+                self.resident[s] = self.memory.empty((tokens, *shape), dtype)
+            else:
+                self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
             self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
         self.storage = SliceStorage(
             places, lay, extent_tokens, self._capacity, packing=packing, device=device, account=self.account
@@ -170,7 +179,7 @@ class TieredKVStore:
                 lay.round_up(plan.staging_tokens or self._capacity),
                 shape,
                 dtype,
-                device,
+                self.memory,
                 self.streams,
                 self.account,
             )
@@ -460,6 +469,11 @@ class TieredKVStore:
         return out
 
     def _grow_resident(self, tokens: int) -> None:
+        if not isinstance(self.memory, CachingMemory):
+            raise CapacityError(
+                f"the store was planned for {self._capacity:,} tokens in memory it does not own "
+                f"and cannot grow to {tokens:,}: plan the request for its whole length"
+            )
         for sid, old in self.resident.items():
             if sid in self._windowed:
                 continue  # holds its window, not the context

@@ -59,7 +59,10 @@ class ServeEngine(BatchEngine):
         self.llm = llm
         self._tiered_wait: deque[Sequence] = deque()  # requests for tiered runs, not started yet
         self._tiered: dict[Sequence, TieredRun] = {}  # the running ones
-        self._closing_runs: list[Future[None]] = []  # finished runs whose stores are being freed
+        # Finished runs whose stores are being freed, with the first page of the run each had
+        # borrowed (given back once freed).
+        self._closing_runs: list[tuple[Future[None], int | None]] = []
+        self._lent: dict[Sequence, int] = {}  # requests holding a run of pages -> its first id
         self.offloaded = 0  # tiered runs finished
         self.own_store_requests = 0  # requests whose own store joined the batch's forward
         self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
@@ -88,6 +91,33 @@ class ServeEngine(BatchEngine):
         # NOTE: the context is not the planner's to give either (see sizing.py).
         batch = 0 if sized is None else sized.activation + int(pool * sized.gather) + sized.context
         return offload_gpu_budget(budget, allocated, free, pool, batch)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.store.bytes_per_page
+
+    def lendable_pages(self) -> int:
+        """Pages a tiered run may borrow now: at most `tiered_share` of the pool for all runs
+        together, in one stretch of unreferenced ids, leaving the running sequences the pages
+        they need to reach their full length."""
+        pool = self.kv.pool
+        cap = int(self.config.tiered_share * pool.num_pages) - pool.num_lent
+        p = self.config.page_size
+        headroom = sum(
+            max(0, -(-(len(s.prompt) + s.params.max_tokens) // p) - len(s.block_table))
+            for s in self.scheduler.running
+        )
+        return max(0, min(cap, pool.largest_run(), pool.num_free - headroom))
+
+    def lend(self, count: int) -> int | None:
+        """Lend `count` consecutive pages (engine thread): evicted cached pages among them are
+        saved to the host tier first, on the batch's stream, which the run's stream then waits
+        for (`TieredRun`)."""
+        first = self.kv.pool.take_run(count)
+        if first is not None:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self.kv.host.flush()  # NOTE: before the run's store writes the pages
+        return first
 
     # -- thread-safe API -----------------------------------------------------------------------
 
@@ -236,9 +266,10 @@ class ServeEngine(BatchEngine):
             if any(run.opening for run in self._tiered.values()):
                 break  # NOTE: its store's memory is not in the budget yet: plan after it
             try:
-                plan, make_store = plan_store(self, seq)
+                plan, make_store, first = plan_store(self, seq)
             except CapacityError as e:
-                if self._tiered or self._closing_runs:  # others hold the memory: wait for them
+                # others hold the memory (runs, or sequences whose pages it could borrow): wait
+                if self._tiered or self._closing_runs or (self.kv.pool.num_used and self.scheduler.has_work):
                     break
                 self._tiered_wait.popleft()
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
@@ -248,6 +279,8 @@ class ServeEngine(BatchEngine):
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
                 continue
             self._tiered_wait.popleft()
+            if first is not None:
+                self._lent[seq] = first
             if plan.streamed_slices == 0:  # nothing streams: its store joins the batch's forward
                 try:
                     store, describe = make_store()
@@ -267,12 +300,22 @@ class ServeEngine(BatchEngine):
                 threaded=self.config.tiered_thread,
                 lookahead_layers=self.config.tiered_lookahead_layers,
             )
-        self._closing_runs = [f for f in self._closing_runs if not f.done()]
+        self._take_back_runs()
         for seq, run in list(self._tiered.items()):
             try:
                 self._advance(seq, run)
             except Exception as e:  # fail this request, keep serving
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+
+    def _take_back_runs(self) -> None:
+        """Return to the pool the pages of every run whose store has been freed."""
+        still = []
+        for freed, first in self._closing_runs:
+            if not freed.done():
+                still.append((freed, first))
+            elif first is not None:
+                self.kv.pool.return_run(first)
+        self._closing_runs = still
 
     def _advance(self, seq: Sequence, run: TieredRun) -> None:
         """Collect a run's finished step and launch its next; never waits for the device (on
@@ -303,15 +346,21 @@ class ServeEngine(BatchEngine):
         if seq.status is Status.FINISHED:
             return
         run = self._tiered.pop(seq, None)
-        if run is not None:  # NOTE: a tiered sequence is in no scheduler queue and holds no pages
+        first = self._lent.pop(seq, None)  # the run of pages its store's buffers live in
+        if run is not None:  # NOTE: a tiered sequence is in no scheduler queue and holds no block table
             freed = run.close(wait=self._stop.is_set())  # NOTE: freeing pinned memory takes seconds
             if freed is not None:
-                self._closing_runs.append(freed)
+                self._closing_runs.append((freed, first))
+            elif first is not None:
+                self.kv.pool.return_run(first)
             self.offloaded += 1
             self.tiered_h2d_bytes += run.h2d_bytes
             self.tiered_d2h_bytes += run.d2h_bytes
+            first = None
         self._by_id.pop(seq.request_id, None)
-        super()._finish(seq, reason, emitted, error)
+        super()._finish(seq, reason, emitted, error)  # NOTE: closes a store of its own
+        if first is not None:
+            self.kv.pool.return_run(first)
 
     # -- numbers for /metrics --------------------------------------------------------------------
 

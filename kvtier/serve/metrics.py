@@ -58,10 +58,11 @@ def render(engine: ServeEngine, model_name: str) -> str:
         (
             "kv_pages_used",
             "gauge",
-            "KV pages in use per tier (gpu: referenced by sequences; "
-            "gpu_cached: idle prefix-cache pages; host: the host tier).",
+            "KV pages in use per tier (gpu: referenced by sequences; gpu_lent: lent to tiered "
+            "runs for their buffers; gpu_cached: idle prefix-cache pages; host: the host tier).",
             [
-                ('tier="gpu"', kv.pool.num_used),
+                ('tier="gpu"', kv.pool.num_used - kv.pool.num_lent),
+                ('tier="gpu_lent"', kv.pool.num_lent),
                 ('tier="gpu_cached"', len(kv.pool.lru)),
                 ('tier="host"', kv.host.num_used),
             ],
@@ -70,7 +71,7 @@ def render(engine: ServeEngine, model_name: str) -> str:
             "kv_tiered_bytes",
             "gauge",
             "KV bytes allocated by the running tiered runs' stores, per tier (gpu: resident slices and "
-            "staging buffers; host: pinned host slices).",
+            "staging buffers, in lent pool pages where they borrowed some; host: pinned host slices).",
             [(f'tier="{t}"', n) for t, n in engine.tiered_bytes().items()],
         ),
         (

@@ -56,9 +56,14 @@ import torch
 from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
+from kvtier.errors import CapacityError
+from kvtier.kv.device_memory import RegionMemory, region_bytes
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.paged import PagedKVStore
 from kvtier.kv.store import TieredKVStore
 from kvtier.kv.tiers import TierAccount
 from kvtier.methods import MethodChoice, plan_for
+from kvtier.methods.registry import Placement
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
 
@@ -73,8 +78,23 @@ class OffloadHost(Protocol):
     tokenizer_lock: threading.Lock
     pool_tokens: int
     paged: bool  # whether requests can run over the page pool at all (plain scores)
+    store: PagedKVStore  # the page pool's tensors
+    stream: torch.cuda.Stream | None  # the batch's stream (CUDA)
+
+    @property
+    def page_bytes(self) -> int:
+        """Device bytes of one page (every layer)."""
+        ...
 
     def offload_gpu_budget(self) -> int | None: ...
+
+    def lendable_pages(self) -> int:
+        """Pages a tiered run may borrow now (0: none)."""
+        ...
+
+    def lend(self, count: int) -> int | None:
+        """Lend a run of `count` consecutive pages; its first id (None: no such run now)."""
+        ...
 
 
 def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
@@ -91,23 +111,88 @@ def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
 StoreMaker = Callable[[], tuple[TieredKVStore, str]]
 """Builds a request's store (allocating its tiers) and returns it with its method's description."""
 
+REPLANS = 3  # plans tried when a plan's buffers need more pages than were offered
 
-def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker]:
+
+def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, int | None]:
     """`seq`'s placement under its method (`run_method`), planned within what the server's GPU
-    budget leaves now, and a function that builds its store (slow for a long request's pinned
-    host memory, so a `TieredRun` calls it on its launcher thread). Raises `CapacityError` when
-    it fits nowhere."""
+    budget leaves now, a function that builds its store (slow for a long request's pinned host
+    memory, so a `TieredRun` calls it on its launcher thread), and the first page of the run of
+    pool pages its buffers live in (None: it has none).
+
+    A lossless request over a model the pool serves borrows pages (`OffloadHost.lendable_pages`):
+    it is planned with their bytes added to its budget, and its whole-capacity resident slices
+    and staging buffers are carved from one run of them (`kvtier.kv.device_memory`), taken here,
+    on the engine's thread; the engine takes the run back once the store is freed. Raises
+    `CapacityError` when it fits nowhere."""
     llm = engine.llm
     method = run_method(engine, seq)
     context = len(seq.prompt) + seq.params.max_tokens
-    inputs = replace(llm.plan_inputs(context, method), gpu_budget=engine.offload_gpu_budget())
-    placement = plan_for(inputs, method)
+    base = llm.plan_inputs(context, method)
+    cfg = llm.model_config
+    lends = (
+        engine.paged
+        and method.lossless
+        and (method.entry is None or method.entry.plan is None)
+        and not cfg.windowed_layers(context)
+    )
+    offer = engine.lendable_pages() if lends else 0
+    page_bytes = engine.page_bytes
+
+    def planned(pages: int, chunk: int | None) -> tuple[Placement, int]:
+        budget = engine.offload_gpu_budget()
+        if budget is not None:
+            budget += pages * page_bytes
+        placement = plan_for(replace(base, gpu_budget=budget, chunk_size=chunk), method)
+        region = region_bytes(_layout(llm, placement.plan), placement.plan, context)
+        return placement, -(-region // page_bytes)
+
+    # The plan within the reserve alone (as for a method); a plan over lent pages keeps its
+    # chunk, so that its activations, which stay in the reserve, are no larger.
+    try:
+        alone: tuple[Placement, int] | None = planned(0, base.chunk_size)
+    except CapacityError:
+        if not offer:
+            raise
+        alone = None
+    chunk = base.chunk_size if alone is None else alone[0].plan.chunk_size
+    first: int | None = None
+    for _ in range(REPLANS if offer else 0):
+        placement, need = planned(offer, chunk)
+        if need <= offer:
+            first = engine.lend(need) if need else None
+            break
+        # NOTE: the planner spent part of the reserve on buffers too; offer it fewer pages
+        offer -= need - offer
+        if offer <= 0:
+            break
+    if first is None:  # nothing lent: its buffers come from the reserve, as for a method
+        if alone is None:
+            raise CapacityError(
+                f"a {context:,}-token request fits neither the offload reserve nor the pool pages "
+                "it may borrow now"
+            )
+        placement, need = alone
 
     def make() -> tuple[TieredKVStore, str]:
-        store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method)
+        memory = None if first is None else RegionMemory(engine.store.page_run(first, need))
+        store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method, memory=memory)
         return store, parts.describe
 
-    return placement.plan, make
+    return placement.plan, make, first
+
+
+def _layout(llm: LLM, plan: KVPlan) -> KVLayout:
+    cfg = llm.model_config
+    return KVLayout(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        q_per_kv=cfg.q_per_kv,
+        group_size=plan.group_size,
+        block_size=llm.config.block_size,
+        dtype=llm.dtype,
+    )
 
 
 class PacedAttention:
@@ -166,6 +251,8 @@ class TieredRun:
         if engine.device.type == "cuda":
             self.stream = torch.cuda.Stream(engine.device)
             self.stream.wait_stream(torch.cuda.current_stream(engine.device))
+            if engine.stream is not None:  # NOTE: lent pages: after the batch's last use of them
+                self.stream.wait_stream(engine.stream)
         self._done: torch.cuda.Event | None = None  # the launched step's end, on `stream`
         self._in_flight = False
         self._samples = False  # whether the launched step samples a token

@@ -65,8 +65,15 @@ class BatchConfig:
     # H200 pacing at 4 layers made both the short streams and the long run slower
     # (bench/results/serve_gpu_24gib.json beside serve_gpu_24gib_unpaced.json), hence 0.
     tiered_lookahead_layers: int = 0
+    # The share of the page pool that requests streaming from the host (lossless tiered runs)
+    # may borrow, all together, for their whole-capacity resident slices and staging buffers:
+    # one run of consecutive pages each (`kvtier.kv.pages.PagePool.take_run`), given back when
+    # the request ends. 0: they live in the offload reserve only.
+    tiered_share: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.tiered_share <= 1.0:
+            raise ConfigError(f"--tiered-share must be between 0 and 1, got {self.tiered_share}")
         if self.tiered_lookahead_layers < 0:
             raise ConfigError(f"tiered_lookahead_layers must be >= 0, got {self.tiered_lookahead_layers}")
         if self.page_size < 1:

@@ -34,7 +34,9 @@ class KVCacheManager:
         self.store = store
         self.page_size = store.page_size
         self.prefix_caching = prefix_caching
-        self.host = HostPageCache(store.pages, num_host_pages if prefix_caching else 0)
+        # NOTE: the page-major storage as ONE device tensor: a host slot holds a page of every
+        # layer, so a run of slots is one copy each way, not one per layer
+        self.host = HostPageCache([store.storage], num_host_pages if prefix_caching else 0)
         self.pool = PagePool(store.num_pages, on_evict=self.host.save)
         self.stats = CacheStats()
 

@@ -31,9 +31,11 @@ nvidia-smi against `--gpu-memory 24GiB` (25.77 GB), 0.6 GB over.
 
 A request longer than the pool is a tiered run with offload (`kvtier.serve.tiered`), beside the
 batch, planned within the same budget minus the pool and minus what a batch step may allocate at
-the same time (its activations and gather: `offload_gpu_budget`). Without that second term a
-tiered run beside the batch took the server to 26.37 GB against 24 GiB on the H200
-(`bench/results/gpu_smoke_llama8b_serve.json`, 2026-12-01).
+the same time (its activations and gather: `offload_gpu_budget`), plus the pool pages it may
+borrow (`BatchConfig.tiered_share`): a lossless run's resident slices and staging buffers are then
+a run of the pool's pages, and only its activations (and a method's caches) use the offload
+term. Without the batch-step term a tiered run beside the batch took the server to 26.37 GB
+against 24 GiB on the H200 (`bench/results/gpu_smoke_llama8b_serve.json`, 2026-12-01).
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""Where a store's full-precision GPU buffers come from: the caching allocator, or a region of
+device memory that someone else owns (a run of the server's KV pages, `PagedKVStore.page_run`).
+
+A `TieredKVStore` takes its resident slices of the whole capacity and its staging buffers from a
+`DeviceMemory`; everything else it allocates (an evictor's small growing slices, windows, packed
+rows, per-step temporaries) stays with PyTorch's caching allocator. In the server a long request
+is thus a tiered store over the same pages the batch uses: its buffers are views of page runs
+borrowed from the pool (`kvtier.kv.pages.PagePool.take_run`), not memory of its own.
+
+    region (a page run, bytes)  |resident s0 ......|resident s7 ......|staging 0 |staging 1 |  |
+                                ^ 0                                                        used ^
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from kvtier.errors import CapacityError
+from kvtier.kv.layout import KVLayout
+from kvtier.planner.placement import KVPlan
+
+ALIGN = 512  # bytes every buffer of a region starts on (covers every dtype and vector loads)
+
+
+class DeviceMemory(Protocol):
+    """Hands out uninitialised device tensors; freed as a whole by whoever owns the memory."""
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class CachingMemory:
+    """`torch.empty` on `device`: PyTorch's caching allocator (the default)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+class RegionMemory:
+    """Bump allocation of aligned tensors out of one flat byte tensor `region` (a view).
+
+    Nothing is freed one by one: the region's owner takes it back whole once the store is closed.
+    A request past the region's end raises CapacityError (the region was sized by `region_bytes`
+    for the store's plan, so that is a sizing bug, not a user's mistake).
+    """
+
+    def __init__(self, region: torch.Tensor) -> None:
+        assert region.dtype == torch.uint8 and region.dim() == 1, "a region is a flat byte tensor"
+        self.region = region
+        self.used = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.region.numel()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
+        start = -(-self.used // ALIGN) * ALIGN
+        if start + nbytes > self.capacity:
+            raise CapacityError(
+                f"a store asked its device region for {nbytes:,} more bytes at {start:,} of "
+                f"{self.capacity:,}: the region was sized too small for its plan"
+            )
+        self.used = start + nbytes
+        return self.region[start : start + nbytes].view(dtype).view(shape)
+
+
+def region_bytes(
+    layout: KVLayout, plan: KVPlan, capacity: int, windowed: int = 0, packing: bool = False
+) -> int:
+    """The bytes a `TieredKVStore` of `plan` at `capacity` tokens takes from its `DeviceMemory`:
+    its full-precision resident slices of the whole capacity and its staging buffers, each
+    aligned to ALIGN. An upper bound where the store keeps fewer slices whole (an evictor's
+    slices); exact otherwise. `windowed`: slices of layers whose sliding window binds (resident,
+    but window-sized, from the caching allocator); `packing`: a packing codec (its resident
+    slices stay packed, from the caching allocator)."""
+    cap = layout.round_up(max(capacity, 1))
+    token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
+    others = layout.num_slices - windowed
+    whole = 0 if packing else min(plan.resident_slices, others)
+    staged = others - (0 if packing else whole)
+    buffers = [cap * token] * whole
+    if staged > 0:
+        tokens = layout.round_up(plan.staging_tokens or cap)
+        buffers += [tokens * token] * (plan.staging_buffers or 2)
+    return sum(-(-n // ALIGN) * ALIGN for n in buffers)

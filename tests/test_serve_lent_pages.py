@@ -1,0 +1,151 @@
+"""One store: a tiered request's whole-capacity buffers are a run of the server's KV pages.
+
+`region_bytes` must be exactly what a store takes from its `RegionMemory`; the store over a
+region must give the same logits as over the caching allocator; and a served request that
+streams from the host borrows a run of pool pages, equals `LLM.generate`, and gives them back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from queue import Queue
+
+import pytest
+import torch
+
+from kvtier.engine.batch.sequence import Delta
+from kvtier.engine.llm import LLM
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import CapacityError
+from kvtier.kv.device_memory import RegionMemory, region_bytes
+from kvtier.kv.layout import KVLayout
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.methods import parse_choice
+from kvtier.planner.placement import KVPlan
+from kvtier.serve.engine import ServeConfig, ServeEngine
+from kvtier.serve.metrics import render
+from tests.hf_reference import make_hf_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    folder: Path = tmp_path_factory.mktemp("gqa")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 4 query heads, 2 KV heads, vocab 211
+    return LLM(str(folder), device="cpu", dtype="fp32", kv="gpu")
+
+
+def layout(llm: LLM, group: int, block: int) -> KVLayout:
+    cfg = llm.model_config
+    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.q_per_kv, group, block, torch.float32)
+
+
+PLANS = [
+    KVPlan("gpu", group_size=2, resident_slices=3, chunk_size=64, staging_buffers=0, staging_tokens=0),
+    KVPlan("head", group_size=1, resident_slices=0, chunk_size=16, staging_buffers=2, staging_tokens=48),
+    KVPlan("auto", group_size=1, resident_slices=2, chunk_size=16, staging_buffers=3, staging_tokens=24),
+    KVPlan("layer", group_size=2, resident_slices=1, chunk_size=16, staging_buffers=2, staging_tokens=48),
+]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=[p.policy for p in PLANS])
+def test_a_store_over_a_region_takes_region_bytes_and_equals_the_allocator(llm: LLM, plan: KVPlan) -> None:
+    ids = torch.randint(1, 211, (37,), generator=torch.Generator().manual_seed(5))
+    lay = layout(llm, plan.group_size, 8)
+    need = region_bytes(lay, plan, 48)
+    region = torch.zeros(need + 1000, dtype=torch.uint8)
+    memory = RegionMemory(region)
+    outs = []
+    for mem in (None, memory):
+        store = TieredKVStore(
+            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=48,
+            options=StoreOptions(8), memory=mem,
+        )  # fmt: skip
+        store.begin_step(len(ids))
+        logits = [llm.loaded.model(ids, store)[-1]]
+        store.end_step()
+        for _ in range(3):
+            store.begin_step(1)
+            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
+            store.end_step()
+        outs.append(torch.stack(logits))
+        if mem is not None:
+            base, end = region.data_ptr(), region.data_ptr() + region.numel()
+            bufs = list(store.resident.values()) + (store.ring.buffers if store.ring else [])
+            assert bufs and all(base <= b.data_ptr() < end for b in bufs)
+        store.close()
+    assert memory.used <= need and need - memory.used < 512  # exact, up to the last alignment
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_region_too_small_raises_capacity_error() -> None:
+    memory = RegionMemory(torch.zeros(1024, dtype=torch.uint8))
+    assert memory.empty((64,), torch.float32).shape == (64,)
+    with pytest.raises(CapacityError, match="sized too small"):
+        memory.empty((200,), torch.float32)
+
+
+def collect(engine: ServeEngine, ids: list[int], params: SamplingParams, **kw: object) -> Queue[Delta]:
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, q.put, **kw)  # type: ignore[arg-type]
+    return q
+
+
+def tokens(q: Queue[Delta]) -> list[int]:
+    out: list[int] = []
+    while not q.empty():
+        out += q.get().token_ids
+    return out
+
+
+def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: LLM) -> None:
+    """A lossless request streaming from the host (method "head") over a pool with room: its
+    staging buffers are views of pool pages, lent from the top while short requests take pages
+    from the bottom, its tokens equal `LLM.generate`, and the pages come back at its end."""
+    g = torch.Generator().manual_seed(9)
+    long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    shorts = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (7, 13)]
+    params = SamplingParams(max_tokens=6)
+    expected = llm.generate(long_ids, params, method="head")[0].token_ids
+    expected_short = [llm.generate(s, SamplingParams(max_tokens=4))[0].token_ids for s in shorts]
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=1024, tiered_share=0.5))
+    pool = engine.kv.pool
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        (run,) = engine._tiered.values()
+        assert run.store is not None and run.store.ring is not None
+        storage = engine.store.storage
+        base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
+        seen["inside"] = all(base <= b.data_ptr() < end for b in run.store.ring.buffers)
+        seen["lent"] = dict(pool.lent)
+        seen["short_pages"] = [p for s in engine.scheduler.running for p in s.block_table]
+        seen["metrics"] = render(engine, "m").splitlines()
+        long_q.put(d)
+
+    long_q: Queue[Delta] = Queue()
+    engine.submit(long_ids, params, sink, method=parse_choice("head"))
+    short_qs = [collect(engine, s, SamplingParams(max_tokens=4)) for s in shorts]
+    engine.run_until_idle()
+    assert tokens(long_q) == list(expected)
+    assert [tokens(q) for q in short_qs] == [list(t) for t in expected_short]
+    assert seen["inside"] is True
+    lent = seen["lent"]
+    assert isinstance(lent, dict) and len(lent) == 1
+    ((first, count),) = lent.items()
+    assert 0 < count <= 512 and first + count == 1024  # from the top of the pool
+    assert all(p < first for p in seen["short_pages"])  # type: ignore[attr-defined]
+    assert f'kvtier:kv_pages_used{{model_name="m",tier="gpu_lent"}} {count}' in seen["metrics"]  # type: ignore[operator]
+    assert pool.lent == {} and pool.num_free == 1024  # given back
+    assert engine.offloaded == 1
+
+
+def test_lending_leaves_the_batch_its_headroom_and_the_share(llm: LLM) -> None:
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=100, tiered_share=0.3))
+    assert engine.lendable_pages() == 30
+    first = engine.lend(20)
+    assert first == 80 and engine.lendable_pages() == 10  # the share is for all runs together
+    engine.kv.pool.return_run(80)
+    off = ServeEngine(llm, ServeConfig(page_size=4, num_pages=100, tiered_share=0.0))
+    assert off.lendable_pages() == 0
