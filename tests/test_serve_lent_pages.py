@@ -86,6 +86,21 @@ def test_a_region_too_small_raises_capacity_error() -> None:
         memory.empty((200,), torch.float32)
 
 
+def test_a_region_with_a_spill_places_first_fit_as_fitting_says() -> None:
+    from kvtier.kv.device_memory import CachingMemory, fitting
+
+    region = torch.zeros(3000, dtype=torch.uint8)
+    memory = RegionMemory(region, spill=CachingMemory(CPU))
+    sizes = [1200, 2000, 600, 100]  # bytes: 1200 fits, 2000 spills, 600 and 100 fit after it
+    inside = []
+    for n in sizes:
+        t = memory.empty((n // 4,), torch.float32)
+        inside.append(region.data_ptr() <= t.data_ptr() < region.data_ptr() + 3000)
+    assert inside == [True, False, True, True]
+    # 1200 at 0; 600 at 1536 (aligned to 512); 100 at 2560
+    assert memory.spilled == 2000 and memory.used == fitting(sizes, 3000) == 2560 + 100
+
+
 def collect(engine: ServeEngine, ids: list[int], params: SamplingParams, **kw: object) -> Queue[Delta]:
     q: Queue[Delta] = Queue()
     engine.submit(ids, params, q.put, **kw)  # type: ignore[arg-type]
@@ -109,7 +124,9 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     params = SamplingParams(max_tokens=6)
     expected = llm.generate(long_ids, params, method="head")[0].token_ids
     expected_short = [llm.generate(s, SamplingParams(max_tokens=4))[0].token_ids for s in shorts]
-    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=1024, tiered_share=0.5))
+    engine = ServeEngine(
+        llm, ServeConfig(page_size=4, num_pages=1024, tiered_share=0.5, tiered_keep_tokens=4)
+    )
     pool = engine.kv.pool
     seen: dict[str, object] = {}
 
@@ -141,11 +158,46 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     assert engine.offloaded == 1
 
 
-def test_lending_leaves_the_batch_its_headroom_and_the_share(llm: LLM) -> None:
-    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=100, tiered_share=0.3))
+def test_lending_leaves_the_batch_its_share_and_what_a_full_batch_keeps(llm: LLM) -> None:
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=100, tiered_share=0.3, tiered_keep_tokens=0))
     assert engine.lendable_pages() == 30
     first = engine.lend(20)
     assert first == 80 and engine.lendable_pages() == 10  # the share is for all runs together
     engine.kv.pool.return_run(80)
     off = ServeEngine(llm, ServeConfig(page_size=4, num_pages=100, tiered_share=0.0))
     assert off.lendable_pages() == 0
+    # 4 sequences x 80 tokens = 80 pages kept for the batch: 20 of 100 may go
+    kept = ServeEngine(
+        llm, ServeConfig(page_size=4, num_pages=100, max_num_seqs=4, tiered_keep_tokens=80, tiered_share=0.5)
+    )
+    assert kept.lendable_pages() == 20
+    # the default keeps 64 x 2,048 tokens: a pool smaller than that lends nothing
+    assert ServeEngine(llm, ServeConfig(page_size=4, num_pages=100)).lendable_pages() == 0
+
+
+def test_buffers_past_the_lendable_pages_spill_to_the_reserve_and_tokens_stay_equal(llm: LLM) -> None:
+    """Only one of the run's two staging buffers fits the pages it may borrow: that one lives
+    in the lent run, the other in the caching allocator, and the tokens still equal generate."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=5)
+    expected = llm.generate(ids, params, method="head")[0].token_ids
+    cfg = ServeConfig(page_size=4, num_pages=100, tiered_share=0.15, tiered_keep_tokens=0)
+    engine = ServeEngine(llm, cfg)
+    seen: dict[str, int] = {}
+
+    def sink(d: Delta) -> None:
+        (run,) = engine._tiered.values()
+        assert run.store is not None
+        memory = run.store.memory
+        assert isinstance(memory, RegionMemory)
+        seen.update(spilled=memory.spilled, used=memory.used, lent=engine.kv.pool.num_lent)
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected)
+    assert seen["spilled"] > 0 and seen["used"] > 0  # one buffer each way
+    assert 0 < seen["lent"] <= 15 and seen["lent"] == -(-seen["used"] // engine.page_bytes)
+    assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 100

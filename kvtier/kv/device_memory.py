@@ -42,17 +42,21 @@ class CachingMemory:
 
 
 class RegionMemory:
-    """Bump allocation of aligned tensors out of one flat byte tensor `region` (a view).
+    """Bump allocation of aligned tensors out of one flat byte tensor `region` (a view); a
+    request that no longer fits goes to `spill` (the caching allocator) when given, else raises
+    CapacityError (the region was sized by `region_buffers` for the store's plan, so that is a
+    sizing bug, not a user's mistake). Requests are placed first-fit in the order they come, as
+    `fitting` simulates.
 
     Nothing is freed one by one: the region's owner takes it back whole once the store is closed.
-    A request past the region's end raises CapacityError (the region was sized by `region_bytes`
-    for the store's plan, so that is a sizing bug, not a user's mistake).
     """
 
-    def __init__(self, region: torch.Tensor) -> None:
+    def __init__(self, region: torch.Tensor, spill: DeviceMemory | None = None) -> None:
         assert region.dtype == torch.uint8 and region.dim() == 1, "a region is a flat byte tensor"
         self.region = region
+        self.spill = spill
         self.used = 0
+        self.spilled = 0  # bytes handed to `spill`
 
     @property
     def capacity(self) -> int:
@@ -63,6 +67,9 @@ class RegionMemory:
         nbytes = math.prod(shape) * itemsize
         start = -(-self.used // ALIGN) * ALIGN
         if start + nbytes > self.capacity:
+            if self.spill is not None:
+                self.spilled += nbytes
+                return self.spill.empty(shape, dtype)
             raise CapacityError(
                 f"a store asked its device region for {nbytes:,} more bytes at {start:,} of "
                 f"{self.capacity:,}: the region was sized too small for its plan"
@@ -71,15 +78,26 @@ class RegionMemory:
         return self.region[start : start + nbytes].view(dtype).view(shape)
 
 
-def region_bytes(
+def fitting(sizes: list[int], capacity: int) -> int:
+    """The bytes of a region of `capacity` that `RegionMemory` fills with buffers of `sizes`
+    (in request order, first-fit, the rest spilled): the region's `used` afterwards."""
+    used = 0
+    for n in sizes:
+        start = -(-used // ALIGN) * ALIGN
+        if start + n <= capacity:
+            used = start + n
+    return used
+
+
+def region_buffers(
     layout: KVLayout, plan: KVPlan, capacity: int, windowed: int = 0, packing: bool = False
-) -> int:
-    """The bytes a `TieredKVStore` of `plan` at `capacity` tokens takes from its `DeviceMemory`:
-    its full-precision resident slices of the whole capacity and its staging buffers, each
-    aligned to ALIGN. An upper bound where the store keeps fewer slices whole (an evictor's
-    slices); exact otherwise. `windowed`: slices of layers whose sliding window binds (resident,
-    but window-sized, from the caching allocator); `packing`: a packing codec (its resident
-    slices stay packed, from the caching allocator)."""
+) -> list[int]:
+    """The bytes of each buffer a `TieredKVStore` of `plan` at `capacity` tokens takes from its
+    `DeviceMemory`, in the order it asks for them: its full-precision resident slices of the
+    whole capacity, then its staging buffers. Exact, but where the store keeps fewer slices
+    whole (an evictor's slices: an upper bound). `windowed`: slices of layers whose sliding
+    window binds (resident, window-sized, from the caching allocator); `packing`: a packing
+    codec (its resident slices stay packed, from the caching allocator)."""
     cap = layout.round_up(max(capacity, 1))
     token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
     others = layout.num_slices - windowed
@@ -89,4 +107,11 @@ def region_bytes(
     if staged > 0:
         tokens = layout.round_up(plan.staging_tokens or cap)
         buffers += [tokens * token] * (plan.staging_buffers or 2)
-    return sum(-(-n // ALIGN) * ALIGN for n in buffers)
+    return buffers
+
+
+def region_bytes(
+    layout: KVLayout, plan: KVPlan, capacity: int, windowed: int = 0, packing: bool = False
+) -> int:
+    """The bytes of a region that holds all of `region_buffers`, each aligned to ALIGN."""
+    return fitting(region_buffers(layout, plan, capacity, windowed, packing), 1 << 62)

@@ -168,7 +168,7 @@ class HostPageCache:
         buffer the cache keeps across layers and calls. Gathered on the host into a fresh pinned
         buffer per layer and slab (512 of them for 2,047 pages in 8 MiB slabs), a 32K-token
         prefix hit of Llama-3-8B took 1.94 s on the H200, against ~0.08 s for its 4.3 GB at
-        PCIe speed (bench/results/serve_gpu_24gib.json)."""
+        PCIe speed (bench/results/serve_gpu_24gib_b7512d8.json)."""
         self.flush()  # NOTE: a page saved this step may be one these loads overwrite
         if not pairs:
             return

@@ -98,16 +98,18 @@ class ServeEngine(BatchEngine):
 
     def lendable_pages(self) -> int:
         """Pages a tiered run may borrow now: at most `tiered_share` of the pool for all runs
-        together, in one stretch of unreferenced ids, leaving the running sequences the pages
-        they need to reach their full length."""
-        pool = self.kv.pool
-        cap = int(self.config.tiered_share * pool.num_pages) - pool.num_lent
-        p = self.config.page_size
+        together, in one stretch of unreferenced ids, leaving the batch `max_num_seqs` x
+        `tiered_keep_tokens` tokens of pages and the running sequences the pages they need to
+        reach their full length."""
+        pool, cfg = self.kv.pool, self.config
+        cap = int(cfg.tiered_share * pool.num_pages) - pool.num_lent
+        p = cfg.page_size
+        keep = -(-cfg.max_num_seqs * cfg.tiered_keep_tokens // p)
         headroom = sum(
             max(0, -(-(len(s.prompt) + s.params.max_tokens) // p) - len(s.block_table))
             for s in self.scheduler.running
         )
-        return max(0, min(cap, pool.largest_run(), pool.num_free - headroom))
+        return max(0, min(cap, pool.largest_run(), pool.num_free - headroom - keep))
 
     def lend(self, count: int) -> int | None:
         """Lend `count` consecutive pages (engine thread): evicted cached pages among them are

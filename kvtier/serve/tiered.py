@@ -26,7 +26,7 @@ GIL while they wait.
 
 The launcher can be paced (`PacedAttention`, `BatchConfig.tiered_lookahead_layers` > 0): it then
 queues a layer only once the device has reached the layer a few before it. On the H200 that made
-the short streams and the long run both slower (bench/results/serve_gpu_24gib.json, 4 layers,
+the short streams and the long run both slower (bench/results/serve_gpu_24gib_b7512d8.json, 4 layers,
 beside serve_gpu_24gib_unpaced.json), so it is off by default.
 
 The launcher also builds the run's store and frees it: a 256K-token request pins ~34 GB of host
@@ -56,8 +56,7 @@ import torch
 from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
-from kvtier.errors import CapacityError
-from kvtier.kv.device_memory import RegionMemory, region_bytes
+from kvtier.kv.device_memory import CachingMemory, RegionMemory, fitting, region_buffers
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.paged import PagedKVStore
 from kvtier.kv.store import TieredKVStore
@@ -65,6 +64,7 @@ from kvtier.kv.tiers import TierAccount
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.methods.registry import Placement
 from kvtier.model.llama import CausalLM
+from kvtier.planner.memory import activation_bytes
 from kvtier.planner.placement import KVPlan
 
 
@@ -139,43 +139,42 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     offer = engine.lendable_pages() if lends else 0
     page_bytes = engine.page_bytes
 
-    def planned(pages: int, chunk: int | None) -> tuple[Placement, int]:
+    def planned(pages: int, chunk: int | None) -> Placement:
         budget = engine.offload_gpu_budget()
         if budget is not None:
             budget += pages * page_bytes
-        placement = plan_for(replace(base, gpu_budget=budget, chunk_size=chunk), method)
-        region = region_bytes(_layout(llm, placement.plan), placement.plan, context)
-        return placement, -(-region // page_bytes)
+        return plan_for(replace(base, gpu_budget=budget, chunk_size=chunk), method)
 
-    # The plan within the reserve alone (as for a method); a plan over lent pages keeps its
-    # chunk, so that its activations, which stay in the reserve, are no larger.
-    try:
-        alone: tuple[Placement, int] | None = planned(0, base.chunk_size)
-    except CapacityError:
-        if not offer:
-            raise
-        alone = None
-    chunk = base.chunk_size if alone is None else alone[0].plan.chunk_size
+    def estimate(plan: KVPlan) -> int:  # GPU bytes besides the weights, as the planner counts them
+        act = activation_bytes(
+            cfg, plan.chunk_size, base.dtype_bytes, group_size=plan.group_size, context=context
+        )
+        return act + plan.gpu_kv_bytes
+
+    # The plan within the reserve alone, as for a method. One over lent pages keeps its chunk
+    # (so its activations, which stay in the reserve, are no larger) and may put in the
+    # caching allocator, beside them, no more than the plan alone did: the buffers that do not
+    # fit the lent run spill there (`RegionMemory`), so the offer shrinks until that holds.
+    placement = planned(0, base.chunk_size)
+    alone = estimate(placement.plan)
     first: int | None = None
+    lent = 0
     for _ in range(REPLANS if offer else 0):
-        placement, need = planned(offer, chunk)
-        if need <= offer:
-            first = engine.lend(need) if need else None
+        trial = planned(offer, placement.plan.chunk_size)
+        used = fitting(region_buffers(_layout(llm, trial.plan), trial.plan, context), offer * page_bytes)
+        if used and estimate(trial.plan) - used <= alone:
+            lent = -(-used // page_bytes)
+            first = engine.lend(lent)
+            if first is not None:
+                placement = trial
             break
-        # NOTE: the planner spent part of the reserve on buffers too; offer it fewer pages
-        offer -= need - offer
-        if offer <= 0:
+        offer = used // page_bytes  # NOTE: strictly fewer: only what the run really filled
+        if offer == 0:
             break
-    if first is None:  # nothing lent: its buffers come from the reserve, as for a method
-        if alone is None:
-            raise CapacityError(
-                f"a {context:,}-token request fits neither the offload reserve nor the pool pages "
-                "it may borrow now"
-            )
-        placement, need = alone
 
     def make() -> tuple[TieredKVStore, str]:
-        memory = None if first is None else RegionMemory(engine.store.page_run(first, need))
+        region = None if first is None else engine.store.page_run(first, lent)
+        memory = None if region is None else RegionMemory(region, spill=CachingMemory(engine.device))
         store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method, memory=memory)
         return store, parts.describe
 
@@ -202,7 +201,7 @@ class PacedAttention:
 
     Queued all at once, a 256K-token request's decode token is ~1,000 kernels and ~500 slice
     loads, ~0.8 s of device work; on the H200 the batch beside it lost ~0.47 s once per such
-    token (`bench/results/serve_gpu_24gib.json`). Whatever makes a batch step wait for the work
+    token (`bench/results/serve_gpu_24gib_b7512d8.json`). Whatever makes a batch step wait for the work
     queued before it (an implicit device synchronization, a full launch queue), the wait is
     then at most `ahead` layers of the run, not a whole token. The launcher's host work per
     layer is far below the device's at such lengths, so the device never waits for it.

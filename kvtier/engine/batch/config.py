@@ -63,15 +63,21 @@ class BatchConfig:
     tiered_thread: bool | None = None
     # With that thread, keep it at most this many layers ahead of the device (0: unpaced). On the
     # H200 pacing at 4 layers made both the short streams and the long run slower
-    # (bench/results/serve_gpu_24gib.json beside serve_gpu_24gib_unpaced.json), hence 0.
+    # (bench/results/serve_gpu_24gib_b7512d8.json beside serve_gpu_24gib_unpaced.json), hence 0.
     tiered_lookahead_layers: int = 0
     # The share of the page pool that requests streaming from the host (lossless tiered runs)
     # may borrow, all together, for their whole-capacity resident slices and staging buffers:
     # one run of consecutive pages each (`kvtier.kv.pages.PagePool.take_run`), given back when
     # the request ends. 0: they live in the offload reserve only.
     tiered_share: float = 0.25
+    # ... but only beyond what max_num_seqs sequences of this many tokens would hold: the batch
+    # keeps that much of the pool (at 24 GiB, Llama-3-8B's 42K-token pool is all kept, so a
+    # tiered run there borrows nothing; on a whole H200 it may borrow up to the share).
+    tiered_keep_tokens: int = 2048
 
     def __post_init__(self) -> None:
+        if self.tiered_keep_tokens < 0:
+            raise ConfigError(f"tiered_keep_tokens must be >= 0, got {self.tiered_keep_tokens}")
         if not 0.0 <= self.tiered_share <= 1.0:
             raise ConfigError(f"--tiered-share must be between 0 and 1, got {self.tiered_share}")
         if self.tiered_lookahead_layers < 0:
