@@ -4,7 +4,7 @@
 its own: per decode token it copies every streamed slice host->GPU in 64 MiB pieces, while
 the batch's steps (on a high-priority stream) copy their inputs host->GPU (a few small
 pageable copies) and replay a graph. On the H200 the short streams' time per token grew 8.2x
-beside such a run (`serve_gpu_24gib.json`, mixed). This measures, with and without a
+beside such a run (`serve_gpu_24gib_6447dcc.json`, mixed). This measures, with and without a
 background stream of queued 64 MiB pinned copies, the latency of: a small pageable copy
 (`torch.tensor(list).to(cuda)`, as the batch step makes), a small pinned non-blocking copy, a
 small kernel; each from a high-priority stream, synchronized on its own.
