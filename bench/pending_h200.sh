@@ -39,7 +39,10 @@
 #   bash bench/pending_h200.sh 13  # (~5 min) gpu_smoke generate part + gpu_checks (MoE row)
 #   bash bench/pending_h200.sh 12  # (~9 min) gpu_smoke plan/eval/serve part, group 11, and issue
 #                                  #   23's planner with a third staging buffer at 128K and 512K
-# NEXT (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
+# The 2026-12-02 (ninth) session ran 15 (DeepSeek 2M; 14's rows failed in the bench's warm-up,
+#   fixed), 14, then after the GGUF 16 and 17 at ca60c94, an A/B of the pool layouts, gpu_checks.
+#   NEXT: group 18 (lent pages under 24 GiB, the smoke's generate part, which needs the GGUF).
+# Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
 # The 2026-12-01 evening run: one gpu_smoke of both models did not fit 420 s (a check a time,
@@ -147,6 +150,17 @@ case "$group" in
   # share, 0.25) and without (0: the offload reserve only, as before), and the prefix case
   run 240 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed,prefix --name serve_gpu_24gib
   run 170 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-share 0 --name serve_gpu_24gib_share0
+  ;;
+18)
+  # NEXT (the tenth session): under 24 GiB the long request borrowed no pages at ca60c94, and the
+  # mixed case was met in 1 of 3 runs, by whether the allocator hit its cap as the shorts came
+  # (a retry: cudaFree of its cache, a device-wide sync). Borrowing pages for the long run's
+  # staging buffers (the batch keeping nothing back) takes ~2 GB off the allocator: both ways,
+  # twice each, to see the spread
+  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent
+  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_mixed_c
+  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent_b
+  run 170 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
   ;;
 13)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"

@@ -305,6 +305,12 @@ def main() -> None:
         default=ServeConfig.tiered_share,
         help="share of the page pool tiered runs may borrow for their buffers (0: the reserve only)",
     )
+    ap.add_argument(
+        "--tiered-keep-tokens",
+        type=int,
+        default=ServeConfig.tiered_keep_tokens,
+        help="tokens per --max-num-seqs sequence the batch keeps before tiered runs may borrow pages",
+    )
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
@@ -353,6 +359,7 @@ def main() -> None:
         cuda_graphs=not args.no_graphs,
         tiered_lookahead_layers=args.tiered_lookahead_layers,
         tiered_share=args.tiered_share,
+        tiered_keep_tokens=args.tiered_keep_tokens,
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -375,6 +382,7 @@ def main() -> None:
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
         "tiered_lookahead_layers": args.tiered_lookahead_layers,
         "tiered_share": args.tiered_share,
+        "tiered_keep_tokens": args.tiered_keep_tokens,
         "cases": {},
     }
     if engine.decoder is not None and engine.decoder.graphs:

@@ -36,11 +36,6 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     return LLM(str(folder), device="cpu", dtype="fp32", kv="gpu")
 
 
-def layout(llm: LLM, group: int, block: int) -> KVLayout:
-    cfg = llm.model_config
-    return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.q_per_kv, group, block, torch.float32)
-
-
 PLANS = [
     KVPlan("gpu", group_size=2, resident_slices=3, chunk_size=64, staging_buffers=0, staging_tokens=0),
     KVPlan("head", group_size=1, resident_slices=0, chunk_size=16, staging_buffers=2, staging_tokens=48),
@@ -52,7 +47,7 @@ PLANS = [
 @pytest.mark.parametrize("plan", PLANS, ids=[p.policy for p in PLANS])
 def test_a_store_over_a_region_takes_region_bytes_and_equals_the_allocator(llm: LLM, plan: KVPlan) -> None:
     ids = torch.randint(1, 211, (37,), generator=torch.Generator().manual_seed(5))
-    lay = layout(llm, plan.group_size, 8)
+    lay = KVLayout.of(llm.model_config, plan.group_size, 8, torch.float32)
     need = region_bytes(lay, plan, 48)
     region = torch.zeros(need + 1000, dtype=torch.uint8)
     memory = RegionMemory(region)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 
 
@@ -36,6 +37,19 @@ class KVLayout:
             )
         if self.block_size <= 0:
             raise ConfigError(f"block size must be positive, got {self.block_size}")
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, group_size: int, block_size: int, dtype: torch.dtype) -> KVLayout:
+        """The layout of `cfg`'s KV in slices of `group_size` KV heads and blocks of `block_size`."""
+        return cls(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            q_per_kv=cfg.q_per_kv,
+            group_size=group_size,
+            block_size=block_size,
+            dtype=dtype,
+        )
 
     @property
     def num_groups(self) -> int:

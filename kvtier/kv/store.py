@@ -89,15 +89,7 @@ class TieredKVStore:
         self.memory: DeviceMemory = memory or CachingMemory(device)
         self.plan = plan
         self.device = device
-        self.layout = KVLayout(
-            num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            q_per_kv=cfg.q_per_kv,
-            group_size=plan.group_size,
-            block_size=opts.block_size,
-            dtype=dtype,
-        )
+        self.layout = KVLayout.of(cfg, plan.group_size, opts.block_size, dtype)
         lay = self.layout
         self.account = TierAccount()
         self.streams = Streams(device)

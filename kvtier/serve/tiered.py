@@ -161,7 +161,12 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     lent = 0
     for _ in range(REPLANS if offer else 0):
         trial = planned(offer, placement.plan.chunk_size)
-        used = fitting(region_buffers(_layout(llm, trial.plan), trial.plan, context), offer * page_bytes)
+        used = fitting(
+            region_buffers(
+                KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype), trial.plan, context
+            ),
+            offer * page_bytes,
+        )
         if used and estimate(trial.plan) - used <= alone:
             lent = -(-used // page_bytes)
             first = engine.lend(lent)
@@ -179,19 +184,6 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         return store, parts.describe
 
     return placement.plan, make, first
-
-
-def _layout(llm: LLM, plan: KVPlan) -> KVLayout:
-    cfg = llm.model_config
-    return KVLayout(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        q_per_kv=cfg.q_per_kv,
-        group_size=plan.group_size,
-        block_size=llm.config.block_size,
-        dtype=llm.dtype,
-    )
 
 
 class PacedAttention:
