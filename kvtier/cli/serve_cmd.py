@@ -94,6 +94,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "resident slices and staging buffers (default 0.25; 0: only --offload-reserve)",
     )
     p.add_argument(
+        "--tiered-keep-tokens",
+        type=int_type("--tiered-keep-tokens", 0),
+        default=2048,
+        help="tokens per --max-num-seqs sequence the batch keeps before such requests may borrow "
+        "pages (default 2048; 0: they may borrow any free page up to --tiered-share)",
+    )
+    p.add_argument(
         "--threads", type=int_type("--threads"), default=None, help="torch CPU threads of the engine"
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
@@ -176,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         offload_reserve=args.offload_reserve,
         tiered_share=args.tiered_share,
+        tiered_keep_tokens=args.tiered_keep_tokens,
     )
     if args.cpu_attention != "off":
         # NOTE: a CPU-attended layer waits on the host for its query; the server's tiered runs
