@@ -41,7 +41,8 @@
 #                                  #   23's planner with a third staging buffer at 128K and 512K
 # The 2026-12-02 (ninth) session ran 15 (DeepSeek 2M; 14's rows failed in the bench's warm-up,
 #   fixed), 14, then after the GGUF 16 and 17 at ca60c94, an A/B of the pool layouts, gpu_checks.
-#   NEXT: group 18 (lent pages under 24 GiB, the smoke's generate part, which needs the GGUF).
+#   NEXT: group 18 (lent pages under 24 GiB; the paged-decode kernel's split counts and page
+#   layouts alone), then group 19 after the GGUF (expandable segments; the smoke's generate part).
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
@@ -160,7 +161,14 @@ case "$group" in
   run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent
   run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_mixed_c
   run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent_b
-  run 170 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
+  run 60 $py bench/paged_decode_splits.py
+  ;;
+19)
+  # the allocator's other fix: expandable segments (no per-stream fragments to free at the cap);
+  # then the smoke's generate part (needs the GGUF: the two-call setup first)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run 150 $py bench/serve_gpu.py --gpu-memory 24GiB \
+    --cases c32,mixed --name serve_gpu_24gib_expandable
+  run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
   ;;
 13)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
