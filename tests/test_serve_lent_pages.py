@@ -196,3 +196,59 @@ def test_buffers_past_the_lendable_pages_spill_to_the_reserve_and_tokens_stay_eq
     assert seen["spilled"] > 0 and seen["used"] > 0  # one buffer each way
     assert 0 < seen["lent"] <= 15 and seen["lent"] == -(-seen["used"] // engine.page_bytes)
     assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 100
+
+
+def test_a_run_over_cached_pages_saves_them_to_the_host_tier_first(llm: LLM) -> None:
+    """A run lent over pages that hold a cached prefix: the pool evicts them to the host tier
+    before the run's store writes there, and the prefix, asked again, comes back from the host
+    tier with the same tokens."""
+    g = torch.Generator().manual_seed(6)
+    prefix = torch.randint(1, 211, (41,), generator=g).tolist()  # 10 full pages of 4
+    long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    short = SamplingParams(max_tokens=3)
+    cfg = ServeConfig(page_size=4, num_pages=24, num_host_pages=16, tiered_share=1.0, tiered_keep_tokens=0)
+    engine = ServeEngine(llm, cfg)
+    first_q = collect(engine, prefix, short)
+    engine.run_until_idle()
+    want = tokens(first_q)
+    pool = engine.kv.pool
+    cached = set(pool.lru)
+    assert len(cached) == 10
+    lent: dict[int, int] = {}
+
+    def sink(d: Delta) -> None:
+        lent.update(pool.lent)
+        long_q.put(d)
+
+    long_q: Queue[Delta] = Queue()
+    engine.submit(long_ids, SamplingParams(max_tokens=4), sink, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert tokens(long_q) == list(
+        llm.generate(long_ids, SamplingParams(max_tokens=4), method="head")[0].token_ids
+    )
+    ((start, count),) = lent.items()
+    overlapped = {p for p in cached if start <= p < start + count}
+    assert overlapped and engine.kv.host.saved >= len(overlapped)  # saved before being overwritten
+    hits_before = engine.kv.stats.host_hits
+    again = collect(engine, prefix, short)
+    engine.run_until_idle()
+    assert tokens(again) == want
+    assert engine.kv.stats.host_hits - hits_before == 4 * len(overlapped)  # those pages came from the host
+
+
+def test_an_aborted_run_gives_its_pages_back(llm: LLM) -> None:
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    cfg = ServeConfig(page_size=4, num_pages=200, tiered_share=0.5, tiered_keep_tokens=0)
+    engine = ServeEngine(llm, cfg)
+    seen: list[int] = []
+
+    def sink(d: Delta) -> None:
+        seen.append(engine.kv.pool.num_lent)
+        if len(seen) == 1:
+            engine.abort(rid)
+
+    rid = engine.submit(ids, SamplingParams(max_tokens=30), sink, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert seen[0] > 0  # it had borrowed pages
+    assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 200
