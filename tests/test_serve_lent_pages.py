@@ -252,3 +252,45 @@ def test_an_aborted_run_gives_its_pages_back(llm: LLM) -> None:
     engine.run_until_idle()
     assert seen[0] > 0  # it had borrowed pages
     assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 200
+
+
+def test_lent_pages_make_a_request_fit_that_the_reserve_alone_cannot(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a GPU budget for stores of their own that holds a 16-token chunk's activations but
+    not one staging block, the request fits only over lent pages; it then runs there and
+    equals `LLM.generate` (budgets are numbers to the planner, so the CPU can play a GPU's)."""
+    from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
+
+    folder: Path = tmp_path_factory.mktemp("gqa16")
+    make_hf_model("llama-gqa", folder)
+    small = LLM(str(folder), device="cpu", dtype="fp32", kv="gpu", chunk_size=16)
+    cfg = small.model_config
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=4)
+    expected = small.generate(ids, params, method="head")[0].token_ids
+    act = activation_bytes(cfg, 16, 4, group_size=1, context=len(ids) + 4)
+    engine = ServeEngine(
+        small, ServeConfig(page_size=4, num_pages=400, tiered_share=0.5, tiered_keep_tokens=0)
+    )
+    budget = weight_bytes(cfg, 4) + GPU_RESERVE_BYTES + act + 64  # no room for a staging block
+    monkeypatch.setattr(engine, "offload_gpu_budget", lambda: budget)
+    seen: list[int] = []
+
+    def sink(d: Delta) -> None:
+        seen.append(engine.kv.pool.num_lent)
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected) and seen and seen[0] > 0
+    # the same budget and no pages to borrow: the request fails with the reason
+    none = ServeEngine(small, ServeConfig(page_size=4, num_pages=400, tiered_share=0.0))
+    monkeypatch.setattr(none, "offload_gpu_budget", lambda: budget)
+    failed: Queue[Delta] = Queue()
+    none.submit(ids, params, failed.put, method=parse_choice("head"))
+    none.run_until_idle()
+    last = [failed.get() for _ in range(failed.qsize())][-1]
+    assert last.finish_reason == "error" and last.error is not None and "CapacityError" in last.error

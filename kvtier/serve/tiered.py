@@ -56,6 +56,7 @@ import torch
 from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
+from kvtier.errors import CapacityError
 from kvtier.kv.device_memory import CachingMemory, RegionMemory, fitting, region_buffers
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.paged import PagedKVStore
@@ -64,7 +65,7 @@ from kvtier.kv.tiers import TierAccount
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.methods.registry import Placement
 from kvtier.model.llama import CausalLM
-from kvtier.planner.memory import activation_bytes
+from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
 from kvtier.planner.placement import KVPlan
 
 
@@ -151,23 +152,29 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         )
         return act + plan.gpu_kv_bytes
 
-    # The plan within the reserve alone, as for a method. One over lent pages keeps its chunk
-    # (so its activations, which stay in the reserve, are no larger) and may put in the
-    # caching allocator, beside them, no more than the plan alone did: the buffers that do not
-    # fit the lent run spill there (`RegionMemory`), so the offer shrinks until that holds.
-    placement = planned(0, base.chunk_size)
-    alone = estimate(placement.plan)
-    first: int | None = None
-    lent = 0
+    # What the reserve can hold beside the weights (the planner's own terms; None: unlimited).
+    # A plan over lent pages may put there no more than that: its activations and the buffers
+    # that do not fit the lent run (they spill to the caching allocator, `RegionMemory`), so
+    # the offer shrinks until that holds. It keeps the chunk the reserve alone gives it, when
+    # the request fits the reserve alone at all; lent pages may also be what makes it fit.
+    budget = engine.offload_gpu_budget()
+    room = None if budget is None else budget - weight_bytes(cfg, base.dtype_bytes) - GPU_RESERVE_BYTES
+    alone: Placement | None = None
+    try:
+        alone = planned(0, base.chunk_size)
+    except CapacityError:
+        if not offer:
+            raise
+    chunk = base.chunk_size if alone is None else alone.plan.chunk_size
+    placement, first, lent = alone, None, 0
     for _ in range(REPLANS if offer else 0):
-        trial = planned(offer, placement.plan.chunk_size)
-        used = fitting(
-            region_buffers(
-                KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype), trial.plan, context
-            ),
-            offer * page_bytes,
-        )
-        if used and estimate(trial.plan) - used <= alone:
+        try:
+            trial = planned(offer, chunk)
+        except CapacityError:
+            break
+        layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
+        used = fitting(region_buffers(layout, trial.plan, context), offer * page_bytes)
+        if used and (room is None or estimate(trial.plan) - used <= room):
             lent = -(-used // page_bytes)
             first = engine.lend(lent)
             if first is not None:
@@ -176,6 +183,11 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         offer = used // page_bytes  # NOTE: strictly fewer: only what the run really filled
         if offer == 0:
             break
+    if placement is None:
+        raise CapacityError(
+            f"a {context:,}-token request fits neither the GPU memory left for requests over "
+            "stores of their own (--offload-reserve) nor that and the pool pages it may borrow now"
+        )
 
     def make() -> tuple[TieredKVStore, str]:
         region = None if first is None else engine.store.page_run(first, lent)
