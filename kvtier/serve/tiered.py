@@ -123,9 +123,9 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
 
     A lossless request over a model the pool serves borrows pages (`OffloadHost.lendable_pages`):
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
-    and staging buffers are carved from one run of them (`kvtier.kv.device_memory`), taken here,
-    on the engine's thread; the engine takes the run back once the store is freed. Raises
-    `CapacityError` when it fits nowhere."""
+    and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
+    do not fit spill to the caching allocator), taken here, on the engine's thread; the engine
+    takes the run back once the store is freed. Raises `CapacityError` when it fits nowhere."""
     llm = engine.llm
     method = run_method(engine, seq)
     context = len(seq.prompt) + seq.params.max_tokens
@@ -140,11 +140,11 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     offer = engine.lendable_pages() if lends else 0
     page_bytes = engine.page_bytes
 
+    budget = engine.offload_gpu_budget()  # None: unlimited (the CPU)
+
     def planned(pages: int, chunk: int | None) -> Placement:
-        budget = engine.offload_gpu_budget()
-        if budget is not None:
-            budget += pages * page_bytes
-        return plan_for(replace(base, gpu_budget=budget, chunk_size=chunk), method)
+        lent_budget = None if budget is None else budget + pages * page_bytes
+        return plan_for(replace(base, gpu_budget=lent_budget, chunk_size=chunk), method)
 
     def estimate(plan: KVPlan) -> int:  # GPU bytes besides the weights, as the planner counts them
         act = activation_bytes(
@@ -157,7 +157,6 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     # that do not fit the lent run (they spill to the caching allocator, `RegionMemory`), so
     # the offer shrinks until that holds. It keeps the chunk the reserve alone gives it, when
     # the request fits the reserve alone at all; lent pages may also be what makes it fit.
-    budget = engine.offload_gpu_budget()
     room = None if budget is None else budget - weight_bytes(cfg, base.dtype_bytes) - GPU_RESERVE_BYTES
     alone: Placement | None = None
     try:
