@@ -294,3 +294,31 @@ def test_lent_pages_make_a_request_fit_that_the_reserve_alone_cannot(
     none.run_until_idle()
     last = [failed.get() for _ in range(failed.qsize())][-1]
     assert last.finish_reason == "error" and last.error is not None and "CapacityError" in last.error
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_a_quantized_request_borrows_pages_for_its_unpack_buffers(llm: LLM, spec: str) -> None:
+    """A quantized request whose store fits the device joins the batch's forward; its two
+    whole-slice buffers that packed rows unpack into are lent pages, given back when it ends,
+    and its tokens equal `LLM.generate(method=spec)`."""
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=5)
+    expected = llm.generate(ids, params, method=spec)[0].token_ids
+    cfg = ServeConfig(page_size=4, num_pages=400, tiered_share=0.5, tiered_keep_tokens=0)
+    engine = ServeEngine(llm, cfg)
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        (seq,) = [s for s in engine.scheduler.running if s.own is not None]
+        assert seq.own is not None
+        memory = seq.own.store.memory
+        seen.update(lent=engine.kv.pool.num_lent, region=isinstance(memory, RegionMemory))
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice(spec))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected)
+    assert seen["region"] is True and isinstance(seen["lent"], int) and seen["lent"] > 0
+    assert engine.own_store_requests == 1 and engine.kv.pool.lent == {} and engine.kv.pool.num_free == 400

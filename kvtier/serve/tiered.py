@@ -58,6 +58,7 @@ from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
 from kvtier.errors import CapacityError
 from kvtier.kv.device_memory import CachingMemory, RegionMemory, fitting, region_buffers
+from kvtier.kv.hooks import packing_codec
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.paged import PagedKVStore
 from kvtier.kv.store import TieredKVStore
@@ -121,7 +122,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     memory, so a `TieredRun` calls it on its launcher thread), and the first page of the run of
     pool pages its buffers live in (None: it has none).
 
-    A lossless request over a model the pool serves borrows pages (`OffloadHost.lendable_pages`):
+    A lossless or quantized request over a model the pool serves borrows pages
+    (`OffloadHost.lendable_pages`):
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
     and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
     do not fit spill to the caching allocator), taken here, on the engine's thread; the engine
@@ -131,12 +133,15 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     context = len(seq.prompt) + seq.params.max_tokens
     base = llm.plan_inputs(context, method)
     cfg = llm.model_config
+    # Lossless requests and quantized ones borrow pages; an evictor's, HiP's or Quest's store
+    # keeps buffers the region sizing does not know (grown slices, block caches).
+    entry = method.entry
     lends = (
         engine.paged
-        and method.lossless
-        and (method.entry is None or method.entry.plan is None)
+        and (entry is None or (entry.plan is None and entry.codec is not None))
         and not cfg.windowed_layers(context)
     )
+    packing = packing_codec(method.codec()) is not None  # its resident slices stay packed
     offer = engine.lendable_pages() if lends else 0
     page_bytes = engine.page_bytes
 
@@ -172,7 +177,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         except CapacityError:
             break
         layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
-        used = fitting(region_buffers(layout, trial.plan, context), offer * page_bytes)
+        used = fitting(region_buffers(layout, trial.plan, context, packing=packing), offer * page_bytes)
         if used and (room is None or estimate(trial.plan) - used <= room):
             lent = -(-used // page_bytes)
             first = engine.lend(lent)
