@@ -42,7 +42,8 @@
 # The 2026-12-02 (ninth) session ran 15 (DeepSeek 2M; 14's rows failed in the bench's warm-up,
 #   fixed), 14, then after the GGUF 16 and 17 at ca60c94, an A/B of the pool layouts, gpu_checks.
 #   NEXT: group 18 (lent pages under 24 GiB; the paged-decode kernel's split counts and page
-#   layouts alone), then group 19 after the GGUF (expandable segments; the smoke's generate part).
+#   layouts alone), 20 (the allocator's cache freed after the long prefill), then group 19 after
+#   the GGUF (expandable segments; the smoke's generate part). 18 and 20 run without the GGUF.
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
@@ -162,6 +163,14 @@ case "$group" in
   run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_mixed_c
   run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent_b
   run 60 $py bench/paged_decode_splits.py
+  ;;
+20)
+  # the third fix to try for the mixed case: free the allocator's cache once the long request's
+  # prefill ends (its stream idle), instead of the retry that waits behind its queued decode
+  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-release-after-prefill \
+    --name serve_gpu_24gib_release
+  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-release-after-prefill \
+    --name serve_gpu_24gib_release_b
   ;;
 19)
   # the allocator's other fix: expandable segments (no per-stream fragments to free at the cap);

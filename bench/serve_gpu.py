@@ -311,6 +311,11 @@ def main() -> None:
         default=ServeConfig.tiered_keep_tokens,
         help="tokens per --max-num-seqs sequence the batch keeps before tiered runs may borrow pages",
     )
+    ap.add_argument(
+        "--tiered-release-after-prefill",
+        action="store_true",
+        help="free the allocator's unused cached blocks once a tiered run's prefill ends",
+    )
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
@@ -360,6 +365,7 @@ def main() -> None:
         tiered_lookahead_layers=args.tiered_lookahead_layers,
         tiered_share=args.tiered_share,
         tiered_keep_tokens=args.tiered_keep_tokens,
+        tiered_release_after_prefill=args.tiered_release_after_prefill,
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -383,6 +389,7 @@ def main() -> None:
         "tiered_lookahead_layers": args.tiered_lookahead_layers,
         "tiered_share": args.tiered_share,
         "tiered_keep_tokens": args.tiered_keep_tokens,
+        "tiered_release_after_prefill": args.tiered_release_after_prefill,
         "cases": {},
     }
     if engine.decoder is not None and engine.decoder.graphs:

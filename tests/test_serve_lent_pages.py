@@ -322,3 +322,14 @@ def test_a_quantized_request_borrows_pages_for_its_unpack_buffers(llm: LLM, spec
     assert tokens(q) == list(expected)
     assert seen["region"] is True and isinstance(seen["lent"], int) and seen["lent"] > 0
     assert engine.own_store_requests == 1 and engine.kv.pool.lent == {} and engine.kv.pool.num_free == 400
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_the_allocator_cache_is_freed_once_when_a_runs_prefill_ends_if_asked(llm: LLM, release: bool) -> None:
+    g = torch.Generator().manual_seed(14)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_release_after_prefill=release))
+    q = collect(engine, ids, SamplingParams(max_tokens=4), method=parse_choice("head"))
+    engine.run_until_idle()
+    assert len(tokens(q)) == 4 and engine.offloaded == 1
+    assert engine.cache_releases == int(release)  # at its first token only, not at every token

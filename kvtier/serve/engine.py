@@ -64,6 +64,7 @@ class ServeEngine(BatchEngine):
         self._closing_runs: list[tuple[Future[None], int | None]] = []
         self._lent: dict[Sequence, int] = {}  # requests holding a run of pages -> its first id
         self.offloaded = 0  # tiered runs finished
+        self.cache_releases = 0  # `_release_cached_blocks` calls
         self.own_store_requests = 0  # requests whose own store joined the batch's forward
         self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -335,11 +336,24 @@ class ServeEngine(BatchEngine):
     def _take_tiered_token(self, seq: Sequence, token: int | None) -> None:
         if token is None:
             return
+        first = seq.first_token_at is None  # its prefill has just ended
         now = time.perf_counter()
         self._count_token(seq, now)
         seq.tokens.append(token)
         self._recent.append((now, 1))
+        if first and self.config.tiered_release_after_prefill:
+            self._release_cached_blocks()
         self._after_token(seq)
+
+    def _release_cached_blocks(self) -> None:
+        """Return the caching allocator's unused blocks to the device (on CUDA): those a tiered
+        run's prefill chunks left cached on its stream, which the batch's stream cannot reuse.
+        A device-wide synchronization, made while the run's stream is idle, instead of the one
+        an allocation at the budget's cap makes (a retry), which waits behind the run's queued
+        decode work (`bench/results/serve_gpu_24gib_share0.json`)."""
+        self.cache_releases += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _sink_failed(self, seq: Sequence) -> None:
         self._inbox.put(("abort", seq.request_id))  # at the next step boundary

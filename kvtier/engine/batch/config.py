@@ -74,6 +74,10 @@ class BatchConfig:
     # keeps that much of the pool (at 24 GiB, Llama-3-8B's 42K-token pool is all kept, so a
     # tiered run there borrows nothing; on a whole H200 it may borrow up to the share).
     tiered_keep_tokens: int = 2048
+    # Free the allocator's unused cached blocks once a tiered run's prefill ends (on CUDA), so
+    # the batch's next allocations do not run into the budget's cap (a retry: a device-wide sync
+    # behind the run's queued work). Off until the H200 says it helps (pending_h200.sh 18).
+    tiered_release_after_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.tiered_keep_tokens < 0:
