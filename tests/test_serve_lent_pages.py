@@ -1,8 +1,9 @@
 """One store: a tiered request's whole-capacity buffers are a run of the server's KV pages.
 
-`region_bytes` must be exactly what a store takes from its `RegionMemory`; the store over a
-region must give the same logits as over the caching allocator; and a served request that
-streams from the host borrows a run of pool pages, equals `LLM.generate`, and gives them back.
+`region_buffers` (placed by `fitting`) must be exactly what a store takes from its
+`RegionMemory`; the store over a region must give the same logits as over the caching
+allocator; and a served request that streams from the host borrows a run of pool pages,
+equals `LLM.generate`, and gives them back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError
-from kvtier.kv.device_memory import RegionMemory, region_bytes
+from kvtier.kv.device_memory import RegionMemory, fitting, region_buffers
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.methods import parse_choice
@@ -48,7 +49,7 @@ PLANS = [
 def test_a_store_over_a_region_takes_region_bytes_and_equals_the_allocator(llm: LLM, plan: KVPlan) -> None:
     ids = torch.randint(1, 211, (37,), generator=torch.Generator().manual_seed(5))
     lay = KVLayout.of(llm.model_config, plan.group_size, 8, torch.float32)
-    need = region_bytes(lay, plan, 48)
+    need = fitting(region_buffers(lay, plan, 48), 1 << 62)  # a region that holds them all
     region = torch.zeros(need + 1000, dtype=torch.uint8)
     memory = RegionMemory(region)
     outs = []

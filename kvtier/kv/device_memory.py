@@ -44,7 +44,7 @@ class CachingMemory:
 class RegionMemory:
     """Bump allocation of aligned tensors out of one flat byte tensor `region` (a view); a
     request that no longer fits goes to `spill` (the caching allocator) when given, else raises
-    CapacityError (the region was sized by `region_buffers` for the store's plan, so that is a
+    CapacityError (the region was sized from `region_buffers` for the store's plan, so that is a
     sizing bug, not a user's mistake). Requests are placed first-fit in the order they come, as
     `fitting` simulates.
 
@@ -108,10 +108,3 @@ def region_buffers(
         tokens = layout.round_up(plan.staging_tokens or cap)
         buffers += [tokens * token] * (plan.staging_buffers or 2)
     return buffers
-
-
-def region_bytes(
-    layout: KVLayout, plan: KVPlan, capacity: int, windowed: int = 0, packing: bool = False
-) -> int:
-    """The bytes of a region that holds all of `region_buffers`, each aligned to ALIGN."""
-    return fitting(region_buffers(layout, plan, capacity, windowed, packing), 1 << 62)
