@@ -113,7 +113,7 @@ def run_method(engine: OffloadHost, seq: Sequence) -> MethodChoice:
 StoreMaker = Callable[[], tuple[TieredKVStore, str]]
 """Builds a request's store (allocating its tiers) and returns it with its method's description."""
 
-REPLANS = 3  # plans tried when a plan's buffers need more pages than were offered
+REPLANS = 8  # plans tried over lent pages (each well under a millisecond)
 
 
 def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, int | None]:
@@ -147,8 +147,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
 
     budget = engine.offload_gpu_budget()  # None: unlimited (the CPU)
 
-    def planned(pages: int, chunk: int | None) -> Placement:
-        lent_budget = None if budget is None else budget + pages * page_bytes
+    def planned(extra: int, chunk: int | None) -> Placement:
+        lent_budget = None if budget is None else budget + extra
         return plan_for(replace(base, gpu_budget=lent_budget, chunk_size=chunk), method)
 
     def estimate(plan: KVPlan) -> int:  # GPU bytes besides the weights, as the planner counts them
@@ -159,9 +159,12 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
 
     # What the reserve can hold beside the weights (the planner's own terms; None: unlimited).
     # A plan over lent pages may put there no more than that: its activations and the buffers
-    # that do not fit the lent run (they spill to the caching allocator, `RegionMemory`), so
-    # the offer shrinks until that holds. It keeps the chunk the reserve alone gives it, when
-    # the request fits the reserve alone at all; lent pages may also be what makes it fit.
+    # that do not fit the lent run (they spill to the caching allocator, `RegionMemory`). The
+    # planner spends all the bytes it is given (more resident slices), and buffers fill the
+    # run only in whole buffers, so the bytes added to its budget (`extra`) shrink by what a
+    # trial puts over the reserve until one fits, while the run offered stays the same. It keeps
+    # the chunk the reserve alone gives it, when the request fits the reserve alone at all;
+    # lent pages may also be what makes it fit.
     room = None if budget is None else budget - weight_bytes(cfg, base.dtype_bytes) - GPU_RESERVE_BYTES
     alone: Placement | None = None
     try:
@@ -171,21 +174,25 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             raise
     chunk = base.chunk_size if alone is None else alone.plan.chunk_size
     placement, first, lent = alone, None, 0
+    extra = offer * page_bytes
     for _ in range(REPLANS if offer else 0):
         try:
-            trial = planned(offer, chunk)
+            trial = planned(extra, chunk)
         except CapacityError:
             break
         layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
         used = fitting(region_buffers(layout, trial.plan, context, packing=packing), offer * page_bytes)
-        if used and (room is None or estimate(trial.plan) - used <= room):
+        if not used:
+            break  # none of its buffers fits the run: it gains nothing by borrowing
+        over = 0 if room is None else estimate(trial.plan) - used - room
+        if over <= 0:
             lent = -(-used // page_bytes)
             first = engine.lend(lent)
             if first is not None:
                 placement = trial
             break
-        offer = used // page_bytes  # NOTE: strictly fewer: only what the run really filled
-        if offer == 0:
+        extra -= max(over, page_bytes)
+        if extra <= 0:
             break
     if placement is None:
         raise CapacityError(

@@ -1,0 +1,97 @@
+"""How a tiered request is planned over borrowed pool pages under a GPU budget (`plan_store`).
+
+No weights: a stand-in engine carries Llama-3-8B's shapes, the H200's hardware numbers and the
+budget a 24 GiB server leaves its long requests. The planner spends every byte it is given,
+and buffers fill a run of pages only whole, so the first trial over the offered run puts more
+in the reserve than the reserve holds; the plan must still borrow pages (it once borrowed none
+at every budget where the reserve alone held no resident slice), and what it keeps outside the
+run must fit the reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtier.engine.sampling import SamplingParams
+from kvtier.kv.device_memory import fitting, region_buffers
+from kvtier.kv.layout import KVLayout
+from kvtier.loading.presets import preset_config
+from kvtier.methods.plan import LOSSLESS
+from kvtier.planner.hardware import hardware_preset
+from kvtier.planner.inputs import PlanInputs
+from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
+from kvtier.planner.placement import KVPlan
+from kvtier.serve.tiered import plan_store
+
+CFG = preset_config("llama-3-8b")
+PAGE_BYTES = CFG.num_layers * 16 * 2 * CFG.num_kv_heads * CFG.head_dim * 2  # bf16 pages of 16 tokens
+CONTEXT = 262_144 + 16
+
+
+@dataclass
+class Engine:
+    """What `plan_store` asks of the serving engine, with `offer` pages lendable."""
+
+    budget: int
+    offer: int
+    lent: list[int] = field(default_factory=list)
+    paged: bool = True
+    pool_tokens: int = 2_647 * 16
+    device: torch.device = field(default_factory=lambda: torch.device("cuda"))
+
+    def __post_init__(self) -> None:
+        hardware = hardware_preset("h200")
+
+        def plan_inputs(context: int, method: object) -> PlanInputs:
+            return PlanInputs(CFG, context, hardware=hardware, dtype_bytes=2, gpu_budget=self.budget)
+
+        self.llm = SimpleNamespace(
+            model_config=CFG,
+            config=SimpleNamespace(block_size=256),
+            dtype=torch.bfloat16,
+            method=LOSSLESS,
+            plan_inputs=plan_inputs,
+        )
+
+    def offload_gpu_budget(self) -> int:
+        return self.budget
+
+    def lendable_pages(self) -> int:
+        return self.offer
+
+    @property
+    def page_bytes(self) -> int:
+        return PAGE_BYTES
+
+    def lend(self, count: int) -> int:
+        self.lent.append(count)
+        return 1
+
+
+def outside_the_run(plan: KVPlan, engine: Engine) -> int:
+    """GPU bytes the plan keeps beside the weights and outside its run of lent pages."""
+    layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
+    used = fitting(region_buffers(layout, plan, CONTEXT), engine.offer * PAGE_BYTES)
+    act = activation_bytes(CFG, plan.chunk_size, 2, group_size=plan.group_size, context=CONTEXT)
+    return act + plan.gpu_kv_bytes - used
+
+
+@pytest.mark.parametrize("budget_gb", [17.0, 17.5, 18.0, 19.0, 21.0])
+def test_a_long_request_borrows_pages_and_keeps_the_rest_within_the_reserve(budget_gb: float) -> None:
+    engine = Engine(budget=int(budget_gb * 1e9), offer=661)
+    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=None)
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1
+    assert 0 < engine.lent[0] <= engine.offer
+    room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    assert outside_the_run(plan, engine) <= room
+    alone = Engine(budget=engine.budget, offer=0)
+    plan_alone, _, none = plan_store(alone, seq)  # type: ignore[arg-type]
+    assert none is None and not alone.lent
+    # the borrowed bytes hold KV: more of it stays on the GPU than the reserve alone keeps
+    assert plan.gpu_kv_bytes > plan_alone.gpu_kv_bytes
+    assert replace(plan, chunk_size=plan_alone.chunk_size) == plan  # the reserve's chunk kept
