@@ -8,7 +8,9 @@ measures whether more programs read faster, and whether the server's page-major 
 
 Llama-3-8B shapes (32 query heads, 8 KV heads, head dim 128, 16-token pages, bf16). For each
 case (batch, context) and layout, every split count in `--splits`: the median of `--iters`
-calls (CUDA events), the KV read rate, and the largest difference from the 16-split output.
+calls (a CUDA graph of the call replayed back to back, as the server's decode step is;
+the first run, `paged_decode_splits_single_calls.json`, timed single calls: their host
+launches), the KV read rate, and the largest difference from the 16-split output.
 
     python bench/paged_decode_splits.py              # $OUT/paged_decode_splits.json
     TRITON_INTERPRET=1 python bench/paged_decode_splits.py --device cpu --small   # a smoke run
@@ -43,24 +45,34 @@ def pages_of(layout: str, num_pages: int, dtype: torch.dtype, device: torch.devi
     return storage[:, LAYERS // 2]
 
 
-def time_call(fn: Any, iters: int, device: torch.device) -> float:
-    """Median seconds of `fn()` over `iters` calls (CUDA events; wall clock elsewhere)."""
+def time_call(fn: Any, iters: int, device: torch.device, reps: int = 20) -> float:
+    """Median seconds of one `fn()`: on CUDA, `fn` captured as a graph and replayed `reps` times
+    back to back between two events (as the server replays its decode step: one call's host
+    launches would otherwise be what is timed, ~0.24 ms on the H200), median over `iters` such
+    runs; elsewhere the wall clock of single calls."""
     fn()
     times = []
-    for _ in range(iters):
-        if device.type == "cuda":
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        for _ in range(iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(reps):
+                graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
+            times.append(start.elapsed_time(end) / 1e3 / reps)
+        return statistics.median(times)
+    import time
 
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 

@@ -56,6 +56,7 @@ CASES: dict[str, tuple[int, int, int]] = {
     "c64": (64, 1024, 128),
 }
 SPECIAL = ("mixed", "prefix")  # cases with their own driver (`run_mixed`, `run_prefix`)
+FIRST_STEPS = 8  # batch steps whose host times each case records
 
 
 def run_case(
@@ -88,7 +89,8 @@ def run_case(
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.submit(p, params, sink_for(i))
-    steps, _ = step_loop(engine)
+    times: dict[str, list[Any]] = {"step": [], "tiered": []}
+    steps, _ = step_loop(engine, times)
     wall = time.perf_counter() - t0
     ttft = [first[i] - t0 for i in range(n)]
     tpot = [(last[i] - first[i]) / (count[i] - 1) for i in range(n) if count[i] > 1]
@@ -109,14 +111,24 @@ def run_case(
         "tpot_mean_ms": round(1e3 * statistics.fmean(tpot), 3),
         "steady_decode_s": round(end - all_started, 3),
         "steady_output_tokens_per_s": round(steady / (end - all_started), 1) if end > all_started else None,
+        # host ms of the first batch steps (prefill chunks, then the first decode steps)
+        "first_steps_ms": [round(1e3 * t, 1) for t in times["step"][:FIRST_STEPS]],
     }
     return row, tokens
 
 
 def run_mixed(
-    engine: ServeEngine, long_tokens: int, long_new: int, vocab: int, pcie_gbps: float, timeout_s: float
+    engine: ServeEngine,
+    long_tokens: int,
+    long_new: int,
+    vocab: int,
+    pcie_gbps: float,
+    timeout_s: float,
+    profile_steps: tuple[int, int] = (40, 50),
+    trace: str | None = None,
 ) -> dict[str, Any]:
-    """One long request (served tiered) plus c32's short streams, submitted once it decodes."""
+    """One long request (served tiered) plus c32's short streams, submitted once it decodes.
+    `profile_steps`: the batch steps whose device ops are tabled (and traced to `trace`)."""
     n, prompt, new = CASES["c32"]
     gen = torch.Generator().manual_seed(5)
     long = Stream()
@@ -173,7 +185,7 @@ def run_mixed(
     cuda = engine.device.type == "cuda"
     t_loop = time.perf_counter()
     preempted = engine.scheduler.num_preemptions
-    steps, kernels = step_loop(engine, times, profile_steps=(40, 50) if cuda else None)
+    steps, kernels = step_loop(engine, times, profile_steps=profile_steps if cuda else None, trace=trace)
     preempted = engine.scheduler.num_preemptions - preempted
     max_waiting = max(times.get("waiting", [0]), default=0)  # shorts queued for pages or seats
     loop_s = time.perf_counter() - t_loop
@@ -214,13 +226,15 @@ def run_mixed(
         # each batch step over 50 ms: [step, ms, then during it and since the step before:
         # cudaMalloc, cudaFree, allocation retries, pinned host allocs, pinned host frees]
         "slow_steps": times["slow"],
+        "first_steps_ms": [round(1e3 * t, 1) for t in times["step"][:FIRST_STEPS]],
         "shorts_span_s": round(max(s.times[-1] for s in shorts) - min(s.times[0] for s in shorts), 3),
         "tiered_call_ms_p50": ms_p50(times["tiered"]),
         "tiered_call_ms_max": round(1e3 * max(times["tiered"], default=0.0), 3),
         "alloc_retries": int(retries),
         "short_batch_steps": steps,
         "short_loop_s": round(loop_s, 3),
-        # every stream's kernels and copies over batch steps 40-50 (the long request decoding)
+        # every stream's kernels and copies over the profiled batch steps
+        "profiled_steps": list(profile_steps),
         "overlap_top_device_ops": kernels,
     }
 
@@ -322,6 +336,14 @@ def main() -> None:
     ap.add_argument(
         "--mixed-timeout", type=float, default=240.0, help="mixed: seconds to wait for the long prefill"
     )
+    ap.add_argument(
+        "--mixed-profile-steps",
+        default="40,50",
+        help="mixed: FIRST,LAST batch steps whose device ops are tabled (the shorts join at 0)",
+    )
+    ap.add_argument(
+        "--trace", action="store_true", help="mixed: those steps' Chrome trace to $OUT/<name>_trace.json.gz"
+    )
     ap.add_argument("--prefix-tokens", type=parse_count, default=32 * 1024)
     ap.add_argument(
         "--prefix-pool-tokens",
@@ -409,8 +431,17 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         if name == "mixed":
+            first, last = (int(x) for x in args.mixed_profile_steps.split(","))
+            out_dir = os.environ.get("OUT", "bench/results")
             row = run_mixed(
-                engine, args.long_tokens, args.long_new_tokens, vocab, args.pcie_gbps, args.mixed_timeout
+                engine,
+                args.long_tokens,
+                args.long_new_tokens,
+                vocab,
+                args.pcie_gbps,
+                args.mixed_timeout,
+                profile_steps=(first, last),
+                trace=f"{out_dir}/{args.name}_trace.json.gz" if args.trace else None,
             )
         elif name == "prefix":
             pool = args.prefix_pool_tokens

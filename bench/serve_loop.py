@@ -19,6 +19,7 @@ def step_loop(
     engine: ServeEngine,
     times: dict[str, list[Any]] | None = None,
     profile_steps: tuple[int, int] | None = None,
+    trace: str | None = None,
 ) -> tuple[int, list[dict[str, Any]] | None]:
     """Step the engine in this thread until idle, as its serving thread does (batch steps, then
     tiered runs, never waiting on them while the batch has work). Returns the batch steps, and
@@ -28,7 +29,8 @@ def step_loop(
     [step, ms, *counts]) what could have made it wait on other streams' work: the allocator's
     counts of cudaMalloc, cudaFree, allocation retries and pinned host allocations and frees
     (CUDA synchronizes implicitly around device and page-locked allocations), during the step
-    and since the previous one (any thread's, the tiered launcher's too)."""
+    and since the previous one (any thread's, the tiered launcher's too). `trace`: write the
+    profile's Chrome trace there (gzipped when it ends in .gz): every stream's ops in time."""
     steps = 0
     prof: profile | None = None
     kernels = None
@@ -64,6 +66,8 @@ def step_loop(
         if prof is not None and profile_steps is not None and steps >= profile_steps[1]:
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
+            if trace is not None:
+                prof.export_chrome_trace(trace)
             kernels, prof = top_kernels(prof), None
         engine._idle_wait()
         engine._drain(block=False)
