@@ -154,15 +154,18 @@ case "$group" in
   run 170 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-share 0 --name serve_gpu_24gib_share0
   ;;
 18)
-  # NEXT (the tenth session): under 24 GiB the long request borrowed no pages at ca60c94, and the
-  # mixed case was met in 1 of 3 runs, by whether the allocator hit its cap as the shorts came
-  # (a retry: cudaFree of its cache, a device-wide sync). Borrowing pages for the long run's
-  # staging buffers (the batch keeping nothing back) takes ~2 GB off the allocator: both ways,
-  # twice each, to see the spread
-  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent
-  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_mixed_c
-  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-keep-tokens 0 --name serve_gpu_24gib_lent_b
-  run 60 $py bench/paged_decode_splits.py
+  # NEXT (the eleventh session). Ran at 59b2cd1 in the tenth: no pages were borrowed even with
+  # --tiered-keep-tokens 0 (a planning bug, fixed in c91709f), and the three mixed runs missed
+  # (shorts 2.12-2.72x, long 1.24-1.28x). The shorts' first five batch steps (their prefill
+  # chunks) take 1.6-3.4 s; trace them, with lending now working, and time the kernel's splits
+  # with graph replays (the first run timed host launches)
+  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --tiered-keep-tokens 0 \
+    --mixed-profile-steps 0,6 --trace --name serve_gpu_24gib_lent_c
+  run 125 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --mixed-profile-steps 0,6 --trace \
+    --name serve_gpu_24gib_trace
+  run 60 $py bench/paged_decode_splits.py --iters 30
+  run 125 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-keep-tokens 0 \
+    --tiered-release-after-prefill --name serve_gpu_24gib_lent_release
   ;;
 20)
   # the third fix to try for the mixed case: free the allocator's cache once the long request's
