@@ -182,10 +182,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             break
         layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
         used = fitting(region_buffers(layout, trial.plan, context, packing=packing), offer * page_bytes)
-        if not used:
-            break  # none of its buffers fits the run: it gains nothing by borrowing
         over = 0 if room is None else estimate(trial.plan) - used - room
-        if over <= 0:
+        if used and over <= 0:
             lent = -(-used // page_bytes)
             first = engine.lend(lent)
             if first is not None:
