@@ -71,6 +71,31 @@ def test_one_batch_step_mixes_prefill_and_decode_exactly(llm: LLM) -> None:
     assert int(logits[0].argmax()) == tok_a[1]
 
 
+def test_batch_prefill_keeps_off_cudnn(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every prefill call of a batch step asks `attend` for no cuDNN (whose per-shape graph
+    builds and kernel loads stalled the batch on the H200), alone or beside other sequences."""
+    import kvtier.kv.paged as paged
+
+    asked: list[bool] = []
+
+    def spy(q: torch.Tensor, kv: torch.Tensor, *args: object, cudnn: bool = True) -> torch.Tensor:
+        asked.append(cudnn)
+        return paged_attend(q, kv, cudnn=cudnn)
+
+    paged_attend = paged.attend
+    monkeypatch.setattr(paged, "attend", spy)
+    a, b = prompts()[1], prompts()[2]
+    store = PagedKVStore(llm.model_config, num_pages=16, page_size=4, device=CPU, dtype=torch.float32)
+    store.begin_step([SeqStep((7, 2, 9, 0, 1, 3, 4), 0, len(a))])
+    llm.loaded.model(torch.tensor(a), store)
+    store.end_step()
+    store.begin_step([SeqStep((5, 6, 8), 0, len(b)), SeqStep((10, 11, 12), 0, 3)])
+    llm.loaded.model(torch.tensor([*b, *a[:3]]), store)
+    store.end_step()
+    layers = llm.model_config.num_layers
+    assert asked == [False] * (3 * layers)
+
+
 def collect(engine: ServeEngine, ids: list[int], params: SamplingParams) -> Queue[Delta]:
     q: Queue[Delta] = Queue()
     engine.submit(ids, params, q.put)

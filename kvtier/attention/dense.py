@@ -40,9 +40,15 @@ if ATTN_BACKEND not in ("auto", "flash", "cudnn"):
     raise ConfigError(f"KVTIER_ATTN_BACKEND={ATTN_BACKEND!r}: use 'auto', 'flash' or 'cudnn'")
 
 
-def attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention = PLAIN) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention = PLAIN, cudnn: bool = True
+) -> torch.Tensor:
     """Causal attention of the last T positions, q [T, H_q, D], over kv [S, 2, H_kv, D], S >= T,
     scored as `attn` says (window, soft-capping, scale).
+
+    `cudnn=False` keeps prefill off cuDNN whatever ATTN_BACKEND says, for callers whose (T, S)
+    shapes rarely repeat: cuDNN builds a graph and loads a kernel module per new shape, and the
+    load waits for the whole device (see `kvtier.kv.paged`).
 
     Returns [T, H_q, D] (a latent spec: [T, H_q, latent]). The result of each head does not
     depend on how many heads share the call.
@@ -62,12 +68,13 @@ def attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention = PLAIN) -> t
         # compute each head in its own thread blocks, so they need no loop.
         r = q.shape[1] // hkv
         return torch.cat(
-            [_attend(q[:, h * r : (h + 1) * r], kv[:, :, h : h + 1], attn) for h in range(hkv)], dim=1
+            [_attend(q[:, h * r : (h + 1) * r], kv[:, :, h : h + 1], attn, cudnn) for h in range(hkv)],
+            dim=1,
         )
-    return _attend(q, kv, attn)
+    return _attend(q, kv, attn, cudnn)
 
 
-def _attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention) -> torch.Tensor:
+def _attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention, cudnn: bool) -> torch.Tensor:
     if attn.scored:
         return scored_attention(q, kv[:, 0], kv[:, 1], attn, causal=True)[0].to(q.dtype)
     if attn.window is not None:
@@ -90,7 +97,7 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention) -> torch.Te
             return torch.ops.aten._scaled_dot_product_flash_attention(qf, k, v)[0].reshape(1, hq, d)
         return F.scaled_dot_product_attention(qf, k, v).reshape(1, hq, d)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, T, D]
-    if _flash_ok(qt) and _use_cudnn(q.device.index or 0):
+    if cudnn and _flash_ok(qt) and _use_cudnn(q.device.index or 0):
         return attend_split(q, kv)
     if _flash_ok(qt):
         # NOTE: the flash kernel's causal mask is aligned lower-right and it takes GQA K/V as

@@ -18,7 +18,11 @@ block_table[p // P] * L * P + p % P of layer l's flat view (the storage's [(N + 
 A batch step concatenates every scheduled sequence's new tokens into one flat stream (prefill
 chunks and decode tokens mixed); `begin_step` takes each sequence's (block table, start, n_new)
 in that order and precomputes positions, RoPE tables and slot indices once for all layers.
-Prefill chunks attend one sequence at a time (`attend`); the decode tokens of two or more
+Prefill chunks attend one sequence at a time (`attend`, on the flash kernel, never cuDNN: the
+scheduler cuts chunks of ever new lengths, and cuDNN builds a graph and loads a kernel module
+per new shape; on the H200 the load waited 150-320 ms a time for the device to drain a tiered
+request's queued copies, and 32 short streams beside a 256K-token request ran 2.1-2.7x slower,
+1.9-2.3x with flash: bench/results/serve_gpu_24gib_flash.json); the decode tokens of two or more
 sequences attend in ONE batched call. On CUDA that call is `paged_decode`, which reads the
 pages in place through the block tables; on the CPU their KV is gathered into [B, S_max] (padded
 keys masked out) for one SDPA call.
@@ -239,10 +243,10 @@ class PagedKVStore:
             return kernel(q, self.pages[layer], self.dec_tables[:rows], self.dec_lens[:rows])
         flat[self._write] = torch.stack((k, v), dim=1)
         if len(self._reads) == 1 and self._reads[0][1] == q.shape[0]:
-            return attend(q, flat[self._reads[0][2]])  # one sequence: no copy of the output
+            return attend(q, flat[self._reads[0][2]], cudnn=False)  # one sequence: no copy of the output
         out = torch.empty_like(q)
         for a, n, slots in self._reads:
-            out[a : a + n] = attend(q[a : a + n], flat[slots])  # kv [start + n, 2, H_kv, D]
+            out[a : a + n] = attend(q[a : a + n], flat[slots], cudnn=False)  # kv [start + n, 2, H_kv, D]
         if self._dec_rows.numel():
             dq = q[self._dec_rows]
             if self.decode_kernel is not None:
