@@ -29,6 +29,11 @@ queues a layer only once the device has reached the layer a few before it. On th
 the short streams and the long run both slower (bench/results/serve_gpu_24gib_b7512d8.json, 4 layers,
 beside serve_gpu_24gib_unpaced.json), so it is off by default.
 
+A decode token's write-backs to the host tier are queued at the start of the run's next token
+(`TieredKVStore.defer_decode_writes`), not behind each layer: device-to-host copies run in the
+order queued, across streams, so a write-back waiting for its layer held the batch's token
+read-back up to 108 ms on the H200 (bench/results/serve_gpu_24gib_trace_b.json).
+
 The launcher also builds the run's store and frees it: a 256K-token request pins ~34 GB of host
 memory (14.1 s on the H200, `bench/results/serve_gpu_24gib_c8b4a00.json`), and freeing it had held the
 loop 5.9 s at the run's end (`serve_gpu_24gib_716554e.json`); the server's runs now leave that
@@ -291,6 +296,9 @@ class TieredRun:
         if self.stream is not None:  # NOTE: the store's buffers were allocated on this thread's stream
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.spans = prefill_spans(len(self.seq.prompt), self.plan.chunk_size, store)
+        # NOTE: a step is launched only once the last one has finished on the device, so its
+        # deferred write-backs queue no copy that waits: none holds up the batch's read-backs
+        store.defer_decode_writes = True
         self.account = store.account
         self._attention = PacedAttention(store, self.stream, self._ahead)
         self.store = store
