@@ -154,7 +154,7 @@ case "$group" in
   run 170 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-share 0 --name serve_gpu_24gib_share0
   ;;
 18)
-  # NEXT (the eleventh session). Ran at 59b2cd1 in the tenth: no pages were borrowed even with
+  # Ran in the eleventh session at 48c4e3a (results_h200.md). Ran at 59b2cd1 in the tenth: no pages were borrowed even with
   # --tiered-keep-tokens 0 (a planning bug, fixed in c91709f), and the three mixed runs missed
   # (shorts 2.12-2.72x, long 1.24-1.28x). The shorts' first five batch steps (their prefill
   # chunks) take 1.6-3.4 s; trace them, with lending now working, and time the kernel's splits
@@ -166,6 +166,15 @@ case "$group" in
   run 60 $py bench/paged_decode_splits.py --iters 30
   run 125 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --tiered-keep-tokens 0 \
     --tiered-release-after-prefill --name serve_gpu_24gib_lent_release
+  ;;
+21)
+  # NEXT (the twelfth session): did deferring decode write-backs (ce60905) remove the D2H waits?
+  # Trace the shorts' first steps again, then the smoke's serve part (needs the GGUF's two calls;
+  # GPU-facing code changed since its last run at c08d583)
+  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --mixed-profile-steps 1,7 --trace \
+    --name serve_gpu_24gib_trace_c
+  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_deferred_b
+  run 260 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
   ;;
 20)
   # the third fix to try for the mixed case: free the allocator's cache once the long request's
