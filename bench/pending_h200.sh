@@ -44,6 +44,10 @@
 #   NEXT: group 18 (lent pages under 24 GiB; the paged-decode kernel's split counts and page
 #   layouts alone), 20 (the allocator's cache freed after the long prefill), then group 19 after
 #   the GGUF (expandable segments; the smoke's generate part). 18 and 20 run without the GGUF.
+# The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
+#   NEXT: bash bench/pending_h200.sh 21  # (~7.5 min; carry .gguf_a too) the deferral traced, once more
+#                                        #   untraced, the activation pool; then at once
+#         bash bench/pending_h200.sh 22  # (~9.5 min) the whole gpu_smoke
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
@@ -169,11 +173,16 @@ case "$group" in
   ;;
 21)
   # NEXT (the twelfth session): did deferring decode write-backs (ce60905) remove the D2H waits?
-  # Trace the shorts' first steps again, then the smoke's serve part (needs the GGUF's two calls;
-  # GPU-facing code changed since its last run at c08d583)
+  # Trace the shorts' first steps again, and the batch's activations in a pool of their own (no
+  # cudaMalloc while a run is queued). Then group 22 (GPU-facing code changed since c08d583).
   run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --mixed-profile-steps 1,7 --trace \
     --name serve_gpu_24gib_trace_c
-  run 120 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_deferred_b
+  run 140 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_deferred_b
+  run 140 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --activation-pool --name serve_gpu_24gib_pool
+  ;;
+22)
+  # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
+  run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
   run 260 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
   ;;
 20)
