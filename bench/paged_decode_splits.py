@@ -2,8 +2,9 @@
 
 Issue 18's one stream at 32K decodes at 8.05-8.30 ms/token on the H200 (target 8), where the
 same stream at 1K takes ~5.9: its 4.3 GB of KV a token read at ~2 TB/s, half of HBM. One
-sequence of 8 KV heads gets `default_splits` = 16 splits, 128 programs on 132 SMs; this
-measures whether more programs read faster, and whether the server's page-major pool
+sequence of 8 KV heads got `default_splits` = 16 splits (128 programs on 132 SMs; 33 since the
+run of 48c4e3a, `paged_decode_splits.json`, showed 32 faster); this measures whether more
+programs read faster, and whether the server's page-major pool
 (`storage[:, layer]`, pages L x 64 KiB apart) reads slower than a layer's own contiguous pages.
 
 Llama-3-8B shapes (32 query heads, 8 KV heads, head dim 128, 16-token pages, bf16). For each

@@ -47,7 +47,8 @@
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
 #   NEXT: bash bench/pending_h200.sh 21  # (~7.5 min; carry .gguf_a too) the deferral traced, once more
 #                                        #   untraced, the activation pool; then at once
-#         bash bench/pending_h200.sh 22  # (~9.5 min) the whole gpu_smoke
+#         bash bench/pending_h200.sh 22  # (~9.5 min) the whole gpu_smoke, then
+#         bash bench/pending_h200.sh 23  # (~4 min) whole-GPU serve cases with the new split counts
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
@@ -179,6 +180,12 @@ case "$group" in
     --name serve_gpu_24gib_trace_c
   run 140 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --name serve_gpu_24gib_deferred_b
   run 140 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --activation-pool --name serve_gpu_24gib_pool
+  ;;
+23)
+  # the whole-GPU cases after default_splits rounds down (one stream gets 33 splits, 32+ get one):
+  # c1-32k's target is 8 ms/token (8.05-8.30 with 16 splits); the kernel alone again
+  run 170 $py bench/serve_gpu.py --cases c1,c1-32k,c32,c64 --name serve_gpu
+  run 60 $py bench/paged_decode_splits.py --iters 30
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)

@@ -221,17 +221,20 @@ def paged_decode_splits(
     return part, lse
 
 
-MAX_SPLITS = 16
+MAX_SPLITS = 64
 
 
 def default_splits(batch: int, kv_heads: int, sms: int | None) -> int:
-    """Splits per (sequence, KV head) that give the GPU's `sms` multiprocessors about two
-    programs each, at most `MAX_SPLITS` (None: not a GPU, the most). A batch of 64 sequences
-    of 8 KV heads already has 512 programs: one split, no partials to merge; one sequence gets
-    16 splits."""
+    """Splits per (sequence, KV head) that give the GPU's `sms` multiprocessors at most about two
+    programs each, at least one and at most `MAX_SPLITS` (None: not a GPU, the most).
+
+    Rounded down: on the H200 (bench/results/paged_decode_splits.json, graph replays) 32
+    sequences of 1K keys took 45 us with one split (256 programs) and 60 with two; one sequence
+    of 32K keys 845 us with one split, 86 with 16 and 65 with 32 (1K keys: 24-26 us with any of
+    them), so one sequence gets 33 splits of its 8 KV heads and 32 or more sequences get one."""
     if sms is None:
         return MAX_SPLITS
-    return max(1, min(MAX_SPLITS, -(-2 * sms // max(1, batch * kv_heads))))
+    return max(1, min(MAX_SPLITS, 2 * sms // max(1, batch * kv_heads)))
 
 
 @functools.cache
