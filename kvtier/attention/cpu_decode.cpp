@@ -24,6 +24,10 @@
 
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -64,6 +68,16 @@ struct BF16 {
   static inline int value(int c, int i, int D) {
     return c < D / 16 * 2 ? c / 2 * 16 + 2 * i + (c & 1) : c * 8 + i;
   }
+};
+
+// fp32 values stored in BF16's chunk order (chunk 2p = the even values of 16p .. 16p+15, chunk
+// 2p+1 the odd ones): how packed rows are unpacked, so a byte's two 4-bit codes land in two
+// chunks without shuffles. D a multiple of 16.
+struct F32S {
+  static constexpr int bytes = 4;
+  static inline void load2(const char* p, v8f& a, v8f& b) { F32::load2(p, a, b); }
+  static inline v8f load1(const char* p) { return F32::load1(p); }
+  static inline int value(int c, int i, int D) { return BF16::value(c, i, D); }
 };
 
 // Chunks c and c + 1 (c even) of a row; chunk c alone (b = 0) when it is the last of a D % 16 == 8 row.
@@ -298,6 +312,195 @@ int dispatch(const char* kv, int64_t n, int G, const float* q, float scale, int 
   return 0;
 }
 
+// -- packed rows (kvtier.policies.quant.KiviCodec, groups of 32 tokens) ---------------------
+//
+// One row holds 32 tokens of all G KV heads, min-max quantized to BITS bits (2, 4 or 8):
+//
+//   [ key codes 32*G*D*BITS/8 | value codes (same) | key min G*D fp16 | key step G*D fp16 |
+//     value min 32*G*NC fp16 | value step 32*G*NC fp16 ]
+//
+// codes in (token, head, channel) order, 8 / BITS to a byte, the first in the low bits; a key's
+// (min, step) is per (head, channel) for the row's 32 tokens, a value's per (token, head, run
+// of CG channels), CG = 32 when it divides D, else D (NC = D / CG runs). A row is unpacked into
+// token-major fp32 [32, 2, G, D] on the stack of the task's thread (L1-resident) and attended
+// like fp32 rows, so the KV read from memory is the packed bytes.
+
+constexpr int KIVI_GROUP = 32;
+static_assert(KIVI_GROUP == BLK, "a packed row is one online-softmax block");
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = (float)man * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
+    memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline int64_t kivi_row_bytes(int bits, int G, int D) {
+  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1;
+  return 2 * (int64_t)KIVI_GROUP * G * D * bits / 8 + 2 * 2 * (int64_t)G * D + 2 * 2 * (int64_t)KIVI_GROUP * G * nc;
+}
+
+inline void store(float* p, v8f x) { memcpy(p, &x, 32); }
+
+// n fp16 values -> float32 (F16C's conversion where the target has it).
+inline void halfs_to_floats(const uint16_t* h, int n, float* f) {
+  int i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+#endif
+  for (; i < n; ++i) f[i] = half_to_float(h[i]);
+}
+
+// Row -> kv [32, 2, G, D] float32 (token-major: a token's K heads, then its V heads), values in
+// order. Codes are read a byte at a time (PER codes each), inner loops of compile-time length.
+template <int BITS>
+void unpack_row(const uint8_t* row, int G, int D, float* kv, float* par) {
+  constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
+  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D, bytes = D / PER;
+  const int64_t codes = (int64_t)KIVI_GROUP * gd * BITS / 8;
+  const uint8_t *kc = row, *vc = row + codes;
+  const uint16_t* h16 = (const uint16_t*)(row + 2 * codes);  // NOTE: rows start 2-byte aligned
+  const int vp = KIVI_GROUP * G * nc;
+  float *klo = par, *ks = par + gd, *vlo = par + 2 * gd, *vs = vlo + vp;
+  halfs_to_floats(h16, 2 * gd + 2 * vp, par);
+  for (int t = 0; t < KIVI_GROUP; ++t) {
+    for (int h = 0; h < G; ++h) {
+      const int th = t * G + h;
+      float* k = kv + (int64_t)t * 2 * gd + h * D;
+      float* v = k + gd;
+      const uint8_t* kb = kc + (int64_t)th * bytes;
+      const uint8_t* vb = vc + (int64_t)th * bytes;
+      const float *s = ks + h * D, *lo = klo + h * D;
+      for (int j = 0; j < bytes; ++j) {
+        const int b = kb[j];
+        for (int u = 0; u < PER; ++u) {
+          const int c = j * PER + u;
+          k[c] = (float)((b >> (u * BITS)) & MASK) * s[c] + lo[c];
+        }
+      }
+      for (int c0 = 0, run = th * nc; c0 < D; c0 += cg, ++run) {
+        const float step = vs[run], base = vlo[run];
+        for (int j = c0 / PER; j < (c0 + cg) / PER; ++j) {
+          const int b = vb[j];
+          for (int u = 0; u < PER; ++u) v[j * PER + u] = (float)((b >> (u * BITS)) & MASK) * step + base;
+        }
+      }
+    }
+  }
+}
+
+#ifdef KVTIER_SHUFFLE
+typedef uint8_t v8b __attribute__((vector_size(8)));
+
+// A 4-bit row -> kv [32, 2, G, D] float32 in F32S's chunk order (D a multiple of 16): byte i of
+// a 16-value block holds values 2i (low bits) and 2i + 1, which are lane i of the block's even
+// and odd chunks. The keys' per-channel (min, step) are put in that order once per row.
+void unpack_row4_split(const uint8_t* row, int G, int D, float* kv, float* par) {
+  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D;
+  const int64_t codes = (int64_t)KIVI_GROUP * gd / 2;
+  const uint8_t *kc = row, *vc = row + codes;
+  const uint16_t* h16 = (const uint16_t*)(row + 2 * codes);
+  const int vp = KIVI_GROUP * G * nc;
+  float *klo = par, *ks = par + gd, *vlo = par + 2 * gd, *vs = vlo + vp;
+  halfs_to_floats(h16, 2 * gd + 2 * vp, par);
+  for (int i = 0; i < 2 * gd; i += 16) {  // klo and ks, each G x D: to chunk order
+    const v8f a = load(par + i), b = load(par + i + 8);
+    store(par + i, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14));
+    store(par + i + 8, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15));
+  }
+  for (int t = 0; t < KIVI_GROUP; ++t) {
+    for (int h = 0; h < G; ++h) {
+      const int th = t * G + h;
+      float* k = kv + (int64_t)t * 2 * gd + h * D;
+      float* v = k + gd;
+      const uint8_t* kb = kc + (int64_t)th * (D / 2);
+      const uint8_t* vb = vc + (int64_t)th * (D / 2);
+      const float *s = ks + h * D, *lo = klo + h * D;
+      for (int c = 0; c < D; c += 16) {
+        v8b x, y;
+        memcpy(&x, kb + c / 2, 8);
+        memcpy(&y, vb + c / 2, 8);
+        const v8i wk = __builtin_convertvector(x, v8i), wv = __builtin_convertvector(y, v8i);
+        const v8f ke = __builtin_convertvector(wk & 15, v8f), ko = __builtin_convertvector(wk >> 4, v8f);
+        const v8f ve = __builtin_convertvector(wv & 15, v8f), vo = __builtin_convertvector(wv >> 4, v8f);
+        store(k + c, ke * load(s + c) + load(lo + c));
+        store(k + c + 8, ko * load(s + c + 8) + load(lo + c + 8));
+        const int at = th * nc + c / cg;
+        store(v + c, ve * vs[at] + vlo[at]);
+        store(v + c + 8, vo * vs[at] + vlo[at]);
+      }
+    }
+  }
+}
+#endif
+
+// nrows packed rows of all G KV heads; q, out and lse as `decode`. T: the scratch's order (F32,
+// or F32S for `unpack_row4_split`), UNPACK: the row's unpacking into it.
+template <class T, int R, void (*UNPACK)(const uint8_t*, int, int, float*, float*)>
+void decode_rows(const uint8_t* rows, int64_t nrows, int64_t rb, int G, const float* q, float scale, int RS,
+                 int D, float* out, float* lse) {
+  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1;
+  const int64_t stride = 2 * (int64_t)G * D, v_off = (int64_t)G * D;
+  // NOTE: per thread and kept, as in `decode`: a task allocates nothing after its first.
+  thread_local std::vector<Head<T, R>> heads;
+  thread_local std::vector<float> kv, par;
+  if ((int)heads.size() < G) heads.resize(G);
+  kv.resize((size_t)KIVI_GROUP * stride);
+  par.resize((size_t)2 * G * D + 2 * KIVI_GROUP * G * nc);
+  for (int g = 0; g < G; ++g) heads[g].init(q + g * RS * D, scale, D);
+  for (int64_t r = 0; r < nrows; ++r) {
+    UNPACK(rows + r * rb, G, D, kv.data(), par.data());
+    const char* blk = (const char*)kv.data();
+    for (int g = 0; g < G; ++g) heads[g].block(blk + g * D * 4, KIVI_GROUP, stride, v_off, D);
+  }
+  for (int g = 0; g < G; ++g) heads[g].finish(out + g * RS * D, lse + g * RS, D);
+}
+
+template <int BITS, int R>
+void decode_rows_any(const uint8_t* rows, int64_t n, int G, const float* q, float scale, int RS, int D, float* out,
+                     float* lse) {
+  const int64_t rb = kivi_row_bytes(BITS, G, D);
+#ifdef KVTIER_SHUFFLE
+  if (BITS == 4 && D % 16 == 0) {
+    decode_rows<F32S, R, unpack_row4_split>(rows, n, rb, G, q, scale, RS, D, out, lse);
+    return;
+  }
+#endif
+  decode_rows<F32, R, unpack_row<BITS>>(rows, n, rb, G, q, scale, RS, D, out, lse);
+}
+
+template <int BITS>
+int dispatch_rows(const uint8_t* rows, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
+                  float* lse) {
+  if (n < 1 || G < 1 || R < 1 || D % 8 != 0 || D / 8 > MAX_DV) return -1;
+  for (int h0 = 0; h0 < R; h0 += MAX_R) {
+    const int r = R - h0 < MAX_R ? R - h0 : MAX_R;
+    const float* qh = q + h0 * D;
+    float *oh = out + h0 * D, *lh = lse + h0;
+    switch (r) {
+      case 1: decode_rows_any<BITS, 1>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      case 2: decode_rows_any<BITS, 2>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      case 3: decode_rows_any<BITS, 3>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      case 4: decode_rows_any<BITS, 4>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      case 5: decode_rows_any<BITS, 5>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      case 6: decode_rows_any<BITS, 6>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      case 7: decode_rows_any<BITS, 7>(rows, n, G, qh, scale, R, D, oh, lh); break;
+      default: decode_rows_any<BITS, 8>(rows, n, G, qh, scale, R, D, oh, lh); break;
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -314,6 +517,23 @@ int kvtier_decode_f32(const void* kv, int64_t n, int G, const float* q, float sc
 int kvtier_decode_bf16(const void* kv, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
                        float* lse) {
   return dispatch<BF16>((const char*)kv, n, G, q, scale, R, D, out, lse);
+}
+
+// n packed rows (KiviCodec, 32 tokens a row, 2/4/8-bit codes) of a slice, from `rows`; q, out
+// and lse as kvtier_decode_f32. One task on the calling thread.
+int kvtier_decode_kivi2(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                        float* out, float* lse) {
+  return dispatch_rows<2>((const uint8_t*)rows, n, G, q, scale, R, D, out, lse);
+}
+
+int kvtier_decode_kivi4(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                        float* out, float* lse) {
+  return dispatch_rows<4>((const uint8_t*)rows, n, G, q, scale, R, D, out, lse);
+}
+
+int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                        float* out, float* lse) {
+  return dispatch_rows<8>((const uint8_t*)rows, n, G, q, scale, R, D, out, lse);
 }
 
 // The P tasks' partial results out [P, H, D], lse [P, H] merged by log-sum-exp -> merged

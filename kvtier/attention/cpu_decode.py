@@ -38,14 +38,31 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from kvtier.errors import ConfigError
 
+
+class RowCodec(Protocol):
+    """What `CpuDecoder.start_rows` needs of a packing codec (`kvtier.kv.hooks.KVCodec` has it):
+    rows of `group` tokens, their size, and their unpacking. A codec whose `row_layout` is
+    "kivi" (`kvtier.policies.quant.KiviCodec`) has rows the native kernel reads in place."""
+
+    @property
+    def group(self) -> int: ...
+
+    def row_bytes(self, heads: int, head_dim: int) -> int: ...
+
+    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
 BACKENDS = ("auto", "native", "torch")
 TASK_BYTES = 1 << 20  # KV bytes per task (per KV head), about: enough to amortize a task's overhead
 MAX_NATIVE_DIM = 512  # the largest head dim the native kernel takes
+KIVI_BITS = (2, 4, 8)  # packed rows the native kernel reads (KiviCodec, groups of KIVI_GROUP tokens)
+KIVI_GROUP = 32
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_decode.cpp", "cpu_pool.cpp"))
 _FLAGS = ("-O3", "-march=native", "-funroll-loops", "-pthread", "-shared", "-fPIC")
 _KERNEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
@@ -103,7 +120,7 @@ def native_library() -> ctypes.CDLL | None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
-    for name in ("kvtier_decode_f32", "kvtier_decode_bf16"):
+    for name in ("kvtier_decode_f32", "kvtier_decode_bf16", *(f"kvtier_decode_kivi{b}" for b in KIVI_BITS)):
         fn = getattr(dll, name)
         fn.argtypes = _KERNEL_ARGS
         fn.restype = ctypes.c_int
@@ -142,6 +159,19 @@ def plan_tasks(extents: list[torch.Tensor], length: int) -> list[Task]:
     ]
 
 
+def plan_row_tasks(extents: list[torch.Tensor], rows: int) -> list[Task]:
+    """The tasks over packed rows [0, rows) of row `extents` (each [R_e, row_bytes] uint8): as
+    `plan_tasks`, with rows for tokens (a Task's `start` and `tokens` then count rows)."""
+    e, row_bytes = extents[0].shape
+    step = max(2, TASK_BYTES // row_bytes)
+    return [
+        Task(i, a, min(a + step, end) - a)
+        for i in range(-(-rows // e))
+        for end in (min(e, rows - i * e),)
+        for a in range(0, end, step)
+    ]
+
+
 def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tasks' partial results out [P, G, r, D], lse [P, G, r] (float32) merged -> (out
     [H_q, D], lse [H_q]), H_q = heads = G x r. The torch backend's merge. NOTE: PyTorch's sum
@@ -168,6 +198,11 @@ class PendingDecode:
         self._lse = lse  # [P, G, r]
         self._heads = heads
         self._merged = merged  # written by the futures (native), else merged here
+
+    @property
+    def native(self) -> bool:
+        """Whether the native kernel runs it (else PyTorch's CPU kernels)."""
+        return self._merged is not None
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [H_q, D] float32, lse [H_q] float32), H_q = G x r, on the CPU."""
@@ -239,14 +274,76 @@ class CpuDecoder:
             and all(x.is_contiguous() for x in extents)
         )
         if native:
-            merged = (torch.empty(hq, d), torch.empty(hq))
-            job = (q, extents, tasks, out, lse, merged, ready)
-            return PendingDecode([self._issuer.submit(self._run_native, *job)], out, lse, hq, merged)
+            row = 2 * g * d * extents[0].element_size()
+            kind = int(extents[0].dtype == torch.bfloat16)
+            return self._start_native(q, extents, tasks, row, kind, out, lse, ready)
         futures = [
             self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready)
             for n, t in enumerate(tasks)
         ]
         return PendingDecode(futures, out, lse, hq)
+
+    def start_rows(
+        self,
+        q: torch.Tensor,
+        codec: RowCodec,
+        extents: list[torch.Tensor],
+        rows: int,
+        heads: int,
+        head_dim: int,
+        ready: torch.cuda.Event | None = None,
+    ) -> PendingDecode:
+        """As `start`, over the first `rows` packed rows of `codec` (rows of `codec.group` tokens
+        of `heads` KV heads, in row `extents` [R_e, row_bytes] uint8, CPU): the values attended
+        are exactly `codec.unpack`'s. The native kernel reads KIVI rows of 32 tokens in place
+        (2, 4 or 8 bits); other codecs unpack each task's rows with torch first."""
+        e, row_bytes = extents[0].shape
+        g, d, hq = heads, head_dim, q.shape[0]
+        r = hq // g
+        if rows < 1 or rows > e * len(extents):
+            raise ValueError(f"rows {rows} outside 1..{e * len(extents)}")
+        if row_bytes != codec.row_bytes(g, d):
+            raise ValueError(f"rows of {row_bytes} bytes, but the codec's hold {codec.row_bytes(g, d)}")
+        if os.getpid() != self._pid:
+            self._threads_for(os.getpid())
+        tasks = plan_row_tasks(extents, rows)
+        out = torch.empty(len(tasks), g, r, d, dtype=torch.float32)
+        lse = torch.empty(len(tasks), g, r, dtype=torch.float32)
+        bits = getattr(codec, "bits", None) if getattr(codec, "row_layout", None) == "kivi" else None
+        native = (
+            self.lib is not None
+            and bits in KIVI_BITS
+            and codec.group == KIVI_GROUP
+            and d % 8 == 0
+            and d <= MAX_NATIVE_DIM
+            and all(x.is_contiguous() for x in extents)
+        )
+        if native:
+            assert bits is not None
+            return self._start_native(q, extents, tasks, row_bytes, bits, out, lse, ready)
+        futures = [
+            self._pool.submit(self._run_rows_torch, q, codec, extents[t.extent], t, out[n], lse[n], ready)
+            for n, t in enumerate(tasks)
+        ]
+        return PendingDecode(futures, out, lse, hq)
+
+    def _start_native(
+        self,
+        q: torch.Tensor,
+        extents: list[torch.Tensor],
+        tasks: list[Task],
+        unit: int,
+        kind: int,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> PendingDecode:
+        """One native job over `tasks` (`unit`: bytes per token or row; `kind`: the pool's kernel)."""
+        hq, d = q.shape[0], out.shape[-1]
+        merged = (torch.empty(hq, d), torch.empty(hq))
+        ptrs = [extents[t.extent].data_ptr() + t.start * unit for t in tasks]
+        job = (q, ptrs, [t.tokens for t in tasks], kind, out, lse, merged, ready, extents)
+        return PendingDecode([self._issuer.submit(self._run_native, *job)], out, lse, hq, merged)
 
     def attend(
         self, q: torch.Tensor, extents: list[torch.Tensor], length: int
@@ -268,15 +365,19 @@ class CpuDecoder:
     def _run_native(
         self,
         q: torch.Tensor,
-        extents: list[torch.Tensor],
-        tasks: list[Task],
+        ptrs: list[int],
+        counts: list[int],
+        kind: int,
         out: torch.Tensor,
         lse: torch.Tensor,
         merged: tuple[torch.Tensor, torch.Tensor],
         ready: torch.cuda.Event | None,
+        extents: list[torch.Tensor],
     ) -> None:
-        """Every task of a start in one native call, then their merge into `merged` (out
-        [H_q, D], lse [H_q]) in another, on the issuing thread (the GIL released in both)."""
+        """Every task of a start in one native call (`kind`: the pool's kernel; task i reads
+        counts[i] tokens or rows from address ptrs[i] of `extents`, kept alive here), then their
+        merge into `merged` (out [H_q, D], lse [H_q]) in another, on the issuing thread (the GIL
+        released in both)."""
         assert self.lib is not None
         if ready is not None:
             ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
@@ -284,14 +385,13 @@ class CpuDecoder:
         # NOTE: inference mode is per thread; the model's tensors (q, out) may be inference tensors.
         with torch.inference_mode():
             qs = q.float().contiguous()  # [G * r, D]
-        row = 2 * g * d * extents[0].element_size()
-        kv = (ctypes.c_void_p * p)(*(extents[t.extent].data_ptr() + t.start * row for t in tasks))
-        n = (ctypes.c_int64 * p)(*(t.tokens for t in tasks))
-        bf16 = int(extents[0].dtype == torch.bfloat16)
+        kv = (ctypes.c_void_p * p)(*ptrs)
+        n = (ctypes.c_int64 * p)(*counts)
         args = (kv, n, p, g, qs.data_ptr(), d**-0.5, r, d, out.data_ptr(), lse.data_ptr())
-        if self.lib.kvtier_pool_run(self._native_pool(), bf16, *args) != 0:
-            raise RuntimeError(f"native CPU attention rejected G={g}, r={r}, D={d}")
+        if self.lib.kvtier_pool_run(self._native_pool(), kind, *args) != 0:
+            raise RuntimeError(f"native CPU attention (kernel {kind}) rejected G={g}, r={r}, D={d}")
         self.lib.kvtier_merge(p, g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in merged))
+        del extents
 
     def _run_torch(
         self,
@@ -310,6 +410,29 @@ class CpuDecoder:
         with torch.inference_mode():
             kv = ext[t.start : t.start + t.tokens]  # [n, 2, G, D]
             qs = q.reshape(g, r, d).to(ext.dtype)[None]  # [1, G, r, D]
+            k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, G, n, D]
+            v = kv[:, 1].transpose(0, 1).unsqueeze(0)
+            res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k, v)
+            out.copy_(res[0][0])
+            lse.copy_(res[1][0])
+
+    def _run_rows_torch(
+        self,
+        q: torch.Tensor,
+        codec: RowCodec,
+        ext: torch.Tensor,
+        t: Task,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        """One task of packed rows: unpacked by the codec into float32, then as `_run_torch`."""
+        if ready is not None:
+            ready.synchronize()
+        g, r, d = out.shape
+        with torch.inference_mode():
+            kv = codec.unpack(ext[t.start : t.start + t.tokens], g, d, torch.float32)  # [n, 2, G, D]
+            qs = q.reshape(g, r, d).float()[None]  # [1, G, r, D]
             k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, G, n, D]
             v = kv[:, 1].transpose(0, 1).unsqueeze(0)
             res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k, v)

@@ -23,6 +23,12 @@ extern "C" int kvtier_decode_f32(const void* kv, int64_t n, int G, const float* 
                                  float* out, float* lse);
 extern "C" int kvtier_decode_bf16(const void* kv, int64_t n, int G, const float* q, float scale, int R, int D,
                                   float* out, float* lse);
+extern "C" int kvtier_decode_kivi2(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                                   float* out, float* lse);
+extern "C" int kvtier_decode_kivi4(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                                   float* out, float* lse);
+extern "C" int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                                   float* out, float* lse);
 
 namespace {
 
@@ -122,15 +128,23 @@ void* kvtier_pool_new(int workers) {
 
 void kvtier_pool_free(void* pool) { delete static_cast<Pool*>(pool); }
 
-// `tasks` calls of the kernel (bf16 != 0: kvtier_decode_bf16, else kvtier_decode_f32) with the
-// same q [G, R, D] float32: task i attends n[i] tokens from kv[i] into out[i] [G, R, D] and
-// lse[i] [G, R] (out: [tasks, G, R, D], lse: [tasks, G, R] float32). Returns 0, or -1 when the
-// kernel rejected the shapes (or the job could not be started).
-int kvtier_pool_run(void* pool, int bf16, const void* const* kv, const int64_t* n, int64_t tasks, int G,
+// `tasks` calls of one kernel, `kind`: 0 kvtier_decode_f32, 1 kvtier_decode_bf16, 2 / 4 / 8
+// kvtier_decode_kivi2 / 4 / 8 (n[i] then counts packed rows), with the same q [G, R, D] float32:
+// task i attends n[i] tokens (rows) from kv[i] into out[i] [G, R, D] and lse[i] [G, R] (out:
+// [tasks, G, R, D], lse: [tasks, G, R] float32). Returns 0, or -1 when the kernel rejected the
+// shapes, the kind is unknown or the job could not be started.
+int kvtier_pool_run(void* pool, int kind, const void* const* kv, const int64_t* n, int64_t tasks, int G,
                     const float* q, float scale, int R, int D, float* out, float* lse) {
   try {
     auto job = std::make_shared<Job>();
-    job->fn = bf16 ? kvtier_decode_bf16 : kvtier_decode_f32;
+    switch (kind) {
+      case 0: job->fn = kvtier_decode_f32; break;
+      case 1: job->fn = kvtier_decode_bf16; break;
+      case 2: job->fn = kvtier_decode_kivi2; break;
+      case 4: job->fn = kvtier_decode_kivi4; break;
+      case 8: job->fn = kvtier_decode_kivi8; break;
+      default: return -1;
+    }
     job->kv = kv;
     job->n = n;
     job->tasks = tasks;

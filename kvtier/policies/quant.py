@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -97,6 +98,8 @@ class KiviCodec:
     bits: int = 4
     group: int = 32
     residual: int = 128  # newest tokens kept in full precision
+    # NOTE: the layout above; the CPU decode kernel reads such rows in place (kvtier.attention.cpu_decode)
+    row_layout: ClassVar[str] = "kivi"
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4, 8):

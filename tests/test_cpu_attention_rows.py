@@ -1,0 +1,101 @@
+"""CPU decode attention over packed rows (`CpuDecoder.start_rows`): the native kernel reads KIVI
+rows in place, the torch backend unpacks them first; both against float64 attention over the
+values the codec gives back (`codec.unpack`), for every bit width, GQA group, head dim and a
+value channel group of 32 or the whole head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.attention.cpu_decode import CpuDecoder, native_library, plan_row_tasks
+from kvtier.policies.quant import Fp8Codec, KiviCodec
+
+NATIVE = native_library() is not None
+BACKENDS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="no C++ compiler"))]
+CASES = [  # (bits, KV heads, query heads per KV head, head dim)
+    (4, 2, 3, 64),
+    (4, 1, 4, 128),
+    (2, 2, 1, 64),
+    (8, 1, 2, 48),  # D % 32 != 0: a value's channels share one (min, step)
+    (4, 1, 9, 64),  # r > 8: two passes over the rows
+]
+
+
+def packed_slice(
+    codec: KiviCodec | Fp8Codec, g: int, r: int, d: int, rows_per_extent: int, extents: int, seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """q [G r, D] and row extents [rows_per_extent, row_bytes] of KV with a per-channel offset
+    (as real keys have), packed by `codec`."""
+    gen = torch.Generator().manual_seed(seed)
+    n = rows_per_extent * extents * codec.group
+    kv = torch.randn(n, 2, g, d, generator=gen) + torch.randn(1, 2, g, d, generator=gen) * 3
+    rows = codec.pack(kv)
+    q = torch.randn(g * r, d, generator=gen)
+    return q, list(rows.split(rows_per_extent))
+
+
+def reference(
+    codec: KiviCodec | Fp8Codec, q: torch.Tensor, extents: list[torch.Tensor], rows: int, g: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = codec.unpack(torch.cat(extents)[:rows], g, d, torch.float32).double()  # [S, 2, G, D]
+    qd = q.double().view(g, -1, d)
+    scores = torch.einsum("grd,sgd->grs", qd, kv[:, 0]) * d**-0.5  # [G, r, S]
+    out = torch.einsum("grs,sgd->grd", torch.softmax(scores, dim=-1), kv[:, 1])
+    return out.reshape(-1, d), torch.logsumexp(scores, dim=-1).reshape(-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bits,g,r,d", CASES)
+def test_rows_match_float64_attention_over_unpacked_values(
+    backend: str, bits: int, g: int, r: int, d: int
+) -> None:
+    codec = KiviCodec(bits=bits)
+    q, extents = packed_slice(codec, g, r, d, rows_per_extent=40, extents=3, seed=bits * 7 + g + r)
+    rows = 97  # into the third extent, tasks of several rows
+    assert len(plan_row_tasks(extents, rows)) >= 3
+    dec = CpuDecoder(2, backend=backend)
+    pending = dec.start_rows(q, codec, extents, rows, g, d)
+    assert pending.native == (backend == "native")
+    out, lse = pending.result()
+    dec.close()
+    ref_out, ref_lse = reference(codec, q, extents, rows, g, d)
+    assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_a_codec_the_kernel_does_not_read_unpacks_with_torch() -> None:
+    codec = Fp8Codec()
+    q, extents = packed_slice(codec, 2, 2, 64, rows_per_extent=600, extents=2, seed=1)
+    dec = CpuDecoder(2)
+    pending = dec.start_rows(q, codec, extents, 1000, 2, 64)
+    assert not pending.native
+    out, lse = pending.result()
+    dec.close()
+    ref_out, ref_lse = reference(codec, q, extents, 1000, 2, 64)
+    assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C++ compiler")
+def test_native_rows_do_not_depend_on_the_thread_count() -> None:
+    codec = KiviCodec(bits=4)
+    q, extents = packed_slice(codec, 2, 4, 128, rows_per_extent=64, extents=2, seed=5)
+    results = []
+    for threads in (1, 2, 3):
+        dec = CpuDecoder(threads, backend="native")
+        results.append(dec.start_rows(q, codec, extents, 128, 2, 128).result())
+        dec.close()
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_rows_of_another_shape_are_refused() -> None:
+    codec = KiviCodec(bits=4)
+    q, extents = packed_slice(codec, 2, 2, 64, rows_per_extent=8, extents=1, seed=2)
+    dec = CpuDecoder(1)
+    with pytest.raises(ValueError, match="bytes"):
+        dec.start_rows(q, codec, extents, 8, 1, 64)  # rows of 2 heads read as 1
+    with pytest.raises(ValueError, match="outside"):
+        dec.start_rows(q, codec, extents, 9, 2, 64)
+    dec.close()
