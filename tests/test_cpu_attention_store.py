@@ -121,18 +121,63 @@ def test_cpu_slices_give_the_same_tokens(
     store.close()
 
 
-def test_a_store_with_a_method_kernel_or_codec_streams_its_cpu_slices(
+def test_a_store_with_a_method_kernel_or_evictor_streams_its_cpu_slices(
     gqa_model: tuple[CausalLM, ModelConfig],
 ) -> None:
     from kvtier.methods import build_policy
 
     cfg = gqa_model[1]
-    parts = build_policy(cfg, device=CPU, kv_quant="int8")
-    store = TieredKVStore(
-        cfg, plan(1, 0, 3), device=CPU, dtype=torch.float32, capacity=64, **parts.store_kwargs()
-    )
-    assert store.cpu is None
+    for option in (dict(evict="window", kv_budget=32), dict(attention="quest", kv_budget=32)):
+        parts = build_policy(cfg, device=CPU, **option)  # type: ignore[arg-type]
+        store = TieredKVStore(
+            cfg, plan(1, 0, 3), device=CPU, dtype=torch.float32, capacity=64, **parts.store_kwargs()
+        )
+        assert store.cpu is None, option
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "codec",
+    ["int4-native", "int4-g8", "fp8"],
+)
+def test_cpu_slices_of_a_quantized_cache_give_its_tokens(
+    gqa_model: tuple[CausalLM, ModelConfig], backend: str, codec: str
+) -> None:
+    """The CPU reads a quantized cache's packed rows (and its full-precision tail) where a load
+    would unpack them: the same tokens as streaming every slice, fewer bytes over the link."""
+    from kvtier.policies.quant import Fp8Codec, KiviCodec
+
+    model, cfg = gqa_model
+    made = {
+        "int4-native": KiviCodec(bits=4, group=32, residual=0),  # the native kernel's rows
+        "int4-g8": KiviCodec(bits=4, group=8, residual=8),  # unpacked with torch
+        "fp8": Fp8Codec(),
+    }[codec]
+
+    def go(cpu: int) -> tuple[list[torch.Tensor], list[int], TieredKVStore]:
+        ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+        store = TieredKVStore(
+            cfg,
+            plan(1, 1, cpu),
+            device=CPU,
+            dtype=torch.float32,
+            capacity=PROMPT + DECODE,
+            options=StoreOptions(block_size=5, extent_blocks=2),
+            codec=made,
+        )
+        logits, tokens = drive(model, store, ids, CHUNK, DECODE)
+        return logits, tokens, store
+
+    ref_logits, ref_tokens, ref_store = go(0)
+    logits, tokens, store = go(3)
+    assert store.cpu is not None and len(store.cpu.slices) == 3
+    assert store.packed is not None and store.packed.coded > 0
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert store.account.h2d_bytes < ref_store.account.h2d_bytes
     store.close()
+    ref_store.close()
 
 
 def test_llm_cpu_attention_option(gqa_folder: Path) -> None:
@@ -145,8 +190,9 @@ def test_llm_cpu_attention_option(gqa_folder: Path) -> None:
     assert out.stats.plan["cpu_slices"] == 3
     # auto on the CPU device: no separate GPU to overlap with, so nothing goes to the CPU path.
     assert LLM(str(gqa_folder), device="cpu", kv="head").plan(64).cpu_slices == 0
-    with pytest.raises(ConfigError, match="lossless attention only"):
-        llm.plan(64, llm.resolve_method("int8"))
+    assert llm.plan(64, llm.resolve_method("int8,kv=head")).cpu_slices == 3  # over its packed rows
+    with pytest.raises(ConfigError, match="lossless or quantized"):
+        llm.plan(64, llm.resolve_method("quest,kv_budget=32"))
     with pytest.raises(ConfigError, match="--cpu-attention"):
         LLM(str(gqa_folder), device="cpu", cpu_attention="most")
 

@@ -30,6 +30,7 @@ from kvtier.attention.dense import attend_self_lse, merge_into
 from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
+from kvtier.kv.packed import PackedTier
 from kvtier.kv.streams import Streams
 from kvtier.planner.cpu_split import cpu_slice_flags
 from kvtier.planner.hardware import Hardware, detect_hardware
@@ -57,8 +58,10 @@ class CpuSlices:
         device: torch.device,
         streams: Streams,
         decoder: CpuDecoder | None = None,
+        packed: PackedTier | None = None,
     ) -> None:
-        resident = [s not in hosts for s in range(layout.num_slices)]
+        on_device = packed.device_slices if packed is not None else frozenset()  # packed, on the GPU
+        resident = [s not in hosts or s in on_device for s in range(layout.num_slices)]
         flags = cpu_slice_flags(layout.num_layers, layout.num_groups, resident, count)
         self.slices = frozenset(s for s, f in enumerate(flags) if f)
         self.layers = frozenset(s // layout.num_groups for s in self.slices)
@@ -67,6 +70,9 @@ class CpuSlices:
         self.device = device
         self.streams = streams
         self.decoder = decoder or shared_decoder()
+        # A quantized host tier: a CPU slice's coded tokens are packed rows there, attended in
+        # place (`CpuDecoder.start_rows`), and only its uncoded tail is in `hosts`.
+        self.packed = packed
 
     def begin_step(self, n_new: int) -> frozenset[int]:
         """The slices this step attends on the CPU (none unless it decodes one token)."""
@@ -88,12 +94,12 @@ class CpuSlices:
         lay = self.layout
         s = length
         on_cpu = [g for g in range(lay.num_groups) if lay.slice_index(layer, g) in self.slices]
-        pending: dict[int, PendingDecode] = {}
+        pending: dict[int, list[PendingDecode]] = {}
         if s > 0:
             q_host, ready = self._query_to_host(q[0], [self.hosts[lay.slice_index(layer, g)] for g in on_cpu])
             for g in on_cpu:
-                host = self.hosts[lay.slice_index(layer, g)]
-                pending[g] = self.decoder.start(q_host[lay.q_heads(g)], host.extents, s, ready)
+                sid = lay.slice_index(layer, g)
+                pending[g] = self._start(sid, q_host[lay.q_heads(g)], s, ready)
         outs: dict[int, torch.Tensor] = {}
         for g in range(lay.num_groups):
             if g not in pending and g not in on_cpu:
@@ -102,12 +108,32 @@ class CpuSlices:
             qg = q[:, lay.q_heads(g)]  # [1, H_q_g, D]
             new = kv[:, :, lay.kv_heads(g)].contiguous()  # [1, 2, G, D]
             part = attend_self_lse(qg, new[:, 0], new[:, 1])
-            if g in pending:
-                out, lse = pending[g].result()  # [H_q_g, D], [H_q_g] float32, on the CPU
+            for started in pending.get(g, []):
+                out, lse = started.result()  # [H_q_g, D], [H_q_g] float32, on the CPU
                 part = merge_into((out.to(self.device)[None], lse.to(self.device)[None]), part)
             outs[g] = part[0].to(q.dtype)
             write_back(lay.slice_index(layer, g), new, self.streams.record())
         return torch.cat([outs[g] for g in range(lay.num_groups)], dim=1)
+
+    def _start(
+        self, sid: int, q: torch.Tensor, length: int, ready: torch.cuda.Event | None
+    ) -> list[PendingDecode]:
+        """The CPU attention of q [H_q_g, D] over slice `sid`'s `length` stored tokens: one start
+        over full-precision extents, or with a quantized host tier one over the packed rows of
+        its coded tokens and one per stored piece of its uncoded tail."""
+        host = self.hosts[sid]
+        if self.packed is None:
+            return [self.decoder.start(q, host.extents, length, ready)]
+        lay, codec = self.layout, self.packed.codec
+        rows = min(self.packed.coded, length) // codec.group
+        parts = []
+        if rows:
+            extents = self.packed.rows[sid].extents
+            g, d = lay.group_size, lay.head_dim
+            parts.append(self.decoder.start_rows(q, codec, extents, rows, g, d, ready))
+        for view in host.views(rows * codec.group, length):
+            parts.append(self.decoder.start(q, [view], view.shape[0], ready))
+        return parts
 
     def _query_to_host(
         self, q: torch.Tensor, hosts: list[HostSlice]

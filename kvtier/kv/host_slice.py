@@ -40,6 +40,10 @@ class HostSlice:
             pos += n
         return out
 
+    def views(self, start: int, end: int) -> list[torch.Tensor]:
+        """Views of the extents holding tokens [start, end), in order (each [n, 2, G, D], contiguous)."""
+        return [self.extents[e][off : off + n] for e, off, _, n in self._pieces(start, end)]
+
     def write(self, start: int, src: torch.Tensor) -> None:
         """Copy src [n, 2, G, D] (any device) to tokens [start, start + n). Asynchronous on CUDA."""
         for e, off, at, n in self._pieces(start, start + src.shape[0]):

@@ -189,8 +189,9 @@ class TieredKVStore:
                 account=self.account,
                 device_slices=self.on_device,
             )
-        # The plan's CPU-attended slices (kvtier.kv.cpu_attend): lossless dense attention over
-        # full-precision host KV only; any other store streams them as usual.
+        # The plan's CPU-attended slices (kvtier.kv.cpu_attend): dense attention over the host
+        # tier's KV, full precision or packed (the values a load would unpack); any other store
+        # streams them as usual.
         self.cpu: CpuSlices | None = None
         self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
         # Whether a decode step's write-backs wait for the next step's start (`_write_back`).
@@ -201,10 +202,10 @@ class TieredKVStore:
             plan.cpu_slices
             and plain
             and type(self.kernel) is DenseKernel
-            and codec is None
+            and (codec is None or self.packed is not None)
             and evictor is None
         ):
-            self.cpu = CpuSlices(lay, self.hosts, plan.cpu_slices, device, self.streams)
+            self.cpu = CpuSlices(lay, self.hosts, plan.cpu_slices, device, self.streams, packed=self.packed)
 
     # -- step protocol -------------------------------------------------------------------------
 

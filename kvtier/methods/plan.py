@@ -21,10 +21,12 @@ def plan_for(inputs: PlanInputs, method: MethodChoice = LOSSLESS) -> Placement:
     `CapacityError` (or `HostCapacityError`) when the context fits nowhere.
     """
     codec = method.codec()
-    if not method.lossless:
-        # NOTE: CPU attention is dense attention over full-precision KV: lossy methods stream.
+    quantized = method.entry is not None and method.entry.family == "kv_quant"
+    if not method.lossless and not quantized:
+        # NOTE: CPU attention is dense attention over the stored KV (full precision, or the
+        # packed rows of a quantized cache): sparse and evicting methods stream.
         if isinstance(inputs.cpu_attention, int) and inputs.cpu_attention > 0:
-            raise ConfigError("--cpu-attention N applies to lossless attention only: use auto or off")
+            raise ConfigError("--cpu-attention N applies to lossless or quantized KV only: use auto or off")
         inputs = replace(inputs, cpu_attention="off")
 
     def plan_with(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:

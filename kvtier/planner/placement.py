@@ -192,7 +192,7 @@ def plan_kv(
     per-slice overhead. With a packing `codec` (quantized KV) every slice is sized packed, and
     resident slices need two staging buffers to unpack into. `cpu_attention` ("off", "auto" or a
     number of slices) gives some streamed slices to the CPU at decode (`kvtier.planner.cpu_split`;
-    never with a codec: the CPU kernel reads full-precision KV). `activations` says whose forward
+    with a codec only a number: the CPU then reads the packed rows). `activations` says whose forward
     runs the chunks: "runner" (kvtier's, `activation_bytes`) or "hf" (transformers' model over a
     `kvtier.hf.TieredCache`, `hf_activation_bytes`). Raises ConfigError on bad arguments and
     CapacityError with the numbers when the GPU or host budget is too small.
@@ -202,15 +202,20 @@ def plan_kv(
         raise ConfigError(f"unknown activation model {activations!r}; use one of {', '.join(ACTIVATIONS)}")
     hw = hardware or DEFAULT_HARDWARE
     capacity = round_up(context, block_size)
-    if codec is not None and isinstance(cpu_attention, int) and cpu_attention > 0:
-        raise ConfigError("--cpu-attention N does not apply to a quantized cache yet: use auto or off")
 
     def on_cpu(plan: KVPlan) -> KVPlan:
         """The plan with its CPU-attended slices chosen (none where the CPU kernel's plain
         attention is not the model's, soft-capped or latent scores, and none next to windowed
-        layers, which the CPU split does not model yet)."""
-        if codec is not None or plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
+        layers, which the CPU split does not model yet). A quantized cache takes a given count
+        only: the split does not model the packed kernel's rate yet, so "auto" gives it none."""
+        if plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
             return plan
+        if codec is not None:
+            if not isinstance(cpu_attention, int):
+                return plan
+            return replace(
+                plan, cpu_slices=choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
+            )
         k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
         best = replace(plan, cpu_slices=k)
         wider = _one_more_buffer(plan) if k else None
