@@ -23,11 +23,12 @@ from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import build_empty, random_model, with_experts_on_host
 from kvtier.model.moe import MoE
 from kvtier.planner.placement import KVPlan
+from kvtier.policies.quant import KiviCodec
 
 DEV = torch.device("cuda")
 
 
-def run(model, cfg, plan, ids, decode=6, feed=None):  # type: ignore[no-untyped-def]
+def run(model, cfg, plan, ids, decode=6, feed=None, codec=None):  # type: ignore[no-untyped-def]
     """Logits of `ids` then `decode` greedy steps, and the argmax of each step. With `feed`
     (the reference's tokens) the steps decode those tokens instead of their own argmax, so the
     logits compare like for like even where a near tie flips an argmax."""
@@ -38,6 +39,7 @@ def run(model, cfg, plan, ids, decode=6, feed=None):  # type: ignore[no-untyped-
         dtype=torch.bfloat16,
         capacity=ids.shape[0] + decode,
         options=StoreOptions(block_size=64, extent_blocks=3),
+        codec=codec,
     )
     logits, toks = [], []
     for s in range(0, ids.shape[0], plan.chunk_size):
@@ -139,6 +141,16 @@ def main() -> None:
     }.items():
         lg, t = run(model, cfg, plan, ids, feed=ref_t)
         results[name] = {"tokens_equal": t == ref_t, "rel": float((lg - ref).norm() / ref.norm())}
+    # CPU attention over a quantized cache's packed rows (issue 23's int4 host KV): against the
+    # same int4 cache with every slice loaded to the GPU, which unpacks the same rows.
+    int4 = KiviCodec(bits=4)
+    q_ref, q_t = run(model, cfg, p("head", 1, 0, 1536), ids, codec=int4)
+    for name, plan in {
+        "int4-cpu-head-g1-6": replace(p("head", 1, 0, 1536), num_slices=16, cpu_slices=6),
+        "int4-cpu-layer-2": replace(p("layer", 4, 0, 1536), num_slices=4, cpu_slices=2),
+    }.items():
+        lg, t = run(model, cfg, plan, ids, feed=q_t, codec=int4)
+        results[name] = {"tokens_equal": t == q_t, "rel": float((lg - q_ref).norm() / q_ref.norm())}
     results["moe-experts-on-host"] = experts_on_host_check()
     # lower-right causal flash path vs an fp32 reference
     q = torch.randn(300, 32, 128, device=DEV, dtype=torch.bfloat16)

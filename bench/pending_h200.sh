@@ -49,6 +49,7 @@
 #                                        #   untraced, the activation pool; then at once
 #         bash bench/pending_h200.sh 22  # (~9.5 min) the whole gpu_smoke, then
 #         bash bench/pending_h200.sh 23  # (~4 min) whole-GPU serve cases with the new split counts
+#         bash bench/pending_h200.sh 24  # (~7.5 min) issue 23: int4 host KV with CPU attention
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
@@ -186,6 +187,14 @@ case "$group" in
   # c1-32k's target is 8 ms/token (8.05-8.30 with 16 splits); the kernel alone again
   run 170 $py bench/serve_gpu.py --cases c1,c1-32k,c32,c64 --name serve_gpu
   run 60 $py bench/paged_decode_splits.py --iters 30
+  ;;
+24)
+  # issue 23's int4 host KV with CPU attention: the packed kernel's rates on the H200's host, the
+  # GPU checks (int4 rows), and 512K decode with int4 alone and with CPU slices (target 0.25 s)
+  run 90 $py bench/cpu_attention_rows.py --threads 1,8,15 --name cpu_attention_rows_h200
+  run 60 $py bench/gpu_checks.py
+  run 300 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,20,40 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
