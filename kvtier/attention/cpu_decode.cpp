@@ -361,107 +361,118 @@ inline void halfs_to_floats(const uint16_t* h, int n, float* f) {
   for (; i < n; ++i) f[i] = half_to_float(h[i]);
 }
 
-// Row -> kv [32, 2, G, D] float32 (token-major: a token's K heads, then its V heads), values in
-// order. Codes are read a byte at a time (PER codes each), inner loops of compile-time length.
+// A row's fp16 (min, step) pairs as float32 in `par`: keys' [min G*D | step G*D], then values'
+// [min 32*G*NC | step 32*G*NC].
+inline void row_params(const uint8_t* row, int bits, int G, int D, float* par) {
+  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1;
+  const int64_t codes = (int64_t)KIVI_GROUP * G * D * bits / 8;
+  halfs_to_floats((const uint16_t*)(row + 2 * codes), 2 * G * D + 2 * KIVI_GROUP * G * nc, par);  // NOTE: 2-byte aligned
+}
+
+// Head h of a row -> kv [32, 2, D] float32 (a token's K, then its V), values in order. Codes
+// are read a byte at a time (PER codes each), inner loops of compile-time length.
 template <int BITS>
-void unpack_row(const uint8_t* row, int G, int D, float* kv, float* par) {
+void unpack_head(const uint8_t* row, int G, int D, int h, const float* par, float* kv) {
   constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
   const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D, bytes = D / PER;
   const int64_t codes = (int64_t)KIVI_GROUP * gd * BITS / 8;
   const uint8_t *kc = row, *vc = row + codes;
-  const uint16_t* h16 = (const uint16_t*)(row + 2 * codes);  // NOTE: rows start 2-byte aligned
   const int vp = KIVI_GROUP * G * nc;
-  float *klo = par, *ks = par + gd, *vlo = par + 2 * gd, *vs = vlo + vp;
-  halfs_to_floats(h16, 2 * gd + 2 * vp, par);
+  const float *s = par + gd + h * D, *lo = par + h * D, *vlo = par + 2 * gd, *vs = vlo + vp;
   for (int t = 0; t < KIVI_GROUP; ++t) {
-    for (int h = 0; h < G; ++h) {
-      const int th = t * G + h;
-      float* k = kv + (int64_t)t * 2 * gd + h * D;
-      float* v = k + gd;
-      const uint8_t* kb = kc + (int64_t)th * bytes;
-      const uint8_t* vb = vc + (int64_t)th * bytes;
-      const float *s = ks + h * D, *lo = klo + h * D;
-      for (int j = 0; j < bytes; ++j) {
-        const int b = kb[j];
-        for (int u = 0; u < PER; ++u) {
-          const int c = j * PER + u;
-          k[c] = (float)((b >> (u * BITS)) & MASK) * s[c] + lo[c];
-        }
+    const int th = t * G + h;
+    float* k = kv + (int64_t)t * 2 * D;
+    float* v = k + D;
+    const uint8_t* kb = kc + (int64_t)th * bytes;
+    const uint8_t* vb = vc + (int64_t)th * bytes;
+    for (int j = 0; j < bytes; ++j) {
+      const int b = kb[j];
+      for (int u = 0; u < PER; ++u) {
+        const int c = j * PER + u;
+        k[c] = (float)((b >> (u * BITS)) & MASK) * s[c] + lo[c];
       }
-      for (int c0 = 0, run = th * nc; c0 < D; c0 += cg, ++run) {
-        const float step = vs[run], base = vlo[run];
-        for (int j = c0 / PER; j < (c0 + cg) / PER; ++j) {
-          const int b = vb[j];
-          for (int u = 0; u < PER; ++u) v[j * PER + u] = (float)((b >> (u * BITS)) & MASK) * step + base;
-        }
+    }
+    for (int c0 = 0, run = th * nc; c0 < D; c0 += cg, ++run) {
+      const float step = vs[run], base = vlo[run];
+      for (int j = c0 / PER; j < (c0 + cg) / PER; ++j) {
+        const int b = vb[j];
+        for (int u = 0; u < PER; ++u) v[j * PER + u] = (float)((b >> (u * BITS)) & MASK) * step + base;
       }
     }
   }
+}
+
+template <int BITS>
+void params_plain(const uint8_t* row, int G, int D, float* par) {
+  row_params(row, BITS, G, D, par);
 }
 
 #ifdef KVTIER_SHUFFLE
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
-// A 4-bit row -> kv [32, 2, G, D] float32 in F32S's chunk order (D a multiple of 16): byte i of
-// a 16-value block holds values 2i (low bits) and 2i + 1, which are lane i of the block's even
-// and odd chunks. The keys' per-channel (min, step) are put in that order once per row.
-void unpack_row4_split(const uint8_t* row, int G, int D, float* kv, float* par) {
-  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D;
-  const int64_t codes = (int64_t)KIVI_GROUP * gd / 2;
-  const uint8_t *kc = row, *vc = row + codes;
-  const uint16_t* h16 = (const uint16_t*)(row + 2 * codes);
-  const int vp = KIVI_GROUP * G * nc;
-  float *klo = par, *ks = par + gd, *vlo = par + 2 * gd, *vs = vlo + vp;
-  halfs_to_floats(h16, 2 * gd + 2 * vp, par);
-  for (int i = 0; i < 2 * gd; i += 16) {  // klo and ks, each G x D: to chunk order
+// As row_params for 4-bit rows, the keys' (min, step) put in F32S's chunk order (D a multiple of 16).
+void params4_split(const uint8_t* row, int G, int D, float* par) {
+  row_params(row, 4, G, D, par);
+  for (int i = 0; i < 2 * G * D; i += 16) {
     const v8f a = load(par + i), b = load(par + i + 8);
     store(par + i, __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14));
     store(par + i + 8, __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15));
   }
+}
+
+// Head h of a 4-bit row -> kv [32, 2, D] float32 in F32S's chunk order: byte i of a 16-value
+// block holds values 2i (low bits) and 2i + 1, lane i of the block's even and odd chunks.
+void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* par, float* kv) {
+  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D;
+  const int64_t codes = (int64_t)KIVI_GROUP * gd / 2;
+  const uint8_t *kc = row, *vc = row + codes;
+  const int vp = KIVI_GROUP * G * nc;
+  const float *s = par + gd + h * D, *lo = par + h * D, *vlo = par + 2 * gd, *vs = vlo + vp;
   for (int t = 0; t < KIVI_GROUP; ++t) {
-    for (int h = 0; h < G; ++h) {
-      const int th = t * G + h;
-      float* k = kv + (int64_t)t * 2 * gd + h * D;
-      float* v = k + gd;
-      const uint8_t* kb = kc + (int64_t)th * (D / 2);
-      const uint8_t* vb = vc + (int64_t)th * (D / 2);
-      const float *s = ks + h * D, *lo = klo + h * D;
-      for (int c = 0; c < D; c += 16) {
-        v8b x, y;
-        memcpy(&x, kb + c / 2, 8);
-        memcpy(&y, vb + c / 2, 8);
-        const v8i wk = __builtin_convertvector(x, v8i), wv = __builtin_convertvector(y, v8i);
-        const v8f ke = __builtin_convertvector(wk & 15, v8f), ko = __builtin_convertvector(wk >> 4, v8f);
-        const v8f ve = __builtin_convertvector(wv & 15, v8f), vo = __builtin_convertvector(wv >> 4, v8f);
-        store(k + c, ke * load(s + c) + load(lo + c));
-        store(k + c + 8, ko * load(s + c + 8) + load(lo + c + 8));
-        const int at = th * nc + c / cg;
-        store(v + c, ve * vs[at] + vlo[at]);
-        store(v + c + 8, vo * vs[at] + vlo[at]);
-      }
+    const int th = t * G + h;
+    float* k = kv + (int64_t)t * 2 * D;
+    float* v = k + D;
+    const uint8_t* kb = kc + (int64_t)th * (D / 2);
+    const uint8_t* vb = vc + (int64_t)th * (D / 2);
+    for (int c = 0; c < D; c += 16) {
+      v8b x, y;
+      memcpy(&x, kb + c / 2, 8);
+      memcpy(&y, vb + c / 2, 8);
+      const v8i wk = __builtin_convertvector(x, v8i), wv = __builtin_convertvector(y, v8i);
+      const v8f ke = __builtin_convertvector(wk & 15, v8f), ko = __builtin_convertvector(wk >> 4, v8f);
+      const v8f ve = __builtin_convertvector(wv & 15, v8f), vo = __builtin_convertvector(wv >> 4, v8f);
+      store(k + c, ke * load(s + c) + load(lo + c));
+      store(k + c + 8, ko * load(s + c + 8) + load(lo + c + 8));
+      const int at = th * nc + c / cg;
+      store(v + c, ve * vs[at] + vlo[at]);
+      store(v + c + 8, vo * vs[at] + vlo[at]);
     }
   }
 }
 #endif
 
-// nrows packed rows of all G KV heads; q, out and lse as `decode`. T: the scratch's order (F32,
-// or F32S for `unpack_row4_split`), UNPACK: the row's unpacking into it.
-template <class T, int R, void (*UNPACK)(const uint8_t*, int, int, float*, float*)>
+// nrows packed rows of all G KV heads; q, out and lse as `decode`. T: the block's order (F32, or
+// F32S for unpack_head4_split); PARAMS converts a row's scales, UNPACK one head of it into a
+// [32, 2, D] block (32 KB at D = 128: it stays in L1 while the head attends it).
+template <class T, int R, void (*PARAMS)(const uint8_t*, int, int, float*),
+          void (*UNPACK)(const uint8_t*, int, int, int, const float*, float*)>
 void decode_rows(const uint8_t* rows, int64_t nrows, int64_t rb, int G, const float* q, float scale, int RS,
                  int D, float* out, float* lse) {
   const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1;
-  const int64_t stride = 2 * (int64_t)G * D, v_off = (int64_t)G * D;
   // NOTE: per thread and kept, as in `decode`: a task allocates nothing after its first.
   thread_local std::vector<Head<T, R>> heads;
   thread_local std::vector<float> kv, par;
   if ((int)heads.size() < G) heads.resize(G);
-  kv.resize((size_t)KIVI_GROUP * stride);
+  kv.resize((size_t)KIVI_GROUP * 2 * D);
   par.resize((size_t)2 * G * D + 2 * KIVI_GROUP * G * nc);
   for (int g = 0; g < G; ++g) heads[g].init(q + g * RS * D, scale, D);
   for (int64_t r = 0; r < nrows; ++r) {
-    UNPACK(rows + r * rb, G, D, kv.data(), par.data());
-    const char* blk = (const char*)kv.data();
-    for (int g = 0; g < G; ++g) heads[g].block(blk + g * D * 4, KIVI_GROUP, stride, v_off, D);
+    const uint8_t* row = rows + r * rb;
+    PARAMS(row, G, D, par.data());
+    for (int g = 0; g < G; ++g) {
+      UNPACK(row, G, D, g, par.data(), kv.data());
+      heads[g].block((const char*)kv.data(), KIVI_GROUP, 2 * D, D, D);
+    }
   }
   for (int g = 0; g < G; ++g) heads[g].finish(out + g * RS * D, lse + g * RS, D);
 }
@@ -472,11 +483,11 @@ void decode_rows_any(const uint8_t* rows, int64_t n, int G, const float* q, floa
   const int64_t rb = kivi_row_bytes(BITS, G, D);
 #ifdef KVTIER_SHUFFLE
   if (BITS == 4 && D % 16 == 0) {
-    decode_rows<F32S, R, unpack_row4_split>(rows, n, rb, G, q, scale, RS, D, out, lse);
+    decode_rows<F32S, R, params4_split, unpack_head4_split>(rows, n, rb, G, q, scale, RS, D, out, lse);
     return;
   }
 #endif
-  decode_rows<F32, R, unpack_row<BITS>>(rows, n, rb, G, q, scale, RS, D, out, lse);
+  decode_rows<F32, R, params_plain<BITS>, unpack_head<BITS>>(rows, n, rb, G, q, scale, RS, D, out, lse);
 }
 
 template <int BITS>
