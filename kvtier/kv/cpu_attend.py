@@ -5,6 +5,8 @@ PCIe: the layer's query goes to the host, the CPU attends each such slice's stor
 (`kvtier.attention.cpu_decode`), and the partial (out, lse) comes back and merges exactly with
 the new token's own attention by log-sum-exp, as sequence blocks do. The new token's K/V is
 written to the host tier as for any streamed slice. Prefill streams these slices as usual.
+Over a quantized host tier (`kvtier.kv.packed`) the CPU reads a slice's packed rows in place
+and its full-precision tail, the values a load to the GPU would unpack.
 
 ```
  layer l (has CPU slices):
