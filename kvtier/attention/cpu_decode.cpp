@@ -289,8 +289,10 @@ void decode(const char* kv, int64_t n, int G, const float* q, float scale, int R
   for (int g = 0; g < G; ++g) heads[g].finish(out + g * RS * D, lse + g * RS, D);
 }
 
-// NOTE: more than MAX_R query heads per KV head run MAX_R at a time (each pass reads the KV again).
-template <class T>
+// One kernel over `n` tokens or rows for each pass of R query heads: Pass<R>::run(kv, n, G, q,
+// scale, RS, D, out, lse). NOTE: more than MAX_R query heads per KV head run MAX_R at a time
+// (each pass reads the KV again).
+template <template <int> class Pass>
 int dispatch(const char* kv, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
              float* lse) {
   if (n < 1 || G < 1 || R < 1 || D % 8 != 0 || D / 8 > MAX_DV) return -1;
@@ -299,18 +301,30 @@ int dispatch(const char* kv, int64_t n, int G, const float* q, float scale, int 
     const float* qh = q + h0 * D;
     float *oh = out + h0 * D, *lh = lse + h0;
     switch (r) {
-      case 1: decode<T, 1>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      case 2: decode<T, 2>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      case 3: decode<T, 3>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      case 4: decode<T, 4>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      case 5: decode<T, 5>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      case 6: decode<T, 6>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      case 7: decode<T, 7>(kv, n, G, qh, scale, R, D, oh, lh); break;
-      default: decode<T, 8>(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 1: Pass<1>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 2: Pass<2>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 3: Pass<3>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 4: Pass<4>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 5: Pass<5>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 6: Pass<6>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      case 7: Pass<7>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
+      default: Pass<8>::run(kv, n, G, qh, scale, R, D, oh, lh); break;
     }
   }
   return 0;
 }
+
+// `decode` over token-major rows of T, as a `dispatch` pass.
+template <class T>
+struct Tokens {
+  template <int R>
+  struct Pass {
+    static void run(const char* kv, int64_t n, int G, const float* q, float scale, int RS, int D, float* out,
+                    float* lse) {
+      decode<T, R>(kv, n, G, q, scale, RS, D, out, lse);
+    }
+  };
+};
 
 // -- packed rows (kvtier.policies.quant.KiviCodec, groups of 32 tokens) ---------------------
 //
@@ -369,32 +383,50 @@ inline void row_params(const uint8_t* row, int bits, int G, int D, float* par) {
   halfs_to_floats((const uint16_t*)(row + 2 * codes), 2 * G * D + 2 * KIVI_GROUP * G * nc, par);  // NOTE: 2-byte aligned
 }
 
+// Where head h's parts of a row are: its codes, and its float32 (min, step) in `par` (as
+// row_params leaves them; for a value, per (token, head, run of cg channels), nc runs a head).
+struct HeadOfRow {
+  const uint8_t *kc, *vc;
+  const float *klo, *ks, *vlo, *vs;
+  int nc, cg, G, h, bytes;  // bytes: of one (token, head)'s codes
+  HeadOfRow(const uint8_t* row, int bits, int G_, int D, int h_, const float* par) : G(G_), h(h_) {
+    nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1;
+    cg = D / nc;
+    bytes = D * bits / 8;
+    const int gd = G * D;
+    kc = row;
+    vc = row + (int64_t)KIVI_GROUP * gd * bits / 8;
+    klo = par + h * D;
+    ks = par + gd + h * D;
+    vlo = par + 2 * gd;
+    vs = vlo + KIVI_GROUP * G * nc;
+  }
+  const uint8_t* keys(int t) const { return kc + (int64_t)(t * G + h) * bytes; }
+  const uint8_t* values(int t) const { return vc + (int64_t)(t * G + h) * bytes; }
+  int run(int t, int c) const { return (t * G + h) * nc + c / cg; }  // value (min, step) of channel c
+};
+
 // Head h of a row -> kv [32, 2, D] float32 (a token's K, then its V), values in order. Codes
 // are read a byte at a time (PER codes each), inner loops of compile-time length.
 template <int BITS>
 void unpack_head(const uint8_t* row, int G, int D, int h, const float* par, float* kv) {
   constexpr int PER = 8 / BITS, MASK = (1 << BITS) - 1;
-  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D, bytes = D / PER;
-  const int64_t codes = (int64_t)KIVI_GROUP * gd * BITS / 8;
-  const uint8_t *kc = row, *vc = row + codes;
-  const int vp = KIVI_GROUP * G * nc;
-  const float *s = par + gd + h * D, *lo = par + h * D, *vlo = par + 2 * gd, *vs = vlo + vp;
+  const HeadOfRow at(row, BITS, G, D, h, par);
   for (int t = 0; t < KIVI_GROUP; ++t) {
-    const int th = t * G + h;
     float* k = kv + (int64_t)t * 2 * D;
     float* v = k + D;
-    const uint8_t* kb = kc + (int64_t)th * bytes;
-    const uint8_t* vb = vc + (int64_t)th * bytes;
-    for (int j = 0; j < bytes; ++j) {
+    const uint8_t *kb = at.keys(t), *vb = at.values(t);
+    for (int j = 0; j < at.bytes; ++j) {
       const int b = kb[j];
       for (int u = 0; u < PER; ++u) {
         const int c = j * PER + u;
-        k[c] = (float)((b >> (u * BITS)) & MASK) * s[c] + lo[c];
+        k[c] = (float)((b >> (u * BITS)) & MASK) * at.ks[c] + at.klo[c];
       }
     }
-    for (int c0 = 0, run = th * nc; c0 < D; c0 += cg, ++run) {
-      const float step = vs[run], base = vlo[run];
-      for (int j = c0 / PER; j < (c0 + cg) / PER; ++j) {
+    for (int c0 = 0; c0 < D; c0 += at.cg) {
+      const int run = at.run(t, c0);
+      const float step = at.vs[run], base = at.vlo[run];
+      for (int j = c0 / PER; j < (c0 + at.cg) / PER; ++j) {
         const int b = vb[j];
         for (int u = 0; u < PER; ++u) v[j * PER + u] = (float)((b >> (u * BITS)) & MASK) * step + base;
       }
@@ -423,17 +455,11 @@ void params4_split(const uint8_t* row, int G, int D, float* par) {
 // Head h of a 4-bit row -> kv [32, 2, D] float32 in F32S's chunk order: byte i of a 16-value
 // block holds values 2i (low bits) and 2i + 1, lane i of the block's even and odd chunks.
 void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* par, float* kv) {
-  const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1, cg = D / nc, gd = G * D;
-  const int64_t codes = (int64_t)KIVI_GROUP * gd / 2;
-  const uint8_t *kc = row, *vc = row + codes;
-  const int vp = KIVI_GROUP * G * nc;
-  const float *s = par + gd + h * D, *lo = par + h * D, *vlo = par + 2 * gd, *vs = vlo + vp;
+  const HeadOfRow at(row, 4, G, D, h, par);
   for (int t = 0; t < KIVI_GROUP; ++t) {
-    const int th = t * G + h;
     float* k = kv + (int64_t)t * 2 * D;
     float* v = k + D;
-    const uint8_t* kb = kc + (int64_t)th * (D / 2);
-    const uint8_t* vb = vc + (int64_t)th * (D / 2);
+    const uint8_t *kb = at.keys(t), *vb = at.values(t);
     for (int c = 0; c < D; c += 16) {
       v8b x, y;
       memcpy(&x, kb + c / 2, 8);
@@ -441,11 +467,11 @@ void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* pa
       const v8i wk = __builtin_convertvector(x, v8i), wv = __builtin_convertvector(y, v8i);
       const v8f ke = __builtin_convertvector(wk & 15, v8f), ko = __builtin_convertvector(wk >> 4, v8f);
       const v8f ve = __builtin_convertvector(wv & 15, v8f), vo = __builtin_convertvector(wv >> 4, v8f);
-      store(k + c, ke * load(s + c) + load(lo + c));
-      store(k + c + 8, ko * load(s + c + 8) + load(lo + c + 8));
-      const int at = th * nc + c / cg;
-      store(v + c, ve * vs[at] + vlo[at]);
-      store(v + c + 8, vo * vs[at] + vlo[at]);
+      store(k + c, ke * load(at.ks + c) + load(at.klo + c));
+      store(k + c + 8, ko * load(at.ks + c + 8) + load(at.klo + c + 8));
+      const int run = at.run(t, c);
+      store(v + c, ve * at.vs[run] + at.vlo[run]);
+      store(v + c + 8, vo * at.vs[run] + at.vlo[run]);
     }
   }
 }
@@ -490,27 +516,17 @@ void decode_rows_any(const uint8_t* rows, int64_t n, int G, const float* q, floa
   decode_rows<F32, R, params_plain<BITS>, unpack_head<BITS>>(rows, n, rb, G, q, scale, RS, D, out, lse);
 }
 
+// `decode_rows_any` over packed rows of BITS-bit codes, as a `dispatch` pass.
 template <int BITS>
-int dispatch_rows(const uint8_t* rows, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
-                  float* lse) {
-  if (n < 1 || G < 1 || R < 1 || D % 8 != 0 || D / 8 > MAX_DV) return -1;
-  for (int h0 = 0; h0 < R; h0 += MAX_R) {
-    const int r = R - h0 < MAX_R ? R - h0 : MAX_R;
-    const float* qh = q + h0 * D;
-    float *oh = out + h0 * D, *lh = lse + h0;
-    switch (r) {
-      case 1: decode_rows_any<BITS, 1>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      case 2: decode_rows_any<BITS, 2>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      case 3: decode_rows_any<BITS, 3>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      case 4: decode_rows_any<BITS, 4>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      case 5: decode_rows_any<BITS, 5>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      case 6: decode_rows_any<BITS, 6>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      case 7: decode_rows_any<BITS, 7>(rows, n, G, qh, scale, R, D, oh, lh); break;
-      default: decode_rows_any<BITS, 8>(rows, n, G, qh, scale, R, D, oh, lh); break;
+struct Packed {
+  template <int R>
+  struct Pass {
+    static void run(const char* rows, int64_t n, int G, const float* q, float scale, int RS, int D, float* out,
+                    float* lse) {
+      decode_rows_any<BITS, R>((const uint8_t*)rows, n, G, q, scale, RS, D, out, lse);
     }
-  }
-  return 0;
-}
+  };
+};
 
 }  // namespace
 
@@ -522,29 +538,29 @@ extern "C" {
 // multiple of 8 or > 512, n < 1).
 int kvtier_decode_f32(const void* kv, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
                       float* lse) {
-  return dispatch<F32>((const char*)kv, n, G, q, scale, R, D, out, lse);
+  return dispatch<Tokens<F32>::Pass>((const char*)kv, n, G, q, scale, R, D, out, lse);
 }
 
 int kvtier_decode_bf16(const void* kv, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
                        float* lse) {
-  return dispatch<BF16>((const char*)kv, n, G, q, scale, R, D, out, lse);
+  return dispatch<Tokens<BF16>::Pass>((const char*)kv, n, G, q, scale, R, D, out, lse);
 }
 
 // n packed rows (KiviCodec, 32 tokens a row, 2/4/8-bit codes) of a slice, from `rows`; q, out
 // and lse as kvtier_decode_f32. One task on the calling thread.
 int kvtier_decode_kivi2(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
                         float* out, float* lse) {
-  return dispatch_rows<2>((const uint8_t*)rows, n, G, q, scale, R, D, out, lse);
+  return dispatch<Packed<2>::Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
 }
 
 int kvtier_decode_kivi4(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
                         float* out, float* lse) {
-  return dispatch_rows<4>((const uint8_t*)rows, n, G, q, scale, R, D, out, lse);
+  return dispatch<Packed<4>::Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
 }
 
 int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
                         float* out, float* lse) {
-  return dispatch_rows<8>((const uint8_t*)rows, n, G, q, scale, R, D, out, lse);
+  return dispatch<Packed<8>::Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
 }
 
 // The P tasks' partial results out [P, H, D], lse [P, H] merged by log-sum-exp -> merged

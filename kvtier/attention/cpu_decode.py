@@ -261,11 +261,8 @@ class CpuDecoder:
         r = hq // g
         if length < 1 or length > e * len(extents):
             raise ValueError(f"length {length} outside 1..{e * len(extents)}")
-        if os.getpid() != self._pid:
-            self._threads_for(os.getpid())
         tasks = plan_tasks(extents, length)
-        out = torch.empty(len(tasks), g, r, d, dtype=torch.float32)
-        lse = torch.empty(len(tasks), g, r, dtype=torch.float32)
+        out, lse = self._outputs(len(tasks), g, r, d)
         native = (
             self.lib is not None
             and extents[0].dtype in (torch.float32, torch.bfloat16)
@@ -304,11 +301,8 @@ class CpuDecoder:
             raise ValueError(f"rows {rows} outside 1..{e * len(extents)}")
         if row_bytes != codec.row_bytes(g, d):
             raise ValueError(f"rows of {row_bytes} bytes, but the codec's hold {codec.row_bytes(g, d)}")
-        if os.getpid() != self._pid:
-            self._threads_for(os.getpid())
         tasks = plan_row_tasks(extents, rows)
-        out = torch.empty(len(tasks), g, r, d, dtype=torch.float32)
-        lse = torch.empty(len(tasks), g, r, dtype=torch.float32)
+        out, lse = self._outputs(len(tasks), g, r, d)
         bits = getattr(codec, "bits", None) if getattr(codec, "row_layout", None) == "kivi" else None
         native = (
             self.lib is not None
@@ -322,10 +316,17 @@ class CpuDecoder:
             assert bits is not None
             return self._start_native(q, extents, tasks, row_bytes, bits, out, lse, ready)
         futures = [
-            self._pool.submit(self._run_rows_torch, q, codec, extents[t.extent], t, out[n], lse[n], ready)
+            self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready, codec)
             for n, t in enumerate(tasks)
         ]
         return PendingDecode(futures, out, lse, hq)
+
+    def _outputs(self, tasks: int, g: int, r: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tasks' partial results out [P, G, r, D] and lse [P, G, r] (float32), after making
+        new threads in a forked child (`_threads_for`)."""
+        if os.getpid() != self._pid:
+            self._threads_for(os.getpid())
+        return torch.empty(tasks, g, r, d), torch.empty(tasks, g, r)
 
     def _start_native(
         self,
@@ -401,38 +402,20 @@ class CpuDecoder:
         out: torch.Tensor,
         lse: torch.Tensor,
         ready: torch.cuda.Event | None,
+        codec: RowCodec | None = None,
     ) -> None:
         """One task on PyTorch's CPU flash kernel: every KV head over t.tokens tokens of `ext`
-        -> out [G, r, D], lse [G, r]."""
+        (with `codec`: over t.tokens packed rows, unpacked into float32 first) -> out [G, r, D],
+        lse [G, r]."""
         if ready is not None:
             ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
         g, r, d = out.shape
         with torch.inference_mode():
-            kv = ext[t.start : t.start + t.tokens]  # [n, 2, G, D]
-            qs = q.reshape(g, r, d).to(ext.dtype)[None]  # [1, G, r, D]
-            k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, G, n, D]
-            v = kv[:, 1].transpose(0, 1).unsqueeze(0)
-            res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k, v)
-            out.copy_(res[0][0])
-            lse.copy_(res[1][0])
-
-    def _run_rows_torch(
-        self,
-        q: torch.Tensor,
-        codec: RowCodec,
-        ext: torch.Tensor,
-        t: Task,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        ready: torch.cuda.Event | None,
-    ) -> None:
-        """One task of packed rows: unpacked by the codec into float32, then as `_run_torch`."""
-        if ready is not None:
-            ready.synchronize()
-        g, r, d = out.shape
-        with torch.inference_mode():
-            kv = codec.unpack(ext[t.start : t.start + t.tokens], g, d, torch.float32)  # [n, 2, G, D]
-            qs = q.reshape(g, r, d).float()[None]  # [1, G, r, D]
+            if codec is None:
+                kv = ext[t.start : t.start + t.tokens]  # [n, 2, G, D]
+            else:
+                kv = codec.unpack(ext[t.start : t.start + t.tokens], g, d, torch.float32)
+            qs = q.reshape(g, r, d).to(kv.dtype)[None]  # [1, G, r, D]
             k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, G, n, D]
             v = kv[:, 1].transpose(0, 1).unsqueeze(0)
             res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k, v)
