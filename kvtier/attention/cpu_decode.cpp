@@ -24,7 +24,7 @@
 
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -454,6 +454,25 @@ void params4_split(const uint8_t* row, int G, int D, float* par) {
 
 // Head h of a 4-bit row -> kv [32, 2, D] float32 in F32S's chunk order: byte i of a 16-value
 // block holds values 2i (low bits) and 2i + 1, lane i of the block's even and odd chunks.
+// The 4-bit codes of 8 bytes as floats: even = the low halves (values 0, 2, .., 14), odd = the
+// high ones. NOTE: AVX2's byte-to-int widening where the target has it (GCC's vector-extension
+// conversion of 8 bytes does not compile to it).
+inline void nibble_chunks(const uint8_t* p, v8f& even, v8f& odd) {
+#if defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256 e = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+  const __m256 o = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+  memcpy(&even, &e, 32);
+  memcpy(&odd, &o, 32);
+#else
+  v8b x;
+  memcpy(&x, p, 8);
+  const v8i w = __builtin_convertvector(x, v8i);
+  even = __builtin_convertvector(w & 15, v8f);
+  odd = __builtin_convertvector(w >> 4, v8f);
+#endif
+}
+
 void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* par, float* kv) {
   const HeadOfRow at(row, 4, G, D, h, par);
   for (int t = 0; t < KIVI_GROUP; ++t) {
@@ -461,12 +480,9 @@ void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* pa
     float* v = k + D;
     const uint8_t *kb = at.keys(t), *vb = at.values(t);
     for (int c = 0; c < D; c += 16) {
-      v8b x, y;
-      memcpy(&x, kb + c / 2, 8);
-      memcpy(&y, vb + c / 2, 8);
-      const v8i wk = __builtin_convertvector(x, v8i), wv = __builtin_convertvector(y, v8i);
-      const v8f ke = __builtin_convertvector(wk & 15, v8f), ko = __builtin_convertvector(wk >> 4, v8f);
-      const v8f ve = __builtin_convertvector(wv & 15, v8f), vo = __builtin_convertvector(wv >> 4, v8f);
+      v8f ke, ko, ve, vo;
+      nibble_chunks(kb + c / 2, ke, ko);
+      nibble_chunks(vb + c / 2, ve, vo);
       store(k + c, ke * load(at.ks + c) + load(at.klo + c));
       store(k + c + 8, ko * load(at.ks + c + 8) + load(at.klo + c + 8));
       const int run = at.run(t, c);
