@@ -1,4 +1,4 @@
-"""A decode step's write-backs deferred to the next step's start (`defer_decode_writes`, what
+"""A decode step's write-backs deferred to the next step's start (`HostWrites.defer`, what
 the server's tiered runs use) give the same logits and the same host tier as writing them at
 once, over whole-slice staging and over sequence blocks."""
 
@@ -49,7 +49,7 @@ def run(
     store = TieredKVStore(
         cfg, plan, device=CPU, dtype=torch.float32, capacity=PROMPT + DECODE, options=StoreOptions(8)
     )
-    store.defer_decode_writes = defer
+    store.writes.defer = defer
     ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(4))
     logits = []
     for s in range(0, PROMPT, plan.chunk_size):

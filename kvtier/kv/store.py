@@ -56,6 +56,7 @@ from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
+from kvtier.kv.write_back import HostWrites
 from kvtier.model.rope import rotary_for
 from kvtier.planner.memory import window_tokens
 from kvtier.planner.packed import uncoded_tokens
@@ -194,9 +195,9 @@ class TieredKVStore:
         # streams them as usual.
         self.cpu: CpuSlices | None = None
         self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
-        # Whether a decode step's write-backs wait for the next step's start (`_write_back`).
-        self.defer_decode_writes = False
-        self._deferred: list[tuple[int, torch.Tensor, torch.cuda.Event | None, int]] = []
+        # New tokens of streamed slices to the host tier (`writes.defer`: a decode step's at the
+        # next step's start, kvtier.kv.write_back).
+        self.writes = HostWrites(self.hosts, self.streams, self.account, self.on_device)
         plain = not self._windowed and all(a.plain for a in self.attn)  # the CPU kernel's attention
         if (
             plan.cpu_slices
@@ -211,7 +212,7 @@ class TieredKVStore:
 
     def begin_step(self, n_new: int) -> None:
         """Prepare a step that appends `n_new` tokens at positions length .. length + n_new - 1."""
-        self._flush_writes()  # NOTE: before this step's loads and CPU reads of the host slices
+        self.writes.flush()  # NOTE: before this step's loads and CPU reads of the host slices
         lay = self.layout
         end = self.length + n_new
         positions = torch.arange(self.position, self.position + n_new, device=self.device)
@@ -262,7 +263,7 @@ class TieredKVStore:
         for sid in range(len(self.slice_length)):
             self.slice_length[sid] += n_new
         if self.codec is not None:
-            self._flush_writes()
+            self.writes.flush()
             self._encode(self.codec, self.codec.frozen_tokens(self.length))
         if self.evictor is not None:
             for sid in sorted(self._evictable):
@@ -435,44 +436,9 @@ class TieredKVStore:
     def _write_back(
         self, sid: int, new: torch.Tensor, after: torch.cuda.Event | None
     ) -> torch.cuda.Event | None:
-        """Copy the step's new tokens of a streamed slice to host; nothing else ever moves back.
-
-        With `defer_decode_writes` a decode step's copies are queued at the next step's start
-        instead (`begin_step`), when the work they wait for has usually finished. Queued here,
-        each waits on the device for its layer's attention, and device-to-host copies run in
-        the order queued, across streams: on the H200 a server's token read-back waited 108 ms
-        behind a tiered request's 32 queued write-backs (bench/results/serve_gpu_24gib_trace_b.json).
-        The server launches a run's next step only once the last one has finished. Returns the
-        copy's event (None when deferred or on the CPU)."""
-        if self.defer_decode_writes and self._step_tokens == 1:
-            # NOTE: a copy, since `new` may be a view into a staging buffer that is reused as
-            # soon as the compute stream is done with it; the event orders the flush after it.
-            kept = new.clone()
-            self._deferred.append((sid, kept, self.streams.record(), self.length))
-            return None
-        return self._copy_back(sid, new, after, self.length)
-
-    def _flush_writes(self) -> None:
-        """Queue the write-backs `_write_back` deferred, in order."""
-        deferred, self._deferred = self._deferred, []
-        for sid, new, after, at in deferred:
-            self._copy_back(sid, new, after, at)
-
-    def _copy_back(
-        self, sid: int, new: torch.Tensor, after: torch.cuda.Event | None, at: int
-    ) -> torch.cuda.Event | None:
-        """Copy new [T, 2, G, D] to slice `sid`'s host tier at token `at`, after `after`."""
-        host = self.hosts[sid]
-        with self.streams.on_d2h():
-            self.streams.wait([after])
-            host.write(at, new)
-            written = self.streams.record()
-        if self.streams.d2h is not None:
-            new.record_stream(self.streams.d2h)
-        host.last_write = written
-        if sid not in self.on_device:
-            self.account.d2h_bytes += new.numel() * new.element_size()
-        return written
+        """Copy the step's new tokens of a streamed slice to host (`HostWrites.write`); nothing
+        else ever moves back."""
+        return self.writes.write(sid, new, after, self.length, decode=self._step_tokens == 1)
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -522,7 +488,7 @@ class TieredKVStore:
         """Free every tier. The store is unusable afterwards. `release_host=False` leaves its
         pinned host memory in PyTorch's pinned cache, for the next store to reuse without
         pinning it again (`kvtier.kv.tiers.release_pinned_cache`)."""
-        self._deferred.clear()  # NOTE: nothing reads the host tier of a closed store
+        self.writes.drop()
         self.streams.synchronize()
         for buf in self.resident.values():
             self.account.free(GPU, buf.numel() * buf.element_size())

@@ -210,14 +210,12 @@ def plan_kv(
         only: the split does not model the packed kernel's rate yet, so "auto" gives it none."""
         if plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
             return plan
-        if codec is not None:
-            if not isinstance(cpu_attention, int):
-                return plan
-            return replace(
-                plan, cpu_slices=choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
-            )
+        if codec is not None and not isinstance(cpu_attention, int):
+            return plan
         k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
         best = replace(plan, cpu_slices=k)
+        if codec is not None:
+            return best
         wider = _one_more_buffer(plan) if k else None
         if wider is not None:
             # NOTE: while the host waits for a layer's CPU results only `staging_buffers - 1`

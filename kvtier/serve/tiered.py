@@ -30,7 +30,7 @@ the short streams and the long run both slower (bench/results/serve_gpu_24gib_b7
 beside serve_gpu_24gib_unpaced.json), so it is off by default.
 
 A decode token's write-backs to the host tier are queued at the start of the run's next token
-(`TieredKVStore.defer_decode_writes`), not behind each layer: device-to-host copies run in the
+(`kvtier.kv.write_back`), not behind each layer: device-to-host copies run in the
 order queued, across streams, so a write-back waiting for its layer held the batch's token
 read-back up to 108 ms on the H200 (bench/results/serve_gpu_24gib_trace_b.json).
 
@@ -298,7 +298,7 @@ class TieredRun:
         self.spans = prefill_spans(len(self.seq.prompt), self.plan.chunk_size, store)
         # NOTE: a step is launched only once the last one has finished on the device, so its
         # deferred write-backs queue no copy that waits: none holds up the batch's read-backs
-        store.defer_decode_writes = True
+        store.writes.defer = True
         self.account = store.account
         self._attention = PacedAttention(store, self.stream, self._ahead)
         self.store = store
