@@ -196,6 +196,23 @@ case "$group" in
   run 300 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,20,40 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k
   ;;
+25)
+  # the twelfth session's first call (carry .gguf_a too): one stream at 1K and 32K with the
+  # rounded-down split counts (c1-32k's target is 8 ms/token); the 24 GiB mixed case with the
+  # batch's activations in a pool of their own and without, each beside c32 in one process
+  run 110 $py bench/serve_gpu.py --cases c1,c1-32k --name serve_gpu_splits
+  run 160 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --activation-pool --name serve_gpu_24gib_pool
+  run 160 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --name serve_gpu_24gib_deferred_b
+  ;;
+27)
+  # issue 23's int4 host KV with CPU attention (group 24 in the order that keeps the quick rows if
+  # the long one runs out of time): the packed kernel's rates on the H200's host, the GPU checks,
+  # then 512K decode with int4 alone and with CPU slices (target 0.25 s)
+  run 80 $py bench/cpu_attention_rows.py --threads 1,8,15 --name cpu_attention_rows_h200
+  run 60 $py bench/gpu_checks.py
+  run 300 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,20,40 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k
+  ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
