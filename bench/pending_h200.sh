@@ -213,6 +213,17 @@ case "$group" in
   run 300 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,20,40 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k
   ;;
+28)
+  # the twelfth session's last call: where the shorts' time goes beside the long request. The
+  # 1a4fb9b run's shorts spanned 3.67 s while their batch steps summed to ~2.8 s: time outside
+  # engine.step() (the loop's other work, or the GIL while the launcher thread queues the long
+  # token). The mixed case no longer profiles by default (it slowed the steps it recorded).
+  run 170 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --name serve_gpu_24gib_gaps
+  run 170 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --switch-interval 0.0005 \
+    --name serve_gpu_24gib_switch
+  run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --mixed-profile-steps 0,8 --trace \
+    --name serve_gpu_24gib_trace_d
+  ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from bench.serve_loop import Stream, step_loop, sync
+from bench.serve_loop import Stream, ThreadClock, step_loop, sync
 from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
@@ -124,11 +124,12 @@ def run_mixed(
     vocab: int,
     pcie_gbps: float,
     timeout_s: float,
-    profile_steps: tuple[int, int] = (40, 50),
+    profile_steps: tuple[int, int] | None = None,
     trace: str | None = None,
 ) -> dict[str, Any]:
     """One long request (served tiered) plus c32's short streams, submitted once it decodes.
-    `profile_steps`: the batch steps whose device ops are tabled (and traced to `trace`)."""
+    `profile_steps`: the batch steps whose device ops are tabled (and traced to `trace`); the
+    profiler slows the steps it records, so a run that profiles is not a timing of the case."""
     n, prompt, new = CASES["c32"]
     gen = torch.Generator().manual_seed(5)
     long = Stream()
@@ -157,6 +158,9 @@ def run_mixed(
         f"{run.plan.resident_slices} resident slices, {lent} pool pages borrowed"
     )
     print(f"mixed: long request {route}", flush=True)
+    launcher = ThreadClock(run._queue_step)  # NOTE: `launch` looks the method up at each call
+    run._queue_step = launcher  # type: ignore[method-assign]
+    memory = {"long_planned": memory_gb(engine)}
     shown, built_s = t0, None
     while not long.tokens:  # its prefill (the tiered run alone)
         engine.step_tiered()
@@ -175,6 +179,8 @@ def run_mixed(
             print(f"mixed: prefill {done} chunks after {now - t0:.0f} s", flush=True)
             shown = now
     prefill_s = time.perf_counter() - t0
+    memory["long_first_token"] = memory_gb(engine)
+    launcher.calls.clear()  # from here: its decode tokens, beside the shorts
     h2d_at_first = engine.transfer_bytes()[("h2d", "tiered")]
     shorts = [Stream() for _ in range(n)]
     short_params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -186,6 +192,8 @@ def run_mixed(
     t_loop = time.perf_counter()
     preempted = engine.scheduler.num_preemptions
     steps, kernels = step_loop(engine, times, profile_steps=profile_steps if cuda else None, trace=trace)
+    memory["end"] = memory_gb(engine)
+    shorts_end = max(s.times[-1] for s in shorts)
     preempted = engine.scheduler.num_preemptions - preempted
     max_waiting = max(times.get("waiting", [0]), default=0)  # shorts queued for pages or seats
     loop_s = time.perf_counter() - t_loop
@@ -221,6 +229,8 @@ def run_mixed(
         "batch_step_ms_p50": ms_p50(times["step"]),
         "batch_step_ms_p90": ms_quantile(times["step"], 0.9),
         "batch_step_ms_max": round(1e3 * max(times["step"], default=0.0), 3),
+        "batch_steps_over_15ms": sum(t > 0.015 for t in times["step"]),
+        "batch_step_s_over_15ms": round(sum(t for t in times["step"] if t > 0.015), 3),
         "batch_steps_over_50ms": sum(t > 0.05 for t in times["step"]),
         "batch_step_s_over_50ms": round(sum(t for t in times["step"] if t > 0.05), 3),
         # each batch step over 50 ms: [step, ms, then during it and since the step before:
@@ -233,9 +243,35 @@ def run_mixed(
         "alloc_retries": int(retries),
         "short_batch_steps": steps,
         "short_loop_s": round(loop_s, 3),
+        # where the shorts' time goes beyond their batch steps (every batch step is theirs): the
+        # loop's other work per pass that stepped the batch, and the loop thread's CPU time in
+        # the steps (less than their wall time by what it waited: the device, or the GIL)
+        "gap_ms_p50": ms_p50(times.get("gap", [])),
+        "gap_ms_p90": ms_quantile(times.get("gap", []), 0.9),
+        "gap_s_total": round(sum(times.get("gap", [])), 3),
+        "batch_steps_s_total": round(sum(times["step"]), 3),
+        "batch_steps_cpu_s_total": round(sum(times.get("step_cpu", [])), 3),
+        "shorts_last_token_s": round(shorts_end - t_loop, 3),
+        # the long request's launcher thread: each decode token's queuing, wall and CPU
+        "launcher_token_ms_p50": ms_p50([w for w, _ in launcher.calls]),
+        "launcher_token_cpu_ms_p50": ms_p50([c for _, c in launcher.calls]),
+        "launcher_tokens": len(launcher.calls),
+        "switch_interval_s": sys.getswitchinterval(),
+        "memory_gb": memory,
         # every stream's kernels and copies over the profiled batch steps
-        "profiled_steps": list(profile_steps),
+        "profiled_steps": list(profile_steps) if profile_steps else None,
         "overlap_top_device_ops": kernels,
+    }
+
+
+def memory_gb(engine: ServeEngine) -> dict[str, float] | None:
+    """The caching allocator's allocated and reserved GB now, and the peak allocated so far."""
+    if engine.device.type != "cuda":
+        return None
+    return {
+        "allocated": round(torch.cuda.memory_allocated() / 1e9, 3),
+        "reserved": round(torch.cuda.memory_reserved() / 1e9, 3),
+        "peak_allocated": round(torch.cuda.max_memory_allocated() / 1e9, 3),
     }
 
 
@@ -343,8 +379,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--mixed-profile-steps",
-        default="40,50",
-        help="mixed: FIRST,LAST batch steps whose device ops are tabled (the shorts join at 0)",
+        default=None,
+        help="mixed: FIRST,LAST batch steps whose device ops are tabled (the shorts join at 0); "
+        "off by default, as the profiler slows the steps it records",
+    )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="the interpreter's thread switch interval in seconds (sys.setswitchinterval; "
+        "Python's default 0.005): how long a thread may wait for the GIL the launcher holds",
     )
     ap.add_argument(
         "--trace", action="store_true", help="mixed: those steps' Chrome trace to $OUT/<name>_trace.json.gz"
@@ -362,6 +406,8 @@ def main() -> None:
     ap.add_argument("--name", default="serve_gpu")
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.small:
         for k, (n, prompt, new) in CASES.items():
             CASES[k] = (n, max(8, prompt // 16), max(2, new // 16))
@@ -438,7 +484,8 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         if name == "mixed":
-            first, last = (int(x) for x in args.mixed_profile_steps.split(","))
+            steps = args.mixed_profile_steps
+            window = tuple(int(x) for x in steps.split(",")) if steps else None
             out_dir = os.environ.get("OUT", "bench/results")
             row = run_mixed(
                 engine,
@@ -447,7 +494,7 @@ def main() -> None:
                 vocab,
                 args.pcie_gbps,
                 args.mixed_timeout,
-                profile_steps=(first, last),
+                profile_steps=window,  # type: ignore[arg-type]
                 trace=f"{out_dir}/{args.name}_trace.json.gz" if args.trace else None,
             )
         elif name == "prefix":

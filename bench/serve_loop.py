@@ -24,8 +24,11 @@ def step_loop(
     """Step the engine in this thread until idle, as its serving thread does (batch steps, then
     tiered runs, never waiting on them while the batch has work). Returns the batch steps, and
     with `profile_steps` (first, last) the kernels by device time over those batch steps (every
-    stream's: the tiered runs' too). With `times`, the host seconds of each batch step ("step")
-    and each tiered-run call ("tiered"), and on CUDA for each batch step over 50 ms ("slow", as
+    stream's: the tiered runs' too). With `times`, the host seconds of each batch step ("step"),
+    this thread's CPU seconds in it ("step_cpu": less than "step" by the time it waited, for the
+    device or for the GIL), the rest of each loop pass that stepped the batch ("gap": the tiered
+    runs' calls, the inbox, these counters), each tiered-run call ("tiered"), and on CUDA for each
+    batch step over 50 ms ("slow", as
     [step, ms, *counts]) what could have made it wait on other streams' work: the allocator's
     counts of cudaMalloc, cudaFree, allocation retries and pinned host allocations and frees
     (CUDA synchronizes implicitly around device and page-locked allocations), during the step
@@ -43,13 +46,14 @@ def step_loop(
         if profile_steps is not None and prof is None and kernels is None and steps == profile_steps[0]:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
+        it0 = time.perf_counter()
         start = sync_counts() if cuda else None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         stepped = engine.scheduler.has_work
         if stepped:
             engine.step()
             steps += 1
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if start is not None and before is not None and stepped and t1 - t0 > 0.05:
             end = sync_counts()
             during = [b - a for a, b in zip(start, end, strict=True)]
@@ -61,6 +65,7 @@ def step_loop(
         if times is not None:
             if stepped:
                 times["step"].append(t1 - t0)
+                times.setdefault("step_cpu", []).append(c1 - c0)
             times["tiered"].append(time.perf_counter() - t1)
             times.setdefault("waiting", []).append(len(engine.scheduler.waiting))
         if prof is not None and profile_steps is not None and steps >= profile_steps[1]:
@@ -71,7 +76,25 @@ def step_loop(
             kernels, prof = top_kernels(prof), None
         engine._idle_wait()
         engine._drain(block=False)
+        if times is not None and stepped:
+            times.setdefault("gap", []).append(time.perf_counter() - it0 - (t1 - t0))
     return steps, kernels
+
+
+class ThreadClock:
+    """Wraps a function to record the wall and this thread's CPU seconds of each call (for a
+    tiered run's launcher: how long queuing one step takes, and how much of that is Python)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.calls: list[tuple[float, float]] = []  # (wall, cpu)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.calls.append((time.perf_counter() - t0, time.thread_time() - c0))
 
 
 SYNC_COUNTS = ("cuda_malloc", "cuda_free", "alloc_retries", "host_alloc", "host_free")
