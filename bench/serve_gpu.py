@@ -366,11 +366,6 @@ def main() -> None:
         action="store_true",
         help="free the allocator's unused cached blocks once a tiered run's prefill ends",
     )
-    ap.add_argument(
-        "--activation-pool",
-        action="store_true",
-        help="batch steps allocate from a memory pool of their own, filled at start",
-    )
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
@@ -439,7 +434,6 @@ def main() -> None:
         tiered_share=args.tiered_share,
         tiered_keep_tokens=args.tiered_keep_tokens,
         tiered_release_after_prefill=args.tiered_release_after_prefill,
-        activation_pool=args.activation_pool,
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -464,7 +458,6 @@ def main() -> None:
         "tiered_share": args.tiered_share,
         "tiered_keep_tokens": args.tiered_keep_tokens,
         "tiered_release_after_prefill": args.tiered_release_after_prefill,
-        "activation_pool": args.activation_pool,
         "cases": {},
     }
     if engine.decoder is not None and engine.decoder.graphs:

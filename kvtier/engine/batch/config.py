@@ -78,12 +78,6 @@ class BatchConfig:
     # the batch's next allocations do not run into the budget's cap (a retry: a device-wide sync
     # behind the run's queued work). Off until the H200 says it helps (pending_h200.sh 18).
     tiered_release_after_prefill: bool = False
-    # Batch steps allocate from a memory pool of their own (on CUDA), filled with the budget's
-    # activation bytes at start: a tiered run's allocations at the cap then retry without
-    # freeing the batch's cached blocks, and the batch needs no cudaMalloc (an implicit
-    # device-wide sync, behind the run's queued copies) while it runs. Off until the H200 says
-    # it helps (bench/serve_gpu.py --activation-pool, pending_h200.sh 21).
-    activation_pool: bool = False
 
     def __post_init__(self) -> None:
         if self.tiered_keep_tokens < 0:

@@ -12,7 +12,6 @@ GPU (`DecodeRunner`). `LLM.generate` with a list of prompts and `kvtier serve`
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -86,7 +85,6 @@ class BatchEngine:
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device, priority=BATCH_STREAM_PRIORITY)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.activations = self._activation_pool()
         self.kv = KVCacheManager(self.store, host_pages, cfg.prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.kv)
         self.salt = f"{host.name}|{host.dtype}|kv={host.method.kv}|paged{cfg.page_size}"
@@ -100,18 +98,6 @@ class BatchEngine:
         self.prompt_tokens = self.generation_tokens = self.finished = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
         self.latency = RequestLatency()
-
-    def _activation_pool(self) -> torch.cuda.MemPool | None:
-        """The batch steps' own memory pool (`BatchConfig.activation_pool`, CUDA only), holding
-        the budget's activation bytes from the start: one block, freed at once, stays cached in
-        the pool for the steps' allocations to split (other pools' retries do not free it)."""
-        if not self.config.activation_pool or self.stream is None:
-            return None
-        pool = torch.cuda.MemPool(use_on_oom=True)  # NOTE: a run at the cap may still use it
-        reserve = 0 if self.pool_budget is None else self.pool_budget.activation
-        with torch.cuda.stream(self.stream), torch.cuda.use_mem_pool(pool, self.device):
-            torch.empty(reserve, dtype=torch.uint8, device=self.device)
-        return pool
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(device pages, host-tier pages): as given, checked against the memory budget, or sized
@@ -227,9 +213,7 @@ class BatchEngine:
         run. On CUDA the step's work is queued on the engine's high-priority stream."""
         if self.stream is None:
             return self._step()
-        pool = self.activations
-        pooled = torch.cuda.use_mem_pool(pool, self.device) if pool is not None else contextlib.nullcontext()
-        with torch.cuda.stream(self.stream), pooled:
+        with torch.cuda.stream(self.stream):
             return self._step()
 
     def _step(self) -> int:
