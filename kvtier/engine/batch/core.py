@@ -22,6 +22,7 @@ import torch
 
 from kvtier.attention.interface import Attention
 from kvtier.engine.batch.config import BatchConfig, ModelHost
+from kvtier.engine.batch.detokenize import IncrementalText
 from kvtier.engine.batch.graphs import DecodeRunner
 from kvtier.engine.batch.kv_manager import KVCacheManager
 from kvtier.engine.batch.latency import RequestLatency
@@ -280,8 +281,10 @@ class BatchEngine:
     def _after_token(self, seq: Sequence) -> None:
         text = ""
         if self.host.tokenizer is not None:
+            if seq.text is None:
+                seq.text = IncrementalText(self.host.tokenizer)
             with self.tokenizer_lock:
-                text = self.host.tokenizer.decode(seq.output, skip_special_tokens=True)
+                text = seq.text.update(seq.output)
         at_limit = len(seq.tokens) >= self.max_model_len
         visible, reason = check_stop(seq.output, text, seq.params, self.eos, at_limit)
         if visible is None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.engine.batch.detokenize import IncrementalText
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.kv.store import TieredKVStore
 from kvtier.methods import MethodChoice
@@ -88,6 +89,7 @@ class Sequence:
     last_token_at: float | None = None
     method: MethodChoice | None = None  # a method of its own: served over a tiered store
     own: OwnStore | None = None  # that store, when the batch's forward attends it (no pages)
+    text: IncrementalText | None = None  # its output text, decoded as tokens come (with a tokenizer)
 
     def __post_init__(self) -> None:
         if not self.tokens:
