@@ -224,6 +224,16 @@ case "$group" in
   run 150 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --mixed-profile-steps 0,8 --trace \
     --name serve_gpu_24gib_trace_d
   ;;
+29)
+  # NEXT (the thirteenth session): what a served model's tokenizer costs the batch, now that a
+  # step decodes each sequence's text incrementally (7d7d65f; before, the whole output every
+  # step: 45 ms a step for 64 sequences at 2K tokens on the dev CPU, bench/detokenize.py); the
+  # random-weight preset has no tokenizer, so earlier serve runs never paid it. Needs the GGUF
+  # (its tokenizer): carry .gguf_a in the call before, as for group 22
+  run 200 $py bench/serve_gpu.py --cases c64,c64-1k-out --tokenizer embedded --name serve_gpu_tokenizer
+  run 160 $py bench/serve_gpu.py --cases c64,c64-1k-out --name serve_gpu_no_tokenizer
+  run 60 $py bench/detokenize.py --name detokenize_h200
+  ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
   run 290 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"

@@ -54,6 +54,7 @@ CASES: dict[str, tuple[int, int, int]] = {
     "c16": (16, 1024, 128),
     "c32": (32, 1024, 128),
     "c64": (64, 1024, 128),
+    "c64-1k-out": (64, 1024, 1024),  # long outputs: per-step host work that grows with them shows
 }
 SPECIAL = ("mixed", "prefix")  # cases with their own driver (`run_mixed`, `run_prefix`)
 FIRST_STEPS = 8  # batch steps whose host times each case records
@@ -264,6 +265,17 @@ def run_mixed(
     }
 
 
+def embedded_tokenizer() -> Any:
+    """The embedded SmolLM2's tokenizer (converted from its GGUF once, cached)."""
+    from transformers import AutoTokenizer
+
+    from kvtier.loading.embedded import embedded_gguf_path
+    from kvtier.loading.gguf import gguf_to_hf_folder
+
+    cache = os.environ.get("KVTIER_CACHE_DIR") or str(Path.home() / ".cache" / "kvtier")
+    return AutoTokenizer.from_pretrained(gguf_to_hf_folder(embedded_gguf_path(), cache))
+
+
 def memory_gb(engine: ServeEngine) -> dict[str, float] | None:
     """The caching allocator's allocated and reserved GB now, and the peak allocated so far."""
     if engine.device.type != "cuda":
@@ -398,6 +410,13 @@ def main() -> None:
     )
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a check of the script at small sizes")
     ap.add_argument("--small", action="store_true", help="cases at 1/16 of their prompt and new tokens")
+    ap.add_argument(
+        "--tokenizer",
+        choices=("none", "embedded"),
+        default="none",
+        help="a preset has no tokenizer, so no step decodes text; 'embedded' gives the engine "
+        "SmolLM2's (ids past its vocabulary decode to nothing), as a served HF folder would have one",
+    )
     ap.add_argument("--name", default="serve_gpu")
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -425,6 +444,9 @@ def main() -> None:
         fuse_projections=not args.no_fuse,
     )
     cuda = llm.device.type == "cuda"
+    described = f"{args.model} (random {dtype} weights)" if llm.tokenizer is None else args.model
+    if args.tokenizer == "embedded":
+        llm.tokenizer = embedded_tokenizer()
     cfg = ServeConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -441,7 +463,8 @@ def main() -> None:
     run_case(engine, 2, 64, 4, vocab, seed=99)  # warm-up: kernels compile, first graphs
     run_case(engine, 1, CASES["c1"][1], 8, vocab, seed=98)  # and c1's shapes (its first run was slow)
     results: dict[str, Any] = {
-        "model": f"{args.model} (random {dtype} weights)" if llm.tokenizer is None else args.model,
+        "model": described,
+        "tokenizer": args.tokenizer,
         "data": "synthetic: prompts of random token ids, greedy, ignore_eos",
         "gpu_memory": args.gpu_memory or "whole GPU",
         "pool_pages": engine.store.num_pages,
