@@ -265,15 +265,18 @@ def run_mixed(
     }
 
 
-def embedded_tokenizer() -> Any:
-    """The embedded SmolLM2's tokenizer (converted from its GGUF once, cached)."""
+def embedded_tokenizer(folder: str | None = None) -> Any:
+    """The embedded SmolLM2's tokenizer: from `folder` (its tokenizer files), else converted
+    from the embedded GGUF (once, cached)."""
     from transformers import AutoTokenizer
 
     from kvtier.loading.embedded import embedded_gguf_path
     from kvtier.loading.gguf import gguf_to_hf_folder
 
-    cache = os.environ.get("KVTIER_CACHE_DIR") or str(Path.home() / ".cache" / "kvtier")
-    return AutoTokenizer.from_pretrained(gguf_to_hf_folder(embedded_gguf_path(), cache))
+    if folder is None:
+        cache = os.environ.get("KVTIER_CACHE_DIR") or str(Path.home() / ".cache" / "kvtier")
+        folder = str(gguf_to_hf_folder(embedded_gguf_path(), cache))
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def memory_gb(engine: ServeEngine) -> dict[str, float] | None:
@@ -412,10 +415,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="cases at 1/16 of their prompt and new tokens")
     ap.add_argument(
         "--tokenizer",
-        choices=("none", "embedded"),
         default="none",
-        help="a preset has no tokenizer, so no step decodes text; 'embedded' gives the engine "
-        "SmolLM2's (ids past its vocabulary decode to nothing), as a served HF folder would have one",
+        help="a preset has no tokenizer, so no step decodes text; 'embedded' (or a folder holding "
+        "its tokenizer files) gives the engine SmolLM2's (ids past its vocabulary decode to "
+        "nothing), as a served HF folder would have one",
     )
     ap.add_argument("--name", default="serve_gpu")
     args = ap.parse_args()
@@ -445,8 +448,8 @@ def main() -> None:
     )
     cuda = llm.device.type == "cuda"
     described = f"{args.model} (random {dtype} weights)" if llm.tokenizer is None else args.model
-    if args.tokenizer == "embedded":
-        llm.tokenizer = embedded_tokenizer()
+    if args.tokenizer != "none":
+        llm.tokenizer = embedded_tokenizer(None if args.tokenizer == "embedded" else args.tokenizer)
     cfg = ServeConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
