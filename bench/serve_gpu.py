@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from bench.serve_loop import Stream, ThreadClock, step_loop, sync
+from bench.serve_loop import GcPauses, Stream, ThreadClock, step_loop, sync
 from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
@@ -91,7 +91,8 @@ def run_case(
     for i, p in enumerate(prompts):
         engine.submit(p, params, sink_for(i))
     times: dict[str, list[Any]] = {"step": [], "tiered": []}
-    steps, _ = step_loop(engine, times)
+    with GcPauses() as gcp:
+        steps, _ = step_loop(engine, times)
     wall = time.perf_counter() - t0
     ttft = [first[i] - t0 for i in range(n)]
     tpot = [(last[i] - first[i]) / (count[i] - 1) for i in range(n) if count[i] > 1]
@@ -114,6 +115,7 @@ def run_case(
         "steady_output_tokens_per_s": round(steady / (end - all_started), 1) if end > all_started else None,
         # host ms of the first batch steps (prefill chunks, then the first decode steps)
         "first_steps_ms": [round(1e3 * t, 1) for t in times["step"][:FIRST_STEPS]],
+        "gc": gcp.summary(),  # the interpreter's collections during the case (they stop the loop)
     }
     return row, tokens
 
@@ -192,7 +194,8 @@ def run_mixed(
     cuda = engine.device.type == "cuda"
     t_loop = time.perf_counter()
     preempted = engine.scheduler.num_preemptions
-    steps, kernels = step_loop(engine, times, profile_steps=profile_steps if cuda else None, trace=trace)
+    with GcPauses() as gcp:
+        steps, kernels = step_loop(engine, times, profile_steps=profile_steps if cuda else None, trace=trace)
     memory["end"] = memory_gb(engine)
     shorts_end = max(s.times[-1] for s in shorts)
     preempted = engine.scheduler.num_preemptions - preempted
@@ -259,6 +262,7 @@ def run_mixed(
         "launcher_tokens": len(launcher.calls),
         "switch_interval_s": sys.getswitchinterval(),
         "memory_gb": memory,
+        "gc": gcp.summary(),
         # every stream's kernels and copies over the profiled batch steps
         "profiled_steps": list(profile_steps) if profile_steps else None,
         "overlap_top_device_ops": kernels,

@@ -4,6 +4,7 @@ device-op table of a profile."""
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -79,6 +80,38 @@ def step_loop(
         if times is not None and stepped:
             times.setdefault("gap", []).append(time.perf_counter() - it0 - (t1 - t0))
     return steps, kernels
+
+
+class GcPauses:
+    """Records the interpreter's garbage collections while active: (generation, seconds) each.
+    A full collection over a large heap stops every Python thread, the engine loop's too."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((int(info["generation"]), time.perf_counter() - self._t0))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        """Collections by generation, the longest in ms and the seconds of all of them."""
+        by_gen = [sum(g == k for g, _ in self.pauses) for k in range(3)]
+        longest = max((t for _, t in self.pauses), default=0.0)
+        return {
+            "collections_by_generation": by_gen,
+            "longest_ms": round(1e3 * longest, 2),
+            "total_s": round(sum(t for _, t in self.pauses), 4),
+        }
 
 
 class ThreadClock:

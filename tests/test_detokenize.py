@@ -90,3 +90,21 @@ def test_a_tokenizer_that_cleans_up_spaces_is_decoded_whole() -> None:
     inc = IncrementalText(tok)
     assert inc.update([0, 1, 2]) == "ABC"
     assert tok.decoded == 3  # one full decode, no windows
+
+
+def test_windows_stay_short_on_runs_without_text() -> None:
+    class SkipsEvens(CountingTokenizer):
+        """Even ids are special tokens (skipped), odd ones letters."""
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            self.decoded += len(ids)
+            return "".join(chr(65 + i % 26) for i in ids if i % 2)
+
+    tok = SkipsEvens()
+    inc = IncrementalText(tok)
+    ids = [0] * 500 + [1, 3] + [2] * 500 + [5]  # long runs of special tokens
+    spans = []
+    for i in range(1, len(ids) + 1):
+        assert inc.update(ids[:i]) == tok.decode(ids[:i])
+        spans.append(i - inc.start)
+    assert max(spans) <= 17

@@ -14,8 +14,10 @@ text of the tokens up to a character boundary and decodes only the tokens since:
 tokenizer whose decoding of a token depends on the one before (SentencePiece's leading space,
 byte-level pieces of one character) sees the same neighbour it does in a full decode. The window
 moves on only when its text does not end in U+FFFD (an incomplete UTF-8 character), so a
-multi-byte character split over tokens is decoded whole. `update` returns what a full decode
-would; `tests/test_detokenize.py` checks that token by token.
+multi-byte character split over tokens is decoded whole. Tokens that decode to nothing (skipped
+special tokens) join the window without moving it, and a window moves on whatever it ends with
+once it spans `WINDOW` tokens, so a step's decode stays a few tokens long. `update` returns what a
+full decode would; `tests/test_detokenize.py` checks that token by token.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 INCOMPLETE = "\ufffd"  # what a decode ends with while a UTF-8 character is split over tokens
+WINDOW = 16  # tokens a window may span before it moves on whatever it ends with
 
 
 class IncrementalText:
@@ -54,10 +57,12 @@ class IncrementalText:
             self.whole = True
             return self._decode(ids)
         new = full[len(prefix) :]
-        if new and not new.endswith(INCOMPLETE):
-            self.done += new
+        if (new and not new.endswith(INCOMPLETE)) or len(ids) - self.start > WINDOW:
+            self.done += new  # NOTE: past WINDOW a U+FFFD is kept; a later mismatch decodes whole
             self.start, self.read = self.read, len(ids)
             return self.done
+        if not new:  # tokens without text (skipped special tokens): read on, same prefix
+            self.read = len(ids)
         return self.done + new
 
     def _decode(self, ids: Sequence[int]) -> str:
