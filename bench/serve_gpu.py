@@ -61,13 +61,23 @@ FIRST_STEPS = 8  # batch steps whose host times each case records
 
 
 def run_case(
-    engine: ServeEngine, n: int, prompt: int, new: int, vocab: int, seed: int
+    engine: ServeEngine,
+    n: int,
+    prompt: int,
+    new: int,
+    vocab: int,
+    seed: int,
+    sampling: tuple[float, float] = (0.0, 1.0),
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Submit `n` requests at once, step until all finish: throughput and latencies (the
     steady part: after every request has its first token), and each request's token ids."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, vocab, (prompt,), generator=gen).tolist() for _ in range(n)]
-    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    temperature, top_p = sampling  # (0, 1): greedy
+    params = [
+        SamplingParams(new, temperature=temperature, top_p=top_p, seed=seed * 1000 + i, ignore_eos=True)
+        for i in range(n)
+    ]
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     count = [0] * n
@@ -89,7 +99,7 @@ def run_case(
     sync(engine)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.submit(p, params, sink_for(i))
+        engine.submit(p, params[i], sink_for(i))
     times: dict[str, list[Any]] = {"step": [], "tiered": []}
     with GcPauses() as gcp:
         steps, _ = step_loop(engine, times)
@@ -424,6 +434,10 @@ def main() -> None:
         "its tokenizer files) gives the engine SmolLM2's (ids past its vocabulary decode to "
         "nothing), as a served HF folder would have one",
     )
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="the c* cases' sampling (0: greedy, the default)"
+    )
+    ap.add_argument("--top-p", type=float, default=1.0, help="the c* cases' top_p (with --temperature)")
     ap.add_argument("--name", default="serve_gpu")
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -472,6 +486,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "model": described,
         "tokenizer": args.tokenizer,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p},
         "data": "synthetic: prompts of random token ids, greedy, ignore_eos",
         "gpu_memory": args.gpu_memory or "whole GPU",
         "pool_pages": engine.store.num_pages,
@@ -539,7 +554,7 @@ def main() -> None:
             row = run_prefix(engine, args.prefix_tokens, vocab)
         else:
             n, prompt, new = CASES[name]
-            row, _ = run_case(engine, n, prompt, new, vocab, seed=i)
+            row, _ = run_case(engine, n, prompt, new, vocab, seed=i, sampling=(args.temperature, args.top_p))
         row["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None
         results["cases"][name] = row
         print(f"{name:<8} " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)

@@ -46,7 +46,8 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks the next token from float32 logits [vocab]."""
+    """Picks the next token from float32 logits [vocab], with a random stream of its own (seeded
+    by `params.seed` when given), so a request's tokens do not depend on what it is batched with."""
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
         self.params = params
@@ -60,18 +61,37 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Token id as a 0-d tensor on the logits' device (no host sync)."""
-        p = self.params
-        if p.temperature == 0:
+        if self.params.temperature == 0:
             return logits.argmax(-1)
-        logits = logits / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = logits.softmax(-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[0]
+        return sample_rows(logits[None], [self])[0]
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """One token per row of logits [N, vocab] (float32), row i drawn by samplers[i] (each with
+    temperature > 0), in one batch of operations instead of ~13 a row: per-row temperature,
+    top-k (ties kept) and top-p (the smallest set of tokens whose mass reaches it), then an
+    exponential race, argmax(p / e) with e ~ Exp(1) a token drawn from each row's own generator,
+    which picks token j with probability p_j. Returns [N] token ids on the logits' device (no
+    host sync). A row's result does not depend on the other rows: `Sampler` draws one row alike."""
+    dev = logits.device
+    params = [s.params for s in samplers]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).to(dev, non_blocking=True)
+    x = logits / temps[:, None]  # [N, V]
+    ks = [min(p.top_k, x.shape[-1]) for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values  # [N, kmax], descending
+        at = torch.tensor([max(k, 1) - 1 for k in ks]).to(dev, non_blocking=True)
+        kth = top.gather(1, at[:, None])  # [N, 1]
+        on = torch.tensor([k > 0 for k in ks]).to(dev, non_blocking=True)
+        x = x.masked_fill((x < kth) & on[:, None], float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        tops = torch.tensor([p.top_p for p in params], dtype=x.dtype).to(dev, non_blocking=True)
+        ordered, order = torch.sort(x, dim=-1, descending=True)
+        mass = ordered.softmax(-1)
+        drop = (mass.cumsum(-1) - mass >= tops[:, None]) & (tops[:, None] < 1.0)  # mass before >= top_p
+        x = torch.empty_like(x).scatter_(-1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    race = torch.empty_like(probs)
+    for i, s in enumerate(samplers):  # NOTE: one launch a row, each on the row's own stream of numbers
+        race[i].exponential_(generator=s.generator)
+    return (probs / race.clamp_(min=torch.finfo(race.dtype).tiny)).argmax(-1)  # [N]

@@ -30,7 +30,7 @@ from kvtier.engine.batch.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.batch.sequence import Delta, Sequence, Sink, Status
 from kvtier.engine.batch.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget
 from kvtier.engine.batch.stopping import check_stop
-from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.sampling import Sampler, SamplingParams, sample_rows
 from kvtier.errors import ConfigError, PromptError
 from kvtier.kv.batch_step import MixedStep
 from kvtier.kv.paged import PagedKVStore, SeqStep
@@ -336,16 +336,15 @@ class BatchEngine:
 
 
 def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, then
-    one host sync for all."""
-    greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-    if len(greedy) == len(seqs):  # all greedy: no host->GPU copy of the row numbers
-        return [int(t) for t in logits[: len(seqs)].argmax(-1).tolist()]
-    picked = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-    if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
-        picked[rows] = logits[rows].argmax(-1)
-    for i, s in enumerate(seqs):
-        if s.params.temperature != 0:
-            picked[i] = s.sampler(logits[i])
+    """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, the
+    sampled ones in one batch (`sample_rows`), then one host sync for all."""
+    logits = logits[: len(seqs)]
+    picked = logits.argmax(-1)  # [N]
+    drawn = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
+    if drawn:  # NOTE: all-greedy steps copy nothing to the device
+        if len(drawn) == len(seqs):
+            picked = sample_rows(logits, [s.sampler for s in seqs])
+        else:
+            rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
+            picked[rows] = sample_rows(logits[rows], [seqs[i].sampler for i in drawn])
     return [int(t) for t in picked.tolist()]
