@@ -225,14 +225,17 @@ case "$group" in
     --name serve_gpu_24gib_trace_d
   ;;
 29)
-  # NEXT (the thirteenth session): what a served model's tokenizer costs the batch, now that a
+  # NEXT (the thirteenth session). Each c* case now records the batch stream's idle time between
+  # steps (device_idle_ms_p50: host-bound time; c1 is at 6.03 ms/token against issue 18's 6, and
+  # launching the next decode step before reading this one's token back would hide it) and the
+  # interpreter's garbage collections. Then: what a served model's tokenizer costs the batch, now that a
   # step decodes each sequence's text incrementally (7d7d65f; before, the whole output every
   # step: 45 ms a step for 64 sequences at 2K tokens on the dev CPU, bench/detokenize.py); the
   # random-weight preset has no tokenizer, so earlier serve runs never paid it. Carry .tok (the
   # embedded model's tokenizer files: mkdir .tok; cp .cache/gguf/*/tokenizer*.json .tok/);
   # bench/detokenize.py needs the GGUF itself (carry .gguf_a in the call before, as for group 22)
-  run 200 $py bench/serve_gpu.py --cases c64,c64-1k-out --tokenizer .tok --name serve_gpu_tokenizer
-  run 160 $py bench/serve_gpu.py --cases c64,c64-1k-out --name serve_gpu_no_tokenizer
+  run 200 $py bench/serve_gpu.py --cases c1,c64,c64-1k-out --tokenizer .tok --name serve_gpu_tokenizer
+  run 160 $py bench/serve_gpu.py --cases c1,c64,c64-1k-out --name serve_gpu_no_tokenizer
   run 60 $py bench/detokenize.py --name detokenize_h200
   # sampled requests (temperature 0.8, top_p 0.95), which real clients send: one batched draw a
   # step since the sampler change (~87 operators for 64 sequences, ~1,000 before)

@@ -126,6 +126,10 @@ def run_case(
         # host ms of the first batch steps (prefill chunks, then the first decode steps)
         "first_steps_ms": [round(1e3 * t, 1) for t in times["step"][:FIRST_STEPS]],
         "gc": gcp.summary(),  # the interpreter's collections during the case (they stop the loop)
+        # the batch stream: each step's span, and the idle time between steps (host-bound)
+        "device_step_ms_p50": ms_p50(times.get("device_step", [])),
+        "device_idle_ms_p50": ms_p50(times.get("device_idle", [])),
+        "device_idle_s_total": round(sum(times.get("device_idle", [])), 3),
     }
     return row, tokens
 

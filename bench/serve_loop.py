@@ -5,6 +5,7 @@ device-op table of a profile."""
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from typing import Any
 
@@ -28,7 +29,9 @@ def step_loop(
     stream's: the tiered runs' too). With `times`, the host seconds of each batch step ("step"),
     this thread's CPU seconds in it ("step_cpu": less than "step" by the time it waited, for the
     device or for the GIL), the rest of each loop pass that stepped the batch ("gap": the tiered
-    runs' calls, the inbox, these counters), each tiered-run call ("tiered"), and on CUDA for each
+    runs' calls, the inbox, these counters), each tiered-run call ("tiered"), on CUDA the batch
+    stream's time from each step's start to its end ("device_step") and from one step's end to the
+    next one's start ("device_idle": the host's time between steps), and on CUDA for each
     batch step over 50 ms ("slow", as
     [step, ms, *counts]) what could have made it wait on other streams' work: the allocator's
     counts of cudaMalloc, cudaFree, allocation retries and pinned host allocations and frees
@@ -43,6 +46,7 @@ def step_loop(
     if times is not None:
         times.setdefault("slow", [])
     before = sync_counts() if cuda else None
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # each batch step's start, end
     while engine.has_work:
         if profile_steps is not None and prof is None and kernels is None and steps == profile_steps[0]:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -52,7 +56,13 @@ def step_loop(
         t0, c0 = time.perf_counter(), time.thread_time()
         stepped = engine.scheduler.has_work
         if stepped:
+            marks = (timed_event(), timed_event()) if cuda else None
+            if marks is not None:
+                marks[0].record(engine.stream)
             engine.step()
+            if marks is not None:
+                marks[1].record(engine.stream)
+                events.append(marks)
             steps += 1
         t1, c1 = time.perf_counter(), time.thread_time()
         if start is not None and before is not None and stepped and t1 - t0 > 0.05:
@@ -79,7 +89,18 @@ def step_loop(
         engine._drain(block=False)
         if times is not None and stepped:
             times.setdefault("gap", []).append(time.perf_counter() - it0 - (t1 - t0))
+    if events and times is not None:
+        # On the batch's stream: from a step's start to its end (its device work, and the host
+        # work inside it the device waited for), and from its end to the next one's start (the
+        # device idle while the host ran between steps)
+        torch.cuda.synchronize()
+        times["device_step"] = [1e-3 * a.elapsed_time(b) for a, b in events]
+        times["device_idle"] = [1e-3 * b.elapsed_time(a) for (_, b), (a, _) in itertools.pairwise(events)]
     return steps, kernels
+
+
+def timed_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 class GcPauses:
