@@ -45,11 +45,11 @@
 #   layouts alone), 20 (the allocator's cache freed after the long prefill), then group 19 after
 #   the GGUF (expandable segments; the smoke's generate part). 18 and 20 run without the GGUF.
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
-#   NEXT: bash bench/pending_h200.sh 21  # (~7.5 min; carry .gguf_a too) the deferral traced, once more
-#                                        #   untraced, the activation pool; then at once
-#         bash bench/pending_h200.sh 22  # (~9.5 min) the whole gpu_smoke, then
-#         bash bench/pending_h200.sh 23  # (~4 min) whole-GPU serve cases with the new split counts
-#         bash bench/pending_h200.sh 24  # (~7.5 min) issue 23: int4 host KV with CPU attention
+# The twelfth ran 25 (in place of 21 and 23), 22 (the whole smoke, 69/69), 27 (24 reordered), 28
+#   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
+#   NEXT: bash bench/pending_h200.sh 29  # (~9 min; carry .whl and .tok) host work per step: the
+#                                        #   batch stream's idle time, text decoding, batched sampling
+#   then group 22 again once GPU-facing code changed (the sampler and begin_decode did).
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
