@@ -439,6 +439,12 @@ def main() -> None:
         "nothing), as a served HF folder would have one",
     )
     ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=ServeConfig.decode_steps,
+        help="decode tokens a decode-only batch step computes before reading them back",
+    )
+    ap.add_argument(
         "--temperature", type=float, default=0.0, help="the c* cases' sampling (0: greedy, the default)"
     )
     ap.add_argument("--top-p", type=float, default=1.0, help="the c* cases' top_p (with --temperature)")
@@ -481,6 +487,7 @@ def main() -> None:
         tiered_share=args.tiered_share,
         tiered_keep_tokens=args.tiered_keep_tokens,
         tiered_release_after_prefill=args.tiered_release_after_prefill,
+        decode_steps=args.decode_steps,
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -491,6 +498,7 @@ def main() -> None:
         "model": described,
         "tokenizer": args.tokenizer,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p},
+        "decode_steps": args.decode_steps,
         "data": "synthetic: prompts of random token ids, greedy, ignore_eos",
         "gpu_memory": args.gpu_memory or "whole GPU",
         "pool_pages": engine.store.num_pages,

@@ -142,6 +142,7 @@ BAD_INPUTS: list[tuple[list[str], list[str]]] = [
     (["serve", "--max-body-bytes", "0"], ["--max-body-bytes must be at least 1, got 0"]),
     (["serve", "--max-prompt-tokens", "0"], ["--max-prompt-tokens must be at least 1, got 0"]),
     (["serve", "--max-num-seqs", "0"], ["--max-num-seqs must be at least 1, got 0"]),
+    (["serve", "--decode-steps", "0"], ["--decode-steps must be at least 1, got 0"]),
     (["serve", "--tiered-share", "1.5"], ["--tiered-share must be in [0, 1], got 1.5"]),
     (["serve", "--tiered-share", "nan"], ["--tiered-share must be a finite number"]),
     (["serve", "--tiered-keep-tokens", "-1"], ["--tiered-keep-tokens must be at least 0, got -1"]),

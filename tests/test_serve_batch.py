@@ -469,3 +469,35 @@ def test_metrics_histograms_count_every_request_and_token(llm: LLM) -> None:
         cumulative = [float(b.split()[-1]) for b in buckets]
         assert cumulative == sorted(cumulative) and cumulative[-1] == count
         assert buckets[-1].startswith(f'kvtier:{name}_bucket{{model_name="m",le="+Inf"}}')
+
+
+@pytest.mark.parametrize("ahead,num_pages", [(2, 64), (3, 64), (2, 12)])
+def test_decode_steps_ahead_equal_single_steps(llm: LLM, ahead: int, num_pages: int) -> None:
+    """`decode_steps` > 1 (forwards queued on the device's own sampled tokens) gives each
+    sequence the tokens of single steps: greedy ones equal alone, seeded sampled ones equal
+    `decode_steps` 1, a sequence that stops on an end token mid-run drops what followed it;
+    also under preemptions (12 pages)."""
+    greedy = [SamplingParams(max_tokens=m) for m in (9, 3, 7, 8)]
+    expected = [alone(llm, ids, p.max_tokens)[1] for ids, p in zip(prompts(), greedy, strict=True)]
+    sampled = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=i) for i in range(4)]
+    eos = expected[0][4]  # the fifth token of the first prompt ends it (and others where it comes)
+
+    def serve(decode_steps: int, params: list[SamplingParams], stop: int | None = None) -> list[tuple]:
+        cfg = ServeConfig(
+            page_size=4, num_pages=num_pages, num_host_pages=8, max_num_batched_tokens=64,
+            static_decode=True, decode_steps=decode_steps,
+        )  # fmt: skip
+        engine = ServeEngine(llm, cfg)
+        if stop is not None:
+            engine.eos = frozenset({stop})
+        queues = [collect(engine, ids, p) for ids, p in zip(prompts(), params, strict=True)]
+        engine.run_until_idle()
+        assert engine.kv.pool.num_free == num_pages
+        assert (engine.ahead_steps > 0) == (decode_steps > 1)
+        return [tokens_of(q) for q in queues]
+
+    assert serve(ahead, greedy) == [(e, "length") for e in expected]
+    assert serve(ahead, sampled) == serve(1, sampled)
+    stopped = serve(ahead, greedy, stop=eos)
+    assert stopped == serve(1, greedy, stop=eos)
+    assert stopped[0] == (expected[0][:5], "stop")

@@ -101,6 +101,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "pages (default 2048; 0: they may borrow any free page up to --tiered-share)",
     )
     p.add_argument(
+        "--decode-steps",
+        type=int_type("--decode-steps"),
+        default=1,
+        help="decode tokens a decode-only batch step computes before reading them back (default 1; "
+        "2+ queues the next forward on the device's own sampled tokens, so the GPU does not wait "
+        "for the host in between; tokens arrive that many at a time)",
+    )
+    p.add_argument(
         "--threads", type=int_type("--threads"), default=None, help="torch CPU threads of the engine"
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
@@ -184,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         offload_reserve=args.offload_reserve,
         tiered_share=args.tiered_share,
         tiered_keep_tokens=args.tiered_keep_tokens,
+        decode_steps=args.decode_steps,
     )
     if args.cpu_attention != "off":
         # NOTE: a CPU-attended layer waits on the host for its query; the server's tiered runs

@@ -55,6 +55,12 @@ class BatchConfig:
     # graphs (None: on CUDA; on the CPU they run eagerly, for tests).
     static_decode: bool | None = None
     cuda_graphs: bool = True
+    # Decode tokens a decode-only batch step computes before reading them back (1: one). With 2
+    # or more, a step whose sequences all continue queues the next forward on the tokens the last
+    # one sampled on the device, so the device runs the forwards back to back instead of waiting
+    # for the host in between; a sequence that stops early drops its later tokens. Off (1) until
+    # the H200 says it pays (bench/serve_gpu.py --decode-steps, pending_h200.sh 29).
+    decode_steps: int = 1
     # GPU bytes kept out of the pool for requests over stores of their own (tiered runs, methods);
     # None: a quarter of the room, at most 4 GiB, when the pool is sized from memory (sizing.py).
     offload_reserve: int | None = None
@@ -86,6 +92,8 @@ class BatchConfig:
             raise ConfigError(f"--tiered-share must be between 0 and 1, got {self.tiered_share}")
         if self.tiered_lookahead_layers < 0:
             raise ConfigError(f"tiered_lookahead_layers must be >= 0, got {self.tiered_lookahead_layers}")
+        if self.decode_steps < 1:
+            raise ConfigError(f"--decode-steps must be at least 1, got {self.decode_steps}")
         if self.page_size < 1:
             raise ConfigError(f"--page-size must be at least 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -99,6 +99,7 @@ class BatchEngine:
         self.prompt_tokens = self.generation_tokens = self.finished = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) per step
         self.latency = RequestLatency()
+        self.ahead_steps = 0  # decode-only steps that queued more than one forward (`decode_steps`)
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(device pages, host-tier pages): as given, checked against the memory budget, or sized
@@ -236,6 +237,9 @@ class BatchEngine:
                 sample_at.append(len(ids) - 1)
                 samplers.append(seq)
         if self.decoder is not None and not own and len(ids) == len(batch) == len(samplers):
+            rounds = self._decode_rounds(samplers)
+            if rounds > 1:
+                return self._decode_ahead(samplers, ids, rounds)
             logits = self.decoder.run(ids, steps)  # a decode-only step: static buffers / graph
         else:
             attention: Attention = self.store
@@ -266,6 +270,49 @@ class BatchEngine:
         while now - self._recent[0][0] > 60.0:
             self._recent.popleft()
         return len(ids)
+
+    def _decode_rounds(self, seqs: list[Sequence]) -> int:
+        """How many decode tokens this decode-only step computes (`BatchConfig.decode_steps`):
+        1 unless every sequence can take that many more tokens, pages for them are free without
+        a preemption, and no request waits to join the next step."""
+        k = self.config.decode_steps
+        if k == 1 or self.scheduler.waiting:
+            return 1
+        left = [min(s.params.max_tokens - len(s.output), self.max_model_len - len(s.tokens)) for s in seqs]
+        if min(left) < k:
+            return 1
+        if not all(self.kv.allocate(s, s.num_computed + k) for s in seqs):
+            return 1  # NOTE: the pages some got stay theirs, for their next steps
+        self.kv.host.flush()  # NOTE: cached pages those allocations evicted, copied out before reuse
+        return k
+
+    def _decode_ahead(self, seqs: list[Sequence], ids: list[int], rounds: int) -> int:
+        """`rounds` decode forwards of `seqs` queued back to back, each on the tokens the one
+        before sampled on the device, then one read-back; tokens a sequence samples after it
+        stopped are dropped. Each sequence's tokens are those of single steps (tests)."""
+        assert self.decoder is not None
+        self.ahead_steps += 1
+        picked: list[torch.Tensor] = []
+        for r in range(rounds):
+            steps = [SeqStep(tuple(s.block_table), s.num_computed + r, 1) for s in seqs]
+            logits = self.decoder.run(picked[-1] if picked else ids, steps)
+            picked.append(sample_on_device(seqs, logits))  # NOTE: before the next run reuses logits
+        tokens = torch.stack(picked).tolist()  # [rounds, n]: one host sync
+        now = time.perf_counter()
+        made = 0
+        for row in tokens:
+            for seq, tok in zip(seqs, row, strict=True):
+                if seq.status is Status.FINISHED:
+                    continue
+                self.kv.commit(seq, 1)
+                self._count_token(seq, now)
+                seq.tokens.append(int(tok))
+                made += 1
+                self._after_token(seq)
+        self._recent.append((now, made))
+        while now - self._recent[0][0] > 60.0:
+            self._recent.popleft()
+        return made
 
     def _count_token(self, seq: Sequence, now: float) -> None:
         """Count one new token of `seq` at `now`: its time to first token or since its last."""
@@ -336,15 +383,20 @@ class BatchEngine:
 
 
 def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Next token of each sequence from logits [N, vocab]: the greedy ones in one argmax, the
-    sampled ones in one batch (`sample_rows`), then one host sync for all."""
+    """Next token of each sequence from logits [N, vocab] (`sample_on_device`), then one host
+    sync for all."""
+    return [int(t) for t in sample_on_device(seqs, logits).tolist()]
+
+
+def sample_on_device(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """Next token of each sequence from logits [N, vocab], on their device ([N], no host sync):
+    the greedy ones in one argmax, the sampled ones in one batch (`sample_rows`)."""
     logits = logits[: len(seqs)]
     picked = logits.argmax(-1)  # [N]
     drawn = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
     if drawn:  # NOTE: all-greedy steps copy nothing to the device
         if len(drawn) == len(seqs):
-            picked = sample_rows(logits, [s.sampler for s in seqs])
-        else:
-            rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
-            picked[rows] = sample_rows(logits[rows], [seqs[i].sampler for i in drawn])
-    return [int(t) for t in picked.tolist()]
+            return sample_rows(logits, [s.sampler for s in seqs])
+        rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
+        picked[rows] = sample_rows(logits[rows], [seqs[i].sampler for i in drawn])
+    return picked

@@ -56,11 +56,16 @@ class DecodeRunner:
         """The smallest bucket holding `n` rows."""
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, ids: list[int], steps: list[SeqStep]) -> torch.Tensor:
-        """Logits [len(ids), vocab] (float32) of one decode step: token ids[i] of steps[i]."""
+    def run(self, ids: list[int] | torch.Tensor, steps: list[SeqStep]) -> torch.Tensor:
+        """Logits [len(ids), vocab] (float32) of one decode step: token ids[i] of steps[i]. `ids`
+        may be a tensor on the device (the tokens a step before sampled there: no host sync)."""
         n = len(ids)
         rows = self.bucket(n)
-        self.store.begin_decode(steps, rows, ids)
+        if isinstance(ids, torch.Tensor):
+            self.store.begin_decode(steps, rows)
+            self.ids[:n].copy_(ids)  # NOTE: after begin_decode's copy, in the stream's order
+        else:
+            self.store.begin_decode(steps, rows, ids)
         if not self.graphs:
             return self._forward(rows)[:n]
         if rows not in self._captured:
