@@ -47,9 +47,10 @@
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
 # The twelfth ran 25 (in place of 21 and 23), 22 (the whole smoke, 69/69), 27 (24 reordered), 28
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
-#   NEXT: bash bench/pending_h200.sh 29  # (~10 min; carry .whl and .tok) host work per step: the
-#                                        #   batch stream's idle time, text decoding, batched sampling,
-#                                        #   --decode-steps 2
+#   NEXT: bash bench/pending_h200.sh 29  # (~9 min; carry .whl and .tok) host work per step: the
+#                                        #   batch stream's idle time, text decoding, batched sampling;
+#         bash bench/pending_h200.sh 30  #   then (~8.5 min) --decode-steps 2, the heap unfrozen, and the
+#                                        #   24 GiB mixed case with it frozen
 #   then group 22 again once GPU-facing code changed (the sampler and begin_decode did).
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
@@ -241,9 +242,15 @@ case "$group" in
   # sampled requests (temperature 0.8, top_p 0.95), which real clients send: one batched draw a
   # step since the sampler change (~87 operators for 64 sequences, ~1,000 before)
   run 120 $py bench/serve_gpu.py --cases c64 --temperature 0.8 --top-p 0.95 --name serve_gpu_sampled
-  # two decode forwards a step, the second on the first's tokens sampled on the device (no host
-  # gap between them): c1 and c64 against the runs above (device_idle_ms_p50 says what it can hide)
+  ;;
+30)
+  # after 29, at once (carry .whl and .tok): two decode forwards a step, the second on the first's
+  # tokens sampled on the device (no host gap between them), against 29's runs
+  # (device_idle_ms_p50 says what it can hide); then the start-up heap left unfrozen, beside 29's
+  # tokenizer run (were its two ~800 ms steps full garbage collections? each case records them)
   run 120 $py bench/serve_gpu.py --cases c1,c1-32k,c64 --decode-steps 2 --name serve_gpu_decode2
+  run 120 $py bench/serve_gpu.py --cases c64-1k-out --tokenizer .tok --no-freeze --name serve_gpu_tokenizer_nofreeze
+  run 250 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --name serve_gpu_24gib_frozen
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)

@@ -45,6 +45,7 @@ from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.loading.resolve import read_model_config
 from kvtier.serve.engine import ServeConfig, ServeEngine
+from kvtier.serve.server import freeze_heap
 from kvtier.units import parse_count
 
 # name -> (concurrent requests, prompt tokens, new tokens)
@@ -448,6 +449,11 @@ def main() -> None:
         "--temperature", type=float, default=0.0, help="the c* cases' sampling (0: greedy, the default)"
     )
     ap.add_argument("--top-p", type=float, default=1.0, help="the c* cases' top_p (with --temperature)")
+    ap.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the start-up heap to the garbage collector (kvtier serve freezes it)",
+    )
     ap.add_argument("--name", default="serve_gpu")
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -491,6 +497,8 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
+    if not args.no_freeze:
+        freeze_heap()  # as `kvtier serve` does before it listens
     vocab = llm.model_config.vocab_size
     run_case(engine, 2, 64, 4, vocab, seed=99)  # warm-up: kernels compile, first graphs
     run_case(engine, 1, CASES["c1"][1], 8, vocab, seed=98)  # and c1's shapes (its first run was slow)
@@ -499,6 +507,7 @@ def main() -> None:
         "tokenizer": args.tokenizer,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p},
         "decode_steps": args.decode_steps,
+        "heap_frozen": not args.no_freeze,
         "data": "synthetic: prompts of random token ids, greedy, ignore_eos",
         "gpu_memory": args.gpu_memory or "whole GPU",
         "pool_pages": engine.store.num_pages,
