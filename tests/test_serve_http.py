@@ -149,6 +149,8 @@ def test_shared_prefix_reports_cached_tokens(served: Served) -> None:
     assert cached is not None and cached >= 64 and cached % 16 == 0
     metrics = served.http.get("/metrics").text
     assert "kvtier:prefix_cache_hits_total" in metrics and "kvtier:num_requests_running{" in metrics
+    ahead = [line for line in metrics.splitlines() if line.startswith("kvtier:decode_ahead_steps_total{")]
+    assert len(ahead) == 1 and ahead[0].endswith(" 0")  # --decode-steps is 1 by default
     assert served.http.post("/reset_prefix_cache").status_code == 200
     third = c.completions.create(model=m, prompt=prefix + "Q: 3+3?", max_tokens=2, temperature=0)
     assert third.usage is not None and third.usage.prompt_tokens_details is not None

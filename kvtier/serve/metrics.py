@@ -49,6 +49,13 @@ def render(engine: ServeEngine, model_name: str) -> str:
             [("", engine.own_store_requests)],
         ),
         (
+            "decode_ahead_steps_total",
+            "counter",
+            "Decode-only batch steps that queued more than one forward before reading tokens back "
+            "(--decode-steps).",
+            [("", engine.ahead_steps)],
+        ),
+        (
             "kv_transfer_bytes_total",
             "counter",
             "KV bytes over PCIe, by direction and source (prefix_cache: its host tier; tiered: the "
