@@ -326,14 +326,15 @@ class BatchEngine:
         self.generation_tokens += 1
 
     def _after_token(self, seq: Sequence) -> None:
+        output = seq.output  # NOTE: a copy of the list: taken once a token
         text = ""
         if self.host.tokenizer is not None:
             if seq.text is None:
                 seq.text = IncrementalText(self.host.tokenizer)
             with self.tokenizer_lock:
-                text = seq.text.update(seq.output)
+                text = seq.text.update(output)
         at_limit = len(seq.tokens) >= self.max_model_len
-        visible, reason = check_stop(seq.output, text, seq.params, self.eos, at_limit)
+        visible, reason = check_stop(output, text, seq.params, self.eos, at_limit)
         if visible is None:
             return
         self._emit(seq, visible, reason)
@@ -341,13 +342,13 @@ class BatchEngine:
             self._finish(seq, reason, emitted=True)
 
     def _emit(self, seq: Sequence, text: str, reason: str | None, error: str | None = None) -> None:
-        new_tokens = tuple(seq.output[seq.emitted_tokens :])
+        new_tokens = tuple(seq.tokens[len(seq.prompt) + seq.emitted_tokens :])
         delta = Delta(
             token_ids=new_tokens,
             text=text[seq.emitted_text :],  # empty when held-back text shrank the visible part
             finish_reason=reason,
             prompt_tokens=len(seq.prompt),
-            completion_tokens=len(seq.output),
+            completion_tokens=len(seq.tokens) - len(seq.prompt),
             cached_tokens=seq.cached_tokens,
             error=error,
         )
