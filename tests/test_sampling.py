@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvtier.engine.batch.core import sample_all
+from kvtier.engine.batch.sample import sample_all
 from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.sampling import Sampler, SamplingParams, sample_rows
 from kvtier.sparse.opcount import OpCounter

@@ -26,11 +26,12 @@ from kvtier.engine.batch.detokenize import IncrementalText
 from kvtier.engine.batch.graphs import DecodeRunner
 from kvtier.engine.batch.kv_manager import KVCacheManager
 from kvtier.engine.batch.latency import RequestLatency
+from kvtier.engine.batch.sample import sample_all, sample_on_device
 from kvtier.engine.batch.scheduler import Scheduler, SchedulerConfig
 from kvtier.engine.batch.sequence import Delta, Sequence, Sink, Status
 from kvtier.engine.batch.sizing import CPU_DEFAULT_PAGES, PoolBudget, measure_pool_budget
 from kvtier.engine.batch.stopping import check_stop
-from kvtier.engine.sampling import Sampler, SamplingParams, sample_rows
+from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import ConfigError, PromptError
 from kvtier.kv.batch_step import MixedStep
 from kvtier.kv.paged import PagedKVStore, SeqStep
@@ -381,23 +382,3 @@ class BatchEngine:
         """Generated tokens per second over the last `window` seconds."""
         now = time.perf_counter()
         return sum(n for t, n in list(self._recent) if now - t <= window) / window
-
-
-def sample_all(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Next token of each sequence from logits [N, vocab] (`sample_on_device`), then one host
-    sync for all."""
-    return [int(t) for t in sample_on_device(seqs, logits).tolist()]
-
-
-def sample_on_device(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """Next token of each sequence from logits [N, vocab], on their device ([N], no host sync):
-    the greedy ones in one argmax, the sampled ones in one batch (`sample_rows`)."""
-    logits = logits[: len(seqs)]
-    picked = logits.argmax(-1)  # [N]
-    drawn = [i for i, s in enumerate(seqs) if s.params.temperature != 0]
-    if drawn:  # NOTE: all-greedy steps copy nothing to the device
-        if len(drawn) == len(seqs):
-            return sample_rows(logits, [s.sampler for s in seqs])
-        rows = torch.tensor(drawn).to(logits.device, non_blocking=True)
-        picked[rows] = sample_rows(logits[rows], [seqs[i].sampler for i in drawn])
-    return picked
