@@ -267,9 +267,7 @@ class BatchEngine:
             self._count_token(seq, now)
             seq.tokens.append(tok)
             self._after_token(seq)
-        self._recent.append((now, len(tokens)))
-        while now - self._recent[0][0] > 60.0:
-            self._recent.popleft()
+        self._made(now, len(tokens))
         return len(ids)
 
     def _decode_rounds(self, seqs: list[Sequence]) -> int:
@@ -310,10 +308,14 @@ class BatchEngine:
                 seq.tokens.append(int(tok))
                 made += 1
                 self._after_token(seq)
-        self._recent.append((now, made))
+        self._made(now, made)
+        return made
+
+    def _made(self, now: float, tokens: int) -> None:
+        """Count `tokens` generated at `now` for `tokens_per_second` (the last minute is kept)."""
+        self._recent.append((now, tokens))
         while now - self._recent[0][0] > 60.0:
             self._recent.popleft()
-        return made
 
     def _count_token(self, seq: Sequence, now: float) -> None:
         """Count one new token of `seq` at `now`: its time to first token or since its last."""
