@@ -47,11 +47,13 @@
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
 # The twelfth ran 25 (in place of 21 and 23), 22 (the whole smoke, 69/69), 27 (24 reordered), 28
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
-#   NEXT: bash bench/pending_h200.sh 29  # (~9 min; carry .whl and .tok) host work per step: the
+#   NEXT: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
+#   begin_decode, incremental text, --decode-steps, the frozen heap): carry .whl and .gguf_a, copy
+#   the half to /tmp/gg, then at once carry .whl and .gguf_b: bash bench/pending_h200.sh 22; then
+#         bash bench/pending_h200.sh 29  # (~9 min; carry .whl and .tok) host work per step: the
 #                                        #   batch stream's idle time, text decoding, batched sampling;
 #         bash bench/pending_h200.sh 30  #   then (~8.5 min) --decode-steps 2, the heap unfrozen, and the
 #                                        #   24 GiB mixed case with it frozen
-#   then group 22 again once GPU-facing code changed (the sampler and begin_decode did).
 # Before (both ran at 8da3735 but for the embedded model's smoke checks, cut off by short limits):
 #   group 1 (the smoke in full, after this session's expert offload), then
 #   bash bench/pending_h200.sh 14  # (~6 min) issue 23 at 512K with 1 and 2 KV heads a slice
