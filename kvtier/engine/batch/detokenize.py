@@ -3,8 +3,9 @@
 The engine needs the output text after every new token (stop strings, the text a stream sends),
 and decoding the whole output each time costs O(length) per token: with SmolLM2's tokenizer
 36 / 141 / 702 us a step at 128 / 512 / 2,048 output tokens on the development CPU, for every
-sequence of every batch step, so O(length^2) per request (`bench/results/detokenize_cpu.json`). `IncrementalText` keeps the
-text of the tokens up to a character boundary and decodes only the tokens since:
+sequence of every batch step, so O(length^2) per request (`bench/results/detokenize_cpu.json`).
+`IncrementalText` keeps the text of the tokens up to a character boundary and decodes only the
+tokens since:
 
     ids:   [ .......... done .......... | prefix | new ]
                                         ^ start  ^ read
