@@ -106,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="decode tokens a decode-only batch step computes before reading them back (default 1; "
         "2+ queues the next forward on the device's own sampled tokens, so the GPU does not wait "
-        "for the host in between; tokens arrive that many at a time)",
+        "for the host in between; tokens arrive that many at a time). CUDA only: the CPU has no "
+        "such wait, and ignores it",
     )
     p.add_argument(
         "--threads", type=int_type("--threads"), default=None, help="torch CPU threads of the engine"

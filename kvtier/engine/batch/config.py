@@ -58,8 +58,9 @@ class BatchConfig:
     # Decode tokens a decode-only batch step computes before reading them back (1: one). With 2
     # or more, a step whose sequences all continue queues the next forward on the tokens the last
     # one sampled on the device, so the device runs the forwards back to back instead of waiting
-    # for the host in between; a sequence that stops early drops its later tokens. Off (1) until
-    # the H200 says it pays (bench/serve_gpu.py --decode-steps, pending_h200.sh 29).
+    # for the host in between; a sequence that stops early drops its later tokens. It applies to
+    # the static decode path (`static_decode`: on CUDA by default). Off (1) until the H200 says
+    # it pays (bench/serve_gpu.py --decode-steps, pending_h200.sh 30).
     decode_steps: int = 1
     # GPU bytes kept out of the pool for requests over stores of their own (tiered runs, methods);
     # None: a quarter of the room, at most 4 GiB, when the pool is sized from memory (sizing.py).
