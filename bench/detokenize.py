@@ -46,11 +46,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="128,512,2048", help="output lengths in tokens")
     ap.add_argument("--batch", type=int, default=64, help="sequences in a batch step")
+    ap.add_argument(
+        "--tokenizer", default=None, help="a folder of the embedded model's tokenizer files (default: its GGUF)"
+    )
     ap.add_argument("--name", default="detokenize_cpu")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    folder = gguf_to_hf_folder(embedded_gguf_path(), os.environ.get("KVTIER_CACHE_DIR") or ".cache")
+    folder = args.tokenizer or gguf_to_hf_folder(
+        embedded_gguf_path(), os.environ.get("KVTIER_CACHE_DIR") or ".cache"
+    )
     tok = AutoTokenizer.from_pretrained(folder)
     text_ids = tok(prose_text())["input_ids"]
     rows = []

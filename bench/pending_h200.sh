@@ -236,11 +236,10 @@ case "$group" in
   # step decodes each sequence's text incrementally (7d7d65f; before, the whole output every
   # step: 45 ms a step for 64 sequences at 2K tokens on the dev CPU, bench/detokenize.py); the
   # random-weight preset has no tokenizer, so earlier serve runs never paid it. Carry .tok (the
-  # embedded model's tokenizer files: mkdir .tok; cp .cache/gguf/*/tokenizer*.json .tok/);
-  # bench/detokenize.py needs the GGUF itself (carry .gguf_a in the call before, as for group 22)
+  # embedded model's tokenizer files: mkdir .tok; cp .cache/gguf/*/tokenizer*.json .tok/)
   run 200 $py bench/serve_gpu.py --cases c1,c64,c64-1k-out --tokenizer .tok --name serve_gpu_tokenizer
   run 160 $py bench/serve_gpu.py --cases c1,c64,c64-1k-out --name serve_gpu_no_tokenizer
-  run 60 $py bench/detokenize.py --name detokenize_h200
+  run 60 $py bench/detokenize.py --tokenizer .tok --name detokenize_h200
   # sampled requests (temperature 0.8, top_p 0.95), which real clients send: one batched draw a
   # step since the sampler change (~87 operators for 64 sequences, ~1,000 before)
   run 120 $py bench/serve_gpu.py --cases c64 --temperature 0.8 --top-p 0.95 --name serve_gpu_sampled
