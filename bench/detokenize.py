@@ -47,7 +47,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,512,2048", help="output lengths in tokens")
     ap.add_argument("--batch", type=int, default=64, help="sequences in a batch step")
     ap.add_argument(
-        "--tokenizer", default=None, help="a folder of the embedded model's tokenizer files (default: its GGUF)"
+        "--tokenizer",
+        default=None,
+        help="a folder of the embedded model's tokenizer files (default: the GGUF)",
     )
     ap.add_argument("--name", default="detokenize_cpu")
     args = ap.parse_args()
