@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import statistics
 import time
 from typing import Any
 
@@ -97,6 +98,17 @@ def step_loop(
         times["device_step"] = [1e-3 * a.elapsed_time(b) for a, b in events]
         times["device_idle"] = [1e-3 * b.elapsed_time(a) for (_, b), (a, _) in itertools.pairwise(events)]
     return steps, kernels
+
+
+FIRST_STEPS = 8  # batch steps whose host times each case records
+
+
+def ms_p50(xs: list[float]) -> float | None:
+    return round(1e3 * statistics.median(xs), 3) if xs else None
+
+
+def ms_quantile(xs: list[float], q: float) -> float | None:
+    return round(1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
 
 
 def timed_event() -> torch.cuda.Event:
