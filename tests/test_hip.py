@@ -336,12 +336,14 @@ def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("batch_bytes", [1 << 30, 1])  # 1: every block its own batch
 @pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
 @pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
 def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(
-    mode: str, s: int, batch_bytes: int, monkeypatch: pytest.MonkeyPatch
+    mode: str, s: int, batch_bytes: int, head_score: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`run_block_stages` (the blocks of a prefill chunk as one batch, or in memory-bounded
     batches) keeps, block by block, the positions `run_stages` keeps for each block alone,
-    blocks with few candidates included."""
+    blocks with few candidates included, with either head score (softmax: over each block's
+    own chunks, where the batch pads shorter blocks with empty ones)."""
     from kvtier.sparse import prefill
     from kvtier.sparse.prefill import run_block_stages
     from kvtier.sparse.pruning import run_stages
@@ -367,6 +369,7 @@ def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(
         mode=mode,
         rotary=rope,
         window=window,
+        head_score=head_score,
     )
     for b, w0 in enumerate(starts):
         alone = run_stages(
@@ -378,6 +381,7 @@ def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(
             mode=mode,
             rotary=rope,
             window=window,
+            head_score=head_score,
         )[-1]
         assert int(n[b]) == alone.numel()
         assert torch.equal(sel[b, : int(n[b])], alone)

@@ -28,9 +28,13 @@ MODES = ["relative", "chunk_indexed", "absolute"]
 @pytest.mark.parametrize("rotate", [True, False])
 @pytest.mark.parametrize("span", [True, False])  # stage 0's implicit candidates, or a list
 @pytest.mark.parametrize("mode", MODES)
-def test_kernel_scores_equal_the_torch_bisection(device: str, rotate: bool, span: bool, mode: str) -> None:
+@pytest.mark.parametrize("per_row", [False, True])
+def test_kernel_scores_equal_the_torch_bisection(
+    device: str, rotate: bool, span: bool, mode: str, per_row: bool
+) -> None:
     """Chunk scores of blocks with different candidate counts (a partial last chunk, empty
-    chunks) equal `_bisect`'s, on the same rotated queries."""
+    chunks) equal `_bisect`'s, on the same rotated queries; with `per_row`, every (query, head)
+    row's maximum (the kernel's rows come in another order: compared sorted)."""
     from kvtier.sparse.triton_bisect import bisect_triton
 
     gen = torch.Generator().manual_seed(5)
@@ -49,21 +53,28 @@ def test_kernel_scores_equal_the_torch_bisection(device: str, rotate: bool, span
     rope = RopeTable(Rotary(RopeConfig(), D, device=device)) if rotate else None
     n_chunks = -(-valid // chunk)
     qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rope, window=8)
-    ref = _bisect(qr, keys, _chunks(cand, c_count, chunk), lengths, mode=mode, rotary=rope, limit=limit)
+    chunks = _chunks(cand, c_count, chunk)
+    ref = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rope, limit=limit, per_row=per_row)
     tables = rope.tables(limit, keys) if rope is not None else None
-    got = bisect_triton(qr, keys, None if span else cand, first, lengths, chunk, mode=mode, tables=tables)
+    got = bisect_triton(
+        qr, keys, None if span else cand, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row
+    )
     live = lengths > 0
+    if per_row:
+        assert got.shape == ref.shape == (3, c_count, nq * g * r)
+        got, ref = got.sort(dim=2).values, ref.sort(dim=2).values
     assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
 def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
-    device: str, s: int, mode: str
+    device: str, s: int, mode: str, head_score: str
 ) -> None:
     """`run_block_stages` with the kernel keeps, block by block, the positions `run_stages`
-    (the torch reference, one block at a time) keeps."""
+    (the torch reference, one block at a time) keeps, with either head score."""
     gen = torch.Generator().manual_seed(3)
     bq, sink, window = 8, 4, 16
     keys = torch.randn(s, 2, D, generator=gen)  # [S, G, D]
@@ -84,6 +95,7 @@ def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
         rotary=rope,
         window=window,
         triton=True,
+        head_score=head_score,
     )
     ref_rope = RopeTable(Rotary(RopeConfig(), D))
     for b, w0 in enumerate(starts):
@@ -97,6 +109,7 @@ def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
             mode=mode,
             rotary=ref_rope,
             window=window,
+            head_score=head_score,
         )[-1]
         assert int(n[b]) == alone.numel()
         assert torch.equal(sel[b, : int(n[b])].cpu(), alone)

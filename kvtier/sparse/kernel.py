@@ -244,7 +244,7 @@ class HipKernel:
         starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
         ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
         rows: list[torch.Tensor] = []  # [B_i, P_i] prefixes (sinks + selection), -1 padded
-        full = t // bq if cfg.head_score == "max" and step.start >= cfg.sink else 0
+        full = t // bq if step.start >= cfg.sink else 0
         if full:
             pos = torch.arange(step.start, step.start + full * bq, device=dev).view(full, bq)
             w0 = torch.tensor(starts[:full], dtype=torch.long).to(dev, non_blocking=True)
@@ -260,6 +260,7 @@ class HipKernel:
                 mode=cfg.scoring_rope(step.layer),
                 rotary=self.rotary,
                 window=cfg.window,
+                head_score=cfg.head_score,
             )
             rows.append(torch.cat((torch.arange(cfg.sink, device=dev).expand(full, -1), sel), dim=1))
             self.stats.attended_keys += cfg.sink * full + int(n_sel.sum())  # NOTE: a sync (prefill)

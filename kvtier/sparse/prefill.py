@@ -9,7 +9,10 @@ stage's ~100 operators 64 times per slice. Here the blocks of a chunk are a batc
 
 Stage 0's candidates differ between blocks only in length (each block's window starts 64
 tokens later), so all blocks share one chunk grid. Every stage runs `chunk_scores`'s bisection on
-[B, C] at once ("max" head score); the top `budget // c` chunks of each block are kept in chunk
+[B, C] at once, with either head score: "max" keeps each chunk's running max max-pooled over
+the block's queries and heads; "softmax" keeps it per (query, head) row, [B, C, R], takes a
+softmax over each block's live chunks per row (empty chunks are -inf) and then the max over
+rows, as `chunk_scores` does for one block. The top `budget // c` chunks of each block are kept in chunk
 order, which keeps their entries sorted with the padding last (no sort). Where a block has no
 more chunks than it keeps, all are kept, as `prune_stage` returns its candidates.
 
@@ -54,11 +57,13 @@ def prune_blocks(
     first: int = 0,
     width: int = 0,
     triton: bool = False,
+    head_score: str = "max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
     keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
     block b's candidates are first .. first + valid[b] - 1 (stage 0), N = `width`.
     `triton`: score chunks with `bisect_triton` (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+    `head_score`: "max" or "softmax", as `pruning.chunk_scores`.
 
     Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
     chunks)) and their counts [B]. No host sync.
@@ -77,14 +82,21 @@ def prune_blocks(
     n_chunks = -(-valid // chunk)  # [B] each block's own chunk count (chunk-indexed RoPE)
     qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rotary, window=window)
     chunks = _chunks(candidates, c_count, chunk) if candidates is not None else None  # [B, C, c]
+    per_row = head_score == "softmax"
     if triton:
         from kvtier.sparse.triton_bisect import bisect_triton
 
         tables = rotary.tables(limit, keys) if rotary is not None else None
-        scores = bisect_triton(qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables)
+        scores = bisect_triton(
+            qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row
+        )
     else:
         assert chunks is not None
-        scores = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit)
+        scores = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row)
+    if per_row:  # scores [B, C, R]: a softmax over each row's live chunks, then the max over rows
+        live = (lengths > 0)[:, :, None]
+        logits = torch.where(live, scores * q.shape[-1] ** -0.5, float("-inf"))
+        scores = torch.softmax(logits, dim=1).amax(dim=2)
     scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
     # Chunks are consecutive runs of the sorted candidates and every -1 lies past the last valid
@@ -144,12 +156,15 @@ def _bisect(
     mode: str,
     rotary: RopeTable | None,
     limit: int,
+    per_row: bool = False,
 ) -> torch.Tensor:
-    """`chunk_scores` ("max") of chunks [B, C, c] (lengths [B, C]) for each block's rotated
+    """`chunk_scores`'s bisection of chunks [B, C, c] (lengths [B, C]) for each block's rotated
     queries q [B, Nq, G, r, D] (`_scoring_queries`).
 
     Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
-    max-pooled over the block's queries and heads.
+    max-pooled over the block's queries and heads; with `per_row`, that max per (query, head)
+    row, [B, C, Nq * G * r] (the "softmax" head score's input). The path goes where the
+    max-pooled probe is larger, either way.
     """
     bsz, c_count, c = chunks.shape
     g, d = keys.shape[1], keys.shape[2]
@@ -164,17 +179,18 @@ def _bisect(
                 k, probe_positions(mode, side, index.flatten(), pos.clamp(min=0).flatten()), limit
             )
         s = torch.einsum("bngrd,bcgd->bcngr", qf, k.view(bsz, c_count, g, d).float())
-        return s.flatten(2).amax(dim=2)  # [B, C]
+        return s.flatten(2)  # [B, C, R]
 
     lo = torch.zeros_like(lengths)
     hi = lengths
     best: torch.Tensor | None = None
     for _ in range(max(1, math.ceil(math.log2(c)))):
         mid = lo + (hi - lo) // 2
-        s_left = probe(((lo + mid) // 2).clamp(max=c - 1), 0)
-        s_right = probe(((mid + hi) // 2).clamp(max=c - 1), 1)
+        rows_left = probe(((lo + mid) // 2).clamp(max=c - 1), 0)
+        rows_right = probe(((mid + hi) // 2).clamp(max=c - 1), 1)
+        s_left, s_right = rows_left.amax(dim=2), rows_right.amax(dim=2)  # [B, C]
         go_right = s_right > s_left
-        top = torch.maximum(s_left, s_right)
+        top = torch.maximum(rows_left, rows_right) if per_row else torch.maximum(s_left, s_right)
         best = top if best is None else torch.maximum(best, top)
         lo = torch.where(go_right, mid, lo)
         hi = torch.where(go_right, hi, mid)
@@ -196,6 +212,7 @@ def run_block_stages(
     rotary: RopeTable | None,
     window: int,
     triton: bool | None = None,
+    head_score: str = "max",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B whole query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]).
@@ -206,7 +223,8 @@ def run_block_stages(
     by `_bisect`'s torch operators. Blocks are pruned in batches whose temporaries stay near
     `PRUNE_BATCH_BYTES`: with torch the probe keys of every chunk of every block, in float32, and
     their scores (at 512K a layer slice of 8 KV heads takes ~25 MB per block, so 64 blocks at
-    once took ~1.6 GB); with Triton only the kept positions (~0.8 MB a block).
+    once took ~1.6 GB); with Triton only the kept positions (~0.8 MB a block). The "softmax"
+    head score adds each stage-0 chunk's per-row maxima and their softmax.
     """
     if triton is None:
         triton = q.is_cuda and use_triton()
@@ -220,7 +238,7 @@ def run_block_stages(
             pq, pp = pool_blocks(qb, pb, stride)
             cand, valid = prune_blocks(
                 pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
-                first=sink, width=width, triton=triton,
+                first=sink, width=width, triton=triton, head_score=head_score,
             )  # fmt: skip
         assert cand is not None
         return cand, valid
@@ -229,6 +247,8 @@ def run_block_stages(
     per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * c0
     if triton:  # kept positions: their offsets, sum and where, int64; the scores and top-k
         per_block = 3 * 8 * budgets[0] + 16 * c0
+    if head_score == "softmax":  # per-row maxima [C, R] float32, their logits and softmax
+        per_block += 3 * 4 * c0 * -(-q.shape[1] // strides[0]) * q.shape[2]
     step = max(1, PRUNE_BATCH_BYTES // per_block)
     spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
     parts = [prune(q[sp], q_pos[sp], window_starts[sp]) for sp in spans]

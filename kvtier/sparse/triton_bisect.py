@@ -73,18 +73,23 @@ def _key(k_rows, d, c, s, D: tl.constexpr, ROTATE: tl.constexpr):  # type: ignor
 
 
 @triton.jit
-def _scores(q, k, rmask, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]
-    """max over valid rows of q [R, D] . k [BC, D]^T: [BC] float32."""
+def _dots(q, k, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]
+    """q [R, D] . k [BC, D]^T: [R, BC] float32."""
     if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
-        sc = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")  # [R, BC]
+        return tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+    return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+
+
+@triton.jit
+def _row_max(sc, rmask):  # type: ignore[no-untyped-def]
+    """max over valid rows of sc [R, BC]: [BC]."""
     return tl.max(tl.where(rmask[:, None], sc, float("-inf")), axis=0)
 
 
 @triton.jit
 def _probe_pair(  # type: ignore[no-untyped-def]
     q_base,  # pointer: this block's rows, [G, R, D]
+    row_base,  # pointer: this block's per-row maxima [G, R, C] (PER_ROW only)
     k_ptr,
     cand_base,  # pointer: this block's candidates [N] (unused when ARANGE)
     cos_ptr,
@@ -98,6 +103,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     stride_ks,
     stride_kg,
     R_VALID,
+    C,
     G: tl.constexpr,
     R: tl.constexpr,
     D: tl.constexpr,
@@ -106,10 +112,12 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PER_ROW: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """Both probes of a level: max over KV heads and rows of q . k(probe), [BC] float32 each.
-    One loop over the heads loads both probes' keys and the head's rows once."""
+    One loop over the heads loads both probes' keys and the head's rows once. With PER_ROW each
+    row's max(left, right) also goes into the row maxima (this program owns its chunks' cells)."""
     pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
     pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
     d = tl.arange(0, D)
@@ -138,8 +146,15 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
         k_l = _key(k_ptr + pos_l[:, None] * stride_ks + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
         k_r = _key(k_ptr + pos_r[:, None] * stride_ks + g * stride_kg, d, c_r, s_r, D, ROTATE)
-        best_l = tl.maximum(best_l, _scores(q, k_l, rmask, INTERPRET))
-        best_r = tl.maximum(best_r, _scores(q, k_r, rmask, INTERPRET))
+        sc_l = _dots(q, k_l, INTERPRET)  # [R, BC]
+        sc_r = _dots(q, k_r, INTERPRET)
+        best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
+        best_r = tl.maximum(best_r, _row_max(sc_r, rmask))
+        if PER_ROW:
+            cells = row_base + g * R * C + rows[:, None] * C + cs[None, :]
+            live = rmask[:, None] & cmask[None, :]
+            old = tl.load(cells, mask=live, other=float("-inf"))
+            tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=live)
     return best_l, best_r
 
 
@@ -152,6 +167,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     cos_ptr,  # [P, D] (unused unless ROTATE)
     sin_ptr,
     out_ptr,  # [B, C] float32
+    row_ptr,  # [B, G, R, C] float32, -inf on entry (PER_ROW only)
     C,
     N,
     first,
@@ -167,6 +183,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PER_ROW: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -183,8 +200,9 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l, s_r = _probe_pair(
-            q_base, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l, off_r, length, first,
-            stride_ks, stride_kg, R_VALID, G, R, D, CHUNK, MODE, ROTATE, ARANGE, INTERPRET, BLOCK_C,
+            q_base, row_ptr + b * G * R * C, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l,
+            off_r, length, first, stride_ks, stride_kg, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE,
+            ARANGE, INTERPRET, PER_ROW, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -203,6 +221,7 @@ def bisect_triton(
     *,
     mode: str,
     tables: tuple[torch.Tensor, torch.Tensor] | None,
+    per_row: bool = False,
 ) -> torch.Tensor:
     """Chunk scores of a pruning stage, as `prefill._bisect` computes them.
 
@@ -211,7 +230,8 @@ def bisect_triton(
     block b's positions first .. first + valid - 1 (stage 0; `lengths` carries valid);
     lengths [B, C] valid entries per chunk. `tables`: the RoPE cos/sin rows [P, D] covering every
     probe position of `mode`, or None (no rotation). Returns [B, C] float32 (empty chunks too:
-    the caller masks them). No host sync.
+    the caller masks them); with `per_row`, `_bisect(per_row=True)`'s [B, C, Nq * G * r] (rows in
+    another order, which the "softmax" head score's max over rows ignores). No host sync.
     """
     bsz, nq, g, r, d = q.shape
     c_count = lengths.shape[1]
@@ -222,6 +242,9 @@ def bisect_triton(
         qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
     qr = qr.contiguous()
     out = torch.empty(bsz, c_count, dtype=torch.float32, device=q.device)
+    row_best = out  # a placeholder pointer unless per_row
+    if per_row:
+        row_best = torch.full((bsz, g, r_pad, c_count), float("-inf"), dtype=torch.float32, device=q.device)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     cos, sin = tables if tables is not None else (keys, keys)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -234,6 +257,7 @@ def bisect_triton(
         cos,
         sin,
         out,
+        row_best,
         c_count,
         cand.shape[1],
         first,
@@ -249,8 +273,11 @@ def bisect_triton(
         ROTATE=tables is not None,
         ARANGE=candidates is None,
         INTERPRET=interpret,
+        PER_ROW=per_row,
         BLOCK_C=BLOCK_C,
         num_warps=NUM_WARPS or (8 if r_pad >= 128 else 4),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
+    if per_row:  # [B, G, R, C] -> [B, C, G * rows]
+        return row_best[:, :, :rows].permute(0, 3, 1, 2).reshape(bsz, c_count, g * rows)
     return out
