@@ -47,7 +47,8 @@
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
 # The twelfth ran 25 (in place of 21 and 23), 22 (the whole smoke, 69/69), 27 (24 reordered), 28
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
-#   NEXT: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
+# The thirteenth: 31 (with the GGUF's first half), 32 (with the second: issue 19 on CUDA), 22.
+#   Before it, the twelfth's plan was: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
 #   begin_decode, incremental text, --decode-steps, the frozen heap): carry .whl and .gguf_a, copy
 #   the half to /tmp/gg, then at once carry .whl and .gguf_b: bash bench/pending_h200.sh 22; then
 #         bash bench/pending_h200.sh 29  # (~9 min; carry .whl and .tok) host work per step: the
@@ -252,6 +253,25 @@ case "$group" in
   run 120 $py bench/serve_gpu.py --cases c1,c1-32k,c64 --decode-steps 2 --name serve_gpu_decode2
   run 120 $py bench/serve_gpu.py --cases c64-1k-out --tokenizer .tok --no-freeze --name serve_gpu_tokenizer_nofreeze
   run 250 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --name serve_gpu_24gib_frozen
+  ;;
+31)
+  # the thirteenth session's first call (carry .whl, .gguf_a and .tok; copy the half to /tmp/gg
+  # first): group 29's tokenizer run and group 30's two-forward decode, the two that time this
+  # code's host work per step (device_idle_ms_p50 in each case; the gc summary)
+  run 200 $py bench/serve_gpu.py --cases c1,c64,c64-1k-out --tokenizer .tok --name serve_gpu_tokenizer_b
+  run 100 $py bench/serve_gpu.py --cases c1,c1-32k --decode-steps 2 --name serve_gpu_decode2
+  ;;
+32)
+  # at once after 31 (carry .whl and .gguf_b): issue 19 on CUDA. HiP's softmax head score (preset
+  # long) now prunes a prefill chunk's query blocks together (before: block by block, SmolLM2
+  # prefilled 480-750 tok/s); then the NIAH grid past the trained length, one command per cell
+  # so a slow one costs only itself
+  run 150 $py bench/hip_small_prefill.py --lengths 4K,16K,32K
+  for cell in "16k prose" "16k repeat" "32k prose" "32k repeat"; do
+    set -- $cell
+    run 105 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 1 --haystack "$2" --device cuda \
+      --method auto --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_$1_$2.json"
+  done
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
