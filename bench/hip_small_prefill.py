@@ -19,12 +19,13 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
 from kvtier.engine.llm import LLM
+from kvtier.engine.prompts import Prompt
 from kvtier.engine.sampling import SamplingParams
 from kvtier.eval.haystack import prose_text
 from kvtier.units import parse_count
@@ -39,10 +40,11 @@ def prompt_ids(llm: LLM, length: int) -> list[int]:
 def run_case(llm: LLM, ids: list[int], method: str, new_tokens: int, repeats: int) -> dict[str, Any]:
     """One warm-up and `repeats` timed generates of `ids` under `method`."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([ids], params, method=method)  # warm-up: kernels compiled, caches filled
-    runs = []
+    prompts = cast(list[Prompt], [ids])
+    llm.generate(prompts, params, method=method)  # warm-up: kernels compiled, caches filled
+    runs: list[dict[str, Any]] = []
     for _ in range(repeats):
-        stats = llm.generate([ids], params, method=method)[0].stats
+        stats = llm.generate(prompts, params, method=method)[0].stats
         runs.append(
             {
                 "prefill_s": round(stats.prefill_s, 4),
@@ -58,8 +60,8 @@ def run_case(llm: LLM, ids: list[int], method: str, new_tokens: int, repeats: in
         "new_tokens": new_tokens,
         "plan": {k: plan.get(k) for k in ("policy", "group_size", "chunk_size", "method")},
         "runs": runs,
-        "prefill_tokens_per_s": statistics.median(r["prefill_tokens_per_s"] for r in runs),
-        "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
+        "prefill_tokens_per_s": statistics.median(float(r["prefill_tokens_per_s"]) for r in runs),
+        "decode_tokens_per_s": statistics.median(float(r["decode_tokens_per_s"]) for r in runs),
     }
 
 
