@@ -68,3 +68,25 @@ def write_results(name: str, results: dict[str, Any]) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(results, indent=1, default=str))
     return path
+
+
+KV_FILLS = ("structured", "synthetic")
+
+
+def fill_store(store: Any, tokens: int, kind: str) -> None:
+    """Give an empty store `tokens` tokens of benchmark KV: "structured" (`kvtier.kv.structured`:
+    per (layer, head, block) keys with a low-rank part, RoPE at their positions and planted
+    needles; what selection methods' speed is measured on, issue 19) or "synthetic"
+    (`kvtier.kv.synthetic`: one random extent copied everywhere, enough to time copies)."""
+    if kind == "structured":
+        from kvtier.kv.structured import fill_structured
+
+        bs = store.layout.block_size  # 4 needles a head, fewer where few blocks lie within depths 0.1-0.9
+        blocks = int(0.9 * tokens) // bs - -(-int(0.1 * tokens) // bs)
+        fill_structured(store, tokens, needles=max(0, min(4, blocks)))
+    elif kind == "synthetic":
+        from kvtier.kv.synthetic import fill_synthetic
+
+        fill_synthetic(store, tokens)
+    else:
+        raise ValueError(f"--kv-fill {kind!r}: use one of {', '.join(KV_FILLS)}")

@@ -1,7 +1,8 @@
 """HiP sparse attention over offloaded KV (issue 6 item 4) vs lossless offload, on a CUDA GPU.
 
 llama-3-8b preset (random weights, bf16), GPU capped with set_per_process_memory_fraction. Each
-context is filled with synthetic KV into a head-wise offloaded store, then `--steps` real
+context is filled with structured KV (`--kv-fill`: no repetition, planted needles; runs before
+2026-12-03 used one repeated random extent) into a head-wise offloaded store, then `--steps` real
 decode steps run per method: "dense" (lossless: every step streams every slice) and HiP presets
 (only stage-0 refresh steps stream a slice; the steps between read a GPU block cache). Reported:
 mean and p50 decode s/token, refresh-step vs cached-step time, H2D bytes per token, block-cache
@@ -34,12 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, write_results
+from bench.common import KV_FILLS, fill_store, median, write_results
 from kvtier.attention.interface import DenseKernel, SliceKernel
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError
 from kvtier.kv.store import TieredKVStore
-from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
 from kvtier.model.llama import CausalLM
@@ -177,7 +177,7 @@ def run_method(
         store = TieredKVStore(
             cfg, plan, device=dev, dtype=args.dtype, capacity=total, kernel=kernel, rotate_keys=not unrotated
         )
-        fill_synthetic(store, context)
+        fill_store(store, context, args.kv_fill)
         if steps:
             row.update(decode(model, store, kernel, steps, dev))
         if chunk:
@@ -329,6 +329,13 @@ def main() -> None:
         help="comma-separated chunk sizes: one prefill row each at the largest context (default: none)",
     )
     ap.add_argument("--profile", action="store_true", help="profile the prefill chunks (GPU kernels)")
+    ap.add_argument(
+        "--kv-fill",
+        choices=KV_FILLS,
+        default="structured",
+        help="the stored context's KV: structured (no repetition, planted needles; default) or "
+        "synthetic (one random extent repeated, what runs before 2026-12-03 used)",
+    )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, small contexts")
     ap.add_argument("--name", default="hip_offload")
     args = ap.parse_args()
@@ -360,6 +367,7 @@ def main() -> None:
     header = {
         "gpu_budget_bytes": getattr(args, "budget", None),
         "model": "llama-3-8b" if not args.smoke else "tiny",
+        "kv_fill": args.kv_fill,
     }
     chunks = [int(c) for c in args.prefill_chunk.split(",") if c]
     warm = argparse.Namespace(**{**vars(args), "steps": 2, "dense_steps": 1, "profile": False})

@@ -39,10 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import median, pinned_h2d_gbps, timed, write_results
+from bench.common import KV_FILLS, fill_store, median, pinned_h2d_gbps, timed, write_results
 from kvtier.errors import CapacityError
 from kvtier.kv.store import TieredKVStore
-from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
 from kvtier.methods import MethodChoice, parse_choice
@@ -74,6 +73,14 @@ def method_choice(method: str) -> MethodChoice:
     elif heads:
         method = f"head_sparsity={int(heads[1]) / 100}"
     return parse_choice(method)
+
+
+def kv_fill(kind: str, method: str) -> str:
+    """The fill of a row: `--kv-fill`, with "auto" structured for Quest (its pages are chosen by
+    the keys) and synthetic otherwise."""
+    if kind != "auto":
+        return kind
+    return "structured" if method_choice(method).attention == "quest" else "synthetic"
 
 
 def method_parts(cfg: Any, model: Any, method: str) -> dict[str, Any]:
@@ -164,7 +171,8 @@ def run_policy(
             row["prefill_mode"] = "full"
         else:
             start = context - args.measure_chunks * chunk
-            fill_synthetic(store, start)
+            row["kv_fill"] = kv_fill(args.kv_fill, method)
+            fill_store(store, start, row["kv_fill"])
             ids = torch.randint(0, cfg.vocab_size, (args.measure_chunks * chunk,), device=DEV, generator=gen)
             times = []
             for i in range(args.measure_chunks):
@@ -304,6 +312,13 @@ def main() -> None:
         choices=EXPERT_PLACES,
         default="auto",
         help="a MoE preset's routed experts: on the GPU, in pinned host memory, or auto (as LLM)",
+    )
+    ap.add_argument(
+        "--kv-fill",
+        choices=("auto", *KV_FILLS),
+        default="auto",
+        help="the stored context's KV: auto (structured for quest rows, whose page selection "
+        "reads it; synthetic for the rest, whose speed does not), structured or synthetic",
     )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
