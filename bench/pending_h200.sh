@@ -47,7 +47,7 @@
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
 # The twelfth ran 25 (in place of 21 and 23), 22 (the whole smoke, 69/69), 27 (24 reordered), 28
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
-# The thirteenth: 31 (with the GGUF's first half), 32 (with the second: issue 19 on CUDA), 22.
+# The thirteenth: 31 (with the GGUF's first half), 32 (with the second: issue 19 on CUDA), 22, 33, 34.
 #   Before it, the twelfth's plan was: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
 #   begin_decode, incremental text, --decode-steps, the frozen heap): carry .whl and .gguf_a, copy
 #   the half to /tmp/gg, then at once carry .whl and .gguf_b: bash bench/pending_h200.sh 22; then
@@ -272,6 +272,17 @@ case "$group" in
     run 105 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 1 --haystack "$2" --device cuda \
       --method auto --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_$1_$2.json"
   done
+  ;;
+33)
+  # after 22 (its llama8b folder and the GGUF in place): issue 19's speed through the CLI, HiP
+  # against lossless auto at 128K and 512K under 24 GiB (KV computed from a prose prompt)
+  run 560 $py bench/hip_cli_speed.py --contexts 128K,512K --methods "auto;hip"
+  ;;
+34)
+  # issue 19: the README's HiP-over-offload rows again, on structured KV (no repetition, planted
+  # needles; before, one random 64 MiB extent repeated), as the engine plans them
+  run 560 $py bench/hip_offload.py --policy planned --contexts 128K,512K --presets fast,flash \
+    --prefill-chunk 16384 --name hip_offload_planned_structured
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)

