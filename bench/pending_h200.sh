@@ -281,8 +281,10 @@ case "$group" in
 34)
   # issue 19: the README's HiP-over-offload rows again, on structured KV (no repetition, planted
   # needles; before, one random 64 MiB extent repeated), as the engine plans them
-  run 560 $py bench/hip_offload.py --policy planned --contexts 128K,512K --presets fast,flash \
-    --prefill-chunk 16384 --name hip_offload_planned_structured
+  run 330 $py bench/hip_offload.py --contexts 512K --presets fast --policy planned --steps 34 \
+    --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_structured
+  run 200 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --steps 34 \
+    --dense-steps 4 --name hip_offload_planned_128k_structured
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
