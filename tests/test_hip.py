@@ -68,6 +68,40 @@ def test_first_prefill_chunk_with_blocks_inside_the_sinks_is_dense() -> None:
     assert torch.allclose(out, attend(q, kv), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
+@pytest.mark.parametrize("start", [0, 3, 100])  # 0, 3: the chunk begins among the 4 sinks
+def test_prefill_chunk_prunes_its_blocks_together_as_each_alone(
+    head_score: str, start: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk's whole blocks past the sinks are pruned in one batch, also when the
+    chunk begins among the sinks (a short prompt's only chunk): the output equals the kernel's
+    with every block pruned alone (`run_stages`), under pruning budgets."""
+    from kvtier.sparse import kernel as kernel_module
+
+    gen = torch.Generator().manual_seed(1)
+    s = 220 if start < 100 else 300
+    q, kv = torch.randn(s - start, 4, D, generator=gen), torch.randn(s, 2, 2, D, generator=gen)
+    cfg = HipConfig(**SPARSE, extend=False, head_score=head_score)  # type: ignore[arg-type]
+    calls: list[int] = []
+    real = kernel_module.run_block_stages
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel_module, "run_block_stages", counted)
+    batched = HipKernel(cfg)(q, kv, SliceStep(5, 0, start))
+    assert calls == [1], "the chunk's whole blocks past the sinks were not pruned in one batch"
+    # Reference: a chunk of one block at a time (the block pruned alone).
+    bq = cfg.block_q
+    parts: list[torch.Tensor] = []
+    ref_kernel = HipKernel(cfg)
+    for b in range(0, q.shape[0], bq):
+        e = min(b + bq, q.shape[0])
+        parts.append(ref_kernel(q[b:e], kv[: start + e], SliceStep(5, 0, start + b)))
+    assert torch.allclose(batched, torch.cat(parts), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("t", [1, 37])
 def test_streaming_positions_are_true_positions_when_nothing_is_pruned(t: int) -> None:
     rot = Rotary(RopeConfig(), D)

@@ -237,19 +237,35 @@ class HipKernel:
 
     def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         """Every block of `block_q` queries of q [T, H_q, D] pruned from scratch, then one
-        attention over all blocks. Whole blocks past the sinks are pruned together
-        (`run_block_stages`); the rest (a short last block, blocks among the sinks) one by one."""
+        attention over all blocks. Whole blocks that begin past the sinks are pruned together
+        (`run_block_stages`), also in a chunk that begins among them (a short prompt's only
+        chunk); the rest (a short last block, blocks that begin among the sinks) one by one."""
         cfg, t, dev = self.cfg, q.shape[0], q.device
         bq = cfg.block_q
         starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
         ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
         rows: list[torch.Tensor] = []  # [B_i, P_i] prefixes (sinks + selection), -1 padded
-        full = t // bq if step.start >= cfg.sink else 0
-        if full:
-            pos = torch.arange(step.start, step.start + full * bq, device=dev).view(full, bq)
-            w0 = torch.tensor(starts[:full], dtype=torch.long).to(dev, non_blocking=True)
+        # blocks [lo, hi) begin past the sinks and are whole: pruned together; the others (ones
+        # that begin among the sinks, a short last block) one by one, in block order
+        lo = min(len(starts), max(0, -(-(cfg.sink - step.start) // bq)))
+        hi = max(lo, t // bq)
+
+        def alone(i: int) -> None:
+            b, e = i * bq, ends[i] - step.start
+            pos1 = torch.arange(step.start + b, step.start + e, device=dev)
+            sel1 = self._stages(q[b:e], pos1, kv, step.layer, self._middle(starts[i], dev), 0)[-1]
+            sinks = torch.arange(min(cfg.sink, ends[i]), device=dev)
+            rows.append(torch.cat((sinks, sel1))[None])
+            self.stats.attended_keys += rows[-1].shape[1]
+
+        for i in range(lo):
+            alone(i)
+        if hi > lo:
+            n = hi - lo
+            pos = torch.arange(step.start + lo * bq, step.start + hi * bq, device=dev).view(n, bq)
+            w0 = torch.tensor(starts[lo:hi], dtype=torch.long).to(dev, non_blocking=True)
             sel, n_sel = run_block_stages(
-                q[: full * bq].reshape(full, bq, *q.shape[1:]),
+                q[lo * bq : hi * bq].reshape(n, bq, *q.shape[1:]),
                 pos,
                 kv[:, 0],
                 cfg.sink,
@@ -262,15 +278,10 @@ class HipKernel:
                 window=cfg.window,
                 head_score=cfg.head_score,
             )
-            rows.append(torch.cat((torch.arange(cfg.sink, device=dev).expand(full, -1), sel), dim=1))
-            self.stats.attended_keys += cfg.sink * full + int(n_sel.sum())  # NOTE: a sync (prefill)
-        for i in range(full, len(starts)):
-            b, e = i * bq, ends[i] - step.start
-            pos1 = torch.arange(step.start + b, step.start + e, device=dev)
-            sel1 = self._stages(q[b:e], pos1, kv, step.layer, self._middle(starts[i], dev), 0)[-1]
-            sinks = torch.arange(min(cfg.sink, ends[i]), device=dev)
-            rows.append(torch.cat((sinks, sel1))[None])
-            self.stats.attended_keys += rows[-1].shape[1]
+            rows.append(torch.cat((torch.arange(cfg.sink, device=dev).expand(n, -1), sel), dim=1))
+            self.stats.attended_keys += cfg.sink * n + int(n_sel.sum())  # NOTE: a sync (prefill)
+        for i in range(hi, len(starts)):
+            alone(i)
         self.stats.prefill_blocks += len(starts)
         self.stats.attended_keys += sum(max(0, e - w) for e, w in zip(ends, starts, strict=True))
         width = max(r.shape[1] for r in rows)
