@@ -270,7 +270,8 @@ case "$group" in
   for cell in "16k prose" "16k repeat" "32k prose" "32k repeat"; do
     set -- $cell
     run 105 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 1 --haystack "$2" --device cuda \
-      --method auto --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_$1_$2.json"
+      --max-model-len 33000 --method auto --method hip,hip_preset=long --no-progress \
+      --out "$OUT/niah_smollm2_cuda_$1_$2.json"
   done
   ;;
 33)
