@@ -266,10 +266,10 @@ case "$group" in
   # long) now prunes a prefill chunk's query blocks together (before: block by block, SmolLM2
   # prefilled 480-750 tok/s); then the NIAH grid past the trained length, one command per cell
   # so a slow one costs only itself
-  run 150 $py bench/hip_small_prefill.py --lengths 4K,16K,32K
+  run 120 $py bench/hip_small_prefill.py --lengths 4K,16K
   for cell in "16k prose" "16k repeat" "32k prose" "32k repeat"; do
     set -- $cell
-    run 105 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 1 --haystack "$2" --device cuda \
+    run 100 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 1 --haystack "$2" --device cuda \
       --max-model-len 33000 --method auto --method hip,hip_preset=long --no-progress \
       --out "$OUT/niah_smollm2_cuda_$1_$2.json"
   done
