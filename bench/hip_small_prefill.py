@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
@@ -32,7 +34,11 @@ from kvtier.units import parse_count
 
 
 def prompt_ids(llm: LLM, length: int) -> list[int]:
-    """`length` token ids of the prose haystack, repeated as often as it takes."""
+    """`length` token ids of the prose haystack, repeated as often as it takes; seeded random
+    ids for a model without a tokenizer (a preset's random weights)."""
+    if llm.tokenizer is None:
+        gen = torch.Generator().manual_seed(length)
+        return torch.randint(0, llm.model_config.vocab_size, (length,), generator=gen).tolist()
     ids = llm.encode(prose_text())
     return (ids * (length // len(ids) + 1))[:length]
 
@@ -74,13 +80,19 @@ def main() -> None:
         help="method specs separated by ';' (default: auto;hip,hip_preset=long;hip)",
     )
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="default: the embedded SmolLM2; a preset such as smollm2-135m (random weights, random "
+        "prompt ids: the same shapes without the GGUF)",
+    )
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--name", default="hip_small_prefill")
     args = ap.parse_args()
     lengths = [parse_count(x, "--lengths") for x in args.lengths.split(",")]
     methods = [m for m in args.methods.split(";") if m]
-    llm = LLM(device=args.device, max_model_len=max(lengths) + args.new_tokens + 64)
+    llm = LLM(args.model, device=args.device, max_model_len=max(lengths) + args.new_tokens + 64)
     cases = []
     for length in lengths:
         ids = prompt_ids(llm, length)
@@ -102,7 +114,8 @@ def main() -> None:
             "model": llm.name,
             "device": str(llm.device),
             "dtype": str(llm.dtype),
-            "note": "prompts: the eval's prose haystack cut to length (real text, no question)",
+            "note": "prompts: the eval's prose haystack cut to length (real text, no question); "
+            "seeded random token ids for a preset without a tokenizer",
             "cases": cases,
         },
     )

@@ -266,13 +266,18 @@ case "$group" in
   # long) now prunes a prefill chunk's query blocks together (before: block by block, SmolLM2
   # prefilled 480-750 tok/s); then the NIAH grid past the trained length, one command per cell
   # so a slow one costs only itself
-  run 120 $py bench/hip_small_prefill.py --lengths 4K,16K
   for cell in "16k prose" "16k repeat" "32k prose" "32k repeat"; do
     set -- $cell
     run 100 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 1 --haystack "$2" --device cuda \
       --max-model-len 33000 --method auto --method hip,hip_preset=long --no-progress \
       --out "$OUT/niah_smollm2_cuda_$1_$2.json"
   done
+  ;;
+35)
+  # with the GGUF's first half (its call has no model): issue 19's SmolLM2 HiP prefill against
+  # dense at 4K-32K on the same shapes with random weights (prompt ids random), after the
+  # batching fixes (softmax head score; a chunk that begins among the sinks)
+  run 200 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 4K,16K,32K --name hip_small_prefill_preset
   ;;
 33)
   # after 22 (its llama8b folder and the GGUF in place): issue 19's speed through the CLI, HiP
