@@ -47,7 +47,10 @@
 # The eleventh session ran 18 at 48c4e3a, then its own calls (flash prefill, deferred write-backs).
 # The twelfth ran 25 (in place of 21 and 23), 22 (the whole smoke, 69/69), 27 (24 reordered), 28
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
-# The thirteenth: 31 (with the GGUF's first half), 32 (with the second: issue 19 on CUDA), 22, 33, 34.
+# The thirteenth ran 31 (a3082cd-era: host work per serve step), then, after three refused starts,
+#   35 and 32 (issue 19 on CUDA) and the embedded model's smoke alone (26/26), at b2d667c.
+#   NEXT (the fourteenth): the whole smoke (22; carry .gguf_a first), then 36 and 37 (issue 19's
+#   quality grid, RULER and pass key; the GGUF is in place after 22), 33, 34; 29's sampled case.
 #   Before it, the twelfth's plan was: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
 #   begin_decode, incremental text, --decode-steps, the frozen heap): carry .whl and .gguf_a, copy
 #   the half to /tmp/gg, then at once carry .whl and .gguf_b: bash bench/pending_h200.sh 22; then
@@ -278,6 +281,27 @@ case "$group" in
   # dense at 4K-32K on the same shapes with random weights (prompt ids random), after the
   # batching fixes (softmax head score; a chunk that begins among the sinks)
   run 200 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 4K,16K,32K --name hip_small_prefill_preset
+  ;;
+36)
+  # issue 19's quality grid as the issue asks it (needs the GGUF: the two-call setup first):
+  # 3 samples per depth on both haystacks; past the trained length HiP alone (dense found 0 of
+  # 44 there, group 32), at 4K and 8K dense beside it; then RULER and pass key
+  for cell in "16k prose" "16k repeat" "32k prose" "32k repeat"; do
+    set -- $cell
+    run 110 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 3 --haystack "$2" --device cuda \
+      --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_$1_$2_x3.json"
+  done
+  run 120 kvtier eval niah --lengths 4k,8k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --method auto --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_4k8k_prose_x3.json"
+  ;;
+37)
+  # issue 19 (GGUF): RULER-style subtasks, dense at 4K against HiP at 16K; pass key past 8K
+  run 200 kvtier eval ruler --lengths 4k --samples 5 --device cuda --method auto --no-progress \
+    --out "$OUT/ruler_smollm2_cuda_4k_dense.json"
+  run 200 kvtier eval ruler --lengths 16k --samples 5 --device cuda --method hip,hip_preset=long \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_hip.json"
+  run 150 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
+    --method auto --method hip,hip_preset=long --no-progress --out "$OUT/passkey_smollm2_cuda.json"
   ;;
 33)
   # after 22 (its llama8b folder and the GGUF in place): issue 19's speed through the CLI, HiP
