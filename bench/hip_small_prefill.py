@@ -43,8 +43,23 @@ def prompt_ids(llm: LLM, length: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def run_case(llm: LLM, ids: list[int], method: str, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """One warm-up and `repeats` timed generates of `ids` under `method`."""
+def profiled(llm: LLM, prompts: list[Prompt], params: SamplingParams, method: str) -> dict[str, Any]:
+    """One more generate under the profiler (CUDA): GPU busy and idle time, the top kernels
+    (`bench.prefill_profile.summarize`), and the wall time it took under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.prefill_profile import summarize
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stats = llm.generate(prompts, params, method=method)[0].stats
+    return {"prefill_s_profiled": round(stats.prefill_s, 4), **summarize(prof)}
+
+
+def run_case(
+    llm: LLM, ids: list[int], method: str, new_tokens: int, repeats: int, profile: bool = False
+) -> dict[str, Any]:
+    """One warm-up and `repeats` timed generates of `ids` under `method` (`profile`: then one
+    profiled, see `profiled`)."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     prompts = cast(list[Prompt], [ids])
     llm.generate(prompts, params, method=method)  # warm-up: kernels compiled, caches filled
@@ -60,7 +75,9 @@ def run_case(llm: LLM, ids: list[int], method: str, new_tokens: int, repeats: in
             }
         )
     plan = stats.plan
+    extra = {"profile": profiled(llm, prompts, params, method)} if profile else {}
     return {
+        **extra,
         "method": method,
         "prompt_tokens": len(ids),
         "new_tokens": new_tokens,
@@ -88,6 +105,9 @@ def main() -> None:
     )
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--profile", action="store_true", help="one more run per case under the profiler (CUDA): top kernels"
+    )
     ap.add_argument("--name", default="hip_small_prefill")
     args = ap.parse_args()
     lengths = [parse_count(x, "--lengths") for x in args.lengths.split(",")]
@@ -97,7 +117,7 @@ def main() -> None:
     for length in lengths:
         ids = prompt_ids(llm, length)
         for method in methods:
-            case = run_case(llm, ids, method, args.new_tokens, args.repeats)
+            case = run_case(llm, ids, method, args.new_tokens, args.repeats, args.profile)
             cases.append(case)
             print(
                 f"{length:>7} {method:<24} prefill {case['prefill_tokens_per_s']:>9.0f} tok/s  "

@@ -49,7 +49,7 @@
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
 # The thirteenth ran 31 (a3082cd-era: host work per serve step), then, after three refused starts,
 #   35 and 32 (issue 19 on CUDA) and the embedded model's smoke alone (26/26), at b2d667c.
-#   NEXT (the fourteenth): the whole smoke (22; carry .gguf_a first), then 36 and 37 (issue 19's
+#   NEXT (the fourteenth): 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
 #   quality grid, RULER and pass key; the GGUF is in place after 22), 33, 34; 29's sampled case.
 #   Before it, the twelfth's plan was: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
 #   begin_decode, incremental text, --decode-steps, the frozen heap): carry .whl and .gguf_a, copy
@@ -281,6 +281,12 @@ case "$group" in
   # dense at 4K-32K on the same shapes with random weights (prompt ids random), after the
   # batching fixes (softmax head score; a chunk that begins among the sinks)
   run 200 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 4K,16K,32K --name hip_small_prefill_preset
+  ;;
+38)
+  # issue 19 (no GGUF): where HiP's 16K prefill on SmolLM2 shapes goes (0.046x dense at b2d667c:
+  # by count the gather-attention kernel at ~7 TFLOP/s; check it), dense beside it
+  run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 1 \
+    --methods "auto;hip,hip_preset=long" --profile --name hip_small_prefill_profile
   ;;
 36)
   # issue 19's quality grid as the issue asks it (needs the GGUF: the two-call setup first):
