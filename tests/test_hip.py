@@ -83,13 +83,13 @@ def test_prefill_chunk_prunes_its_blocks_together_as_each_alone(
     q, kv = torch.randn(s - start, 4, D, generator=gen), torch.randn(s, 2, 2, D, generator=gen)
     cfg = HipConfig(**SPARSE, extend=False, head_score=head_score)  # type: ignore[arg-type]
     calls: list[int] = []
-    real = kernel_module.run_block_stages
+    real = kernel_module.prune_whole_blocks
 
     def counted(*args: object, **kwargs: object) -> object:
         calls.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernel_module, "run_block_stages", counted)
+    monkeypatch.setattr(kernel_module, "prune_whole_blocks", counted)
     batched = HipKernel(cfg)(q, kv, SliceStep(5, 0, start))
     assert calls == [1], "the chunk's whole blocks past the sinks were not pruned in one batch"
     # Reference: a chunk of one block at a time (the block pruned alone).

@@ -44,7 +44,7 @@ from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positio
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, CacheStats, PositionedKV, block_ids
-from kvtier.sparse.prefill import run_block_stages
+from kvtier.sparse.prefill import prune_whole_blocks
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
 
@@ -238,7 +238,7 @@ class HipKernel:
     def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         """Every block of `block_q` queries of q [T, H_q, D] pruned from scratch, then one
         attention over all blocks. Whole blocks that begin past the sinks are pruned together
-        (`run_block_stages`), also in a chunk that begins among them (a short prompt's only
+        (`prune_whole_blocks`), also in a chunk that begins among them (a short prompt's only
         chunk); the rest (a short last block, blocks that begin among the sinks) one by one."""
         cfg, t, dev = self.cfg, q.shape[0], q.device
         bq = cfg.block_q
@@ -261,25 +261,12 @@ class HipKernel:
         for i in range(lo):
             alone(i)
         if hi > lo:
-            n = hi - lo
-            pos = torch.arange(step.start + lo * bq, step.start + hi * bq, device=dev).view(n, bq)
-            w0 = torch.tensor(starts[lo:hi], dtype=torch.long).to(dev, non_blocking=True)
-            sel, n_sel = run_block_stages(
-                q[lo * bq : hi * bq].reshape(n, bq, *q.shape[1:]),
-                pos,
-                kv[:, 0],
-                cfg.sink,
-                w0,
-                chunk_sizes=cfg.chunk_sizes,
-                budgets=cfg.stage_budgets(step.layer),
-                strides=cfg.query_strides,
-                mode=cfg.scoring_rope(step.layer),
-                rotary=self.rotary,
-                window=cfg.window,
-                head_score=cfg.head_score,
+            whole = q[lo * bq : hi * bq]
+            batch, held = prune_whole_blocks(
+                whole, step.start + lo * bq, kv[:, 0], starts[lo:hi], cfg, step.layer, self.rotary
             )
-            rows.append(torch.cat((torch.arange(cfg.sink, device=dev).expand(n, -1), sel), dim=1))
-            self.stats.attended_keys += cfg.sink * n + int(n_sel.sum())  # NOTE: a sync (prefill)
+            rows.append(batch)
+            self.stats.attended_keys += held
         for i in range(hi, len(starts)):
             alone(i)
         self.stats.prefill_blocks += len(starts)

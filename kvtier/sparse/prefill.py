@@ -27,6 +27,7 @@ import math
 import torch
 
 from kvtier.sparse.block_sparse import use_triton
+from kvtier.sparse.config import HipConfig
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
 PRUNE_BATCH_BYTES = 256 << 20  # stage-0 temporaries of one batch of query blocks, about
@@ -257,3 +258,40 @@ def run_block_stages(
     width = max(sel.shape[1] for sel, _ in parts)
     sel = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p, _ in parts])
     return sel, torch.cat([n for _, n in parts])
+
+
+def prune_whole_blocks(
+    q: torch.Tensor,
+    start: int,
+    keys: torch.Tensor,
+    window_starts: list[int],
+    cfg: HipConfig,
+    layer: int,
+    rotary: RopeTable | None,
+) -> tuple[torch.Tensor, int]:
+    """`run_block_stages` with `cfg`'s stages for n whole query blocks q [n * block_q, H_q, D]
+    whose first query is at `start`, each beginning past the sinks, over a slice's keys [S, G, D];
+    window_starts: each block's w0 (n of them).
+
+    Returns each block's attended prefix [n, sink + K] (the sinks, then its selection, -1
+    padded) and how many keys the prefixes hold (a host read).
+    """
+    n, bq, dev = len(window_starts), cfg.block_q, q.device
+    pos = torch.arange(start, start + n * bq, device=dev).view(n, bq)
+    w0 = torch.tensor(window_starts, dtype=torch.long).to(dev, non_blocking=True)
+    sel, n_sel = run_block_stages(
+        q.reshape(n, bq, *q.shape[1:]),
+        pos,
+        keys,
+        cfg.sink,
+        w0,
+        chunk_sizes=cfg.chunk_sizes,
+        budgets=cfg.stage_budgets(layer),
+        strides=cfg.query_strides,
+        mode=cfg.scoring_rope(layer),
+        rotary=rotary,
+        window=cfg.window,
+        head_score=cfg.head_score,
+    )
+    prefix = torch.cat((torch.arange(cfg.sink, device=dev).expand(n, -1), sel), dim=1)
+    return prefix, cfg.sink * n + int(n_sel.sum())  # NOTE: a sync (prefill)
