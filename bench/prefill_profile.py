@@ -71,10 +71,14 @@ def summarize(prof: Any) -> dict[str, Any]:
     for stream, sp in spans.items():
         sp.sort()
         gaps[stream] = sum(max(0.0, b[0] - a[1]) for a, b in itertools.pairwise(sp)) / 1e6
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:20]
     return {
         "busy_s_per_stream": dict(busy),
         "idle_s_between_ops_per_stream": gaps,
         "top_kernels_s": dict(top),
+        # host side: the ops with the most self CPU time (calls, seconds); a sync shows as
+        # cudaStreamSynchronize / cudaMemcpyAsync / aten::item / aten::_local_scalar_dense
+        "top_host_ops": {a.key: [a.count, round(a.self_cpu_time_total / 1e6, 4)] for a in host},
     }
 
 
