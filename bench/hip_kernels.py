@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk (queries) per slice")
     ap.add_argument("--heads", type=int, default=4, help="KV heads per slice")
     ap.add_argument("--old-bisect", default="", help="another triton_bisect.py to time against")
+    ap.add_argument("--model", default="llama-3-8b", help="preset whose head shapes to use")
+    ap.add_argument("--preset", default="fast", help="HiP preset (budgets, window, chunks)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="hip_kernels")
     args = ap.parse_args()
@@ -53,11 +55,13 @@ def main() -> None:
 
     dev = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    cfg = preset_config("llama-3-8b")
-    hip = HIP_PRESETS["fast"]
-    context, chunk, g, r, d = parse_count(args.context), args.chunk, args.heads, 4, cfg.head_dim
+    cfg = preset_config(args.model)
+    hip = HIP_PRESETS[args.preset]
+    r = cfg.num_heads // cfg.num_kv_heads
+    past = 0 if args.context == "0" else parse_count(args.context)  # 0: a prompt's first chunk
+    context, chunk, g, d = past, args.chunk, args.heads, cfg.head_dim
     if args.smoke:
-        context, chunk, g = 2048, 128, 2
+        context, chunk, g = (2048 if args.context == "512K" else past), 128, 2
         hip = replace(hip, chunk_sizes=(32, 16, 8), budgets=(512, 256, 128), sink=16, window=64)
     s = context + chunk
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -76,6 +80,9 @@ def main() -> None:
 
     sel, _ = prune()
     prefix = torch.cat((torch.arange(hip.sink, device=dev).expand(b, -1), sel), dim=1)
+    # keys the attention reads, all blocks: prefix entries and window (causal halves aside)
+    keys = int((prefix >= 0).sum()) + int((pos[:, -1] + 1 - w0.clamp(max=pos[:, -1] + 1)).sum())
+    attend_flop = 4 * keys * hip.block_q * g * r * d
 
     def attend() -> torch.Tensor:
         return triton_attn.attend_blocks_triton(
@@ -136,10 +143,20 @@ def main() -> None:
         triton_attn.TILES = tile
         t = clock(attend, reps)
         err = (attend().float() - ref_out.float()).abs().max().item()
-        rows.append({"kernel": "attend", "variant": f"tiles={tile}", "s": t, "max_abs_diff": err})
+        row = {"kernel": "attend", "variant": f"tiles={tile}", "s": t, "max_abs_diff": err}
+        rows.append({**row, "tflop_per_s": round(attend_flop / t / 1e12, 2)})
         print(rows[-1], flush=True)
     triton_attn.TILES = None
-    header = {"context": context, "chunk": chunk, "kv_heads_per_slice": g, "preset": "fast", "rows": rows}
+    header = {
+        "model": args.model,
+        "context": context,
+        "chunk": chunk,
+        "kv_heads_per_slice": g,
+        "preset": args.preset,
+        "attend_keys": keys,
+        "attend_flop": attend_flop,
+        "rows": rows,
+    }
     path = write_results(args.name, header)
     print(f"\nresults: {path}\n{'kernel':>7} {'variant':>40} {'ms/slice':>9} {'x64 slices s':>12}  check")
     for row in rows:

@@ -287,6 +287,10 @@ case "$group" in
   # by count the gather-attention kernel at ~7 TFLOP/s; check it), dense beside it
   run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 1 \
     --methods "auto;hip,hip_preset=long" --profile --name hip_small_prefill_profile
+  # the two kernels alone at those shapes (a 16K prompt's one chunk, 3 KV heads of 3 query
+  # heads, head dim 64), attention under several tile choices, with its TFLOP/s
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset long --context 0 --chunk 16384 \
+    --heads 3 --name hip_kernels_smollm2_16k
   ;;
 36)
   # issue 19's quality grid as the issue asks it (needs the GGUF: the two-call setup first):
