@@ -185,6 +185,13 @@ def generate_checks(
             "tokens": reference,
         }
 
+    def must_agree(name: str) -> bool:
+        """The tiered store's placements run the same kernels: their tokens must be equal. `auto`
+        runs a prompt that fits the GPU through the batch engine (paged kernels, CUDA graphs),
+        whose rounding differs; random bf16 weights leave near-ties everywhere (see the serve
+        checks), so only real weights assert that it equals the tiered `--kv gpu`."""
+        return label == "embedded" or not name.startswith("kv=auto")
+
     for kv in LOSSLESS:
         gen(f"kv={kv}", ["--kv", kv], cap=False)
         gen(f"kv={kv} cap", ["--kv", kv], cap=True)
@@ -203,14 +210,16 @@ def generate_checks(
     differ = smoke.agreement[label]["differ_from_kv=gpu"]
     if not tokens:
         return
+    failing = [d for d in differ if must_agree(d)]
     smoke.add(
         Check(
             label,
             "lossless policies agree",
             [],
-            reference is not None and not differ,
+            reference is not None and not failing,
             0.0,
-            detail=f"{len(tokens)} runs, differ: {differ or 'none'}",
+            detail=f"{len(tokens)} runs, differ: {differ or 'none'}"
+            + ("" if failing == differ else " (batched auto on random weights: recorded, not asserted)"),
         )
     )
     # The text path and stdin, as the README types them.

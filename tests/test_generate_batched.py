@@ -58,3 +58,49 @@ def test_an_offloading_placement_runs_one_at_a_time(llm: LLM) -> None:
         assert [o.token_ids for o in outs] == [
             llm.generate(p, params, method=method)[0].token_ids for p in prompts()[:2]
         ]
+
+
+@pytest.fixture(scope="module")
+def llm_one(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    """The same tiny model, with one prompt batched as on CUDA (`single_batched`)."""
+    folder: Path = tmp_path_factory.mktemp("gqa1")
+    make_hf_model("llama-gqa", folder)
+    return LLM(str(folder), device="cpu", dtype="fp32", single_batched=True)
+
+
+def test_one_prompt_runs_batched_over_a_pool_of_its_size_and_equals_the_tiered_store(
+    llm: LLM, llm_one: LLM
+) -> None:
+    """What `kvtier generate` runs on CUDA: one lossless prompt through the batch engine (its
+    decode steps static, graphs on CUDA), over a pool of the pages it needs, with the tokens of
+    the tiered store's run (`single_batched` off: the CPU's default)."""
+    params = SamplingParams(max_tokens=9)
+    for ids in prompts():
+        one = llm_one.generate(ids, params)[0]
+        tiered = llm.generate(ids, params)[0]
+        assert tiered.stats.plan["policy"] != "batched"
+        assert one.stats.plan["policy"] == "batched"
+        assert one.token_ids == tiered.token_ids
+        # the pool: the prompt and new tokens, a page of slack (16-token pages)
+        assert one.stats.plan["pages"] == -(-(len(ids) + 9 + 1) // 16) + 1
+        assert one.stats.generated_tokens == 9 and one.stats.decode_s > 0
+
+
+@pytest.mark.parametrize("method", ["int8", "gpu", "head"])
+def test_one_prompt_keeps_the_tiered_store_for_a_lossy_method_or_a_named_placement(
+    llm_one: LLM, method: str
+) -> None:
+    """A lossy method, or a placement the user named (`--kv gpu` is the store's resident path,
+    the reference the GPU smoke compares placements against), runs over the tiered store."""
+    out = llm_one.generate(prompts()[1], SamplingParams(max_tokens=4), method=method)[0]
+    assert out.stats.plan["policy"] != "batched"
+
+
+def test_one_prompt_that_the_paged_kernels_cannot_mask_runs_tiered(tmp_path: Path) -> None:
+    """A sliding-window model's prompt longer than its window: the paged kernels do not mask
+    windows, so the batch engine hands it back and the tiered store runs it."""
+    make_hf_model("mistral-window", tmp_path)  # window of 8 tokens
+    one = LLM(str(tmp_path), device="cpu", dtype="fp32", single_batched=True)
+    ids = prompts()[1]
+    out = one.generate(ids, SamplingParams(max_tokens=4))[0]
+    assert out.stats.plan["policy"] != "batched"

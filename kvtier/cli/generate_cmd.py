@@ -83,6 +83,14 @@ def read_prompt(args: argparse.Namespace) -> str:
     return decode_utf8(data, source)
 
 
+def plan_note(plan: dict[str, object]) -> str:
+    """The stats line's plan: the tiered store's placement, or the batch engine's page pool."""
+    if plan.get("policy") == "batched":
+        graphs = ", CUDA graphs" if "cuda_graphs_capture_s" in plan else ""
+        return f"kv=batched ({plan.get('pages', '?')} pages{graphs})"
+    return f"kv={plan.get('policy')} group={plan.get('group_size')} resident={plan.get('resident_slices')}"
+
+
 def tp_note(plan: dict[str, object]) -> str:
     """' per rank of N' for a run over N ranks' stats line (they are rank 0's), else ''."""
     ranks = plan.get("tensor_parallel") or plan.get("pipeline_parallel")
@@ -117,8 +125,7 @@ def run(args: argparse.Namespace) -> int:
     peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.peak_bytes.items())
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s; "
-        f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s; kv={s.plan.get('policy')} "
-        f"group={s.plan.get('group_size')} resident={s.plan.get('resident_slices')}"
+        f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s; {plan_note(s.plan)}"
         f"{tp_note(s.plan)}; peak {peaks}]",
         file=sys.stderr,
     )

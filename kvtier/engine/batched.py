@@ -58,16 +58,22 @@ def generate_batched(
     does not fit (too long for the pool, or its store would stream): then they run one at a
     time, each planned alone."""
     cuda = llm.device.type == "cuda"
+    if cuda:  # the call's peak, as a request alone reports it (`gpu_total`)
+        torch.cuda.reset_peak_memory_stats(llm.device)
     # A lossy method, or scores the paged kernels cannot compute (soft-capping, latent
     # attention): every prompt over a store of its own, and no sequence takes pages.
     own_only = not method.lossless or not llm.model_config.plain_scores
     config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
     if own_only:
         config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
-    engine = BatchEngine(llm, config)
+        engine = BatchEngine(llm, config)
+    else:
+        engine = _sized_engine(llm, config, encoded, params)
     tokens: list[list[int]] = [[] for _ in batch]
     done: list[float] = [0.0] * len(batch)
-    bar = tqdm(total=len(batch), unit="req", desc="generate", file=sys.stderr, disable=not progress)
+    # one prompt: no bar (a bar of one request says nothing; on CUDA its prefill takes seconds)
+    quiet = not progress or len(batch) == 1
+    bar = tqdm(total=len(batch), unit="req", desc="generate", file=sys.stderr, disable=quiet)
 
     def sink_for(i: int) -> Callable[[Delta], None]:
         def sink(d: Delta) -> None:
@@ -84,22 +90,30 @@ def generate_batched(
     if own_only and not own_stores(llm, seqs, params, method, config.max_num_batched_tokens):
         return None
     own = [(s.own.store.account, s.own.describe) if s.own is not None else None for s in seqs]
+    captured = 0.0
+    if engine.decoder is not None and not own_only:  # graphs now, not in the first decode step's time
+        t0 = time.perf_counter()
+        engine.decoder.capture_all()
+        captured = time.perf_counter() - t0
     start = time.perf_counter()
     for seq in seqs:
         engine.add(seq)
     with bar:
         engine.run_until_idle()
     pool_pages = engine.store.num_pages
+    total = {"gpu_total": int(torch.cuda.max_memory_allocated(llm.device))} if cuda else {}
     pool = engine.store.bytes_per_page * pool_pages
     outputs = []
     for prompt, ids, seq, toks, end, mine in zip(batch, encoded, seqs, tokens, done, own, strict=True):
         first = seq.first_token_at or end
         if mine is None:
-            peak = {"gpu_kv" if cuda else "host_kv": pool}
+            peak = {"gpu_kv" if cuda else "host_kv": pool, **total}
             plan = {"policy": "batched", "method": f"paged batch of {len(batch)}", "pages": pool_pages}
+            if engine.decoder is not None and engine.decoder.graphs:
+                plan["cuda_graphs_capture_s"] = round(captured, 3)
         else:  # its own store (the CPU's "gpu" tier is its memory)
             account, describe = mine
-            peak = {"gpu_kv": account.peak["gpu"], "host_kv": account.peak["host"]}
+            peak = {"gpu_kv": account.peak["gpu"], "host_kv": account.peak["host"], **total}
             plan = {"policy": "batched", "method": f"{describe}, own store, batch of {len(batch)}"}
         stats = GenerationStats(
             prompt_tokens=len(ids),
@@ -114,6 +128,22 @@ def generate_batched(
             RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, toks, reason, stats)
         )
     return outputs
+
+
+def _sized_engine(
+    llm: BatchHost, config: BatchConfig, encoded: list[list[int]], params: SamplingParams
+) -> BatchEngine:
+    """The engine with a page pool of what the prompts need at most (their prompts and new
+    tokens, a page of slack each) and no host tier, when the memory budget holds that: a call's
+    prompts are all known, so pinning host pages or taking the whole GPU would only cost time.
+    Else the pool sized from the budget, as `kvtier serve` sizes it (the sequences then wait
+    for pages as a server's would)."""
+    page = config.page_size
+    need = sum(-(-(len(ids) + params.max_tokens + 1) // page) + 1 for ids in encoded)
+    try:
+        return BatchEngine(llm, replace(config, num_pages=need, num_host_pages=0))
+    except CapacityError:
+        return BatchEngine(llm, config)
 
 
 def own_stores(

@@ -38,6 +38,10 @@ class EngineConfig:
     cpu_attention: str | int = "off"  # streamed slices decoded on the CPU (kvtier.planner.cpu_split)
     fuse_projections: bool = True  # q/k/v and gate/up as one matmul each (kvtier.model.fuse)
     experts: str = "auto"  # a MoE model's routed experts: auto, gpu or host (planner.memory.place_experts)
+    # One prompt under a lossless method and kv="auto" runs through the batch engine (a page
+    # pool of its size; decode steps replayed as CUDA graphs) when its KV fits the device, as a
+    # list of prompts does; None: on CUDA, where the graphs take the host out of each step.
+    single_batched: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -52,7 +52,9 @@ class LLM:
     default; "auto": the planner gives the CPU the streamed slices it can decode in time,
     measured on this machine; or a number of slices: `kvtier.planner.cpu_split`; opt-in until
     its CUDA path has run on a GPU), `fuse_projections` (q/k/v and gate/up as one matmul each,
-    the default; False keeps the separate ones, for comparisons). The placement
+    the default; False keeps the separate ones, for comparisons), `single_batched` (one prompt
+    with a lossless method and `kv="auto"` runs through the batch engine, its decode steps
+    replayed as CUDA graphs, when its KV fits the device; None: on CUDA). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
 
@@ -87,6 +89,7 @@ class LLM:
         cpu_attention: str | int = "off",
         fuse_projections: bool = True,
         experts: str = "auto",
+        single_batched: bool | None = None,
         tensor_parallel: int | None = None,
         pipeline_parallel: int | None = None,
     ) -> None:
@@ -105,6 +108,7 @@ class LLM:
             cpu_attention=cpu_attention,
             fuse_projections=fuse_projections,
             experts=experts,
+            single_batched=single_batched,
         )
         # The default method of this LLM's requests; `generate(..., method=)` picks another.
         self.method = MethodChoice(
@@ -329,7 +333,8 @@ class LLM:
         """Generate for each prompt (text or token ids) under `method` (default: this LLM's; see
         `resolve_method`). A list of prompts with the KV on the device (`kv` auto or gpu) runs
         batched, through the continuous-batching engine `kvtier serve` uses: over the page pool
-        for a lossless method, each over a store of its own for a lossy one. Otherwise (offloaded
+        for a lossless method, each over a store of its own for a lossy one; so does one prompt
+        under a lossless method with `kv` auto on CUDA (`single_batched`). Otherwise (offloaded
         KV, a prompt too long for the pool, a store that would stream) the prompts run one after
         the other, each planned alone. Under tensor parallelism every rank runs the call (rank 0
         sends it to the ranks it started) and the prompts run one at a time."""
@@ -373,7 +378,7 @@ class LLM:
         for ids in encoded:
             check_length(len(ids), params, self.max_model_len_for(chosen))
         batchable = chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
-        if len(batch) > 1 and batchable and self.parallel is None:
+        if batchable and self.parallel is None and (len(batch) > 1 or self._one_batched(chosen)):
             batched = generate_batched(self, batch, encoded, params, progress, chosen)
             if batched is not None:
                 return batched
@@ -381,6 +386,17 @@ class LLM:
             self._generate_one(p, ids, params, progress, chosen)
             for p, ids in zip(batch, encoded, strict=True)
         ]
+
+    def _one_batched(self, method: MethodChoice) -> bool:
+        """Whether one prompt runs through the batch engine (`EngineConfig.single_batched`): a
+        lossless method with `kv="auto"` on a model whose scores the paged kernels compute and
+        whose experts (if any) are not streamed; `generate_batched` still sends it back here
+        when its KV does not fit the device. `--kv gpu` keeps the tiered store's resident path."""
+        on = self.config.single_batched
+        if on is None:
+            on = self.device.type == "cuda"
+        cfg = self.model_config
+        return on and method.lossless and method.kv == "auto" and cfg.plain_scores and cfg.moe is None
 
     def make_store(
         self,
