@@ -139,6 +139,8 @@ def main() -> None:
     ref_out = attend()
     tiles = [None, (128, 32, 4, 3), (128, 32, 8, 3), (128, 16, 4, 3), (128, 32, 4, 2), (256, 32, 8, 2)]
     tiles += [(256, 16, 8, 2), (256, 32, 8, 3), (128, 64, 8, 2)]
+    if d <= 64:  # small heads (SmolLM2): wider key tiles and 64-row programs too
+        tiles += [(256, 64, 8, 2), (256, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (256, 128, 8, 2)]
     for tile in tiles if not args.smoke else [None, (32, 32, 4, 1)]:
         triton_attn.TILES = tile
         t = clock(attend, reps)
