@@ -19,7 +19,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.model.rope import Rotary
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
-from kvtier.sparse.block_sparse import attend_block, masked_dense_attention
+from kvtier.sparse.block_sparse import attend_block, attend_block_reference, masked_dense_attention
 from kvtier.sparse.pruning import ScoreFn, bisect_scores, chunk_scores, prune_stage
 from kvtier.sparse.rope_ext import RopeTable, attention_key_positions, rotate
 from tests.hf_reference import drive, make_hf_model
@@ -68,20 +68,25 @@ def test_first_prefill_chunk_with_blocks_inside_the_sinks_is_dense() -> None:
     assert torch.allclose(out, attend(q, kv), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("sink", [4, 20])  # 20: blocks that end among the sinks
+@pytest.mark.parametrize("extend", [False, True])
 @pytest.mark.parametrize("head_score", ["max", "softmax"])
-@pytest.mark.parametrize("start", [0, 3, 100])  # 0, 3: the chunk begins among the 4 sinks
+@pytest.mark.parametrize("start", [0, 3, 100])  # 0, 3: the chunk begins among the sinks
 def test_prefill_chunk_prunes_its_blocks_together_as_each_alone(
-    head_score: str, start: int, monkeypatch: pytest.MonkeyPatch
+    head_score: str, start: int, extend: bool, sink: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prefill chunk's whole blocks past the sinks are pruned in one batch, also when the
-    chunk begins among the sinks (a short prompt's only chunk): the output equals the kernel's
-    with every block pruned alone (`run_stages`), under pruning budgets."""
+    """A prefill chunk's blocks are pruned in one batch, also a short last block and blocks
+    that begin among the sinks (a short prompt's only chunk): the output equals each block
+    pruned alone (`run_stages`, the stages decode runs) and attended by the torch reference,
+    under pruning budgets, with context extension's rotations or without."""
     from kvtier.sparse import kernel as kernel_module
 
     gen = torch.Generator().manual_seed(1)
-    s = 220 if start < 100 else 300
+    s = 220 if start < 100 else 303
     q, kv = torch.randn(s - start, 4, D, generator=gen), torch.randn(s, 2, 2, D, generator=gen)
-    cfg = HipConfig(**SPARSE, extend=False, head_score=head_score)  # type: ignore[arg-type]
+    assert q.shape[0] % 8, "the chunk should end in a short block"
+    cfg = HipConfig(**{**SPARSE, "sink": sink}, extend=extend, head_score=head_score)  # type: ignore[arg-type]
+    rot = Rotary(RopeConfig(), D) if extend else None
     calls: list[int] = []
     real = kernel_module.prune_whole_blocks
 
@@ -90,15 +95,20 @@ def test_prefill_chunk_prunes_its_blocks_together_as_each_alone(
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kernel_module, "prune_whole_blocks", counted)
-    batched = HipKernel(cfg)(q, kv, SliceStep(5, 0, start))
-    assert calls == [1], "the chunk's whole blocks past the sinks were not pruned in one batch"
-    # Reference: a chunk of one block at a time (the block pruned alone).
-    bq = cfg.block_q
+    batched = HipKernel(cfg, rot)(q, kv, SliceStep(5, 0, start))
+    assert calls == [1], "the chunk's blocks were not pruned in one batch"
+    # Reference: each block selected alone by `run_stages`, attended by the torch reference.
+    ref = HipKernel(cfg, rot)
     parts: list[torch.Tensor] = []
-    ref_kernel = HipKernel(cfg)
-    for b in range(0, q.shape[0], bq):
-        e = min(b + bq, q.shape[0])
-        parts.append(ref_kernel(q[b:e], kv[: start + e], SliceStep(5, 0, start + b)))
+    for b in range(0, q.shape[0], cfg.block_q):
+        e = min(b + cfg.block_q, q.shape[0])
+        w0 = ref._window_start(start + b)
+        pos = torch.arange(start + b, start + e)
+        sel = ref._stages(q[b:e], pos, kv, 5, ref._middle(w0, q.device), 0)[-1]
+        prefix = torch.cat((torch.arange(min(cfg.sink, start + e)), sel))
+        parts.append(
+            attend_block_reference(q[b:e], pos, kv, prefix, w0, rotary=ref.rotary, mode=cfg.attention_rope)
+        )
     assert torch.allclose(batched, torch.cat(parts), rtol=0, atol=1e-5)
 
 

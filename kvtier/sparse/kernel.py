@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
 from kvtier.attention.interface import Fetch, SliceStep
 from kvtier.errors import ConfigError
@@ -236,43 +235,17 @@ class HipKernel:
         return self._prefill(q, kv, step)
 
     def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
-        """Every block of `block_q` queries of q [T, H_q, D] pruned from scratch, then one
-        attention over all blocks. Whole blocks that begin past the sinks are pruned together
-        (`prune_whole_blocks`), also in a chunk that begins among them (a short prompt's only
-        chunk); the rest (a short last block, blocks that begin among the sinks) one by one."""
-        cfg, t, dev = self.cfg, q.shape[0], q.device
+        """Every block of `block_q` queries of q [T, H_q, D] pruned from scratch, all blocks of
+        the chunk in one batch (`prune_whole_blocks`: a short last block and blocks among the
+        sinks too), then one attention over all blocks."""
+        cfg, t = self.cfg, q.shape[0]
         bq = cfg.block_q
         starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
         ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
-        rows: list[torch.Tensor] = []  # [B_i, P_i] prefixes (sinks + selection), -1 padded
-        # blocks [lo, hi) begin past the sinks and are whole: pruned together; the others (ones
-        # that begin among the sinks, a short last block) one by one, in block order
-        lo = min(len(starts), max(0, -(-(cfg.sink - step.start) // bq)))
-        hi = max(lo, t // bq)
-
-        def alone(i: int) -> None:
-            b, e = i * bq, ends[i] - step.start
-            pos1 = torch.arange(step.start + b, step.start + e, device=dev)
-            sel1 = self._stages(q[b:e], pos1, kv, step.layer, self._middle(starts[i], dev), 0)[-1]
-            sinks = torch.arange(min(cfg.sink, ends[i]), device=dev)
-            rows.append(torch.cat((sinks, sel1))[None])
-            self.stats.attended_keys += rows[-1].shape[1]
-
-        for i in range(lo):
-            alone(i)
-        if hi > lo:
-            whole = q[lo * bq : hi * bq]
-            batch, held = prune_whole_blocks(
-                whole, step.start + lo * bq, kv[:, 0], starts[lo:hi], cfg, step.layer, self.rotary
-            )
-            rows.append(batch)
-            self.stats.attended_keys += held
-        for i in range(hi, len(starts)):
-            alone(i)
+        prefix, held = prune_whole_blocks(q, step.start, kv[:, 0], starts, cfg, step.layer, self.rotary)
+        self.stats.attended_keys += held
         self.stats.prefill_blocks += len(starts)
         self.stats.attended_keys += sum(max(0, e - w) for e, w in zip(ends, starts, strict=True))
-        width = max(r.shape[1] for r in rows)
-        prefix = torch.cat([F.pad(r, (0, width - r.shape[1]), value=-1) for r in rows])  # [B, P]
         return attend_blocks(
             q, step.start, bq, kv, prefix, starts, rotary=self.rotary, mode=cfg.attention_rope
         )

@@ -33,14 +33,31 @@ from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_pos
 PRUNE_BATCH_BYTES = 256 << 20  # stage-0 temporaries of one batch of query blocks, about
 
 
-def pool_blocks(q: torch.Tensor, q_pos: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean-pool groups of `stride` queries of whole blocks: q [B, Tb, H, D] -> [B, Tb/stride, H, D]
-    (Tb a multiple of stride), and each group's last position [B, Tb/stride]."""
-    if stride == 1:
-        return q, q_pos
+def pool_blocks(
+    q: torch.Tensor, q_pos: torch.Tensor, stride: int, ragged: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean-pool groups of `stride` queries of blocks: q [B, Tb, H, D] -> [B, Tb/stride, H, D]
+    (Tb a multiple of stride), and each group's last position [B, Tb/stride].
+
+    `ragged`: some blocks end early (q_pos -1 after their last query, whose rows are ignored).
+    A group then pools its live queries alone, as `pruning.pool_queries` pools a short block's
+    last group, and a group with none repeats the block's last live group: a copy of a row
+    changes no max over rows, so the block scores as the short block alone would."""
     b, t, h, d = q.shape
-    pooled = q.view(b, t // stride, stride, h, d).sum(dim=2) / stride
-    return pooled, q_pos[:, stride - 1 :: stride]
+    if not ragged:
+        if stride == 1:
+            return q, q_pos
+        pooled = q.view(b, t // stride, stride, h, d).sum(dim=2) / stride
+        return pooled, q_pos[:, stride - 1 :: stride]
+    g = t // stride
+    live = (q_pos >= 0).view(b, g, stride).to(q.dtype)  # [B, G, stride]
+    sums = (q.view(b, g, stride, h, d) * live[..., None, None]).sum(dim=2)
+    counts = live.sum(dim=2)  # [B, G]
+    pooled = sums / counts.clamp(min=1)[..., None, None]
+    last = q_pos.view(b, g, stride).amax(dim=2)  # [B, G]: each group's last live position
+    filled = (counts > 0).sum(dim=1, keepdim=True) - 1  # [B, 1]: live groups come first
+    idx = torch.minimum(torch.arange(g, device=q.device)[None, :], filled.clamp(min=0))  # [B, G]
+    return pooled.gather(1, idx[..., None, None].expand(-1, -1, h, d)), last.gather(1, idx)
 
 
 def prune_blocks(
@@ -214,9 +231,11 @@ def run_block_stages(
     window: int,
     triton: bool | None = None,
     head_score: str = "max",
+    ragged: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every stage for B whole query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
-    of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]).
+    """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
+    of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
+    block may end early (q_pos -1 past its last query; see `pool_blocks`).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
@@ -236,7 +255,7 @@ def run_block_stages(
         valid = (starts - sink).clamp(min=0)
         cand: torch.Tensor | None = None  # stage 0: [sink, starts[b]) of each block
         for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
-            pq, pp = pool_blocks(qb, pb, stride)
+            pq, pp = pool_blocks(qb, pb, stride, ragged)
             cand, valid = prune_blocks(
                 pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
                 first=sink, width=width, triton=triton, head_score=head_score,
@@ -269,15 +288,22 @@ def prune_whole_blocks(
     layer: int,
     rotary: RopeTable | None,
 ) -> tuple[torch.Tensor, int]:
-    """`run_block_stages` with `cfg`'s stages for n whole query blocks q [n * block_q, H_q, D]
-    whose first query is at `start`, each beginning past the sinks, over a slice's keys [S, G, D];
-    window_starts: each block's w0 (n of them).
+    """`run_block_stages` with `cfg`'s stages for every query block of a prefill chunk q [T, H_q, D]
+    whose first query is at `start`, over a slice's keys [S, G, D]; window_starts: each block's
+    w0 (ceil(T / block_q) of them). A short last block is padded (`pool_blocks`' ragged
+    pooling), and a block that ends among the sinks keeps those before its end, so every block
+    selects and attends as it would alone.
 
-    Returns each block's attended prefix [n, sink + K] (the sinks, then its selection, -1
+    Returns each block's attended prefix [n, sink + K] (its sinks, then its selection, -1
     padded) and how many keys the prefixes hold (a host read).
     """
     n, bq, dev = len(window_starts), cfg.block_q, q.device
-    pos = torch.arange(start, start + n * bq, device=dev).view(n, bq)
+    t = q.shape[0]
+    pad = n * bq - t
+    pos = torch.arange(start, start + n * bq, device=dev)
+    pos = torch.where(pos < start + t, pos, -1).view(n, bq)  # [n, Tb], -1 past the chunk
+    if pad:  # copies of the last query: `pool_blocks` pools past them
+        q = torch.cat((q, q[-1:].expand(pad, *q.shape[1:])))
     w0 = torch.tensor(window_starts, dtype=torch.long).to(dev, non_blocking=True)
     sel, n_sel = run_block_stages(
         q.reshape(n, bq, *q.shape[1:]),
@@ -292,6 +318,11 @@ def prune_whole_blocks(
         rotary=rotary,
         window=cfg.window,
         head_score=cfg.head_score,
+        ragged=pad > 0,
     )
-    prefix = torch.cat((torch.arange(cfg.sink, device=dev).expand(n, -1), sel), dim=1)
-    return prefix, cfg.sink * n + int(n_sel.sum())  # NOTE: a sync (prefill)
+    ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
+    sinks = torch.arange(cfg.sink, device=dev).expand(n, -1)
+    sinks = torch.where(sinks < ends[:, None], sinks, -1)  # a block's sinks end with it
+    prefix = torch.cat((sinks, sel), dim=1)
+    held = (sinks >= 0).sum() + n_sel.sum()
+    return prefix, int(held)  # NOTE: a sync (prefill)
