@@ -49,7 +49,9 @@
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
 # The thirteenth ran 31 (a3082cd-era: host work per serve step), then, after three refused starts,
 #   35 and 32 (issue 19 on CUDA) and the embedded model's smoke alone (26/26), at b2d667c.
-#   NEXT (the fourteenth): 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
+# The fourteenth ran 38 (after five refused starts), then: 39 with the GGUF's first half, the
+#   whole smoke (22: one prompt now runs through the batch engine on CUDA), 40 (32K NIAH x3).
+#   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
 #   quality grid, RULER and pass key; the GGUF is in place after 22), 33, 34; 29's sampled case.
 #   Before it, the twelfth's plan was: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
 #   begin_decode, incremental text, --decode-steps, the frozen heap): carry .whl and .gguf_a, copy
@@ -291,6 +293,20 @@ case "$group" in
   # heads, head dim 64), attention under several tile choices, with its TFLOP/s
   run 150 $py bench/hip_kernels.py --model smollm2-135m --preset long --context 0 --chunk 16384 \
     --heads 3 --name hip_kernels_smollm2_16k
+  ;;
+39)
+  # with the GGUF's first half (no model): issue 19's SmolLM2-shape HiP prefill after this
+  # session's fixes (a chunk's blocks all in one batch, no per-layer host reads, the softmax
+  # head score without a strided softmax), profiled; auto is now the batch engine's path
+  run 200 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 4K,16K,32K --repeats 2 \
+    --methods "auto;hip,hip_preset=long" --profile --name hip_small_prefill_fixes
+  ;;
+40)
+  # after 22 (the GGUF in place): issue 19's weakest cell, 32K, at 3 samples a depth, HiP alone
+  for hay in prose repeat; do
+    run 130 kvtier eval niah --lengths 32k --depths 0:100:10 --samples 3 --haystack "$hay" --device cuda \
+      --max-model-len 33000 --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_32k_${hay}_x3.json"
+  done
   ;;
 36)
   # issue 19's quality grid as the issue asks it (needs the GGUF: the two-call setup first):

@@ -61,6 +61,7 @@ def test_kernel_scores_equal_the_torch_bisection(
     )
     live = lengths > 0
     if per_row:
+        got = got.flatten(2)  # the kernel's view [B, C, G, rows]
         assert got.shape == ref.shape == (3, c_count, nq * g * r)
         got, ref = got.sort(dim=2).values, ref.sort(dim=2).values
     assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-4)
@@ -121,3 +122,20 @@ def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
     other modules): run this file's CPU cases in a fresh interpreter-mode process."""
     run_cpu_cases(__file__)
+
+
+def test_softmax_head_score_is_a_softmax_over_live_chunks_then_the_max_over_rows() -> None:
+    """`softmax_head_score` (max_r exp(x - logsumexp)) equals the softmax it replaces, on the
+    kernel's layout (a permuted view, chunks contiguous) and on `_bisect`'s [B, C, R]."""
+    from kvtier.sparse.prefill import softmax_head_score
+
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, 2, 5, 9, generator=gen) * 6  # [B, G, rows, C] as the kernel stores them
+    live = torch.rand(4, 9, generator=gen) > 0.4
+    live[:, 0] = True
+    view = rows.permute(0, 3, 1, 2)  # [B, C, G, rows]
+    flat = view.flatten(2)  # [B, C, R]
+    ref = torch.softmax(torch.where(live[:, :, None], flat * 0.125, float("-inf")), dim=1).amax(dim=2)
+    for x in (view, flat):
+        got = softmax_head_score(x, live, 0.125)
+        assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)

@@ -54,8 +54,27 @@ class HipStats:
 
     decode_recomputes: list[int]
     prefill_blocks: int = 0
-    attended_keys: int = 0  # sum over prefill query blocks of keys attended (sink + selected + window)
+    keys_read: int = 0  # attended keys counted on the host so far (see `attended_keys`)
+    keys_pending: list[torch.Tensor] = field(default_factory=list)  # device counts, not yet read
     cache: CacheStats = field(default_factory=CacheStats)  # GPU block caches of streamed slices
+
+    def count_keys(self, n: int | torch.Tensor) -> None:
+        """Add attended keys: a host int, or a device count that prefill does not wait for."""
+        if isinstance(n, int):
+            self.keys_read += n
+            return
+        self.keys_pending.append(n)
+        if len(self.keys_pending) >= 256:  # folded on the device, still no sync
+            self.keys_pending[:] = [torch.stack(self.keys_pending).sum()]
+
+    @property
+    def attended_keys(self) -> int:
+        """Sum over prefill query blocks of keys attended (sink + selected + window). Reads the
+        device counts prefill left (a sync), once."""
+        if self.keys_pending:
+            self.keys_read += int(torch.stack(self.keys_pending).sum())
+            self.keys_pending.clear()
+        return self.keys_read
 
     @property
     def hit_rate(self) -> float:
@@ -243,9 +262,9 @@ class HipKernel:
         starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
         ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
         prefix, held = prune_whole_blocks(q, step.start, kv[:, 0], starts, cfg, step.layer, self.rotary)
-        self.stats.attended_keys += held
+        self.stats.count_keys(held)
         self.stats.prefill_blocks += len(starts)
-        self.stats.attended_keys += sum(max(0, e - w) for e, w in zip(ends, starts, strict=True))
+        self.stats.count_keys(sum(max(0, e - w) for e, w in zip(ends, starts, strict=True)))
         return attend_blocks(
             q, step.start, bq, kv, prefix, starts, rotary=self.rotary, mode=cfg.attention_rope
         )

@@ -111,10 +111,8 @@ def prune_blocks(
     else:
         assert chunks is not None
         scores = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row)
-    if per_row:  # scores [B, C, R]: a softmax over each row's live chunks, then the max over rows
-        live = (lengths > 0)[:, :, None]
-        logits = torch.where(live, scores * q.shape[-1] ** -0.5, float("-inf"))
-        scores = torch.softmax(logits, dim=1).amax(dim=2)
+    if per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
+        scores = softmax_head_score(scores, lengths > 0, q.shape[-1] ** -0.5)
     scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
     # Chunks are consecutive runs of the sorted candidates and every -1 lies past the last valid
@@ -125,6 +123,19 @@ def prune_blocks(
     else:
         kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
     return kept, (kept >= 0).sum(dim=1)
+
+
+def softmax_head_score(rows: torch.Tensor, live: torch.Tensor, scale: float) -> torch.Tensor:
+    """The "softmax" head score from per-row chunk maxima rows [B, C, ...rows] (any strides: the
+    Triton kernel's keep C contiguous): per row, a softmax over the block's live chunks (live
+    [B, C]) of the scaled maxima, then the max over rows -> [B, C] (nan where a block has no
+    live chunk; the caller masks those). Taken as max_r exp(x - logsumexp_c x), so no softmax
+    output is written and both reductions run over the tensor as it lies (on CUDA a softmax
+    along a strided dim took ~2 ms a layer of SmolLM2 at 16K)."""
+    shape = (*live.shape, *([1] * (rows.dim() - 2)))
+    logits = torch.where(live.view(shape), rows * scale, float("-inf"))
+    lse = torch.logsumexp(logits, dim=1, keepdim=True)
+    return (logits - lse).amax(dim=tuple(range(2, rows.dim()))).exp()
 
 
 def _span(first: int, n: int, valid: torch.Tensor) -> torch.Tensor:
@@ -232,10 +243,12 @@ def run_block_stages(
     triton: bool | None = None,
     head_score: str = "max",
     ragged: bool = False,
+    starts_host: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
-    block may end early (q_pos -1 past its last query; see `pool_blocks`).
+    block may end early (q_pos -1 past its last query; see `pool_blocks`). `starts_host`: the
+    window starts as host ints, if the caller has them (else read back: a sync per batch).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
@@ -249,9 +262,11 @@ def run_block_stages(
     if triton is None:
         triton = q.is_cuda and use_triton()
 
-    def prune(qb: torch.Tensor, pb: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stage for one batch of blocks."""
-        width = max(0, int(starts.max()) - sink)  # NOTE: a host read; prefill only
+    def prune(
+        qb: torch.Tensor, pb: torch.Tensor, starts: torch.Tensor, most: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stage for one batch of blocks (`most`: their largest window start, if known)."""
+        width = max(0, (int(starts.max()) if most is None else most) - sink)  # NOTE: else a sync
         valid = (starts - sink).clamp(min=0)
         cand: torch.Tensor | None = None  # stage 0: [sink, starts[b]) of each block
         for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
@@ -271,7 +286,10 @@ def run_block_stages(
         per_block += 3 * 4 * c0 * -(-q.shape[1] // strides[0]) * q.shape[2]
     step = max(1, PRUNE_BATCH_BYTES // per_block)
     spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
-    parts = [prune(q[sp], q_pos[sp], window_starts[sp]) for sp in spans]
+    parts = [
+        prune(q[sp], q_pos[sp], window_starts[sp], None if starts_host is None else max(starts_host[sp]))
+        for sp in spans
+    ]
     if len(parts) == 1:
         return parts[0]
     width = max(sel.shape[1] for sel, _ in parts)
@@ -287,7 +305,7 @@ def prune_whole_blocks(
     cfg: HipConfig,
     layer: int,
     rotary: RopeTable | None,
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`run_block_stages` with `cfg`'s stages for every query block of a prefill chunk q [T, H_q, D]
     whose first query is at `start`, over a slice's keys [S, G, D]; window_starts: each block's
     w0 (ceil(T / block_q) of them). A short last block is padded (`pool_blocks`' ragged
@@ -295,7 +313,7 @@ def prune_whole_blocks(
     selects and attends as it would alone.
 
     Returns each block's attended prefix [n, sink + K] (its sinks, then its selection, -1
-    padded) and how many keys the prefixes hold (a host read).
+    padded) and how many keys the prefixes hold (a device scalar: no sync).
     """
     n, bq, dev = len(window_starts), cfg.block_q, q.device
     t = q.shape[0]
@@ -319,10 +337,10 @@ def prune_whole_blocks(
         window=cfg.window,
         head_score=cfg.head_score,
         ragged=pad > 0,
+        starts_host=window_starts,
     )
     ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
     sinks = torch.arange(cfg.sink, device=dev).expand(n, -1)
     sinks = torch.where(sinks < ends[:, None], sinks, -1)  # a block's sinks end with it
     prefix = torch.cat((sinks, sel), dim=1)
-    held = (sinks >= 0).sum() + n_sel.sum()
-    return prefix, int(held)  # NOTE: a sync (prefill)
+    return prefix, (sinks >= 0).sum() + n_sel.sum()

@@ -230,8 +230,8 @@ def bisect_triton(
     block b's positions first .. first + valid - 1 (stage 0; `lengths` carries valid);
     lengths [B, C] valid entries per chunk. `tables`: the RoPE cos/sin rows [P, D] covering every
     probe position of `mode`, or None (no rotation). Returns [B, C] float32 (empty chunks too:
-    the caller masks them); with `per_row`, `_bisect(per_row=True)`'s [B, C, Nq * G * r] (rows in
-    another order, which the "softmax" head score's max over rows ignores). No host sync.
+    the caller masks them); with `per_row`, `_bisect(per_row=True)`'s rows as a view [B, C, G, Nq * r]
+    (rows in another order, which the "softmax" head score's max over rows ignores). No host sync.
     """
     bsz, nq, g, r, d = q.shape
     c_count = lengths.shape[1]
@@ -278,6 +278,6 @@ def bisect_triton(
         num_warps=NUM_WARPS or (8 if r_pad >= 128 else 4),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
-    if per_row:  # [B, G, R, C] -> [B, C, G * rows]
-        return row_best[:, :, :rows].permute(0, 3, 1, 2).reshape(bsz, c_count, g * rows)
+    if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
+        return row_best[:, :, :rows].permute(0, 3, 1, 2)
     return out
