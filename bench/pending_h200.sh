@@ -298,12 +298,12 @@ case "$group" in
   # with the GGUF's first half (no model): issue 19's SmolLM2-shape HiP prefill after this
   # session's fixes (a chunk's blocks all in one batch, no per-layer host reads, the softmax
   # head score without a strided softmax), profiled; auto is now the batch engine's path
-  run 200 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 4K,16K,32K --repeats 2 \
+  run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K,32K --repeats 1 \
     --methods "auto;hip,hip_preset=long" --profile --name hip_small_prefill_fixes
   ;;
 40)
   # after 22 (the GGUF in place): issue 19's weakest cell, 32K, at 3 samples a depth, HiP alone
-  for hay in prose repeat; do
+  for hay in ${HAYSTACKS:-prose repeat}; do
     run 130 kvtier eval niah --lengths 32k --depths 0:100:10 --samples 3 --haystack "$hay" --device cuda \
       --max-model-len 33000 --method hip,hip_preset=long --no-progress --out "$OUT/niah_smollm2_cuda_32k_${hay}_x3.json"
   done
