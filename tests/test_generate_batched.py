@@ -126,3 +126,24 @@ def test_generate_prefills_on_cudnn_where_a_server_keeps_flash(
     llm.generate(prompts()[:2], SamplingParams(max_tokens=2))
     assert seen and all(seen)
     assert BatchEngine(llm, BatchConfig(num_pages=8, num_host_pages=0)).store.prefill_cudnn is False
+
+
+def test_a_pool_of_the_prompts_size_that_does_not_fit(llm_one: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the memory budget cannot hold the pool a call needs, one prompt goes to the tiered
+    store (which plans it, offloading if it must) and a list runs over a pool sized from the
+    budget, as a server's would."""
+    from kvtier.engine import batched
+    from kvtier.errors import CapacityError
+
+    real = batched.BatchEngine
+
+    def tight(host: object, config: object) -> object:
+        if getattr(config, "num_pages", None) is not None:
+            raise CapacityError("the budget holds no such pool")
+        return real(host, config)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batched, "BatchEngine", tight)
+    params = SamplingParams(max_tokens=3)
+    assert llm_one.generate(prompts()[0], params)[0].stats.plan["policy"] != "batched"
+    outs = llm_one.generate(prompts()[:2], params)
+    assert all(o.stats.plan["policy"] == "batched" for o in outs)

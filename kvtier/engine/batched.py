@@ -74,7 +74,10 @@ def generate_batched(
         config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
         engine = BatchEngine(llm, config)
     else:
-        engine = _sized_engine(llm, config, encoded, params)
+        sized = _sized_engine(llm, config, encoded, params)
+        if sized is None:
+            return None
+        engine = sized
     tokens: list[list[int]] = [[] for _ in batch]
     done: list[float] = [0.0] * len(batch)
     # one prompt: no bar (a bar of one request says nothing; on CUDA its prefill takes seconds)
@@ -138,18 +141,19 @@ def generate_batched(
 
 def _sized_engine(
     llm: BatchHost, config: BatchConfig, encoded: list[list[int]], params: SamplingParams
-) -> BatchEngine:
+) -> BatchEngine | None:
     """The engine with a page pool of what the prompts need at most (their prompts and new
-    tokens, a page of slack each) and no host tier, when the memory budget holds that: a call's
-    prompts are all known, so pinning host pages or taking the whole GPU would only cost time.
-    Else the pool sized from the budget, as `kvtier serve` sizes it (the sequences then wait
-    for pages as a server's would)."""
+    tokens, a page of slack each), when the memory budget holds that; else, for several
+    prompts, the pool sized from the budget (they then wait for pages as a server's requests
+    would), and for one, None (it never fits: the tiered store plans it). No host tier: a
+    call's prompts are all known, so pinning host pages would only cost time."""
     page = config.page_size
     need = sum(-(-(len(ids) + params.max_tokens + 1) // page) + 1 for ids in encoded)
+    config = replace(config, num_host_pages=0)
     try:
-        return BatchEngine(llm, replace(config, num_pages=need, num_host_pages=0))
+        return BatchEngine(llm, replace(config, num_pages=need))
     except CapacityError:
-        return BatchEngine(llm, config)
+        return BatchEngine(llm, config) if len(encoded) > 1 else None
 
 
 def own_stores(
