@@ -106,28 +106,6 @@ def test_one_prompt_that_the_paged_kernels_cannot_mask_runs_tiered(tmp_path: Pat
     assert out.stats.plan["policy"] != "batched"
 
 
-def test_generate_prefills_on_cudnn_where_a_server_keeps_flash(
-    llm: LLM, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`LLM.generate`'s engine shares no tiered run, so its prefill chunks may take cuDNN (where
-    `attend` picks it: Hopper); a server's engine (the default `BatchConfig`) keeps flash."""
-    from kvtier.engine.batch.config import BatchConfig
-    from kvtier.engine.batch.core import BatchEngine
-    from kvtier.kv import paged
-
-    seen: list[bool] = []
-    real = paged.attend
-
-    def spy(q: torch.Tensor, kv: torch.Tensor, *args: object, cudnn: bool = True) -> torch.Tensor:
-        seen.append(cudnn)
-        return real(q, kv, cudnn=cudnn)
-
-    monkeypatch.setattr(paged, "attend", spy)
-    llm.generate(prompts()[:2], SamplingParams(max_tokens=2))
-    assert seen and all(seen)
-    assert BatchEngine(llm, BatchConfig(num_pages=8, num_host_pages=0)).store.prefill_cudnn is False
-
-
 def test_a_pool_of_the_prompts_size_that_does_not_fit(llm_one: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """When the memory budget cannot hold the pool a call needs, one prompt goes to the tiered
     store (which plans it, offloading if it must) and a list runs over a pool sized from the

@@ -63,13 +63,7 @@ def generate_batched(
     # A lossy method, or scores the paged kernels cannot compute (soft-capping, latent
     # attention): every prompt over a store of its own, and no sequence takes pages.
     own_only = not method.lossless or not llm.model_config.plain_scores
-    # NOTE: every prompt runs over the pool or its own resident store (a streaming one sends
-    # them all back to run one at a time), so no tiered run shares the engine: cuDNN prefill.
-    config = BatchConfig(
-        max_num_seqs=min(len(batch), 256),
-        max_num_batched_tokens=8192 if cuda else 2048,
-        prefill_cudnn=True,
-    )
+    config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
     if own_only:
         config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
         engine = BatchEngine(llm, config)
