@@ -49,8 +49,11 @@
 #   (the mixed case unprofiled: met), a c64-1k-out with and without a tokenizer, then ran out.
 # The thirteenth ran 31 (a3082cd-era: host work per serve step), then, after three refused starts,
 #   35 and 32 (issue 19 on CUDA) and the embedded model's smoke alone (26/26), at b2d667c.
-# The fourteenth ran 38 (after five refused starts), then: 39 with the GGUF's first half, the
-#   whole smoke (22: one prompt now runs through the batch engine on CUDA), 40 (32K NIAH x3).
+# The fourteenth ran 38 (after four refused starts) at 5170bf8, then, after two more, 39 with the
+#   GGUF's first half, the whole smoke (22, its generate part cut at 290 s; the embedded model's
+#   generate part then alone: 77 of 77 in all) and 40 (HAYSTACKS=prose) at 1674768.
+#   NEXT (the fifteenth): 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
+#   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
 #   quality grid, RULER and pass key; the GGUF is in place after 22), 33, 34; 29's sampled case.
 #   Before it, the twelfth's plan was: first the whole smoke (GPU-facing code changed after it ran: the batched sampler,
