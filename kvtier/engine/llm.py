@@ -389,9 +389,9 @@ class LLM:
 
     def _one_batched(self, method: MethodChoice) -> bool:
         """Whether one prompt runs through the batch engine (`EngineConfig.single_batched`): a
-        lossless method with `kv="auto"` on a model whose scores the paged kernels compute and
-        whose experts (if any) are not streamed; `generate_batched` still sends it back here
-        when its KV does not fit the device. `--kv gpu` keeps the tiered store's resident path."""
+        lossless method with `kv="auto"` on a dense model (no MoE: the batch engine was never
+        run with experts) whose scores the paged kernels compute; `generate_batched` sends it back
+        here when its KV does not fit the device. `--kv gpu` keeps the tiered store's resident path."""
         on = self.config.single_batched
         if on is None:
             on = self.device.type == "cuda"
