@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,12 +45,14 @@ def prompt_ids(llm: LLM, length: int) -> list[int]:
 
 
 def profiled(llm: LLM, prompts: list[Prompt], params: SamplingParams, method: str) -> dict[str, Any]:
-    """One more generate under the profiler (CUDA): GPU busy and idle time, the top kernels
-    (`bench.prefill_profile.summarize`), and the wall time it took under the profiler."""
+    """One more generate under the profiler (CUDA), of the prefill alone (one new token: the
+    decode steps' kernels and host copies would mix in): GPU busy and idle time, the top kernels
+    and host ops (`bench.prefill_profile.summarize`), and the prefill time under the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.prefill_profile import summarize
 
+    params = replace(params, max_tokens=1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         stats = llm.generate(prompts, params, method=method)[0].stats
     return {"prefill_s_profiled": round(stats.prefill_s, 4), **summarize(prof)}

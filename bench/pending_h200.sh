@@ -52,7 +52,7 @@
 # The fourteenth ran 38 (after four refused starts) at 5170bf8, then, after two more, 39 with the
 #   GGUF's first half, the whole smoke (22, its generate part cut at 290 s; the embedded model's
 #   generate part then alone: 77 of 77 in all) and 40 (HAYSTACKS=prose) at 1674768.
-#   NEXT (the fifteenth): 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
+#   NEXT (the fifteenth): 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
 #   quality grid, RULER and pass key; the GGUF is in place after 22), 33, 34; 29's sampled case.
@@ -303,6 +303,12 @@ case "$group" in
   # head score without a strided softmax), profiled; auto is now the batch engine's path
   run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K,32K --repeats 1 \
     --methods "auto;hip,hip_preset=long" --profile --name hip_small_prefill_fixes
+  ;;
+41)
+  # no GGUF: why one prompt through the batch engine (auto) prefills at half the tiered store's
+  # rate (gpu: the store's resident path) on the same machine; profiles of the prefill alone
+  run 200 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K,32K --repeats 2 \
+    --methods "auto;gpu;hip,hip_preset=long" --profile --name hip_small_prefill_paths
   ;;
 40)
   # after 22 (the GGUF in place): issue 19's weakest cell, 32K, at 3 samples a depth, HiP alone
