@@ -112,6 +112,17 @@ def test_text_output_and_stats_line(embedded: Path, capsys: pytest.CaptureFixtur
     assert "Traceback" not in err
 
 
+def test_stats_line_names_the_batch_engines_pool() -> None:
+    """One prompt through the batch engine (CUDA's default) reports its pool, not a placement."""
+    from kvtier.cli.generate_cmd import plan_note
+
+    batched = {"policy": "batched", "method": "paged batch of 1", "pages": 12, "cuda_graphs_capture_s": 0.1}
+    assert plan_note(batched) == "kv=batched (12 pages, CUDA graphs)"
+    assert plan_note({"policy": "batched", "pages": 3}) == "kv=batched (3 pages)"
+    tiered = {"policy": "head", "group_size": 1, "resident_slices": 0}
+    assert plan_note(tiered) == "kv=head group=1 resident=0"
+
+
 # -- errors: exit code 2, one line, no traceback ----------------------------------------------
 
 
