@@ -86,6 +86,29 @@ def test_one_prompt_runs_batched_over_a_pool_of_its_size_and_equals_the_tiered_s
         assert one.stats.generated_tokens == 9 and one.stats.decode_s > 0
 
 
+def test_one_long_prompt_prefills_in_the_planned_chunk_with_the_tokens_of_smaller_steps(
+    tmp_path: Path,
+) -> None:
+    """One prompt's batch steps take the planner's prefill chunk (here the whole 3,000-token
+    prompt in one step, where a list's steps take 2,048 on the CPU): the tokens equal those of
+    2,048-token steps and of the tiered store."""
+    from kvtier.engine.batched import batch_step_tokens, generate_batched
+    from kvtier.methods.spec import parse_choice
+
+    make_hf_model("llama-gqa", tmp_path)
+    long = LLM(str(tmp_path), device="cpu", dtype="fp32", single_batched=True, max_model_len=4096)
+    ids = torch.randint(1, 211, (3000,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=4)
+    auto = parse_choice("auto")
+    assert batch_step_tokens(long, [ids], params, auto) == 3000
+    assert batch_step_tokens(long, [ids, ids[:9]], params, auto) == 2048
+    one = long.generate(ids, params)[0]
+    small = generate_batched(long, [ids], [ids], params, False, auto, step_tokens=2048)
+    tiered = long.generate(ids, params, method="gpu")[0]
+    assert small is not None and one.stats.plan["policy"] == "batched" != tiered.stats.plan["policy"]
+    assert one.token_ids == small[0].token_ids == tiered.token_ids
+
+
 @pytest.mark.parametrize("method", ["int8", "gpu", "head"])
 def test_one_prompt_keeps_the_tiered_store_for_a_lossy_method_or_a_named_placement(
     llm_one: LLM, method: str

@@ -51,19 +51,28 @@ def generate_batched(
     params: SamplingParams,
     progress: bool,
     method: MethodChoice,
+    step_tokens: int | None = None,
+    prefill_cudnn: bool = True,
 ) -> list[RequestOutput] | None:
     """All prompts at once through the continuous-batching engine (one forward per step for
     every sequence), as `kvtier serve` runs them: over the page pool for a lossless method,
     else each over a store of its own with `method` (`own_stores`). None when one of them
     does not fit (too long for the pool, or its store would stream): then they run one at a
-    time, each planned alone."""
+    time, each planned alone.
+
+    `step_tokens`: the tokens of a batch step (None: `batch_step_tokens`); `prefill_cudnn`:
+    prefill chunks on cuDNN where the device prefers it (no tiered run shares this engine)."""
     cuda = llm.device.type == "cuda"
     if cuda:  # the call's peak, as a request alone reports it (`gpu_total`)
         torch.cuda.reset_peak_memory_stats(llm.device)
     # A lossy method, or scores the paged kernels cannot compute (soft-capping, latent
     # attention): every prompt over a store of its own, and no sequence takes pages.
     own_only = not method.lossless or not llm.model_config.plain_scores
-    config = BatchConfig(max_num_seqs=min(len(batch), 256), max_num_batched_tokens=8192 if cuda else 2048)
+    if step_tokens is None:
+        step_tokens = batch_step_tokens(llm, encoded, params, method)
+    config = BatchConfig(
+        max_num_seqs=min(len(batch), 256), max_num_batched_tokens=step_tokens, prefill_cudnn=prefill_cudnn
+    )
     if own_only:
         config = replace(config, num_pages=1, num_host_pages=0, prefix_caching=False)
         engine = BatchEngine(llm, config)
@@ -131,6 +140,24 @@ def generate_batched(
             RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, toks, reason, stats)
         )
     return outputs
+
+
+def batch_step_tokens(
+    llm: BatchHost, encoded: list[list[int]], params: SamplingParams, method: MethodChoice
+) -> int:
+    """Tokens per batch step: 8,192 on CUDA (2,048 on the CPU), or for one prompt the prefill
+    chunk the planner gives it (`plan_for`, as the tiered store would run it) when that is more:
+    each chunk costs a forward's host work and a gather of the prefix, so a 16K prompt in one
+    chunk prefills faster than in two."""
+    base = 8192 if llm.device.type == "cuda" else 2048
+    if len(encoded) != 1:
+        return base
+    context = len(encoded[0]) + params.max_tokens
+    try:
+        chunk = plan_for(llm.plan_inputs(context, method), method).plan.chunk_size
+    except CapacityError:  # nothing fits: the pool's sizing says so in its own words
+        return base
+    return max(base, min(chunk, len(encoded[0])))
 
 
 def _sized_engine(

@@ -88,8 +88,12 @@ class PagedKVStore:
         max_batch: int = 64,
         max_blocks: int | None = None,
         decode_kernel: DecodeKernel | None = None,
+        prefill_cudnn: bool = False,
     ) -> None:
         self.page_size = page_size
+        # Prefill chunks on cuDNN where `attend` would pick it (Hopper): only for a pool no
+        # tiered request shares (`LLM.generate`'s), whose queued copies stall cuDNN's loads.
+        self.prefill_cudnn = prefill_cudnn
         self.num_pages = num_pages
         self.device = device
         self.dtype = dtype
@@ -245,10 +249,11 @@ class PagedKVStore:
             return kernel(q, self.pages[layer], self.dec_tables[:rows], self.dec_lens[:rows])
         flat[self._write] = torch.stack((k, v), dim=1)
         if len(self._reads) == 1 and self._reads[0][1] == q.shape[0]:
-            return attend(q, flat[self._reads[0][2]], cudnn=False)  # one sequence: no copy of the output
+            # one sequence: no copy of the output
+            return attend(q, flat[self._reads[0][2]], cudnn=self.prefill_cudnn)
         out = torch.empty_like(q)
-        for a, n, slots in self._reads:
-            out[a : a + n] = attend(q[a : a + n], flat[slots], cudnn=False)  # kv [start + n, 2, H_kv, D]
+        for a, n, slots in self._reads:  # kv [start + n, 2, H_kv, D]
+            out[a : a + n] = attend(q[a : a + n], flat[slots], cudnn=self.prefill_cudnn)
         if self._dec_rows.numel():
             dq = q[self._dec_rows]
             if self.decode_kernel is not None:

@@ -85,6 +85,10 @@ class BatchConfig:
     # the batch's next allocations do not run into the budget's cap (a retry: a device-wide sync
     # behind the run's queued work). Off until the H200 says it helps (pending_h200.sh 18).
     tiered_release_after_prefill: bool = False
+    # Prefill chunks on cuDNN's attention where the device prefers it (Hopper; see
+    # `kvtier.attention.dense`): only for an engine no tiered request shares (`LLM.generate`'s).
+    # A server keeps flash: cuDNN's per-shape module loads waited behind tiered runs' copies.
+    prefill_cudnn: bool = False
 
     def __post_init__(self) -> None:
         if self.tiered_keep_tokens < 0:

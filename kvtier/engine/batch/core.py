@@ -76,6 +76,7 @@ class BatchEngine:
             dtype=host.dtype,
             max_batch=cfg.max_num_seqs,
             max_blocks=-(-host.max_model_len // cfg.page_size),
+            prefill_cudnn=cfg.prefill_cudnn,
         )
         static = self.device.type == "cuda" if cfg.static_decode is None else cfg.static_decode
         graphs = cfg.cuda_graphs and self.device.type == "cuda"
