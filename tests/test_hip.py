@@ -257,6 +257,9 @@ def test_presets_and_factory_options() -> None:
     assert HIP_PRESETS["default"].attended_tokens == 256 + 2048 + 1024 + 64
     long = HIP_PRESETS["long"]  # the quality runs' --preset 5k --set head_score=softmax window=2048
     assert long == replace(HIP_PRESETS["5k"], head_score="softmax", window=2048)
+    lean = HIP_PRESETS["lean"]  # long's scores, finer chunks, fewer keys
+    assert lean.attended_tokens == 256 + 2048 + 1024 + 64 < long.attended_tokens
+    assert lean == replace(long, chunk_sizes=(32, 16, 8), budgets=(32768, 16384, 2048), window=1024)
     _, unrotated = make_hip_kernel(cfg, CPU, "default", extend=False)
     assert not unrotated
     with pytest.raises(ConfigError, match="preset"):
