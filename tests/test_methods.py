@@ -56,7 +56,7 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"attention": "hip", "kv_quant": "int4"}, "cannot be combined"),
+        ({"attention": "quest", "kv_quant": "int4", "kv_budget": 64}, "cannot be combined"),
         ({"attention": "sparse"}, "unknown --attention"),
         ({"evict": "h2o"}, "--kv-budget"),
         ({"kv_quant": "int3"}, "unknown --kv-quant"),

@@ -167,3 +167,22 @@ def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys)
     assert _main(["plan", *small, "--gpu-memory", "24GB", "--host-memory", "64GiB"]) == 2
     err = capsys.readouterr().err
     assert "of host memory" in err and "--attention hip" not in err
+
+
+def test_1m_tokens_fit_the_h200_host_only_as_hip_over_int4(capsys: CapSys) -> None:
+    """Llama-3-8B at 1M on a 24 GiB cap with 120 GiB of host memory: lossless KV (~137 GB) and
+    HiP over it do not fit the host; HiP over int4 KV does, in well under half of it, and the
+    command plans it (exit 0) though the lossless recommendation is none."""
+    base = ["--model", "llama-3-8b", "--context", "1M", "--gpu", "h200", "--gpu-memory", "24GiB"]
+    base += ["--host-memory", "120GiB", "--hip-preset", "fast"]
+    assert _main(["plan", *base]) == 2
+    assert "of host memory" in capsys.readouterr().err
+    assert _main(["plan", *base, "--attention", "hip"]) == 2
+    assert "of host memory" in capsys.readouterr().err
+    doc = _json(capsys, *base, "--attention", "hip", "--kv-quant", "int4")
+    assert doc["recommended"] is None and "longest context that fits" in doc["error"]
+    hip = doc["hip"]
+    assert hip["kv_quant"] == "int4" and 0 < hip["host_kv_gb"] < 120 * 2**30 / 1e9 / 2
+    assert _main(["plan", *base, "--attention", "hip", "--kv-quant", "int4"]) == 0
+    out = capsys.readouterr().out
+    assert "with --attention hip (fast) over --kv-quant int4" in out and "the method's plan does" in out

@@ -273,21 +273,24 @@ def planned_attention() -> tuple[str, ...]:
 def lossy_lines(
     req: PlanRequest, plan: KVPlan | None, kv_quant: str | None, head_sparsity: float | None
 ) -> dict[str, Any] | None:
-    """The plan's bytes under `--kv-quant` / `--head-sparsity` (None when neither is given)."""
-    if plan is None or (kv_quant is None and head_sparsity is None):
+    """The plan's bytes under `--kv-quant` / `--head-sparsity` (None when neither is given).
+    `plan` is the lossless plan (None when it does not fit: a packed cache may still)."""
+    if kv_quant is None and head_sparsity is None:
         return None
     if kv_quant is not None and head_sparsity is not None:
         raise ConfigError("--kv-quant and --head-sparsity cannot be combined yet: plan one at a time")
     from kvtier.planner.lossy import lossy_kv
 
     cfg, ctx, b = req.cfg, req.context, req.dtype_bytes
-    base = lossy_kv(cfg, plan, ctx, dtype_bytes=b)
+    base = lossy_kv(cfg, plan, ctx, dtype_bytes=b) if plan is not None else None
     if kv_quant is not None:
         # Planned again, packed: the same budget keeps more slices resident.
         choice = MethodChoice(kv=req.policy, head_group=req.group_size, kv_quant=kv_quant)
         plan = plan_for(req.inputs(), choice).plan
         codec = choice.codec()
         method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
+    elif plan is None:
+        return None
     else:
         assert head_sparsity is not None
         if not 0.0 < head_sparsity < 1.0:
@@ -305,21 +308,28 @@ def lossy_lines(
         "gpu_kv_gb": got.gpu_stored / 1e9,
         "host_kv_gb": got.host_stored / 1e9,
         "pcie_gb_per_token": got.pcie_per_decode / 1e9,
-        "lossless_pcie_gb_per_token": base.pcie_per_decode / 1e9,
+        "lossless_pcie_gb_per_token": None if base is None else base.pcie_per_decode / 1e9,
         "decode_floor_s": got.pcie_per_decode / req.hardware.pcie_bw,
     }
 
 
-def hip_lines(req: PlanRequest, attention: str, preset: str) -> dict[str, Any] | None:
-    """The plan under a sparse attention method with a planner hook (None for dense): slices,
-    block cache per offloaded slice, the method's GPU bytes and its prefill chunk."""
+def hip_lines(
+    req: PlanRequest, attention: str, preset: str, kv_quant: str | None = None
+) -> dict[str, Any] | None:
+    """The plan under a sparse attention method with a planner hook (None for dense), over
+    `kv_quant`'s packed KV when given: slices, block cache per offloaded slice, the method's GPU
+    bytes, host KV and its prefill chunk."""
     if attention == "dense":
         return None
-    choice = MethodChoice(kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset)
+    choice = MethodChoice(
+        kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset, kv_quant=kv_quant
+    )
     hip = plan_for(req.inputs(), choice)
     plan = hip.plan
     return {
         "preset": preset,
+        "kv_quant": kv_quant,
+        "host_kv_gb": plan.host_kv_bytes / 1e9,
         "group_size": plan.group_size,
         "resident_slices": plan.resident_slices,
         "num_slices": plan.num_slices,
@@ -335,8 +345,12 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
     req = build_request(args)
     rep = build_report(req)
-    lossy = lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity)
-    hip = hip_lines(req, args.attention, args.hip_preset) if rep.plan is not None else None
+    # A method may fit where lossless does not (packed KV takes less host memory): planned
+    # either way; the command fails only when what was asked for fits nowhere.
+    lossy = (
+        lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity) if args.attention == "dense" else None
+    )
+    hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant)
     parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)
@@ -359,29 +373,33 @@ def run(args: argparse.Namespace) -> int:
         if parallel:
             print(format_parallel(parallel))
         if lossy:
+            lossless = lossy["lossless_pcie_gb_per_token"]
             print(
                 f"\nwith {lossy['method']}: {lossy['resident_slices']}/{lossy['num_slices']} slices "
                 f"resident, GPU KV {lossy['gpu_kv_gb']:.2f} GB ({lossy['gpu_kv_with_staging_gb']:.2f} "
                 f"with staging), host KV {lossy['host_kv_gb']:.2f} GB, PCIe per decode token "
                 f"{lossy['pcie_gb_per_token']:.2f} GB "
-                f"(lossless {lossy['lossless_pcie_gb_per_token']:.2f} GB), decode floor "
-                f"{lossy['decode_floor_s']:.3f} s/token"
+                f"({'lossless does not fit' if lossless is None else f'lossless {lossless:.2f} GB'}), "
+                f"decode floor {lossy['decode_floor_s']:.3f} s/token"
             )
         if hip:
             cache = hip["cache_tokens_per_slice"]
             selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
+            packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
             print(
-                f"\nwith --attention hip ({hip['preset']}): {hip['num_slices']} slices of "
+                f"\nwith --attention hip ({hip['preset']}){packed}: {hip['num_slices']} slices of "
                 f"{hip['group_size']} KV heads ({selection}), "
                 f"{hip['resident_slices']} resident; block cache per offloaded slice: "
                 f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
                 f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
-                f"{hip['gpu_kv_with_staging_gb']:.2f} GB"
+                f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB"
             )
     if args.plot:
         from kvtier.planner.plot import plot_memory
 
         plot_memory(req, args.plot)
-    if rep.error is not None:
+    if rep.error is not None and hip is None and (lossy is None or args.kv_quant is None):
         raise CapacityError(rep.error)
+    if rep.error is not None and not args.json:
+        print("\nlossless does not fit (above); the method's plan does")
     return 0

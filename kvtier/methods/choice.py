@@ -7,7 +7,7 @@ names); `selected` resolves them against the registry, and `build` makes the sto
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +46,18 @@ class MethodChoice:
         if self.head_group is not None and self.head_group < 1:
             raise ConfigError(f"--head-group must be at least 1, got {self.head_group}")
         chosen = self.selected()  # raises on unknown names
-        if len(chosen) > 1:
+        if len(chosen) > 1 and not _composable(chosen):
             flags = [self._flag(e) for e in chosen]
-            raise ConfigError(f"{' and '.join(flags)} cannot be combined yet: choose one method")
+            pairs = [
+                f"{self._flag(e)} with {FAMILIES[f].flag}" for e in REGISTRY.values() for f in e.composes_with
+            ]
+            also = f" (what combines: {', '.join(pairs)})" if pairs else ""
+            raise ConfigError(f"{' and '.join(flags)} cannot be combined yet: choose one method{also}")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise ConfigError(f"--kv-budget must be a positive number of tokens, got {self.kv_budget}")
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
-        entry = chosen[0] if chosen else None
+        entry = self.entry
         for key in ("kv_budget",):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]
@@ -89,13 +93,15 @@ class MethodChoice:
 
     @property
     def entry(self) -> MethodEntry | None:
+        """The method that runs the request: the one chosen, or of a composed pair the one whose
+        parts the other plugs into (HiP, beside a codec)."""
         chosen = self.selected()
-        return chosen[0] if chosen else None
+        return _primary(chosen) if chosen else None
 
     def codec(self) -> KVCodec | None:
         """The packed KV format the planner sizes the cache with (quantized methods only)."""
-        entry = self.entry
-        return entry.codec() if entry is not None and entry.codec is not None else None
+        made = [e.codec() for e in self.selected() if e.codec is not None]
+        return made[0] if made else None
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -110,14 +116,33 @@ class MethodChoice:
     ) -> PolicyParts:
         """Fresh store parts for one request (`hip_cache_tokens`: HiP's block cache per
         offloaded slice, None: the preset's); raises ConfigError on a budget the model rejects."""
-        entry = self.entry
-        if entry is None:
+        chosen = self.selected()
+        if not chosen:
             return PolicyParts()
-        return entry.build(BuildContext(cfg, device, model, self.options(), hip_cache_tokens, head_cache))
+        ctx = BuildContext(cfg, device, model, self.options(), hip_cache_tokens, head_cache)
+        primary = _primary(chosen)
+        parts = primary.build(ctx)
+        for other in (e for e in chosen if e is not primary):  # a codec beside HiP
+            extra = other.build(ctx)
+            parts = replace(parts, codec=extra.codec, describe=f"{parts.describe} + {extra.describe}")
+        return parts
 
     def _flag(self, entry: MethodEntry) -> str:
         family = FAMILIES[entry.family]
         return family.flag if family.key == "head_sparsity" else f"{family.flag} {entry.name}"
+
+
+def _composable(chosen: list[MethodEntry]) -> bool:
+    """Two methods, one of which composes with the other's family (HiP with a KV codec)."""
+    if len(chosen) != 2:
+        return False
+    a, b = chosen
+    return b.family in a.composes_with or a.family in b.composes_with
+
+
+def _primary(chosen: list[MethodEntry]) -> MethodEntry:
+    """Of a composed pair, the method that takes the other (`composes_with`); else the one."""
+    return next((e for e in chosen if any(o.family in e.composes_with for o in chosen)), chosen[0])
 
 
 def build_policy(

@@ -58,6 +58,7 @@ HIP = register(
         _build,
         takes=("hip_preset",),
         plan=_plan,
+        composes_with=("kv_quant",),
     ),
     Option(
         "hip_preset", "--hip-preset", _preset, f"HiP budgets and refresh intervals: {', '.join(HIP_PRESETS)}"

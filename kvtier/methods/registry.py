@@ -99,7 +99,8 @@ class MethodEntry:
     `build` makes fresh parts for one request (they hold per-sequence state). `codec` is the
     packed format the planner sizes a quantized cache with; `plan` a method's own planner (used
     by `plan_for` instead of the store planner alone); `takes` the options it accepts and
-    `requires` those it cannot run without.
+    `requires` those it cannot run without; `composes_with` the families of methods a request
+    may select beside it (HiP's kernel reads whatever the store holds, so a codec may pack it).
     """
 
     name: str
@@ -111,6 +112,7 @@ class MethodEntry:
     codec: Callable[[], KVCodec] | None = None
     plan: PlanHook | None = None
     examples: Mapping[str, str] = field(default_factory=dict)  # option -> a value for messages
+    composes_with: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
