@@ -116,7 +116,17 @@ def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: i
         chunk_size=args.chunk or None,
         group_size=args.head_group,
         hardware=hardware_preset("h200"),
+        codec=codec_of(args),
     )
+
+
+def codec_of(args: argparse.Namespace) -> Any:
+    """`--kv-quant`'s codec (None: bf16 KV), fresh for each store."""
+    if args.kv_quant is None:
+        return None
+    from kvtier.methods.spec import parse_choice
+
+    return parse_choice(args.kv_quant).codec()
 
 
 def engine_plan(
@@ -135,7 +145,8 @@ def engine_plan(
         kv="auto",
         chunk_size=args.chunk or None,
     )
-    placed = plan_for(inputs, MethodChoice(attention="hip", hip_preset=method.removeprefix("hip-")))
+    choice = MethodChoice(attention="hip", hip_preset=method.removeprefix("hip-"), kv_quant=args.kv_quant)
+    placed = plan_for(inputs, choice)
     return placed.plan, placed.cache_tokens
 
 
@@ -147,6 +158,7 @@ def run_method(
     steps = 0 if chunk else args.steps if method != "dense" else args.dense_steps
     row: dict[str, Any] = {"method": method, "context": context, "phase": "prefill" if chunk else "decode"}
     row["steps"] = steps
+    row["kv_quant"] = args.kv_quant
     args = argparse.Namespace(**{**vars(args), "chunk": chunk})
     total = context + steps + 2 * chunk  # prefill: two chunks, the second timed
     reserve = cache_bytes_estimate(
@@ -175,7 +187,14 @@ def run_method(
     store = None
     try:
         store = TieredKVStore(
-            cfg, plan, device=dev, dtype=args.dtype, capacity=total, kernel=kernel, rotate_keys=not unrotated
+            cfg,
+            plan,
+            device=dev,
+            dtype=args.dtype,
+            capacity=total,
+            kernel=kernel,
+            rotate_keys=not unrotated,
+            codec=codec_of(args),
         )
         fill_store(store, context, args.kv_fill)
         if steps:
@@ -337,6 +356,12 @@ def main() -> None:
         "synthetic (one random extent repeated, what runs before 2026-12-03 used)",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, small contexts")
+    ap.add_argument(
+        "--kv-quant",
+        default=None,
+        choices=("int8", "int4", "fp8"),
+        help="pack the KV (both rows: dense becomes the codec alone, HiP runs over it)",
+    )
     ap.add_argument("--name", default="hip_offload")
     args = ap.parse_args()
     if args.smoke:

@@ -52,7 +52,12 @@
 # The fourteenth ran 38 (after four refused starts) at 5170bf8, then, after two more, 39 with the
 #   GGUF's first half, the whole smoke (22, its generate part cut at 290 s; the embedded model's
 #   generate part then alone: 77 of 77 in all) and 40 (HAYSTACKS=prose) at 1674768.
-#   NEXT (the fifteenth): 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
+# The fifteenth ran 41, 40 (repeat), the 16K cells and pass key, bench/batched_prefill.py, the
+#   128K row of 34, 4K/8K prose, the embedded smoke and HiP variants on prose (preset lean), at
+#   571d843-524b73d. NEXT (the sixteenth): the GGUF's two-call setup, then `lean` on the rest of
+#   the grid (repeat 16K/32K, 4K/8K: 36 with --method hip,hip_preset=lean), 42 (1M HiP over int4;
+#   hip_cli_speed needs the GGUF for its tokenizer), 34's 512K row, 37 (RULER), 33, the smoke.
+#   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
 #   quality grid, RULER and pass key; the GGUF is in place after 22), 33, 34; 29's sampled case.
@@ -350,6 +355,15 @@ case "$group" in
     --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_structured
   run 200 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --steps 34 \
     --dense-steps 4 --name hip_offload_planned_128k_structured
+  ;;
+42)
+  # issue 19's 1M plan (no GGUF): HiP over int4 KV (the pair now composes) at 1M under 24 GiB,
+  # the engine's plan, structured KV; int4 alone (dense over the packed KV) beside it; then the
+  # CLI's own run of the pair at 128K against lossless and HiP alone (the CLI-speed bench)
+  run 420 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
+    --dense-steps 2 --kv-quant int4 --prefill-chunk 16384 --name hip_offload_planned_1m_int4
+  run 170 $py bench/hip_cli_speed.py --contexts 128K --methods "auto;hip;hip,kv_quant=int4" \
+    --name hip_cli_speed_128k
   ;;
 22)
   # the whole smoke, both parts (needs the GGUF: carry .gguf_a in the call before, see h200_prepare.sh)
