@@ -282,8 +282,9 @@ def test_token_count_options_that_are_not_counts(
 
 
 def test_lossy_methods_that_cannot_be_combined(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["generate", "--prompt", "hi", "--attention", "hip", "--kv-quant", "int8"]
-    expect_error(capsys, args, "--attention hip", "--kv-quant")
+    """Quest and a codec do not combine (HiP and a codec do: tests/test_method_compose.py)."""
+    args = ["generate", "--prompt", "hi", "--attention", "quest", "--kv-budget", "64", "--kv-quant", "int8"]
+    expect_error(capsys, args, "--attention quest", "--kv-quant", "what combines: --attention hip")
 
 
 def test_unknown_attention_method(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,12 +19,13 @@ from kvtier.cli.options import (
     size_type,
     text_type,
 )
+from kvtier.cli.plan_methods import format_hip, format_lossy, hip_lines, lossy_lines
 from kvtier.cli.plan_parallel import format_parallel, parallel_lines, rank_of
 from kvtier.config import ModelConfig
-from kvtier.errors import CapacityError, ConfigError, ModelLoadError
+from kvtier.errors import CapacityError, ModelLoadError
 from kvtier.loading.gguf import gguf_model_config, is_gguf_file
 from kvtier.loading.presets import PRESETS, preset_config
-from kvtier.methods import OPTIONS, REGISTRY, MethodChoice, choices, names, plan_for
+from kvtier.methods import OPTIONS, REGISTRY, choices, names
 from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import (
     DTYPE_BYTES,
@@ -34,7 +35,7 @@ from kvtier.planner.memory import (
     place_experts,
 )
 from kvtier.planner.methods import ACTIVATION_MODELS
-from kvtier.planner.placement import POLICIES, KVPlan
+from kvtier.planner.placement import POLICIES
 from kvtier.planner.report import PlanRequest, build_report, format_report, report_json
 from kvtier.planner.sharding import rank_host_budget
 from kvtier.units import parse_count
@@ -270,77 +271,6 @@ def planned_attention() -> tuple[str, ...]:
     return tuple(n for n in choices("attention") if n not in REGISTRY or REGISTRY[n].plan is not None)
 
 
-def lossy_lines(
-    req: PlanRequest, plan: KVPlan | None, kv_quant: str | None, head_sparsity: float | None
-) -> dict[str, Any] | None:
-    """The plan's bytes under `--kv-quant` / `--head-sparsity` (None when neither is given).
-    `plan` is the lossless plan (None when it does not fit: a packed cache may still)."""
-    if kv_quant is None and head_sparsity is None:
-        return None
-    if kv_quant is not None and head_sparsity is not None:
-        raise ConfigError("--kv-quant and --head-sparsity cannot be combined yet: plan one at a time")
-    from kvtier.planner.lossy import lossy_kv
-
-    cfg, ctx, b = req.cfg, req.context, req.dtype_bytes
-    base = lossy_kv(cfg, plan, ctx, dtype_bytes=b) if plan is not None else None
-    if kv_quant is not None:
-        # Planned again, packed: the same budget keeps more slices resident.
-        choice = MethodChoice(kv=req.policy, head_group=req.group_size, kv_quant=kv_quant)
-        plan = plan_for(req.inputs(), choice).plan
-        codec = choice.codec()
-        method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
-    elif plan is None:
-        return None
-    else:
-        assert head_sparsity is not None
-        if not 0.0 < head_sparsity < 1.0:
-            raise ConfigError(f"--head-sparsity must be a fraction between 0 and 1, got {head_sparsity}")
-        slices = cfg.num_layers * (cfg.num_kv_heads // plan.group_size)
-        method = f"--head-sparsity {head_sparsity:g}"
-        got = lossy_kv(
-            cfg, plan, ctx, dtype_bytes=b, evicted_slices=round(head_sparsity * slices), kept_tokens=64 + 256
-        )
-    return {
-        "method": method,
-        "resident_slices": plan.resident_slices,
-        "num_slices": plan.num_slices,
-        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
-        "gpu_kv_gb": got.gpu_stored / 1e9,
-        "host_kv_gb": got.host_stored / 1e9,
-        "pcie_gb_per_token": got.pcie_per_decode / 1e9,
-        "lossless_pcie_gb_per_token": None if base is None else base.pcie_per_decode / 1e9,
-        "decode_floor_s": got.pcie_per_decode / req.hardware.pcie_bw,
-    }
-
-
-def hip_lines(
-    req: PlanRequest, attention: str, preset: str, kv_quant: str | None = None
-) -> dict[str, Any] | None:
-    """The plan under a sparse attention method with a planner hook (None for dense), over
-    `kv_quant`'s packed KV when given: slices, block cache per offloaded slice, the method's GPU
-    bytes, host KV and its prefill chunk."""
-    if attention == "dense":
-        return None
-    choice = MethodChoice(
-        kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset, kv_quant=kv_quant
-    )
-    hip = plan_for(req.inputs(), choice)
-    plan = hip.plan
-    return {
-        "preset": preset,
-        "kv_quant": kv_quant,
-        "host_kv_gb": plan.host_kv_bytes / 1e9,
-        "group_size": plan.group_size,
-        "resident_slices": plan.resident_slices,
-        "num_slices": plan.num_slices,
-        "per_layer": plan.group_size == req.cfg.num_kv_heads,
-        "cache_tokens_per_slice": hip.cache_tokens,
-        "hip_gpu_gb": hip.reserve_bytes / 1e9,
-        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
-        "chunk_size": plan.chunk_size,
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 2 (through CapacityError) when the context fits nowhere."""
     req = build_request(args)
@@ -373,27 +303,9 @@ def run(args: argparse.Namespace) -> int:
         if parallel:
             print(format_parallel(parallel))
         if lossy:
-            lossless = lossy["lossless_pcie_gb_per_token"]
-            print(
-                f"\nwith {lossy['method']}: {lossy['resident_slices']}/{lossy['num_slices']} slices "
-                f"resident, GPU KV {lossy['gpu_kv_gb']:.2f} GB ({lossy['gpu_kv_with_staging_gb']:.2f} "
-                f"with staging), host KV {lossy['host_kv_gb']:.2f} GB, PCIe per decode token "
-                f"{lossy['pcie_gb_per_token']:.2f} GB "
-                f"({'lossless does not fit' if lossless is None else f'lossless {lossless:.2f} GB'}), "
-                f"decode floor {lossy['decode_floor_s']:.3f} s/token"
-            )
+            print(format_lossy(lossy))
         if hip:
-            cache = hip["cache_tokens_per_slice"]
-            selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
-            packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
-            print(
-                f"\nwith --attention hip ({hip['preset']}){packed}: {hip['num_slices']} slices of "
-                f"{hip['group_size']} KV heads ({selection}), "
-                f"{hip['resident_slices']} resident; block cache per offloaded slice: "
-                f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
-                f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
-                f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB"
-            )
+            print(format_hip(hip))
     if args.plot:
         from kvtier.planner.plot import plot_memory
 

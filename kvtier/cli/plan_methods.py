@@ -1,0 +1,110 @@
+"""`kvtier plan --kv-quant / --head-sparsity / --attention hip`: the plan under an opt-in method,
+beside the lossless one (which it may fit where lossless does not)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.methods import MethodChoice, plan_for
+from kvtier.planner.placement import KVPlan
+from kvtier.planner.report import PlanRequest
+
+
+def lossy_lines(
+    req: PlanRequest, plan: KVPlan | None, kv_quant: str | None, head_sparsity: float | None
+) -> dict[str, Any] | None:
+    """The plan's bytes under `--kv-quant` / `--head-sparsity` (None when neither is given).
+    `plan` is the lossless plan (None when it does not fit: a packed cache may still)."""
+    if kv_quant is None and head_sparsity is None:
+        return None
+    if kv_quant is not None and head_sparsity is not None:
+        raise ConfigError("--kv-quant and --head-sparsity cannot be combined yet: plan one at a time")
+    from kvtier.planner.lossy import lossy_kv
+
+    cfg, ctx, b = req.cfg, req.context, req.dtype_bytes
+    base = lossy_kv(cfg, plan, ctx, dtype_bytes=b) if plan is not None else None
+    if kv_quant is not None:
+        # Planned again, packed: the same budget keeps more slices resident.
+        choice = MethodChoice(kv=req.policy, head_group=req.group_size, kv_quant=kv_quant)
+        plan = plan_for(req.inputs(), choice).plan
+        codec = choice.codec()
+        method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
+    elif plan is None:
+        return None
+    else:
+        assert head_sparsity is not None
+        if not 0.0 < head_sparsity < 1.0:
+            raise ConfigError(f"--head-sparsity must be a fraction between 0 and 1, got {head_sparsity}")
+        slices = cfg.num_layers * (cfg.num_kv_heads // plan.group_size)
+        method = f"--head-sparsity {head_sparsity:g}"
+        got = lossy_kv(
+            cfg, plan, ctx, dtype_bytes=b, evicted_slices=round(head_sparsity * slices), kept_tokens=64 + 256
+        )
+    return {
+        "method": method,
+        "resident_slices": plan.resident_slices,
+        "num_slices": plan.num_slices,
+        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
+        "gpu_kv_gb": got.gpu_stored / 1e9,
+        "host_kv_gb": got.host_stored / 1e9,
+        "pcie_gb_per_token": got.pcie_per_decode / 1e9,
+        "lossless_pcie_gb_per_token": None if base is None else base.pcie_per_decode / 1e9,
+        "decode_floor_s": got.pcie_per_decode / req.hardware.pcie_bw,
+    }
+
+
+def hip_lines(
+    req: PlanRequest, attention: str, preset: str, kv_quant: str | None = None
+) -> dict[str, Any] | None:
+    """The plan under a sparse attention method with a planner hook (None for dense), over
+    `kv_quant`'s packed KV when given: slices, block cache per offloaded slice, the method's GPU
+    bytes, host KV and its prefill chunk."""
+    if attention == "dense":
+        return None
+    choice = MethodChoice(
+        kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset, kv_quant=kv_quant
+    )
+    hip = plan_for(req.inputs(), choice)
+    plan = hip.plan
+    return {
+        "preset": preset,
+        "kv_quant": kv_quant,
+        "host_kv_gb": plan.host_kv_bytes / 1e9,
+        "group_size": plan.group_size,
+        "resident_slices": plan.resident_slices,
+        "num_slices": plan.num_slices,
+        "per_layer": plan.group_size == req.cfg.num_kv_heads,
+        "cache_tokens_per_slice": hip.cache_tokens,
+        "hip_gpu_gb": hip.reserve_bytes / 1e9,
+        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
+        "chunk_size": plan.chunk_size,
+    }
+
+
+def format_lossy(lossy: dict[str, Any]) -> str:
+    """`lossy_lines` as the plain report prints it."""
+    lossless = lossy["lossless_pcie_gb_per_token"]
+    return (
+        f"\nwith {lossy['method']}: {lossy['resident_slices']}/{lossy['num_slices']} slices "
+        f"resident, GPU KV {lossy['gpu_kv_gb']:.2f} GB ({lossy['gpu_kv_with_staging_gb']:.2f} "
+        f"with staging), host KV {lossy['host_kv_gb']:.2f} GB, PCIe per decode token "
+        f"{lossy['pcie_gb_per_token']:.2f} GB "
+        f"({'lossless does not fit' if lossless is None else f'lossless {lossless:.2f} GB'}), "
+        f"decode floor {lossy['decode_floor_s']:.3f} s/token"
+    )
+
+
+def format_hip(hip: dict[str, Any]) -> str:
+    """`hip_lines` as the plain report prints it."""
+    cache = hip["cache_tokens_per_slice"]
+    selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
+    packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
+    return (
+        f"\nwith --attention hip ({hip['preset']}){packed}: {hip['num_slices']} slices of "
+        f"{hip['group_size']} KV heads ({selection}), "
+        f"{hip['resident_slices']} resident; block cache per offloaded slice: "
+        f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
+        f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
+        f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB"
+    )
