@@ -23,34 +23,25 @@ from kvtier.sparse.kernel import HipKernel, HipStats
 from kvtier.sparse.prefill import PRUNE_BATCH_BYTES
 from kvtier.sparse.rope_ext import table_bytes
 
+# "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).
+_5K = HipConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), wide_budget=4096)
+# "long": 5K with softmax chunk scores and a 2048-token window, what retrieved best beyond the
+# trained length on SmolLM2 on the CPU (16K: 4/5, 32K: 3/5, dense 0; docs/hip_quality.md).
+_LONG = replace(_5K, head_score="softmax", window=2048)
+
 HIP_PRESETS: dict[str, HipConfig] = {
     # The paper's "3K" setting: sink 256, window 1024, chunks 256/32/8, keep 32K/8K/2K (4K in
     # layers 0-3); decode refresh every (16, 8, 4) steps.
     "default": HipConfig(),
     "fast": HipConfig(refresh=REFRESH_PRESETS["fast"]),
     "flash": HipConfig(refresh=REFRESH_PRESETS["flash"]),
-    # "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).
-    "5k": HipConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), wide_budget=4096),
-    # "long": 5K with softmax chunk scores and a 2048-token window, what retrieved best beyond
-    # the trained length on SmolLM2 (16K: 4/5, 32K: 3/5, dense 0; docs/hip_quality.md).
-    "long": HipConfig(
-        chunk_sizes=(64, 32, 16),
-        budgets=(32768, 16384, 4096),
-        wide_budget=4096,
-        head_score="softmax",
-        window=2048,
-    ),
-    # "lean": fewer keys than "long" (sink 256 + 2K selected + 1K window; finer first-stage chunks,
-    # softmax chunk scores). On the embedded SmolLM2's prose NIAH (CUDA, 3 samples a depth) 16K
-    # 31/33 and 32K 29/33 against long's 27/33 and 19/33: past the trained length, the fewer keys
-    # a query attends, the better it retrieves (bench/results/hip_lean_prose.json).
-    "lean": HipConfig(
-        chunk_sizes=(32, 16, 8),
-        budgets=(32768, 16384, 2048),
-        wide_budget=4096,
-        head_score="softmax",
-        window=1024,
-    ),
+    "5k": _5K,
+    "long": _LONG,
+    # "lean": long with fewer keys (sink 256 + 2K selected + 1K window) in finer first-stage
+    # chunks. On the embedded SmolLM2's prose NIAH (CUDA, 3 samples a depth) 16K 31/33 and 32K
+    # 29/33 against long's 27/33 and 19/33: past the trained length, the fewer keys a query
+    # attends, the better it retrieves (bench/results/hip_lean_prose.json).
+    "lean": replace(_LONG, chunk_sizes=(32, 16, 8), budgets=(32768, 16384, 2048), window=1024),
 }
 
 
