@@ -41,6 +41,9 @@ LOSSLESS = ("gpu", "layer", "head", "auto")
 LOSSY: dict[str, list[str]] = {
     "hip": ["--attention", "hip"],
     "hip-fast": ["--attention", "hip", "--hip-preset", "fast"],
+    "hip-lean": ["--attention", "hip", "--hip-preset", "lean"],
+    "hip+int4": ["--attention", "hip", "--kv-quant", "int4"],  # the pair that composes
+    "hip+int4 head": ["--attention", "hip", "--kv-quant", "int4", "--kv", "head"],  # packed fetches
     "quest": ["--attention", "quest", "--kv-budget", "1024"],
     "int8": ["--kv-quant", "int8"],
     "int4": ["--kv-quant", "int4"],
