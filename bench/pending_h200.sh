@@ -55,7 +55,7 @@
 # The fifteenth ran 41, 40 (repeat), the 16K cells and pass key, bench/batched_prefill.py, the
 #   128K row of 34, 4K/8K prose, the embedded smoke and HiP variants on prose (preset lean), at
 #   571d843-524b73d. NEXT (the sixteenth): the GGUF's two-call setup, then `lean` on the rest of
-#   the grid (repeat 16K/32K, 4K/8K: 36 with --method hip,hip_preset=lean), 42 (1M HiP over int4;
+#   the grid (43: repeat 16K/32K, 4K/8K, RULER 16K, its speed), 42 (1M HiP over int4;
 #   hip_cli_speed needs the GGUF for its tokenizer), 34's 512K row, 37 (RULER), 33, the smoke.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
@@ -355,6 +355,21 @@ case "$group" in
     --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_structured
   run 200 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --steps 34 \
     --dense-steps 4 --name hip_offload_planned_128k_structured
+  ;;
+43)
+  # issue 19 (GGUF: the two-call setup first): the lean preset on the rest of the grid; if it
+  # holds on repeat and at 4K/8K it replaces long as the extension default
+  for cell in "16k repeat" "32k repeat"; do
+    set -- $cell
+    run 90 kvtier eval niah --lengths "$1" --depths 0:100:10 --samples 3 --haystack "$2" --device cuda \
+      --max-model-len 33000 --method hip,hip_preset=lean --no-progress --out "$OUT/niah_smollm2_cuda_$1_$2_lean_x3.json"
+  done
+  run 90 kvtier eval niah --lengths 4k,8k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --method hip,hip_preset=lean --no-progress --out "$OUT/niah_smollm2_cuda_4k8k_prose_lean_x3.json"
+  run 200 kvtier eval ruler --lengths 16k --samples 5 --device cuda --method hip,hip_preset=lean \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean.json"
+  run 120 $py bench/hip_small_prefill.py --lengths 16K,32K --methods "hip,hip_preset=long;hip,hip_preset=lean" \
+    --repeats 2 --name hip_small_prefill_lean
   ;;
 42)
   # issue 19's 1M plan (no GGUF): HiP over int4 KV (the pair now composes) at 1M under 24 GiB,
