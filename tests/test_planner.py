@@ -255,3 +255,17 @@ def test_hip_prefill_chunk_hides_pcie_where_dense_attention_would_not() -> None:
     assert hip_prefill_flops_per_token(LLAMA3, ctx, hip) > hip_prefill_flops_per_token(LLAMA3, ctx // 4, hip)
     sizes = [hip_chunk_size(LLAMA3, c, hw, hip, 2) for c in (1024, 8192, 32768, 131072, ctx, 2 * ctx)]
     assert sizes == sorted(sizes) and sizes[0] == 1024 and sizes[1] <= 8192
+
+
+def test_a_packed_context_whose_unpack_scratch_does_not_fit_says_so() -> None:
+    """int4 KV of Llama-3-8B at 8M under 17 GiB: the budget check's one-block scratch fits, the
+    whole slice's unpack scratch does not; a CapacityError that names it (it was an assertion)."""
+    from kvtier.methods import PlanInputs
+    from kvtier.methods.spec import parse_choice
+
+    codec = parse_choice("int4").codec()
+    cfg, h200 = preset_config("llama-3-8b"), hardware_preset("h200")
+    inputs = PlanInputs(cfg, 8 << 20, hardware=h200, dtype_bytes=2, gpu_budget=17 << 30)
+    with pytest.raises(CapacityError, match="packed rows unpack through a scratch of the whole slice"):
+        inputs.plan(codec)
+    assert replace(inputs, gpu_budget=18 << 30).plan(codec).staging_tokens > 0

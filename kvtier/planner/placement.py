@@ -344,6 +344,7 @@ def plan_kv(
     candidates = [group_size] if group_size else _divisors(cfg.num_kv_heads)
     best: tuple[float, int, KVPlan] | None = None
     host_error: CapacityError | None = None
+    scratch_need = 0  # with a codec: GPU bytes the smallest slicing needed and did not have
     for g in candidates:
         tok = kv_token_bytes(cfg, g, dtype_bytes)
 
@@ -357,6 +358,8 @@ def plan_kv(
         n = placed_layers * (cfg.num_kv_heads // g)
         staging = _staging_tokens(avail, capacity, tok, block_size)
         if staging == 0:
+            need = fixed(c, g) + scratch + 2 * block_size * tok
+            scratch_need = need if not scratch_need else min(scratch_need, need)
             continue
         resident = (
             max(0, min((avail - 2 * capacity * tok) // slice_kv(g, c), n - 1)) if staging == capacity else 0
@@ -372,6 +375,14 @@ def plan_kv(
         )
         if best is None or (cost, n) < best[:2]:
             best = (cost, n, plan)
+    if best is None and host_error is None:
+        # NOTE: the budget check above counts a packed slice's unpack scratch for one block; a
+        # load unpacks the whole slice's rows, so a long packed context can still not fit.
+        raise CapacityError(
+            f"{context} tokens of packed KV need {_gb(scratch_need)} of GPU memory to stream a slice "
+            f"(its packed rows unpack through a scratch of the whole slice), --gpu-memory is "
+            f"{_gb(gpu_budget)}; use a shorter context or a larger --gpu-memory"
+        )
     if best is None:  # the budget check guarantees room for group_size 1, so the host is too small
         assert host_error is not None
         raise host_error
