@@ -186,3 +186,6 @@ def test_1m_tokens_fit_the_h200_host_only_as_hip_over_int4(capsys: CapSys) -> No
     assert _main(["plan", *base, "--attention", "hip", "--kv-quant", "int4"]) == 0
     out = capsys.readouterr().out
     assert "with --attention hip (fast) over --kv-quant int4" in out and "the method's plan does" in out
+    # what HiP does not combine with is refused, not left out of the plan
+    assert _main(["plan", *base, "--attention", "hip", "--head-sparsity", "0.5"]) == 2
+    assert "cannot be combined" in capsys.readouterr().err

@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     lossy = (
         lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity) if args.attention == "dense" else None
     )
-    hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant)
+    hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant, args.head_sparsity)
     parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)

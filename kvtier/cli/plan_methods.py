@@ -55,15 +55,24 @@ def lossy_lines(
 
 
 def hip_lines(
-    req: PlanRequest, attention: str, preset: str, kv_quant: str | None = None
+    req: PlanRequest,
+    attention: str,
+    preset: str,
+    kv_quant: str | None = None,
+    head_sparsity: float | None = None,
 ) -> dict[str, Any] | None:
     """The plan under a sparse attention method with a planner hook (None for dense), over
     `kv_quant`'s packed KV when given: slices, block cache per offloaded slice, the method's GPU
-    bytes, host KV and its prefill chunk."""
+    bytes, host KV and its prefill chunk. A method it does not combine with is a ConfigError."""
     if attention == "dense":
         return None
     choice = MethodChoice(
-        kv=req.policy, head_group=req.group_size, attention=attention, hip_preset=preset, kv_quant=kv_quant
+        kv=req.policy,
+        head_group=req.group_size,
+        attention=attention,
+        hip_preset=preset,
+        kv_quant=kv_quant,
+        head_sparsity=head_sparsity,
     )
     hip = plan_for(req.inputs(), choice)
     plan = hip.plan
