@@ -56,3 +56,15 @@ def test_hip_over_packed_kv_streams_packed_rows_with_the_tokens_of_resident_kv(l
     assert streamed.stats.plan["method"].endswith("+ kv-quant int4")
     assert streamed.token_ids == resident.token_ids
     assert streamed.stats.plan["packed"]["row_bytes"] > 0 and alone.stats.plan["packed"] is None
+
+
+def test_hip_over_int4_batches_each_prompt_over_a_store_of_its_own(llm: LLM) -> None:
+    """A list of prompts under the pair runs through the batch engine (as the server runs a
+    request that names it), each over its own store, with the tokens of running each alone."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (900, 1500, 40)]
+    params, method = SamplingParams(max_tokens=6), "hip,hip_preset=lean,kv_quant=int4"
+    batched = llm.generate(prompts, params, method=method)
+    assert all(o.stats.plan["method"].startswith("hip lean + kv-quant int4, own store") for o in batched)
+    alone = [llm.generate(p, params, method=method)[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
