@@ -20,7 +20,7 @@ from kvtier.model.rope import Rotary
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
 from kvtier.sparse.block_sparse import attend_block, attend_block_reference, masked_dense_attention
-from kvtier.sparse.pruning import ScoreFn, bisect_scores, chunk_scores, prune_stage
+from kvtier.sparse.pruning import ScoreFn, bisect_scores, chunk_scores, prune_stage, softmax_over_chunks
 from kvtier.sparse.rope_ext import RopeTable, attention_key_positions, rotate
 from tests.hf_reference import drive, make_hf_model
 
@@ -340,11 +340,15 @@ def test_store_run_with_pruning_attends_fewer_keys(gqa: tuple[CausalLM, ModelCon
     assert kernel.stats.attended_keys <= kernel.stats.prefill_blocks * 15
 
 
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
 @pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
 @pytest.mark.parametrize("chunk,n", [(8, 96), (8, 101), (32, 256), (6, 60), (1, 40), (2, 33)])
-def test_decode_scores_every_candidate_like_the_probe_bisection(mode: str, chunk: int, n: int) -> None:
+def test_decode_scores_every_candidate_like_the_probe_bisection(
+    mode: str, chunk: int, n: int, head_score: str
+) -> None:
     """Decode scores all candidates at once and bisects on those scores (`bisect_scores`): the
-    chunk scores are the probe bisection's (`chunk_scores`), on whole and partial chunks."""
+    chunk scores are the probe bisection's (`chunk_scores`), on whole and partial chunks, with
+    either head score (softmax: the bisection keeps q.k per head, the softmax over chunks after)."""
     gen = torch.Generator().manual_seed(chunk * n)
     keys = torch.randn(300, 2, D, generator=gen)  # [S, G, D]
     q = torch.randn(1, 4, D, generator=gen)
@@ -357,9 +361,20 @@ def test_decode_scores_every_candidate_like_the_probe_bisection(mode: str, chunk
     padded[:n] = cand
     lengths = torch.full((c,), chunk, dtype=torch.long)
     lengths[-1] = n - (c - 1) * chunk
-    probes = chunk_scores(padded.view(c, chunk), lengths, score, "max")
-    dense = bisect_scores(*score.all_candidates(cand, chunk), chunk, n)
+    probes = chunk_scores(padded.view(c, chunk), lengths, score, head_score)
+    soft = head_score == "softmax"
+    dense = bisect_scores(*score.all_candidates(cand, chunk, per_head=soft), chunk, n)
+    if soft:
+        dense = softmax_over_chunks(dense, score.scale)
+    assert dense.shape == probes.shape == (c,)
     assert torch.allclose(dense, probes, rtol=1e-5, atol=1e-5)
+    # and prune_stage, which takes this path for one query, keeps the chunks the probes rank top
+    keep = max(1, c // 2) * chunk
+    kept = prune_stage(q, torch.tensor([299]), keys, cand, chunk, keep, mode=mode, rotary=score.rotary,
+                       window=16, head_score=head_score)  # fmt: skip
+    top = torch.topk(probes, keep // chunk).indices.sort().values
+    expect = padded.view(c, chunk)[top].flatten()
+    assert torch.equal(kept, expect[expect >= 0])
 
 
 def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPatch) -> None:

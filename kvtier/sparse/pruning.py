@@ -74,16 +74,24 @@ def chunk_scores(
         hi = torch.where(go_right, hi, mid)
     assert best is not None
     if head_score == "softmax":
-        return torch.softmax(best * score_keys.scale, dim=0).amax(dim=1)
+        return softmax_over_chunks(best, score_keys.scale)
     return best.amax(dim=1)
 
 
-def bisect_scores(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
-    """`chunk_scores` ("max") from every candidate's score as a left and as a right probe.
+def softmax_over_chunks(best: torch.Tensor, scale: float) -> torch.Tensor:
+    """The "softmax" head score: per (query, head) column of best [C, Nq * H_q], a softmax over
+    the C chunks of the scaled running max, then the max over columns -> [C]."""
+    return torch.softmax(best * scale, dim=0).amax(dim=1)
 
-    left, right [n]: max-pooled q.k of each candidate at its left-/right-branch probe position;
-    chunks of `chunk` consecutive candidates, the last one partial when chunk does not divide n.
-    The same bisection, on scores instead of probes; returns [ceil(n / chunk)].
+
+def bisect_scores(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
+    """`chunk_scores` from every candidate's score as a left and as a right probe.
+
+    left, right [n] (max-pooled q.k, the "max" head score) or [n, K] (q.k per query and head,
+    for the "softmax" one): each candidate at its left-/right-branch probe position; chunks of
+    `chunk` consecutive candidates, the last one partial when chunk does not divide n. The same
+    bisection, on scores instead of probes (a branch is chosen by the max over the K columns,
+    the running max is kept per column); returns [ceil(n / chunk)] (or [ceil(n / chunk), K]).
 
     NOTE: with whole chunks of a power-of-two size every node of a round spans the same number
     of candidates, so each round's probes are strided views and the path is chosen bottom-up,
@@ -92,27 +100,32 @@ def bisect_scores(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int) -
         round r: nodes [C, 2**r, chunk >> r]; probes at fixed offsets of every node
         value(node) = max(top(node), value(the child its probes choose)); score = value(root)
     """
+    flat = left.dim() == 1
+    left, right = (left[:, None], right[:, None]) if flat else (left, right)  # [n, K]
     rounds = max(1, math.ceil(math.log2(chunk)))
     if n % chunk or chunk & (chunk - 1):
-        return _bisect_generic(left, right, chunk, n, rounds)
-    c_count = n // chunk
+        value = _bisect_generic(left, right, chunk, n, rounds)
+        return value[:, 0] if flat else value
+    c_count, k = n // chunk, left.shape[1]
     tops, go = [], []
     for r in range(rounds):
         size = chunk >> r
         mid = size // 2
-        sl = left.view(c_count, 1 << r, size)[:, :, mid // 2]  # [C, 2**r]
-        sr = right.view(c_count, 1 << r, size)[:, :, (mid + size) // 2]
+        sl = left.view(c_count, 1 << r, size, k)[:, :, mid // 2]  # [C, 2**r, K]
+        sr = right.view(c_count, 1 << r, size, k)[:, :, (mid + size) // 2]
         tops.append(torch.maximum(sl, sr))
-        go.append(sr > sl)
+        go.append((sr > sl) if flat else (sr.amax(-1) > sl.amax(-1))[..., None])
     value = tops[-1]
     for r in range(rounds - 2, -1, -1):
-        child = value.view(c_count, 1 << r, 2)
-        value = torch.maximum(tops[r], torch.where(go[r], child[..., 1], child[..., 0]))
-    return value.view(c_count)
+        child = value.view(c_count, 1 << r, 2, k)
+        value = torch.maximum(tops[r], torch.where(go[r], child[:, :, 1], child[:, :, 0]))
+    value = value.view(c_count, k)
+    return value[:, 0] if flat else value
 
 
 def _bisect_generic(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int, rounds: int) -> torch.Tensor:
-    """`bisect_scores` for any chunk size and a partial last chunk: `chunk_scores`'s loop."""
+    """`bisect_scores` for any chunk size and a partial last chunk, left/right [n, K]:
+    `chunk_scores`'s loop. Returns [ceil(n / chunk), K]."""
     c_count = -(-n // chunk)
     base = torch.arange(c_count, device=left.device) * chunk
     lo = torch.zeros(c_count, dtype=torch.long, device=left.device)
@@ -121,9 +134,9 @@ def _bisect_generic(left: torch.Tensor, right: torch.Tensor, chunk: int, n: int,
     best: torch.Tensor | None = None
     for _ in range(rounds):
         mid = lo + (hi - lo) // 2
-        s_left = left[base + (lo + mid) // 2]
+        s_left = left[base + (lo + mid) // 2]  # [C, K]
         s_right = right[base + (mid + hi) // 2]
-        go_right = s_right > s_left
+        go_right = s_right.amax(1) > s_left.amax(1)
         top = torch.maximum(s_left, s_right)
         best = top if best is None else torch.maximum(best, top)
         lo = torch.where(go_right, mid, lo)
@@ -173,10 +186,11 @@ class ScoreFn:
         return self._q
 
     def all_candidates(
-        self, candidates: torch.Tensor, chunk: int, span: int | None = None
+        self, candidates: torch.Tensor, chunk: int, span: int | None = None, per_head: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every candidate scored as a left-branch and as a right-branch probe: two [n] tensors of
-        q.k max-pooled over queries and heads (one tensor twice when the side does not matter).
+        q.k max-pooled over queries and heads (one tensor twice when the side does not matter);
+        `per_head`: two [n, Nq * H_q] tensors, q.k per query and head (the softmax head score).
 
         candidates [n] sorted positions; chunk j holds candidates [j * chunk, (j + 1) * chunk).
         Keys are read in slabs of `SCORING_SLAB` (bounded temporary memory at any context).
@@ -185,7 +199,7 @@ class ScoreFn:
         """
         n = candidates.shape[0]
         parts = [
-            self._slab(candidates[lo : lo + SCORING_SLAB], lo, chunk, span)
+            self._slab(candidates[lo : lo + SCORING_SLAB], lo, chunk, span, per_head)
             for lo in range(0, n, SCORING_SLAB)
         ]
         if len(parts) == 1:
@@ -193,13 +207,13 @@ class ScoreFn:
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def _slab(
-        self, candidates: torch.Tensor, offset: int, chunk: int, span: int | None
+        self, candidates: torch.Tensor, offset: int, chunk: int, span: int | None, per_head: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`all_candidates` of candidates [m] starting at candidate index `offset`."""
         lo, m = (span or 0) + offset, candidates.shape[0]
         k = self.keys[candidates] if span is None else self.keys[lo : lo + m]  # [m, G, D]
         if self.rotary is None:
-            return (s := self._max_score(k)), s
+            return (s := self._scores(k, per_head)), s
         if self.mode == "relative":
             # NOTE: every probe of a side sits at one position (0 or 1) and the queries at
             # window + 1; RoPE depends only on the distance, so the keys stay un-rotated and the
@@ -210,16 +224,19 @@ class ScoreFn:
                 qs = self.rotary.rotate(self.q_raw.repeat(2, 1, 1), torch.cat((at, at - 1)), limit=self.limit)
                 self._q_sides = qs.reshape(2 * nq, self.groups, hq // self.groups, d).float()
             s2 = torch.einsum("ngrd,cgd->cngr", self._q_sides, k.float())  # [m, 2 Nq, G, r]
-            s2 = s2.reshape(k.shape[0], 2, -1).amax(dim=2)
+            s2 = s2.reshape(k.shape[0], 2, -1)  # [m, side, Nq * H_q]
+            if not per_head:
+                s2 = s2.amax(dim=2)
             return s2[:, 0], s2[:, 1]
         index = (torch.arange(k.shape[0], device=k.device) + offset) // chunk
         at = probe_positions(self.mode, 0, index, candidates)
-        s = self._max_score(self.rotary.rotate(k, at, limit=self.limit))
+        s = self._scores(self.rotary.rotate(k, at, limit=self.limit), per_head)
         return s, s
 
-    def _max_score(self, k: torch.Tensor) -> torch.Tensor:
-        """Max over queries and heads of q.k for keys k [n, G, D] -> [n] (float32)."""
-        return torch.einsum("ngrd,cgd->cngr", self.q, k.float()).flatten(1).amax(dim=1)
+    def _scores(self, k: torch.Tensor, per_head: bool) -> torch.Tensor:
+        """q.k for keys k [n, G, D]: per query and head [n, Nq * H_q], or their max [n] (float32)."""
+        s = torch.einsum("ngrd,cgd->cngr", self.q, k.float()).flatten(1)
+        return s if per_head else s.amax(dim=1)
 
     def __call__(self, positions: torch.Tensor, chunk_index: torch.Tensor, side: int) -> torch.Tensor:
         k = self.keys[positions]  # [C, G, D]
@@ -259,9 +276,12 @@ def prune_stage(
     padded[:n] = candidates
     chunks = padded.view(n_chunks, chunk)  # [C, c]
     score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
-    if q.shape[0] == 1 and head_score == "max":
-        left, right = score.all_candidates(candidates, chunk, span)
+    if q.shape[0] == 1:  # decode: every candidate in one product, then the bisection on scores
+        soft = head_score == "softmax"
+        left, right = score.all_candidates(candidates, chunk, span, per_head=soft)
         scores = bisect_scores(left, right, chunk, n)
+        if soft:
+            scores = softmax_over_chunks(scores, score.scale)
     else:
         lengths = torch.full((n_chunks,), chunk, dtype=torch.long, device=candidates.device)
         lengths[-1] = n - (n_chunks - 1) * chunk
