@@ -393,6 +393,13 @@ def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPa
         monkeypatch.undo()
         for a, b in zip(whole, slabs, strict=True):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+        # bisected slab by slab (whole chunks: 64 // 24 * 24 = 48 candidates a slab), per head too
+        for per_head in (False, True):
+            one = bisect_scores(*score.all_candidates(cand, 24, per_head=per_head), 24, cand.numel())
+            monkeypatch.setattr(pruning, "SCORING_SLAB", 64)
+            parts = score.bisected(cand, 24, per_head=per_head)
+            monkeypatch.undo()
+            assert parts.shape == one.shape and torch.allclose(parts, one, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("batch_bytes", [1 << 30, 1])  # 1: every block its own batch

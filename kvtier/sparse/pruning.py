@@ -206,6 +206,20 @@ class ScoreFn:
             return parts[0]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
+    def bisected(
+        self, candidates: torch.Tensor, chunk: int, span: int | None = None, per_head: bool = False
+    ) -> torch.Tensor:
+        """`bisect_scores` of `all_candidates`, slab by slab of whole chunks, so per-head scores
+        never exist for more than a slab of candidates at once: [C] (or [C, Nq * H_q])."""
+        n = candidates.shape[0]
+        step = max(chunk, SCORING_SLAB // chunk * chunk)
+        parts = []
+        for lo in range(0, n, step):
+            part = candidates[lo : lo + step]
+            left, right = self._slab(part, lo, chunk, span, per_head)
+            parts.append(bisect_scores(left, right, chunk, part.shape[0]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def _slab(
         self, candidates: torch.Tensor, offset: int, chunk: int, span: int | None, per_head: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,8 +292,7 @@ def prune_stage(
     score = ScoreFn(q, q_pos, keys, mode, rotary, window, n_chunks)
     if q.shape[0] == 1:  # decode: every candidate in one product, then the bisection on scores
         soft = head_score == "softmax"
-        left, right = score.all_candidates(candidates, chunk, span, per_head=soft)
-        scores = bisect_scores(left, right, chunk, n)
+        scores = score.bisected(candidates, chunk, span, per_head=soft)
         if soft:
             scores = softmax_over_chunks(scores, score.scale)
     else:
