@@ -55,7 +55,8 @@
 # The fifteenth ran 41, 40 (repeat), the 16K cells and pass key, bench/batched_prefill.py, the
 #   128K row of 34, 4K/8K prose, the embedded smoke and HiP variants on prose (preset lean), at
 #   571d843-524b73d. NEXT (the sixteenth): the GGUF's two-call setup, then `lean` on the rest of
-#   the grid (43: repeat 16K/32K, 4K/8K, RULER 16K, its speed), 42 (1M HiP over int4;
+#   the grid (43: repeat 16K/32K, 4K/8K, RULER 16K, its speed; its last line also times HiP decode
+#   after 5c43792, whose CPU operator count fell 38% at 16K), 42 (1M HiP over int4;
 #   hip_cli_speed needs the GGUF for its tokenizer), 34's 512K row, 37 (RULER), 33, the smoke.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
