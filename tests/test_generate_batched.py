@@ -109,6 +109,31 @@ def test_one_long_prompt_prefills_in_the_planned_chunk_with_the_tokens_of_smalle
     assert one.token_ids == small[0].token_ids == tiered.token_ids
 
 
+def test_one_prompt_whose_larger_step_does_not_fit_takes_the_base_step(
+    llm_one: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the pool cannot hold a planned step's activations, one prompt still runs batched,
+    in steps of the base size, rather than going back to the tiered store."""
+    from kvtier.engine import batched
+    from kvtier.engine.batch.core import BatchEngine
+    from kvtier.errors import CapacityError
+
+    real = BatchEngine.__init__
+    steps: list[int] = []
+
+    def init(self: BatchEngine, host: object, cfg: object) -> None:
+        tokens = cfg.max_num_batched_tokens  # type: ignore[attr-defined]
+        if tokens > 2048:
+            raise CapacityError("the step's activations do not fit")
+        steps.append(tokens)
+        real(self, host, cfg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BatchEngine, "__init__", init)
+    monkeypatch.setattr(batched, "batch_step_tokens", lambda *a: 4096)
+    out = llm_one.generate(prompts()[3], SamplingParams(max_tokens=3))[0]
+    assert out.stats.plan["policy"] == "batched" and steps == [2048]
+
+
 @pytest.mark.parametrize("method", ["int8", "gpu", "head"])
 def test_one_prompt_keeps_the_tiered_store_for_a_lossy_method_or_a_named_placement(
     llm_one: LLM, method: str

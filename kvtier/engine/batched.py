@@ -78,6 +78,9 @@ def generate_batched(
         engine = BatchEngine(llm, config)
     else:
         sized = _sized_engine(llm, config, encoded, params)
+        base = base_step_tokens(llm)
+        if sized is None and step_tokens > base:  # the larger step's activations did not fit
+            sized = _sized_engine(llm, replace(config, max_num_batched_tokens=base), encoded, params)
         if sized is None:
             return None
         engine = sized
@@ -148,8 +151,9 @@ def batch_step_tokens(
     """Tokens per batch step: 8,192 on CUDA (2,048 on the CPU), or for one prompt the prefill
     chunk the planner gives it (`plan_for`, as the tiered store would run it) when that is more:
     each chunk costs a forward's host work and a gather of the prefix, so a 16K prompt in one
-    chunk prefills faster than in two."""
-    base = 8192 if llm.device.type == "cuda" else 2048
+    chunk prefills faster than in two. (A pool that cannot hold the larger step's activations
+    takes the base step: `generate_batched`.)"""
+    base = base_step_tokens(llm)
     if len(encoded) != 1:
         return base
     context = len(encoded[0]) + params.max_tokens
@@ -158,6 +162,11 @@ def batch_step_tokens(
     except CapacityError:  # nothing fits: the pool's sizing says so in its own words
         return base
     return max(base, min(chunk, len(encoded[0])))
+
+
+def base_step_tokens(llm: BatchHost) -> int:
+    """A batch step's tokens for several prompts: 8,192 on CUDA, 2,048 on the CPU."""
+    return 8192 if llm.device.type == "cuda" else 2048
 
 
 def _sized_engine(
