@@ -75,7 +75,9 @@ class AttendBuffer:
         if rotary is not None:
             k = rotary.rotate(k, attention_key_positions(mode, prefix, window_start, end), limit=end)
         n = idx.shape[0]
-        self._reserve(n + spare, k)
+        # NOTE: rows grow by one a step between refreshes, so asking for n + spare at every
+        # rebuild reallocated at nearly each one; room for n is enough, with spare when growing.
+        self._reserve(n + 1 if n < self.capacity else n + spare, k)
         assert self.k is not None and self.v is not None
         self.k[:n] = k
         self.v[:n] = v
