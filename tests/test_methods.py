@@ -35,10 +35,11 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
     ref, desc = tokens(tiny)
     assert desc == "lossless"
     # HiP's default budgets (32K tokens) cover this context, so it equals dense attention.
-    assert tokens(tiny, attention="hip") == (ref, "hip default")
+    # (`--hip-preset auto` takes the paper's setting within the trained length.)
+    assert tokens(tiny, attention="hip") == (ref, "hip default (auto)")
     # Every method also runs over head-wise offload (HiP through its GPU block cache, the codec
     # through the packed host tier, evicted slices resident next to streamed ones).
-    assert tokens(tiny, attention="hip", kv="head") == (ref, "hip default")
+    assert tokens(tiny, attention="hip", kv="head") == (ref, "hip default (auto)")
     assert tokens(tiny, kv_quant="int8", kv="head") == tokens(tiny, kv_quant="int8", kv="gpu")
     assert tokens(tiny, evict="window", kv_budget=40, kv="head") == tokens(tiny, evict="window", kv_budget=40)
     assert (
@@ -207,3 +208,31 @@ def test_prefill_runs_the_last_prompt_token_alone_for_hip(n: int, alone: bool, s
     prefill(model, store, torch.arange(n), 4)  # type: ignore[arg-type]
     assert [t for t, _ in seen] == steps
     assert [wants for _, wants in seen] == [False] * (len(steps) - 1) + [True]
+
+
+def test_hip_auto_preset_is_lean_past_the_trained_length(tiny: Path) -> None:
+    from kvtier.config import ModelConfig
+    from kvtier.methods import MethodChoice
+    from kvtier.sparse import resolve_preset
+
+    llm = LLM(str(tiny), device="cpu", chunk_size=64, attention="hip", max_model_len=1024)
+    cfg: ModelConfig = llm.model_config
+    trained = cfg.max_position_embeddings  # 512
+    assert resolve_preset("auto", cfg, trained) == "default"
+    assert resolve_preset("auto", cfg, trained + 1) == "lean"
+    assert resolve_preset("auto", cfg, None) == "default"
+    assert resolve_preset("fast", cfg, 10 * trained) == "fast"  # a named preset is kept
+    with pytest.raises(ConfigError, match="auto, default"):
+        resolve_preset("nope", cfg, 1)
+    assert MethodChoice(attention="hip").hip_preset == "auto"
+    # One request past the trained length plans and builds lean; lean's budgets cover these 700
+    # tokens, so it equals dense attention.
+    ids = [3 + i % 50 for i in range(trained + 188)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    out = llm.generate(ids, params)[0]
+    assert out.stats.plan["method"] == "hip lean (auto)"
+    assert out.token_ids == llm.generate(ids, params, method="auto")[0].token_ids
+    named = llm.generate(ids, params, method="hip,hip_preset=default")[0]
+    assert named.stats.plan["method"] == "hip default"
+    # Within it the same LLM takes the paper's setting.
+    assert llm.generate(PROMPT, params)[0].stats.plan["method"] == "hip default (auto)"

@@ -170,7 +170,7 @@ def add_parser(subparsers: Any) -> None:
         "cache per offloaded slice and prefill chunk)",
     )
     p.add_argument(
-        "--hip-preset", type=OPTIONS["hip_preset"].parse, default="default", help=OPTIONS["hip_preset"].help
+        "--hip-preset", type=OPTIONS["hip_preset"].parse, default="auto", help=OPTIONS["hip_preset"].help
     )
     p.add_argument(
         "--tensor-parallel",

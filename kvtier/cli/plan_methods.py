@@ -9,6 +9,7 @@ from kvtier.errors import ConfigError
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.report import PlanRequest
+from kvtier.sparse import resolve_preset
 
 
 def lossy_lines(
@@ -77,7 +78,7 @@ def hip_lines(
     hip = plan_for(req.inputs(), choice)
     plan = hip.plan
     return {
-        "preset": preset,
+        "preset": resolve_preset(preset, req.cfg, req.context),
         "kv_quant": kv_quant,
         "host_kv_gb": plan.host_kv_bytes / 1e9,
         "group_size": plan.group_size,

@@ -81,7 +81,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         attention: str = "dense",
-        hip_preset: str = "default",
+        hip_preset: str = "auto",
         kv_quant: str | None = None,
         evict: str | None = None,
         kv_budget: int | None = None,
@@ -157,7 +157,7 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
-        self.method.build(self.model_config, self.device, self.loaded.model)
+        self.method.build(self.model_config, self.device, self.loaded.model, context=self.max_model_len)
 
     def _experts_on_host(self, model: str | None) -> bool:
         """Whether a MoE model's routed experts go to host memory (`place_experts`: with "auto",
@@ -410,7 +410,9 @@ class LLM:
         this LLM's; `hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's;
         `memory`: where its whole-capacity buffers live, None: the caching allocator)."""
         method = method or self.method
-        parts = method.build(self.model_config, self.device, self.loaded.model, hip_cache_tokens)
+        parts = method.build(
+            self.model_config, self.device, self.loaded.model, hip_cache_tokens, context=context
+        )
         store = TieredKVStore(
             self.model_config,
             plan,

@@ -166,7 +166,9 @@ class TieredCache(Cache):
                 "head sparsity classifies heads by running kvtier's own model on a calibration "
                 "prompt; it is not available through kvtier.hf: use kvtier.LLM"
             )
-        parts = self.method.build(self.model_config, self.device, None, self.placement.cache_tokens)
+        parts = self.method.build(
+            self.model_config, self.device, None, self.placement.cache_tokens, context=self.context
+        )
         if not parts.rotate_keys:
             raise ConfigError(
                 f"{parts.describe} keeps keys un-rotated and applies RoPE itself, but transformers "

@@ -31,7 +31,7 @@ class MethodChoice:
     kv: str = "auto"
     head_group: int | None = None
     attention: str = "dense"
-    hip_preset: str = "default"
+    hip_preset: str = "auto"  # `kvtier.sparse.resolve_preset` picks one per request
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None
@@ -113,13 +113,16 @@ class MethodChoice:
         model: CausalLM | None,
         hip_cache_tokens: int | None = None,
         head_cache: Path | None = DEFAULT_CACHE,
+        context: int | None = None,
     ) -> PolicyParts:
         """Fresh store parts for one request (`hip_cache_tokens`: HiP's block cache per
-        offloaded slice, None: the preset's); raises ConfigError on a budget the model rejects."""
+        offloaded slice, None: the preset's; `context`: its prompt plus output, which HiP's
+        `auto` preset is chosen by, as `plan_for` chose it); raises ConfigError on a budget
+        the model rejects."""
         chosen = self.selected()
         if not chosen:
             return PolicyParts()
-        ctx = BuildContext(cfg, device, model, self.options(), hip_cache_tokens, head_cache)
+        ctx = BuildContext(cfg, device, model, self.options(), hip_cache_tokens, head_cache, context)
         primary = _primary(chosen)
         parts = primary.build(ctx)
         for other in (e for e in chosen if e is not primary):  # a codec beside HiP
@@ -151,9 +154,10 @@ def build_policy(
     device: torch.device,
     model: CausalLM | None = None,
     head_cache: Path | None = DEFAULT_CACHE,
+    context: int | None = None,
     **options: Any,
 ) -> PolicyParts:
     """Store parts for method options given as keywords (`MethodChoice`'s fields; None = unset),
-    for tests and bench scripts that build a store without an `LLM`."""
+    for tests and bench scripts that build a store without an `LLM` (`context`: as `build`)."""
     given = {k: v for k, v in options.items() if v is not None}
-    return MethodChoice(**given).build(cfg, device, model, head_cache=head_cache)
+    return MethodChoice(**given).build(cfg, device, model, head_cache=head_cache, context=context)

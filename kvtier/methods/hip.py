@@ -16,13 +16,13 @@ from kvtier.methods.registry import (
     register,
 )
 from kvtier.policies import PolicyParts
-from kvtier.sparse import HIP_PRESETS, make_hip_kernel
+from kvtier.sparse import AUTO_PRESET, PRESET_NAMES, make_hip_kernel, resolve_preset
 from kvtier.sparse.planning import plan_hip
 
 
 def _preset(text: str) -> str:
-    if text not in HIP_PRESETS:
-        raise ConfigError(f"unknown --hip-preset {text!r}; use one of {', '.join(HIP_PRESETS)}")
+    if text not in PRESET_NAMES:
+        raise ConfigError(f"unknown --hip-preset {text!r}; use one of {', '.join(PRESET_NAMES)}")
     return text
 
 
@@ -34,7 +34,7 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
         inputs.context,
         plan_with,
         gpu_budget=inputs.gpu_budget,
-        preset=str(options["hip_preset"]),
+        preset=resolve_preset(str(options["hip_preset"]), inputs.cfg, inputs.context),
         dtype_bytes=inputs.dtype_bytes,
         layers_first=inputs.kv == "auto" and inputs.head_group is None,
         chunk_size=inputs.chunk_size,
@@ -44,10 +44,12 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
 
 
 def _build(ctx: BuildContext) -> PolicyParts:
-    preset = str(ctx.options["hip_preset"])
+    asked = str(ctx.options["hip_preset"])
+    preset = resolve_preset(asked, ctx.cfg, ctx.context)
     kernel, unrotated = make_hip_kernel(ctx.cfg, ctx.device, preset, cache_tokens=ctx.hip_cache_tokens)
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
-    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {preset}{cache}")
+    auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
+    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {preset}{auto}{cache}")
 
 
 HIP = register(
@@ -61,6 +63,10 @@ HIP = register(
         composes_with=("kv_quant",),
     ),
     Option(
-        "hip_preset", "--hip-preset", _preset, f"HiP budgets and refresh intervals: {', '.join(HIP_PRESETS)}"
+        "hip_preset",
+        "--hip-preset",
+        _preset,
+        f"HiP budgets and refresh intervals: {', '.join(PRESET_NAMES)} (auto, the default: "
+        "lean past the model's trained length, default within it)",
     ),
 )

@@ -74,6 +74,7 @@ class BuildContext:
     options: Mapping[str, Any]  # Option.key -> value (None: not given)
     hip_cache_tokens: int | None = None  # HiP's block cache per offloaded slice (None: preset's)
     head_cache: Path | None = DEFAULT_CACHE  # where head-sparsity scores are cached
+    context: int | None = None  # the request's prompt plus output, tokens (None: not known)
 
 
 @dataclass(frozen=True)
