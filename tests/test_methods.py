@@ -36,10 +36,10 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
     assert desc == "lossless"
     # HiP's default budgets (32K tokens) cover this context, so it equals dense attention.
     # (`--hip-preset auto` takes the paper's setting within the trained length.)
-    assert tokens(tiny, attention="hip") == (ref, "hip default (auto)")
+    assert tokens(tiny, attention="hip") == (ref, "hip fast (auto)")
     # Every method also runs over head-wise offload (HiP through its GPU block cache, the codec
     # through the packed host tier, evicted slices resident next to streamed ones).
-    assert tokens(tiny, attention="hip", kv="head") == (ref, "hip default (auto)")
+    assert tokens(tiny, attention="hip", kv="head") == (ref, "hip fast (auto)")
     assert tokens(tiny, kv_quant="int8", kv="head") == tokens(tiny, kv_quant="int8", kv="gpu")
     assert tokens(tiny, evict="window", kv_budget=40, kv="head") == tokens(tiny, evict="window", kv_budget=40)
     assert (
@@ -128,7 +128,7 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     from kvtier.sparse.planning import store_budget
 
     budget, context, fits = 10**9, 64, CACHE_TOKEN_STEPS[2]
-    llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
+    llm = LLM(str(tiny), device="cpu", attention="hip", hip_preset="default", gpu_memory=str(budget))
     cfg = llm.model_config
     # The tiny model's caches are smaller than prefill's pruning reserve, the larger phase: without
     # it the cache size is what decides.
@@ -218,9 +218,9 @@ def test_hip_auto_preset_is_lean_past_the_trained_length(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", chunk_size=64, attention="hip", max_model_len=1024)
     cfg: ModelConfig = llm.model_config
     trained = cfg.max_position_embeddings  # 512
-    assert resolve_preset("auto", cfg, trained) == "default"
+    assert resolve_preset("auto", cfg, trained) == "fast"
     assert resolve_preset("auto", cfg, trained + 1) == "lean"
-    assert resolve_preset("auto", cfg, None) == "default"
+    assert resolve_preset("auto", cfg, None) == "fast"
     assert resolve_preset("fast", cfg, 10 * trained) == "fast"  # a named preset is kept
     with pytest.raises(ConfigError, match="auto, default"):
         resolve_preset("nope", cfg, 1)
@@ -235,4 +235,4 @@ def test_hip_auto_preset_is_lean_past_the_trained_length(tiny: Path) -> None:
     named = llm.generate(ids, params, method="hip,hip_preset=default")[0]
     assert named.stats.plan["method"] == "hip default"
     # Within it the same LLM takes the paper's setting.
-    assert llm.generate(PROMPT, params)[0].stats.plan["method"] == "hip default (auto)"
+    assert llm.generate(PROMPT, params)[0].stats.plan["method"] == "hip fast (auto)"

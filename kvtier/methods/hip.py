@@ -67,6 +67,6 @@ HIP = register(
         "--hip-preset",
         _preset,
         f"HiP budgets and refresh intervals: {', '.join(PRESET_NAMES)} (auto, the default: "
-        "lean past the model's trained length, default within it)",
+        "lean past the model's trained length, fast within it)",
     ),
 )
