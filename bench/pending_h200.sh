@@ -58,6 +58,13 @@
 #   the grid (43: repeat 16K/32K, 4K/8K, RULER 16K, its speed; its last line also times HiP decode
 #   after 5c43792, whose CPU operator count fell 38% at 16K), 42 (1M HiP over int4;
 #   hip_cli_speed needs the GGUF for its tokenizer), 34's 512K row, 37 (RULER), 33, the smoke.
+# The sixteenth ran 42's 1M row (with the GGUF's first half), the embedded smoke and 43 (all but
+#   RULER's dense half, run apart), 42's CLI row, RULER dense 4K, and after --hip-preset auto the
+#   embedded smoke again, NIAH 4K/8K prose under `hip` and the CLI's `hip` at 128K, at
+#   ca9057c-8cfc525. NEXT (the seventeenth): the GGUF's two-call setup, then 44 (the CLI's
+#   presets at 128K, twice; RULER 16K lean vs long x10), 34's 512K row (no GGUF), 33's 512K
+#   (hip_cli_speed --contexts 512K --methods "auto;hip;hip,hip_preset=fast": past Llama-3.1's
+#   128K `auto` runs lean, whose speed there is unmeasured), 29's sampled case.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -356,6 +363,18 @@ case "$group" in
     --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_structured
   run 200 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --steps 34 \
     --dense-steps 4 --name hip_offload_planned_128k_structured
+  ;;
+44)
+  # issue 19 (GGUF: the two-call setup first; hip_cli_speed needs its tokenizer). The CLI at 128K
+  # with lossless, `auto` (fast within Llama-3.1's 128K) and `default` in one call, twice: the
+  # sixteenth session's one run of `auto` prefilled 6,280 tok/s where `default` had 10,855 in an
+  # earlier call; then RULER at 16K, `lean` against `long`, 10 samples a subtask
+  run 170 $py bench/hip_cli_speed.py --contexts 128K --methods "auto;hip;hip,hip_preset=default" \
+    --name hip_cli_speed_128k_presets
+  run 150 $py bench/hip_cli_speed.py --contexts 128K --methods "auto;hip;hip,hip_preset=default" \
+    --name hip_cli_speed_128k_presets_b
+  run 250 kvtier eval ruler --lengths 16k --samples 10 --device cuda --method hip,hip_preset=lean \
+    --method hip,hip_preset=long --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_long_x10.json"
   ;;
 43)
   # issue 19 (GGUF: the two-call setup first): the lean preset on the rest of the grid; if it
