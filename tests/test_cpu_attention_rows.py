@@ -1,7 +1,8 @@
 """CPU decode attention over packed rows (`CpuDecoder.start_rows`): the native kernel reads KIVI
 rows in place, the torch backend unpacks them first; both against float64 attention over the
 values the codec gives back (`codec.unpack`), for every bit width, GQA group, head dim and a
-value channel group of 32 or the whole head."""
+value channel group of 32 or the whole head, both where the native kernel attends 4- and 8-bit
+codes directly (up to 4 query heads a KV head) and where it unpacks a row first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ CASES = [  # (bits, KV heads, query heads per KV head, head dim)
     (4, 1, 4, 128),
     (2, 2, 1, 64),
     (8, 1, 2, 48),  # D % 32 != 0: a value's channels share one (min, step)
+    (4, 2, 2, 48),  # the same read from the codes (4 or 8 bits, up to 4 query heads a KV head)
+    (8, 2, 4, 64),
     (4, 1, 9, 64),  # r > 8: two passes over the rows
 ]
 

@@ -205,10 +205,19 @@ struct Head {
     int i = 0;
     for (; i + TOK <= nb; i += TOK) score<TOK>(k + i * stride * E, stride, C, i);
     for (; i < nb; ++i) score<1>(k + i * stride * E, stride, C, i);
+    weights(nb, C, nullptr);
+    values(k + v_off * E, nb, stride, C);
+  }
+
+  // The block's scores part[h][0, nb) (8-lane partials; plus bias[h] each, unless null) -> s[h]
+  // as softmax weights exp(score - m) (0 past nb), with m, l and acc moved to the new maximum.
+  void weights(int nb, int C, const float* bias) {
     const int nb8 = (nb + 7) / 8 * 8;
     for (int h = 0; h < R; ++h) {
       for (int j = nb; j < nb8; ++j) part[h][j] = v8f{};
       for (int j = 0; j < nb8; j += 8) sum8(&part[h][j], &s[h][j]);
+      if (bias != nullptr)
+        for (int j = 0; j < nb; ++j) s[h][j] += bias[h];
       for (int j = nb; j < BLK; ++j) s[h][j] = -INFINITY;
     }
     // Rescale what was accumulated to the block's new maximum.
@@ -231,7 +240,11 @@ struct Head {
       m[h] = mx;
       for (int c = 0; c < C; ++c) acc[h][c] *= scale;
     }
-    // Values, two chunks at a time (one when R > 4), accumulators in registers across the block.
+  }
+
+  // acc += the block's weights s times its nb values from v (rows `stride` elements apart), two
+  // chunks at a time (one when R > 4), accumulators in registers across the block.
+  void values(const char* v, int nb, int64_t stride, int C) {
     constexpr int W = R > 4 ? 1 : 2;
     for (int c = 0; c < C; c += 2) {
       const bool pair = c + 1 < C;
@@ -243,7 +256,7 @@ struct Head {
         }
         for (int j = 0; j < nb; ++j) {
           v8f va, vb;
-          chunks<T>(k + (j * stride + v_off) * E, c, C, va, vb);
+          chunks<T>(v + j * stride * E, c, C, va, vb);
           if (W == 1 && w == 1) va = vb;
           for (int h = 0; h < R; ++h) {
             const float p = s[h][j];
@@ -335,9 +348,11 @@ struct Tokens {
 //
 // codes in (token, head, channel) order, 8 / BITS to a byte, the first in the low bits; a key's
 // (min, step) is per (head, channel) for the row's 32 tokens, a value's per (token, head, run
-// of CG channels), CG = 32 when it divides D, else D (NC = D / CG runs). A row is unpacked into
-// token-major fp32 [32, 2, G, D] on the stack of the task's thread (L1-resident) and attended
-// like fp32 rows, so the KV read from memory is the packed bytes.
+// of CG channels), CG = 32 when it divides D, else D (NC = D / CG runs). With 4- or 8-bit codes,
+// D a multiple of 16 and up to 4 query heads a KV head, a head attends its codes directly
+// (`attend_row`); otherwise a row is unpacked into token-major fp32 [32, 2, G, D] on the stack of
+// the task's thread (L1-resident) and attended like fp32 rows. Either way the KV read from memory
+// is the packed bytes.
 
 constexpr int KIVI_GROUP = 32;
 static_assert(KIVI_GROUP == BLK, "a packed row is one online-softmax block");
@@ -491,13 +506,116 @@ void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* pa
     }
   }
 }
+
+// 8 bytes as 8 floats (AVX2's byte-to-int widening where the target has it, as nibble_chunks).
+inline v8f byte_chunk(const uint8_t* p) {
+#if defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  v8f x;
+  memcpy(&x, &f, 32);
+  return x;
+#else
+  v8b x;
+  memcpy(&x, p, 8);
+  return __builtin_convertvector(__builtin_convertvector(x, v8i), v8f);
+#endif
+}
+
+// Chunks c and c + 1 (c even: 16 values) of a (token, head)'s codes as floats, in the chunk
+// order of Codes<BITS>::Order: 4 bits, F32S's (a byte's low code in chunk c, its high one in
+// c + 1); 8 bits, F32's.
+template <int BITS>
+struct Codes;
+template <>
+struct Codes<4> {
+  using Order = F32S;
+  static inline void load(const uint8_t* codes, int c, v8f& a, v8f& b) { nibble_chunks(codes + c * 4, a, b); }
+};
+template <>
+struct Codes<8> {
+  using Order = F32;
+  static inline void load(const uint8_t* codes, int c, v8f& a, v8f& b) {
+    a = byte_chunk(codes + c * 8);
+    b = byte_chunk(codes + c * 8 + 8);
+  }
+};
+
+// Head h of a 4- or 8-bit row attended from its codes, nothing unpacked (R <= 4 query heads, D a
+// multiple of 16; the row's scales in the codes' chunk order, as the row's PARAMS leave them).
+// A key is code * step + min per channel, a value code * step + min per (token, run of cg
+// channels), so
+//   q . k = (q * step) . code + q . min         (q * step and q . min once per row)
+//   p * v = (p * step) * code + p * min         (the mins' sums once per run, after the codes)
+// which saves the unpacking's multiply-add, store and reload of every value (2x on 4 bits).
+template <int BITS, int R>
+void attend_row(Head<typename Codes<BITS>::Order, R>& hd, const HeadOfRow& at, int D) {
+  constexpr int TOK = Head<typename Codes<BITS>::Order, R>::TOK;
+  static_assert(KIVI_GROUP % TOK == 0, "a row is whole groups of scored tokens");
+  const int C = D / 8;
+  v8f qs[R][MAX_DV];
+  float bias[R];
+  for (int h = 0; h < R; ++h) {
+    v8f b = v8f{};
+    for (int c = 0; c < C; ++c) {
+      qs[h][c] = hd.q[h][c] * load(at.ks + c * 8);
+      b += hd.q[h][c] * load(at.klo + c * 8);
+    }
+    bias[h] = hsum(b);
+  }
+  for (int i = 0; i < KIVI_GROUP; i += TOK) {
+    v8f p[TOK][R];
+    for (int u = 0; u < TOK; ++u)
+      for (int h = 0; h < R; ++h) p[u][h] = v8f{};
+    for (int c = 0; c < C; c += 2) {
+      v8f a[TOK], b[TOK];
+      for (int u = 0; u < TOK; ++u) Codes<BITS>::load(at.keys(i + u), c, a[u], b[u]);
+      for (int h = 0; h < R; ++h)
+        for (int u = 0; u < TOK; ++u) {
+          p[u][h] += qs[h][c] * a[u];
+          p[u][h] += qs[h][c + 1] * b[u];
+        }
+    }
+    for (int u = 0; u < TOK; ++u)
+      for (int h = 0; h < R; ++h) hd.part[h][i + u] = p[u][h];
+  }
+  hd.weights(KIVI_GROUP, C, bias);
+  for (int c = 0; c < C; c += 2) {
+    v8f a[R], b[R];
+    for (int h = 0; h < R; ++h) {
+      a[h] = hd.acc[h][c];
+      b[h] = hd.acc[h][c + 1];
+    }
+    for (int j = 0; j < KIVI_GROUP; ++j) {
+      v8f va, vb;
+      Codes<BITS>::load(at.values(j), c, va, vb);
+      const float step = at.vs[at.run(j, c * 8)];  // NOTE: a run is whole 16-value blocks
+      for (int h = 0; h < R; ++h) {
+        const float w = hd.s[h][j] * step;
+        a[h] += w * va;
+        b[h] += w * vb;
+      }
+    }
+    for (int h = 0; h < R; ++h) {
+      hd.acc[h][c] = a[h];
+      hd.acc[h][c + 1] = b[h];
+    }
+  }
+  for (int r = 0; r < at.nc; ++r) {  // run r: values r * cg .. (r + 1) * cg - 1, chunks c0 .. c1 - 1
+    const int c0 = r * at.cg / 8, c1 = c0 + at.cg / 8;
+    for (int h = 0; h < R; ++h) {
+      float m = 0.0f;
+      for (int j = 0; j < KIVI_GROUP; ++j) m += hd.s[h][j] * at.vlo[at.run(j, r * at.cg)];
+      for (int c = c0; c < c1; ++c) hd.acc[h][c] += m;
+    }
+  }
+}
 #endif
 
 // nrows packed rows of all G KV heads; q, out and lse as `decode`. T: the block's order (F32, or
 // F32S for unpack_head4_split); PARAMS converts a row's scales, UNPACK one head of it into a
 // [32, 2, D] block (32 KB at D = 128: it stays in L1 while the head attends it).
 template <class T, int R, void (*PARAMS)(const uint8_t*, int, int, float*),
-          void (*UNPACK)(const uint8_t*, int, int, int, const float*, float*)>
+          void (*UNPACK)(const uint8_t*, int, int, int, const float*, float*), int BITS = 0>
 void decode_rows(const uint8_t* rows, int64_t nrows, int64_t rb, int G, const float* q, float scale, int RS,
                  int D, float* out, float* lse) {
   const int nc = D % KIVI_GROUP == 0 ? D / KIVI_GROUP : 1;
@@ -512,6 +630,12 @@ void decode_rows(const uint8_t* rows, int64_t nrows, int64_t rb, int G, const fl
     const uint8_t* row = rows + r * rb;
     PARAMS(row, G, D, par.data());
     for (int g = 0; g < G; ++g) {
+#ifdef KVTIER_SHUFFLE
+      if constexpr (BITS != 0) {
+        attend_row<BITS, R>(heads[g], HeadOfRow(row, BITS, G, D, g, par.data()), D);
+        continue;
+      }
+#endif
       UNPACK(row, G, D, g, par.data(), kv.data());
       heads[g].block((const char*)kv.data(), KIVI_GROUP, 2 * D, D, D);
     }
@@ -524,9 +648,19 @@ void decode_rows_any(const uint8_t* rows, int64_t n, int G, const float* q, floa
                      float* lse) {
   const int64_t rb = kivi_row_bytes(BITS, G, D);
 #ifdef KVTIER_SHUFFLE
-  if (BITS == 4 && D % 16 == 0) {
-    decode_rows<F32S, R, params4_split, unpack_head4_split>(rows, n, rb, G, q, scale, RS, D, out, lse);
-    return;
+  // From the codes (attend_row: BITS) up to 4 query heads a KV head; else rows unpacked.
+  constexpr int DIRECT = R <= 4 ? BITS : 0;
+  if constexpr (BITS == 4) {
+    if (D % 16 == 0) {
+      decode_rows<F32S, R, params4_split, unpack_head4_split, DIRECT>(rows, n, rb, G, q, scale, RS, D, out, lse);
+      return;
+    }
+  }
+  if constexpr (BITS == 8) {
+    if (D % 16 == 0) {
+      decode_rows<F32, R, params_plain<8>, unpack_head<8>, DIRECT>(rows, n, rb, G, q, scale, RS, D, out, lse);
+      return;
+    }
   }
 #endif
   decode_rows<F32, R, params_plain<BITS>, unpack_head<BITS>>(rows, n, rb, G, q, scale, RS, D, out, lse);
