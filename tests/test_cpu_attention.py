@@ -353,3 +353,53 @@ def test_kvplan_checks_its_cpu_slices() -> None:
         KVPlan("head", 1, 2, 16, 2, 64, num_slices=6, cpu_slices=5)
     assert plan_kv(LLAMA3, 4096, policy="head", gpu_budget=None, cpu_attention=3).cpu_slices == 3
     assert plan_kv(LLAMA3, 4096, policy="gpu", gpu_budget=None, cpu_attention=3).cpu_slices == 0
+
+
+def test_a_quantized_cache_splits_at_the_cpus_packed_rate() -> None:
+    """int4 host KV: the link and the CPU read packed rows. With the kernel's H200 rate over
+    4-bit rows then (14.5 GB/s at 15 threads, bench/results/cpu_attention_rows_h200.json) the
+    simulation gives the measured 512K decode with 20 and 40 CPU slices within 2%
+    (bench/results/cpu_attention_int4_512k.json); "auto" splits where the packed rate is known
+    and high enough, and gives nothing where it is unknown or slow."""
+    from kvtier.policies.quant import KiviCodec
+
+    rows = json.loads(Path("bench/results/cpu_attention_rows_h200.json").read_text())["results"]
+    rate = next(r["read_gb_s"] for r in rows if r["case"] == "kivi4" and r["threads"] == 15) * 1e9
+    sweep = json.loads(Path("bench/results/cpu_attention_int4_512k.json").read_text())["rows"]
+    codec = KiviCodec(bits=4)
+    per_token = codec.row_bytes(4, 128) / codec.group  # a slice of 4 KV heads
+    for row in sweep:
+        p, ctx = row["plan"], row["context"]
+        shape = SliceShape(32, 2, p["resident_slices"], ctx, 2048, 1, p["staging_buffers"], per_token)
+        assert shape.context * per_token * (64 - 16 - p["cpu_slices"]) == pytest.approx(
+            row["h2d_bytes_per_token"], rel=0.01
+        )  # what the link carried: the packed rows of the streamed slices
+        if p["cpu_slices"]:
+            got = decode_step_s(LLAMA3, shape, replace(H200, cpu_attention_bw=rate), 2, p["cpu_slices"])
+            assert got == pytest.approx(row["decode_s_per_token"], rel=0.02)
+
+    def planned(hw_rates: tuple[tuple[int, float], ...], mode: str | int = "auto") -> KVPlan:
+        hw = replace(H200, cpu_packed_bw=hw_rates)
+        return plan_kv(LLAMA3, 524288, gpu_budget=24 * 10**9, hardware=hw, cpu_attention=mode, codec=codec)
+
+    fast = planned(((4, 2.5 * rate),))
+    assert fast.cpu_slices > 0 and fast.packed is not None
+    shape = fast.slice_shape(LLAMA3)
+    assert shape.read_token_bytes == pytest.approx(fast.packed.row_bytes / fast.packed.group)
+    hw = replace(H200, cpu_attention_bw=2.5 * rate)
+    assert decode_step_s(LLAMA3, shape, hw, 2, fast.cpu_slices) < decode_step_s(LLAMA3, shape, hw, 2, 0)
+    assert planned(((4, 0.3 * rate),)).cpu_slices == 0  # slower than it is worth
+    assert planned(((8, 2.5 * rate),)).cpu_slices == 0  # a rate for other rows only
+    assert planned(()).cpu_slices == 0  # not measured
+    assert planned((), 6).cpu_slices == 6  # a number is taken as given
+    assert H200.cpu_packed_rate(4) == 0.0
+    assert replace(H200, cpu_packed_bw=((4, 1.0),)).cpu_packed_rate(4) == 1.0
+
+
+@NEEDS_CXX
+def test_the_packed_rates_are_measured_for_every_width_the_kernel_reads() -> None:
+    from kvtier.attention.cpu_decode import KIVI_BITS
+    from kvtier.kv.cpu_attend import measured_packed_rates
+
+    rates = measured_packed_rates(64, 2, bf16_bytes=2 << 20)
+    assert [b for b, _ in rates] == list(KIVI_BITS) and all(r > 0 for _, r in rates)

@@ -69,6 +69,24 @@ _KERNEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, 
 _KERNEL_ARGS += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
+def native_row_bits(codec: object) -> int | None:
+    """The code width of a codec whose packed rows the native kernel reads in place (KIVI rows of
+    `KIVI_GROUP` tokens, `KIVI_BITS` bits), else None."""
+    if getattr(codec, "row_layout", None) != "kivi" or getattr(codec, "group", None) != KIVI_GROUP:
+        return None
+    bits = getattr(codec, "bits", None)
+    return bits if bits in KIVI_BITS else None
+
+
+def kivi_row_bytes(bits: int, heads: int, head_dim: int) -> int:
+    """Bytes of one KIVI row (`cpu_decode.cpp`'s layout): codes of `KIVI_GROUP` tokens' keys and
+    values, keys' fp16 (min, step) per channel, values' per token and run of 32 channels (one
+    run when 32 does not divide the head dim)."""
+    runs = head_dim // KIVI_GROUP if head_dim % KIVI_GROUP == 0 else 1
+    codes = 2 * KIVI_GROUP * heads * head_dim * bits // 8
+    return codes + 2 * 2 * heads * head_dim + 2 * 2 * KIVI_GROUP * heads * runs
+
+
 def default_threads() -> int:
     """Worker threads for CPU attention: the cores this process may use, less one for the thread
     that issues GPU work (at least one). `KVTIER_CPU_ATTENTION_THREADS` overrides it."""
@@ -303,11 +321,10 @@ class CpuDecoder:
             raise ValueError(f"rows of {row_bytes} bytes, but the codec's hold {codec.row_bytes(g, d)}")
         tasks = plan_row_tasks(extents, rows)
         out, lse = self._outputs(len(tasks), g, r, d)
-        bits = getattr(codec, "bits", None) if getattr(codec, "row_layout", None) == "kivi" else None
+        bits = native_row_bits(codec)
         native = (
             self.lib is not None
-            and bits in KIVI_BITS
-            and codec.group == KIVI_GROUP
+            and bits is not None
             and d % 8 == 0
             and d <= MAX_NATIVE_DIM
             and all(x.is_contiguous() for x in extents)

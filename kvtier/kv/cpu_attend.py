@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
+from kvtier.attention.cpu_decode import KIVI_BITS, KIVI_GROUP, CpuDecoder, PendingDecode, kivi_row_bytes
 from kvtier.attention.dense import attend_self_lse, merge_into
 from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
@@ -161,7 +161,59 @@ def hardware_for(
     if device.type != "cuda" or cpu_attention != "auto":
         return hw
     attn, read = measured_rates(dtype, cfg.head_dim, cfg.q_per_kv)
-    return dataclasses.replace(hw, cpu_attention_bw=attn, host_read_bw=read)
+    packed = measured_packed_rates(cfg.head_dim, cfg.q_per_kv)
+    return dataclasses.replace(hw, cpu_attention_bw=attn, host_read_bw=read, cpu_packed_bw=packed)
+
+
+def _best(fn: Callable[[], object], reps: int = 3) -> float:
+    """The fastest of `reps` calls, seconds."""
+    import time
+
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+class _KiviRows:
+    """The row format of `KiviCodec` (group 32) as `CpuDecoder.start_rows` reads it, without the
+    codec (which lives above this layer): enough to time the native kernel over zero rows."""
+
+    row_layout, group = "kivi", KIVI_GROUP
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+
+    def row_bytes(self, heads: int, head_dim: int) -> int:
+        return kivi_row_bytes(self.bits, heads, head_dim)
+
+    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError("timing rows are read by the native kernel only")
+
+
+@functools.cache
+def measured_packed_rates(
+    head_dim: int, q_per_kv: int, bf16_bytes: int = 256 << 20
+) -> tuple[tuple[int, float], ...]:
+    """(code bits, packed bytes per second) of CPU attention over KIVI rows on this machine, for
+    each width the native kernel reads in place (none without it: the torch path unpacks first,
+    slower than the link), over the tokens of `bf16_bytes` of bf16 KV (`measured_rates`' slice);
+    measured once per process. Zero rows: the kernel's arithmetic does not depend on the values."""
+    dec = shared_decoder()
+    if dec.lib is None:
+        return ()
+    tokens = max(KIVI_GROUP, bf16_bytes // (2 * head_dim * 2))
+    q = torch.full((q_per_kv, head_dim), 0.01)
+    out = []
+    for bits in KIVI_BITS:
+        fmt = _KiviRows(bits)
+        rows = torch.zeros(tokens // KIVI_GROUP, fmt.row_bytes(1, head_dim), dtype=torch.uint8)
+        n = rows.shape[0]
+        seconds = _best(lambda: dec.start_rows(q, fmt, [rows], n, 1, head_dim).result())  # noqa: B023
+        out.append((bits, rows.numel() / seconds))
+    return tuple(out)
 
 
 @functools.cache
@@ -170,8 +222,6 @@ def measured_rates(dtype: torch.dtype, head_dim: int, q_per_kv: int) -> tuple[fl
     per process: the shared pool over one 256 MiB slice of one KV head in `dtype` (past the
     caches), and a threaded fp32 sum over as many bytes. Takes about a second (plus the kernel's build
     on first use)."""
-    import time
-
     nbytes = 256 << 20
     item = torch.empty((), dtype=dtype).element_size()
     tokens = nbytes // (2 * head_dim * item)
@@ -179,15 +229,7 @@ def measured_rates(dtype: torch.dtype, head_dim: int, q_per_kv: int) -> tuple[fl
     q = torch.full((q_per_kv, head_dim), 0.01, dtype=dtype)
     dec = shared_decoder()
 
-    def best(fn: object, reps: int = 3) -> float:
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()  # type: ignore[operator]
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    attn = nbytes / best(lambda: dec.attend(q, [ext], tokens))
+    attn = nbytes / _best(lambda: dec.attend(q, [ext], tokens))
     flat = ext.view(-1) if dtype == torch.float32 else torch.ones(nbytes // 4)
-    read = flat.numel() * flat.element_size() / best(flat.sum)
+    read = flat.numel() * flat.element_size() / _best(flat.sum)
     return attn, read

@@ -123,6 +123,9 @@ class SliceShape:
     slice_token_bytes: int
     blocks_per_slice: int
     staging_buffers: int
+    # Bytes of a token the link and the CPU read: a packed slice's rows, per token (0: the
+    # full-precision slice_token_bytes, which the GPU attends either way).
+    read_token_bytes: float = 0.0
 
 
 def decode_step_s(
@@ -138,8 +141,9 @@ def decode_step_s(
     pcie = rates.pcie_bw if rates is not None else hw.pcie_bw
     cpu = rates.cpu_bw if rates is not None else 0.0
     slice_bytes = shape.context * shape.slice_token_bytes
+    read_bytes = shape.context * (shape.read_token_bytes or shape.slice_token_bytes)
     blocks = max(shape.blocks_per_slice, 1)
-    load_s = slice_bytes / blocks / pcie
+    load_s = read_bytes / blocks / pcie
     attn_s = slice_bytes / blocks / hw.hbm_bw + hw.slice_overhead_s  # one staged block (or resident slice)
     layer_s = weight_bytes(cfg, dtype_bytes) / cfg.num_layers / hw.hbm_bw + hw.layer_overhead_s
     nbuf = max(shape.staging_buffers, 1)
@@ -151,7 +155,7 @@ def decode_step_s(
         gpu += layer_s  # norms and projections up to this layer's query
         start = gpu
         sids = range(li * shape.num_groups, (li + 1) * shape.num_groups)
-        cpu_bytes = sum(slice_bytes for s in sids if on_cpu[s])
+        cpu_bytes = sum(read_bytes for s in sids if on_cpu[s])
         cpu_done = max(start, host) + cpu_bytes / cpu if cpu_bytes else start
         for s in sids:
             if on_cpu[s]:

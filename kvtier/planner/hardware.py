@@ -54,8 +54,11 @@ class Hardware:
     cpu_attention_bw: float = 0.0
     # its own host-memory read rate (a threaded fp32 sum; 0: unknown),
     host_read_bw: float = 0.0
-    # and the rate of DMA and CPU attention reading host memory at once (0: not measured).
+    # the rate of DMA and CPU attention reading host memory at once (0: not measured),
     host_combined_bw: float = 0.0
+    # and its attention kernel's rate over packed KIVI rows: (code bits, packed bytes per second)
+    # for each width measured (none: a quantized cache gets CPU slices only when told a number).
+    cpu_packed_bw: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for field_name in ("flops", "hbm_bw", "pcie_bw", "memory_bytes"):
@@ -63,8 +66,15 @@ class Hardware:
                 raise ConfigError(f"hardware {self.name}: {field_name} must be positive")
         if min(self.slice_overhead_s, self.prefill_slice_overhead_s, self.layer_overhead_s) < 0:
             raise ConfigError(f"hardware {self.name}: host overheads must not be negative")
-        if min(self.cpu_attention_bw, self.host_read_bw, self.host_combined_bw) < 0:
+        if min(self.cpu_attention_bw, self.host_read_bw, self.host_combined_bw) < 0 or any(
+            rate < 0 for _, rate in self.cpu_packed_bw
+        ):
             raise ConfigError(f"hardware {self.name}: host CPU rates must not be negative")
+
+    def cpu_packed_rate(self, bits: int | None) -> float:
+        """The CPU attention kernel's packed bytes per second over rows of `bits`-bit codes (0:
+        not measured, or None: rows the kernel does not read in place)."""
+        return next((rate for b, rate in self.cpu_packed_bw if b == bits), 0.0)
 
     @property
     def pcie_ridge(self) -> float:

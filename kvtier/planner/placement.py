@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from kvtier.attention.cpu_decode import native_row_bits
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
 from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices, decode_step_s
@@ -149,6 +150,7 @@ class KVPlan:
             slice_token_bytes=self.slice_token_bytes,
             blocks_per_slice=self.blocks_per_slice,
             staging_buffers=self.staging_buffers,
+            read_token_bytes=0.0 if self.packed is None else self.packed.row_bytes / self.packed.group,
         )
 
 
@@ -206,16 +208,20 @@ def plan_kv(
     def on_cpu(plan: KVPlan) -> KVPlan:
         """The plan with its CPU-attended slices chosen (none where the CPU kernel's plain
         attention is not the model's, soft-capped or latent scores, and none next to windowed
-        layers, which the CPU split does not model yet). A quantized cache takes a given count
-        only: the split does not model the packed kernel's rate yet, so "auto" gives it none."""
+        layers, which the CPU split does not model yet). A quantized cache splits at the CPU's
+        measured rate over its packed rows (`Hardware.cpu_packed_bw`); without one, "auto"
+        gives it none."""
         if plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
             return plan
-        if codec is not None and not isinstance(cpu_attention, int):
-            return plan
+        if codec is not None:
+            rate = hw.cpu_packed_rate(native_row_bits(codec))
+            if rate <= 0 and not isinstance(cpu_attention, int):
+                return plan
+            packed_hw = replace(hw, cpu_attention_bw=rate)
+            k = choose_cpu_slices(cfg, plan.slice_shape(cfg), packed_hw, dtype_bytes, cpu_attention)
+            return replace(plan, cpu_slices=k)
         k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
         best = replace(plan, cpu_slices=k)
-        if codec is not None:
-            return best
         wider = _one_more_buffer(plan) if k else None
         if wider is not None:
             # NOTE: while the host waits for a layer's CPU results only `staging_buffers - 1`
