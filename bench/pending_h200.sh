@@ -64,7 +64,9 @@
 #   ca9057c-8cfc525. NEXT (the seventeenth): the GGUF's two-call setup, then 44 (the CLI's
 #   presets at 128K, twice; RULER 16K lean vs long x10), 34's 512K row (no GGUF), 33's 512K
 #   (hip_cli_speed --contexts 512K --methods "auto;hip;hip,hip_preset=fast": past Llama-3.1's
-#   128K `auto` runs lean, whose speed there is unmeasured), 29's sampled case.
+#   128K `auto` runs lean, whose speed there is unmeasured), 29's sampled case. Group 45 (issue
+#   23's packed kernel and split; no GGUF) can go first, in the call that carries the GGUF's
+#   first half.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -363,6 +365,16 @@ case "$group" in
     --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_structured
   run 200 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --steps 34 \
     --dense-steps 4 --name hip_offload_planned_128k_structured
+  ;;
+45)
+  # issue 23 after the sixteenth session's packed kernel (4/8-bit rows attended from the codes,
+  # ~1.4-2x per core on the dev machine) and the packed CPU split: the kernel's rates on the
+  # H200's host (the planner measures them at start with --cpu-attention auto), the GPU checks,
+  # then 512K int4 decode with the link alone, the planner's split (auto) and fixed counts
+  run 80 $py bench/cpu_attention_rows.py --threads 1,8,15 --name cpu_attention_rows_h200_direct
+  run 60 $py bench/gpu_checks.py
+  run 330 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,auto,12,20 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_direct
   ;;
 44)
   # issue 19 (GGUF: the two-call setup first; hip_cli_speed needs its tokenizer). The CLI at 128K

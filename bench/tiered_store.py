@@ -41,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, median, pinned_h2d_gbps, timed, write_results
 from kvtier.errors import CapacityError
+from kvtier.kv.cpu_attend import measured_packed_rates
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
 from kvtier.methods import MethodChoice, parse_choice
 from kvtier.planner.cpu_split import parse_mode
-from kvtier.planner.hardware import hardware_preset
+from kvtier.planner.hardware import Hardware, hardware_preset
 from kvtier.planner.memory import (
     EXPERT_PLACES,
     activation_bytes,
@@ -60,6 +61,16 @@ from kvtier.policies.head_sparsity import HeadStreamingEvictor
 from kvtier.units import parse_count, parse_size
 
 DEV = torch.device("cuda")
+
+
+def _hardware(cfg: Any, cpu: str) -> Hardware:
+    """The H200 preset (its fitted CPU attention and contention rates); with `--cpu-attention
+    auto` on CUDA, also this host's measured rates over packed rows, which a quantized cache's
+    split needs (the preset has none)."""
+    hw = hardware_preset("h200")
+    if cpu == "auto" and torch.cuda.is_available():
+        hw = dataclasses.replace(hw, cpu_packed_bw=measured_packed_rates(cfg.head_dim, cfg.q_per_kv))
+    return hw
 
 
 def method_choice(method: str) -> MethodChoice:
@@ -112,7 +123,7 @@ def run_policy(
             dtype_bytes=2,
             chunk_size=chunk_size,
             group_size=args.head_group if policy in ("head", "auto") else None,
-            hardware=hardware_preset("h200"),
+            hardware=_hardware(cfg, cpu),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
             cpu_attention=parse_mode(cpu),
         )
