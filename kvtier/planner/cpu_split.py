@@ -28,7 +28,7 @@ Loads are issued the way `kvtier.kv.staging.StagingRing` issues them: taking a b
 load `staging_buffers - 1` slices ahead, so while the host waits for a layer's CPU results only
 those loads are queued. More buffers keep the link busy through the wait; `more_buffers` trades a
 resident slice for one. Against the H200 sweeps (128K and 512K, 0-44 CPU slices) the simulation
-is within 5% on average (`tests/test_cpu_attention.py`).
+is within 5% on average (`tests/test_cpu_split.py`).
 """
 
 from __future__ import annotations
