@@ -1,0 +1,178 @@
+"""HiP's pruning machinery (`kvtier.sparse.pruning`, `kvtier.sparse.prefill`, `rope_ext`): decode
+scoring of every candidate against the probe bisection, slabs, query blocks pruned together as
+each alone, kept chunks sorted, and the RoPE table's growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.config import RopeConfig
+from kvtier.model.rope import Rotary
+from kvtier.sparse.pruning import ScoreFn, bisect_scores, chunk_scores, prune_stage, softmax_over_chunks
+from kvtier.sparse.rope_ext import RopeTable, rotate
+
+D = 16
+
+
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
+@pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
+@pytest.mark.parametrize("chunk,n", [(8, 96), (8, 101), (32, 256), (6, 60), (1, 40), (2, 33)])
+def test_decode_scores_every_candidate_like_the_probe_bisection(
+    mode: str, chunk: int, n: int, head_score: str
+) -> None:
+    """Decode scores all candidates at once and bisects on those scores (`bisect_scores`): the
+    chunk scores are the probe bisection's (`chunk_scores`), on whole and partial chunks, with
+    either head score (softmax: the bisection keeps q.k per head, the softmax over chunks after)."""
+    gen = torch.Generator().manual_seed(chunk * n)
+    keys = torch.randn(300, 2, D, generator=gen)  # [S, G, D]
+    q = torch.randn(1, 4, D, generator=gen)
+    cand = torch.randperm(280, generator=gen)[:n].sort().values + 10
+    score = ScoreFn(
+        q, torch.tensor([299]), keys, mode, RopeTable(Rotary(RopeConfig(), D)), 16, -(-n // chunk)
+    )
+    c = -(-n // chunk)
+    padded = torch.full((c * chunk,), -1, dtype=torch.long)
+    padded[:n] = cand
+    lengths = torch.full((c,), chunk, dtype=torch.long)
+    lengths[-1] = n - (c - 1) * chunk
+    probes = chunk_scores(padded.view(c, chunk), lengths, score, head_score)
+    soft = head_score == "softmax"
+    dense = bisect_scores(*score.all_candidates(cand, chunk, per_head=soft), chunk, n)
+    if soft:
+        dense = softmax_over_chunks(dense, score.scale)
+    assert dense.shape == probes.shape == (c,)
+    assert torch.allclose(dense, probes, rtol=1e-5, atol=1e-5)
+    # and prune_stage, which takes this path for one query, keeps the chunks the probes rank top
+    keep = max(1, c // 2) * chunk
+    kept = prune_stage(q, torch.tensor([299]), keys, cand, chunk, keep, mode=mode, rotary=score.rotary,
+                       window=16, head_score=head_score)  # fmt: skip
+    top = torch.topk(probes, keep // chunk).indices.sort().values
+    expect = padded.view(c, chunk)[top].flatten()
+    assert torch.equal(kept, expect[expect >= 0])
+
+
+def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates scored slab by slab (bounded memory) give the same scores as all at once."""
+    import kvtier.sparse.pruning as pruning
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(300, 2, D, generator=gen)
+    q = torch.randn(1, 4, D, generator=gen)
+    cand = torch.arange(10, 250)
+    for mode in ("relative", "chunk_indexed"):
+        score = ScoreFn(q, torch.tensor([299]), keys, mode, RopeTable(Rotary(RopeConfig(), D)), 16, 30)
+        whole = score.all_candidates(cand, 8)
+        monkeypatch.setattr(pruning, "SCORING_SLAB", 64)
+        slabs = score.all_candidates(cand, 8)
+        monkeypatch.undo()
+        for a, b in zip(whole, slabs, strict=True):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+        # bisected slab by slab (whole chunks: 64 // 24 * 24 = 48 candidates a slab), per head too
+        for per_head in (False, True):
+            one = bisect_scores(*score.all_candidates(cand, 24, per_head=per_head), 24, cand.numel())
+            monkeypatch.setattr(pruning, "SCORING_SLAB", 64)
+            parts = score.bisected(cand, 24, per_head=per_head)
+            monkeypatch.undo()
+            assert parts.shape == one.shape and torch.allclose(parts, one, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_bytes", [1 << 30, 1])  # 1: every block its own batch
+@pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
+@pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
+@pytest.mark.parametrize("head_score", ["max", "softmax"])
+def test_prefill_blocks_pruned_together_select_what_each_block_selects_alone(
+    mode: str, s: int, batch_bytes: int, head_score: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_block_stages` (the blocks of a prefill chunk as one batch, or in memory-bounded
+    batches) keeps, block by block, the positions `run_stages` keeps for each block alone,
+    blocks with few candidates included, with either head score (softmax: over each block's
+    own chunks, where the batch pads shorter blocks with empty ones)."""
+    from kvtier.sparse import prefill
+    from kvtier.sparse.prefill import run_block_stages
+    from kvtier.sparse.pruning import run_stages
+
+    monkeypatch.setattr(prefill, "PRUNE_BATCH_BYTES", batch_bytes)
+
+    gen = torch.Generator().manual_seed(3)
+    bq, sink, window = 8, 4, 16
+    keys = torch.randn(s, 2, D, generator=gen)  # [S, G, D]
+    q = torch.randn(6 * bq, 4, D, generator=gen)
+    start = s - q.shape[0]
+    rope = RopeTable(Rotary(RopeConfig(), D))
+    stages = {"chunk_sizes": (32, 8, 2), "budgets": (96, 32, 16), "strides": (4, 4, 1)}
+    starts = [max(sink, start + b - window + 1) for b in range(0, q.shape[0], bq)]
+    pos = torch.arange(start, s).view(-1, bq)
+    sel, n = run_block_stages(
+        q.view(-1, bq, 4, D),
+        pos,
+        keys,
+        sink,
+        torch.tensor(starts),
+        **stages,
+        mode=mode,
+        rotary=rope,
+        window=window,
+        head_score=head_score,
+    )
+    for b, w0 in enumerate(starts):
+        alone = run_stages(
+            q[b * bq : (b + 1) * bq],
+            pos[b],
+            keys,
+            torch.arange(sink, w0),
+            **stages,
+            mode=mode,
+            rotary=rope,
+            window=window,
+            head_score=head_score,
+        )[-1]
+        assert int(n[b]) == alone.numel()
+        assert torch.equal(sel[b, : int(n[b])], alone)
+        assert bool((sel[b, int(n[b]) :] == -1).all())
+
+
+@pytest.mark.parametrize("stage0", [True, False])
+def test_kept_chunks_come_out_sorted_with_padding_last(stage0: bool) -> None:
+    """`prune_blocks` keeps chunks in chunk order instead of sorting their entries: rows are
+    ascending positions, then -1, also for a block with fewer valid chunks than it keeps (its
+    empty chunks tie at -inf) and for a block with none."""
+    from kvtier.sparse.prefill import _span, prune_blocks
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(300, 2, D, generator=gen)
+    q = torch.randn(3, 4, 4, D, generator=gen)  # [B, Nq, H_q, D]
+    q_pos = torch.tensor([[296, 297, 298, 299]]).expand(3, -1)
+    valid = torch.tensor([280, 70, 0])  # 35, 9 and 0 of 8-token chunks; 4 kept
+    first = 8
+    cand = None if stage0 else _span(first, 280, valid)
+    kept, n = prune_blocks(
+        q, q_pos, keys, cand, valid, 8, 32, mode="relative", rotary=None, window=16,
+        first=first, width=280,
+    )  # fmt: skip
+    assert n.tolist() == [32, 32, 0]
+    for b in range(3):
+        row = kept[b]
+        m = int(n[b])
+        assert bool((row[m:] == -1).all()) and bool((row[:m] >= first).all())
+        assert bool((row[:m] < first + valid[b]).all())
+        assert bool((torch.diff(row[:m]) > 0).all())  # strictly ascending
+
+
+def test_rope_table_grows_in_bounded_steps_with_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table is computed a step of positions at a time (bounded temporaries), grows by about a
+    quarter, and holds exactly Rotary.cos_sin's values."""
+    import kvtier.sparse.rope_ext as rope_ext
+
+    monkeypatch.setattr(rope_ext, "TABLE_STEP", 64)
+    rotary = Rotary(RopeConfig(), D)
+    table = RopeTable(rotary)
+    x = torch.randn(300, 2, D)
+    pos = torch.arange(300)
+    out = table.rotate(x, pos, limit=300)
+    assert table._cos.shape[0] == rope_ext.table_positions(300) == 384  # 300 + 75, in steps of 64
+    assert torch.equal(out, rotate(rotary, x, pos))
+    table.rotate(x[:1], torch.tensor([384]), limit=385)  # one past the end: grow by a quarter
+    assert table._cos.shape[0] == rope_ext.table_positions(385) == 512
+    cos, sin = rotary.cos_sin(torch.arange(512), torch.float32)
+    assert torch.equal(table._cos, cos) and torch.equal(table._sin, sin)
