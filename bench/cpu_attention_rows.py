@@ -1,4 +1,4 @@
-"""CPU decode attention over packed KV rows (KIVI int2/int4/int8, `CpuDecoder.start_rows`) against
+"""CPU decode attention over packed KV rows (KIVI int2/int4/int8, FP8; `CpuDecoder.start_rows`) against
 the same tokens in bf16 extents: issue 23's CPU side of int4 host KV.
 
     python bench/cpu_attention_rows.py --name cpu_attention_rows_cpu --threads 1
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
 from kvtier.attention.cpu_decode import CpuDecoder
-from kvtier.policies.quant import KiviCodec
+from kvtier.policies.quant import Fp8Codec, KiviCodec
 
 EXTENT_BYTES = 64 << 20  # bf16 extents, as the store's host tier
 ROWS_EXTENT_BYTES = 16 << 20  # packed rows, as kvtier.planner.packed
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--bits", default="4,8,2", help="KIVI code widths, comma-separated")
+    ap.add_argument("--no-fp8", action="store_true", help="leave out FP8 rows (Fp8Codec)")
     args = ap.parse_args()
     g, d, r, n = args.kv_heads, 128, 4, args.tokens
     load_before = os.getloadavg()
@@ -53,6 +54,11 @@ def main() -> None:
         rows = codec.pack(kv)
         per = max(1, ROWS_EXTENT_BYTES // rows.shape[1])
         cases[f"kivi{bits}"] = (codec, list(rows.split(per)), rows.shape[0], rows.numel())
+    if not args.no_fp8:
+        fp8 = Fp8Codec()
+        rows = fp8.pack(kv)
+        per = max(1, ROWS_EXTENT_BYTES // rows.shape[1])
+        cases["fp8"] = (fp8, list(rows.split(per)), rows.shape[0], rows.numel())
     del kv
     q = torch.randn(g * r, d, generator=gen)
     results: list[dict[str, Any]] = []

@@ -67,15 +67,51 @@ def test_rows_match_float64_attention_over_unpacked_values(
     assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_a_codec_the_kernel_does_not_read_unpacks_with_torch() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("g,r,d", [(2, 2, 64), (1, 4, 128), (2, 9, 40)])
+def test_fp8_rows_match_float64_attention_over_unpacked_values(backend: str, g: int, r: int, d: int) -> None:
+    """FP8 rows (one token each, E4M3 codes scaled per vector): the native kernel reads them in
+    place, subnormal codes and signs included (the values are spread over many binades)."""
     codec = Fp8Codec()
-    q, extents = packed_slice(codec, 2, 2, 64, rows_per_extent=600, extents=2, seed=1)
+    q, extents = packed_slice(codec, g, r, d, rows_per_extent=600, extents=2, seed=1)
+    dec = CpuDecoder(2, backend=backend)
+    pending = dec.start_rows(q, codec, extents, 1000, g, d)
+    assert pending.native == (backend == "native")
+    out, lse = pending.result()
+    dec.close()
+    ref_out, ref_lse = reference(codec, q, extents, 1000, g, d)
+    assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_every_e4m3_code_widens_as_torch_reads_it() -> None:
+    """All 254 finite E4M3 codes (the codec never writes NaN) through the native kernel: one
+    token whose key is zero, so its value comes back as the output exactly."""
+    if not NATIVE:
+        pytest.skip("no C++ compiler")
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    codec, d = Fp8Codec(), 8
+    for chunk in codes.split(d):
+        if chunk.numel() < d:
+            chunk = torch.cat((chunk, torch.zeros(d - chunk.numel(), dtype=torch.uint8)))
+        row = torch.zeros(1, codec.row_bytes(1, d), dtype=torch.uint8)
+        row[0, d : 2 * d] = chunk  # the value's codes; the key's stay 0
+        row[0, 2 * d :] = torch.tensor([1.0, 1.0], dtype=torch.float16).view(torch.uint8)  # scales 1
+        dec = CpuDecoder(1, backend="native")
+        out, _ = dec.start_rows(torch.ones(1, d), codec, [row], 1, 1, d).result()
+        dec.close()
+        assert torch.equal(out[0], chunk.view(torch.float8_e4m3fn).float())
+
+
+def test_a_codec_the_kernel_does_not_read_unpacks_with_torch() -> None:
+    codec = KiviCodec(bits=4, group=8, residual=8)  # 8-token rows: not the kernel's 32
+    q, extents = packed_slice(codec, 2, 2, 64, rows_per_extent=60, extents=2, seed=1)
     dec = CpuDecoder(2)
-    pending = dec.start_rows(q, codec, extents, 1000, 2, 64)
+    pending = dec.start_rows(q, codec, extents, 100, 2, 64)
     assert not pending.native
     out, lse = pending.result()
     dec.close()
-    ref_out, ref_lse = reference(codec, q, extents, 1000, 2, 64)
+    ref_out, ref_lse = reference(codec, q, extents, 100, 2, 64)
     assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-5)
     assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 

@@ -191,28 +191,32 @@ def test_a_quantized_cache_splits_at_the_cpus_packed_rate() -> None:
             got = decode_step_s(LLAMA3, shape, replace(H200, cpu_attention_bw=rate), 2, p["cpu_slices"])
             assert got == pytest.approx(row["decode_s_per_token"], rel=0.02)
 
-    def planned(hw_rates: tuple[tuple[int, float], ...], mode: str | int = "auto") -> KVPlan:
+    def planned(hw_rates: tuple[tuple[str, float], ...], mode: str | int = "auto") -> KVPlan:
         hw = replace(H200, cpu_packed_bw=hw_rates)
         return plan_kv(LLAMA3, 524288, gpu_budget=24 * 10**9, hardware=hw, cpu_attention=mode, codec=codec)
 
-    fast = planned(((4, 2.5 * rate),))
+    fast = planned((("kivi4", 2.5 * rate),))
     assert fast.cpu_slices > 0 and fast.packed is not None
     shape = fast.slice_shape(LLAMA3)
     assert shape.read_token_bytes == pytest.approx(fast.packed.row_bytes / fast.packed.group)
     hw = replace(H200, cpu_attention_bw=2.5 * rate)
     assert decode_step_s(LLAMA3, shape, hw, 2, fast.cpu_slices) < decode_step_s(LLAMA3, shape, hw, 2, 0)
-    assert planned(((4, 0.3 * rate),)).cpu_slices == 0  # slower than it is worth
-    assert planned(((8, 2.5 * rate),)).cpu_slices == 0  # a rate for other rows only
+    assert planned((("kivi4", 0.3 * rate),)).cpu_slices == 0  # slower than it is worth
+    assert planned((("kivi8", 2.5 * rate),)).cpu_slices == 0  # a rate for other rows only
     assert planned(()).cpu_slices == 0  # not measured
     assert planned((), 6).cpu_slices == 6  # a number is taken as given
-    assert H200.cpu_packed_rate(4) == 0.0
-    assert replace(H200, cpu_packed_bw=((4, 1.0),)).cpu_packed_rate(4) == 1.0
+    assert H200.cpu_packed_rate("kivi4") == 0.0
+    assert replace(H200, cpu_packed_bw=(("kivi4", 1.0),)).cpu_packed_rate("kivi4") == 1.0
 
 
 @NEEDS_CXX
-def test_the_packed_rates_are_measured_for_every_width_the_kernel_reads() -> None:
-    from kvtier.attention.cpu_decode import KIVI_BITS
+def test_the_packed_rates_are_measured_for_every_row_format_the_kernel_reads() -> None:
+    from kvtier.attention.cpu_decode import ROW_KINDS, native_row_format
     from kvtier.kv.cpu_attend import measured_packed_rates
+    from kvtier.policies.quant import Fp8Codec, KiviCodec
 
     rates = measured_packed_rates(64, 2, bf16_bytes=2 << 20)
-    assert [b for b, _ in rates] == list(KIVI_BITS) and all(r > 0 for _, r in rates)
+    assert [f for f, _ in rates] == list(ROW_KINDS) and all(r > 0 for _, r in rates)
+    formats = [native_row_format(c) for c in (KiviCodec(bits=4), KiviCodec(bits=8), Fp8Codec())]
+    assert formats == ["kivi4", "kivi8", "fp8"]
+    assert native_row_format(KiviCodec(bits=4, group=8, residual=8)) is None

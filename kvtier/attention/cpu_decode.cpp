@@ -678,6 +678,103 @@ struct Packed {
   };
 };
 
+// -- fp8 rows (kvtier.policies.quant.Fp8Codec: one token a row) ----------------------------------
+//
+// A row: E4M3 codes [2, G, D] (the token's K heads, then its V heads), then fp16 scales [2, G],
+// one per key or value vector: k = code * scale. So a score is scale_k * (q . code) and a value
+// weight p * scale_v: the codes are widened to floats in registers, nothing is unpacked.
+
+#ifdef KVTIER_SHUFFLE
+inline v8i byte_ints(const uint8_t* p) {
+#if defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  v8i x;
+  memcpy(&x, &w, 32);
+  return x;
+#else
+  v8b x;
+  memcpy(&x, p, 8);
+  return __builtin_convertvector(x, v8i);
+#endif
+}
+
+// 8 E4M3FN codes -> 8 floats, exactly (bias 7; exponent 0 is subnormal: m * 2^-9). The codec
+// never writes NaN (0x7f, 0xff): it scales by amax / 448.
+inline v8f e4m3_chunk(const uint8_t* p) {
+  const v8u x = __builtin_convertvector(byte_ints(p), v8u), e = (x >> 3) & 15u, m = x & 7u;
+  const v8u sign = (x & 0x80u) << 24;
+  const v8u normal = sign | ((e + 120u) << 23) | (m << 20);
+  v8f nf, sub = __builtin_convertvector(m, v8f) * (1.0f / 512.0f);
+  memcpy(&nf, &normal, 32);
+  v8u sb;
+  memcpy(&sb, &sub, 32);
+  sb |= sign;
+  memcpy(&sub, &sb, 32);
+  return e == 0u ? sub : nf;
+}
+
+template <int R>
+void decode_fp8(const uint8_t* rows, int64_t n, int G, const float* q, float scale, int RS, int D, float* out,
+                float* lse) {
+  const int C = D / 8;
+  const int64_t rb = 2 * (int64_t)G * (D + 2), codes = 2 * (int64_t)G * D;
+  constexpr int TOK = Head<F32, R>::TOK;
+  thread_local std::vector<Head<F32, R>> heads;
+  if ((int)heads.size() < G) heads.resize(G);
+  for (int g = 0; g < G; ++g) heads[g].init(q + g * RS * D, scale, D);
+  auto sc = [&](const uint8_t* row, int kv, int g) {  // a vector's fp16 scale
+    uint16_t h;
+    memcpy(&h, row + codes + 2 * (kv * G + g), 2);
+    return half_to_float(h);
+  };
+  for (int64_t t0 = 0; t0 < n; t0 += BLK) {
+    const int nb = (int)(n - t0 < BLK ? n - t0 : BLK);
+    const uint8_t* blk = rows + t0 * rb;
+    for (int g = 0; g < G; ++g) {
+      Head<F32, R>& hd = heads[g];
+      for (int i = 0; i < nb; i += TOK) {
+        const int u_n = nb - i < TOK ? nb - i : TOK;
+        v8f p[TOK][R];
+        for (int u = 0; u < TOK; ++u)
+          for (int h = 0; h < R; ++h) p[u][h] = v8f{};
+        for (int c = 0; c < C; ++c) {
+          v8f k[TOK];
+          for (int u = 0; u < u_n; ++u) k[u] = e4m3_chunk(blk + (i + u) * rb + g * D + c * 8);
+          for (int h = 0; h < R; ++h)
+            for (int u = 0; u < u_n; ++u) p[u][h] += hd.q[h][c] * k[u];
+        }
+        for (int u = 0; u < u_n; ++u) {
+          const float ks = sc(blk + (i + u) * rb, 0, g);
+          for (int h = 0; h < R; ++h) hd.part[h][i + u] = p[u][h] * ks;
+        }
+      }
+      hd.weights(nb, C, nullptr);
+      for (int c = 0; c < C; ++c) {
+        v8f a[R];
+        for (int h = 0; h < R; ++h) a[h] = hd.acc[h][c];
+        for (int j = 0; j < nb; ++j) {
+          const uint8_t* row = blk + j * rb;
+          const v8f v = e4m3_chunk(row + G * D + g * D + c * 8);
+          const float vs = sc(row, 1, g);
+          for (int h = 0; h < R; ++h) a[h] += (hd.s[h][j] * vs) * v;
+        }
+        for (int h = 0; h < R; ++h) hd.acc[h][c] = a[h];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) heads[g].finish(out + g * RS * D, lse + g * RS, D);
+}
+
+// `decode_fp8` as a `dispatch` pass (n counts rows, one token each).
+template <int R>
+struct Fp8Pass {
+  static void run(const char* rows, int64_t n, int G, const float* q, float scale, int RS, int D, float* out,
+                  float* lse) {
+    decode_fp8<R>((const uint8_t*)rows, n, G, q, scale, RS, D, out, lse);
+  }
+};
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -711,6 +808,17 @@ int kvtier_decode_kivi4(const void* rows, int64_t n, int G, const float* q, floa
 int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
                         float* out, float* lse) {
   return dispatch<Packed<8>::Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
+}
+
+// n fp8 rows (Fp8Codec: one token a row, E4M3 codes and an fp16 scale per vector); q, out and lse
+// as kvtier_decode_f32. Returns -1 where the target lacks the vector shuffles (the torch path).
+int kvtier_decode_fp8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D, float* out,
+                      float* lse) {
+#ifdef KVTIER_SHUFFLE
+  return dispatch<Fp8Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
+#else
+  return -1;
+#endif
 }
 
 // The P tasks' partial results out [P, H, D], lse [P, H] merged by log-sum-exp -> merged

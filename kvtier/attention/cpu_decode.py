@@ -48,7 +48,8 @@ from kvtier.errors import ConfigError
 class RowCodec(Protocol):
     """What `CpuDecoder.start_rows` needs of a packing codec (`kvtier.kv.hooks.KVCodec` has it):
     rows of `group` tokens, their size, and their unpacking. A codec whose `row_layout` is
-    "kivi" (`kvtier.policies.quant.KiviCodec`) has rows the native kernel reads in place."""
+    "kivi" (`kvtier.policies.quant.KiviCodec`) or "e4m3" (`Fp8Codec`) has rows the native kernel
+    reads in place."""
 
     @property
     def group(self) -> int: ...
@@ -63,19 +64,31 @@ TASK_BYTES = 1 << 20  # KV bytes per task (per KV head), about: enough to amorti
 MAX_NATIVE_DIM = 512  # the largest head dim the native kernel takes
 KIVI_BITS = (2, 4, 8)  # packed rows the native kernel reads (KiviCodec, groups of KIVI_GROUP tokens)
 KIVI_GROUP = 32
+# Packed rows the native kernel reads -> the pool's kernel kind (cpu_pool.cpp's kvtier_pool_run).
+ROW_KINDS = {**{f"kivi{b}": b for b in KIVI_BITS}, "fp8": 3}
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_decode.cpp", "cpu_pool.cpp"))
 _FLAGS = ("-O3", "-march=native", "-funroll-loops", "-pthread", "-shared", "-fPIC")
 _KERNEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
 _KERNEL_ARGS += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
-def native_row_bits(codec: object) -> int | None:
-    """The code width of a codec whose packed rows the native kernel reads in place (KIVI rows of
-    `KIVI_GROUP` tokens, `KIVI_BITS` bits), else None."""
-    if getattr(codec, "row_layout", None) != "kivi" or getattr(codec, "group", None) != KIVI_GROUP:
-        return None
+def native_row_format(codec: object) -> str | None:
+    """The name of a codec's packed rows where the native kernel reads them in place ("kivi2",
+    "kivi4", "kivi8": KIVI rows of `KIVI_GROUP` tokens; "fp8": E4M3 rows of one token), else None.
+    The names key `ROW_KINDS` and `Hardware.cpu_packed_bw`."""
+    layout, group = getattr(codec, "row_layout", None), getattr(codec, "group", None)
+    if layout == "e4m3" and group == 1:
+        return "fp8"
     bits = getattr(codec, "bits", None)
-    return bits if bits in KIVI_BITS else None
+    return f"kivi{bits}" if layout == "kivi" and group == KIVI_GROUP and bits in KIVI_BITS else None
+
+
+def packed_row_bytes(fmt: str, heads: int, head_dim: int) -> int:
+    """Bytes of one packed row of format `fmt` (a `ROW_KINDS` name): `kivi_row_bytes`, or for fp8
+    one byte a value plus an fp16 scale a key or value vector."""
+    if fmt == "fp8":
+        return 2 * heads * (head_dim + 2)
+    return kivi_row_bytes(ROW_KINDS[fmt], heads, head_dim)
 
 
 def kivi_row_bytes(bits: int, heads: int, head_dim: int) -> int:
@@ -138,7 +151,7 @@ def native_library() -> ctypes.CDLL | None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     dll = ctypes.CDLL(str(lib))
-    for name in ("kvtier_decode_f32", "kvtier_decode_bf16", *(f"kvtier_decode_kivi{b}" for b in KIVI_BITS)):
+    for name in ("kvtier_decode_f32", "kvtier_decode_bf16", *(f"kvtier_decode_{f}" for f in ROW_KINDS)):
         fn = getattr(dll, name)
         fn.argtypes = _KERNEL_ARGS
         fn.restype = ctypes.c_int
@@ -310,8 +323,9 @@ class CpuDecoder:
     ) -> PendingDecode:
         """As `start`, over the first `rows` packed rows of `codec` (rows of `codec.group` tokens
         of `heads` KV heads, in row `extents` [R_e, row_bytes] uint8, CPU): the values attended
-        are exactly `codec.unpack`'s. The native kernel reads KIVI rows of 32 tokens in place
-        (2, 4 or 8 bits); other codecs unpack each task's rows with torch first."""
+        are exactly `codec.unpack`'s. The native kernel reads KIVI rows of 32 tokens (2, 4 or 8
+        bits) and FP8 rows in place (`native_row_format`); other codecs unpack each task's rows
+        with torch first."""
         e, row_bytes = extents[0].shape
         g, d, hq = heads, head_dim, q.shape[0]
         r = hq // g
@@ -321,17 +335,17 @@ class CpuDecoder:
             raise ValueError(f"rows of {row_bytes} bytes, but the codec's hold {codec.row_bytes(g, d)}")
         tasks = plan_row_tasks(extents, rows)
         out, lse = self._outputs(len(tasks), g, r, d)
-        bits = native_row_bits(codec)
+        fmt = native_row_format(codec)
         native = (
             self.lib is not None
-            and bits is not None
+            and fmt is not None
             and d % 8 == 0
             and d <= MAX_NATIVE_DIM
             and all(x.is_contiguous() for x in extents)
         )
         if native:
-            assert bits is not None
-            return self._start_native(q, extents, tasks, row_bytes, bits, out, lse, ready)
+            assert fmt is not None
+            return self._start_native(q, extents, tasks, row_bytes, ROW_KINDS[fmt], out, lse, ready)
         futures = [
             self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready, codec)
             for n, t in enumerate(tasks)

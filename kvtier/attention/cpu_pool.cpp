@@ -29,6 +29,8 @@ extern "C" int kvtier_decode_kivi4(const void* rows, int64_t n, int G, const flo
                                    float* out, float* lse);
 extern "C" int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
                                    float* out, float* lse);
+extern "C" int kvtier_decode_fp8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
+                                 float* out, float* lse);
 
 namespace {
 
@@ -129,7 +131,8 @@ void* kvtier_pool_new(int workers) {
 void kvtier_pool_free(void* pool) { delete static_cast<Pool*>(pool); }
 
 // `tasks` calls of one kernel, `kind`: 0 kvtier_decode_f32, 1 kvtier_decode_bf16, 2 / 4 / 8
-// kvtier_decode_kivi2 / 4 / 8 (n[i] then counts packed rows), with the same q [G, R, D] float32:
+// kvtier_decode_kivi2 / 4 / 8, 3 kvtier_decode_fp8 (n[i] then counts packed rows), with the same
+// q [G, R, D] float32:
 // task i attends n[i] tokens (rows) from kv[i] into out[i] [G, R, D] and lse[i] [G, R] (out:
 // [tasks, G, R, D], lse: [tasks, G, R] float32). Returns 0, or -1 when the kernel rejected the
 // shapes, the kind is unknown or the job could not be started.
@@ -143,6 +146,7 @@ int kvtier_pool_run(void* pool, int kind, const void* const* kv, const int64_t* 
       case 2: job->fn = kvtier_decode_kivi2; break;
       case 4: job->fn = kvtier_decode_kivi4; break;
       case 8: job->fn = kvtier_decode_kivi8; break;
+      case 3: job->fn = kvtier_decode_fp8; break;
       default: return -1;
     }
     job->kv = kv;

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.attention.cpu_decode import KIVI_BITS, KIVI_GROUP, CpuDecoder, PendingDecode, kivi_row_bytes
+from kvtier.attention.cpu_decode import KIVI_GROUP, ROW_KINDS, CpuDecoder, PendingDecode, packed_row_bytes
 from kvtier.attention.dense import attend_self_lse, merge_into
 from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
@@ -177,17 +177,19 @@ def _best(fn: Callable[[], object], reps: int = 3) -> float:
     return min(times)
 
 
-class _KiviRows:
-    """The row format of `KiviCodec` (group 32) as `CpuDecoder.start_rows` reads it, without the
-    codec (which lives above this layer): enough to time the native kernel over zero rows."""
+class _Rows:
+    """A packed row format as `CpuDecoder.start_rows` reads it (`native_row_format`'s names),
+    without its codec (which lives above this layer): enough to time the native kernel over
+    zero rows."""
 
-    row_layout, group = "kivi", KIVI_GROUP
-
-    def __init__(self, bits: int) -> None:
-        self.bits = bits
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self.row_layout = "e4m3" if fmt == "fp8" else "kivi"
+        self.group = 1 if fmt == "fp8" else KIVI_GROUP
+        self.bits = ROW_KINDS[fmt]
 
     def row_bytes(self, heads: int, head_dim: int) -> int:
-        return kivi_row_bytes(self.bits, heads, head_dim)
+        return packed_row_bytes(self.fmt, heads, head_dim)
 
     def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError("timing rows are read by the native kernel only")
@@ -196,23 +198,24 @@ class _KiviRows:
 @functools.cache
 def measured_packed_rates(
     head_dim: int, q_per_kv: int, bf16_bytes: int = 256 << 20
-) -> tuple[tuple[int, float], ...]:
-    """(code bits, packed bytes per second) of CPU attention over KIVI rows on this machine, for
-    each width the native kernel reads in place (none without it: the torch path unpacks first,
-    slower than the link), over the tokens of `bf16_bytes` of bf16 KV (`measured_rates`' slice);
-    measured once per process. Zero rows: the kernel's arithmetic does not depend on the values."""
+) -> tuple[tuple[str, float], ...]:
+    """(row format, packed bytes per second) of CPU attention over packed rows on this machine, for
+    each format the native kernel reads in place (`ROW_KINDS`; none without the kernel: the
+    torch path unpacks first, slower than the link), over the tokens of `bf16_bytes` of bf16 KV
+    (`measured_rates`' slice); measured once per process. Zero rows: the kernel's arithmetic
+    does not depend on the values."""
     dec = shared_decoder()
     if dec.lib is None:
         return ()
     tokens = max(KIVI_GROUP, bf16_bytes // (2 * head_dim * 2))
     q = torch.full((q_per_kv, head_dim), 0.01)
     out = []
-    for bits in KIVI_BITS:
-        fmt = _KiviRows(bits)
-        rows = torch.zeros(tokens // KIVI_GROUP, fmt.row_bytes(1, head_dim), dtype=torch.uint8)
+    for fmt in ROW_KINDS:
+        rows_of = _Rows(fmt)
+        rows = torch.zeros(tokens // rows_of.group, rows_of.row_bytes(1, head_dim), dtype=torch.uint8)
         n = rows.shape[0]
-        seconds = _best(lambda: dec.start_rows(q, fmt, [rows], n, 1, head_dim).result())  # noqa: B023
-        out.append((bits, rows.numel() / seconds))
+        seconds = _best(lambda: dec.start_rows(q, rows_of, [rows], n, 1, head_dim).result())  # noqa: B023
+        out.append((fmt, rows.numel() / seconds))
     return tuple(out)
 
 

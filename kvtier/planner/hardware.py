@@ -56,9 +56,10 @@ class Hardware:
     host_read_bw: float = 0.0
     # the rate of DMA and CPU attention reading host memory at once (0: not measured),
     host_combined_bw: float = 0.0
-    # and its attention kernel's rate over packed KIVI rows: (code bits, packed bytes per second)
-    # for each width measured (none: a quantized cache gets CPU slices only when told a number).
-    cpu_packed_bw: tuple[tuple[int, float], ...] = ()
+    # and its attention kernel's rate over packed rows: (row format, packed bytes per second) for
+    # each format measured ("kivi4", "fp8", ...: `kvtier.attention.cpu_decode.native_row_format`;
+    # none: a quantized cache gets CPU slices only when told a number).
+    cpu_packed_bw: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for field_name in ("flops", "hbm_bw", "pcie_bw", "memory_bytes"):
@@ -71,10 +72,10 @@ class Hardware:
         ):
             raise ConfigError(f"hardware {self.name}: host CPU rates must not be negative")
 
-    def cpu_packed_rate(self, bits: int | None) -> float:
-        """The CPU attention kernel's packed bytes per second over rows of `bits`-bit codes (0:
-        not measured, or None: rows the kernel does not read in place)."""
-        return next((rate for b, rate in self.cpu_packed_bw if b == bits), 0.0)
+    def cpu_packed_rate(self, fmt: str | None) -> float:
+        """The CPU attention kernel's packed bytes per second over rows of format `fmt` (0: not
+        measured, or None: rows the kernel does not read in place)."""
+        return next((rate for f, rate in self.cpu_packed_bw if f == fmt), 0.0)
 
     @property
     def pcie_ridge(self) -> float:

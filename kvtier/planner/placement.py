@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvtier.attention.cpu_decode import native_row_bits
+from kvtier.attention.cpu_decode import native_row_format
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
 from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices, decode_step_s
@@ -214,7 +214,7 @@ def plan_kv(
         if plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
             return plan
         if codec is not None:
-            rate = hw.cpu_packed_rate(native_row_bits(codec))
+            rate = hw.cpu_packed_rate(native_row_format(codec))
             if rate <= 0 and not isinstance(cpu_attention, int):
                 return plan
             packed_hw = replace(hw, cpu_attention_bw=rate)

@@ -188,6 +188,8 @@ class Fp8Codec:
     """FP8 E4M3 with a dynamic fp16 scale per token, KV head and K/V: `scale = amax / 448`."""
 
     group: int = 1  # tokens per packed row
+    # NOTE: codes then scales; the CPU decode kernel reads such rows in place (kvtier.attention.cpu_decode)
+    row_layout: ClassVar[str] = "e4m3"
 
     @property
     def residual(self) -> int:
