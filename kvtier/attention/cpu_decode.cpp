@@ -507,19 +507,22 @@ void unpack_head4_split(const uint8_t* row, int G, int D, int h, const float* pa
   }
 }
 
-// 8 bytes as 8 floats (AVX2's byte-to-int widening where the target has it, as nibble_chunks).
-inline v8f byte_chunk(const uint8_t* p) {
+// 8 bytes as 8 ints (AVX2's byte-to-int widening where the target has it, as nibble_chunks).
+inline v8i byte_ints(const uint8_t* p) {
 #if defined(__AVX2__)
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  v8f x;
-  memcpy(&x, &f, 32);
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  v8i x;
+  memcpy(&x, &w, 32);
   return x;
 #else
   v8b x;
   memcpy(&x, p, 8);
-  return __builtin_convertvector(__builtin_convertvector(x, v8i), v8f);
+  return __builtin_convertvector(x, v8i);
 #endif
 }
+
+// 8 bytes as 8 floats.
+inline v8f byte_chunk(const uint8_t* p) { return __builtin_convertvector(byte_ints(p), v8f); }
 
 // Chunks c and c + 1 (c even: 16 values) of a (token, head)'s codes as floats, in the chunk
 // order of Codes<BITS>::Order: 4 bits, F32S's (a byte's low code in chunk c, its high one in
@@ -685,18 +688,6 @@ struct Packed {
 // weight p * scale_v: the codes are widened to floats in registers, nothing is unpacked.
 
 #ifdef KVTIER_SHUFFLE
-inline v8i byte_ints(const uint8_t* p) {
-#if defined(__AVX2__)
-  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  v8i x;
-  memcpy(&x, &w, 32);
-  return x;
-#else
-  v8b x;
-  memcpy(&x, p, 8);
-  return __builtin_convertvector(x, v8i);
-#endif
-}
 
 // 8 E4M3FN codes -> 8 floats, exactly (bias 7; exponent 0 is subnormal: m * 2^-9). The codec
 // never writes NaN (0x7f, 0xff): it scales by amax / 448.
