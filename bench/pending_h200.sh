@@ -368,12 +368,12 @@ case "$group" in
   ;;
 45)
   # issue 23 after the sixteenth session's packed kernel (4/8-bit rows attended from the codes,
-  # ~1.4-2x per core on the dev machine) and the packed CPU split: the kernel's rates on the
+  # 1.3-1.5x per core on the dev machine; fp8 rows natively) and the packed CPU split: the kernel's rates on the
   # H200's host (the planner measures them at start with --cpu-attention auto), the GPU checks,
   # then 512K int4 decode with the link alone, the planner's split (auto) and fixed counts
   run 80 $py bench/cpu_attention_rows.py --threads 1,8,15 --name cpu_attention_rows_h200_direct
   run 60 $py bench/gpu_checks.py
-  run 330 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,auto,12,20 \
+  run 330 $py bench/tiered_store.py --contexts 512K --policies auto+int4,auto+fp8 --cpu-attention off,auto,12 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_direct
   ;;
 44)
