@@ -690,8 +690,19 @@ struct Packed {
 #ifdef KVTIER_SHUFFLE
 
 // 8 E4M3FN codes -> 8 floats, exactly (bias 7; exponent 0 is subnormal: m * 2^-9). The codec
-// never writes NaN (0x7f, 0xff): it scales by amax / 448.
+// never writes NaN (0x7f, 0xff): it scales by amax / 448. With F16C: a code's bits moved into an
+// fp16's (exponent e in its 5-bit field, m at its mantissa's top) read 2^(e - 15) (1 + m / 8),
+// or m * 2^-17 when e = 0, so one conversion and a multiply by 2^8 give the E4M3 value.
 inline v8f e4m3_chunk(const uint8_t* p) {
+#if defined(__F16C__) && defined(__AVX2__)
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+  v8f x;
+  memcpy(&x, &f, 32);
+  return x;
+#else
   const v8u x = __builtin_convertvector(byte_ints(p), v8u), e = (x >> 3) & 15u, m = x & 7u;
   const v8u sign = (x & 0x80u) << 24;
   const v8u normal = sign | ((e + 120u) << 23) | (m << 20);
@@ -702,6 +713,7 @@ inline v8f e4m3_chunk(const uint8_t* p) {
   sb |= sign;
   memcpy(&sub, &sb, 32);
   return e == 0u ? sub : nf;
+#endif
 }
 
 template <int R>
