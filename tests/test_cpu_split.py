@@ -211,7 +211,7 @@ def test_a_quantized_cache_splits_at_the_cpus_packed_rate() -> None:
 
 @NEEDS_CXX
 def test_the_packed_rates_are_measured_for_every_row_format_the_kernel_reads() -> None:
-    from kvtier.attention.cpu_decode import ROW_KINDS, native_row_format
+    from kvtier.attention.row_formats import ROW_KINDS, RowFormat, native_row_format
     from kvtier.kv.cpu_attend import measured_packed_rates
     from kvtier.policies.quant import Fp8Codec, KiviCodec
 
@@ -220,3 +220,7 @@ def test_the_packed_rates_are_measured_for_every_row_format_the_kernel_reads() -
     formats = [native_row_format(c) for c in (KiviCodec(bits=4), KiviCodec(bits=8), Fp8Codec())]
     assert formats == ["kivi4", "kivi8", "fp8"]
     assert native_row_format(KiviCodec(bits=4, group=8, residual=8)) is None
+    for name in ROW_KINDS:  # a stand-in has its codec's layout and row size
+        assert native_row_format(RowFormat(name)) == name
+    assert RowFormat("kivi4").row_bytes(2, 64) == KiviCodec(bits=4).row_bytes(2, 64)
+    assert RowFormat("fp8").row_bytes(2, 64) == Fp8Codec().row_bytes(2, 64)

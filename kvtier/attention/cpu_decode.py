@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from kvtier.attention.row_formats import ROW_KINDS, native_row_format
 from kvtier.errors import ConfigError
 
 
@@ -62,42 +63,10 @@ class RowCodec(Protocol):
 BACKENDS = ("auto", "native", "torch")
 TASK_BYTES = 1 << 20  # KV bytes per task (per KV head), about: enough to amortize a task's overhead
 MAX_NATIVE_DIM = 512  # the largest head dim the native kernel takes
-KIVI_BITS = (2, 4, 8)  # packed rows the native kernel reads (KiviCodec, groups of KIVI_GROUP tokens)
-KIVI_GROUP = 32
-# Packed rows the native kernel reads -> the pool's kernel kind (cpu_pool.cpp's kvtier_pool_run).
-ROW_KINDS = {**{f"kivi{b}": b for b in KIVI_BITS}, "fp8": 3}
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_decode.cpp", "cpu_pool.cpp"))
 _FLAGS = ("-O3", "-march=native", "-funroll-loops", "-pthread", "-shared", "-fPIC")
 _KERNEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
 _KERNEL_ARGS += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-
-
-def native_row_format(codec: object) -> str | None:
-    """The name of a codec's packed rows where the native kernel reads them in place ("kivi2",
-    "kivi4", "kivi8": KIVI rows of `KIVI_GROUP` tokens; "fp8": E4M3 rows of one token), else None.
-    The names key `ROW_KINDS` and `Hardware.cpu_packed_bw`."""
-    layout, group = getattr(codec, "row_layout", None), getattr(codec, "group", None)
-    if layout == "e4m3" and group == 1:
-        return "fp8"
-    bits = getattr(codec, "bits", None)
-    return f"kivi{bits}" if layout == "kivi" and group == KIVI_GROUP and bits in KIVI_BITS else None
-
-
-def packed_row_bytes(fmt: str, heads: int, head_dim: int) -> int:
-    """Bytes of one packed row of format `fmt` (a `ROW_KINDS` name): `kivi_row_bytes`, or for fp8
-    one byte a value plus an fp16 scale a key or value vector."""
-    if fmt == "fp8":
-        return 2 * heads * (head_dim + 2)
-    return kivi_row_bytes(ROW_KINDS[fmt], heads, head_dim)
-
-
-def kivi_row_bytes(bits: int, heads: int, head_dim: int) -> int:
-    """Bytes of one KIVI row (`cpu_decode.cpp`'s layout): codes of `KIVI_GROUP` tokens' keys and
-    values, keys' fp16 (min, step) per channel, values' per token and run of 32 channels (one
-    run when 32 does not divide the head dim)."""
-    runs = head_dim // KIVI_GROUP if head_dim % KIVI_GROUP == 0 else 1
-    codes = 2 * KIVI_GROUP * heads * head_dim * bits // 8
-    return codes + 2 * 2 * heads * head_dim + 2 * 2 * KIVI_GROUP * heads * runs
 
 
 def default_threads() -> int:

@@ -27,8 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.attention.cpu_decode import KIVI_GROUP, ROW_KINDS, CpuDecoder, PendingDecode, packed_row_bytes
+from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
 from kvtier.attention.dense import attend_self_lse, merge_into
+from kvtier.attention.row_formats import KIVI_GROUP, ROW_KINDS, RowFormat
 from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
@@ -177,24 +178,6 @@ def _best(fn: Callable[[], object], reps: int = 3) -> float:
     return min(times)
 
 
-class _Rows:
-    """A packed row format as `CpuDecoder.start_rows` reads it (`native_row_format`'s names),
-    without its codec (which lives above this layer): enough to time the native kernel over
-    zero rows."""
-
-    def __init__(self, fmt: str) -> None:
-        self.fmt = fmt
-        self.row_layout = "e4m3" if fmt == "fp8" else "kivi"
-        self.group = 1 if fmt == "fp8" else KIVI_GROUP
-        self.bits = ROW_KINDS[fmt]
-
-    def row_bytes(self, heads: int, head_dim: int) -> int:
-        return packed_row_bytes(self.fmt, heads, head_dim)
-
-    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError("timing rows are read by the native kernel only")
-
-
 @functools.cache
 def measured_packed_rates(
     head_dim: int, q_per_kv: int, bf16_bytes: int = 256 << 20
@@ -211,7 +194,7 @@ def measured_packed_rates(
     q = torch.full((q_per_kv, head_dim), 0.01)
     out = []
     for fmt in ROW_KINDS:
-        rows_of = _Rows(fmt)
+        rows_of = RowFormat(fmt)
         rows = torch.zeros(tokens // rows_of.group, rows_of.row_bytes(1, head_dim), dtype=torch.uint8)
         n = rows.shape[0]
         seconds = _best(lambda: dec.start_rows(q, rows_of, [rows], n, 1, head_dim).result())  # noqa: B023

@@ -57,7 +57,7 @@ class Hardware:
     # the rate of DMA and CPU attention reading host memory at once (0: not measured),
     host_combined_bw: float = 0.0
     # and its attention kernel's rate over packed rows: (row format, packed bytes per second) for
-    # each format measured ("kivi4", "fp8", ...: `kvtier.attention.cpu_decode.native_row_format`;
+    # each format measured ("kivi4", "fp8", ...: `kvtier.attention.row_formats.native_row_format`;
     # none: a quantized cache gets CPU slices only when told a number).
     cpu_packed_bw: tuple[tuple[str, float], ...] = ()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvtier.attention.cpu_decode import native_row_format
+from kvtier.attention.row_formats import native_row_format
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
 from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices, decode_step_s
