@@ -12,7 +12,7 @@ import torch
 
 from kvtier.engine.batched import generate_batched
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.outputs import RequestOutput, allocator_counts
 from kvtier.engine.prompts import Prompt, check_length, encode_prompt, stopper, text_and_reason
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
@@ -429,8 +429,10 @@ class LLM:
         self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool, method: MethodChoice
     ) -> RequestOutput:
         context = len(ids) + params.max_tokens
+        allocator: dict[str, int] = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            allocator = allocator_counts(self.device)
         plan, store, parts = self._plan_and_store(context, method)
         sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, self.device)
         if self.parallel is not None:  # the last stage's logits are the model's
@@ -450,6 +452,9 @@ class LLM:
             stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
             if self.device.type == "cuda":
                 stats.peak_bytes["gpu_total"] = int(torch.cuda.max_memory_allocated(self.device))
+                after = allocator_counts(self.device)
+                stats.gpu_allocator = {k: after[k] - allocator[k] for k in after}
+                stats.gpu_allocator["reserved_peak"] = int(torch.cuda.max_memory_reserved(self.device))
         except torch.OutOfMemoryError as e:
             raise CapacityError(
                 f"out of memory during generation ({str(e).splitlines()[0][:160]}); the plan was "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class GenerationStats:
@@ -19,6 +21,9 @@ class GenerationStats:
     d2h_bytes: int = 0
     decode_h2d_bytes: int = 0
     plan: dict[str, Any] = field(default_factory=dict)
+    # CUDA's caching allocator over the request: retries (a failed cudaMalloc that freed the
+    # cache and synced), cudaMalloc calls, peak reserved bytes; empty off CUDA
+    gpu_allocator: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -60,3 +65,10 @@ class RequestOutput:
             "prompt_tokens": len(self.prompt_token_ids),
             "stats": self.stats.to_dict(),
         }
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """CUDA caching-allocator counters of `device` that a request's stats report as deltas."""
+    stats = torch.cuda.memory_stats(device)
+    retries, mallocs = stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0)
+    return {"alloc_retries": int(retries), "cuda_mallocs": int(mallocs)}

@@ -3,7 +3,7 @@
 Every codec packs tokens into rows of bytes (`pack` / `unpack`, one row per `group` tokens) and
 its `roundtrip` is exactly `unpack(pack(kv))`. GPU-resident slices keep the packed rows in GPU
 memory; streamed slices keep them in host memory, so only packed bytes cross PCIe; either way the
-GPU unpacks them when attended (KIVI on CUDA with a fused Triton kernel,
+GPU unpacks them when attended (on CUDA with a fused Triton kernel,
 `kvtier.policies.quant_triton`, through `unpack_into`).
 
 KIVI layout (Liu et al. 2024), asymmetric min-max per group, `x^ = q * s + min`, with the scale
@@ -36,6 +36,17 @@ from kvtier.errors import ConfigError
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 2  # scales and minimums are stored in fp16
 MIN_SCALE = 2.0**-14  # smallest normal fp16: a constant group gets this step, not zero
+
+
+def _fused(dst: torch.Tensor) -> bool:
+    """Whether packed rows unpack into dst with a fused Triton kernel: on CUDA, into a contiguous
+    dst, with triton installed and KVTIER_DEQUANT not "torch" (which forces the torch `unpack`)."""
+    return (
+        dst.is_cuda
+        and dst.is_contiguous()
+        and os.environ.get("KVTIER_DEQUANT", "") != "torch"
+        and importlib.util.find_spec("triton") is not None
+    )
 
 
 def _params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +170,7 @@ class KiviCodec:
         """Unpack rows into dst [m * group, 2, G, D] with the fused Triton kernel: on CUDA, into a
         contiguous dst, with triton installed and KVTIER_DEQUANT not "torch" (which forces the
         torch `unpack`). Returns whether it did."""
-        if not (
-            dst.is_cuda
-            and dst.is_contiguous()
-            and os.environ.get("KVTIER_DEQUANT", "") != "torch"
-            and importlib.util.find_spec("triton") is not None
-        ):
+        if not _fused(dst):
             return False
         from kvtier.policies.quant_triton import unpack_kivi_into
 
@@ -219,7 +225,14 @@ class Fp8Codec:
         return (codes * scale).to(dtype)
 
     def unpack_into(self, rows: torch.Tensor, dst: torch.Tensor) -> bool:
-        return False  # no fused kernel: the store copies `unpack`'s result
+        """Unpack rows into dst [m, 2, G, D] with the fused Triton kernel (no fp32 copies of the
+        slice), under the same conditions as `KiviCodec.unpack_into`. Returns whether it did."""
+        if not _fused(dst):
+            return False
+        from kvtier.policies.quant_triton import unpack_fp8_into
+
+        unpack_fp8_into(rows, dst)
+        return True
 
     def roundtrip(self, kv: torch.Tensor) -> torch.Tensor:
         """`unpack(pack(kv))`."""
