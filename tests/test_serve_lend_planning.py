@@ -20,11 +20,14 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.kv.device_memory import fitting, region_buffers
 from kvtier.kv.layout import KVLayout
 from kvtier.loading.presets import preset_config
+from kvtier.methods import MethodChoice, parse_choice, plan_for
 from kvtier.methods.plan import LOSSLESS
+from kvtier.methods.registry import Placement
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
 from kvtier.planner.placement import KVPlan
+from kvtier.serve import tiered
 from kvtier.serve.tiered import plan_store
 
 CFG = preset_config("llama-3-8b")
@@ -95,3 +98,47 @@ def test_a_long_request_borrows_pages_and_keeps_the_rest_within_the_reserve(budg
     # the borrowed bytes hold KV: more of it stays on the GPU than the reserve alone keeps
     assert plan.gpu_kv_bytes > plan_alone.gpu_kv_bytes
     assert replace(plan, chunk_size=plan_alone.chunk_size) == plan  # the reserve's chunk kept
+
+
+@pytest.mark.parametrize("budget_gb", [20.0, 21.0])
+def test_a_hip_request_borrows_pages_with_its_caches_counted_in_the_reserve(
+    budget_gb: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HiP's block caches, decode buffers and RoPE table stay with the caching allocator: what
+    it keeps outside the run, those included, fits the reserve, and a staging buffer (a whole
+    slice, 1-2 GB here) lives in the run; with the pages it keeps at least as much KV on the
+    GPU as over the reserve alone."""
+    engine = Engine(budget=int(budget_gb * 1e9), offer=661)
+    method = parse_choice("hip,hip_preset=fast")
+    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
+    placements: list[Placement] = []
+
+    def recorded(inputs: PlanInputs, choice: MethodChoice) -> Placement:
+        placements.append(plan_for(inputs, choice))
+        return placements[-1]
+
+    monkeypatch.setattr(tiered, "plan_for", recorded)
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1
+    reserve = next(p.reserve_bytes for p in reversed(placements) if p.plan == plan)
+    assert reserve > 0
+    room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    assert outside_the_run(plan, engine) + reserve <= room
+    layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
+    staging = region_buffers(layout, plan, CONTEXT)[-2:]
+    assert fitting(staging, engine.lent[0] * PAGE_BYTES) >= staging[0]  # one or both in the run
+    alone = Engine(budget=engine.budget, offer=0)
+    plan_alone, _, none = plan_store(alone, seq)  # type: ignore[arg-type]
+    assert none is None and plan.gpu_kv_bytes >= plan_alone.gpu_kv_bytes
+
+
+@pytest.mark.parametrize("spec", ["quest,kv_budget=2048", "snapkv,kv_budget=2048"])
+def test_quest_and_evicting_requests_do_not_borrow_pages(spec: str) -> None:
+    """Their stores keep GPU buffers that neither the region sizing nor the plan counts (page
+    metadata, grown slices): they are planned in the offload reserve alone."""
+    engine = Engine(budget=int(21e9), offer=661)
+    seq = SimpleNamespace(
+        prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=parse_choice(spec)
+    )
+    _, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first is None and not engine.lent

@@ -110,15 +110,17 @@ def tokens(q: Queue[Delta]) -> list[int]:
     return out
 
 
-def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: LLM) -> None:
-    """A lossless request streaming from the host (method "head") over a pool with room: its
-    staging buffers are views of pool pages, lent from the top while short requests take pages
-    from the bottom, its tokens equal `LLM.generate`, and the pages come back at its end."""
+@pytest.mark.parametrize("spec", ["head", "hip,hip_preset=fast,kv=head", "int8,kv=head"])
+def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: LLM, spec: str) -> None:
+    """A request streaming from the host (lossless "head", HiP, or quantized) over a pool with
+    room: its staging buffers are views of pool pages, lent from the top while short requests
+    take pages from the bottom, its tokens equal `LLM.generate`, and the pages come back at its
+    end. HiP's block caches and decode buffers stay with the caching allocator (its reserve)."""
     g = torch.Generator().manual_seed(9)
     long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
     shorts = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (7, 13)]
     params = SamplingParams(max_tokens=6)
-    expected = llm.generate(long_ids, params, method="head")[0].token_ids
+    expected = llm.generate(long_ids, params, method=spec)[0].token_ids
     expected_short = [llm.generate(s, SamplingParams(max_tokens=4))[0].token_ids for s in shorts]
     engine = ServeEngine(
         llm, ServeConfig(page_size=4, num_pages=1024, tiered_share=0.5, tiered_keep_tokens=4)
@@ -132,16 +134,18 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
         storage = engine.store.storage
         base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
         seen["inside"] = all(base <= b.data_ptr() < end for b in run.store.ring.buffers)
+        seen["kernel"] = type(run.store.kernel).__name__
         seen["lent"] = dict(pool.lent)
         seen["short_pages"] = [p for s in engine.scheduler.running for p in s.block_table]
         seen["metrics"] = render(engine, "m").splitlines()
         long_q.put(d)
 
     long_q: Queue[Delta] = Queue()
-    engine.submit(long_ids, params, sink, method=parse_choice("head"))
+    engine.submit(long_ids, params, sink, method=parse_choice(spec))
     short_qs = [collect(engine, s, SamplingParams(max_tokens=4)) for s in shorts]
     engine.run_until_idle()
     assert tokens(long_q) == list(expected)
+    assert seen["kernel"] == ("HipKernel" if spec.startswith("hip") else "DenseKernel")
     assert [tokens(q) for q in short_qs] == [list(t) for t in expected_short]
     assert seen["inside"] is True
     lent = seen["lent"]

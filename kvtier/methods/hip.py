@@ -61,6 +61,7 @@ HIP = register(
         takes=("hip_preset",),
         plan=_plan,
         composes_with=("kv_quant",),
+        borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
     ),
     Option(
         "hip_preset",

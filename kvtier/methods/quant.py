@@ -19,7 +19,7 @@ def codec_entry(name: str, make: Callable[[], KVCodec], help: str) -> MethodEntr
     def build(_: BuildContext) -> PolicyParts:
         return PolicyParts(codec=make(), describe=f"kv-quant {name}")
 
-    return MethodEntry(name, "kv_quant", help, build, codec=make)
+    return MethodEntry(name, "kv_quant", help, build, codec=make, borrows_pages=True)
 
 
 INT8 = register(codec_entry("int8", lambda: KiviCodec(bits=8), "KIVI-style 8-bit integer KV"))

@@ -102,6 +102,10 @@ class MethodEntry:
     by `plan_for` instead of the store planner alone); `takes` the options it accepts and
     `requires` those it cannot run without; `composes_with` the families of methods a request
     may select beside it (HiP's kernel reads whatever the store holds, so a codec may pack it).
+    `borrows_pages`: in the server its store's whole-capacity buffers may be a run of pool pages
+    (`kvtier.serve.tiered.plan_store`): the store takes from its `DeviceMemory` exactly what
+    `kvtier.kv.device_memory.region_buffers` says, and whatever else the method keeps on the GPU
+    is in its `Placement.reserve_bytes`.
     """
 
     name: str
@@ -114,6 +118,7 @@ class MethodEntry:
     plan: PlanHook | None = None
     examples: Mapping[str, str] = field(default_factory=dict)  # option -> a value for messages
     composes_with: tuple[str, ...] = ()
+    borrows_pages: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

@@ -127,8 +127,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     memory, so a `TieredRun` calls it on its launcher thread), and the first page of the run of
     pool pages its buffers live in (None: it has none).
 
-    A lossless or quantized request over a model the pool serves borrows pages
-    (`OffloadHost.lendable_pages`):
+    A lossless request, or one whose method `borrows_pages` (quantized KV, HiP), over a model
+    the pool serves borrows pages (`OffloadHost.lendable_pages`):
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
     and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
     do not fit spill to the caching allocator), taken here, on the engine's thread; the engine
@@ -138,14 +138,10 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     context = len(seq.prompt) + seq.params.max_tokens
     base = llm.plan_inputs(context, method)
     cfg = llm.model_config
-    # Lossless requests and quantized ones borrow pages; an evictor's, HiP's or Quest's store
-    # keeps buffers the region sizing does not know (grown slices, block caches).
-    entry = method.entry
-    lends = (
-        engine.paged
-        and (entry is None or (entry.plan is None and entry.codec is not None))
-        and not cfg.windowed_layers(context)
-    )
+    # An evictor's or Quest's store keeps GPU buffers that neither the region sizing nor the
+    # plan counts (grown slices, page metadata): those requests do not borrow.
+    borrows = all(e.borrows_pages for e in method.selected())  # lossless: none selected
+    lends = engine.paged and borrows and not cfg.windowed_layers(context)
     packing = packing_codec(method.codec()) is not None  # its resident slices stay packed
     offer = engine.lendable_pages() if lends else 0
     page_bytes = engine.page_bytes
@@ -156,11 +152,12 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         lent_budget = None if budget is None else budget + extra
         return plan_for(replace(base, gpu_budget=lent_budget, chunk_size=chunk), method)
 
-    def estimate(plan: KVPlan) -> int:  # GPU bytes besides the weights, as the planner counts them
+    def estimate(placed: Placement) -> int:  # GPU bytes besides the weights, as the planner counts them
+        plan = placed.plan
         act = activation_bytes(
             cfg, plan.chunk_size, base.dtype_bytes, group_size=plan.group_size, context=context
         )
-        return act + plan.gpu_kv_bytes
+        return act + plan.gpu_kv_bytes + placed.reserve_bytes  # HiP's caches stay in the allocator
 
     # What the reserve can hold beside the weights (the planner's own terms; None: unlimited).
     # A plan over lent pages may put there no more than that: its activations and the buffers
@@ -187,7 +184,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             break
         layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
         used = fitting(region_buffers(layout, trial.plan, context, packing=packing), offer * page_bytes)
-        over = 0 if room is None else estimate(trial.plan) - used - room
+        over = 0 if room is None else estimate(trial) - used - room
         if used and over <= 0:
             lent = -(-used // page_bytes)
             first = engine.lend(lent)
