@@ -4,6 +4,7 @@ configuration errors. Quantized KV has its own file, test_quantized_kv.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvtier.policies import PolicyParts
 from kvtier.policies.evict import H2OEvictor, SnapKVEvictor, WindowEvictor
 from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
 from kvtier.policies.quant import Fp8Codec, KiviCodec
-from kvtier.policies.quest import QuestKernel
+from kvtier.policies.quest import DENSE_LAYERS, QuestKernel, quest_gpu_bytes
 from kvtier.policies.scoring import attention_mass
 from tests.policy_store import CPU, DECODE, PROMPT, make_store, options, run
 
@@ -124,6 +125,46 @@ def test_quest_page_size_is_an_option(gqa: tuple[CausalLM, ModelConfig]) -> None
     assert isinstance(parts.kernel, QuestKernel) and parts.kernel.page == 4
     with pytest.raises(ConfigError, match="at least one page"):
         build_policy(cfg, device=CPU, quest_page=128, **options(attention="quest", kv_budget=64))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_quest_gpu_bytes_bound_the_page_bounds_it_keeps(
+    gqa: tuple[CausalLM, ModelConfig], streamed: bool
+) -> None:
+    """The planner's count of Quest's GPU page bounds equals what the kernel holds after a run
+    (full pages of every layer past the dense ones), plus one slice's worth for an append."""
+    model, cfg = gqa
+    kernel = QuestKernel(budget=8, page=4)
+    run(model, cfg, PolicyParts(kernel=kernel), streamed=streamed)
+    held = sum(
+        lo.numel() * lo.element_size() + hi.numel() * hi.element_size() for lo, hi in kernel._meta.values()
+    )
+    context = PROMPT + DECODE
+    assert {layer for layer, _ in kernel._meta} == set(range(DENSE_LAYERS, cfg.num_layers))
+    per_head = (context // 4) * 2 * cfg.head_dim * 4  # float32
+    assert held == (cfg.num_layers - DENSE_LAYERS) * cfg.num_kv_heads * per_head
+    assert quest_gpu_bytes(cfg, context, 4, 4) == held + cfg.num_kv_heads * per_head
+
+
+def test_quest_is_planned_with_its_page_bounds_off_the_budget() -> None:
+    """At 256K under 24 GiB (Llama-3-8B shapes) Quest's bounds (~2 GB with pages of 16) come off
+    the store's budget: the plan is the lossless planner's at the smaller budget; a budget the
+    bounds alone exceed is a CapacityError that names them."""
+    from kvtier.errors import CapacityError
+    from kvtier.loading.presets import preset_config
+    from kvtier.methods import parse_choice, plan_for
+    from kvtier.planner.hardware import hardware_preset
+    from kvtier.planner.inputs import PlanInputs
+
+    cfg = preset_config("llama-3-8b")
+    inputs = PlanInputs(cfg, 262_144, hardware=hardware_preset("h200"), dtype_bytes=2, gpu_budget=24 << 30)
+    placed = plan_for(inputs, parse_choice("quest,kv_budget=2048"))
+    bounds = quest_gpu_bytes(cfg, 262_144, 16, 2)
+    assert placed.reserve_bytes == bounds and 1.5e9 < bounds < 2.5e9
+    assert placed.plan == plan_for(replace(inputs, gpu_budget=(24 << 30) - bounds)).plan
+    assert placed.plan.gpu_kv_bytes < plan_for(inputs).plan.gpu_kv_bytes
+    with pytest.raises(CapacityError, match="page bounds"):
+        plan_for(replace(inputs, gpu_budget=bounds), parse_choice("quest,kv_budget=2048"))
 
 
 def test_quest_selects_pages_by_upper_bound() -> None:

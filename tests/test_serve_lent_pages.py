@@ -110,12 +110,20 @@ def tokens(q: Queue[Delta]) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("spec", ["head", "hip,hip_preset=fast,kv=head", "int8,kv=head"])
+KERNELS = {
+    "head": "DenseKernel",
+    "hip,hip_preset=fast,kv=head": "HipKernel",
+    "quest,kv_budget=8,quest_page=4,kv=head": "QuestKernel",
+    "int8,kv=head": "DenseKernel",
+}
+
+
+@pytest.mark.parametrize("spec", list(KERNELS))
 def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: LLM, spec: str) -> None:
-    """A request streaming from the host (lossless "head", HiP, or quantized) over a pool with
-    room: its staging buffers are views of pool pages, lent from the top while short requests
-    take pages from the bottom, its tokens equal `LLM.generate`, and the pages come back at its
-    end. HiP's block caches and decode buffers stay with the caching allocator (its reserve)."""
+    """A request streaming from the host (lossless "head", HiP, Quest or quantized) over a pool
+    with room: its staging buffers are views of pool pages, lent from the top while short
+    requests take pages from the bottom, its tokens equal `LLM.generate`, and the pages come
+    back at its end. HiP's caches and Quest's page bounds stay with the caching allocator."""
     g = torch.Generator().manual_seed(9)
     long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
     shorts = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (7, 13)]
@@ -145,7 +153,7 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     short_qs = [collect(engine, s, SamplingParams(max_tokens=4)) for s in shorts]
     engine.run_until_idle()
     assert tokens(long_q) == list(expected)
-    assert seen["kernel"] == ("HipKernel" if spec.startswith("hip") else "DenseKernel")
+    assert seen["kernel"] == KERNELS[spec]
     assert [tokens(q) for q in short_qs] == [list(t) for t in expected_short]
     assert seen["inside"] is True
     lent = seen["lent"]

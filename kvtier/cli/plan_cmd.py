@@ -267,8 +267,13 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
 
 
 def planned_attention() -> tuple[str, ...]:
-    """`--attention` values `kvtier plan` can plan: dense and the methods with a planner hook."""
-    return tuple(n for n in choices("attention") if n not in REGISTRY or REGISTRY[n].plan is not None)
+    """`--attention` values `kvtier plan` can plan: dense and the methods with a planner hook that
+    need no option it lacks (Quest's --kv-budget)."""
+    return tuple(
+        n
+        for n in choices("attention")
+        if n not in REGISTRY or (REGISTRY[n].plan is not None and not REGISTRY[n].requires)
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from kvtier.methods.registry import BuildContext, MethodEntry, Option, register
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.errors import CapacityError
+from kvtier.methods.registry import BuildContext, MethodEntry, Option, Placement, PlanWith, register
+from kvtier.planner.inputs import PlanInputs
 from kvtier.policies import PolicyParts
-from kvtier.policies.quest import QuestKernel
-from kvtier.units import parse_count
+from kvtier.policies.quest import QuestKernel, quest_gpu_bytes
+from kvtier.units import format_bytes, parse_count
 
 QUEST_PAGE = Option(
     "quest_page",
@@ -20,6 +25,22 @@ def _build(ctx: BuildContext) -> PolicyParts:
     return PolicyParts(kernel=QuestKernel(budget, page=page), describe=f"quest budget {budget} page {page}")
 
 
+def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
+    """The store's plan within the GPU budget less Quest's page bounds, which stay on the GPU
+    for every slice (they select the pages a decode step gathers from the host)."""
+    page = int(options["quest_page"])
+    bounds = quest_gpu_bytes(inputs.cfg, inputs.context, page, inputs.dtype_bytes)
+    budget = inputs.gpu_budget
+    if budget is not None and bounds >= budget:
+        raise CapacityError(
+            f"--attention quest keeps {format_bytes(bounds)} of page bounds on the GPU at "
+            f"{inputs.context:,} tokens with pages of {page}, over --gpu-memory "
+            f"{format_bytes(budget)}: use a larger --quest-page, a shorter context or more --gpu-memory"
+        )
+    plan = plan_with(None, None if budget is None else budget - bounds, None)
+    return Placement(plan, reserve_bytes=bounds)
+
+
 QUEST = register(
     MethodEntry(
         "quest",
@@ -29,6 +50,8 @@ QUEST = register(
         takes=("kv_budget", "quest_page"),
         requires=("kv_budget",),
         examples={"kv_budget": "1k"},
+        plan=_plan,
+        borrows_pages=True,  # its page bounds are the placement's reserve_bytes
     ),
     QUEST_PAGE,
 )

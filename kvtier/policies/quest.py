@@ -26,13 +26,25 @@ import torch.nn.functional as F
 
 from kvtier.attention.dense import attend
 from kvtier.attention.interface import Fetch, SliceStep
+from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
+
+DENSE_LAYERS = 2  # the first layers attend densely and keep no page bounds (the paper's)
+
+
+def quest_gpu_bytes(cfg: ModelConfig, context: int, page: int, dtype_bytes: int) -> int:
+    """GPU bytes of Quest's page bounds at `context` tokens: a key minimum and maximum per full
+    page, per KV head and channel, in every layer past the dense ones (resident and streamed
+    slices alike), plus one more slice's worth for the copy a completed page's append makes."""
+    layers = max(cfg.num_layers - DENSE_LAYERS, 0)
+    per_slice = (context // page) * 2 * cfg.head_dim * dtype_bytes  # [pages, 1 head, D] x (min, max)
+    return (layers * cfg.num_kv_heads + cfg.num_kv_heads) * per_slice
 
 
 class QuestKernel:
     """Dense prefill, top-page sparse decode under a token `budget`."""
 
-    def __init__(self, budget: int, page: int = 16, dense_layers: int = 2) -> None:
+    def __init__(self, budget: int, page: int = 16, dense_layers: int = DENSE_LAYERS) -> None:
         if page < 1 or budget < page:
             raise ConfigError(f"--kv-budget {budget} for Quest must be at least one page of {page} tokens")
         self.budget, self.page, self.dense_layers = budget, page, dense_layers
