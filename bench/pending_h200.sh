@@ -67,6 +67,12 @@
 #   128K `auto` runs lean, whose speed there is unmeasured), 29's sampled case. Group 45 (issue
 #   23's packed kernel and split; no GGUF) can go first, in the call that carries the GGUF's
 #   first half.
+# The seventeenth ran 45 (with the GGUF's first half), the embedded smoke, 44's CLI row and RULER
+#   lean x10, then after the fp8 unpack fix (c394132) fp8 at 512K, the smoke again and the CLI's
+#   presets twice (the 128K prefill gap was Triton compiling in a machine's first HiP process).
+#   NEXT (the eighteenth): the GGUF's two-call setup, then 46 (the smoke's serve part: HiP and
+#   Quest requests now borrow pool pages, Quest plans its page bounds), 47 (33's 512K through the
+#   CLI, alone in its call: the lossless run overran 200 s), 34's 512K row, 29's sampled case.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -365,6 +371,20 @@ case "$group" in
     --dense-steps 2 --prefill-chunk 16384 --name hip_offload_planned_512k_structured
   run 200 $py bench/hip_offload.py --contexts 128K --presets fast --policy planned --steps 34 \
     --dense-steps 4 --name hip_offload_planned_128k_structured
+  ;;
+46)
+  # after the GGUF's two-call setup: the smoke's plan/eval/serve part on both models (the server
+  # lends pool pages to HiP and Quest requests since 37ebebf/804b1f1), then the generate part's
+  # embedded checks
+  run 270 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 200 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
+    --out "$OUT/gpu_smoke_generate_embedded.json"
+  ;;
+47)
+  # issue 19's 512K through the CLI (GGUF for the tokenizer): lossless against `hip` (auto: lean
+  # past Llama-3.1's 128K); the HiP warm-up run (8 tokens, untimed) compiles first
+  run 580 $py bench/hip_cli_speed.py --contexts 512K --methods "auto;hip" --new-tokens 16 --timeout 300 \
+    --name hip_cli_speed_512k
   ;;
 45)
   # issue 23 after the sixteenth session's packed kernel (4/8-bit rows attended from the codes,
