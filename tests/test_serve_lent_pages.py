@@ -346,3 +346,37 @@ def test_the_allocator_cache_is_freed_once_when_a_runs_prefill_ends_if_asked(llm
     engine.run_until_idle()
     assert len(tokens(q)) == 4 and engine.offloaded == 1
     assert engine.cache_releases == int(release)  # at its first token only, not at every token
+
+
+@pytest.mark.parametrize("spec", ["hip,hip_preset=fast", "quest,kv_budget=8,quest_page=4"])
+def test_a_resident_sparse_request_joins_the_batch_over_lent_pages(llm: LLM, spec: str) -> None:
+    """A HiP or Quest request whose store fits the device joins the batch's forward with its
+    resident slices carved from a run of pool pages; its tokens equal `LLM.generate`, the short
+    request beside it is unchanged, and the pages come back."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 211, (30,), generator=g).tolist()
+    short = torch.randint(1, 211, (9,), generator=g).tolist()
+    params = SamplingParams(max_tokens=5)
+    expected = llm.generate(ids, params, method=spec)[0].token_ids
+    expected_short = llm.generate(short, SamplingParams(max_tokens=4))[0].token_ids
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=256, tiered_share=0.5, tiered_keep_tokens=4))
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        (seq,) = [s for s in engine.scheduler.running if s.own is not None]
+        assert seq.own is not None
+        storage = engine.store.storage
+        base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
+        bufs = list(seq.own.store.resident.values())
+        seen["inside"] = bool(bufs) and all(base <= b.data_ptr() < end for b in bufs)
+        seen["lent"] = engine.kv.pool.num_lent
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice(spec))
+    short_q = collect(engine, short, SamplingParams(max_tokens=4))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected)
+    assert tokens(short_q) == list(expected_short)
+    assert seen["inside"] is True and isinstance(seen["lent"], int) and seen["lent"] > 0
+    assert engine.own_store_requests == 1 and engine.kv.pool.lent == {} and engine.kv.pool.num_free == 256
