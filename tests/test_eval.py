@@ -336,3 +336,17 @@ def test_aggregate_groups_in_order() -> None:
         {"depth": 50.0, "n": 1, "score": 1.0},
     ]
     assert "niah" in EvalResult({"task": "niah"}, recs).table()
+
+
+def test_subtask_mean_weighs_each_subtask_equally(tmp_path: Path) -> None:
+    """RULER's mean is over subtasks, not samples: 3 samples of one and 1 of another count alike."""
+    scores = [("a", 1.0), ("a", 1.0), ("a", 1.0), ("b", 0.0)]
+    recs = [Record("m", t, 4096, None, i, 4000, (), ("x",), "", s) for i, (t, s) in enumerate(scores)]
+    result = EvalResult({"task": "ruler"}, recs)
+    mean = {"method": "m", "length": 4096, "subtasks": 2, "score": 0.5}
+    assert result.aggregates()["subtask_mean"] == [mean]
+    assert "mean of 2 subtasks at 4K: 50.0%" in result.table()
+    result.save(tmp_path / "r.json")
+    assert EvalResult.load(tmp_path / "r.json").to_json() == result.to_json()
+    one = EvalResult({"task": "passkey"}, [r for r in recs if r.task == "a"])
+    assert "subtask_mean" not in one.aggregates()

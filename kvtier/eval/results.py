@@ -21,6 +21,9 @@ GROUPINGS = {
     "overall": ("method", "task"),
 }
 """Aggregate name -> the record fields it groups by."""
+SUBTASK_MEAN = "subtask_mean"
+"""The aggregate of a run over several subtasks (RULER): per method and length, the mean of the
+subtasks' scores, each weighted equally as RULER reports it."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,17 @@ def aggregate(records: Sequence[Record], keys: Sequence[str]) -> list[dict[str, 
     ]
 
 
+def subtask_means(by_length: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, length) of `by_length` rows: the unweighted mean of its subtasks' scores."""
+    groups: dict[tuple[str, int], list[float]] = {}
+    for c in by_length:
+        groups.setdefault((c["method"], c["length"]), []).append(c["score"])
+    return [
+        {"method": m, "length": n, "subtasks": len(v), "score": round(sum(v) / len(v), 4)}
+        for (m, n), v in groups.items()
+    ]
+
+
 def machine_info(device: str) -> dict[str, Any]:
     """Where the run happened: platform, CPU, torch and the device the model ran on."""
     cpu = platform.processor() or platform.machine()
@@ -98,7 +112,10 @@ class EvalResult:
     records: list[Record] = field(default_factory=list)
 
     def aggregates(self) -> dict[str, list[dict[str, Any]]]:
-        return {name: aggregate(self.records, keys) for name, keys in GROUPINGS.items()}
+        out = {name: aggregate(self.records, keys) for name, keys in GROUPINGS.items()}
+        if len({r.task for r in self.records}) > 1:
+            out[SUBTASK_MEAN] = subtask_means(out["by_length"])
+        return out
 
     def summary(self) -> dict[str, Any]:
         """The aggregate object (`--json`): meta plus every aggregate, no per-sample records."""
@@ -122,7 +139,7 @@ class EvalResult:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read results from {path}: {e}") from None
-        meta = {k: v for k, v in data.items() if k != "records" and k not in GROUPINGS}
+        meta = {k: v for k, v in data.items() if k not in ("records", SUBTASK_MEAN, *GROUPINGS)}
         return EvalResult(meta, [Record.from_dict(r) for r in data.get("records", [])])
 
     def table(self) -> str:
@@ -148,6 +165,9 @@ class EvalResult:
             lines.append(
                 "  mean: " + ", ".join(f"{c['task']} {100 * c['score']:.1f}% (n={c['n']})" for c in overall)
             )
+            for m in (c for c in self.aggregates().get(SUBTASK_MEAN, []) if c["method"] == method):
+                at = _k(m["length"])
+                lines.append(f"  mean of {m['subtasks']} subtasks at {at}: {100 * m['score']:.1f}%")
             lines.append("")
         return "\n".join(lines).rstrip()
 
