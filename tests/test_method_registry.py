@@ -155,3 +155,37 @@ def test_toys_run_from_the_command_line(
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads(out)["methods"][0]["label"] == "toy-raw"
+
+
+def test_an_evictor_is_planned_for_the_tokens_it_keeps_not_the_context() -> None:
+    """At 256K under 24 GiB (Llama-3-8B shapes) SnapKV with a 2K budget keeps ~0.9 GB on the GPU
+    and nothing on the host (the lossless plan streams 27 GB), with the lossless plan's chunk;
+    at 4M, where the host cannot hold the context, it still plans."""
+    from dataclasses import replace
+
+    from kvtier.errors import CapacityError
+    from kvtier.loading.presets import preset_config
+    from kvtier.methods import parse_choice, plan_for
+    from kvtier.planner.hardware import hardware_preset
+    from kvtier.planner.inputs import PlanInputs
+
+    cfg = preset_config("llama-3-8b")
+    inputs = PlanInputs(
+        cfg,
+        262_144,
+        hardware=hardware_preset("h200"),
+        dtype_bytes=2,
+        gpu_budget=24 << 30,
+        host_budget=100 << 30,
+    )
+    lossless = plan_for(inputs).plan
+    plan = plan_for(inputs, parse_choice("snapkv,kv_budget=2048")).plan
+    assert lossless.streamed_slices > 0 and lossless.host_kv_bytes > 20e9
+    assert plan.streamed_slices == 0 and plan.host_kv_bytes == 0
+    assert plan.chunk_size == lossless.chunk_size and plan.context == 2048 + plan.chunk_size
+    assert plan.gpu_kv_bytes == plan.context * cfg.kv_bytes_per_token(2)
+    huge = replace(inputs, context=4 << 20)
+    with pytest.raises(CapacityError):
+        plan_for(huge)
+    far = plan_for(huge, parse_choice("window,kv_budget=2048")).plan
+    assert far.streamed_slices == 0 and far.context == 2048 + far.chunk_size

@@ -62,6 +62,7 @@ def test_request_longer_than_the_pool_is_served_with_offload(llm: LLM) -> None:
     [
         ("int8", True),
         ("window,kv_budget=16", True),
+        ("snapkv,kv_budget=40,kv=head", True),  # an evictor keeps its budget on the GPU: never streams
         ("quest,kv_budget=8,quest_page=4", True),
         ("hip,hip_preset=fast", True),
         ("duo,head_sparsity=0.5,kv_budget=72", True),

@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
 
-from kvtier.methods.registry import BuildContext, MethodEntry, register
+from kvtier.errors import CapacityError
+from kvtier.methods.registry import BuildContext, MethodEntry, Placement, PlanWith, register
+from kvtier.planner.inputs import PlanInputs
+from kvtier.planner.placement import KVPlan
+from kvtier.planner.roofline import MAX_CHUNK
 from kvtier.policies import PolicyParts
 from kvtier.policies.evict import H2OEvictor, SnapKVEvictor, WindowEvictor
 from kvtier.policies.scoring import CacheRopeKernel, ScoringKernel
 
 STREAMING_SINKS = 4  # StreamingLLM's attention sinks
+
+
+def plan_kept(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
+    """An evictor keeps at most `--kv-budget` tokens of every slice plus one step's new ones, on
+    the GPU (`TieredKVStore` holds evictable slices resident and compacts them each step), so it
+    is planned as a resident cache of that many tokens, not of the context: nothing streams and
+    no host tier is needed. The prefill chunk is the lossless plan's where that plans (the kept
+    tokens depend on the chunking), else the resident plan's own."""
+    chunk = inputs.chunk_size
+    if chunk is None:
+        try:
+            chunk = plan_with(None, inputs.gpu_budget, None).chunk_size
+        except CapacityError:
+            chunk = None  # e.g. the host cannot hold the whole context: nothing of it goes there
+    budget = int(options["kv_budget"])
+
+    def resident(tokens: int, chunk: int | None) -> KVPlan:
+        return replace(inputs, context=min(inputs.context, tokens), kv="gpu", chunk_size=chunk).plan()
+
+    if chunk is None:  # the resident plan's own chunk, found with room for the largest
+        chunk = resident(budget + MAX_CHUNK, None).chunk_size
+    return Placement(resident(budget + chunk, chunk))
 
 
 def evictor_entry(name: str, help: str, parts: Callable[[BuildContext, int], PolicyParts]) -> MethodEntry:
@@ -34,6 +62,7 @@ def evictor_entry(name: str, help: str, parts: Callable[[BuildContext, int], Pol
         takes=("kv_budget",),
         requires=("kv_budget",),
         examples={"kv_budget": "1k"},
+        plan=plan_kept,
     )
 
 
