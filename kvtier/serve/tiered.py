@@ -127,7 +127,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     memory, so a `TieredRun` calls it on its launcher thread), and the first page of the run of
     pool pages its buffers live in (None: it has none).
 
-    A lossless request, or one whose method `borrows_pages` (quantized KV, HiP), over a model
+    A lossless request, or one whose method `borrows_pages` (quantized KV, HiP, Quest), over a model
     the pool serves borrows pages (`OffloadHost.lendable_pages`):
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
     and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
@@ -138,8 +138,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     context = len(seq.prompt) + seq.params.max_tokens
     base = llm.plan_inputs(context, method)
     cfg = llm.model_config
-    # An evictor's or Quest's store keeps GPU buffers that neither the region sizing nor the
-    # plan counts (grown slices, page metadata): those requests do not borrow.
+    # An evictor's store grows its slices step by step, which the region sizing cannot hold: it
+    # does not borrow (`MethodEntry.borrows_pages`).
     borrows = all(e.borrows_pages for e in method.selected())  # lossless: none selected
     lends = engine.paged and borrows and not cfg.windowed_layers(context)
     packing = packing_codec(method.codec()) is not None  # its resident slices stay packed
@@ -157,7 +157,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         act = activation_bytes(
             cfg, plan.chunk_size, base.dtype_bytes, group_size=plan.group_size, context=context
         )
-        return act + plan.gpu_kv_bytes + placed.reserve_bytes  # HiP's caches stay in the allocator
+        return act + plan.gpu_kv_bytes + placed.reserve_bytes  # HiP's caches, Quest's page bounds
 
     # What the reserve can hold beside the weights (the planner's own terms; None: unlimited).
     # A plan over lent pages may put there no more than that: its activations and the buffers
