@@ -72,7 +72,8 @@
 #   presets twice (the 128K prefill gap was Triton compiling in a machine's first HiP process).
 #   NEXT (the eighteenth): the GGUF's two-call setup, then 46 (the smoke's serve part: HiP and
 #   Quest requests now borrow pool pages, Quest plans its page bounds), 47 (33's 512K through the
-#   CLI, alone in its call: the lossless run overran 200 s), 34's 512K row, 29's sampled case.
+#   CLI, alone in its call: the lossless run overran 200 s), 48 (pass key and RULER `long`), 34's
+#   512K row, 29's sampled case.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -385,6 +386,16 @@ case "$group" in
   # past Llama-3.1's 128K); the HiP warm-up run (8 tokens, untimed) compiles first
   run 580 $py bench/hip_cli_speed.py --contexts 512K --methods "auto;hip" --new-tokens 16 --timeout 300 \
     --name hip_cli_speed_512k
+  ;;
+48)
+  # issue 19's pass key as the issue asks it (dense at 4K against HiP past the trained length,
+  # now `lean` through auto) and RULER 16K with `long` beside the x10 `lean` run (GGUF)
+  run 200 kvtier eval passkey --lengths 4k --samples 10 --device cuda --method auto --no-progress \
+    --out "$OUT/passkey_smollm2_cuda_4k_dense_x10.json"
+  run 200 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
+    --method hip --no-progress --out "$OUT/passkey_smollm2_cuda_hip_auto_x10.json"
+  run 190 kvtier eval ruler --lengths 16k --samples 10 --device cuda --method hip,hip_preset=long \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_long_x10.json"
   ;;
 45)
   # issue 23 after the sixteenth session's packed kernel (4/8-bit rows attended from the codes,
