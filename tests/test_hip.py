@@ -257,9 +257,9 @@ def test_presets_and_factory_options() -> None:
     assert HIP_PRESETS["default"].attended_tokens == 256 + 2048 + 1024 + 64
     long = HIP_PRESETS["long"]  # the quality runs' --preset 5k --set head_score=softmax window=2048
     assert long == replace(HIP_PRESETS["5k"], head_score="softmax", window=2048)
-    lean = HIP_PRESETS["lean"]  # long's scores, finer chunks, fewer keys
+    lean = HIP_PRESETS["lean"]  # long's scores, finer chunks after the first stage, fewer keys
     assert lean.attended_tokens == 256 + 2048 + 1024 + 64 < long.attended_tokens
-    assert lean == replace(long, chunk_sizes=(32, 16, 8), budgets=(32768, 16384, 2048), window=1024)
+    assert lean == replace(long, chunk_sizes=(256, 16, 8), budgets=(32768, 16384, 2048), window=1024)
     _, unrotated = make_hip_kernel(cfg, CPU, "default", extend=False)
     assert not unrotated
     with pytest.raises(ConfigError, match="preset"):
@@ -338,3 +338,23 @@ def test_store_run_with_pruning_attends_fewer_keys(gqa: tuple[CausalLM, ModelCon
     assert isinstance(kernel, HipKernel)
     # Per query block: at most sink 2 + selected 4 + window 6 + block 4 - 1 keys.
     assert kernel.stats.attended_keys <= kernel.stats.prefill_blocks * 15
+
+
+@pytest.mark.parametrize("first_chunk", [8, 32])
+def test_a_first_stage_whose_budget_covers_the_middle_changes_nothing(
+    gqa: tuple[CausalLM, ModelConfig], first_chunk: int
+) -> None:
+    """`lean`'s measured quality (contexts up to 32K, where its 32K first-stage budget keeps every
+    candidate) holds for any first-stage chunk: a stage that keeps all never scores, so the logits
+    are those of chunk 4 in the same place, bit for bit, while the later stages do prune."""
+    model, cfg = gqa
+    options: dict[str, object] = {**SMALL, "budgets": (64, 8, 4), "wide_budget": 4, "wide_layers": ()}
+    options["head_score"] = "softmax"
+    base, unrotated = make_hip_kernel(cfg, CPU, "default", **{**options, "chunk_sizes": (4, 2, 1)})
+    ref_logits, ref_tokens = run(model, cfg, base, not unrotated)
+    kernel, _ = make_hip_kernel(cfg, CPU, "default", **{**options, "chunk_sizes": (first_chunk, 2, 1)})
+    logits, tokens = run(model, cfg, kernel, not unrotated)
+    assert tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    assert isinstance(kernel, HipKernel) and PROMPT + DECODE - 2 - 6 < 64  # stage 0 keeps all
+    assert kernel.stats.attended_keys < kernel.stats.prefill_blocks * (PROMPT - 1)  # later stages prune
