@@ -21,7 +21,7 @@ from kvtier.eval.ruler import RULER_SUBTASKS
 from kvtier.eval.runner import EvalConfig, check_lengths, run_eval
 from kvtier.eval.scoring import first_int, recall, score
 from kvtier.eval.specs import parse_method, parse_methods
-from kvtier.eval.tasks import PASSKEY_INTRO, TaskSpec, generate_samples
+from kvtier.eval.tasks import PASSKEY_INTRO, PASSKEY_QUESTION, TaskSpec, generate_samples
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_passkey_needle_at_the_requested_depth(tok: Any, haystack: str) -> None:
         assert text.count(needle) == 1
         # Locate it independently: filler tokens before the needle / all filler tokens.
         start = text.index(PASSKEY_INTRO) + len(PASSKEY_INTRO) + 1
-        end = text.rindex("\nWhat is the pass key?")
+        end = text.rindex(PASSKEY_QUESTION)
         at = text.index(needle)
         before = _n(tok, text[start:at])
         filler = _n(tok, text[start:end]) - _n(tok, needle)

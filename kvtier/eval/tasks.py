@@ -1,6 +1,7 @@
 """The `kvtier eval` tasks and the generator that turns a `TaskSpec` into samples.
 
-- `passkey` (Landmark Attention): a 5-digit key in filler; "What is the pass key?".
+- `passkey` (Landmark Attention): a 5-digit key in filler; "What is the pass key?", asking for the
+  number alone (`PASSKEY_QUESTION`).
 - `niah` (Kamradt's needle in a haystack, with RULER's needle): one "special magic number" at
   each requested depth, for a length x depth heatmap.
 - `ruler`: the RULER-style subtasks in `kvtier.eval.ruler`.
@@ -41,6 +42,11 @@ PASSKEY_INTRO = (
     "I will quiz you about the important information there."
 )
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+# Landmark Attention asks "What is the pass key?" alone; the embedded SmolLM2 then defines a pass key
+# ("The pass key is a special type of key ...") even at 1K (6/10, dense) and 4K (0/10). Asking for
+# the number alone, it answered 10/10 and 9/10 (dense, CPU, 10 samples each): the test then
+# measures retrieval, not the model's reading of the question.
+PASSKEY_QUESTION = "\nWhat is the pass key? Answer with the 5-digit number only."
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ def passkey_draft(hay: Haystack, rng: random.Random, depth: float | None) -> Dra
     where = rng.uniform(0, 100) if depth is None else depth
     start = hay.random_start(rng)
     needle = PASSKEY_NEEDLE.format(key=key)
-    build = haystack_build(hay, start, [(where, needle)], PASSKEY_INTRO + "\n", "\nWhat is the pass key?")
+    build = haystack_build(hay, start, [(where, needle)], PASSKEY_INTRO + "\n", PASSKEY_QUESTION)
     return Draft(build, "The pass key is", (key,), "first_int", 10, hay.max_tokens(start), ("\n",))
 
 
