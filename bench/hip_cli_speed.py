@@ -37,13 +37,18 @@ from kvtier.units import parse_count
 TOKENS_PER_WORD = 2.6  # prose() with SmolLM2's tokenizer: 38K words made ~98K tokens
 
 
+PLAN_KEYS = ("chunk_size",)  # plan options a spec may carry besides the method's own
+
+
 def method_flags(spec: str) -> list[str]:
-    """`kvtier generate` flags of a method spec ("auto", "hip", "hip,hip_preset=fast")."""
+    """`kvtier generate` flags of a method spec ("auto", "hip", "hip,hip_preset=fast", and plan
+    options such as "hip,chunk_size=16384")."""
     name, _, rest = spec.partition(",")
-    parse_choice(spec)  # a bad spec fails here, before any process starts
+    items = [item.partition("=") for item in filter(None, rest.split(","))]
+    method = [f"{k}={v}" for k, _, v in items if k not in PLAN_KEYS]
+    parse_choice(",".join([name, *method]))  # a bad spec fails here, before any process starts
     flags = [] if name == "auto" else ["--attention", name] if name in ("hip", "quest") else ["--kv", name]
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
+    for key, _, value in items:
         flags += [f"--{key.replace('_', '-')}", value]
     return flags
 

@@ -74,6 +74,11 @@
 #   Quest requests now borrow pool pages, Quest plans its page bounds), 47 (33's 512K through the
 #   CLI, alone in its call: the lossless run overran 200 s), 48 (pass key and RULER `long`), 34's
 #   512K row, 29's sampled case.
+# The eighteenth ran 34's 512K row, 46 (28/28 + 27/27), 48's pass key (0/10 dense at 4K: the
+#   question, fixed in d616a67) and 47 (lossless 512K through the CLI; HiP cut by the call's
+#   limit; `lean` half of `fast` at 160K, fixed in a11cdab), at f9629cd. NEXT (the nineteenth):
+#   the GGUF's two-call setup, then 49 (HiP at 512K and 160K through the CLI after a11cdab; 128K
+#   chunk sizes), 50 (pass key with the new question; RULER `long`), the smoke if kvtier changed.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -391,6 +396,29 @@ case "$group" in
   # issue 19's pass key as the issue asks it (dense at 4K against HiP past the trained length,
   # now `lean` through auto) and RULER 16K with `long` beside the x10 `lean` run (GGUF)
   run 200 kvtier eval passkey --lengths 4k --samples 10 --device cuda --method auto --no-progress \
+    --out "$OUT/passkey_smollm2_cuda_4k_dense_x10.json"
+  run 200 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
+    --method hip --no-progress --out "$OUT/passkey_smollm2_cuda_hip_auto_x10.json"
+  run 190 kvtier eval ruler --lengths 16k --samples 10 --device cuda --method hip,hip_preset=long \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_long_x10.json"
+  ;;
+49)
+  # issue 19 after a11cdab (`lean`, which `auto` runs past the trained length, scores 256-token
+  # first-stage chunks, as `fast` does; with 32 it prefilled half as fast at 160K). GGUF. HiP alone
+  # at 512K (the lossless row is in hip_cli_speed_512k.json: 3,692 tok/s prefill, 0.876 decode);
+  # lean against fast at 160K again; the CLI's HiP at 128K with larger prefill chunks (the plan
+  # picks 5,120; the bench's rows time 16K)
+  run 260 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 16 --timeout 220 \
+    --warmup-context 160K --name hip_cli_speed_512k_hip
+  run 110 $py bench/hip_cli_speed.py --contexts 160K --methods "hip;hip,hip_preset=fast" --new-tokens 8 \
+    --warmup-tokens 0 --timeout 80 --name hip_cli_speed_160k_lean_fast_b
+  run 200 $py bench/hip_cli_speed.py --contexts 128K --methods "hip;hip,chunk_size=8192;hip,chunk_size=16384" \
+    --timeout 80 --name hip_cli_speed_128k_chunks
+  ;;
+50)
+  # issue 19's pass key after d616a67 (the question asks for the number alone; the old one got 0/10
+  # dense at 4K), then RULER 16K `long` beside the x10 `lean` run. GGUF.
+  run 100 kvtier eval passkey --lengths 4k --samples 10 --device cuda --method auto --no-progress \
     --out "$OUT/passkey_smollm2_cuda_4k_dense_x10.json"
   run 200 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
     --method hip --no-progress --out "$OUT/passkey_smollm2_cuda_hip_auto_x10.json"
