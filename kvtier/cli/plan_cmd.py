@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.planner.plot import plot_memory
 
         plot_memory(req, args.plot)
-    if rep.error is not None and hip is None and (lossy is None or args.kv_quant is None):
+    if rep.error is not None and hip is None and lossy is None:
         raise CapacityError(rep.error)
     if rep.error is not None and not args.json:
         print("\nlossless does not fit (above); the method's plan does")

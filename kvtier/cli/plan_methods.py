@@ -7,6 +7,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.methods import MethodChoice, plan_for
+from kvtier.methods.duo import DUO_RECENT, DUO_SINKS
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.report import PlanRequest
 from kvtier.sparse import resolve_preset
@@ -31,17 +32,17 @@ def lossy_lines(
         plan = plan_for(req.inputs(), choice).plan
         codec = choice.codec()
         method, got = f"--kv-quant {kv_quant}", lossy_kv(cfg, plan, ctx, dtype_bytes=b, codec=codec)
-    elif plan is None:
-        return None
     else:
         assert head_sparsity is not None
         if not 0.0 < head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be a fraction between 0 and 1, got {head_sparsity}")
-        slices = cfg.num_layers * (cfg.num_kv_heads // plan.group_size)
+        # Planned again: the streaming heads' slices stay compact on the GPU, only the others are
+        # placed, so the host tier holds just the retrieval heads' KV.
+        choice = MethodChoice(kv=req.policy, head_group=req.group_size, head_sparsity=head_sparsity)
+        plan = plan_for(req.inputs(), choice).plan
         method = f"--head-sparsity {head_sparsity:g}"
-        got = lossy_kv(
-            cfg, plan, ctx, dtype_bytes=b, evicted_slices=round(head_sparsity * slices), kept_tokens=64 + 256
-        )
+        kept = DUO_SINKS + DUO_RECENT
+        got = lossy_kv(cfg, plan, ctx, dtype_bytes=b, evicted_slices=plan.compact_slices, kept_tokens=kept)
     return {
         "method": method,
         "resident_slices": plan.resident_slices,

@@ -4,8 +4,14 @@ prompt keep sinks + recent tokens; the rest keep every token."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
 from kvtier.errors import ConfigError
-from kvtier.methods.registry import BuildContext, MethodEntry, Option, register
+from kvtier.methods.registry import BuildContext, MethodEntry, Option, Placement, PlanWith, register
+from kvtier.planner.compact import CompactSlices
+from kvtier.planner.inputs import PlanInputs
 from kvtier.policies import PolicyParts
 from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
 from kvtier.units import parse_finite_float
@@ -15,6 +21,19 @@ DUO_SINKS, DUO_RECENT = 64, 256  # DuoAttention's streaming heads at evaluation
 
 def _ratio(text: str) -> float:
     return parse_finite_float(text, "--head-sparsity", 0.0, 1.0, lo_open=True, hi_open=True)
+
+
+def _kept(options: Mapping[str, Any]) -> int:
+    """Tokens a streaming head keeps: the sinks and the recent window (`--kv-budget` in all)."""
+    budget = options.get("kv_budget")
+    return DUO_SINKS + DUO_RECENT if budget is None else int(budget)
+
+
+def _plan(inputs: PlanInputs, options: Mapping[str, Any], _: PlanWith) -> Placement:
+    """The streaming heads' slices stay on the GPU holding their sinks and recent tokens (plus a
+    step's); only the retrieval heads' slices are placed, so the host tier holds just theirs."""
+    compact = CompactSlices(float(options["head_sparsity"]), _kept(options))
+    return Placement(replace(inputs, compact=compact).plan())
 
 
 def _build(ctx: BuildContext) -> PolicyParts:
@@ -45,6 +64,7 @@ DUO = register(
         takes=("head_sparsity", "kv_budget"),
         requires=("head_sparsity",),
         examples={"head_sparsity": "0.5"},
+        plan=_plan,
     ),
     Option("head_sparsity", "--head-sparsity", _ratio, "fraction of KV heads that become streaming heads"),
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.config import ModelConfig
+from kvtier.planner.compact import CompactSlices
 from kvtier.planner.hardware import Hardware
 from kvtier.planner.packed import PackedFormat
 from kvtier.planner.placement import KVPlan, plan_kv
@@ -27,6 +28,7 @@ class PlanInputs:
     block_size: int = 256
     cpu_attention: str | int = "off"  # streamed slices decoded on the CPU: auto, off or a count
     activations: str = "runner"  # whose forward runs the chunks: "runner" (kvtier's) or "hf"
+    compact: CompactSlices | None = None  # slices an evictor keeps small on the GPU (not placed)
 
     def plan(self, codec: PackedFormat | None = None) -> KVPlan:
         """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""
@@ -44,4 +46,5 @@ class PlanInputs:
             codec=codec,
             cpu_attention=self.cpu_attention,
             activations=self.activations,
+            compact=self.compact,
         )

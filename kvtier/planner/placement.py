@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from kvtier.attention.row_formats import native_row_format
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError, HostCapacityError
+from kvtier.planner.compact import CompactSlices
 from kvtier.planner.cpu_split import SliceShape, choose_cpu_slices, decode_step_s
 from kvtier.planner.hardware import DEFAULT_HARDWARE, Hardware
 from kvtier.planner.memory import (
@@ -72,6 +73,9 @@ class KVPlan:
     # Streamed slices a decode step attends on the CPU, where their KV lives, instead of copying
     # them (kvtier.planner.cpu_split); prefill streams them like the others.
     cpu_slices: int = 0
+    # Slices an evictor keeps compact (kvtier.planner.compact): on the GPU, not placed.
+    compact_slices: int = 0
+    compact_tokens: int = 0  # tokens one compact slice may be allocated
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -121,7 +125,8 @@ class KVPlan:
         staging = self.staging_buffers * self.staging_tokens * self.slice_token_bytes
         if self.packed is not None and self.staging_buffers:
             staging += self.packed.scratch_bytes(self.staging_tokens)
-        return self.resident_slices * self.slice_store_bytes + staging + self.window_kv_bytes
+        compact = self.compact_slices * self.compact_tokens * self.slice_token_bytes
+        return self.resident_slices * self.slice_store_bytes + staging + self.window_kv_bytes + compact
 
     @property
     def window_kv_bytes(self) -> int:
@@ -183,6 +188,7 @@ def plan_kv(
     codec: PackedFormat | None = None,
     cpu_attention: str | int = "off",
     activations: str = "runner",
+    compact: CompactSlices | None = None,
 ) -> KVPlan:
     """Plan KV placement for one sequence of `context` tokens.
 
@@ -196,8 +202,9 @@ def plan_kv(
     number of slices) gives some streamed slices to the CPU at decode (`kvtier.planner.cpu_split`;
     with a codec only a number: the CPU then reads the packed rows). `activations` says whose forward
     runs the chunks: "runner" (kvtier's, `activation_bytes`) or "hf" (transformers' model over a
-    `kvtier.hf.TieredCache`, `hf_activation_bytes`). Raises ConfigError on bad arguments and
-    CapacityError with the numbers when the GPU or host budget is too small.
+    `kvtier.hf.TieredCache`, `hf_activation_bytes`). `compact`: slices an evictor keeps small on
+    the GPU (head-wise sparsity), counted beside the weights and not placed. Raises ConfigError
+    on bad arguments and CapacityError with the numbers when the GPU or host budget is too small.
     """
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     if activations not in ACTIVATIONS:
@@ -211,8 +218,8 @@ def plan_kv(
         layers, which the CPU split does not model yet). A quantized cache splits at the CPU's
         measured rate over its packed rows (`Hardware.cpu_packed_bw`); without one, "auto"
         gives it none."""
-        if plan.streamed_slices == 0 or not cfg.plain_scores or windowed:
-            return plan
+        if plan.streamed_slices == 0 or not cfg.plain_scores or windowed or compact is not None:
+            return plan  # NOTE: the store attends no evictor's slices on the CPU
         if codec is not None:
             rate = hw.cpu_packed_rate(native_row_format(codec))
             if rate <= 0 and not isinstance(cpu_attention, int):
@@ -237,6 +244,18 @@ def plan_kv(
     placed_layers = cfg.full_layers(context)  # windowed layers are resident, outside the placement
     windowed = cfg.num_layers - placed_layers
 
+    def n_compact(g: int) -> int:
+        return 0 if compact is None else compact.count(cfg.num_layers * (cfg.num_kv_heads // g))
+
+    def placed(g: int) -> int:
+        """Placed slices of `g` KV heads: the full layers' less the compact ones among them (at
+        least those the windowed layers cannot hold: the evictor picks by score, not layer)."""
+        groups = cfg.num_kv_heads // g
+        return placed_layers * groups - max(0, n_compact(g) - windowed * groups)
+
+    def compact_tokens(c: int) -> int:
+        return 0 if compact is None else compact.tokens(c, block_size)
+
     def fixed(c: int, g: int) -> int:  # GPU bytes that are not placed KV
         if activations == "hf":
             act = hf_activation_bytes(cfg, c, dtype_bytes, group_size=g, context=context)
@@ -247,6 +266,7 @@ def plan_kv(
             + act
             + reserve_bytes
             + window_kv_bytes(cfg, c, context, dtype_bytes, block_size)
+            + n_compact(g) * compact_tokens(c) * kv_token_bytes(cfg, g, dtype_bytes)
         )
 
     def sizing(g: int) -> PackedSizing | None:
@@ -264,7 +284,7 @@ def plan_kv(
         return 2 * tokens * kv_token_bytes(cfg, g, dtype_bytes) + scratch
 
     def all_resident_kv(g: int, c: int) -> int:
-        n = placed_layers * (cfg.num_kv_heads // g)
+        n = placed(g)
         return n * slice_kv(g, c) + (0 if codec is None else staging_kv(g, capacity))
 
     def pick_chunk(g: int, kv: Callable[[int], int], floor: int = MIN_REDUCED_CHUNK) -> int:
@@ -272,7 +292,7 @@ def plan_kv(
         the host's per-slice work), halved down to `floor` until it fits next to kv(chunk) bytes."""
         if chunk_size is not None:
             return min(chunk_size, context)
-        pieces = placed_layers * (cfg.num_kv_heads // g) + windowed
+        pieces = placed(g) + windowed
         c = min(default_chunk_size(cfg, context, hw, dtype_bytes, pieces=pieces), context)
         while gpu_budget is not None and c > floor and fixed(c, g) + kv(c) > gpu_budget:
             c = max(c // 2, floor)
@@ -303,7 +323,7 @@ def plan_kv(
         )
 
     def make(g: int, resident: int, staging_tokens: int, c: int) -> KVPlan:
-        n = placed_layers * (cfg.num_kv_heads // g)
+        n = placed(g)
         pk = sizing(g)
         staged = resident < n or pk is not None  # packed resident slices unpack through staging
         plan = KVPlan(
@@ -323,6 +343,8 @@ def plan_kv(
             window_tokens=0
             if not windowed
             else window_tokens(cfg.sliding_window or 0, c, context, block_size),
+            compact_slices=n_compact(g),
+            compact_tokens=compact_tokens(c),
         )
         if host_budget is not None and plan.host_kv_bytes > host_budget:
             raise HostCapacityError(
@@ -333,14 +355,14 @@ def plan_kv(
         return plan
 
     if policy == "gpu":
-        return on_cpu(make(min_g, placed_layers * (cfg.num_kv_heads // min_g), 0, chunk))
+        return on_cpu(make(min_g, placed(min_g), 0, chunk))
     if policy == "auto":
         g = group_size or cfg.num_kv_heads
         # NOTE: everything stays resident if it does with a chunk of at least MIN_CHUNK tokens;
         # a smaller chunk would trade PCIe time for host-bound prefill.
         c = pick_chunk(g, lambda c: all_resident_kv(g, c), floor=min(MIN_CHUNK, chunk))
         if gpu_budget is None or fixed(c, g) + all_resident_kv(g, c) <= gpu_budget:
-            return on_cpu(make(g, placed_layers * (cfg.num_kv_heads // g), 0, c))
+            return on_cpu(make(g, placed(g), 0, c))
     if policy in ("layer", "head"):
         g = min_g
         avail = None if gpu_budget is None else gpu_budget - fixed(chunk, g)
@@ -361,7 +383,7 @@ def plan_kv(
         pk = sizing(g)
         scratch = 0 if pk is None else pk.scratch_bytes(capacity)
         avail = gpu_budget - fixed(c, g) - scratch
-        n = placed_layers * (cfg.num_kv_heads // g)
+        n = placed(g)
         staging = _staging_tokens(avail, capacity, tok, block_size)
         if staging == 0:
             need = fixed(c, g) + scratch + 2 * block_size * tok
