@@ -233,8 +233,8 @@ class TieredKVStore:
         else:
             for sid, buf in self.resident.items():
                 need = self.slice_length[sid] + n_new
-                if need > buf.shape[0]:
-                    self._resize_slice(sid, lay.round_up(max(need, 2 * buf.shape[0])))
+                if need > buf.shape[0]:  # doubling, but never past the capacity the plan counts
+                    self._resize_slice(sid, lay.round_up(max(need, min(2 * buf.shape[0], self._capacity))))
         for host in self.hosts.values():
             host.reserve(lay.round_up(end))
         if self.packed is not None:

@@ -9,6 +9,7 @@ from typing import Any
 from kvtier.errors import CapacityError
 from kvtier.methods.registry import BuildContext, MethodEntry, Placement, PlanWith, register
 from kvtier.planner.inputs import PlanInputs
+from kvtier.planner.memory import round_up
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.roofline import MAX_CHUNK
 from kvtier.policies import PolicyParts
@@ -21,9 +22,10 @@ STREAMING_SINKS = 4  # StreamingLLM's attention sinks
 def plan_kept(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
     """An evictor keeps at most `--kv-budget` tokens of every slice plus one step's new ones, on
     the GPU (`TieredKVStore` holds evictable slices resident and compacts them each step), so it
-    is planned as a resident cache of that many tokens, not of the context: nothing streams and
-    no host tier is needed. The prefill chunk is the lossless plan's where that plans (the kept
-    tokens depend on the chunking), else the resident plan's own."""
+    is planned as a resident cache of what such a slice may be allocated (as `CompactSlices.tokens`:
+    the store grows it by doubling, up to twice budget + chunk), not of the context: nothing
+    streams and no host tier is needed. The prefill chunk is the lossless plan's where that
+    plans (the kept tokens depend on the chunking), else the resident plan's own."""
     chunk = inputs.chunk_size
     if chunk is None:
         try:
@@ -32,12 +34,13 @@ def plan_kept(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWit
             chunk = None  # e.g. the host cannot hold the whole context: nothing of it goes there
     budget = int(options["kv_budget"])
 
-    def resident(tokens: int, chunk: int | None) -> KVPlan:
+    def resident(chunk_tokens: int, chunk: int | None) -> KVPlan:
+        tokens = 2 * round_up(budget + chunk_tokens, inputs.block_size)
         return replace(inputs, context=min(inputs.context, tokens), kv="gpu", chunk_size=chunk).plan()
 
     if chunk is None:  # the resident plan's own chunk, found with room for the largest
-        chunk = resident(budget + MAX_CHUNK, None).chunk_size
-    return Placement(resident(budget + chunk, chunk))
+        chunk = resident(MAX_CHUNK, None).chunk_size
+    return Placement(resident(chunk, chunk))
 
 
 def evictor_entry(name: str, help: str, parts: Callable[[BuildContext, int], PolicyParts]) -> MethodEntry:

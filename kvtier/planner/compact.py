@@ -1,9 +1,10 @@
 """Slices an evictor keeps compact on the GPU (head-wise sparsity's streaming heads).
 
 The store holds every slice an evictor may compact on the GPU, allocated a block at first and
-grown by doubling while a step's tokens land before the evictor compacts it back to `keep`
-tokens (`kvtier.kv.store`). `plan_kv` counts such slices next to the placed ones: they take GPU
-bytes off the budget, and neither stream nor need the host tier, so only the others are placed.
+grown by doubling (never past the store's capacity) while a step's tokens land before the
+evictor compacts it back to `keep` tokens (`kvtier.kv.store`). `plan_kv` counts such slices
+next to the placed ones: they take GPU bytes off the budget, and neither stream nor need the
+host tier, so only the others are placed.
 """
 
 from __future__ import annotations
@@ -34,3 +35,8 @@ class CompactSlices:
         """Tokens one compact slice may be allocated: a step appends up to `chunk` tokens to the
         `keep` it holds, and growth by doubling can overshoot that by less than a factor 2."""
         return 2 * round_up(self.keep + chunk, block_size)
+
+    def gpu_bytes(self, count: int, tokens: int, token_bytes: int) -> int:
+        """GPU bytes of `count` compact slices of at most `tokens` tokens: one more slice for the
+        resize in flight (its old and new buffers live together while it copies)."""
+        return (count + (1 if count else 0)) * tokens * token_bytes

@@ -125,7 +125,8 @@ class KVPlan:
         staging = self.staging_buffers * self.staging_tokens * self.slice_token_bytes
         if self.packed is not None and self.staging_buffers:
             staging += self.packed.scratch_bytes(self.staging_tokens)
-        compact = self.compact_slices * self.compact_tokens * self.slice_token_bytes
+        compact = (self.compact_slices + (1 if self.compact_slices else 0)) * self.compact_tokens
+        compact *= self.slice_token_bytes  # one more for the resize in flight (CompactSlices.gpu_bytes)
         return self.resident_slices * self.slice_store_bytes + staging + self.window_kv_bytes + compact
 
     @property
@@ -254,7 +255,7 @@ def plan_kv(
         return placed_layers * groups - max(0, n_compact(g) - windowed * groups)
 
     def compact_tokens(c: int) -> int:
-        return 0 if compact is None else compact.tokens(c, block_size)
+        return 0 if compact is None else min(compact.tokens(c, block_size), capacity)
 
     def fixed(c: int, g: int) -> int:  # GPU bytes that are not placed KV
         if activations == "hf":
@@ -266,7 +267,11 @@ def plan_kv(
             + act
             + reserve_bytes
             + window_kv_bytes(cfg, c, context, dtype_bytes, block_size)
-            + n_compact(g) * compact_tokens(c) * kv_token_bytes(cfg, g, dtype_bytes)
+            + (
+                0
+                if compact is None
+                else compact.gpu_bytes(n_compact(g), compact_tokens(c), kv_token_bytes(cfg, g, dtype_bytes))
+            )
         )
 
     def sizing(g: int) -> PackedSizing | None:
