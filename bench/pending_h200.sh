@@ -78,7 +78,8 @@
 #   question, fixed in d616a67) and 47 (lossless 512K through the CLI; HiP cut by the call's
 #   limit; `lean` half of `fast` at 160K, fixed in a11cdab), at f9629cd. NEXT (the nineteenth):
 #   the GGUF's two-call setup, then 49 (HiP at 512K and 160K through the CLI after a11cdab; 128K
-#   chunk sizes), 50 (pass key with the new question; RULER `long`), the smoke if kvtier changed.
+#   chunk sizes), 50 (pass key with the new question; RULER `long`), then 46 (the smoke: evicting
+#   stores now grow only up to their capacity, Duo is planned with compact slices, KVPlan moved).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
