@@ -33,7 +33,6 @@ def run(
 ) -> tuple[list[torch.Tensor], TieredKVStore]:
     """Prefill in chunks, then greedy decode; every step's logits and the store. `streamed`:
     every slice in host memory (head-wise offload), else every slice resident."""
-    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
     slices = cfg.num_layers * cfg.num_kv_heads // group
     plan = (
         KVPlan("head", group, 0, chunk, 2, PROMPT + DECODE)
@@ -41,6 +40,14 @@ def run(
         else KVPlan("gpu", group, slices, chunk, 0, 0)
     )
     store = make_store(cfg, plan, parts)
+    return drive_store(model, cfg, store, chunk, decode), store
+
+
+def drive_store(
+    model: CausalLM, cfg: ModelConfig, store: TieredKVStore, chunk: int = PROMPT, decode: int = DECODE
+) -> list[torch.Tensor]:
+    """The run's prompt prefilled through `store` in chunks, then greedy decode: each step's logits."""
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
     logits = []
     for s in range(0, PROMPT, chunk):
         store.begin_step(min(chunk, PROMPT - s))
@@ -50,7 +57,7 @@ def run(
         store.begin_step(1)
         logits.append(model(logits[-1][-1].argmax().view(1), store))
         store.end_step()
-    return logits, store
+    return logits
 
 
 def make_store(

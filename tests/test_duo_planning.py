@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
@@ -20,7 +19,7 @@ from kvtier.planner.memory import round_up
 from kvtier.planner.placement import plan_kv
 from kvtier.policies import PolicyParts
 from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
-from tests.policy_store import DECODE, PROMPT, make_store
+from tests.policy_store import DECODE, PROMPT, drive_store, make_store
 
 
 def test_a_million_tokens_fit_the_host_with_half_the_heads_streaming() -> None:
@@ -69,16 +68,7 @@ def test_the_store_stays_within_what_the_plan_counts(
     assert (plan.num_slices, plan.compact_slices, plan.resident_slices) == (3, 3, 0)
     scores = head_scores(model, segment=16, repeats=3, cache_dir=tmp_path)
     store = make_store(cfg, plan, PolicyParts(evictor=HeadStreamingEvictor(scores, 0.5, sinks=4, recent=20)))
-    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
-    logits = []
-    for s in range(0, PROMPT, chunk):
-        store.begin_step(min(chunk, PROMPT - s))
-        logits.append(model(ids[s : s + chunk], store))
-        store.end_step()
-    for _ in range(DECODE):
-        store.begin_step(1)
-        logits.append(model(logits[-1][-1].argmax().view(1), store))
-        store.end_step()
+    drive_store(model, cfg, store, chunk)
     assert len(store.hosts) == plan.streamed_slices == 3 and len(store.resident) == plan.compact_slices
     assert store.account.peak["host"] == plan.host_kv_bytes
     assert store.account.peak["gpu"] <= plan.gpu_kv_bytes
