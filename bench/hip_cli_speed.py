@@ -71,7 +71,7 @@ def run_one(
     }
     if proc.returncode != 0:
         row["error"] = (
-            proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else f"rc {proc.returncode}"
+            proc.stderr.strip().splitlines()[-1][:1000] if proc.stderr.strip() else f"rc {proc.returncode}"
         )
         return row
     stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]

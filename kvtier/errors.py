@@ -29,3 +29,18 @@ class CapacityError(KvtierError):
 
 class HostCapacityError(CapacityError):
     """A context does not fit the host memory budget (whatever the GPU budget)."""
+
+
+def raised_at(exc: BaseException, package: str = "kvtier") -> str:
+    """Where in `package` `exc` was raised: 'path/file.py:line in function' of the innermost
+    traceback frame under the package (so an out-of-memory error names the allocation that did
+    not fit, not torch's internals); '' when no frame is."""
+    import traceback
+
+    site = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        parts = frame.filename.replace("\\", "/").split("/")
+        if package in parts[:-1]:
+            rel = "/".join(parts[len(parts) - 1 - parts[::-1].index(package) :])
+            site = f"{rel}:{frame.lineno} in {frame.name}"
+    return site

@@ -3,6 +3,7 @@ run frees every tier."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,10 @@ def test_failure_mid_run_frees_every_tier(tiny: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(store_module.TieredKVStore, "begin_step", begin_step)
     llm = LLM(str(tiny), device="cpu", kv="head", head_group=1, chunk_size=8)
-    with pytest.raises(CapacityError, match="All KV memory was freed"):
+    with pytest.raises(CapacityError, match="All KV memory was freed") as err:
         llm.generate(list(range(1, 40)), SamplingParams(max_tokens=4))
+    # the message names kvtier's own line that asked for the memory (here: the store's caller)
+    assert re.search(r", at kvtier/[\w/]+\.py:\d+ in \w+\)", str(err.value)), str(err.value)
     account = stores[-1].account
     assert account.peak["host"] > 0 and account.peak["gpu"] > 0
     assert account.allocated == {"gpu": 0, "host": 0}

@@ -16,7 +16,7 @@ from kvtier.engine.outputs import RequestOutput, allocator_counts
 from kvtier.engine.prompts import Prompt, check_length, encode_prompt, stopper, text_and_reason
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError
+from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError, raised_at
 from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
@@ -456,8 +456,10 @@ class LLM:
                 stats.gpu_allocator = {k: after[k] - allocator[k] for k in after}
                 stats.gpu_allocator["reserved_peak"] = int(torch.cuda.max_memory_reserved(self.device))
         except torch.OutOfMemoryError as e:
+            site = raised_at(e)
             raise CapacityError(
-                f"out of memory during generation ({str(e).splitlines()[0][:160]}); the plan was "
+                f"out of memory during generation ({str(e).splitlines()[0][:160]}"
+                f"{', at ' + site if site else ''}); the plan was "
                 f"kv={plan.policy}, group={plan.group_size}, resident slices={plan.resident_slices}, "
                 f"chunk={plan.chunk_size}. All KV memory was freed. Pass a smaller --gpu-memory (the "
                 "planner then leaves more headroom), a smaller --chunk-size, or --kv head"
