@@ -176,3 +176,28 @@ def test_rope_table_grows_in_bounded_steps_with_the_same_values(monkeypatch: pyt
     assert table._cos.shape[0] == rope_ext.table_positions(385) == 512
     cos, sin = rotary.cos_sin(torch.arange(512), torch.float32)
     assert torch.equal(table._cos, cos) and torch.equal(table._sin, sin)
+
+
+def test_prune_batches_are_sized_on_the_largest_stage() -> None:
+    """`lean` at 512K (Llama-3.1-8B shapes, a layer slice of 8 KV heads): the last stage scores
+    2,048 8-token chunks for each of a block's 64 x 32 (query, head) rows (stride 1), 4x the
+    first stage's rows. The batch bytes of a block cover that stage's softmax temporaries, so a
+    15K-token prefill chunk's 240 blocks are pruned ~20 at a time, not ~190 (3 GB: the H200 run
+    out of memory under 24 GiB, bench/results/hip_cli_speed_512k_hip.json)."""
+    from kvtier.sparse import HIP_PRESETS
+    from kvtier.sparse.prefill import PRUNE_BATCH_BYTES, prune_bytes_per_block
+
+    lean = HIP_PRESETS["lean"]
+    kw = {"chunk_sizes": lean.chunk_sizes, "budgets": lean.budgets, "strides": lean.query_strides}
+    at_512k = prune_bytes_per_block(
+        524288 - lean.sink, 64, 32, 8, 128, **kw, triton=True, head_score="softmax"
+    )
+    last_stage_rows = 3 * 4 * (lean.budgets[1] // lean.chunk_sizes[2]) * 64 * 32  # [C, R] float32, x3
+    assert at_512k >= last_stage_rows
+    assert PRUNE_BATCH_BYTES // at_512k <= 21
+    # early in a prefill (32K keys) stage 0 has few chunks, but the later stages are as large
+    at_32k = prune_bytes_per_block(32768, 64, 32, 8, 128, **kw, triton=True, head_score="softmax")
+    assert at_32k >= last_stage_rows
+    # the max head score keeps no rows: only the kept positions and the scores count
+    plain = prune_bytes_per_block(524288, 64, 32, 8, 128, **kw, triton=True, head_score="max")
+    assert plain < last_stage_rows // 10

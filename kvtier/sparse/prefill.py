@@ -278,12 +278,10 @@ def run_block_stages(
         assert cand is not None
         return cand, valid
 
-    c0 = -(-max(1, keys.shape[0] - sink) // chunk_sizes[0])
-    per_block = 3 * 4 * keys.shape[1] * keys.shape[2] * c0
-    if triton:  # kept positions: their offsets, sum and where, int64; the scores and top-k
-        per_block = 3 * 8 * budgets[0] + 16 * c0
-    if head_score == "softmax":  # per-row maxima [C, R] float32, their logits and softmax
-        per_block += 3 * 4 * c0 * -(-q.shape[1] // strides[0]) * q.shape[2]
+    per_block = prune_bytes_per_block(
+        keys.shape[0] - sink, q.shape[1], q.shape[2], keys.shape[1], keys.shape[2],
+        chunk_sizes=chunk_sizes, budgets=budgets, strides=strides, triton=triton, head_score=head_score,
+    )  # fmt: skip
     step = max(1, PRUNE_BATCH_BYTES // per_block)
     spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
     parts = [
@@ -295,6 +293,37 @@ def run_block_stages(
     width = max(sel.shape[1] for sel, _ in parts)
     sel = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p, _ in parts])
     return sel, torch.cat([n for _, n in parts])
+
+
+def prune_bytes_per_block(
+    middle: int,
+    block_q: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    chunk_sizes: tuple[int, ...],
+    budgets: tuple[int, ...],
+    strides: tuple[int, ...],
+    triton: bool,
+    head_score: str,
+) -> int:
+    """GPU bytes one query block's pruning needs at once at its largest stage, over `middle`
+    candidate tokens (past the sinks) of a slice: with torch the probe keys of every chunk in
+    float32 and their scores; with Triton the kept positions (offsets, sum and where, int64) and
+    the scores and top-k; the "softmax" head score adds per-row maxima [C, R] float32, their
+    logits and softmax. Each stage has its own chunk count and rows (a stride-1 last stage scores
+    4x the rows of a stride-4 first one: sized on stage 0 alone, `lean`'s 15K-token chunks at
+    512K asked for 3 GB in one batch and ran a 24 GiB GPU out of memory)."""
+    most, n = 0, max(1, middle)
+    for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
+        c_count = -(-n // c)
+        size = 3 * 8 * budgets[0] + 16 * c_count if triton else 3 * 4 * kv_heads * head_dim * c_count
+        if head_score == "softmax":
+            size += 3 * 4 * c_count * -(-block_q // stride) * heads
+        most = max(most, size)
+        n = min(n, k)
+    return most
 
 
 def prune_whole_blocks(
