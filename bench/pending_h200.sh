@@ -80,6 +80,10 @@
 #   the GGUF's two-call setup, then 49 (HiP at 512K and 160K through the CLI after a11cdab; 128K
 #   chunk sizes), 50 (pass key with the new question; RULER `long`), then 46 (the smoke: evicting
 #   stores now grow only up to their capacity, Duo is planned with compact slices, KVPlan moved).
+# The nineteenth lost its device results with its checkout. The twentieth ran 46 (28/28 + 27/27),
+#   49 and 50 at 20e2632, then found HiP's 512K OOM (fixed in c592dce). NEXT: group 51 (GGUF's
+#   two-call setup first), alone in its call: on a fresh machine the model folder and prompts
+#   take ~1 min before the warm-up, and 250 s was not enough.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -415,6 +419,14 @@ case "$group" in
     --warmup-tokens 0 --timeout 80 --name hip_cli_speed_160k_lean_fast_b
   run 200 $py bench/hip_cli_speed.py --contexts 128K --methods "hip;hip,chunk_size=8192;hip,chunk_size=16384" \
     --timeout 80 --name hip_cli_speed_128k_chunks
+  ;;
+51)
+  # issue 19: HiP at 512K through the CLI after c592dce (pruning batches sized on their largest
+  # stage; before it `lean` ran out of memory there), then the embedded smoke's generate part
+  run 420 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 16 --timeout 300 \
+    --warmup-context 160K --name hip_cli_speed_512k_hip_b
+  run 160 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
+    --out "$OUT/gpu_smoke_generate_embedded.json"
   ;;
 50)
   # issue 19's pass key after d616a67 (the question asks for the number alone; the old one got 0/10
