@@ -137,5 +137,5 @@ def test_softmax_head_score_is_a_softmax_over_live_chunks_then_the_max_over_rows
     flat = view.flatten(2)  # [B, C, R]
     ref = torch.softmax(torch.where(live[:, :, None], flat * 0.125, float("-inf")), dim=1).amax(dim=2)
     for x in (view, flat):
-        got = softmax_head_score(x, live, 0.125)
+        got = softmax_head_score(x.clone(), live, 0.125)  # it overwrites its input
         assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)

@@ -131,11 +131,12 @@ def softmax_head_score(rows: torch.Tensor, live: torch.Tensor, scale: float) -> 
     [B, C]) of the scaled maxima, then the max over rows -> [B, C] (nan where a block has no
     live chunk; the caller masks those). Taken as max_r exp(x - logsumexp_c x), so no softmax
     output is written and both reductions run over the tensor as it lies (on CUDA a softmax
-    along a strided dim took ~2 ms a layer of SmolLM2 at 16K)."""
+    along a strided dim took ~2 ms a layer of SmolLM2 at 16K). Overwrites `rows` (the pruning
+    kernel's temporary): at most one more tensor of its size lives at once, inside logsumexp."""
     shape = (*live.shape, *([1] * (rows.dim() - 2)))
-    logits = torch.where(live.view(shape), rows * scale, float("-inf"))
+    logits = rows.mul_(scale).masked_fill_(~live.view(shape), float("-inf"))
     lse = torch.logsumexp(logits, dim=1, keepdim=True)
-    return (logits - lse).amax(dim=tuple(range(2, rows.dim()))).exp()
+    return logits.sub_(lse).amax(dim=tuple(range(2, rows.dim()))).exp()
 
 
 def _span(first: int, n: int, valid: torch.Tensor) -> torch.Tensor:
@@ -311,16 +312,16 @@ def prune_bytes_per_block(
     """GPU bytes one query block's pruning needs at once at its largest stage, over `middle`
     candidate tokens (past the sinks) of a slice: with torch the probe keys of every chunk in
     float32 and their scores; with Triton the kept positions (offsets, sum and where, int64) and
-    the scores and top-k; the "softmax" head score adds per-row maxima [C, R] float32, their
-    logits and softmax. Each stage has its own chunk count and rows (a stride-1 last stage scores
+    the scores and top-k; the "softmax" head score adds per-row maxima [C, R] float32 and one
+    temporary of their size. Each stage has its own chunk count and rows (a stride-1 last stage scores
     4x the rows of a stride-4 first one: sized on stage 0 alone, `lean`'s 15K-token chunks at
     512K asked for 3 GB in one batch and ran a 24 GiB GPU out of memory)."""
     most, n = 0, max(1, middle)
     for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
         c_count = -(-n // c)
         size = 3 * 8 * budgets[0] + 16 * c_count if triton else 3 * 4 * kv_heads * head_dim * c_count
-        if head_score == "softmax":
-            size += 3 * 4 * c_count * -(-block_q // stride) * heads
+        if head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
+            size += 2 * 4 * c_count * -(-block_q // stride) * heads
         most = max(most, size)
         n = min(n, k)
     return most
