@@ -40,6 +40,9 @@ TOKENS_PER_WORD = 2.6  # prose() with SmolLM2's tokenizer: 38K words made ~98K t
 PLAN_KEYS = ("chunk_size",)  # plan options a spec may carry besides the method's own
 
 
+MODEL = "llama-3.1-8b shapes, random bf16 weights"
+
+
 def method_flags(spec: str) -> list[str]:
     """`kvtier generate` flags of a method spec ("auto", "hip", "hip,hip_preset=fast", and plan
     options such as "hip,chunk_size=16384")."""
@@ -142,6 +145,7 @@ def main() -> None:
                 row = {"method": spec, "error": f"over --timeout {args.timeout} s"}
             rows.append({**row, "context": warm_context, "warmup": True})
             print({k: v for k, v in rows[-1].items() if k != "command"}, flush=True)
+            write_results(args.name, {"model": MODEL, "rows": rows})  # kept if a later row is cut
     for context in contexts:
         prompt = args.workdir / f"prose_{context}.txt"
         base: dict[str, Any] | None = None
@@ -158,7 +162,7 @@ def main() -> None:
                 row["decode_vs_first"] = round(row["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2)
             rows.append(row)
             print({k: v for k, v in row.items() if k != "command"}, flush=True)
-            write_results(args.name, {"model": "llama-3.1-8b shapes, random bf16 weights", "rows": rows})
+            write_results(args.name, {"model": MODEL, "rows": rows})
 
 
 if __name__ == "__main__":
