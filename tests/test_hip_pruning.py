@@ -201,3 +201,47 @@ def test_prune_batches_are_sized_on_the_largest_stage() -> None:
     # the max head score keeps no rows: only the kept positions and the scores count
     plain = prune_bytes_per_block(524288, 64, 32, 8, 128, **kw, triton=True, head_score="max")
     assert plain < last_stage_rows // 10
+
+
+def test_prune_batches_keep_every_stages_softmax_rows_within_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run on the CPU: with many query heads the stride-1 last stage's per-row scores dominate a
+    block's pruning bytes, and every batch `run_block_stages` forms keeps them (the rows and one
+    temporary) within `PRUNE_BATCH_BYTES`. Sized on stage 0 alone, a batch took 10 blocks and
+    twice the bound."""
+    from kvtier.sparse import prefill
+    from kvtier.sparse.prefill import prune_bytes_per_block, run_block_stages
+
+    bq, heads, g, s, sink, window = 8, 32, 2, 400, 4, 16
+    stages = {"chunk_sizes": (32, 8, 2), "budgets": (96, 32, 16), "strides": (4, 4, 1)}
+    per_block = prune_bytes_per_block(s - sink, bq, heads, g, D, **stages, triton=False, head_score="softmax")
+    monkeypatch.setattr(prefill, "PRUNE_BATCH_BYTES", 4 * per_block)
+    seen: list[int] = []
+    original = prefill.softmax_head_score
+
+    def recording(rows: torch.Tensor, live: torch.Tensor, scale: float) -> torch.Tensor:
+        seen.append(rows.numel() * rows.element_size())
+        return original(rows, live, scale)
+
+    monkeypatch.setattr(prefill, "softmax_head_score", recording)
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(s, g, D, generator=gen)
+    q = torch.randn(12 * bq, heads, D, generator=gen)
+    start = s - q.shape[0]
+    starts = [max(sink, start + b - window + 1) for b in range(0, q.shape[0], bq)]
+    run_block_stages(
+        q.view(-1, bq, heads, D),
+        torch.arange(start, s).view(-1, bq),
+        keys,
+        sink,
+        torch.tensor(starts),
+        **stages,
+        mode="relative",
+        rotary=RopeTable(Rotary(RopeConfig(), D)),
+        window=window,
+        triton=False,
+        head_score="softmax",
+    )
+    assert len(seen) >= 3 * 2  # every stage scored, in more than one batch
+    assert 2 * max(seen) <= 4 * per_block
