@@ -83,7 +83,8 @@
 # The nineteenth lost its device results with its checkout. The twentieth ran 46 (28/28 + 27/27),
 #   49 and 50 at 20e2632, then found HiP's 512K OOM (fixed in c592dce). NEXT: group 51 (GGUF's
 #   two-call setup first), alone in its call: on a fresh machine the model folder and prompts
-#   take ~1 min before the warm-up, and 250 s was not enough.
+#   take ~1 min before the warm-up, and 250 s was not enough; then 52 (lean's speed at 160K with
+#   the smaller pruning batches).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -427,6 +428,12 @@ case "$group" in
     --warmup-context 160K --name hip_cli_speed_512k_hip_b
   run 160 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
     --out "$OUT/gpu_smoke_generate_embedded.json"
+  ;;
+52)
+  # issue 19 after c592dce/the in-place softmax score: `lean` prunes 7 blocks a batch where it took
+  # up to ~54 at 160K (more launches); its prefill there was 6,584 tok/s at 20e2632 (GGUF)
+  run 110 $py bench/hip_cli_speed.py --contexts 160K --methods "hip;hip,hip_preset=fast" --new-tokens 8 \
+    --warmup-tokens 0 --timeout 80 --name hip_cli_speed_160k_lean_fast_c
   ;;
 50)
   # issue 19's pass key after d616a67 (the question asks for the number alone; the old one got 0/10
