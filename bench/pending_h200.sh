@@ -85,6 +85,8 @@
 #   two-call setup first), alone in its call: on a fresh machine the model folder and prompts
 #   take ~1 min before the warm-up, and 250 s was not enough; then 52 (lean's speed at 160K with
 #   the smaller pruning batches).
+# The twenty-first ran 51 and 52 at 99556c2 (512K runs; lean's 160K prefill 30% slower), batched
+#   each pruning stage on its own bytes. NEXT: 53 (GGUF's two-call setup first), then 54.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -434,6 +436,21 @@ case "$group" in
   # up to ~54 at 160K (more launches); its prefill there was 6,584 tok/s at 20e2632 (GGUF)
   run 110 $py bench/hip_cli_speed.py --contexts 160K --methods "hip;hip,hip_preset=fast" --new-tokens 8 \
     --warmup-tokens 0 --timeout 80 --name hip_cli_speed_160k_lean_fast_c
+  ;;
+53)
+  # issue 19: each pruning stage batched on its own bytes (at 99556c2 every stage took the last
+  # stage's 7 blocks and lean's 160K prefill fell to 4,616 tok/s from 6,584); then the smoke's
+  # embedded generate part (GPU-facing code changed). GGUF.
+  run 170 $py bench/hip_cli_speed.py --contexts 160K --methods "hip;hip,hip_preset=fast" --new-tokens 8 \
+    --warmup-tokens 0 --timeout 80 --name hip_cli_speed_160k_lean_fast_d
+  run 160 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
+    --out "$OUT/gpu_smoke_generate_embedded.json"
+  ;;
+54)
+  # issue 19: HiP at 512K through the CLI with per-stage pruning batches (4,690 tok/s prefill,
+  # 7.47 decode at 99556c2). GGUF.
+  run 420 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 16 --timeout 300 \
+    --warmup-context 160K --name hip_cli_speed_512k_hip_c
   ;;
 50)
   # issue 19's pass key after d616a67 (the question asks for the number alone; the old one got 0/10

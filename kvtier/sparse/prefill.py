@@ -249,51 +249,92 @@ def run_block_stages(
     """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
     block may end early (q_pos -1 past its last query; see `pool_blocks`). `starts_host`: the
-    window starts as host ints, if the caller has them (else read back: a sync per batch).
+    window starts as host ints, if the caller has them (else read back: one sync).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
     Chunks are scored by `bisect_triton` (`triton`; None: on CUDA when triton is installed) or
-    by `_bisect`'s torch operators. Blocks are pruned in batches whose temporaries stay near
+    by `_bisect`'s torch operators. Stage by stage, blocks are pruned in batches whose
+    temporaries (`stage_prune_bytes`), with every block's candidates, stay near
     `PRUNE_BATCH_BYTES`: with torch the probe keys of every chunk of every block, in float32, and
     their scores (at 512K a layer slice of 8 KV heads takes ~25 MB per block, so 64 blocks at
     once took ~1.6 GB); with Triton only the kept positions (~0.8 MB a block). The "softmax"
-    head score adds each stage-0 chunk's per-row maxima and their softmax.
+    head score adds each chunk's per-row maxima and their softmax. Each stage has its own batch
+    size: one sized on the largest stage pruned `lean`'s 160K prefill 7 blocks at a time in
+    every stage and took 30% longer (bench/results/hip_cli_speed_160k_lean_fast_c.json).
     """
     if triton is None:
         triton = q.is_cuda and use_triton()
-
-    def prune(
-        qb: torch.Tensor, pb: torch.Tensor, starts: torch.Tensor, most: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stage for one batch of blocks (`most`: their largest window start, if known)."""
-        width = max(0, (int(starts.max()) if most is None else most) - sink)  # NOTE: else a sync
-        valid = (starts - sink).clamp(min=0)
-        cand: torch.Tensor | None = None  # stage 0: [sink, starts[b]) of each block
-        for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
-            pq, pp = pool_blocks(qb, pb, stride, ragged)
-            cand, valid = prune_blocks(
-                pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
-                first=sink, width=width, triton=triton, head_score=head_score,
-            )  # fmt: skip
-        assert cand is not None
-        return cand, valid
-
-    per_block = prune_bytes_per_block(
+    n_blocks = q.shape[0]
+    stage_bytes = stage_prune_bytes(
         keys.shape[0] - sink, q.shape[1], q.shape[2], keys.shape[1], keys.shape[2],
         chunk_sizes=chunk_sizes, budgets=budgets, strides=strides, triton=triton, head_score=head_score,
     )  # fmt: skip
-    step = max(1, PRUNE_BATCH_BYTES // per_block)
-    spans = [slice(i, i + step) for i in range(0, q.shape[0], step)]
-    parts = [
-        prune(q[sp], q_pos[sp], window_starts[sp], None if starts_host is None else max(starts_host[sp]))
-        for sp in spans
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    width = max(sel.shape[1] for sel, _ in parts)
-    sel = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p, _ in parts])
-    return sel, torch.cat([n for _, n in parts])
+    starts_all = starts_host if starts_host is not None else window_starts.tolist()  # NOTE: else a sync
+    n_in = max(0, max(starts_all) - sink)  # stage 0's candidates: [sink, window_starts[b])
+    valid = (window_starts - sink).clamp(min=0)
+    cand: torch.Tensor | None = None  # [B, n_in] after stage 0, -1 padded
+    for c, k, stride, per_block in zip(chunk_sizes, budgets, strides, stage_bytes, strict=True):
+        pq, pp = pool_blocks(q, q_pos, stride, ragged)  # [B, Tb/stride, H_q, D], [B, Tb/stride]
+        n_out = n_in if -(-n_in // c) <= k // c else k // c * c  # the widest any batch returns
+        # every block's candidates (in and out) and pooled queries live through the stage: the
+        # batches get the rest of the bound
+        carried = 8 * n_blocks * (n_in + n_out if cand is not None else n_out)
+        carried += pq.numel() * pq.element_size() if stride > 1 else 0
+        step = max(1, (PRUNE_BATCH_BYTES - carried) // per_block)
+        if step >= n_blocks:
+            cand, valid = prune_blocks(
+                pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
+                first=sink, width=n_in, triton=triton, head_score=head_score,
+            )  # fmt: skip
+        else:
+            out = torch.full((n_blocks, n_out), -1, dtype=torch.long, device=q.device)
+            kept = torch.empty_like(valid)
+            for i in range(0, n_blocks, step):
+                sp = slice(i, i + step)
+                width = max(0, max(starts_all[sp]) - sink) if cand is None else n_in
+                sel, n_sel = prune_blocks(
+                    pq[sp], pp[sp], keys, None if cand is None else cand[sp], valid[sp], c, k,
+                    mode=mode, rotary=rotary, window=window, first=sink, width=width,
+                    triton=triton, head_score=head_score,
+                )  # fmt: skip
+                out[sp, : sel.shape[1]] = sel
+                kept[sp] = n_sel
+            cand, valid = out, kept
+        n_in = cand.shape[1]
+    assert cand is not None
+    return cand, valid
+
+
+def stage_prune_bytes(
+    middle: int,
+    block_q: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    chunk_sizes: tuple[int, ...],
+    budgets: tuple[int, ...],
+    strides: tuple[int, ...],
+    triton: bool,
+    head_score: str,
+) -> list[int]:
+    """GPU bytes one query block's pruning needs at once in each stage, over `middle` candidate
+    tokens (past the sinks) of a slice: with torch the probe keys of every chunk in float32 and
+    their scores; with Triton the kept positions (offsets, sum and where, int64) and the scores
+    and top-k; the "softmax" head score adds per-row maxima [C, R] float32 and one temporary of
+    their size. Each stage has its own chunk count and rows: a stride-1 last stage scores 4x the
+    rows of a stride-4 first one (`lean`'s last stage takes ~34 MB a block at 160K where its
+    first takes ~3 MB)."""
+    sizes, n = [], max(1, middle)
+    for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
+        c_count = -(-n // c)
+        size = 3 * 8 * budgets[0] + 16 * c_count if triton else 3 * 4 * kv_heads * head_dim * c_count
+        if head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
+            size += 2 * 4 * c_count * -(-block_q // stride) * heads
+        sizes.append(size)
+        n = min(n, k)
+    return sizes
 
 
 def prune_bytes_per_block(
@@ -309,22 +350,14 @@ def prune_bytes_per_block(
     triton: bool,
     head_score: str,
 ) -> int:
-    """GPU bytes one query block's pruning needs at once at its largest stage, over `middle`
-    candidate tokens (past the sinks) of a slice: with torch the probe keys of every chunk in
-    float32 and their scores; with Triton the kept positions (offsets, sum and where, int64) and
-    the scores and top-k; the "softmax" head score adds per-row maxima [C, R] float32 and one
-    temporary of their size. Each stage has its own chunk count and rows (a stride-1 last stage scores
-    4x the rows of a stride-4 first one: sized on stage 0 alone, `lean`'s 15K-token chunks at
-    512K asked for 3 GB in one batch and ran a 24 GiB GPU out of memory)."""
-    most, n = 0, max(1, middle)
-    for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
-        c_count = -(-n // c)
-        size = 3 * 8 * budgets[0] + 16 * c_count if triton else 3 * 4 * kv_heads * head_dim * c_count
-        if head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
-            size += 2 * 4 * c_count * -(-block_q // stride) * heads
-        most = max(most, size)
-        n = min(n, k)
-    return most
+    """`stage_prune_bytes` at the largest stage: the most one query block's pruning holds at
+    once (sized on stage 0 alone, `lean`'s 15K-token chunks at 512K asked for 3 GB in one batch
+    and ran a 24 GiB GPU out of memory)."""
+    sizes = stage_prune_bytes(
+        middle, block_q, heads, kv_heads, head_dim, chunk_sizes=chunk_sizes, budgets=budgets,
+        strides=strides, triton=triton, head_score=head_score,
+    )  # fmt: skip
+    return max(sizes)
 
 
 def prune_whole_blocks(
