@@ -86,7 +86,8 @@
 #   take ~1 min before the warm-up, and 250 s was not enough; then 52 (lean's speed at 160K with
 #   the smaller pruning batches).
 # The twenty-first ran 51 and 52 at 99556c2 (512K runs; lean's 160K prefill 30% slower), batched
-#   each pruning stage on its own bytes. NEXT: 53 (GGUF's two-call setup first), then 54.
+#   each pruning stage on its own bytes, and ran 53, 54 and the smoke's serve part at 5f5d2dd
+#   (all passed). NEXT: 55 (GGUF's two-call setup first).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -451,6 +452,13 @@ case "$group" in
   # 7.47 decode at 99556c2). GGUF.
   run 420 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 16 --timeout 300 \
     --warmup-context 160K --name hip_cli_speed_512k_hip_c
+  ;;
+55)
+  # issue 19: where HiP's 512K decode goes (7.28 tok/s over 16 tokens at 5f5d2dd, 8.3x lossless):
+  # the rows now carry each decode step's time (min/p50/p90/max) and the decode's H2D bytes; 64
+  # tokens, so lean's stage-0 refresh (every 16 steps; it streams the whole slice) recurs. GGUF.
+  run 420 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 --timeout 320 \
+    --warmup-context 160K --name hip_cli_speed_512k_hip_steps
   ;;
 50)
   # issue 19's pass key after d616a67 (the question asks for the number alone; the old one got 0/10

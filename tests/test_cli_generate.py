@@ -82,6 +82,9 @@ def test_generate_json_on_the_embedded_model(embedded: Path, capsys: pytest.Capt
     assert stats["generated_tokens"] == len(ids)
     assert stats["prefill_tokens_per_s"] > 0
     assert "decode_tokens_per_s" in stats
+    if len(ids) > 1:  # each decode step timed: the slowest no longer than all of them
+        steps = stats["decode_step_s"]
+        assert 0 <= steps["min"] <= steps["p50"] <= steps["p90"] <= steps["max"] <= stats["decode_s"]
     # auto on the CPU has no budget: the whole cache stays on the compute device
     assert stats["plan"]["policy"] == "auto"
     assert stats["plan"]["resident_slices"] == stats["plan"]["num_slices"] == 30
@@ -309,3 +312,12 @@ def test_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_max_new_tokens_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     expect_error(capsys, ["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens")
+
+
+def test_step_summary_takes_nearest_rank_percentiles() -> None:
+    from kvtier.engine.outputs import step_summary
+
+    assert step_summary([]) == {}
+    steps = [0.05] * 15 + [1.25]  # a HiP refresh step among cached ones
+    assert step_summary(steps) == {"min": 0.05, "p50": 0.05, "p90": 0.05, "max": 1.25}
+    assert step_summary([0.3, 0.1, 0.2]) == {"min": 0.1, "p50": 0.2, "p90": 0.3, "max": 0.3}

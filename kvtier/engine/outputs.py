@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+
+def step_summary(seconds: list[float]) -> dict[str, float]:
+    """Step times -> {"min", "p50", "p90", "max"} (nearest-rank percentiles, 4 decimals); {} if none."""
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+
+    def rank(p: float) -> float:
+        return round(ordered[max(0, math.ceil(p * len(ordered)) - 1)], 4)
+
+    return {"min": rank(0.0), "p50": rank(0.5), "p90": rank(0.9), "max": rank(1.0)}
 
 
 @dataclass
@@ -24,6 +37,10 @@ class GenerationStats:
     # CUDA's caching allocator over the request: retries (a failed cudaMalloc that freed the
     # cache and synced), cudaMalloc calls, peak reserved bytes; empty off CUDA
     gpu_allocator: dict[str, int] = field(default_factory=dict)
+    # wall seconds of the decode steps, each ended by its sampled token's host read: "min",
+    # "p50", "p90", "max" (a HiP refresh step stands out from the cached ones); empty when no
+    # step was timed alone (one token, or the batch engine)
+    decode_step_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefill_tokens_per_s(self) -> float:

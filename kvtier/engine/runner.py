@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from kvtier.engine.outputs import GenerationStats
+from kvtier.engine.outputs import GenerationStats, step_summary
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 
@@ -90,14 +91,17 @@ def generate_tokens(
     stats.prefill_s = time.perf_counter() - t0
     h2d_after_prefill = store.account.h2d_bytes
     t1 = time.perf_counter()
+    ends = [t1]
     while len(out) < max_tokens and not should_stop(out):
         store.begin_step(1)
         logits = model(token.view(1), store)[-1]
         store.end_step()
         token = sampler(logits)
-        out.append(int(token))
+        out.append(int(token))  # host sync: ends the step
+        ends.append(time.perf_counter())
     _sync(device)
     stats.decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
+    stats.decode_step_s = step_summary([b - a for a, b in itertools.pairwise(ends)])
     stats.generated_tokens = len(out)
     stats.h2d_bytes = store.account.h2d_bytes
     stats.d2h_bytes = store.account.d2h_bytes
