@@ -185,21 +185,25 @@ def test_prune_batches_are_sized_on_the_largest_stage() -> None:
     15K-token prefill chunk's 240 blocks are pruned ~20 at a time, not ~190 (3 GB: the H200 run
     out of memory under 24 GiB, bench/results/hip_cli_speed_512k_hip.json)."""
     from kvtier.sparse import HIP_PRESETS
-    from kvtier.sparse.prefill import PRUNE_BATCH_BYTES, prune_bytes_per_block
+    from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 
     lean = HIP_PRESETS["lean"]
     kw = {"chunk_sizes": lean.chunk_sizes, "budgets": lean.budgets, "strides": lean.query_strides}
-    at_512k = prune_bytes_per_block(
-        524288 - lean.sink, 64, 32, 8, 128, **kw, triton=True, head_score="softmax"
+    at_512k = max(
+        stage_prune_bytes(524288 - lean.sink, 64, 32, 8, 128, **kw, triton=True, head_score="softmax")
     )
     last_stage_rows = 2 * 4 * (lean.budgets[1] // lean.chunk_sizes[2]) * 64 * 32  # [C, R] float32, x2
     assert at_512k >= last_stage_rows
     assert PRUNE_BATCH_BYTES // at_512k <= 8
     # early in a prefill (32K keys) stage 0 has few chunks, but the later stages are as large
-    at_32k = prune_bytes_per_block(32768, 64, 32, 8, 128, **kw, triton=True, head_score="softmax")
+    at_32k = max(stage_prune_bytes(32768, 64, 32, 8, 128, **kw, triton=True, head_score="softmax"))
     assert at_32k >= last_stage_rows
     # the max head score keeps no rows: only the kept positions and the scores count
-    plain = prune_bytes_per_block(524288, 64, 32, 8, 128, **kw, triton=True, head_score="max")
+    plain = max(stage_prune_bytes(524288, 64, 32, 8, 128, **kw, triton=True, head_score="max"))
+    # at 160K the first stage needs a tenth of the last: batched alike, it pruned 7 blocks at a
+    # time where ~70 fit, and lean's prefill lost 30% (hip_cli_speed_160k_lean_fast_c.json)
+    at_160k = stage_prune_bytes(163840 - lean.sink, 64, 32, 8, 128, **kw, triton=True, head_score="softmax")
+    assert 8 * at_160k[0] < at_160k[-1]
     assert plain < last_stage_rows // 10
 
 
@@ -213,11 +217,13 @@ def test_prune_batches_keep_every_stages_softmax_rows_within_the_bound(
     sized on the largest stage, every stage took the last's few (lean's 160K prefill: 30%
     slower)."""
     from kvtier.sparse import prefill
-    from kvtier.sparse.prefill import prune_bytes_per_block, run_block_stages
+    from kvtier.sparse.prefill import run_block_stages
+    from kvtier.sparse.prune_memory import stage_prune_bytes
 
     bq, heads, g, s, sink, window = 8, 32, 2, 400, 4, 16
     stages = {"chunk_sizes": (32, 8, 2), "budgets": (96, 32, 16), "strides": (4, 4, 1)}
-    per_block = prune_bytes_per_block(s - sink, bq, heads, g, D, **stages, triton=False, head_score="softmax")
+    sizes = stage_prune_bytes(s - sink, bq, heads, g, D, **stages, triton=False, head_score="softmax")
+    per_block = max(sizes)
     monkeypatch.setattr(prefill, "PRUNE_BATCH_BYTES", 4 * per_block)
     seen: list[int] = []
     blocks: list[int] = []  # each batch's blocks, stage by stage

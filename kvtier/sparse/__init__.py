@@ -20,7 +20,7 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
 from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
-from kvtier.sparse.prefill import PRUNE_BATCH_BYTES
+from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES
 from kvtier.sparse.rope_ext import table_bytes
 
 # "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).

@@ -28,9 +28,8 @@ import torch
 
 from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.config import HipConfig
+from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
-
-PRUNE_BATCH_BYTES = 256 << 20  # stage-0 temporaries of one batch of query blocks, about
 
 
 def pool_blocks(
@@ -304,60 +303,6 @@ def run_block_stages(
         n_in = cand.shape[1]
     assert cand is not None
     return cand, valid
-
-
-def stage_prune_bytes(
-    middle: int,
-    block_q: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    *,
-    chunk_sizes: tuple[int, ...],
-    budgets: tuple[int, ...],
-    strides: tuple[int, ...],
-    triton: bool,
-    head_score: str,
-) -> list[int]:
-    """GPU bytes one query block's pruning needs at once in each stage, over `middle` candidate
-    tokens (past the sinks) of a slice: with torch the probe keys of every chunk in float32 and
-    their scores; with Triton the kept positions (offsets, sum and where, int64) and the scores
-    and top-k; the "softmax" head score adds per-row maxima [C, R] float32 and one temporary of
-    their size. Each stage has its own chunk count and rows: a stride-1 last stage scores 4x the
-    rows of a stride-4 first one (`lean`'s last stage takes ~34 MB a block at 160K where its
-    first takes ~3 MB)."""
-    sizes, n = [], max(1, middle)
-    for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
-        c_count = -(-n // c)
-        size = 3 * 8 * budgets[0] + 16 * c_count if triton else 3 * 4 * kv_heads * head_dim * c_count
-        if head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
-            size += 2 * 4 * c_count * -(-block_q // stride) * heads
-        sizes.append(size)
-        n = min(n, k)
-    return sizes
-
-
-def prune_bytes_per_block(
-    middle: int,
-    block_q: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    *,
-    chunk_sizes: tuple[int, ...],
-    budgets: tuple[int, ...],
-    strides: tuple[int, ...],
-    triton: bool,
-    head_score: str,
-) -> int:
-    """`stage_prune_bytes` at the largest stage: the most one query block's pruning holds at
-    once (sized on stage 0 alone, `lean`'s 15K-token chunks at 512K asked for 3 GB in one batch
-    and ran a 24 GiB GPU out of memory)."""
-    sizes = stage_prune_bytes(
-        middle, block_q, heads, kv_heads, head_dim, chunk_sizes=chunk_sizes, budgets=budgets,
-        strides=strides, triton=triton, head_score=head_score,
-    )  # fmt: skip
-    return max(sizes)
 
 
 def prune_whole_blocks(
