@@ -87,7 +87,7 @@
 #   the smaller pruning batches).
 # The twenty-first ran 51 and 52 at 99556c2 (512K runs; lean's 160K prefill 30% slower), batched
 #   each pruning stage on its own bytes, and ran 53, 54 and the smoke's serve part at 5f5d2dd
-#   (all passed). NEXT: 55 (GGUF's two-call setup first).
+#   (all passed). NEXT: 56 with the GGUF's first half (call A), then 55 (call B).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -459,6 +459,13 @@ case "$group" in
   # tokens, so lean's stage-0 refresh (every 16 steps; it streams the whole slice) recurs. GGUF.
   run 420 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 --timeout 320 \
     --warmup-context 160K --name hip_cli_speed_512k_hip_steps
+  ;;
+56)
+  # issue 19: what a keys-only decode refresh could save (the stage-0 refresh streams keys and
+  # values; the scores need keys alone): DMA of a whole slice against zero-copy Triton reads of
+  # its keys from pinned host memory, scored in place, and a block gather. No GGUF. ~1 min.
+  run 120 $py bench/host_key_read.py --check --tokens 512K --heads 8 --name host_key_read_512k_h8
+  run 120 $py bench/host_key_read.py --tokens 1M --heads 4 --name host_key_read_1m_h4
   ;;
 50)
   # issue 19's pass key after d616a67 (the question asks for the number alone; the old one got 0/10
