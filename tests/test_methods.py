@@ -62,6 +62,8 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
         ({"evict": "h2o"}, "--kv-budget"),
         ({"kv_quant": "int3"}, "unknown --kv-quant"),
         ({"head_sparsity": 1.5}, r"\(0, 1\)"),
+        ({"hip_refresh": "fast"}, "--hip-refresh applies only with --attention hip"),
+        ({"attention": "hip", "hip_refresh": "sometimes"}, "unknown --hip-refresh 'sometimes'"),
     ],
 )
 def test_bad_method_options(tiny: Path, kw: dict[str, Any], match: str) -> None:
@@ -236,3 +238,30 @@ def test_hip_auto_preset_is_lean_past_the_trained_length(tiny: Path) -> None:
     assert named.stats.plan["method"] == "hip default"
     # Within it the same LLM takes the paper's setting.
     assert llm.generate(PROMPT, params)[0].stats.plan["method"] == "hip fast (auto)"
+
+
+def test_hip_refresh_sets_the_decode_intervals_of_the_preset(tiny: Path) -> None:
+    """`--hip-refresh NAME` keeps the preset's budgets and takes NAME's refresh intervals: in the
+    kernel, in the plan's block cache (which holds a refresh interval's window growth) and in
+    the request's description; stage 0 then reruns as often as NAME says."""
+    from dataclasses import replace
+
+    from kvtier.methods import MethodChoice
+    from kvtier.sparse import HIP_PRESETS, hip_config, hip_gpu_bytes
+
+    llm = LLM(str(tiny), device="cpu", chunk_size=64, attention="hip", hip_preset="default")
+    cfg = llm.model_config
+    parts = MethodChoice(attention="hip", hip_preset="lean", hip_refresh="fast").build(
+        cfg, torch.device("cpu"), None
+    )
+    kernel: Any = parts.kernel
+    assert kernel.cfg == replace(HIP_PRESETS["lean"], refresh=(32, 16, 8))
+    assert parts.describe == "hip lean, refresh fast"
+    # the block cache holds the window grown over a refresh interval: longer intervals, more bytes
+    assert hip_gpu_bytes(cfg, hip_config("default", "flash")) > hip_gpu_bytes(cfg, "default")
+    ids, _ = tokens(tiny)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    every = llm.generate(ids, params, method="hip,hip_preset=default,hip_refresh=always,kv=head")[0]
+    assert every.stats.plan["method"].startswith("hip default, refresh always")
+    # the tiny model's prompt is within every budget: any refresh attends every key, as dense does
+    assert every.token_ids == llm.generate(ids, params, method="auto")[0].token_ids

@@ -173,6 +173,9 @@ def add_parser(subparsers: Any) -> None:
         "--hip-preset", type=OPTIONS["hip_preset"].parse, default="auto", help=OPTIONS["hip_preset"].help
     )
     p.add_argument(
+        "--hip-refresh", type=OPTIONS["hip_refresh"].parse, default=None, help=OPTIONS["hip_refresh"].help
+    )
+    p.add_argument(
         "--tensor-parallel",
         type=int_type("--tensor-parallel"),
         default=1,
@@ -285,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
     lossy = (
         lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity) if args.attention == "dense" else None
     )
-    hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant, args.head_sparsity)
+    hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant, args.head_sparsity, args.hip_refresh)
     parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)

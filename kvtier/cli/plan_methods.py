@@ -62,10 +62,12 @@ def hip_lines(
     preset: str,
     kv_quant: str | None = None,
     head_sparsity: float | None = None,
+    refresh: str | None = None,
 ) -> dict[str, Any] | None:
     """The plan under a sparse attention method with a planner hook (None for dense), over
-    `kv_quant`'s packed KV when given: slices, block cache per offloaded slice, the method's GPU
-    bytes, host KV and its prefill chunk. A method it does not combine with is a ConfigError."""
+    `kv_quant`'s packed KV when given (`refresh`: HiP's decode refresh intervals by name, None:
+    the preset's): slices, block cache per offloaded slice, the method's GPU bytes, host KV and
+    its prefill chunk. A method it does not combine with is a ConfigError."""
     if attention == "dense":
         return None
     choice = MethodChoice(
@@ -73,6 +75,7 @@ def hip_lines(
         head_group=req.group_size,
         attention=attention,
         hip_preset=preset,
+        hip_refresh=refresh,
         kv_quant=kv_quant,
         head_sparsity=head_sparsity,
     )
@@ -80,6 +83,7 @@ def hip_lines(
     plan = hip.plan
     return {
         "preset": resolve_preset(preset, req.cfg, req.context),
+        "refresh": refresh,
         "kv_quant": kv_quant,
         "host_kv_gb": plan.host_kv_bytes / 1e9,
         "group_size": plan.group_size,
@@ -111,8 +115,9 @@ def format_hip(hip: dict[str, Any]) -> str:
     cache = hip["cache_tokens_per_slice"]
     selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
     packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
+    refresh = "" if hip["refresh"] is None else f", refresh {hip['refresh']}"
     return (
-        f"\nwith --attention hip ({hip['preset']}){packed}: {hip['num_slices']} slices of "
+        f"\nwith --attention hip ({hip['preset']}{refresh}){packed}: {hip['num_slices']} slices of "
         f"{hip['group_size']} KV heads ({selection}), "
         f"{hip['resident_slices']} resident; block cache per offloaded slice: "
         f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "

@@ -32,6 +32,7 @@ class MethodChoice:
     head_group: int | None = None
     attention: str = "dense"
     hip_preset: str = "auto"  # `kvtier.sparse.resolve_preset` picks one per request
+    hip_refresh: str | None = None  # a REFRESH_PRESETS name (None: the preset's intervals)
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None
@@ -55,10 +56,12 @@ class MethodChoice:
             raise ConfigError(f"{' and '.join(flags)} cannot be combined yet: choose one method{also}")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise ConfigError(f"--kv-budget must be a positive number of tokens, got {self.kv_budget}")
+        if self.hip_refresh is not None:
+            OPTIONS["hip_refresh"].parse(self.hip_refresh)  # raises on an unknown name
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
         entry = self.entry
-        for key in ("kv_budget",):
+        for key in ("kv_budget", "hip_refresh"):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]
                 raise ConfigError(f"{OPTIONS[key].flag} applies only with {', '.join(takers)}")

@@ -16,7 +16,8 @@ from kvtier.methods.registry import (
     register,
 )
 from kvtier.policies import PolicyParts
-from kvtier.sparse import AUTO_PRESET, PRESET_NAMES, make_hip_kernel, resolve_preset
+from kvtier.sparse import AUTO_PRESET, PRESET_NAMES, hip_config, make_hip_kernel, resolve_preset
+from kvtier.sparse.config import REFRESH_PRESETS
 from kvtier.sparse.planning import plan_hip
 
 
@@ -26,15 +27,22 @@ def _preset(text: str) -> str:
     return text
 
 
+def _refresh(text: str) -> str:
+    if text not in REFRESH_PRESETS:
+        raise ConfigError(f"unknown --hip-refresh {text!r}; use one of {', '.join(REFRESH_PRESETS)}")
+    return text
+
+
 def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
     """HiP's slicing and chunk search (`kvtier.sparse.planning.plan_hip`): whole layers first when
     the `auto` policy has no group given, with the largest block cache that fits."""
+    preset = resolve_preset(str(options["hip_preset"]), inputs.cfg, inputs.context)
     hip = plan_hip(
         inputs.cfg,
         inputs.context,
         plan_with,
         gpu_budget=inputs.gpu_budget,
-        preset=resolve_preset(str(options["hip_preset"]), inputs.cfg, inputs.context),
+        preset=hip_config(preset, options.get("hip_refresh")),
         dtype_bytes=inputs.dtype_bytes,
         layers_first=inputs.kv == "auto" and inputs.head_group is None,
         chunk_size=inputs.chunk_size,
@@ -46,10 +54,15 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
 def _build(ctx: BuildContext) -> PolicyParts:
     asked = str(ctx.options["hip_preset"])
     preset = resolve_preset(asked, ctx.cfg, ctx.context)
-    kernel, unrotated = make_hip_kernel(ctx.cfg, ctx.device, preset, cache_tokens=ctx.hip_cache_tokens)
+    refresh = ctx.options.get("hip_refresh")
+    hip = hip_config(preset, refresh)
+    kernel, unrotated = make_hip_kernel(
+        ctx.cfg, ctx.device, preset, cache_tokens=ctx.hip_cache_tokens, refresh=hip.refresh
+    )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
-    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {preset}{auto}{cache}")
+    every = "" if refresh is None else f", refresh {refresh}"
+    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {preset}{auto}{every}{cache}")
 
 
 HIP = register(
@@ -58,7 +71,7 @@ HIP = register(
         "attention",
         "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
         _build,
-        takes=("hip_preset",),
+        takes=("hip_preset", "hip_refresh"),
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
@@ -69,5 +82,14 @@ HIP = register(
         _preset,
         f"HiP budgets and refresh intervals: {', '.join(PRESET_NAMES)} (auto, the default: "
         "lean past the model's trained length, fast within it)",
+    ),
+    Option(
+        "hip_refresh",
+        "--hip-refresh",
+        _refresh,
+        "decode steps between reruns of HiP's pruning stages, by name: "
+        + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in REFRESH_PRESETS.items())
+        + " (default: the preset's; lean and default rerun stage 0, which reads every key of an "
+        "offloaded slice, every 16 steps, fast every 32)",
     ),
 )

@@ -73,6 +73,16 @@ def resolve_preset(name: str, cfg: ModelConfig, context: int | None) -> str:
     return name
 
 
+def hip_config(preset: str | HipConfig, refresh: str | None = None) -> HipConfig:
+    """A preset's HipConfig (a HipConfig passes through), with the decode refresh intervals of
+    the REFRESH_PRESETS name `refresh` when given. Raises ConfigError on an unknown name."""
+    if isinstance(preset, str):
+        if preset not in HIP_PRESETS:
+            raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
+        preset = HIP_PRESETS[preset]
+    return preset if refresh is None else preset.with_refresh(refresh)
+
+
 def make_hip_kernel(
     cfg: ModelConfig, device: torch.device, preset: str = "default", **overrides: object
 ) -> tuple[SliceKernel, bool]:
@@ -102,7 +112,7 @@ CACHE_TOKEN_STEPS = (16384, 12288, 10240, 8192)
 
 def hip_gpu_bytes(
     cfg: ModelConfig,
-    preset: str = "default",
+    preset: str | HipConfig = "default",
     dtype_bytes: int = 2,
     context: int = 0,
     cache_tokens: int | None = None,
@@ -120,7 +130,7 @@ def hip_gpu_bytes(
 
 def hip_phase_bytes(
     cfg: ModelConfig,
-    preset: str = "default",
+    preset: str | HipConfig = "default",
     dtype_bytes: int = 2,
     context: int = 0,
     cache_tokens: int | None = None,
@@ -128,10 +138,9 @@ def hip_phase_bytes(
     """`hip_gpu_bytes` by phase: (decode only: block caches and decode buffers; always: the RoPE
     table and pruning temporaries, which bound a decode refresh's too). The kernel frees the
     decode bytes when a prefill step starts (`HipKernel.begin_prefill`), so a prefill chunk's
-    activations and the decode caches need not fit at once."""
-    if preset not in HIP_PRESETS:
-        raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
-    hip = replace(HIP_PRESETS[preset], cache_tokens=cache_tokens)
+    activations and the decode caches need not fit at once. `preset`: a HIP_PRESETS name or
+    its config (`hip_config`)."""
+    hip = replace(hip_config(preset), cache_tokens=cache_tokens)
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
@@ -147,6 +156,7 @@ __all__ = [
     "HipConfig",
     "HipKernel",
     "HipStats",
+    "hip_config",
     "hip_gpu_bytes",
     "hip_phase_bytes",
     "make_hip_kernel",

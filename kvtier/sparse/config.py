@@ -172,7 +172,7 @@ class HipConfig:
     def with_refresh(self, preset: str) -> HipConfig:
         """This config with the decode refresh intervals of a named preset."""
         if preset not in REFRESH_PRESETS:
-            raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(REFRESH_PRESETS)}")
+            raise ConfigError(f"unknown hip refresh {preset!r}; use one of {', '.join(REFRESH_PRESETS)}")
         ref = REFRESH_PRESETS[preset]
         n = len(self.chunk_sizes)
         return replace(self, refresh=ref[:n] if len(ref) >= n else ref + (ref[-1],) * (n - len(ref)))

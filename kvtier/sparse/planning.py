@@ -35,7 +35,7 @@ from kvtier.planner.roofline import (
     linear_flops_per_token,
     min_host_hidden_chunk,
 )
-from kvtier.sparse import CACHE_TOKEN_STEPS, HIP_PRESETS, hip_gpu_bytes, hip_phase_bytes
+from kvtier.sparse import CACHE_TOKEN_STEPS, hip_config, hip_gpu_bytes, hip_phase_bytes
 from kvtier.sparse.config import HipConfig
 
 # (group_size, gpu_budget, chunk_size) -> the store plan; None = the store planner's own choice.
@@ -77,7 +77,7 @@ def store_budget(
     cfg: ModelConfig,
     context: int,
     gpu_budget: int,
-    preset: str,
+    preset: str | HipConfig,
     dtype_bytes: int,
     cache_tokens: int | None,
     chunk: int | None,
@@ -110,7 +110,7 @@ def plan_hip(
     plan_with: PlanWith,
     *,
     gpu_budget: int | None,
-    preset: str,
+    preset: str | HipConfig,
     dtype_bytes: int,
     layers_first: bool,
     chunk_size: int | None = None,
@@ -140,7 +140,7 @@ def plan_hip(
     chunks: list[int | None] = [chunk_size]
     if chunk_size is None:
         hw = hardware or DEFAULT_HARDWARE
-        chunks = [hip_chunk_size(cfg, context, hw, HIP_PRESETS[preset], dtype_bytes), None]
+        chunks = [hip_chunk_size(cfg, context, hw, hip_config(preset), dtype_bytes), None]
     error: CapacityError | None = None
     planned = False  # some plan fitted, only not with whole slices
     for chunk in chunks:
