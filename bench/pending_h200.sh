@@ -87,7 +87,7 @@
 #   the smaller pruning batches).
 # The twenty-first ran 51 and 52 at 99556c2 (512K runs; lean's 160K prefill 30% slower), batched
 #   each pruning stage on its own bytes, and ran 53, 54 and the smoke's serve part at 5f5d2dd
-#   (all passed). NEXT: 56 with the GGUF's first half (call A), then 55 (call B).
+#   (all passed). NEXT: 56 with the GGUF's first half (call A), then 55 (call B), then 57.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -457,8 +457,18 @@ case "$group" in
   # issue 19: where HiP's 512K decode goes (7.28 tok/s over 16 tokens at 5f5d2dd, 8.3x lossless):
   # the rows now carry each decode step's time (min/p50/p90/max) and the decode's H2D bytes; 64
   # tokens, so lean's stage-0 refresh (every 16 steps; it streams the whole slice) recurs. GGUF.
-  run 420 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 --timeout 320 \
-    --warmup-context 160K --name hip_cli_speed_512k_hip_steps
+  # Then lean with fast's refresh (--hip-refresh fast: stage 0 every 32 steps).
+  run 540 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_refresh=fast" --new-tokens 64 \
+    --timeout 220 --warmup-context 160K --name hip_cli_speed_512k_hip_steps
+  ;;
+57)
+  # issue 19: is lean as good with fast's refresh (32/16/8 where its own is 16/8/4)? NIAH prose
+  # and pass key past the trained length, as groups 43 and 50 measured lean itself. GGUF.
+  run 250 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 33000 --method hip,hip_refresh=fast --no-progress \
+    --out "$OUT/niah_smollm2_cuda_prose_lean_refresh_fast_x3.json"
+  run 200 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
+    --method hip,hip_refresh=fast --no-progress --out "$OUT/passkey_smollm2_cuda_hip_refresh_fast_x10.json"
   ;;
 56)
   # issue 19: what a keys-only decode refresh could save (the stage-0 refresh streams keys and
