@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,8 @@ def test_text_output_and_stats_line(embedded: Path, capsys: pytest.CaptureFixtur
     assert out.strip()
     assert "prompt tokens" in err and "prefill" in err and "kv=auto" in err
     assert "Traceback" not in err
+    if "2 new" in err:  # one decode step, timed: its time is every percentile's
+        assert re.search(r"step p50 ([\d.]+) ms, max \1 ms", err), err
 
 
 def test_stats_line_names_the_batch_engines_pool() -> None:

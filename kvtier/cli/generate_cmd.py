@@ -123,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
     print(out.text)
     s = out.stats
     peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.peak_bytes.items())
+    steps = s.decode_step_s
+    spread = f" (step p50 {steps['p50'] * 1e3:.1f} ms, max {steps['max'] * 1e3:.1f} ms)" if steps else ""
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s; "
-        f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s; {plan_note(s.plan)}"
+        f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s{spread}; {plan_note(s.plan)}"
         f"{tp_note(s.plan)}; peak {peaks}]",
         file=sys.stderr,
     )
