@@ -35,6 +35,23 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def cuda_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of fn() in ms over `iters` calls, after `warmup` untimed calls
+    (which also compile Triton kernels)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     torch.cuda.synchronize()
     t = time.perf_counter()

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton
 import triton.language as tl
 
-from bench.common import write_results
+from bench.common import cuda_ms, write_results
 from kvtier.units import parse_count
 
 
@@ -116,20 +116,6 @@ def check(device: torch.device) -> None:
     assert torch.equal(got.cpu(), want_rows), "gather_blocks"
 
 
-def timed_ms(fn: Callable[[], object], reps: int) -> float:
-    """Median of `reps` CUDA-event timings of fn(), after one untimed call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def run(
     tokens: int, heads: int, head_dim: int, r: int, block: int, gather: int, reps: int
 ) -> list[dict[str, Any]]:
@@ -152,7 +138,7 @@ def run(
     }
     out: list[dict[str, Any]] = []
     for name, (fn, nbytes) in cases.items():
-        ms = timed_ms(fn, reps)
+        ms = cuda_ms(fn, reps, warmup=1)
         out.append(
             {"case": name, "ms": round(ms, 3), "bytes": nbytes, "gb_per_s": round(nbytes / ms / 1e6, 2)}
         )

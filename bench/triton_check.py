@@ -12,7 +12,6 @@ Checks the max abs error, prints a table last and writes $OUT/triton_check.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,29 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import write_results
+from bench.common import cuda_ms, write_results
 from kvtier.config import RopeConfig
 from kvtier.model.rope import Rotary
 from kvtier.sparse.block_sparse import attend_block_reference
 from kvtier.sparse.rope_ext import RopeTable
 
 SINK, SELECTED, WINDOW, BLOCK = 64, 2240, 1024, 64
-
-
-def _time_ms(fn: Callable[[], Any], iters: int) -> float:
-    """Median CUDA-event time of fn() in ms, after warm-up (which also compiles Triton)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _prefix(last_query: int, gen: torch.Generator, dev: torch.device) -> tuple[torch.Tensor, int]:
@@ -79,7 +62,7 @@ def main() -> None:
 
     def case(name: str, ref: Callable[[], torch.Tensor], tri: Callable[[], torch.Tensor], keys: int) -> None:
         err = (ref().float() - tri().float()).abs().max().item()
-        t_ref, t_tri = _time_ms(ref, args.iters), _time_ms(tri, args.iters)
+        t_ref, t_tri = cuda_ms(ref, args.iters), cuda_ms(tri, args.iters)
         rows.append(
             {"case": name, "keys": keys, "torch_ms": t_ref, "triton_ms": t_tri, "speedup": t_ref / t_tri}
             | {"max_abs_err": err}
