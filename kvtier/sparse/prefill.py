@@ -207,8 +207,10 @@ def _bisect(
             k = rotary.rotate(
                 k, probe_positions(mode, side, index.flatten(), pos.clamp(min=0).flatten()), limit
             )
-        s = torch.einsum("bngrd,bcgd->bcngr", qf, k.view(bsz, c_count, g, d).float())
-        return s.flatten(2)  # [B, C, R]
+        # NOTE: in the order the batched product writes ([B, G, Nq, r, C]), read as [B, C, R]
+        # through a view: rows in (g, n, r) order, which no reduction over them minds
+        s = torch.einsum("bngrd,bcgd->bgnrc", qf, k.view(bsz, c_count, g, d).float())
+        return s.permute(0, 4, 1, 2, 3).flatten(2)  # [B, C, R]
 
     lo = torch.zeros_like(lengths)
     hi = lengths
