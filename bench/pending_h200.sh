@@ -87,7 +87,9 @@
 #   the smaller pruning batches).
 # The twenty-first ran 51 and 52 at 99556c2 (512K runs; lean's 160K prefill 30% slower), batched
 #   each pruning stage on its own bytes, and ran 53, 54 and the smoke's serve part at 5f5d2dd
-#   (all passed). NEXT: 56 with the GGUF's first half (call A), then 55 (call B), then 57.
+#   (all passed). NEXT: 56 with the GGUF's first half (call A), then 55 (call B), then 57, then
+#   the smoke (group 1: GPU-facing code changed after 5f5d2dd: step timer, --hip-refresh, the
+#   torch bisection's layout, the pruning bound moved).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
