@@ -207,6 +207,19 @@ def test_decode_refresh_intervals_are_honoured() -> None:
     assert kernel.stats.decode_recomputes == [3 * 3, 3 * 5, 3 * 10]
 
 
+def test_decode_before_the_first_stage_0_rerun_does_not_depend_on_its_interval() -> None:
+    """`lean` reruns stage 0 every 32 decode steps where its quality runs used 16: the steps
+    before the earlier rerun attend the same keys, and the outputs part only at that rerun
+    (the window there leaves keys to stage 0, which its budget prunes)."""
+    q, kv = tensors(400, 1)
+    outs = []
+    for every in (4, 8):
+        kernel = HipKernel(HipConfig(**{**SPARSE, "refresh": (every, 2, 1)}, extend=False))  # type: ignore[arg-type]
+        outs.append([kernel(q, kv[: 301 + i], SliceStep(0, 0, 300 + i)) for i in range(8)])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][:4], outs[1][:4], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(outs[0][4:], outs[1][4:], strict=True))
+
+
 def test_flash_preset_refreshes_stage_one_every_96_steps() -> None:
     cfg = ModelConfig(64, 64, 96, 1, 4, 2, D, 512)
     kernel, unrotated = make_hip_kernel(
@@ -259,7 +272,9 @@ def test_presets_and_factory_options() -> None:
     assert long == replace(HIP_PRESETS["5k"], head_score="softmax", window=2048)
     lean = HIP_PRESETS["lean"]  # long's scores, finer chunks after the first stage, fewer keys
     assert lean.attended_tokens == 256 + 2048 + 1024 + 64 < long.attended_tokens
-    assert lean == replace(long, chunk_sizes=(256, 16, 8), budgets=(32768, 16384, 2048), window=1024)
+    sizes = {"chunk_sizes": (256, 16, 8), "budgets": (32768, 16384, 2048), "window": 1024}
+    want = replace(long, **sizes, refresh=(32, 8, 4))  # type: ignore[arg-type]
+    assert lean == want
     _, unrotated = make_hip_kernel(cfg, CPU, "default", extend=False)
     assert not unrotated
     with pytest.raises(ConfigError, match="preset"):

@@ -242,3 +242,12 @@ def test_slice_reader_reads_ranges_and_gathers_positions_across_extents(
         reader().gather(torch.tensor([n]))
     with pytest.raises(IndexError, match="outside"):
         reader()(0, n + 1)
+    # several runs in one call, each across extent boundaries, placed at their own offsets
+    out = torch.full((40, 2, 1, cfg.head_dim), 7.0)
+    before = store.account.h2d_bytes
+    reader().runs([(3, 12, 0), (18, 31, 20), (n - 2, n, 38)], out)
+    assert torch.equal(out[:9], whole[3:12]) and torch.equal(out[20:33], whole[18:31])
+    assert torch.equal(out[38:], whole[n - 2 :]) and bool((out[9:20] == 7).all())
+    assert store.account.h2d_bytes - before == (9 + 13 + 2) * 2 * cfg.head_dim * 4
+    with pytest.raises(IndexError, match="outside"):
+        reader().runs([(0, 5, 36)], out)

@@ -59,9 +59,13 @@ class Fetch(Protocol):
     `fetch(start, end)` -> kv [end - start, 2, G, D]: tokens [start, end).
     `fetch.gather(positions)` -> kv [n, 2, G, D]: the tokens at `positions` ([n] int64, sorted,
     any device), gathered on the host side so only they cross PCIe.
+    `fetch.runs(spans, out)`: tokens [start, end) of each (start, end, at) span copied into
+    out[at : at + end - start] (out [n, 2, G, D] on the device), all spans in one call.
     """
 
     def __call__(self, start: int, end: int) -> torch.Tensor: ...
+
+    def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None: ...
 
     def gather(self, positions: torch.Tensor) -> torch.Tensor: ...
 

@@ -54,6 +54,18 @@ class HostSlice:
         for e, off, at, n in self._pieces(start, end):
             dst[at : at + n].copy_(self.extents[e][off : off + n], non_blocking=True)
 
+    def read_runs_into(self, dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+        """Copy tokens [start, end) of each (start, end, at) span into dst[at : at + end - start],
+        every piece in one `_foreach_copy_` (the copies are issued from C++, not one Python call
+        each: a refresh of a HiP block cache reads thousands of short runs). Asynchronous on CUDA."""
+        dsts, srcs = [], []
+        for start, end, at in spans:
+            for e, off, rel, n in self._pieces(start, end):
+                dsts.append(dst[at + rel : at + rel + n])
+                srcs.append(self.extents[e][off : off + n])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
     def gather_into(self, dst: torch.Tensor, positions: torch.Tensor) -> None:
         """Copy the tokens at `positions` ([n] int64, CPU, sorted) into dst[:n] (CPU). Synchronous:
         the caller must make sure no copy into these tokens is still in flight."""

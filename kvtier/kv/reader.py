@@ -54,6 +54,25 @@ class SliceReader:
             self.account.h2d_bytes += (end - start) * self.layout.token_bytes
         return dst
 
+    def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None:
+        """Tokens [start, end) of each (start, end, at) span into out[at : at + end - start]
+        (out [n, 2, G, D] on the device): one wait for the host's writes, then every copy."""
+        for start, end, at in spans:
+            if not 0 <= start <= end <= self.length or at < 0 or at + end - start > out.shape[0]:
+                raise IndexError(
+                    f"run ({start}, {end}) at {at}: outside the {self.length} stored tokens "
+                    f"or the {out.shape[0]} output rows"
+                )
+        self.streams.wait([self.host.last_write])
+        if self.packed is not None:
+            for start, end, at in spans:
+                self.account.h2d_bytes += self.packed.read_into(
+                    self.sid, self.host, out[at : at + end - start], start, end, scratch=False
+                )
+            return
+        self.host.read_runs_into(out, spans)
+        self.account.h2d_bytes += sum(end - start for start, end, _ in spans) * self.layout.token_bytes
+
     def gather(self, positions: torch.Tensor) -> torch.Tensor:
         """Tokens at `positions` ([n] int64, sorted, any device) -> [n, 2, G, D] on the device."""
         if self.packed is not None:
