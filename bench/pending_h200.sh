@@ -463,6 +463,18 @@ case "$group" in
   run 540 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_refresh=fast" --new-tokens 64 \
     --timeout 220 --warmup-context 160K --name hip_cli_speed_512k_hip_steps
   ;;
+58)
+  # issue 19 after 07ef87e (a refresh's missed runs fetched in one call; lean reruns stage 0
+  # every 32 steps, stages 1/2 every 8/4): 512K decode over 64 tokens with the default `hip`
+  # (auto: lean), warm-up at 16K (Triton's compile); NIAH prose 16K/32K x3 with the default.
+  # Then lean with the paper's 16/8/4 (the fetch fix alone; 4.57 tok/s at 17115b0). GGUF.
+  run 300 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
+    --timeout 240 --warmup-context 16K --name hip_cli_speed_512k_hip_lean32
+  run 150 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 33000 --method hip --no-progress --out "$OUT/niah_smollm2_cuda_prose_hip_auto_x3.json"
+  run 200 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_refresh=default" --new-tokens 64 \
+    --timeout 190 --warmup-tokens 0 --name hip_cli_speed_512k_hip_refresh_default
+  ;;
 57)
   # issue 19: is lean as good with fast's refresh (32/16/8 where its own is 16/8/4)? NIAH prose
   # and pass key past the trained length, as groups 43 and 50 measured lean itself. GGUF.
