@@ -89,7 +89,7 @@ HIP = register(
         _refresh,
         "decode steps between reruns of HiP's pruning stages, by name: "
         + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in REFRESH_PRESETS.items())
-        + " (default: the preset's; lean and default rerun stage 0, which reads every key of an "
-        "offloaded slice, every 16 steps, fast every 32)",
+        + " (default: the preset's; stage 0 reads every key of an offloaded slice: default "
+        "reruns it every 16 steps, lean and fast every 32)",
     ),
 )
