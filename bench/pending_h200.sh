@@ -90,6 +90,12 @@
 #   (all passed). NEXT: 56 with the GGUF's first half (call A), then 55 (call B), then 57, then
 #   the smoke (group 1: GPU-facing code changed after 5f5d2dd: step timer, --hip-refresh, the
 #   torch bisection's layout, the pruning bound moved).
+# The twenty-second ran 56 (with the GGUF's first half), 55, 57 and the whole smoke (54/54 +
+#   28/28) at 17115b0, then after 07ef87e (a refresh's missed runs in one fetch; lean's stage 0
+#   every 32 steps) 58's first row (512K: 9.05 tok/s over 64 tokens) at a fresh start; its NIAH
+#   row was cut (the GGUF's one-time conversion) and the device time ran out. NEXT: the GGUF's
+#   two-call setup, then the smoke (group 1: GPU-facing code changed in 07ef87e), then 58's NIAH
+#   and last rows (the NIAH grid of the default `hip` with lean's 32/8/4; the fetch fix alone).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's

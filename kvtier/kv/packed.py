@@ -146,6 +146,42 @@ class PackedTier:
             moved += (end - c) * self.layout.token_bytes
         return 0 if sid in self.device_slices else moved
 
+    def read_runs_into(
+        self, sid: int, host: HostSlice, dst: torch.Tensor, spans: list[tuple[int, int, int]]
+    ) -> int:
+        """`read_into` of every (start, end, at) span into dst[at : at + end - start]: the coded
+        rows of all spans in one copy and one unpack, placed by one index copy; the uncoded
+        tails in one `read_runs_into` of `host`. Returns the bytes sent over PCIe."""
+        g, lay = self.codec.group, self.layout
+        row_spans: list[tuple[int, int, int]] = []  # packed rows [r0, r1) of a span, at row `at`
+        places: list[tuple[int, int, int]] = []  # (dst row, unpacked row, tokens) of each span
+        tails: list[tuple[int, int, int]] = []
+        rows = 0
+        for start, end, at in spans:
+            c = min(max(self.coded, start), end)
+            if c > start:
+                r0, r1 = start // g, -(-c // g)
+                row_spans.append((r0, r1, rows))
+                places.append((at, rows * g + start - r0 * g, c - start))
+                rows += r1 - r0
+            if end > c:
+                tails.append((c, end, at + c - start))
+        moved = 0
+        if row_spans:
+            packed = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
+            self.rows[sid].read_runs_into(packed, row_spans)
+            kv = self.codec.unpack(packed, lay.group_size, lay.head_dim, lay.dtype)  # [rows g, 2, G, D]
+            n = torch.tensor([p[2] for p in places])
+            step = torch.repeat_interleave(torch.tensor([p[0] - p[1] for p in places]), n)
+            src = torch.repeat_interleave(torch.tensor([p[1] for p in places]), n)
+            src += torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+            dst.index_copy_(0, (src + step).to(self.device), kv[src.to(self.device)])
+            moved += rows * self.row_bytes
+        if tails:
+            host.read_runs_into(dst, tails)
+            moved += sum(end - start for start, end, _ in tails) * lay.token_bytes
+        return 0 if sid in self.device_slices else moved
+
     def encode(self, hosts: dict[int, HostSlice], upto: int, streams: Streams) -> tuple[int, int]:
         """Pack tokens [coded, upto) of every slice from its full-precision host copy (through
         the GPU, where packing runs). Returns the bytes moved (to the GPU, back to the host)."""

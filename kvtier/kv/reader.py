@@ -65,10 +65,7 @@ class SliceReader:
                 )
         self.streams.wait([self.host.last_write])
         if self.packed is not None:
-            for start, end, at in spans:
-                self.account.h2d_bytes += self.packed.read_into(
-                    self.sid, self.host, out[at : at + end - start], start, end, scratch=False
-                )
+            self.account.h2d_bytes += self.packed.read_runs_into(self.sid, self.host, out, spans)
             return
         self.host.read_runs_into(out, spans)
         self.account.h2d_bytes += sum(end - start for start, end, _ in spans) * self.layout.token_bytes
