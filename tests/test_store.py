@@ -251,3 +251,43 @@ def test_slice_reader_reads_ranges_and_gathers_positions_across_extents(
     assert store.account.h2d_bytes - before == (9 + 13 + 2) * 2 * cfg.head_dim * 4
     with pytest.raises(IndexError, match="outside"):
         reader().runs([(0, 5, 36)], out)
+
+
+def test_runs_from_a_quantized_host_tier_equal_one_read_a_run(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    """`SliceReader.runs` over packed rows (what HiP's block cache fetches its misses with under
+    `--kv-quant`) returns what one read a run returns, and counts the same bytes: runs that start
+    and end inside a codec group, cross into the uncoded tail, or lie in it."""
+    from kvtier.kv.reader import SliceReader
+    from kvtier.kv.synthetic import fill_synthetic
+    from kvtier.policies import PolicyParts
+    from kvtier.policies.quant import KiviCodec
+    from tests.policy_store import make_store
+
+    _, cfg = gqa
+    codec = KiviCodec(bits=4, group=8, residual=16)
+    store = make_store(cfg, KVPlan("head", 1, 0, 16, 2, 128), PolicyParts(codec=codec), capacity=128)
+    fill_synthetic(store, 100)
+    assert store.packed is not None and store.packed.coded == 80
+    sid = 2
+
+    def reader() -> SliceReader:
+        return SliceReader(
+            sid,
+            store.hosts[sid],
+            store.layout,
+            100,
+            device=CPU,
+            streams=store.streams,
+            account=store.account,
+            packed=store.packed,
+        )
+
+    spans = [(3, 13, 0), (16, 32, 10), (45, 47, 26), (76, 90, 28), (94, 100, 42)]
+    before = store.account.h2d_bytes
+    want = torch.cat([reader()(a, b) for a, b, _ in spans])
+    one_a_run = store.account.h2d_bytes - before
+    got = torch.full_like(want, float("nan"))
+    before = store.account.h2d_bytes
+    reader().runs(spans, got)
+    assert torch.equal(got, want)
+    assert store.account.h2d_bytes - before == one_a_run > 0
