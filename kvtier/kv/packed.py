@@ -172,10 +172,10 @@ class PackedTier:
             self.rows[sid].read_runs_into(packed, row_spans)
             kv = self.codec.unpack(packed, lay.group_size, lay.head_dim, lay.dtype)  # [rows g, 2, G, D]
             n = torch.tensor([p[2] for p in places])
-            step = torch.repeat_interleave(torch.tensor([p[0] - p[1] for p in places]), n)
-            src = torch.repeat_interleave(torch.tensor([p[1] for p in places]), n)
-            src += torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-            dst.index_copy_(0, (src + step).to(self.device), kv[src.to(self.device)])
+            offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+            to = torch.repeat_interleave(torch.tensor([p[0] for p in places]), n) + offset
+            src = torch.repeat_interleave(torch.tensor([p[1] for p in places]), n) + offset
+            dst.index_copy_(0, to.to(self.device), kv[src.to(self.device)])
             moved += rows * self.row_bytes
         if tails:
             host.read_runs_into(dst, tails)

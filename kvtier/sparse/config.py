@@ -28,8 +28,8 @@ REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
     "default": (16, 8, 4),  # paper, Appendix F
     # `lean`'s: stage 0, the only stage that streams a whole offloaded slice (K and V of every
     # token), half as often as the paper; stages 1 and 2 as the paper (bench/results/
-    # hip_cli_speed_512k_hip_steps.json: `fast`'s 32/16/8 decoded 2.5x `default`'s at 512K but
-    # changed 3 of 66 NIAH answers, in their late digits)
+    # hip_cli_speed_512k_hip_steps.json: `lean` with `fast`'s 32/16/8 decoded 2.5x `lean` with
+    # 16/8/4 at 512K, but changed 3 of 66 NIAH answers, two in a late digit)
     "lean": (32, 8, 4),
     "fast": (32, 16, 8),  # code default at fea42c7
     "flash": (96, 24, 8),  # used by every official SGLang launch example
