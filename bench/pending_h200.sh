@@ -95,7 +95,8 @@
 #   every 32 steps) 58's first row (512K: 9.05 tok/s over 64 tokens) at a fresh start; its NIAH
 #   row was cut (the GGUF's one-time conversion) and the device time ran out. NEXT: the GGUF's
 #   two-call setup, then the smoke (group 1: GPU-facing code changed in 07ef87e), then 58's NIAH
-#   and last rows (the NIAH grid of the default `hip` with lean's 32/8/4; the fetch fix alone).
+#   and last rows (the NIAH grid of the default `hip` with lean's 32/8/4; the fetch fix alone),
+#   59 (1M HiP over int4 with the batched fetch; no GGUF: it can go in call A).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -468,6 +469,16 @@ case "$group" in
   # Then lean with fast's refresh (--hip-refresh fast: stage 0 every 32 steps).
   run 540 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_refresh=fast" --new-tokens 64 \
     --timeout 220 --warmup-context 160K --name hip_cli_speed_512k_hip_steps
+  ;;
+59)
+  # issue 19's 1M decode after 07ef87e/3483d96 (a step's missed runs in one fetch, over packed
+  # int4 rows in one copy and one unpack; 0.281 s/token amortized at ca9057c-era code, steps
+  # after a refresh 0.195 s with a third of the cache reads missing). No GGUF. `fast` as before,
+  # then `lean` (what `auto` runs past the trained length) without its dense rows.
+  run 300 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
+    --dense-steps 2 --kv-quant int4 --prefill-chunk 16384 --name hip_offload_planned_1m_int4_runs
+  run 250 $py bench/hip_offload.py --contexts 1M --presets lean --policy planned --steps 66 \
+    --no-dense --kv-quant int4 --name hip_offload_planned_1m_int4_lean
   ;;
 58)
   # issue 19 after 07ef87e (a refresh's missed runs fetched in one call; lean reruns stage 0
