@@ -7,10 +7,15 @@ and cached steps (served from the GPU block cache). Counts host-device syncs of 
 as the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `__index__`,
 `nonzero`, `unique`, boolean-mask indexing is caught through `nonzero`), and the torch operators
 (non-view aten ops: kernel launches on a GPU) per slice of refresh and cached steps, through
-`OpCounter` on the steps after the timed ones. `--profile` prints the cProfile of the cached
-steps.
+`OpCounter` on the steps after the timed ones. `--profile` prints the cProfile of the steps of
+`--profile-steps` (cached: no stage reruns; stage1/stage2: the steps whose first rerun stage is
+that one). Step times are also split by the first stage a step reruns, with each step's H2D
+bytes (`--name` writes them to JSON). `--as-preset` runs the preset's own budgets (default:
+`HipConfig.scaled` to the context, with the preset's refresh intervals).
 
     python bench/hip_decode_profile.py --context 32768 --steps 40
+    python bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 \
+        --head-dim 128 --group 8 --cache-tokens 16384 --steps 34 --profile --profile-steps stage1
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import KV_FILLS, fill_store, write_results
 from kvtier.kv.store import TieredKVStore
-from kvtier.kv.synthetic import fill_synthetic
 from kvtier.loading.presets import preset_config
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
 from kvtier.sparse.opcount import OpCounter
+from kvtier.units import parse_count
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "unique")
 
@@ -74,6 +80,7 @@ def build(
     hip: HipConfig,
     device: torch.device,
     group: int = 1,
+    kv_fill: str = "synthetic",
 ) -> tuple[TieredKVStore, HipKernel]:
     """An offloaded store of `context` synthetic tokens in slices of `group` KV heads, with a
     HiP kernel."""
@@ -100,7 +107,7 @@ def build(
         kernel=kernel,
         rotate_keys=not unrotated,
     )
-    fill_synthetic(store, context)
+    fill_store(store, context, kv_fill)
     return store, kernel
 
 
@@ -112,17 +119,30 @@ def step(store: TieredKVStore, layers: int, q: torch.Tensor, kv: torch.Tensor) -
     store.end_step()
 
 
+STEP_KINDS = ("stage0", "stage1", "stage2", "none")
+
+
+def first_due(i: int, refresh: tuple[int, ...]) -> int:
+    """The first stage decode step i reruns (all at step 0), or len(refresh) for none: stage k
+    reruns every refresh[k] steps (the kernel's schedule, `tests/test_hip.py`)."""
+    return next((k for k, r in enumerate(refresh) if i % r == 0), len(refresh))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--context", type=parse_count, default=16384, help="tokens (16384, 512K)")
     ap.add_argument("--steps", type=int, default=34)
     ap.add_argument("--preset", default="fast", choices=tuple(HIP_PRESETS))
     ap.add_argument("--group", type=int, default=1, help="KV heads per slice (--kv-heads: whole layers)")
     ap.add_argument("--cache-tokens", type=int, default=None, help="block cache per slice, tokens")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-steps", default="cached", choices=("cached", "stage1", "stage2"))
+    ap.add_argument("--as-preset", action="store_true", help="the preset's own budgets, not scaled")
+    ap.add_argument("--kv-fill", default="synthetic", choices=KV_FILLS, help="benchmark KV (bench.common)")
+    ap.add_argument("--name", default=None, help="write bench/results/NAME.json ($OUT when set)")
     ap.add_argument(
         "--prefill-chunk", type=int, default=0, help="also time one prefill chunk of this many tokens (last)"
     )
@@ -130,33 +150,47 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     base = HIP_PRESETS[args.preset]
-    hip = HipConfig.scaled(args.context, refresh=base.refresh, cache_tokens=args.cache_tokens)
+    if args.as_preset:
+        hip = replace(base, cache_tokens=args.cache_tokens)
+    else:
+        hip = HipConfig.scaled(args.context, refresh=base.refresh, cache_tokens=args.cache_tokens)
     # the op-counting interval and the prefill chunk run after the timed steps
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
     shape = (args.layers, args.kv_heads, args.head_dim, args.context)
-    store, kernel = build(*shape, extra, hip, dev, args.group)
+    store, kernel = build(*shape, extra, hip, dev, args.group, args.kv_fill)
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     slices = args.layers * (args.kv_heads // args.group)
     times: dict[str, list[float]] = {"refresh": [], "cached": []}
+    by_stage: dict[str, list[float]] = {}  # step times by the first stage the step reruns
+    rows: list[dict[str, Any]] = []
     syncs: dict[str, int] = {}
     prof = cProfile.Profile()
     for i in range(args.steps):
-        refresh = i % hip.refresh[0] == 0
+        kind = STEP_KINDS[first_due(i, hip.refresh)]
+        refresh = kind == "stage0"
+        profiled = args.profile and kind == args.profile_steps.replace("cached", "none")
+        h2d, fetched = store.account.h2d_bytes, kernel.stats.cache.fetched_bytes
         t = time.perf_counter()
         if refresh:
             step(store, args.layers, q, kv)
         else:
             with count_syncs(syncs):
-                if args.profile:
+                if profiled:
                     prof.enable()
                 step(store, args.layers, q, kv)
-                if args.profile:
+                if profiled:
                     prof.disable()
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        times["refresh" if refresh else "cached"].append(time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        times["refresh" if refresh else "cached"].append(dt)
+        by_stage.setdefault(kind, []).append(dt)
+        rows.append({
+            "step": i, "reruns_from": kind, "s": round(dt, 5), "h2d_bytes": store.account.h2d_bytes - h2d,
+            "fetched_bytes": kernel.stats.cache.fetched_bytes - fetched,
+        })  # fmt: skip
     # Operators per slice: one more refresh interval (steps numbered on from the timed ones).
     ops = {"refresh": OpCounter(), "cached": OpCounter()}
     for i in range(args.steps, args.steps + hip.refresh[0]):
@@ -194,6 +228,22 @@ def main() -> None:
         per,
     )
     print(f"cache hit rate {kernel.stats.hit_rate:.3f}, decode recomputes {kernel.stats.decode_recomputes}")
+    summary = {
+        kind: {"steps": len(ts), "mean_s": round(sum(ts) / len(ts), 5), "max_s": round(max(ts), 5)}
+        for kind, ts in sorted(by_stage.items())
+    }
+    for kind, v in summary.items():
+        mean, worst = v["mean_s"] * 1e3, v["max_s"] * 1e3
+        print(f"steps rerunning from {kind}: {v['steps']:3d}  mean {mean:8.1f} ms  max {worst:8.1f} ms")
+    if args.name:
+        config = {"preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh}
+        info = {"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group}
+        out = write_results(args.name, {
+            "device": str(dev), "context": args.context, "hip": {**config, "budgets": hip.budgets},
+            "shape": {**info, "head_dim": args.head_dim}, "cache_tokens": args.cache_tokens,
+            "hit_rate": round(kernel.stats.hit_rate, 4), "by_first_rerun": summary, "steps": rows,
+        })  # fmt: skip
+        print(f"-> {out}")
     if prefill is not None:
         dt, n_ops = prefill
         print(

@@ -126,8 +126,9 @@ def fetch_blocks(
             spans.append((lo, hi, i * block))
         i = j
     read = sum(hi - lo for lo, hi, _ in spans)
-    if read < out.shape[0]:  # rows past `stored`: zero (only the last run can reach past it)
-        out.zero_()
+    end = max((at + hi - lo for lo, hi, at in spans), default=0)
+    if read < out.shape[0]:  # rows past `stored`: zero (with ids in order, the rows after `end`)
+        out[end if end == read else 0 :].zero_()
     fetch.runs(spans, out)
     stats.fetched_bytes += read * like[0].numel() * like.element_size()
     return out.view(len(ids), block, *like.shape[1:])
