@@ -479,6 +479,11 @@ case "$group" in
     --dense-steps 2 --kv-quant int4 --prefill-chunk 16384 --name hip_offload_planned_1m_int4_runs
   run 250 $py bench/hip_offload.py --contexts 1M --presets lean --policy planned --steps 66 \
     --no-dense --kv-quant int4 --name hip_offload_planned_1m_int4_lean
+  # where a 512K stage-1 rerun's ~0.38 s goes (8 of Llama-3's 32 layers, lean's own budgets,
+  # the CLI's 16K-token block cache): step times by the stage they rerun, cProfile of stage 1
+  run 150 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 8 \
+    --kv-heads 8 --group 8 --head-dim 128 --cache-tokens 16384 --steps 34 --kv-fill structured \
+    --profile --profile-steps stage1 --name hip_decode_profile_lean_512k
   ;;
 58)
   # issue 19 after 07ef87e (a refresh's missed runs fetched in one call; lean reruns stage 0
