@@ -9,19 +9,22 @@ as the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `
 (non-view aten ops: kernel launches on a GPU) per slice of refresh and cached steps, through
 `OpCounter` on the steps after the timed ones. `--profile` prints the cProfile of the steps of
 `--profile-steps` (cached: no stage reruns; stage1/stage2: the steps whose first rerun stage is
-that one). Step times are also split by the first stage a step reruns, with each step's H2D
-bytes (`--name` writes them to JSON). `--as-preset` runs the preset's own budgets (default:
-`HipConfig.scaled` to the context, with the preset's refresh intervals).
+that one) and keeps its top lines in the JSON; `--kernels` adds torch.profiler's device time
+per kernel over the same steps (the GPU's side of them). Step times are also split by the
+first stage a step reruns, with each step's H2D bytes (`--name` writes them to JSON).
+`--as-preset` runs the preset's own budgets (default: `HipConfig.scaled` to the context, with
+the preset's refresh intervals).
 
     python bench/hip_decode_profile.py --context 32768 --steps 40
     python bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 \
-        --head-dim 128 --group 8 --cache-tokens 16384 --steps 34 --profile --profile-steps stage1
+        --head-dim 128 --group 8 --cache-tokens 16384 --steps 34 --profile --kernels --profile-steps stage1
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import pstats
 import sys
 import time
@@ -32,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, write_results
+from bench.serve_loop import top_kernels
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.planner.placement import KVPlan
@@ -119,6 +124,37 @@ def step(store: TieredKVStore, layers: int, q: torch.Tensor, kv: torch.Tensor) -
     store.end_step()
 
 
+def run_profiled(
+    fn: Callable[[], None], args: argparse.Namespace, prof: cProfile.Profile, kernel_profs: list[profile]
+) -> None:
+    """fn under cProfile (--profile) and a torch.profiler window of its own (--kernels)."""
+    if args.profile:
+        prof.enable()
+    if args.kernels:
+        cuda = torch.cuda.is_available() and args.device != "cpu"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as kp:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        kernel_profs.append(kp)
+    else:
+        fn()
+    if args.profile:
+        prof.disable()
+
+
+def merged_kernels(profs: list[profile], top: int) -> list[dict[str, Any]]:
+    """`top_kernels` of several profiler windows, summed by kernel name (calls, device ms)."""
+    total: dict[str, dict[str, Any]] = {}
+    for p in profs:
+        for row in top_kernels(p, 10**6):
+            acc = total.setdefault(row["name"], {"name": row["name"], "calls": 0, "device_ms": 0.0})
+            acc["calls"] += row["calls"]
+            acc["device_ms"] = round(acc["device_ms"] + row["device_ms"], 3)
+    return sorted(total.values(), key=lambda r: -r["device_ms"])[:top]
+
+
 STEP_KINDS = ("stage0", "stage1", "stage2", "none")
 
 
@@ -140,6 +176,7 @@ def main() -> None:
     ap.add_argument("--cache-tokens", type=int, default=None, help="block cache per slice, tokens")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", default="cached", choices=("cached", "stage1", "stage2"))
+    ap.add_argument("--kernels", action="store_true", help="device time per kernel (--profile-steps)")
     ap.add_argument("--as-preset", action="store_true", help="the preset's own budgets, not scaled")
     ap.add_argument("--kv-fill", default="synthetic", choices=KV_FILLS, help="benchmark KV (bench.common)")
     ap.add_argument("--name", default=None, help="write bench/results/NAME.json ($OUT when set)")
@@ -167,6 +204,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     syncs: dict[str, int] = {}
     prof = cProfile.Profile()
+    kernel_profs: list[profile] = []  # one a profiled step (--kernels)
     for i in range(args.steps):
         kind = STEP_KINDS[first_due(i, hip.refresh)]
         refresh = kind == "stage0"
@@ -178,10 +216,9 @@ def main() -> None:
         else:
             with count_syncs(syncs):
                 if profiled:
-                    prof.enable()
-                step(store, args.layers, q, kv)
-                if profiled:
-                    prof.disable()
+                    run_profiled(lambda: step(store, args.layers, q, kv), args, prof, kernel_profs)
+                else:
+                    step(store, args.layers, q, kv)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
@@ -211,8 +248,20 @@ def main() -> None:
             prefill = (time.perf_counter() - t, pops.total)
     store.close()
     cached = len(times["cached"])
+    profile_lines: list[str] = []
     if args.profile:
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        profile_lines = [line for line in text.getvalue().splitlines() if line.strip()]
+        print("\n".join(profile_lines[:24]))
+    kernels: list[dict[str, Any]] = []
+    if kernel_profs:
+        kernels = merged_kernels(kernel_profs, 25)
+        n = len(kernel_profs)
+        busy = sum(r["device_ms"] for r in merged_kernels(kernel_profs, 10**6)) / n
+        print(f"device time per {args.profile_steps} step ({n} steps): {busy:.1f} ms busy")
+        for row in kernels[:12]:
+            print(f"  {row['device_ms'] / n:9.3f} ms  {row['calls'] / n:7.1f} calls  {row['name']}")
     print(f"{slices} slices, context {args.context}, head_dim {args.head_dim}, {dev}, preset {args.preset}")
     for kind, ts in times.items():
         if ts:
@@ -242,6 +291,8 @@ def main() -> None:
             "device": str(dev), "context": args.context, "hip": {**config, "budgets": hip.budgets},
             "shape": {**info, "head_dim": args.head_dim}, "cache_tokens": args.cache_tokens,
             "hit_rate": round(kernel.stats.hit_rate, 4), "by_first_rerun": summary, "steps": rows,
+            "profiled": args.profile_steps if args.profile or args.kernels else None,
+            "cprofile": profile_lines, "kernels": kernels,
         })  # fmt: skip
         print(f"-> {out}")
     if prefill is not None:
