@@ -122,6 +122,33 @@ def test_splits_past_the_keys_are_empty_and_long_sequences_use_every_split(devic
     assert torch.allclose(combine_splits(part, lse), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_equals_the_torch_merge(device: str, dtype: torch.dtype) -> None:
+    """33 splits (not a power of two) of head dim 48: the one-launch merge equals the torch ops,
+    written in the query's dtype; a row whose splits are all empty is 0, one with a single
+    nonempty split is that split's partial, and no weight overflows at lse ~ 1e4."""
+    from kvtier.attention.paged_decode import combine_splits, combine_splits_fused
+
+    gen = torch.Generator().manual_seed(11)
+    part = torch.randn(3, 4, 33, 48, generator=gen)
+    lse = torch.randn(3, 4, 33, generator=gen) * 5
+    lse[0, 0] = float("-inf")  # a sequence without keys
+    part[0, 0] = 0.0
+    lse[0, 1, 1:] = float("-inf")  # one split holds every key
+    part[0, 1, 1:] = 0.0
+    lse[1] += 1e4  # large log-sum-exps: max-subtracted weights stay finite
+    lse[2, :, 5:20] = float("-inf")
+    part, lse = part.to(device), lse.to(device)
+    got = combine_splits_fused(part, lse, dtype)
+    ref = combine_splits(part, lse)
+    assert got.shape == (3, 4, 48) and got.dtype == dtype
+    assert torch.allclose(got.float(), ref, rtol=TOL[dtype], atol=TOL[dtype]), (got.float() - ref).abs().max()
+    assert bool((got[0, 0] == 0).all())
+    assert torch.allclose(got[0, 1].float(), part[0, 1, 0], rtol=TOL[dtype], atol=TOL[dtype])
+    assert bool(got.float().isfinite().all())
+
+
 def test_reference_equals_dense_attend() -> None:
     """The reference on one sequence equals the repo's exact attention over the same keys."""
     from kvtier.attention.paged_decode import paged_decode_reference
