@@ -20,6 +20,8 @@ class HostSlice:
         self.extent_tokens = extent_tokens
         self.extents: list[torch.Tensor] = []  # each [E, 2, G, D]
         self.last_write: Event | None = None  # the D2H copy that wrote the newest tokens
+        # (extents seen, their starts for host_gather on the GPU): rebuilt when extents change
+        self._offsets: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -40,6 +42,10 @@ class HostSlice:
             pos += n
         return out
 
+    def _ring(self) -> int:
+        """Token t lives in extent (t // extent_tokens) % ring (here every extent: no wrap)."""
+        return len(self.extents)
+
     def views(self, start: int, end: int) -> list[torch.Tensor]:
         """Views of the extents holding tokens [start, end), in order (each [n, 2, G, D], contiguous)."""
         return [self.extents[e][off : off + n] for e, off, _, n in self._pieces(start, end)]
@@ -55,9 +61,19 @@ class HostSlice:
             dst[at : at + n].copy_(self.extents[e][off : off + n], non_blocking=True)
 
     def read_runs_into(self, dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
-        """Copy tokens [start, end) of each (start, end, at) span into dst[at : at + end - start],
-        every piece in one `_foreach_copy_` (the copies are issued from C++, not one Python call
-        each: a refresh of a HiP block cache reads thousands of short runs). Asynchronous on CUDA."""
+        """Copy tokens [start, end) of each (start, end, at) span into dst[at : at + end - start]
+        (a refresh of a HiP block cache reads hundreds of short runs). Into a GPU from pinned
+        extents: one kernel reads them all over PCIe (`kvtier.kv.host_gather`); otherwise every
+        piece in one `_foreach_copy_`. Asynchronous on CUDA."""
+        if dst.is_cuda and self.extents and self.extents[0].is_pinned() and dst.is_contiguous():
+            from kvtier.kv import host_gather
+
+            key = (len(self.extents), self.extents[0].data_ptr(), self.extents[-1].data_ptr(), dst.device)
+            if self._offsets is None or self._offsets[0] != key:
+                self._offsets = (key, host_gather.extent_offsets(self.extents, dst.device))
+            ring = self._ring()
+            host_gather.gather_runs(self.extents, self._offsets[1], self.extent_tokens, spans, dst, ring)
+            return
         dsts, srcs = [], []
         for start, end, at in spans:
             for e, off, rel, n in self._pieces(start, end):

@@ -53,6 +53,14 @@ class TailHostSlice(HostSlice):
             )
         return [(e % self.ring, off, at, n) for e, off, at, n in super()._pieces(start, end)]
 
+    def _ring(self) -> int:
+        return self.ring
+
+    def read_runs_into(self, dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+        for start, end, _ in spans:
+            self._pieces(start, end)  # refuses a span longer than the tail holds
+        super().read_runs_into(dst, spans)
+
     def gather_into(self, dst: torch.Tensor, positions: torch.Tensor) -> None:
         raise NotImplementedError("a quantized host tier keeps only its tail in full precision")
 

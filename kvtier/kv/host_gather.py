@@ -1,0 +1,111 @@
+"""Runs of a host slice's tokens read by the GPU itself from pinned host memory, in one launch.
+
+A HiP stage rerun at 512K misses ~450 short runs of a slice in its block cache. Copied one DMA a
+run (`torch._foreach_copy_`) they cost ~8 ms of host time a slice (views and copy calls) and
+~2.6 ms of copy-engine time, where the bytes alone take ~1.3 ms at 55 GB/s (H200,
+`bench/results/hip_decode_profile_lean_512k_stage1.json`). Pinned host memory is mapped into
+the GPU's address space (UVA), so a kernel can read it directly: one program copies a tile of up
+to `TILE` consecutive tokens of one run, ~45 GB/s for 64-token blocks on the H200
+(`bench/results/host_key_read_512k_h8.json`).
+
+The extents of a slice are separate allocations. The kernel addresses them from the first one:
+each extent's start as an element offset from it (`extent_offsets`), so no integer becomes a
+pointer. Tiles are cut on the host from the runs with a few vectorized torch ops.
+
+    tiles [T, 3] int64: (first source token, first output row, rows <= TILE)
+    token p of the slice -> extent (p // E) % ring, row p % E; a row is contiguous (2 * G * D
+    elements of K and V, or a packed row of bytes)
+
+`triton` is imported at module level: import this module only where a GPU reads (or under
+Triton's interpreter, TRITON_INTERPRET=1, in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TILE = 16  # tokens a program
+BLOCK_C = 1024  # elements of a row a program copies
+
+
+@triton.jit
+def _gather_rows(  # type: ignore[no-untyped-def]
+    REF,  # the first extent: element offsets are taken from it
+    OFFSETS,  # [extents] int64 element offset of each extent's start from REF
+    TILES,  # [T, 3] int64 (source token, output row, rows)
+    OUT,  # [n, ROW] contiguous
+    extent_tokens,
+    ring,  # extents in the ring: token p is in extent (p // extent_tokens) % ring
+    ROW: tl.constexpr,  # elements a token (2 * G * D)
+    TILE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+    src = tl.load(TILES + t * 3)
+    dst = tl.load(TILES + t * 3 + 1)
+    n = tl.load(TILES + t * 3 + 2)
+    r = tl.arange(0, TILE)  # [TILE]
+    ok = (r < n)[:, None] & (cols < ROW)[None, :]
+    pos = src + r  # [TILE] slice tokens
+    block = pos // extent_tokens
+    start = tl.load(OFFSETS + block % ring, mask=r < n, other=0)  # [TILE]
+    row = start + (pos - block * extent_tokens) * ROW  # [TILE] element offset of the token's row
+    x = tl.load(REF + row[:, None] + cols[None, :], mask=ok)
+    tl.store(OUT + (dst + r)[:, None].to(tl.int64) * ROW + cols[None, :], x, mask=ok)
+
+
+def extent_offsets(extents: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each extent's start as an element offset from the first extent's: [len(extents)] int64 on
+    `device`. The extents must share a dtype (and sit at multiples of its size apart)."""
+    ref, size = extents[0].data_ptr(), extents[0].element_size()
+    deltas = [e.data_ptr() - ref for e in extents]
+    if any(d % size for d in deltas):
+        raise ValueError("extents are not a whole number of elements apart")
+    return torch.tensor([d // size for d in deltas], dtype=torch.int64).to(device)
+
+
+def run_tiles(spans: list[tuple[int, int, int]], tile: int = TILE) -> torch.Tensor:
+    """The (start, end, at) runs cut into tiles of at most `tile` tokens: [T, 3] int64 (source
+    token, output row, rows) on the CPU; empty runs give none."""
+    s = torch.tensor(spans, dtype=torch.int64).view(-1, 3)  # [S, 3]
+    start, end, at = s.unbind(1)
+    count = ((end - start).clamp(min=0) + tile - 1) // tile  # tiles a run
+    run = torch.repeat_interleave(torch.arange(s.shape[0]), count)  # [T] the run of each tile
+    first = torch.cumsum(count, 0) - count  # each run's first tile
+    j = (torch.arange(run.shape[0]) - first[run]) * tile  # the tile's first token in its run
+    src = start[run] + j
+    return torch.stack((src, at[run] + j, (end[run] - src).clamp(max=tile)), dim=1)
+
+
+def gather_runs(
+    extents: list[torch.Tensor],
+    offsets: torch.Tensor,
+    extent_tokens: int,
+    spans: list[tuple[int, int, int]],
+    out: torch.Tensor,
+    ring: int | None = None,
+) -> None:
+    """Tokens [start, end) of each (start, end, at) run into out[at : at + end - start].
+
+    extents: the slice's host extents, each [E, *row] contiguous (pinned, when out is on the
+    GPU); offsets: `extent_offsets(extents, out.device)`; out [n, *row] contiguous, of the
+    extents' dtype; ring: token p is in extent (p // E) % ring (None: every extent, no wrap).
+    Asynchronous on CUDA (the tile list goes over from pinned memory).
+    """
+    if not out.is_contiguous() or out.dtype != extents[0].dtype or out.shape[1:] != extents[0].shape[1:]:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous rows of the extents'")
+    tiles = run_tiles(spans)
+    if tiles.shape[0] == 0:
+        return
+    if out.is_cuda:
+        tiles = tiles.pin_memory().to(out.device, non_blocking=True)
+    row = out[0].numel()
+    grid = (tiles.shape[0], triton.cdiv(row, BLOCK_C))
+    _gather_rows[grid](
+        extents[0], offsets, tiles, out, extent_tokens, ring or len(extents),
+        ROW=row, TILE=TILE, BLOCK_C=min(BLOCK_C, triton.next_power_of_2(row)),
+        num_warps=4,
+    )  # fmt: skip
