@@ -470,6 +470,19 @@ case "$group" in
   run 540 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_refresh=fast" --new-tokens 64 \
     --timeout 220 --warmup-context 160K --name hip_cli_speed_512k_hip_steps
   ;;
+60)
+  # issues 18 and 19 after c6980e4 (paged decode's splits merged in one launch) and 3470185 (a
+  # block cache's missed runs read by one Triton launch from pinned host memory). No GGUF.
+  # The two kernels on CUDA (tests), one stream's decode step at 1K and 32K (serve_gpu c1,
+  # c1-32k; serve_profile B=1 at 1K: 5.705 ms/step before), the 512K stage-1 rerun profile
+  # (174 ms a step of 8 slices before, ~455 copies a slice).
+  run 80 $py -m pytest -q -x -p no:cacheprovider tests/test_paged_decode.py tests/test_host_gather.py
+  run 45 $py bench/serve_profile.py --batches 1 --context 1024 --top 30 --name serve_profile_b1_merge
+  run 70 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 8 --kv-heads 8 \
+    --group 8 --head-dim 128 --cache-tokens 16384 --steps 17 --kv-fill structured --profile --kernels \
+    --profile-steps stage1 --name hip_decode_profile_lean_512k_gather
+  run 110 $py bench/serve_gpu.py --cases c1,c1-32k --name serve_gpu_c1_merge
+  ;;
 59)
   # issue 19's 1M decode after 07ef87e/3483d96 (a step's missed runs in one fetch, over packed
   # int4 rows in one copy and one unpack; 0.281 s/token amortized at ca9057c-era code, steps
