@@ -97,6 +97,13 @@
 #   two-call setup, then the smoke (group 1: GPU-facing code changed in 07ef87e), then 58's NIAH
 #   and last rows (the NIAH grid of the default `hip` with lean's 32/8/4; the fetch fix alone),
 #   59 (1M HiP over int4 with the batched fetch; no GGUF: it can go in call A).
+# The twenty-third ran 59 (with the GGUF's first half), the smoke (group 1: the embedded model's
+#   generate checks cut after 2 of 26 by the 280 s limit on a fresh machine; now 330 s) and 58's
+#   rows at 9fcd0cb, then profiles (stage-1 reruns, one stream's step) and 60 after c6980e4 and
+#   3470185 (the serve_gpu row needs .whl: `source bench/h200_setup.sh` first). NEXT: the GGUF's
+#   two-call setup, then the smoke (group 1: GPU-facing code changed in c6980e4 and 3470185),
+#   then `hip_cli_speed.py --contexts 512K --methods hip --new-tokens 64` (the one-launch host
+#   gather through the CLI; 9.05 tok/s before) and 59's 1M rows again (the gather covers int4 rows).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -119,8 +126,8 @@ py=${PYTHON:-python}
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -14; }
 case "$group" in
 1)
-  run 280 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
-  run 240 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 330 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
+  run 200 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
   run 60 $py bench/gpu_checks.py
   ;;
 2)
