@@ -50,11 +50,11 @@ def _gather_rows(  # type: ignore[no-untyped-def]
     r = tl.arange(0, TILE)  # [TILE]
     ok = (r < n)[:, None] & (cols < ROW)[None, :]
     pos = src + r  # [TILE] slice tokens
-    block = pos // extent_tokens
-    start = tl.load(OFFSETS + block % ring, mask=r < n, other=0)  # [TILE]
-    row = start + (pos - block * extent_tokens) * ROW  # [TILE] element offset of the token's row
+    nth = pos // extent_tokens  # the extent counted from the first token, before the wrap
+    start = tl.load(OFFSETS + nth % ring, mask=r < n, other=0)  # [TILE]
+    row = start + (pos - nth * extent_tokens) * ROW  # [TILE] element offset of the token's row
     x = tl.load(REF + row[:, None] + cols[None, :], mask=ok)
-    tl.store(OUT + (dst + r)[:, None].to(tl.int64) * ROW + cols[None, :], x, mask=ok)
+    tl.store(OUT + (dst + r)[:, None] * ROW + cols[None, :], x, mask=ok)
 
 
 def extent_offsets(extents: list[torch.Tensor], device: torch.device) -> torch.Tensor:
