@@ -22,7 +22,10 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -36,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, median, write_results
+from bench.hip_decode_profile import STEP_KINDS, first_due, merged_kernels, run_profiled
 from kvtier.attention.interface import DenseKernel, SliceKernel
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError
@@ -198,7 +202,7 @@ def run_method(
         )
         fill_store(store, context, args.kv_fill)
         if steps:
-            row.update(decode(model, store, kernel, steps, dev))
+            row.update(decode(model, store, kernel, steps, dev, args.profile_decode))
         if chunk:
             row.update(prefill_chunk(model, store, chunk, cfg.vocab_size, dev, args.profile))
         if dev.type == "cuda":
@@ -212,15 +216,48 @@ def run_method(
 
 
 def decode(
-    model: CausalLM, store: TieredKVStore, kernel: SliceKernel, steps: int, dev: torch.device
+    model: CausalLM,
+    store: TieredKVStore,
+    kernel: SliceKernel,
+    steps: int,
+    dev: torch.device,
+    profile: bool = False,
 ) -> dict[str, Any]:
-    """`steps` greedy decode steps from a random token; times split into refresh/cached steps."""
+    """`steps` greedy decode steps from a random token; times split into refresh/cached steps.
+    `profile` (HiP): the last step of each kind (the first stage it reruns, or none) again under
+    cProfile and torch.profiler, after the timed ones (`profiles` in the row)."""
     hip = kernel if isinstance(kernel, HipKernel) else None
     token = torch.tensor([1], device=dev)
     h2d0 = store.account.h2d_bytes
     times: list[float] = []
     refresh: list[bool] = []
-    for _ in range(steps):
+    profiles: dict[str, Any] = {}
+    kernels: list[Any] = []  # torch.profiler windows of the step being profiled
+    for i in range(steps + (hip.cfg.refresh[0] if profile and hip else 0)):
+        kind = STEP_KINDS[first_due(i, hip.cfg.refresh)] if hip else "stage0"
+        if i >= steps:  # one more refresh interval, a step of each kind profiled
+            assert hip is not None
+            if kind in profiles:
+                store.begin_step(1)
+                token = model(token, store)[-1].argmax().view(1)
+                store.end_step()
+                continue
+            prof, kernels = cProfile.Profile(), []
+            ns = argparse.Namespace(profile=True, kernels=dev.type == "cuda", device=dev.type)
+            box: list[torch.Tensor] = []
+            t = time.perf_counter()
+            store.begin_step(1)
+            run_profiled(lambda: box.append(model(token, store)), ns, prof, kernels)
+            store.end_step()
+            token = box[0][-1].argmax().view(1)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+            profiles[kind] = {
+                "step": i, "wall_s_profiled": round(time.perf_counter() - t, 4),
+                "kernels": merged_kernels(kernels, 20) if kernels else [],
+                "cprofile": [x for x in text.getvalue().splitlines() if x.strip()],
+            }  # fmt: skip
+            continue
         before = hip.stats.decode_recomputes[0] if hip else 0
         store.begin_step(1)
         dt, logits = timed(dev, lambda: model(token, store))
@@ -239,6 +276,8 @@ def decode(
         "h2d_bytes_per_token": (store.account.h2d_bytes - h2d0) / max(1, steps),
         "decode_steps_s": times,
     }
+    if profiles:
+        out["profiles"] = profiles
     if hip is not None:
         out["hit_rate"] = hip.stats.hit_rate
         out["cache"] = asdict(hip.stats.cache)
@@ -348,6 +387,11 @@ def main() -> None:
         help="comma-separated chunk sizes: one prefill row each at the largest context (default: none)",
     )
     ap.add_argument("--profile", action="store_true", help="profile the prefill chunks (GPU kernels)")
+    ap.add_argument(
+        "--profile-decode",
+        action="store_true",
+        help="HiP: after the timed steps, one step of each kind under cProfile and the GPU profiler",
+    )
     ap.add_argument(
         "--kv-fill",
         choices=KV_FILLS,

@@ -102,8 +102,8 @@
 #   rows at 9fcd0cb, then profiles (stage-1 reruns, one stream's step) and 60 after c6980e4 and
 #   3470185 (the serve_gpu row needs .whl: `source bench/h200_setup.sh` first). NEXT: the GGUF's
 #   two-call setup, then the smoke (group 1: GPU-facing code changed in c6980e4 and 3470185),
-#   then `hip_cli_speed.py --contexts 512K --methods hip --new-tokens 64` (the one-launch host
-#   gather through the CLI; 9.05 tok/s before) and 59's 1M rows again (the gather covers int4 rows).
+#   then 61 (1M over int4 with the one-launch host gather and a profile of each kind of step;
+#   512K through the CLI, 9.05 tok/s before).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -476,6 +476,18 @@ case "$group" in
   # Then lean with fast's refresh (--hip-refresh fast: stage 0 every 32 steps).
   run 540 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_refresh=fast" --new-tokens 64 \
     --timeout 220 --warmup-context 160K --name hip_cli_speed_512k_hip_steps
+  ;;
+61)
+  # issue 19 after 3470185 (a block cache's missed runs, packed int4 rows too, read by one
+  # Triton launch from pinned host memory): 1M over int4 as in 59 (fast: 0.221 s/token
+  # amortized at 9fcd0cb, steps that rerun nothing 0.077-0.09 s with 126 streamed slices of 2
+  # KV heads), with one step of each kind profiled after the timed ones (--profile-decode:
+  # where a step that reruns nothing spends its ~0.6 ms a slice). Then 512K through the CLI
+  # (9.05 tok/s over 64 tokens at 07ef87e). No GGUF; the llama8b folder is written first.
+  run 330 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
+    --no-dense --kv-quant int4 --profile-decode --name hip_offload_planned_1m_int4_gather
+  run 250 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
+    --timeout 240 --warmup-tokens 0 --name hip_cli_speed_512k_hip_gather
   ;;
 60)
   # issues 18 and 19 after c6980e4 (paged decode's splits merged in one launch) and 3470185 (a
