@@ -103,7 +103,7 @@
 #   3470185 (the serve_gpu row needs .whl: `source bench/h200_setup.sh` first). NEXT: the GGUF's
 #   two-call setup, then the smoke (group 1: GPU-facing code changed in c6980e4 and 3470185),
 #   then 61 (1M over int4 with the one-launch host gather and a profile of each kind of step;
-#   512K through the CLI, 9.05 tok/s before).
+#   512K through the CLI, 9.05 tok/s before), then 62 (128K: the plan's chunk against 8K, A/B).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -476,6 +476,14 @@ case "$group" in
   # Then lean with fast's refresh (--hip-refresh fast: stage 0 every 32 steps).
   run 540 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_refresh=fast" --new-tokens 64 \
     --timeout 220 --warmup-context 160K --name hip_cli_speed_512k_hip_steps
+  ;;
+62)
+  # issue 19 at 128K: lossless `auto` and `hip` with the plan's 5,120-token chunk and with 8,192,
+  # one machine, twice each (at 8a6ffda-c394132 5,120 gave 1.39-1.44x of a lossless run from
+  # another machine start, 8,192 1.49-1.51x; the issue asks 1.5x prefill, 3x decode). Decides
+  # whether `hip_chunk_size` should not go below 8K. No GGUF.
+  run 280 $py bench/hip_cli_speed.py --contexts 128K --methods "auto;hip;hip,chunk_size=8192;auto;hip;hip,chunk_size=8192" \
+    --new-tokens 64 --timeout 60 --name hip_cli_speed_128k_ab
   ;;
 61)
   # issue 19 after 3470185 (a block cache's missed runs, packed int4 rows too, read by one
