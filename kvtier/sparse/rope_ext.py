@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.model.layers import use_fused
 from kvtier.model.rope import Rotary
 
 
@@ -69,7 +70,10 @@ class RopeTable:
         """
         n = limit if limit is not None else int(positions.max()) + 1 if positions.numel() else 0
         self._grow(n, x)
-        return Rotary.apply(x, self._cos[positions], self._sin[positions])
+        if use_fused(x, self._cos) or x.shape[-1] % 2:
+            return Rotary.apply(x, self._cos[positions], self._sin[positions])
+        half = x.shape[-1] // 2  # the tables repeat each half: gather the first only
+        return Rotary.apply_half(x, self._cos[:, :half][positions], self._sin[:, :half][positions])
 
     def rotate_at(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """x [1, H, D] rotated at one host-known `position`: the table rows are views, so this
