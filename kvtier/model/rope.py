@@ -93,18 +93,17 @@ class Rotary:
 
             return fused.rope(x, cos, sin)
         half = x.shape[-1] // 2
-        if x.shape[-1] % 2:  # not RoPE's shape; kept for any caller that passes one
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            return x * cos[:, None, :] + rotated * sin[:, None, :]
-        return Rotary.apply_half(x, cos[:, :half], sin[:, :half])
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
 
     @staticmethod
     def apply_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`apply` given the first halves of cos/sin, [T, D/2] (or [1, D/2]): RoPE's tables
         repeat each half (`cos_sin`). Computes [x1 c - x2 s, x2 c + x1 s] for x = [x1, x2]: per
         element the same rounded products and sum as x * cos + rotate_half(x) * sin (negation
-        is exact), so bitwise `apply`'s former torch code and HF's, with half the tables read and
-        no rotated copy of x (on the CPU, HiP's key rotations were half its prefill time)."""
+        is exact), so bitwise `apply`'s torch code and HF's, with half the tables read and no
+        rotated copy of x: for many rows (HiP's key rotations on the CPU were half its prefill
+        time). Two more operators than `apply`, which a few rows (decode) pay in launches."""
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         c, s = cos[:, None, :], sin[:, None, :]

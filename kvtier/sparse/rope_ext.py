@@ -34,6 +34,7 @@ def rotate(rotary: Rotary, x: torch.Tensor, positions: torch.Tensor) -> torch.Te
     return Rotary.apply(x, cos, sin)
 
 
+HALF_ROWS = 256  # rows from which `rotate` takes `Rotary.apply_half` on the torch path
 TABLE_STEP = 65536  # positions: the table grows in whole steps, and is computed one step at a time
 
 
@@ -70,7 +71,7 @@ class RopeTable:
         """
         n = limit if limit is not None else int(positions.max()) + 1 if positions.numel() else 0
         self._grow(n, x)
-        if use_fused(x, self._cos) or x.shape[-1] % 2:
+        if use_fused(x, self._cos) or x.shape[-1] % 2 or x.shape[0] < HALF_ROWS:
             return Rotary.apply(x, self._cos[positions], self._sin[positions])
         half = x.shape[-1] // 2  # the tables repeat each half: gather the first only
         return Rotary.apply_half(x, self._cos[:, :half][positions], self._sin[:, :half][positions])
