@@ -101,7 +101,8 @@
 #   generate checks cut after 2 of 26 by the 280 s limit on a fresh machine; now 330 s) and 58's
 #   rows at 9fcd0cb, then profiles (stage-1 reruns, one stream's step) and 60 after c6980e4 and
 #   3470185 (the serve_gpu row needs .whl: `source bench/h200_setup.sh` first). NEXT: the GGUF's
-#   two-call setup, then the smoke (group 1: GPU-facing code changed in c6980e4 and 3470185),
+#   two-call setup, then the smoke (group 1: GPU-facing code changed in c6980e4, 3470185 and
+#   a2ebbe9, RoPE's torch path for 256+ rows: fp32 on CUDA),
 #   then 61 (1M over int4 with the one-launch host gather and a profile of each kind of step;
 #   512K through the CLI, 9.05 tok/s before), then 62 (128K: the plan's chunk against 8K, A/B).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
