@@ -125,13 +125,13 @@ def step(store: TieredKVStore, layers: int, q: torch.Tensor, kv: torch.Tensor) -
 
 
 def run_profiled(
-    fn: Callable[[], None], args: argparse.Namespace, prof: cProfile.Profile, kernel_profs: list[profile]
+    fn: Callable[[], None], prof: cProfile.Profile | None, kernel_profs: list[profile] | None, cuda: bool
 ) -> None:
-    """fn under cProfile (--profile) and a torch.profiler window of its own (--kernels)."""
-    if args.profile:
+    """fn under `prof` (cProfile) and, with `kernel_profs`, a torch.profiler window of its own
+    appended to it (with CUDA's activity and a sync when `cuda`)."""
+    if prof is not None:
         prof.enable()
-    if args.kernels:
-        cuda = torch.cuda.is_available() and args.device != "cpu"
+    if kernel_profs is not None:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as kp:
             fn()
@@ -140,7 +140,7 @@ def run_profiled(
         kernel_profs.append(kp)
     else:
         fn()
-    if args.profile:
+    if prof is not None:
         prof.disable()
 
 
@@ -216,7 +216,12 @@ def main() -> None:
         else:
             with count_syncs(syncs):
                 if profiled:
-                    run_profiled(lambda: step(store, args.layers, q, kv), args, prof, kernel_profs)
+                    run_profiled(
+                        lambda: step(store, args.layers, q, kv),
+                        prof if args.profile else None,
+                        kernel_profs if args.kernels else None,
+                        dev.type == "cuda",
+                    )
                 else:
                     step(store, args.layers, q, kv)
         if dev.type == "cuda":

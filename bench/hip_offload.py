@@ -232,7 +232,6 @@ def decode(
     times: list[float] = []
     refresh: list[bool] = []
     profiles: dict[str, Any] = {}
-    kernels: list[Any] = []  # torch.profiler windows of the step being profiled
     for i in range(steps + (hip.cfg.refresh[0] if profile and hip else 0)):
         kind = STEP_KINDS[first_due(i, hip.cfg.refresh)] if hip else "stage0"
         if i >= steps:  # one more refresh interval, a step of each kind profiled
@@ -242,12 +241,13 @@ def decode(
                 token = model(token, store)[-1].argmax().view(1)
                 store.end_step()
                 continue
-            prof, kernels = cProfile.Profile(), []
-            ns = argparse.Namespace(profile=True, kernels=dev.type == "cuda", device=dev.type)
+            prof = cProfile.Profile()
+            kernels: list[Any] = []  # the step's torch.profiler window (CUDA only)
             box: list[torch.Tensor] = []
             t = time.perf_counter()
             store.begin_step(1)
-            run_profiled(lambda: box.append(model(token, store)), ns, prof, kernels)
+            cuda = dev.type == "cuda"
+            run_profiled(lambda: box.append(model(token, store)), prof, kernels if cuda else None, cuda)
             store.end_step()
             token = box[0][-1].argmax().view(1)
             text = io.StringIO()
