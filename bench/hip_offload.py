@@ -215,6 +215,29 @@ def run_method(
     return row
 
 
+def profiled_step(
+    model: CausalLM, store: TieredKVStore, token: torch.Tensor, dev: torch.device
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One greedy decode step under cProfile and (on CUDA) torch.profiler: the next token, and
+    the step's profiled wall time, top kernels and cProfile lines."""
+    prof = cProfile.Profile()
+    kernels: list[Any] = []  # the step's torch.profiler window (CUDA only)
+    box: list[torch.Tensor] = []
+    cuda = dev.type == "cuda"
+    t = time.perf_counter()
+    store.begin_step(1)
+    run_profiled(lambda: box.append(model(token, store)), prof, kernels if cuda else None, cuda)
+    store.end_step()
+    wall = time.perf_counter() - t
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    return box[0][-1].argmax().view(1), {
+        "wall_s_profiled": round(wall, 4),
+        "kernels": merged_kernels(kernels, 20) if kernels else [],
+        "cprofile": [x for x in text.getvalue().splitlines() if x.strip()],
+    }
+
+
 def decode(
     model: CausalLM,
     store: TieredKVStore,
@@ -224,8 +247,8 @@ def decode(
     profile: bool = False,
 ) -> dict[str, Any]:
     """`steps` greedy decode steps from a random token; times split into refresh/cached steps.
-    `profile` (HiP): the last step of each kind (the first stage it reruns, or none) again under
-    cProfile and torch.profiler, after the timed ones (`profiles` in the row)."""
+    `profile` (HiP): one more refresh interval, its first step of each kind (the first stage it
+    reruns, or none) under cProfile and torch.profiler (`profiled_step`; `profiles` in the row)."""
     hip = kernel if isinstance(kernel, HipKernel) else None
     token = torch.tensor([1], device=dev)
     h2d0 = store.account.h2d_bytes
@@ -241,22 +264,8 @@ def decode(
                 token = model(token, store)[-1].argmax().view(1)
                 store.end_step()
                 continue
-            prof = cProfile.Profile()
-            kernels: list[Any] = []  # the step's torch.profiler window (CUDA only)
-            box: list[torch.Tensor] = []
-            t = time.perf_counter()
-            store.begin_step(1)
-            cuda = dev.type == "cuda"
-            run_profiled(lambda: box.append(model(token, store)), prof, kernels if cuda else None, cuda)
-            store.end_step()
-            token = box[0][-1].argmax().view(1)
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-            profiles[kind] = {
-                "step": i, "wall_s_profiled": round(time.perf_counter() - t, 4),
-                "kernels": merged_kernels(kernels, 20) if kernels else [],
-                "cprofile": [x for x in text.getvalue().splitlines() if x.strip()],
-            }  # fmt: skip
+            token, profiles[kind] = profiled_step(model, store, token, dev)
+            profiles[kind]["step"] = i
             continue
         before = hip.stats.decode_recomputes[0] if hip else 0
         store.begin_step(1)
