@@ -448,7 +448,14 @@ def main() -> None:
         "kv_fill": args.kv_fill,
     }
     chunks = [int(c) for c in args.prefill_chunk.split(",") if c]
-    warm = argparse.Namespace(**{**vars(args), "steps": 2, "dense_steps": 1, "profile": False})
+    # NOTE: the warm-up decodes as many steps as the timed runs (at most 34: every kind of step of
+    # `fast`'s refresh cycle), so stage reruns and block-cache misses compile their Triton kernels
+    # here. With 2 steps, 1M's first timed steps paid the host gather's compile (4.69 s, 0.62 s
+    # against 2.27, 0.105 before it existed: hip_offload_planned_1m_int4_gather.json).
+    warm_steps = max(2, min(args.steps, 34))
+    warm = argparse.Namespace(
+        **{**vars(args), "steps": warm_steps, "dense_steps": 1, "profile": False, "profile_decode": False}
+    )
     for method in methods:  # warm-up: kernels (Triton's compile), allocator; a short context
         run_method(model, cfg, method, min(*contexts, 65536), warm, 0)
         if chunks:
