@@ -176,7 +176,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             raise
     chunk = base.chunk_size if alone is None else alone.plan.chunk_size
     placement, first, lent = alone, None, 0
-    extra = offer * page_bytes
+    extra, shrink, last = offer * page_bytes, 0, None
     for _ in range(REPLANS if offer else 0):
         try:
             trial = planned(extra, chunk)
@@ -191,7 +191,12 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             if first is not None:
                 placement = trial
             break
-        extra -= max(over, page_bytes)
+        # NOTE: plans are discrete: taking `over` off `extra` can leave the same plan (the planner
+        # had that much slack), and the same `over`, trial after trial. Then the step doubles.
+        same = (trial.plan, trial.reserve_bytes) == last
+        shrink = 2 * shrink if same else max(over, page_bytes)
+        extra -= shrink
+        last = (trial.plan, trial.reserve_bytes)
         if extra <= 0:
             break
     if placement is None:
