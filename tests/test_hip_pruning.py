@@ -4,6 +4,8 @@ each alone, kept chunks sorted, and the RoPE table's growth."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -63,15 +65,16 @@ def test_decode_scoring_in_slabs_equals_one_product(monkeypatch: pytest.MonkeyPa
     for mode in ("relative", "chunk_indexed"):
         score = ScoreFn(q, torch.tensor([299]), keys, mode, RopeTable(Rotary(RopeConfig(), D)), 16, 30)
         whole = score.all_candidates(cand, 8)
-        monkeypatch.setattr(pruning, "SCORING_SLAB", 64)
+        monkeypatch.setattr(pruning, "SCORING_SLAB", 128)
         slabs = score.all_candidates(cand, 8)
         monkeypatch.undo()
         for a, b in zip(whole, slabs, strict=True):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
-        # bisected slab by slab (whole chunks: 64 // 24 * 24 = 48 candidates a slab), per head too
+        # bisected slab by slab (128 key vectors over 2 KV heads: 64 candidates, so whole chunks of
+        # 64 // 24 * 24 = 48 a slab), per head too
         for per_head in (False, True):
             one = bisect_scores(*score.all_candidates(cand, 24, per_head=per_head), 24, cand.numel())
-            monkeypatch.setattr(pruning, "SCORING_SLAB", 64)
+            monkeypatch.setattr(pruning, "SCORING_SLAB", 128)
             parts = score.bisected(cand, 24, per_head=per_head)
             monkeypatch.undo()
             assert parts.shape == one.shape and torch.allclose(parts, one, rtol=1e-6, atol=1e-6)
@@ -257,3 +260,50 @@ def test_prune_batches_keep_every_stages_softmax_rows_within_the_bound(
     assert 2 * max(seen) <= 4 * per_block
     assert sum(blocks) == 3 * 12  # every block in every stage, once
     assert blocks[0] > blocks[-1]  # stage 0's batches are larger than the last stage's
+
+
+def test_decode_slabs_hold_a_fixed_count_of_key_vectors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slab bounds key vectors (candidates x KV heads), not candidates: a 2-head slice scores
+    4x the candidates of an 8-head one per product (fewer launches at 1M), same memory."""
+    import kvtier.sparse.pruning as pruning
+
+    monkeypatch.setattr(pruning, "SCORING_SLAB", 256)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 8, D, generator=gen)
+    for groups, slabs in ((2, 8), (8, 32)):
+        keys = torch.randn(1100, groups, D, generator=gen)
+        score = ScoreFn(q, torch.tensor([1099]), keys, "chunk_indexed", None, 16, 64)
+        calls: list[int] = []
+        real = score._slab
+
+        def counted(c: torch.Tensor, *a: Any, calls: list[int] = calls, real: Any = real) -> Any:
+            calls.append(c.numel())
+            return real(c, *a)
+
+        monkeypatch.setattr(score, "_slab", counted)
+        score.all_candidates(torch.arange(50, 1074), 16)
+        assert len(calls) == slabs and max(calls) == 256 // groups
+
+
+def test_hip_reserve_covers_a_decode_scoring_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiP's always-held bytes cover the larger of prefill's pruning batch and one decode
+    scoring product (`SCORING_SLAB` key vectors, fewer at a short context): Llama-3-8B's head
+    dim 128 plans the product, SmolLM2's 64 keeps the prefill batch (its plans do not change)."""
+    import kvtier.sparse as sparse
+    from kvtier.loading.presets import preset_config
+    from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, decode_scoring_bytes
+
+    def always(name: str, context: int) -> int:
+        return sparse.hip_phase_bytes(preset_config(name), "fast", 2, context)[1]
+
+    product = decode_scoring_bytes(sparse.SCORING_SLAB, 128)
+    assert product > PRUNE_BATCH_BYTES
+    long, short, small = (
+        always("llama-3-8b", 1 << 20),
+        always("llama-3-8b", 1024),
+        always("smollm2-135m", 1 << 15),
+    )
+    monkeypatch.setattr(sparse, "SCORING_SLAB", 0)  # the prefill batch alone
+    assert long - always("llama-3-8b", 1 << 20) == product - PRUNE_BATCH_BYTES
+    assert short == always("llama-3-8b", 1024)  # 1K tokens x 8 heads: below the prefill batch
+    assert small == always("smollm2-135m", 1 << 15)

@@ -20,7 +20,8 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
 from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
-from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES
+from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, decode_scoring_bytes
+from kvtier.sparse.pruning import SCORING_SLAB
 from kvtier.sparse.rope_ext import table_bytes
 
 # "5K": finer chunks and larger budgets, for harder retrieval (the paper recommends it).
@@ -145,7 +146,8 @@ def hip_phase_bytes(
     cache_tokens: int | None = None,
 ) -> tuple[int, int]:
     """`hip_gpu_bytes` by phase: (decode only: block caches and decode buffers; always: the RoPE
-    table and pruning temporaries, which bound a decode refresh's too). The kernel frees the
+    table and pruning temporaries, prefill's batch or a decode refresh's scoring product, the
+    larger). The kernel frees the
     decode bytes when a prefill step starts (`HipKernel.begin_prefill`), so a prefill chunk's
     activations and the decode caches need not fit at once. `preset`: a HIP_PRESETS name or
     its config (`hip_config`)."""
@@ -153,7 +155,9 @@ def hip_phase_bytes(
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
-    return caches, rope + PRUNE_BATCH_BYTES
+    vectors = min(SCORING_SLAB, context * cfg.num_kv_heads) if context else SCORING_SLAB
+    pruning = max(PRUNE_BATCH_BYTES, decode_scoring_bytes(vectors, cfg.head_dim))
+    return caches, rope + pruning
 
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""GPU memory of HiP's prefill pruning: the bound on one batch of query blocks
-(`PRUNE_BATCH_BYTES`, which HiP's plan counts) and what one block takes in each stage."""
+"""GPU memory of HiP's pruning: the bound on one batch of prefill query blocks
+(`PRUNE_BATCH_BYTES`, which HiP's plan counts), what one block takes in each stage, and what one
+decode scoring product takes (`decode_scoring_bytes`)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,10 @@ def stage_prune_bytes(
         sizes.append(size)
         n = min(n, k)
     return sizes
+
+
+def decode_scoring_bytes(slab: int, head_dim: int) -> int:
+    """GPU bytes of one decode scoring product over `slab` key vectors (candidates x KV heads,
+    `kvtier.sparse.pruning.SCORING_SLAB`): the rotated keys (bf16) and their float32 copy, 6 bytes
+    an element, plus each candidate's position and chunk index (int64, at most one a vector)."""
+    return slab * (6 * head_dim + 16)

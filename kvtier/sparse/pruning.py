@@ -23,8 +23,12 @@ import torch
 from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
 
 # Decode (one pooled query) scores every candidate of a stage, not just the probes: a few large
-# operators instead of two gathers and RoPEs a round. Candidates per product (bounds memory).
-SCORING_SLAB = 1 << 16
+# operators instead of two gathers and RoPEs a round. Key vectors (candidates x KV heads) per
+# product, which bounds the temporaries (~0.5 GiB at head dim 128: the gathered, rotated and
+# float32 keys): 65,536 candidates of an 8-head slice, 262,144 of a 2-head one. NOTE: a bound in
+# candidates alone made 1M's 2-head slices score in 16 slabs of ~34 launches each, most of a
+# stage-0 step's ~550 launches a slice (hip_offload_planned_1m_int4_gather.json's profile).
+SCORING_SLAB = 1 << 19
 
 
 def pool_queries(q: torch.Tensor, positions: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +178,11 @@ class ScoreFn:
         self._q_sides: torch.Tensor | None = None  # relative RoPE: queries as seen by each side
 
     @property
+    def slab(self) -> int:
+        """Candidates scored per product: `SCORING_SLAB` key vectors over the slice's KV heads."""
+        return max(1, SCORING_SLAB // self.groups)
+
+    @property
     def q(self) -> torch.Tensor:
         """The queries at their scoring positions, [Nq, G, r, D] float32 (rotated on first use)."""
         if self._q is None:
@@ -193,14 +202,13 @@ class ScoreFn:
         `per_head`: two [n, Nq * H_q] tensors, q.k per query and head (the softmax head score).
 
         candidates [n] sorted positions; chunk j holds candidates [j * chunk, (j + 1) * chunk).
-        Keys are read in slabs of `SCORING_SLAB` (bounded temporary memory at any context).
+        Keys are read in slabs of `slab` candidates (bounded temporary memory at any context).
         `span`: the candidates are the range span..span+n-1 of a whole slice (keys are sliced,
         not gathered).
         """
-        n = candidates.shape[0]
+        n, slab = candidates.shape[0], self.slab
         parts = [
-            self._slab(candidates[lo : lo + SCORING_SLAB], lo, chunk, span, per_head)
-            for lo in range(0, n, SCORING_SLAB)
+            self._slab(candidates[lo : lo + slab], lo, chunk, span, per_head) for lo in range(0, n, slab)
         ]
         if len(parts) == 1:
             return parts[0]
@@ -212,7 +220,7 @@ class ScoreFn:
         """`bisect_scores` of `all_candidates`, slab by slab of whole chunks, so per-head scores
         never exist for more than a slab of candidates at once: [C] (or [C, Nq * H_q])."""
         n = candidates.shape[0]
-        step = max(chunk, SCORING_SLAB // chunk * chunk)
+        step = max(chunk, self.slab // chunk * chunk)
         parts = []
         for lo in range(0, n, step):
             part = candidates[lo : lo + step]
