@@ -108,9 +108,10 @@
 #   512K through the CLI, 9.05 tok/s before), then 62 (128K: the plan's chunk against 8K, A/B).
 # The twenty-fourth ran 61's 1M row with the GGUF's first half, the smoke (group 1 as it was: its
 #   generate part cut after 49 of 54; the embedded model's then alone, 27/27), 61's 512K row and
-#   62 at e85b67e, serve c1/c1-32k/c16/c64. NEXT: group 63 (no GGUF: it can go in call A), then,
-#   when GPU-facing code has changed, the GGUF's two-call setup and the smoke: group 1 (generate,
-#   a model at a time), then 64 (plan, eval, serve; gpu_checks) in the next call.
+#   62 at e85b67e, serve c1/c1-32k/c16/c64. NEXT: the GGUF's first half with group 63 (1M, no
+#   GGUF) in call A; group 1 (the smoke's generate part, a model at a time: GPU-facing code
+#   changed in this session's decode scoring slabs) in call B; then 64 (plan, eval, serve;
+#   gpu_checks) and 65 (512K through the CLI).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -146,10 +147,19 @@ case "$group" in
 63)
   # issue 19 at 1M over int4 after ef5a9e9 (the warm-up decodes the timed step count, so the host
   # gather's kernel compiles before the clock; at e85b67e the first timed steps took 4.69 and
-  # 0.62 s against 2.27 and 0.105): fast's amortized time without the compile (0.221 at 9fcd0cb,
-  # 0.287 at e85b67e with it). No GGUF.
-  run 400 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
-    --no-dense --kv-quant int4 --name hip_offload_planned_1m_int4_warm
+  # 0.62 s against 2.27 and 0.105) and the decode scoring slab counted in key vectors (a 2-head
+  # slice's stage 0 scores 1M candidates in 4 products, not 16: 302 operators for the three
+  # stages on the CPU where 1,091 ran; stage-0 steps took 2.45-2.50 s): fast's amortized time
+  # (0.221 at 9fcd0cb, 0.287 at e85b67e with the compile), with the step profiles again. No GGUF.
+  run 330 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
+    --no-dense --kv-quant int4 --profile-decode --name hip_offload_planned_1m_int4_slab
+  ;;
+65)
+  # 512K through the CLI after the slab change (8-head slices: their slab is unchanged; the
+  # HiP reserve grew ~143 MB, so the plan may differ): 9.85 tok/s at e85b67e. Needs the GGUF
+  # (the 8B folder takes its tokenizer).
+  run 240 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
+    --timeout 230 --warmup-tokens 0 --name hip_cli_speed_512k_hip_slab
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
