@@ -137,7 +137,9 @@ def main() -> None:
         )
     if args.warmup_tokens:
         warm = replace_tokens(args, args.warmup_tokens)
-        for spec in (m for m in methods if m.startswith("hip")):
+        # NOTE: each spec once: a list that repeats specs (an A/B run twice) warmed each up twice,
+        # and the 128K A/B of 2026-12-04 lost its second round to that time.
+        for spec in dict.fromkeys(m for m in methods if m.startswith("hip")):
             try:
                 row = run_one(
                     args.kvtier.split(), folder, args.workdir / f"prose_{warm_context}.txt", spec, warm
