@@ -296,7 +296,7 @@ def test_hip_reserve_covers_a_decode_scoring_product(monkeypatch: pytest.MonkeyP
     def always(name: str, context: int) -> int:
         return sparse.hip_phase_bytes(preset_config(name), "fast", 2, context)[1]
 
-    product = decode_scoring_bytes(sparse.SCORING_SLAB, 128)
+    product = decode_scoring_bytes(sparse.SCORING_SLAB, 128, 2)
     assert product > PRUNE_BATCH_BYTES
     long, short, small = (
         always("llama-3-8b", 1 << 20),

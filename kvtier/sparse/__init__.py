@@ -146,17 +146,16 @@ def hip_phase_bytes(
     cache_tokens: int | None = None,
 ) -> tuple[int, int]:
     """`hip_gpu_bytes` by phase: (decode only: block caches and decode buffers; always: the RoPE
-    table and pruning temporaries, prefill's batch or a decode refresh's scoring product, the
-    larger). The kernel frees the
-    decode bytes when a prefill step starts (`HipKernel.begin_prefill`), so a prefill chunk's
-    activations and the decode caches need not fit at once. `preset`: a HIP_PRESETS name or
-    its config (`hip_config`)."""
+    table and pruning temporaries, the larger of prefill's batch and a decode refresh's scoring
+    product). The kernel frees the decode bytes when a prefill step starts
+    (`HipKernel.begin_prefill`), so a prefill chunk's activations and the decode caches need not
+    fit at once. `preset`: a HIP_PRESETS name or its config (`hip_config`)."""
     hip = replace(hip_config(preset), cache_tokens=cache_tokens)
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
     vectors = min(SCORING_SLAB, context * cfg.num_kv_heads) if context else SCORING_SLAB
-    pruning = max(PRUNE_BATCH_BYTES, decode_scoring_bytes(vectors, cfg.head_dim))
+    pruning = max(PRUNE_BATCH_BYTES, decode_scoring_bytes(vectors, cfg.head_dim, dtype_bytes))
     return caches, rope + pruning
 
 

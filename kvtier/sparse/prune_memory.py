@@ -38,8 +38,8 @@ def stage_prune_bytes(
     return sizes
 
 
-def decode_scoring_bytes(slab: int, head_dim: int) -> int:
+def decode_scoring_bytes(slab: int, head_dim: int, dtype_bytes: int = 2) -> int:
     """GPU bytes of one decode scoring product over `slab` key vectors (candidates x KV heads,
-    `kvtier.sparse.pruning.SCORING_SLAB`): the rotated keys (bf16) and their float32 copy, 6 bytes
-    an element, plus each candidate's position and chunk index (int64, at most one a vector)."""
-    return slab * (6 * head_dim + 16)
+    `kvtier.sparse.pruning.SCORING_SLAB`): the rotated keys (in the model's dtype) and their
+    float32 copy, plus each candidate's position and chunk index (int64, at most one a vector)."""
+    return slab * ((dtype_bytes + 4) * head_dim + 16)

@@ -24,8 +24,8 @@ from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_pos
 
 # Decode (one pooled query) scores every candidate of a stage, not just the probes: a few large
 # operators instead of two gathers and RoPEs a round. Key vectors (candidates x KV heads) per
-# product, which bounds the temporaries (~0.5 GiB at head dim 128: the gathered, rotated and
-# float32 keys): 65,536 candidates of an 8-head slice, 262,144 of a 2-head one. NOTE: a bound in
+# product, which bounds the temporaries (`decode_scoring_bytes`: ~0.4 GB at head dim 128 in
+# bf16): 65,536 candidates of an 8-head slice, 262,144 of a 2-head one. NOTE: a bound in
 # candidates alone made 1M's 2-head slices score in 16 slabs of ~34 launches each, most of a
 # stage-0 step's ~550 launches a slice (hip_offload_planned_1m_int4_gather.json's profile).
 SCORING_SLAB = 1 << 19
