@@ -1,0 +1,71 @@
+"""Decode step times of `bench/hip_offload.py` runs, one line per (file, method), log scale: where
+HiP over offloaded KV spends a token, the steps that rerun a pruning stage against those that
+rerun none (a stage-0 refresh takes seconds at 1M where a step between refreshes takes ~0.09 s).
+
+    python bench/plot_steps.py bench/results/hip_offload_planned_1m_int4_runs.json \
+        bench/results/hip_offload_planned_1m_int4_gather.json --out docs/hip_1m_steps.png
+
+Each line is labelled with its file's "code" (the commit measured) when it has one, and its
+amortized s/token. Needs matplotlib (`pip install 'kvtier[plot]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def step_lines(paths: list[Path], method: str | None) -> list[tuple[str, list[float]]]:
+    """(label, decode step seconds) of every row of `paths` that has step times (and is
+    `method`, when given). Raises SystemExit naming a file that holds none."""
+    lines = []
+    for path in paths:
+        data: dict[str, Any] = json.loads(path.read_text())
+        rows = [r for r in data.get("rows", []) if len(r.get("decode_steps_s", [])) > 2]
+        rows = [r for r in rows if method is None or r.get("method") == method]
+        if not rows:
+            sys.exit(f"{path}: no row with decode step times" + (f" for method {method!r}" if method else ""))
+        code = str(data.get("code", path.stem)).split()[0]
+        for r in rows:
+            amort = r.get("amortized_s_per_token")
+            tail = f", {amort:.3f} s/token amortized" if isinstance(amort, float) else ""
+            lines.append((f"{r['method']} at {code}{tail}", [float(s) for s in r["decode_steps_s"]]))
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+", type=Path, help="hip_offload JSON results")
+    ap.add_argument("--method", default=None, help="only rows of this method (e.g. hip-fast)")
+    ap.add_argument("--title", default="HiP decode steps over offloaded KV")
+    ap.add_argument("--out", type=Path, default=Path("hip_steps.png"))
+    args = ap.parse_args()
+    for f in args.files:
+        if not f.is_file():
+            sys.exit(f"{f}: no such file (a bench/hip_offload.py JSON result)")
+    lines = step_lines(args.files, args.method)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        sys.exit("plotting needs matplotlib: pip install 'kvtier[plot]'")
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, steps in lines:
+        ax.plot(range(len(steps)), steps, marker="o", markersize=3, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("seconds")
+    ax.set_title(args.title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
