@@ -1,19 +1,23 @@
 """Per-slice cost of HiP decode over offloaded KV, without the model (CPU or GPU).
 
 Builds a store of `--layers` x `--kv-heads` / `--group` slices (offloaded, nothing resident),
-fills `--context` tokens of synthetic KV, then times `--steps` decode steps through
-the store directly (random q, k, v per layer), split into refresh steps (a slice streamed whole)
-and cached steps (served from the GPU block cache). Counts host-device syncs of the cached steps
-as the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `__index__`,
-`nonzero`, `unique`, boolean-mask indexing is caught through `nonzero`), and the torch operators
-(non-view aten ops: kernel launches on a GPU) per slice of refresh and cached steps, through
-`OpCounter` on the steps after the timed ones. `--profile` prints the cProfile of the steps of
-`--profile-steps` (cached: no stage reruns; stage1/stage2: the steps whose first rerun stage is
-that one) and keeps its top lines in the JSON; `--kernels` adds torch.profiler's device time
-per kernel over the same steps (the GPU's side of them). Step times are also split by the
-first stage a step reruns, with each step's H2D bytes (`--name` writes them to JSON).
-`--as-preset` runs the preset's own budgets (default: `HipConfig.scaled` to the context, with
-the preset's refresh intervals).
+fills `--context` tokens of synthetic KV, then times `--steps` decode steps through the store
+directly (random q, k, v per layer), split into refresh steps (a slice streamed whole) and
+cached steps (served from the GPU block cache). Counts host-device syncs of the cached steps as
+the Python conversions of tensors (`item`, `tolist`, `__bool__`, `__int__`, `__index__`,
+`nonzero`, `unique`). Then, over one more refresh interval, counts per slice and by the first
+stage a step reruns (stage0/stage1/stage2/none) the torch operators (non-view aten ops: kernel
+launches on a GPU) and the syncs (`OpCounter.syncs`: scalar reads, data-sized outputs, boolean
+masks; plus `tolist`). On the CPU every tensor is a host tensor, so index arithmetic that runs
+on host tensors on a GPU run (`PackedKV.read_runs_into`'s) counts as syncs there too.
+`--kv-quant int4` packs the host KV (the 1M plan's).
+
+`--profile` prints the cProfile of the steps of `--profile-steps` (cached: no stage reruns;
+stage1/stage2: the steps whose first rerun stage is that one) and keeps its top lines in the
+JSON; `--kernels` adds torch.profiler's device time per kernel over the same steps (the GPU's
+side of them). Step times are also split by the first stage a step reruns, with each step's
+H2D bytes (`--name` writes them to JSON). `--as-preset` runs the preset's own budgets
+(default: `HipConfig.scaled` to the context, with the preset's refresh intervals).
 
     python bench/hip_decode_profile.py --context 32768 --steps 40
     python bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 \
@@ -43,6 +47,7 @@ from bench.common import KV_FILLS, fill_store, write_results
 from bench.serve_loop import top_kernels
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
+from kvtier.methods.spec import parse_choice
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
 from kvtier.sparse.opcount import OpCounter
@@ -52,8 +57,8 @@ SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__
 
 
 @contextmanager
-def count_syncs(counts: dict[str, int]) -> Iterator[None]:
-    """Count calls of tensor methods that force a host-device sync (on CUDA) while active."""
+def count_syncs(counts: dict[str, int], methods: tuple[str, ...] = SYNC_METHODS) -> Iterator[None]:
+    """Count calls of tensor `methods` that force a host-device sync (on CUDA) while active."""
     saved: dict[str, Any] = {}
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -63,11 +68,12 @@ def count_syncs(counts: dict[str, int]) -> Iterator[None]:
 
         return inner
 
-    for name in SYNC_METHODS:
+    for name in methods:
         saved[name] = getattr(torch.Tensor, name)
         setattr(torch.Tensor, name, wrap(name, saved[name]))
     saved_unique = torch.unique
-    torch.unique = wrap("torch.unique", saved_unique)  # type: ignore[assignment]
+    if "unique" in methods:
+        torch.unique = wrap("torch.unique", saved_unique)  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -86,9 +92,10 @@ def build(
     device: torch.device,
     group: int = 1,
     kv_fill: str = "synthetic",
+    kv_quant: str | None = None,
 ) -> tuple[TieredKVStore, HipKernel]:
     """An offloaded store of `context` synthetic tokens in slices of `group` KV heads, with a
-    HiP kernel."""
+    HiP kernel; `kv_quant` (e.g. "int4"): host KV packed by that method's codec."""
     base = preset_config("llama-3-8b")
     cfg = replace(base, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_heads=4 * kv_heads)
     overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
@@ -111,6 +118,7 @@ def build(
         capacity=context + steps,
         kernel=kernel,
         rotate_keys=not unrotated,
+        codec=parse_choice(kv_quant).codec() if kv_quant else None,
     )
     fill_store(store, context, kv_fill)
     return store, kernel
@@ -183,6 +191,7 @@ def main() -> None:
     ap.add_argument(
         "--prefill-chunk", type=int, default=0, help="also time one prefill chunk of this many tokens (last)"
     )
+    ap.add_argument("--kv-quant", default=None, help="pack the host KV with this method's codec (int4, int8)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -194,7 +203,7 @@ def main() -> None:
     # the op-counting interval and the prefill chunk run after the timed steps
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
     shape = (args.layers, args.kv_heads, args.head_dim, args.context)
-    store, kernel = build(*shape, extra, hip, dev, args.group, args.kv_fill)
+    store, kernel = build(*shape, extra, hip, dev, args.group, args.kv_fill, args.kv_quant)
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
@@ -233,11 +242,17 @@ def main() -> None:
             "step": i, "reruns_from": kind, "s": round(dt, 5), "h2d_bytes": store.account.h2d_bytes - h2d,
             "fetched_bytes": kernel.stats.cache.fetched_bytes - fetched,
         })  # fmt: skip
-    # Operators per slice: one more refresh interval (steps numbered on from the timed ones).
-    ops = {"refresh": OpCounter(), "cached": OpCounter()}
+    # Operators and host conversions per slice, by the first stage a step reruns: one more
+    # refresh interval (steps numbered on from the timed ones).
+    ops = {kind: OpCounter() for kind in STEP_KINDS}
+    kind_syncs: dict[str, dict[str, int]] = {kind: {} for kind in STEP_KINDS}
+    kind_steps = dict.fromkeys(STEP_KINDS, 0)
     for i in range(args.steps, args.steps + hip.refresh[0]):
-        with ops["refresh" if i % hip.refresh[0] == 0 else "cached"]:
+        kind = STEP_KINDS[first_due(i, hip.refresh)]
+        kind_steps[kind] += 1
+        with ops[kind], count_syncs(kind_syncs[kind], ("tolist",)):  # the rest: OpCounter.syncs
             step(store, args.layers, q, kv)
+        kind_syncs[kind].update(ops[kind].syncs)
     prefill = None
     if args.prefill_chunk:
         qp = torch.randn(args.prefill_chunk, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
@@ -271,11 +286,22 @@ def main() -> None:
     for kind, ts in times.items():
         if ts:
             mean = sum(ts) / len(ts)
-            n_ops = ops[kind].total / slices / (1 if kind == "refresh" else hip.refresh[0] - 1)
-            print(
-                f"{kind:>8} steps: {len(ts):3d}  {mean * 1e3:8.1f} ms/step",
-                f"{mean / slices * 1e3:6.3f} ms/slice  {n_ops:6.1f} ops/slice",
-            )
+            per_slice = mean / slices * 1e3
+            print(f"{kind:>8} steps: {len(ts):3d}  {mean * 1e3:8.1f} ms/step {per_slice:6.3f} ms/slice")
+    counted = {}
+    for kind in STEP_KINDS:
+        n = kind_steps[kind] * slices
+        if n:
+            counted[kind] = {
+                "steps": kind_steps[kind],
+                "ops_per_slice": round(ops[kind].total / n, 1),
+                "syncs_per_slice": round(sum(kind_syncs[kind].values()) / n, 2),
+                "syncs": {k: round(v / n, 2) for k, v in sorted(kind_syncs[kind].items())},
+                "top_ops": {k: round(v / n, 1) for k, v in ops[kind].counts.most_common(12)},
+            }
+            c = counted[kind]
+            line = f"{kind:>8}: {c['ops_per_slice']:7.1f} ops/slice {c['syncs_per_slice']:6.2f} syncs/slice"
+            print(line, c["syncs"])
     per = {k: round(v / max(1, cached) / slices, 3) for k, v in sorted(syncs.items())}
     print(
         f"host conversions per slice on cached steps: {sum(syncs.values()) / max(1, cached) / slices:.3f}",
@@ -297,7 +323,7 @@ def main() -> None:
             "shape": {**info, "head_dim": args.head_dim}, "cache_tokens": args.cache_tokens,
             "hit_rate": round(kernel.stats.hit_rate, 4), "by_first_rerun": summary, "steps": rows,
             "profiled": args.profile_steps if args.profile or args.kernels else None,
-            "cprofile": profile_lines, "kernels": kernels,
+            "cprofile": profile_lines, "kernels": kernels, "kv_quant": args.kv_quant, "counted": counted,
         })  # fmt: skip
         print(f"-> {out}")
     if prefill is not None:

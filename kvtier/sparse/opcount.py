@@ -1,12 +1,18 @@
 """Count the torch operators a piece of code runs: the launches of a CUDA step, measured on CPU.
 
 HiP decode over offloaded KV runs one small step per slice (256 slices for an 8B model), so its
-cost is the number of operators launched, not their work. `OpCounter` counts every aten operator
-dispatched while active, leaving out views (no kernel launch on a GPU):
+cost is the number of operators launched, and the times the host waits for the GPU, not their
+work. `OpCounter` counts every aten operator dispatched while active, leaving out views (no
+kernel launch on a GPU), and, apart, the operators that make a CUDA host wait for the device
+(`SYNC_OPS`: a value read back, an output whose size depends on the data):
 
     with OpCounter() as ops:
         step()
     ops.total, ops.counts  # operators run, and per operator name
+    ops.sync_total, ops.syncs  # of them, those that would sync on CUDA
+
+`Tensor.tolist` reads a CUDA tensor back without an aten operator on a CPU tensor: it is not
+counted here (wrap it, as `bench/hip_decode_profile.py` does).
 """
 
 from __future__ import annotations
@@ -14,21 +20,51 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten operators that wait for the device on CUDA: reading a scalar (`item`, `int`, `bool`),
+# and those whose output size depends on the data. Indexing (and index_put_) with a boolean
+# mask runs `nonzero` inside: see `_syncs`.
+SYNC_OPS = frozenset(
+    ("_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select")
+)
+
+
+def _syncs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether operator `name` with these arguments would make a CUDA host wait."""
+    if name in SYNC_OPS:
+        return True
+    if name in ("index", "index_put_", "index_put") and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    if name == "repeat_interleave":  # repeats in a tensor (the only argument, or the second)
+        tensor_repeats = len(args) == 1 or isinstance(args[1], torch.Tensor)
+        return tensor_repeats and kwargs.get("output_size") is None
+    return False
 
 
 class OpCounter(TorchDispatchMode):
-    """A dispatch mode that counts non-view aten operators by name (mutable `counts`)."""
+    """A dispatch mode that counts non-view aten operators by name (mutable `counts`), and those
+    of them that would sync a CUDA host (`syncs`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
+    @property
+    def sync_total(self) -> int:
+        return sum(self.syncs.values())
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if not func.is_view:
-            self.counts[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket.__name__)
+            self.counts[name] += 1
+            if _syncs(name, args, kwargs):
+                self.syncs[name] += 1
+        return func(*args, **kwargs)
