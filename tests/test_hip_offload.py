@@ -173,11 +173,12 @@ def test_a_cache_short_of_stage_0_keeps_the_final_selection_first(
     ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg, refresh=refresh))
 
     def by_position(
-        self: HipKernel, step: Any, groups: int, device: torch.device, slots: int
+        self: HipKernel, step: Any, groups: int, device: torch.device, slots: int, within: Any = None
     ) -> torch.Tensor:
         st = self._cache[(step.layer, step.group, -1)]
         window = torch.arange(st.window_start, step.start + 1)
-        return block_ids(torch.cat((torch.arange(2), st.outputs[0], window)), 4)
+        blocks = block_ids(torch.cat((torch.arange(2), st.outputs[0], window)), 4)
+        return blocks if within is None else blocks[torch.isin(blocks, within)]
 
     misses = {}
     for fill in ("priority", "position"):

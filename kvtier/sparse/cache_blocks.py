@@ -20,7 +20,7 @@ import torch
 from kvtier.attention.interface import Fetch
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import DecodeState
-from kvtier.sparse.gpu_cache import BlockCache, CacheStats, block_ids
+from kvtier.sparse.gpu_cache import BlockCache, CacheStats
 
 
 def needed_positions(
@@ -81,26 +81,49 @@ def refresh_blocks(
 
 
 def keep_blocks(
-    cfg: HipConfig, states: list[DecodeState], start: int, device: torch.device, slots: int
+    cfg: HipConfig,
+    states: list[DecodeState],
+    start: int,
+    device: torch.device,
+    slots: int,
+    within: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks a cache of `slots` keeps after a full step (sorted, unique, at most `slots`
     unless the sinks and window alone exceed it): the sinks and the window, then the final
     selection, then each earlier stage's output, as far as they fit. So the next steps, which
     read the final selection, hit, and so do as many as fit of the stage reruns' reads. A cache
-    that covers the interval keeps all of stage 0's output."""
+    that covers the interval keeps all of stage 0's output. `within` (sorted block ids): of
+    those, only the ones in it (what a step read, so its overflow holds them).
+
+    One host-device sync: every tier's blocks are ranked at once, by (tier, block id) after
+    dropping a block from all tiers but its first,
+
+        tier    0 (edges)  1 (final)  2 (stage 1)  3 (stage 0)
+        rank    0 .. n0-1  n0 ..      ..           ..            keep rank < max(slots, n0)
+
+    which is the order the tiers would fill the cache one by one.
+    """
     b = cfg.cache_block
     w0 = min(st.window_start for st in states)
     edges = torch.cat((torch.arange(min(cfg.sink, start + 1)), torch.arange(w0, start + 1))).to(device)
     stages = reversed(range(len(cfg.chunk_sizes)))  # the final selection first
-    tiers = [edges] + [torch.cat([st.outputs[i] for st in states]) for i in stages]
-    chosen = block_ids(tiers[0], b)
-    for tier in tiers[1:]:
-        room = slots - chosen.numel()
-        if room <= 0:
-            break
-        more = block_ids(tier.to(device), b)
-        chosen = torch.cat((chosen, more[~torch.isin(more, chosen)][:room]))
-    return chosen.sort().values
+    tiers = [edges] + [torch.cat([st.outputs[i].to(device) for st in states]) for i in stages]
+    ids = torch.div(torch.cat(tiers), b, rounding_mode="floor")  # [n]
+    tier = torch.cat([torch.full((t.numel(),), i, device=device) for i, t in enumerate(tiers)])
+    n_tiers, span = len(tiers), int(start // b) + 1  # every id is below span
+    by_id = torch.sort(ids * n_tiers + tier).values  # [n]: each id's first tier comes first
+    first = torch.ones_like(by_id, dtype=torch.bool)
+    first[1:] = by_id[1:] // n_tiers != by_id[:-1] // n_tiers
+    # Rank: by (tier, id), repeats last (tier n_tiers).
+    rank_key = torch.where(first, by_id % n_tiers, n_tiers) * span + by_id // n_tiers
+    order = torch.sort(rank_key).values
+    tier_of, id_of = order // span, order % span
+    n0 = (tier_of == 0).sum()
+    rank = torch.arange(order.numel(), device=device)
+    keep = (tier_of < n_tiers) & ((rank < slots) | (rank < n0))
+    if within is not None:
+        keep &= torch.isin(id_of, within)
+    return id_of[keep].sort().values
 
 
 def fetch_blocks(

@@ -64,6 +64,9 @@ class BlockTable:
     extra: torch.Tensor | None  # [E * block, 2, G, D] blocks that did not fit the cache
     hits: int
     stored: int  # misses stored in the bank
+    # Whether blocks[-1] is in the bank, when known on the host (`ensure` reads it with its
+    # counts), else None: `write` then reads it back.
+    last_in_bank: bool | None = None
 
 
 class BlockCache:
@@ -114,47 +117,70 @@ class BlockCache:
 
         `load(missing [k]) -> [k, block, 2, G, D]` supplies the absent blocks. They go to the
         least-recently-used slots not used this tick; any that do not fit stay in the overflow.
+        One host-device sync (the miss and free-slot counts, read together) besides `load`'s.
         """
         self.tick += 1
         self._table = None
         slot = self.lookup(blocks)
         hit = slot >= 0
-        self.used[slot[hit]] = self.tick
-        missing = blocks[~hit]
-        k = missing.numel()
+        # Hits are used this tick; a miss adds -1 to slot 0's max, which changes nothing.
+        self.used.scatter_reduce_(0, slot.clamp(min=0), torch.where(hit, self.tick, -1), "amax")
+        last_hit = hit[-1:] if blocks.numel() else torch.ones(1, dtype=torch.bool, device=hit.device)
+        k, free, was_hit = torch.cat(
+            ((~hit).sum()[None], (self.used < self.tick).sum()[None], last_hit)
+        ).tolist()
         base = slot * self.block
         in_bank = hit.clone()
         extra = None
         stored = 0
         if k:
+            where = torch.nonzero_static(~hit, size=k).flatten()  # [k] indices of the misses in `blocks`
+            missing = blocks[where]
             data = load(missing)  # [k, block, 2, G, D]
-            free = self._victims(k)
-            stored = free.numel()
-            self.bank[free] = data[:stored]
-            self.ids[free] = missing[:stored]
-            self.used[free] = self.tick
-            where = (~hit).nonzero().flatten()  # [k] indices of the missing blocks in `blocks`
-            base[where[:stored]] = free * self.block
+            stored = min(k, free)
+            victims = torch.argsort(self.used, stable=True)[:stored]  # least recently used first
+            self.bank[victims] = data[:stored]
+            self.ids[victims] = missing[:stored]
+            self.used[victims] = self.tick
+            base[where[:stored]] = victims * self.block
             in_bank[where[:stored]] = True
             if stored < k:
                 extra = data[stored:].flatten(0, 1)
                 base[where[stored:]] = torch.arange(k - stored, device=blocks.device) * self.block
-        return BlockTable(blocks, base, in_bank, extra, hits=blocks.numel() - k, stored=stored)
+        # The last block, if missed, is the last miss: in the bank when every miss fit.
+        last = bool(was_hit) or stored == k
+        return BlockTable(
+            blocks, base, in_bank, extra, hits=blocks.numel() - k, stored=stored, last_in_bank=last
+        )
 
     def write(self, table: BlockTable, position: int, row: torch.Tensor) -> None:
         """Store token row [2, G, D] at `position` (its block is in `table`). Mutates the cache.
 
         The block's slot becomes the `tail` that `append` writes next, or None when the block is
-        in the step's overflow (not in the bank)."""
-        at = torch.tensor(position // self.block, device=table.blocks.device)
-        j = int(torch.searchsorted(table.blocks, at))
-        r = int(table.base[j]) + position % self.block
-        if bool(table.in_bank[j]):
-            self.bank.view(-1, *self.bank.shape[2:])[r] = row
-            self.tail = torch.full((1,), r // self.block, dtype=torch.long, device=self.ids.device)
+        in the step's overflow (not in the bank). Without a sync when `table.last_in_bank` is
+        known: the block of `position` must then be the table's last (a step writes its newest
+        token, the largest position it reads)."""
+        r = position % self.block
+        if table.last_in_bank is not None:
+            if table.last_in_bank:
+                at = table.base[-1:] + r  # [1]
+                self.bank.view(-1, *self.bank.shape[2:]).index_copy_(0, at, row[None])
+                self.tail = table.base[-1:] // self.block
+            else:  # the last miss, after the `stored` ones, in the overflow
+                assert table.extra is not None
+                misses = table.blocks.numel() - table.hits
+                table.extra[(misses - 1 - table.stored) * self.block + r] = row
+                self.tail = None
+            return
+        at = torch.tensor([position // self.block], device=table.blocks.device)
+        j = torch.searchsorted(table.blocks, at)  # [1]
+        first, in_bank = torch.cat((table.base[j], table.in_bank[j].long())).tolist()  # one sync
+        if in_bank:
+            self.bank.view(-1, *self.bank.shape[2:])[first + r] = row
+            self.tail = torch.full((1,), (first + r) // self.block, dtype=torch.long, device=self.ids.device)
         else:
             assert table.extra is not None
-            table.extra[r] = row
+            table.extra[first + r] = row
             self.tail = None
 
     # -- sync-free decode steps -----------------------------------------------------------------
@@ -214,11 +240,6 @@ class BlockCache:
         flat = self.bank.view(-1, *self.bank.shape[2:])
         flat.index_copy_(0, self.tail * b + position % b, row[None])
         self.end = position + 1
-
-    def _victims(self, n: int) -> torch.Tensor:
-        """Up to n slots not used this tick, least recently used (never used) first."""
-        free = int((self.used < self.tick).sum())
-        return torch.argsort(self.used, stable=True)[: min(n, free)]
 
 
 class PositionedKV:

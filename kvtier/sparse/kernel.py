@@ -198,17 +198,16 @@ class HipKernel:
         the step's overflow. Without this the next steps miss the new selection."""
         assert table.extra is not None
         extra, b = table.extra, cache.block
-        keep = self._keep_blocks(step, groups, extra.device, cache.slots)
-        keep = keep[torch.isin(keep, table.blocks)]
+        keep = self._keep_blocks(step, groups, extra.device, cache.slots, within=table.blocks)
 
         def load(missing: torch.Tensor) -> torch.Tensor:  # blocks not in the bank: in the overflow
             j = torch.searchsorted(table.blocks, missing)
             return extra[table.base[j][:, None] + torch.arange(b, device=extra.device)]  # [k, b, 2, G, D]
 
-        cache.ensure(keep, load)
-        # The new token's block may have moved into the bank (a host sync, on this rare step).
-        slot = cache.lookup(torch.full((1,), step.start // b, dtype=torch.long, device=extra.device))
-        cache.tail = slot if int(slot[0]) >= 0 else None
+        kept = cache.ensure(keep, load)
+        # The new token's block, which the step read, is keep's last (the largest id): it may
+        # have moved into the bank.
+        cache.tail = kept.base[-1:] // b if kept.last_in_bank else None
 
     def _append_only(self, cache: BlockCache, step: SliceStep, groups: int) -> bool:
         """Whether a decode step at step.start reads nothing stored: no stage is due and every
@@ -325,9 +324,16 @@ class HipKernel:
         heads = range(groups) if self.cfg.per_head else (-1,)
         return [self._cache[(step.layer, step.group, h)] for h in heads]
 
-    def _keep_blocks(self, step: SliceStep, groups: int, device: torch.device, slots: int) -> torch.Tensor:
+    def _keep_blocks(
+        self,
+        step: SliceStep,
+        groups: int,
+        device: torch.device,
+        slots: int,
+        within: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`keep_blocks` of the slice's decode states (see `kvtier.sparse.cache_blocks`)."""
-        return keep_blocks(self.cfg, self._states(step, groups), step.start, device, slots)
+        return keep_blocks(self.cfg, self._states(step, groups), step.start, device, slots, within)
 
     def _cache_for(self, kv: torch.Tensor, step: SliceStep) -> BlockCache:
         sl = (step.layer, step.group)
