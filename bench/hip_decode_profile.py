@@ -192,6 +192,9 @@ def main() -> None:
         "--prefill-chunk", type=int, default=0, help="also time one prefill chunk of this many tokens (last)"
     )
     ap.add_argument("--kv-quant", default=None, help="pack the host KV with this method's codec (int4, int8)")
+    ap.add_argument(
+        "--host-scoring", action="store_true", help="stage-0 reruns score keys read from the host"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -200,6 +203,7 @@ def main() -> None:
         hip = replace(base, cache_tokens=args.cache_tokens)
     else:
         hip = HipConfig.scaled(args.context, refresh=base.refresh, cache_tokens=args.cache_tokens)
+    hip = replace(hip, host_scoring=args.host_scoring)
     # the op-counting interval and the prefill chunk run after the timed steps
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
     shape = (args.layers, args.kv_heads, args.head_dim, args.context)
@@ -316,7 +320,10 @@ def main() -> None:
         mean, worst = v["mean_s"] * 1e3, v["max_s"] * 1e3
         print(f"steps rerunning from {kind}: {v['steps']:3d}  mean {mean:8.1f} ms  max {worst:8.1f} ms")
     if args.name:
-        config = {"preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh}
+        config = {
+            "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
+            "host_scoring": hip.host_scoring,
+        }  # fmt: skip
         info = {"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group}
         out = write_results(args.name, {
             "device": str(dev), "context": args.context, "hip": {**config, "budgets": hip.budgets},

@@ -75,12 +75,20 @@ def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None 
 
 
 def make_kernel(
-    cfg: ModelConfig, method: str, context: int, device: torch.device, smoke: bool, cache_tokens: int | None
+    cfg: ModelConfig,
+    method: str,
+    context: int,
+    device: torch.device,
+    smoke: bool,
+    cache_tokens: int | None,
+    host_scoring: bool = False,
 ) -> tuple[SliceKernel, bool]:
-    """("dense" | "hip-<preset>") -> the slice kernel and whether keys stay un-rotated."""
+    """("dense" | "hip-<preset>") -> the slice kernel and whether keys stay un-rotated;
+    `host_scoring`: `HipConfig.host_scoring` (stage-0 reruns on keys read from the host)."""
     if method == "dense":
         return DenseKernel(), False
     hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
+    hip = replace(hip, host_scoring=host_scoring)
     overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
     return make_hip_kernel(cfg, device, "default", **overrides)
 
@@ -183,7 +191,8 @@ def run_method(
     if plan.staging_tokens < total and plan.streamed_slices:
         row["skipped"] = f"a slice of {total} tokens does not fit a staging buffer ({plan.staging_tokens})"
         return row
-    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke, cache_tokens)
+    kernel, unrotated = make_kernel(cfg, method, context, dev, args.smoke, cache_tokens, args.host_scoring)
+    row["host_scoring"] = args.host_scoring
     if dev.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
@@ -407,6 +416,11 @@ def main() -> None:
         default="structured",
         help="the stored context's KV: structured (no repetition, planted needles; default) or "
         "synthetic (one random extent repeated, what runs before 2026-12-03 used)",
+    )
+    ap.add_argument(
+        "--host-scoring",
+        action="store_true",
+        help="HiP stage-0 decode reruns score keys read from the host (HipConfig.host_scoring)",
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, small contexts")
     ap.add_argument(

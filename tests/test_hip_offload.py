@@ -162,6 +162,36 @@ def test_small_cache_misses_fetch_and_stay_bitwise(gqa: tuple[CausalLM, ModelCon
     assert kernel.gpu_cache_bytes() == SLICES * (6 * 4 * TOKEN_BYTES + 2 * 6 * 8)
 
 
+@pytest.mark.parametrize(
+    "extend,per_head,cache,indexed",
+    [(True, False, 24, (0, 1, 2)), (True, False, 40, ()), (False, False, 40, ()), (True, True, 24, (1,))],
+)
+def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_only_the_first_step(
+    gqa: tuple[CausalLM, ModelConfig], extend: bool, per_head: bool, cache: int, indexed: tuple[int, ...]
+) -> None:
+    """`host_scoring`: a stage-0 rerun with a cache short of a refresh interval reads the keys
+    from the host tier (half a token's bytes) and its other reads through the block cache, so
+    only decode step 0 streams slices whole. Tokens, logits and the stages' reruns are those of
+    HiP over resident KV (relative, chunk-indexed and absolute scoring); the bytes moved are
+    exactly the first step's slices, the keys of every later stage-0 rerun's candidates (sink to
+    window) and the misses fetched (a cache this small misses often: the stage-0 output a
+    streamed rerun copies into it from the staged slice is fetched here)."""
+    model, cfg = gqa
+    opts = {"extend": extend, "per_head": per_head, "chunk_indexed_layers": indexed}  # RoPE modes
+    ref = kernel_for(cfg, **opts)
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", ref)
+    kernel = kernel_for(cfg, **opts, cache_tokens=cache, host_scoring=True)
+    logits, tokens, _, h2d = run(model, cfg, "head", kernel)
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    assert kernel.stats.decode_recomputes == ref.stats.decode_recomputes
+    w0 = [PROMPT + k - TINY["window"] + 1 for k in range(REFRESH0, DECODE, REFRESH0)]  # type: ignore[operator]
+    keys = sum(w - TINY["sink"] for w in w0) * SLICES * TOKEN_BYTES // 2  # type: ignore[operator]
+    first = PROMPT * SLICES * TOKEN_BYTES
+    assert h2d == first + keys + kernel.stats.cache.fetched_bytes
+    assert keys < (REFRESH_BYTES - first) // 2  # streamed, those reruns sent whole slices
+
+
 def test_a_cache_short_of_stage_0_keeps_the_final_selection_first(
     gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:

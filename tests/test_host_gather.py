@@ -91,6 +91,42 @@ def test_host_slice_reads_runs_through_the_gather(device: str) -> None:
         assert torch.equal(out.cpu(), _expected(host.extents, spans, 37))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_keys_reads_each_rows_first_half(device: str) -> None:
+    """`keys=True`: out [n, G, D] gets the K half of each token's [2, G, D] row, across extent
+    boundaries, and nothing of the V half; a K/V-shaped out is refused."""
+    from kvtier.kv.host_gather import extent_offsets, gather_runs
+
+    extents = _extents(5, torch.bfloat16, pin=device == "cuda")
+    spans = [(3, 9, 40), (20, 30, 0), (45, 98, 60), (110, 119, 11)]
+    out = torch.full((120, G, D), -7.0, dtype=torch.bfloat16, device=device)
+    offsets = extent_offsets(extents, out.device)
+    gather_runs(extents, offsets, E, spans, out, keys=True)
+    assert torch.equal(out.cpu(), _expected(extents, spans, 120)[:, 0])
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gather_runs(extents, offsets, E, spans, torch.zeros(120, 2, G, D, dtype=torch.bfloat16), keys=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_slice_reads_keys(device: str) -> None:
+    """`HostSlice.read_keys_into`: tokens [start, end)'s keys [n, G, D], across extents (on the
+    GPU through the key gather, on the CPU by strided copies)."""
+    from kvtier.kv.host_slice import HostSlice
+
+    pool = _extents(4, torch.float32, pin=device == "cuda")
+
+    class Arena:
+        def take(self) -> torch.Tensor:
+            return pool.pop(0)
+
+    host = HostSlice(Arena(), E)  # type: ignore[arg-type]
+    host.reserve(4 * E)
+    whole = torch.cat(host.extents)
+    out = torch.full((70, G, D), -7.0, device=device)
+    host.read_keys_into(out, 5, 75)
+    assert torch.equal(out.cpu(), whole[5:75, 0])
+
+
 @SUBPROCESS_ONLY
 def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set: run the CPU cases in a

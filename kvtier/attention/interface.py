@@ -61,9 +61,12 @@ class Fetch(Protocol):
     any device), gathered on the host side so only they cross PCIe.
     `fetch.runs(spans, out)`: tokens [start, end) of each (start, end, at) span copied into
     out[at : at + end - start] (out [n, 2, G, D] on the device), all spans in one call.
+    `fetch.keys(start, end)` -> k [end - start, G, D]: the keys alone of tokens [start, end).
     """
 
     def __call__(self, start: int, end: int) -> torch.Tensor: ...
+
+    def keys(self, start: int, end: int) -> torch.Tensor: ...
 
     def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None: ...
 

@@ -35,10 +35,11 @@ def _gather_rows(  # type: ignore[no-untyped-def]
     REF,  # the first extent: element offsets are taken from it
     OFFSETS,  # [extents] int64 element offset of each extent's start from REF
     TILES,  # [T, 3] int64 (source token, output row, rows)
-    OUT,  # [n, ROW] contiguous
+    OUT,  # [n, COLS] contiguous
     extent_tokens,
     ring,  # extents in the ring: token p is in extent (p // extent_tokens) % ring
     ROW: tl.constexpr,  # elements a token (2 * G * D)
+    COLS: tl.constexpr,  # elements copied of a row, from its start (ROW; G * D: the keys)
     TILE: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -48,13 +49,13 @@ def _gather_rows(  # type: ignore[no-untyped-def]
     dst = tl.load(TILES + t * 3 + 1)
     n = tl.load(TILES + t * 3 + 2)
     r = tl.arange(0, TILE)  # [TILE]
-    ok = (r < n)[:, None] & (cols < ROW)[None, :]
+    ok = (r < n)[:, None] & (cols < COLS)[None, :]
     pos = src + r  # [TILE] slice tokens
     nth = pos // extent_tokens  # the extent counted from the first token, before the wrap
     start = tl.load(OFFSETS + nth % ring, mask=r < n, other=0)  # [TILE]
     row = start + (pos - nth * extent_tokens) * ROW  # [TILE] element offset of the token's row
     x = tl.load(REF + row[:, None] + cols[None, :], mask=ok)
-    tl.store(OUT + (dst + r)[:, None] * ROW + cols[None, :], x, mask=ok)
+    tl.store(OUT + (dst + r)[:, None] * COLS + cols[None, :], x, mask=ok)
 
 
 def extent_offsets(extents: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -87,25 +88,29 @@ def gather_runs(
     spans: list[tuple[int, int, int]],
     out: torch.Tensor,
     ring: int | None = None,
+    keys: bool = False,
 ) -> None:
     """Tokens [start, end) of each (start, end, at) run into out[at : at + end - start].
 
     extents: the slice's host extents, each [E, *row] contiguous (pinned, when out is on the
     GPU); offsets: `extent_offsets(extents, out.device)`; out [n, *row] contiguous, of the
-    extents' dtype; ring: token p is in extent (p // E) % ring (None: every extent, no wrap).
-    Asynchronous on CUDA (the tile list goes over from pinned memory).
+    extents' dtype, or with `keys` [n, *row[1:]]: each row's first half only (rows [2, G, D]:
+    the keys, half the bytes over PCIe); ring: token p is in extent (p // E) % ring (None:
+    every extent, no wrap). Asynchronous on CUDA (the tile list goes over from pinned memory).
     """
-    if not out.is_contiguous() or out.dtype != extents[0].dtype or out.shape[1:] != extents[0].shape[1:]:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous rows of the extents'")
+    row_shape = extents[0].shape[1:]
+    want = row_shape[1:] if keys else row_shape
+    if not out.is_contiguous() or out.dtype != extents[0].dtype or out.shape[1:] != want:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be contiguous rows [n, {tuple(want)}]")
     tiles = run_tiles(spans)
     if tiles.shape[0] == 0:
         return
     if out.is_cuda:
         tiles = tiles.pin_memory().to(out.device, non_blocking=True)
-    row = out[0].numel()
-    grid = (tiles.shape[0], triton.cdiv(row, BLOCK_C))
+    row, cols = extents[0][0].numel(), out[0].numel()
+    grid = (tiles.shape[0], triton.cdiv(cols, BLOCK_C))
     _gather_rows[grid](
         extents[0], offsets, tiles, out, extent_tokens, ring or len(extents),
-        ROW=row, TILE=TILE, BLOCK_C=min(BLOCK_C, triton.next_power_of_2(row)),
+        ROW=row, COLS=cols, TILE=TILE, BLOCK_C=min(BLOCK_C, triton.next_power_of_2(cols)),
         num_warps=4,
     )  # fmt: skip

@@ -68,11 +68,8 @@ class HostSlice:
         if dst.is_cuda and self.extents and self.extents[0].is_pinned() and dst.is_contiguous():
             from kvtier.kv import host_gather
 
-            key = (len(self.extents), self.extents[0].data_ptr(), self.extents[-1].data_ptr(), dst.device)
-            if self._offsets is None or self._offsets[0] != key:
-                self._offsets = (key, host_gather.extent_offsets(self.extents, dst.device))
-            ring = self._ring()
-            host_gather.gather_runs(self.extents, self._offsets[1], self.extent_tokens, spans, dst, ring)
+            offsets = self._extent_offsets(dst.device)
+            host_gather.gather_runs(self.extents, offsets, self.extent_tokens, spans, dst, self._ring())
             return
         dsts, srcs = [], []
         for start, end, at in spans:
@@ -81,6 +78,30 @@ class HostSlice:
                 srcs.append(self.extents[e][off : off + n])
         if dsts:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+    def read_keys_into(self, dst: torch.Tensor, start: int, end: int) -> None:
+        """Copy the keys of tokens [start, end) (each row's first half) into dst[: end - start]
+        ([n, G, D]). Into a GPU from pinned extents: one kernel reads only those bytes over
+        PCIe (`kvtier.kv.host_gather`); otherwise strided copies. Asynchronous on CUDA."""
+        if dst.is_cuda and self.extents and self.extents[0].is_pinned() and dst.is_contiguous():
+            from kvtier.kv import host_gather
+
+            host_gather.gather_runs(
+                self.extents, self._extent_offsets(dst.device), self.extent_tokens, [(start, end, 0)], dst,
+                self._ring(), keys=True,
+            )  # fmt: skip
+            return
+        for e, off, at, n in self._pieces(start, end):
+            dst[at : at + n].copy_(self.extents[e][off : off + n, 0], non_blocking=True)
+
+    def _extent_offsets(self, device: torch.device) -> torch.Tensor:
+        """`host_gather.extent_offsets` of the extents on `device`, rebuilt when they change."""
+        from kvtier.kv import host_gather
+
+        key = (len(self.extents), self.extents[0].data_ptr(), self.extents[-1].data_ptr(), device)
+        if self._offsets is None or self._offsets[0] != key:
+            self._offsets = (key, host_gather.extent_offsets(self.extents, device))
+        return self._offsets[1]
 
     def gather_into(self, dst: torch.Tensor, positions: torch.Tensor) -> None:
         """Copy the tokens at `positions` ([n] int64, CPU, sorted) into dst[:n] (CPU). Synchronous:

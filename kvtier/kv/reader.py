@@ -54,6 +54,21 @@ class SliceReader:
             self.account.h2d_bytes += (end - start) * self.layout.token_bytes
         return dst
 
+    def keys(self, start: int, end: int) -> torch.Tensor:
+        """The keys of tokens [start, end) -> [end - start, G, D] on the device: only they cross
+        PCIe from a full-precision host tier (half the bytes of `__call__`); a quantized tier's
+        rows hold keys and values together, so they are read and unpacked whole."""
+        if not 0 <= start <= end <= self.length:
+            raise IndexError(f"keys({start}, {end}) outside the {self.length} stored tokens")
+        if self.packed is not None:
+            return self(start, end)[:, 0]
+        lay = self.layout
+        dst = torch.empty(end - start, lay.group_size, lay.head_dim, dtype=lay.dtype, device=self.device)
+        self.streams.wait([self.host.last_write])
+        self.host.read_keys_into(dst, start, end)
+        self.account.h2d_bytes += (end - start) * lay.token_bytes // 2
+        return dst
+
     def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None:
         """Tokens [start, end) of each (start, end, at) span into out[at : at + end - start]
         (out [n, 2, G, D] on the device): one wait for the host's writes, then every copy."""

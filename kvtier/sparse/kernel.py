@@ -43,6 +43,7 @@ from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positio
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, CacheStats, PositionedKV, block_ids
+from kvtier.sparse.host_keys import HostKeys
 from kvtier.sparse.prefill import prune_whole_blocks
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
@@ -100,6 +101,9 @@ class HipKernel:
         self._gpu: dict[tuple[int, int], BlockCache] = {}  # (layer, group) -> block cache
         self._streamed: set[tuple[int, int]] = set()  # slices the store streams (asked about)
         self._cover_tokens: dict[int, int] = {}  # heads -> tokens a refresh interval reads
+        # Stage 0's selection scored from host keys this step (`_refresh_from_host`), by
+        # (layer, group, head): `_decode` takes it instead of rerunning stage 0.
+        self._stage0: dict[tuple[int, int, int], torch.Tensor] = {}
 
     @property
     def last_query_alone(self) -> bool:
@@ -117,6 +121,7 @@ class HipKernel:
         self._cache.clear()
         self._gpu.clear()
         self._streamed.clear()
+        self._stage0.clear()
 
     def begin_prefill(self) -> None:
         """Before a prefill step (the store calls it): the step re-prunes every slice and the
@@ -125,6 +130,7 @@ class HipKernel:
         (`kvtier.sparse.planning` plans the larger of the two phases)."""
         self._cache.clear()
         self._gpu.clear()
+        self._stage0.clear()
 
     def gpu_cache_bytes(self) -> int:
         """GPU bytes of the block caches of streamed slices (proportional to cache capacity)."""
@@ -149,7 +155,14 @@ class HipKernel:
         st = self._cache.get((*sl, 0 if self.cfg.per_head else -1))
         if st is None or step.start <= st.position:
             return True
-        return st.first_due(self.cfg.refresh, st.step + 1) == 0
+        stage0 = st.first_due(self.cfg.refresh, st.step + 1) == 0
+        return stage0 and not self._scores_on_host(cache)
+
+    def _scores_on_host(self, cache: BlockCache) -> bool:
+        """Whether a stage-0 rerun of a slice with this cache reads keys from the host
+        (`HipConfig.host_scoring`) instead of the whole slice. Only caches that do not cover a
+        refresh interval: their steps look blocks up, so the selection may land anywhere."""
+        return self.cfg.host_scoring and not self._covers(cache, cache.bank.shape[3])
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         out = self._heads(q, kv, kv[step.start], step)
@@ -172,12 +185,16 @@ class HipKernel:
         b, s = cache.block, step.start
         fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
         st = self.stats.cache
-        if self._covers(cache, kv_new.shape[2]) or self._append_only(cache, step, kv_new.shape[2]):
+        groups = kv_new.shape[2]
+        if self._stage0_due(step, groups):  # `needs_slice` said no: `_scores_on_host`
+            needed = self._refresh_from_host(q, step, fetch, groups)
+        elif self._covers(cache, groups) or self._append_only(cache, step, groups):
             cache.append(s, kv_new[0])
             st.cached_steps += 1
             st.appended += fresh
             return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), kv_new[0], step)
-        needed = needed_positions(self.cfg, self._states(step, kv_new.shape[2]), s, kv_new.device)
+        else:
+            needed = needed_positions(self.cfg, self._states(step, groups), s, kv_new.device)
         blocks = block_ids(needed, b)
         table = cache.ensure(blocks, lambda missing: fetch_blocks(missing, cache.block, s, fetch, kv_new, st))
         cache.write(table, s, kv_new[0])
@@ -188,8 +205,51 @@ class HipKernel:
         st.appended += fresh
         out = self._heads(q, PositionedKV.of(cache, table, s + 1), kv_new[0], step)
         if table.extra is not None:
-            self._keep_read(cache, table, step, kv_new.shape[2])
+            self._keep_read(cache, table, step, groups)
         return out
+
+    def _stage0_due(self, step: SliceStep, groups: int) -> bool:
+        """Whether this decode step of a slice with decode states reruns stage 0."""
+        st = self._states(step, groups)[0]
+        return step.start > st.position and st.first_due(self.cfg.refresh, st.step + 1) == 0
+
+    def _refresh_from_host(self, q: torch.Tensor, step: SliceStep, fetch: Fetch, groups: int) -> torch.Tensor:
+        """Stage 0 of a decode step, scored on keys read from the host tier (`HostKeys`), kept in
+        `_stage0` for `_decode`; returns the positions the rest of the step reads (sinks, the
+        new stage-0 selection, the new window), for the block cache to provide.
+
+        Scores, slabs and the selection are those of stage 0 over the whole slice: the same
+        keys in the same ranges (`ScoreFn.bisected` with `span`), so the outputs are too."""
+        cfg, s, layer = self.cfg, step.start, step.layer
+        w0 = self._window_start(s)
+        cand = self._middle(w0, q.device)
+        pos = torch.full((1,), s, dtype=torch.long, device=q.device)
+        heads = range(groups) if cfg.per_head else (-1,)
+        r = q.shape[1] // groups
+        parts = [torch.arange(min(cfg.sink, s + 1), device=q.device)]
+        for h in heads:
+            qh = q if h < 0 else q[:, h * r : (h + 1) * r]
+            # NOTE: the length of the slice a streamed step would see (its kv includes the new
+            # token at s, never a candidate): ScoreFn bounds its RoPE positions by it.
+            keys = HostKeys(fetch, s + 1, groups, q.shape[2], head=None if h < 0 else h)
+            (out,) = run_stages(
+                qh,
+                pos,
+                cast(torch.Tensor, keys),  # NOTE: read only in ranges (span)
+                cand,
+                chunk_sizes=cfg.chunk_sizes[:1],
+                budgets=cfg.stage_budgets(layer)[:1],
+                strides=cfg.query_strides[:1],
+                mode=cfg.scoring_rope(layer),
+                rotary=self.rotary,
+                window=cfg.window,
+                head_score=cfg.head_score,
+                span=cfg.sink,
+            )
+            self._stage0[(layer, step.group, h)] = out
+            parts.append(out)
+        parts.append(torch.arange(w0, s + 1, device=q.device))
+        return torch.cat(parts)
 
     def _keep_read(self, cache: BlockCache, table: BlockTable, step: SliceStep, groups: int) -> None:
         """After a step whose blocks did not all fit the cache (a stage reran over more
@@ -278,13 +338,15 @@ class HipKernel:
         window afresh. Both attend the same rows, so which one ran never changes the output."""
         cfg = self.cfg
         st = self._cache.get(key)
+        scored = self._stage0.pop(key, None)  # stage 0 from host keys (`_refresh_from_host`)
         if st is None or step.start <= st.position:  # first decode step, or a new sequence
             first = 0
             st = None
         else:
             st.step += 1
             first = st.first_due(self.cfg.refresh, st.step)
-        assert first > 0 or isinstance(kv, torch.Tensor), "stage 0 needs the whole slice"
+        whole = isinstance(kv, torch.Tensor)
+        assert first > 0 or scored is not None or whole, "stage 0 needs the whole slice or its keys"
         if st is None or first == 0:
             w0 = self._window_start(step.start)
             cand = self._middle(w0, q.device)
@@ -293,7 +355,10 @@ class HipKernel:
             cand = st.outputs[first - 1]
         if first < len(cfg.chunk_sizes):
             pos = torch.full((1,), step.start, dtype=torch.long, device=q.device)
-            outs = self._stages(q, pos, kv, step.layer, cand, first)
+            if first == 0 and scored is not None:
+                outs = [scored, *self._stages(q, pos, kv, step.layer, scored, 1)]
+            else:
+                outs = self._stages(q, pos, kv, step.layer, cand, first)
             if st is None:
                 st = DecodeState(outputs=outs, computed_at=[0] * len(outs), window_start=w0)
             else:
