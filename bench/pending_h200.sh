@@ -112,6 +112,11 @@
 #   GGUF) in call A; group 1 (the smoke's generate part, a model at a time: GPU-facing code
 #   changed in this session's decode scoring slabs) in call B; then 64 (plan, eval, serve;
 #   gpu_checks) and 65 (512K through the CLI).
+# The twenty-fifth had no device. It cut the block cache's syncs (0796521: GPU-facing, so the
+#   smoke is owed) and built stage-0 reruns scored on host keys (8bf13d8, `host_scoring`, off).
+#   NEXT: as the twenty-fourth's NEXT (63 in call A, 1 in call B, then 64, 65), then 66 (the
+#   host-scoring A/B at 512K: if stage-0 steps drop well below 0.81 s, turn it on by default
+#   and measure 65 again).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -160,6 +165,17 @@ case "$group" in
   # (the 8B folder takes its tokenizer).
   run 240 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
     --timeout 230 --warmup-tokens 0 --name hip_cli_speed_512k_hip_slab
+  ;;
+66)
+  # issue 19: stage-0 decode reruns scored on keys read from pinned host memory (8bf13d8,
+  # HipConfig.host_scoring) against streaming the slice whole, lean at 512K, 8 layers of
+  # Llama-3's shapes in 8-head slices with the CLI's 16K-token block cache (stage-0 steps took
+  # 0.81 s, stage-1 99 ms at 08be223, hip_decode_profile_lean_512k_gather_steps.json). No GGUF.
+  for hs in "" "--host-scoring"; do
+    run 200 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 8 \
+      --kv-heads 8 --group 8 --head-dim 128 --cache-tokens 16384 --steps 34 --kv-fill structured \
+      $hs --name "hip_decode_profile_lean_512k${hs:+_host_scoring}"
+  done
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
