@@ -13,6 +13,7 @@ import torch
 from kvtier.config import ModelConfig
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
+from kvtier.methods.spec import parse_choice
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HipConfig, HipKernel, make_hip_kernel
@@ -72,8 +73,8 @@ def kernel_for(cfg: ModelConfig, **overrides: object) -> HipKernel:
     return kernel
 
 
-def make_store(cfg: ModelConfig, policy: str, kernel: HipKernel) -> TieredKVStore:
-    """A store of PROMPT + DECODE tokens under `plan(policy)` with the HiP kernel."""
+def make_store(cfg: ModelConfig, policy: str, kernel: HipKernel, codec: Any = None) -> TieredKVStore:
+    """A store of PROMPT + DECODE tokens under `plan(policy)` with the HiP kernel (and `codec`)."""
     return TieredKVStore(
         cfg,
         plan(policy),
@@ -83,15 +84,16 @@ def make_store(cfg: ModelConfig, policy: str, kernel: HipKernel) -> TieredKVStor
         options=StoreOptions(block_size=5, extent_blocks=4),
         kernel=kernel,
         rotate_keys=not kernel.needs_unrotated_keys,
+        codec=codec,
     )
 
 
 def run(
-    model: CausalLM, cfg: ModelConfig, policy: str, kernel: HipKernel, seed: int = 7
+    model: CausalLM, cfg: ModelConfig, policy: str, kernel: HipKernel, seed: int = 7, codec: Any = None
 ) -> tuple[list[torch.Tensor], list[int], TieredKVStore, int]:
     """Chunked prefill + greedy decode; returns logits, tokens, the store and H2D bytes of decode."""
     ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(seed))
-    store = make_store(cfg, policy, kernel)
+    store = make_store(cfg, policy, kernel, codec)
     prefill, _ = drive(model, store, ids, CHUNK, 0)
     h2d = store.account.h2d_bytes
     tail, tokens = _decode(model, store, prefill[-1])
@@ -190,6 +192,21 @@ def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_only_the_first_step(
     first = PROMPT * SLICES * TOKEN_BYTES
     assert h2d == first + keys + kernel.stats.cache.fetched_bytes
     assert keys < (REFRESH_BYTES - first) // 2  # streamed, those reruns sent whole slices
+
+
+def test_stage_0_on_host_keys_over_an_int4_tier_is_bitwise_streaming_it(
+    gqa: tuple[CausalLM, ModelConfig],
+) -> None:
+    """Over an int4 host tier (keys and values share packed rows, so stage 0's keys are read
+    from whole rows and unpacked): the same tokens and logits as streaming the packed slices."""
+    model, cfg = gqa
+    codec = parse_choice("int4").codec
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "head", kernel_for(cfg, cache_tokens=24), codec=codec())
+    kernel = kernel_for(cfg, cache_tokens=24, host_scoring=True)
+    logits, tokens, _, _ = run(model, cfg, "head", kernel, codec=codec())
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    assert kernel.stats.cache.misses > 0
 
 
 def test_a_cache_short_of_stage_0_keeps_the_final_selection_first(
