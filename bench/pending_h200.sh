@@ -115,8 +115,8 @@
 # The twenty-fifth had no device. It cut the block cache's syncs (0796521: GPU-facing, so the
 #   smoke is owed) and built stage-0 reruns scored on host keys (8bf13d8, `host_scoring`, off).
 #   NEXT: as the twenty-fourth's NEXT (63 in call A, 1 in call B, then 64, 65), then 66 (the
-#   host-scoring A/B at 512K: if stage-0 steps drop well below 0.81 s, turn it on by default
-#   and measure 65 again).
+#   host-scoring A/B at 512K; no GGUF) and 67 (the same through the CLI, `--hip-host-keys on`,
+#   right after 65): if stage-0 steps drop well below 0.81 s, make it the default.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -176,6 +176,12 @@ case "$group" in
       --kv-heads 8 --group 8 --head-dim 128 --cache-tokens 16384 --steps 34 --kv-fill structured \
       $hs --name "hip_decode_profile_lean_512k${hs:+_host_scoring}"
   done
+  ;;
+67)
+  # 66 through the CLI: `--hip-host-keys on` at 512K (65 is the same run without it, on the same
+  # machine start). Needs the GGUF (the 8B folder takes its tokenizer).
+  run 240 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_host_keys=on" --new-tokens 64 \
+    --timeout 230 --warmup-tokens 0 --name hip_cli_speed_512k_hip_host_keys
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu

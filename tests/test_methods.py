@@ -64,6 +64,7 @@ def test_methods_run_and_budgets_covering_the_context_are_lossless(tiny: Path) -
         ({"head_sparsity": 1.5}, r"\(0, 1\)"),
         ({"hip_refresh": "fast"}, "--hip-refresh applies only with --attention hip"),
         ({"attention": "hip", "hip_refresh": "sometimes"}, "unknown --hip-refresh 'sometimes'"),
+        ({"hip_host_keys": True}, "--hip-host-keys applies only with --attention hip"),
     ],
 )
 def test_bad_method_options(tiny: Path, kw: dict[str, Any], match: str) -> None:
@@ -238,6 +239,27 @@ def test_hip_auto_preset_is_lean_past_the_trained_length(tiny: Path) -> None:
     assert named.stats.plan["method"] == "hip default"
     # Within it the same LLM takes the paper's setting.
     assert llm.generate(PROMPT, params)[0].stats.plan["method"] == "hip fast (auto)"
+
+
+def test_hip_host_keys_reaches_the_kernel_from_a_spec_and_a_flag(tiny: Path) -> None:
+    """`hip,hip_host_keys=on` (a request's spec) and `--hip-host-keys on` (the CLI) turn on
+    `HipConfig.host_scoring` and say so in the method's description; "off" leaves it off; any
+    other value names the two."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    parts = parse_choice("hip,hip_preset=lean,hip_host_keys=on").build(cfg, cpu, None)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.host_scoring and parts.describe.endswith("stage 0 on host keys")
+    off: Any = parse_choice("hip,hip_host_keys=off").build(cfg, cpu, None).kernel
+    assert not off.cfg.host_scoring
+    with pytest.raises(ConfigError, match="on or off"):
+        parse_choice("hip,hip_host_keys=yes")
+    flags = ["generate", "--prompt", "x", "--attention", "hip", "--hip-host-keys", "on"]
+    args = build_parser().parse_args(flags)
+    assert method_kwargs(args)["hip_host_keys"] is True
 
 
 def test_hip_refresh_sets_the_decode_intervals_of_the_preset(tiny: Path) -> None:

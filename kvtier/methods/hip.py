@@ -33,6 +33,12 @@ def _refresh(text: str) -> str:
     return text
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ConfigError(f"--hip-host-keys takes on or off, got {text!r}")
+    return text == "on"
+
+
 def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
     """HiP's slicing and chunk search (`kvtier.sparse.planning.plan_hip`): whole layers first when
     the `auto` policy has no group given, with the largest block cache that fits."""
@@ -56,13 +62,21 @@ def _build(ctx: BuildContext) -> PolicyParts:
     preset = resolve_preset(asked, ctx.cfg, ctx.context)
     refresh = ctx.options.get("hip_refresh")
     hip = hip_config(preset, refresh)
+    host_keys = bool(ctx.options.get("hip_host_keys"))
     kernel, unrotated = make_hip_kernel(
-        ctx.cfg, ctx.device, preset, cache_tokens=ctx.hip_cache_tokens, refresh=hip.refresh
+        ctx.cfg,
+        ctx.device,
+        preset,
+        cache_tokens=ctx.hip_cache_tokens,
+        refresh=hip.refresh,
+        host_scoring=host_keys,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
     every = "" if refresh is None else f", refresh {refresh}"
-    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=f"hip {preset}{auto}{every}{cache}")
+    keys = ", stage 0 on host keys" if host_keys else ""
+    describe = f"hip {preset}{auto}{every}{cache}{keys}"
+    return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=describe)
 
 
 HIP = register(
@@ -71,7 +85,7 @@ HIP = register(
         "attention",
         "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
         _build,
-        takes=("hip_preset", "hip_refresh"),
+        takes=("hip_preset", "hip_refresh", "hip_host_keys"),
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
@@ -91,5 +105,14 @@ HIP = register(
         + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in REFRESH_PRESETS.items())
         + " (default: the preset's; stage 0 reads every key of an offloaded slice: default "
         "reruns it every 16 steps, lean and fast every 32)",
+    ),
+    Option(
+        "hip_host_keys",
+        "--hip-host-keys",
+        _on_off,
+        "on: a decode step that reruns HiP's stage 0 on an offloaded slice whose block cache is "
+        "short of a refresh interval reads the slice's keys from host memory (half the bytes of "
+        "streaming it whole) and the rest through the block cache; same output (default off: "
+        "not measured on a GPU yet)",
     ),
 )
