@@ -166,18 +166,30 @@ def test_small_cache_misses_fetch_and_stay_bitwise(gqa: tuple[CausalLM, ModelCon
 
 @pytest.mark.parametrize(
     "extend,per_head,cache,indexed",
-    [(True, False, 24, (0, 1, 2)), (True, False, 40, ()), (False, False, 40, ()), (True, True, 24, (1,))],
+    [
+        (True, False, 24, (0, 1, 2)),
+        (True, False, 40, ()),
+        (False, False, 40, ()),
+        (True, True, 24, (1,)),
+        (True, False, None, ()),  # a cache that covers a refresh interval
+        (True, True, None, (0,)),
+    ],
 )
 def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_only_the_first_step(
-    gqa: tuple[CausalLM, ModelConfig], extend: bool, per_head: bool, cache: int, indexed: tuple[int, ...]
+    gqa: tuple[CausalLM, ModelConfig],
+    extend: bool,
+    per_head: bool,
+    cache: int | None,
+    indexed: tuple[int, ...],
 ) -> None:
-    """`host_scoring`: a stage-0 rerun with a cache short of a refresh interval reads the keys
-    from the host tier (half a token's bytes) and its other reads through the block cache, so
-    only decode step 0 streams slices whole. Tokens, logits and the stages' reruns are those of
-    HiP over resident KV (relative, chunk-indexed and absolute scoring); the bytes moved are
-    exactly the first step's slices, the keys of every later stage-0 rerun's candidates (sink to
-    window) and the misses fetched (a cache this small misses often: the stage-0 output a
-    streamed rerun copies into it from the staged slice is fetched here)."""
+    """`host_scoring`: a stage-0 rerun reads the keys from the host tier (half a token's bytes)
+    and its other reads through the block cache (one short of a refresh interval, or one that
+    covers it, whose later steps then read it without lookups), so only decode step 0 streams
+    slices whole. Tokens, logits and the stages' reruns are those of HiP over resident KV
+    (relative, chunk-indexed and absolute scoring); the bytes moved are exactly the first step's
+    slices, the keys of every later stage-0 rerun's candidates (sink to window) and the misses
+    fetched (a small cache misses often: the stage-0 output a streamed rerun copies into it from
+    the staged slice is fetched here)."""
     model, cfg = gqa
     opts = {"extend": extend, "per_head": per_head, "chunk_indexed_layers": indexed}  # RoPE modes
     ref = kernel_for(cfg, **opts)

@@ -110,9 +110,8 @@ HIP = register(
         "hip_host_keys",
         "--hip-host-keys",
         _on_off,
-        "on: a decode step that reruns HiP's stage 0 on an offloaded slice whose block cache is "
-        "short of a refresh interval reads the slice's keys from host memory (half the bytes of "
-        "streaming it whole) and the rest through the block cache; same output (default off: "
-        "not measured on a GPU yet)",
+        "on: a decode step that reruns HiP's stage 0 on an offloaded slice reads the slice's "
+        "keys from host memory (half the bytes of streaming it whole) and the rest through the "
+        "block cache; same output (default off: not measured on a GPU yet)",
     ),
 )

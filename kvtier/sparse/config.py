@@ -73,11 +73,10 @@ class HipConfig:
     # (None = `offload_cache_tokens()`: everything a refresh interval reads, so all hit).
     cache_block: int = 16
     cache_tokens: int | None = None
-    # Decode steps that rerun stage 0 on a streamed slice whose block cache does not hold a
-    # whole refresh interval: score the keys read from the host tier range by range (only keys
-    # cross PCIe; `kvtier.sparse.host_keys`), then read the later stages' candidates through
-    # the block cache, instead of streaming the slice (keys and values) whole. Same outputs.
-    # Off until measured on a GPU.
+    # Decode steps that rerun stage 0 on a streamed slice: score the keys read from the host
+    # tier range by range (only keys cross PCIe; `kvtier.sparse.host_keys`), then read the
+    # sinks, the new selection and the window through the block cache (misses fetched), instead
+    # of streaming the slice (keys and values) whole. Same outputs. Off until measured on a GPU.
     host_scoring: bool = False
 
     def __post_init__(self) -> None:

@@ -156,13 +156,7 @@ class HipKernel:
         if st is None or step.start <= st.position:
             return True
         stage0 = st.first_due(self.cfg.refresh, st.step + 1) == 0
-        return stage0 and not self._scores_on_host(cache)
-
-    def _scores_on_host(self, cache: BlockCache) -> bool:
-        """Whether a stage-0 rerun of a slice with this cache reads keys from the host
-        (`HipConfig.host_scoring`) instead of the whole slice. Only caches that do not cover a
-        refresh interval: their steps look blocks up, so the selection may land anywhere."""
-        return self.cfg.host_scoring and not self._covers(cache, cache.bank.shape[3])
+        return stage0 and not self.cfg.host_scoring
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         out = self._heads(q, kv, kv[step.start], step)
@@ -186,7 +180,8 @@ class HipKernel:
         fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
         st = self.stats.cache
         groups = kv_new.shape[2]
-        if self._stage0_due(step, groups):  # `needs_slice` said no: `_scores_on_host`
+        host = self._stage0_due(step, groups)  # `needs_slice` said no: `HipConfig.host_scoring`
+        if host:
             needed = self._refresh_from_host(q, step, fetch, groups)
         elif self._covers(cache, groups) or self._append_only(cache, step, groups):
             cache.append(s, kv_new[0])
@@ -205,6 +200,9 @@ class HipKernel:
         st.appended += fresh
         out = self._heads(q, PositionedKV.of(cache, table, s + 1), kv_new[0], step)
         if table.extra is not None:
+            # NOTE: a cache that covers an interval holds a refresh's reads and the appends until
+            # the next one (`offload_cache_tokens`); its later steps read it without a lookup.
+            assert not (host and self._covers(cache, groups)), "a covering cache overflowed"
             self._keep_read(cache, table, step, groups)
         return out
 
