@@ -116,7 +116,8 @@
 #   smoke is owed) and built stage-0 reruns scored on host keys (8bf13d8, `host_scoring`, off).
 #   NEXT: as the twenty-fourth's NEXT (63 in call A, 1 in call B, then 64, 65), then 66 (the
 #   host-scoring A/B at 512K; no GGUF) and 67 (the same through the CLI, `--hip-host-keys on`,
-#   right after 65): if stage-0 steps drop well below 0.81 s, make it the default.
+#   right after 65), 68 (128K A/B through the CLI): if stage-0 steps drop well below 0.81 s,
+#   make it the default.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -182,6 +183,12 @@ case "$group" in
   # machine start). Needs the GGUF (the 8B folder takes its tokenizer).
   run 240 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_host_keys=on" --new-tokens 64 \
     --timeout 230 --warmup-tokens 0 --name hip_cli_speed_512k_hip_host_keys
+  ;;
+68)
+  # 128K through the CLI, host keys against streaming (the plan's cache covers a refresh
+  # interval there; 27.4 tok/s decode at e85b67e, hip_cli_speed_128k_ab.json). Needs the GGUF.
+  run 280 $py bench/hip_cli_speed.py --contexts 128K --methods "hip;hip,hip_host_keys=on" --new-tokens 64 \
+    --timeout 120 --name hip_cli_speed_128k_host_keys
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
