@@ -175,21 +175,21 @@ def test_small_cache_misses_fetch_and_stay_bitwise(gqa: tuple[CausalLM, ModelCon
         (True, True, None, (0,)),
     ],
 )
-def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_only_the_first_step(
+def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_no_slice_in_decode(
     gqa: tuple[CausalLM, ModelConfig],
     extend: bool,
     per_head: bool,
     cache: int | None,
     indexed: tuple[int, ...],
 ) -> None:
-    """`host_scoring`: a stage-0 rerun reads the keys from the host tier (half a token's bytes)
-    and its other reads through the block cache (one short of a refresh interval, or one that
-    covers it, whose later steps then read it without lookups), so only decode step 0 streams
-    slices whole. Tokens, logits and the stages' reruns are those of HiP over resident KV
-    (relative, chunk-indexed and absolute scoring); the bytes moved are exactly the first step's
-    slices, the keys of every later stage-0 rerun's candidates (sink to window) and the misses
-    fetched (a small cache misses often: the stage-0 output a streamed rerun copies into it from
-    the staged slice is fetched here)."""
+    """`host_scoring`: every decode step of a streamed slice is served from its block cache (one
+    short of a refresh interval, or one that covers it, whose later steps then read it without
+    lookups); a step that runs stage 0, the first included, scores keys read from the host tier
+    (half a token's bytes) and reads the rest through the cache, so no decode step streams a
+    slice whole. Tokens, logits and the stages' reruns are those of HiP over resident KV
+    (relative, chunk-indexed and absolute scoring); the bytes moved are exactly the keys of
+    every stage-0 run's candidates (sink to window) and the misses fetched (the stage-0 output
+    a streamed step copies into the cache from the staged slice is fetched here)."""
     model, cfg = gqa
     opts = {"extend": extend, "per_head": per_head, "chunk_indexed_layers": indexed}  # RoPE modes
     ref = kernel_for(cfg, **opts)
@@ -199,11 +199,10 @@ def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_only_the_first_step(
     assert tokens == ref_tokens
     assert_same(logits, ref_logits)
     assert kernel.stats.decode_recomputes == ref.stats.decode_recomputes
-    w0 = [PROMPT + k - TINY["window"] + 1 for k in range(REFRESH0, DECODE, REFRESH0)]  # type: ignore[operator]
+    w0 = [PROMPT + k - TINY["window"] + 1 for k in range(0, DECODE, REFRESH0)]  # type: ignore[operator]
     keys = sum(w - TINY["sink"] for w in w0) * SLICES * TOKEN_BYTES // 2  # type: ignore[operator]
-    first = PROMPT * SLICES * TOKEN_BYTES
-    assert h2d == first + keys + kernel.stats.cache.fetched_bytes
-    assert keys < (REFRESH_BYTES - first) // 2  # streamed, those reruns sent whole slices
+    assert h2d == keys + kernel.stats.cache.fetched_bytes
+    assert keys < REFRESH_BYTES // 2  # streamed, those steps sent whole slices
 
 
 def test_stage_0_on_host_keys_over_an_int4_tier_is_bitwise_streaming_it(
@@ -312,10 +311,13 @@ def test_more_prompt_after_decode_frees_the_decode_caches_first(gqa: tuple[Causa
     assert_same(runs["head"][0], runs["gpu"][0])
 
 
-def test_a_new_sequence_without_reset_does_not_reuse_stale_blocks(gqa: tuple[CausalLM, ModelConfig]) -> None:
+@pytest.mark.parametrize("host_scoring", [False, True])
+def test_a_new_sequence_without_reset_does_not_reuse_stale_blocks(
+    gqa: tuple[CausalLM, ModelConfig], host_scoring: bool
+) -> None:
     model, cfg = gqa
     ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg), seed=8)
-    kernel = kernel_for(cfg)
+    kernel = kernel_for(cfg, host_scoring=host_scoring)
     run(model, cfg, "head", kernel, seed=7)
     logits, tokens, _, _ = run(model, cfg, "head", kernel, seed=8)  # same kernel, next sequence
     assert tokens == ref_tokens

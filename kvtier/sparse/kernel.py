@@ -143,20 +143,22 @@ class HipKernel:
     # -- CachingSliceKernel -----------------------------------------------------------------
 
     def needs_slice(self, step: SliceStep, n_new: int) -> bool:
-        """Whether a step of a streamed slice needs it whole: prefill, or stage 0 is due.
+        """Whether a step of a streamed slice needs it whole: prefill, or (without
+        `HipConfig.host_scoring`, which scores stage 0 on host keys and serves every decode step
+        from the block cache) stage 0 is due or the block cache is not in step.
 
         Records that the slice is streamed (so its full decode steps fill its block cache).
         """
         sl = (step.layer, step.group)
         self._streamed.add(sl)
+        if n_new > 1:
+            return True
+        if self.cfg.host_scoring:
+            return False
         cache = self._gpu.get(sl)
-        if n_new > 1 or cache is None or cache.end != step.start:
+        if cache is None or cache.end != step.start:
             return True
-        st = self._cache.get((*sl, 0 if self.cfg.per_head else -1))
-        if st is None or step.start <= st.position:
-            return True
-        stage0 = st.first_due(self.cfg.refresh, st.step + 1) == 0
-        return stage0 and not self.cfg.host_scoring
+        return self._stage0_due(step)
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         out = self._heads(q, kv, kv[step.start], step)
@@ -175,13 +177,16 @@ class HipKernel:
         is appended by tensor ops. A smaller cache does the same on steps that read nothing
         stored (`_append_only`); otherwise blocks are looked up and misses fetched (syncs).
         """
-        cache = self._gpu[(step.layer, step.group)]
+        cache = self._cache_for(kv_new, step)
         b, s = cache.block, step.start
         fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
         st = self.stats.cache
         groups = kv_new.shape[2]
-        host = self._stage0_due(step, groups)  # `needs_slice` said no: `HipConfig.host_scoring`
+        host = self._stage0_due(step)  # `needs_slice` said no: `HipConfig.host_scoring`
         if host:
+            if cache.end != s:  # a new sequence, or the slice's first decode step
+                cache.clear()
+                cache.end = s  # nothing cached is stale: what the step reads is fetched
             needed = self._refresh_from_host(q, step, fetch, groups)
         elif self._covers(cache, groups) or self._append_only(cache, step, groups):
             cache.append(s, kv_new[0])
@@ -206,10 +211,13 @@ class HipKernel:
             self._keep_read(cache, table, step, groups)
         return out
 
-    def _stage0_due(self, step: SliceStep, groups: int) -> bool:
-        """Whether this decode step of a slice with decode states reruns stage 0."""
-        st = self._states(step, groups)[0]
-        return step.start > st.position and st.first_due(self.cfg.refresh, st.step + 1) == 0
+    def _stage0_due(self, step: SliceStep) -> bool:
+        """Whether this decode step of a slice runs stage 0: its first (no decode state, or a
+        new sequence), or a rerun."""
+        st = self._cache.get((step.layer, step.group, 0 if self.cfg.per_head else -1))
+        if st is None or step.start <= st.position:
+            return True
+        return st.first_due(self.cfg.refresh, st.step + 1) == 0
 
     def _refresh_from_host(self, q: torch.Tensor, step: SliceStep, fetch: Fetch, groups: int) -> torch.Tensor:
         """Stage 0 of a decode step, scored on keys read from the host tier (`HostKeys`), kept in
