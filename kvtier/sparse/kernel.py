@@ -238,20 +238,7 @@ class HipKernel:
             # NOTE: the length of the slice a streamed step would see (its kv includes the new
             # token at s, never a candidate): ScoreFn bounds its RoPE positions by it.
             keys = HostKeys(fetch, s + 1, groups, q.shape[2], head=None if h < 0 else h)
-            (out,) = run_stages(
-                qh,
-                pos,
-                cast(torch.Tensor, keys),  # NOTE: read only in ranges (span)
-                cand,
-                chunk_sizes=cfg.chunk_sizes[:1],
-                budgets=cfg.stage_budgets(layer)[:1],
-                strides=cfg.query_strides[:1],
-                mode=cfg.scoring_rope(layer),
-                rotary=self.rotary,
-                window=cfg.window,
-                head_score=cfg.head_score,
-                span=cfg.sink,
-            )
+            (out,) = self._stages(qh, pos, keys, layer, cand, 0, upto=1)
             self._stage0[(layer, step.group, h)] = out
             parts.append(out)
         parts.append(torch.arange(w0, s + 1, device=q.device))
@@ -451,24 +438,38 @@ class HipKernel:
         return torch.arange(self.cfg.sink, w0, device=device)
 
     def _stages(
-        self, q: torch.Tensor, pos: torch.Tensor, kv: KV, layer: int, cand: torch.Tensor, first: int
+        self,
+        q: torch.Tensor,
+        pos: torch.Tensor,
+        kv: KV | HostKeys,
+        layer: int,
+        cand: torch.Tensor,
+        first: int,
+        upto: int | None = None,
     ) -> list[torch.Tensor]:
+        """Stages first..upto - 1 (all by default) over kv: a whole slice, a `PositionedKV` view,
+        or a slice's keys on the host (stage 0 alone, read in ranges)."""
         cfg = self.cfg
-        keys = kv[:, 0] if isinstance(kv, torch.Tensor) else kv.map(lambda t: t[:, 0])
+        n = len(cfg.chunk_sizes) if upto is None else upto
+        whole = not isinstance(kv, PositionedKV)  # stage 0's candidates are a range: `span`
+        if isinstance(kv, torch.Tensor):
+            keys: object = kv[:, 0]
+        else:
+            keys = kv if isinstance(kv, HostKeys) else kv.map(lambda t: t[:, 0])
         return run_stages(
             q,
             pos,
-            cast(torch.Tensor, keys),  # NOTE: a PositionedKV is only ever indexed by positions
+            cast(torch.Tensor, keys),  # NOTE: a view is only indexed by positions, host keys by ranges
             cand,
-            chunk_sizes=cfg.chunk_sizes,
-            budgets=cfg.stage_budgets(layer),
-            strides=cfg.query_strides,
+            chunk_sizes=cfg.chunk_sizes[:n],
+            budgets=cfg.stage_budgets(layer)[:n],
+            strides=cfg.query_strides[:n],
             mode=cfg.scoring_rope(layer),
             rotary=self.rotary,
             window=cfg.window,
             first=first,
             head_score=cfg.head_score,
-            span=cfg.sink if first == 0 and isinstance(kv, torch.Tensor) else None,  # see `_middle`
+            span=cfg.sink if first == 0 and whole else None,  # see `_middle`
         )
 
 
