@@ -64,8 +64,8 @@ class BlockTable:
     extra: torch.Tensor | None  # [E * block, 2, G, D] blocks that did not fit the cache
     hits: int
     stored: int  # misses stored in the bank
-    # Whether blocks[-1] is in the bank, when known on the host (`ensure` reads it with its
-    # counts), else None: `write` then reads it back.
+    # Whether blocks[-1] is in the bank (`ensure` reads it with its counts; None: a table of
+    # every slot, `BlockCache.table`, which nothing writes through).
     last_in_bank: bool | None = None
 
 
@@ -154,33 +154,22 @@ class BlockCache:
         )
 
     def write(self, table: BlockTable, position: int, row: torch.Tensor) -> None:
-        """Store token row [2, G, D] at `position` (its block is in `table`). Mutates the cache.
+        """Store token row [2, G, D] at `position`, whose block is the last of `table` (an
+        `ensure`'s: a step writes its newest token, the largest position it reads). Mutates the
+        cache, without a sync (`ensure` read where that block went).
 
         The block's slot becomes the `tail` that `append` writes next, or None when the block is
-        in the step's overflow (not in the bank). Without a sync when `table.last_in_bank` is
-        known: the block of `position` must then be the table's last (a step writes its newest
-        token, the largest position it reads)."""
+        in the step's overflow (not in the bank)."""
+        assert table.last_in_bank is not None, "write after ensure: it knows where the last block is"
         r = position % self.block
-        if table.last_in_bank is not None:
-            if table.last_in_bank:
-                at = table.base[-1:] + r  # [1]
-                self.bank.view(-1, *self.bank.shape[2:]).index_copy_(0, at, row[None])
-                self.tail = table.base[-1:] // self.block
-            else:  # the last miss, after the `stored` ones, in the overflow
-                assert table.extra is not None
-                misses = table.blocks.numel() - table.hits
-                table.extra[(misses - 1 - table.stored) * self.block + r] = row
-                self.tail = None
-            return
-        at = torch.tensor([position // self.block], device=table.blocks.device)
-        j = torch.searchsorted(table.blocks, at)  # [1]
-        first, in_bank = torch.cat((table.base[j], table.in_bank[j].long())).tolist()  # one sync
-        if in_bank:
-            self.bank.view(-1, *self.bank.shape[2:])[first + r] = row
-            self.tail = torch.full((1,), (first + r) // self.block, dtype=torch.long, device=self.ids.device)
-        else:
+        if table.last_in_bank:
+            at = table.base[-1:] + r  # [1]
+            self.bank.view(-1, *self.bank.shape[2:]).index_copy_(0, at, row[None])
+            self.tail = table.base[-1:] // self.block
+        else:  # the last miss, after the `stored` ones, in the overflow
             assert table.extra is not None
-            table.extra[first + r] = row
+            misses = table.blocks.numel() - table.hits
+            table.extra[(misses - 1 - table.stored) * self.block + r] = row
             self.tail = None
 
     # -- sync-free decode steps -----------------------------------------------------------------
