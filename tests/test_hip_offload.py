@@ -205,6 +205,37 @@ def test_stage_0_scored_on_host_keys_is_bitwise_and_streams_no_slice_in_decode(
     assert keys < REFRESH_BYTES // 2  # streamed, those steps sent whole slices
 
 
+def test_host_keys_free_the_staging_buffers_in_decode_and_prefill_makes_them_again(
+    gqa: tuple[CausalLM, ModelConfig],
+) -> None:
+    """With host keys no decode step loads a slice, so the store gives its staging buffers back
+    while it decodes (their GPU bytes leave the account) and makes them again for a prefill
+    chunk that follows (a turn appended to the conversation); every logit is resident HiP's."""
+    model, cfg = gqa
+    gen = torch.Generator().manual_seed(3)
+    first, more = (torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (PROMPT - 40, 24))
+
+    def turns(store: TieredKVStore, ring: list[int]) -> list[torch.Tensor]:
+        out, _ = drive(model, store, first, CHUNK, 8)
+        ring.append(store.account.allocated["gpu"])
+        tail, _ = drive(model, store, more, CHUNK, 8)  # prefill chunks again, then decode
+        ring.append(store.account.allocated["gpu"])
+        return out + tail
+
+    ref_store = make_store(cfg, "gpu", kernel_for(cfg))
+    ref = turns(ref_store, [])
+    store = make_store(cfg, "head", kernel_for(cfg, cache_tokens=24, host_scoring=True))
+    assert store.ring is not None
+    staging, held = store.ring.nbytes, store.account.allocated["gpu"]
+    gpu: list[int] = []
+    assert_same(turns(store, gpu), ref)
+    assert gpu == [held - staging, held - staging]  # decoding: given back; remade for the chunks
+    assert store.account.peak["gpu"] == held
+    streaming = make_store(cfg, "head", kernel_for(cfg, cache_tokens=24))
+    drive(model, streaming, first, CHUNK, 8)
+    assert streaming.account.allocated["gpu"] == held  # without host keys decode streams: kept
+
+
 def test_stage_0_on_host_keys_over_an_int4_tier_is_bitwise_streaming_it(
     gqa: tuple[CausalLM, ModelConfig],
 ) -> None:

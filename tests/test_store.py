@@ -151,6 +151,8 @@ class MirrorKernel:
         self.streamed = 0  # stored tokens of the slices streamed whole
         self.cached_calls = 0
 
+    decode_streams = True  # it streams every `refresh` steps
+
     def needs_slice(self, step: SliceStep, n_new: int) -> bool:
         key = (step.layer, step.group)
         return n_new > 1 or key not in self.copies or self.steps[key] + 1 >= self.refresh

@@ -97,6 +97,12 @@ class CachingSliceKernel(Protocol):
 
     def needs_slice(self, step: SliceStep, n_new: int) -> bool: ...
 
+    @property
+    def decode_streams(self) -> bool:
+        """Whether a decode step may still need a slice whole (False: decode never streams, so
+        the store may free its staging buffers while it decodes)."""
+        ...
+
     def attend_cached(
         self, q: torch.Tensor, kv_new: torch.Tensor, step: SliceStep, fetch: Fetch
     ) -> torch.Tensor: ...

@@ -65,7 +65,8 @@ class StagingRing:
         self.tokens = tokens
         self.streams = streams
         self.account = account
-        self.buffers = [memory.empty((tokens, *shape), dtype) for _ in range(n)]
+        self._make = lambda: [memory.empty((tokens, *shape), dtype) for _ in range(n)]
+        self.buffers = self._make()
         self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
         account.alloc(GPU, self.nbytes)
         self._free_after: list[list[Event | None]] = [[] for _ in range(n)]
@@ -78,7 +79,11 @@ class StagingRing:
 
     def start(self, schedule: list[Load], hosts: dict[int, HostSlice], read: Reader | None = None) -> None:
         """Begin a step: loads will be issued in `schedule` order, through `read` if given (e.g.
-        packed tokens unpacked on the way), else as plain copies from `hosts`."""
+        packed tokens unpacked on the way), else as plain copies from `hosts`. Buffers given
+        back (`give_back`) are made again first when the schedule loads anything."""
+        if schedule and not self.buffers:
+            self.buffers = self._make()
+            self.account.alloc(GPU, self.nbytes)
         self._schedule = deque(schedule)
         self._hosts = hosts
         self._read = read
@@ -126,6 +131,17 @@ class StagingRing:
         self._free_after[loaded.buffer] = after
         self._fill()
 
+    def give_back(self) -> None:
+        """Free the buffers while no step loads anything (decode served from a kernel's own
+        cache), once every copy and read of them is done; `start` makes them again. Only for
+        buffers of the caching allocator: their bytes become free for others."""
+        if self.buffers:
+            self.streams.synchronize()
+            self.account.free(GPU, self.nbytes)
+            self.buffers = []
+            self._free_after = [[] for _ in self._free_after]
+
     def close(self) -> None:
-        self.account.free(GPU, self.nbytes)
+        if self.buffers:
+            self.account.free(GPU, self.nbytes)
         self.buffers.clear()

@@ -243,7 +243,18 @@ class TieredKVStore:
             self._cpu = self.cpu.begin_step(n_new)
         if self.ring is not None:
             read = self._read_packed if self.packed is not None else None
-            self.ring.start(self._schedule(n_new), self.hosts, read)
+            schedule = self._schedule(n_new)
+            if not schedule and n_new == 1 and self._staging_idle_in_decode():
+                self.ring.give_back()  # made again by the next step that loads a slice
+            self.ring.start(schedule, self.hosts, read)
+
+    def _staging_idle_in_decode(self) -> bool:
+        """Whether decode never loads a slice into the staging buffers (a caching kernel that
+        serves every decode step itself) and their bytes would go back to the caching allocator,
+        where the kernel's decode caches are allocated (not a region someone else owns)."""
+        kernel = self.kernel
+        caching = isinstance(kernel, CachingSliceKernel) and not kernel.decode_streams
+        return caching and isinstance(self.memory, CachingMemory)
 
     def _fit_windows(self, n_new: int) -> None:
         """Make room for `n_new` tokens in every windowed slice: drop what is past its window

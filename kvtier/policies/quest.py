@@ -99,6 +99,11 @@ class QuestKernel:
         top_k = min(max(3, self.budget // self.page), pages)
         return step.layer >= self.dense_layers and s > self.budget and top_k < pages, pages, top_k
 
+    @property
+    def decode_streams(self) -> bool:
+        """Decode steps stream a slice whole when their page bounds need refreshing."""
+        return True
+
     def needs_slice(self, step: SliceStep, n_new: int) -> bool:
         """Offloaded slices: only prefill, dense layers and dense-sized contexts stream whole."""
         tail = self._tail.get((step.layer, step.group))

@@ -142,6 +142,11 @@ class HipKernel:
 
     # -- CachingSliceKernel -----------------------------------------------------------------
 
+    @property
+    def decode_streams(self) -> bool:
+        """Whether a decode step may need a slice whole: not with `HipConfig.host_scoring`."""
+        return not self.cfg.host_scoring
+
     def needs_slice(self, step: SliceStep, n_new: int) -> bool:
         """Whether a step of a streamed slice needs it whole: prefill, or (without
         `HipConfig.host_scoring`, which scores stage 0 on host keys and serves every decode step
