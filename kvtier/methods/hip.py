@@ -53,6 +53,7 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
         layers_first=inputs.kv == "auto" and inputs.head_group is None,
         chunk_size=inputs.chunk_size,
         hardware=inputs.hardware,
+        staging_idle_in_decode=bool(options.get("hip_host_keys")) and inputs.staging_freed_in_decode,
     )
     return Placement(hip.plan, hip.cache_tokens, hip.reserve_bytes)
 

@@ -29,6 +29,10 @@ class PlanInputs:
     cpu_attention: str | int = "off"  # streamed slices decoded on the CPU: auto, off or a count
     activations: str = "runner"  # whose forward runs the chunks: "runner" (kvtier's) or "hf"
     compact: CompactSlices | None = None  # slices an evictor keeps small on the GPU (not placed)
+    # Whether the store's staging buffers go back to the caching allocator while a kernel that
+    # never streams in decode runs (`TieredKVStore._staging_idle_in_decode`): not when they are
+    # carved from a server's lent pages.
+    staging_freed_in_decode: bool = True
 
     def plan(self, codec: PackedFormat | None = None) -> KVPlan:
         """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""

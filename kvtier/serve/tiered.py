@@ -142,6 +142,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     # does not borrow (`MethodEntry.borrows_pages`).
     borrows = all(e.borrows_pages for e in method.selected())  # lossless: none selected
     lends = engine.paged and borrows and not cfg.windowed_layers(context)
+    if lends:  # staging carved from lent pages stays put in decode: no bytes to plan on
+        base = replace(base, staging_freed_in_decode=False)
     packing = packing_codec(method.codec()) is not None  # its resident slices stay packed
     offer = engine.lendable_pages() if lends else 0
     page_bytes = engine.page_bytes

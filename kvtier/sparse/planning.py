@@ -81,18 +81,20 @@ def store_budget(
     dtype_bytes: int,
     cache_tokens: int | None,
     chunk: int | None,
+    idle_in_decode: int = 0,
 ) -> int:
     """The store planner's GPU budget under HiP: `gpu_budget` less HiP's bytes
     (`hip_phase_bytes`), by phase when the prefill `chunk` is known. The store planner takes the
     chunk's activations off itself; decode frees them, and prefill frees the decode caches
     (`HipKernel.begin_prefill`), so only the larger phase counts. With chunk None (the store
-    planner picks it) both phases are taken off."""
+    planner picks it) both phases are taken off. `idle_in_decode`: bytes of the plan that decode
+    gives back too (the staging buffers, with host keys)."""
     decode, always = hip_phase_bytes(cfg, preset, dtype_bytes, context, cache_tokens)
     if chunk is None:
-        return gpu_budget - decode - always
+        return gpu_budget - always - max(0, decode - idle_in_decode)
     freed = activation_bytes(cfg, min(chunk, context), dtype_bytes, group_size=1)
     freed -= activation_bytes(cfg, 1, dtype_bytes, group_size=1)  # a decode step's own
-    return gpu_budget - always - max(0, decode - freed)
+    return gpu_budget - always - max(0, decode - freed - idle_in_decode)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def plan_hip(
     layers_first: bool,
     chunk_size: int | None = None,
     hardware: Hardware | None = None,
+    staging_idle_in_decode: bool = False,
 ) -> HipPlacement:
     """Plan `context` tokens under HiP: `plan_with(group, budget, chunk)` is the store planner
     with HiP's GPU bytes taken off `gpu_budget` (None = unlimited). The prefill chunk is
@@ -124,15 +127,31 @@ def plan_hip(
     and so on, each with the largest block cache that lets two staging buffers hold a whole
     slice. Otherwise the caller's group, with the largest such cache.
 
+    With `staging_idle_in_decode` (host keys: decode never streams, and the store gives its
+    staging buffers back while it decodes) the block caches may also take the bytes of two
+    staging buffers of whole slices of the group tried: a plan that has less staging than that
+    (slices resident, or finer) is planned again without them.
+
     Raises CapacityError, before anything is allocated, when no plan holds whole slices."""
 
     def reserve(cache_tokens: int | None) -> int:
         return hip_gpu_bytes(cfg, preset, dtype_bytes, context, cache_tokens)
 
-    def budget(cache_tokens: int | None, chunk: int | None) -> int | None:
+    def staging(group: int) -> int:  # two staging buffers of whole slices of `group` KV heads
+        return 2 * context * group * 2 * cfg.head_dim * dtype_bytes
+
+    def budget(cache_tokens: int | None, chunk: int | None, idle: int = 0) -> int | None:
         if gpu_budget is None:
             return None
-        return store_budget(cfg, context, gpu_budget, preset, dtype_bytes, cache_tokens, chunk)
+        return store_budget(cfg, context, gpu_budget, preset, dtype_bytes, cache_tokens, chunk, idle)
+
+    def plan_of(group: int | None, cache_tokens: int | None, chunk: int | None) -> KVPlan:
+        if staging_idle_in_decode and group is not None and gpu_budget is not None:
+            plan = plan_with(group, budget(cache_tokens, chunk, staging(group)), chunk)
+            held = plan.staging_buffers * min(plan.staging_tokens, context) * 2 * cfg.head_dim * dtype_bytes
+            if plan.streamed_slices and held * plan.group_size >= staging(group):
+                return plan
+        return plan_with(group, budget(cache_tokens, chunk), chunk)
 
     groups: list[int | None] = [None]
     if layers_first:
@@ -147,7 +166,7 @@ def plan_hip(
         for group in groups:
             for cache_tokens in (None, *CACHE_TOKEN_STEPS):
                 try:
-                    plan = plan_with(group, budget(cache_tokens, chunk), chunk)
+                    plan = plan_of(group, cache_tokens, chunk)
                 except CapacityError as e:
                     error = e  # the last: the largest budget tried
                     continue

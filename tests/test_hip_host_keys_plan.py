@@ -1,0 +1,47 @@
+"""How HiP is planned with host keys (`--hip-host-keys on`): decode never streams a slice, the
+store gives its staging buffers back while it decodes, so the block caches may take their bytes
+(`plan_hip(staging_idle_in_decode=True)`). No weights: Llama-3.1-8B's shapes on the H200's
+numbers under a 24 GiB cap, as `kvtier generate --gpu-memory 24GiB` plans them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvtier.loading.presets import preset_config
+from kvtier.methods import parse_choice, plan_for
+from kvtier.planner.hardware import hardware_preset
+from kvtier.planner.inputs import PlanInputs
+from kvtier.sparse import hip_phase_bytes
+from kvtier.units import parse_size
+
+CFG = preset_config("llama-3.1-8b")
+CONTEXT = 526_087  # the 512K CLI bench's prompt plus 64 new tokens
+
+
+def inputs(context: int = CONTEXT) -> PlanInputs:
+    return PlanInputs(
+        CFG, context, hardware=hardware_preset("h200"), dtype_bytes=2, gpu_budget=parse_size("24GiB")
+    )
+
+
+def test_host_keys_give_512k_block_caches_that_cover_a_refresh_interval() -> None:
+    """At 512K the staging buffers of two whole layer slices (4.3 GB) leave room for 16K-token
+    caches only; with host keys the same layer slices get caches of a whole refresh interval
+    (None), which the freed staging bytes hold: the caches' bytes beyond the 16K ones are less
+    than two staging buffers."""
+    plain = plan_for(inputs(), parse_choice("hip"))
+    keys = plan_for(inputs(), parse_choice("hip,hip_host_keys=on"))
+    assert plain.plan.group_size == keys.plan.group_size == CFG.num_kv_heads
+    assert plain.cache_tokens is not None and plain.cache_tokens <= 16384
+    assert keys.cache_tokens is None
+    staging = 2 * keys.plan.staging_tokens * keys.plan.group_size * 2 * CFG.head_dim * 2
+    covering, _ = hip_phase_bytes(CFG, "lean", 2, CONTEXT, None)
+    small, _ = hip_phase_bytes(CFG, "lean", 2, CONTEXT, plain.cache_tokens)
+    assert 0 < covering - small < staging
+
+
+def test_without_freed_staging_host_keys_plan_as_streaming() -> None:
+    """A server's request over lent pages keeps its staging buffers (carved from the run), so
+    its plan takes no credit for them: the same placement as without host keys."""
+    base = replace(inputs(), staging_freed_in_decode=False)
+    assert plan_for(base, parse_choice("hip,hip_host_keys=on")) == plan_for(base, parse_choice("hip"))
