@@ -180,7 +180,9 @@ case "$group" in
   ;;
 67)
   # 66 through the CLI: `--hip-host-keys on` at 512K (65 is the same run without it, on the same
-  # machine start). Needs the GGUF (the 8B folder takes its tokenizer).
+  # machine start). Its plan differs too since cbd7b07: the staging buffers are given back in
+  # decode and the layer slices get caches of a whole refresh interval (16K tokens without),
+  # so stage-1/2 reruns should not miss. Watch the peak (24 GiB cap). Needs the GGUF.
   run 240 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_host_keys=on" --new-tokens 64 \
     --timeout 230 --warmup-tokens 0 --name hip_cli_speed_512k_hip_host_keys
   ;;
