@@ -157,7 +157,12 @@ def engine_plan(
         kv="auto",
         chunk_size=args.chunk or None,
     )
-    choice = MethodChoice(attention="hip", hip_preset=method.removeprefix("hip-"), kv_quant=args.kv_quant)
+    choice = MethodChoice(
+        attention="hip",
+        hip_preset=method.removeprefix("hip-"),
+        kv_quant=args.kv_quant,
+        hip_host_keys=args.host_scoring or None,  # its plan: caches on the staging bytes decode frees
+    )
     placed = plan_for(inputs, choice)
     return placed.plan, placed.cache_tokens
 
