@@ -116,8 +116,8 @@
 #   smoke is owed) and built stage-0 reruns scored on host keys (8bf13d8, `host_scoring`, off).
 #   NEXT: as the twenty-fourth's NEXT (63 in call A, 1 in call B, then 64, 65), then 66 (the
 #   host-scoring A/B at 512K; no GGUF) and 67 (the same through the CLI, `--hip-host-keys on`,
-#   right after 65), 68 (128K A/B through the CLI): if stage-0 steps drop well below 0.81 s,
-#   make it the default.
+#   right after 65), 68 (128K A/B through the CLI), 69 (1M with host keys, after 63): if the
+#   decode rates rise and the peaks hold under 24 GiB, make host keys the default.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -191,6 +191,12 @@ case "$group" in
   # interval there; 27.4 tok/s decode at e85b67e, hip_cli_speed_128k_ab.json). Needs the GGUF.
   run 280 $py bench/hip_cli_speed.py --contexts 128K --methods "hip;hip,hip_host_keys=on" --new-tokens 64 \
     --timeout 120 --name hip_cli_speed_128k_host_keys
+  ;;
+69)
+  # 63 with host keys: stage 0 on keys read from the host (int4 rows are read whole), the staging
+  # buffers given back in decode and the block caches planned on their bytes (cbd7b07). No GGUF.
+  run 330 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
+    --no-dense --kv-quant int4 --host-scoring --name hip_offload_planned_1m_int4_host_keys
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
