@@ -53,6 +53,15 @@ def test_a_sample_does_not_change_when_the_grid_grows(tok: Any) -> None:
     assert small[0] in big
 
 
+def test_a_later_sample_run_alone_is_the_grids(tok: Any) -> None:
+    """--first-sample 1 --samples 2 makes samples 1-2 of a --samples 3 grid, the same prompts."""
+    grid = generate_samples(TaskSpec("niah", (1024,), depths=(0.0, 50.0), samples=3, seed=2), tok)
+    spec = TaskSpec("niah", (1024,), depths=(0.0, 50.0), samples=2, seed=2, first_sample=1)
+    later = generate_samples(spec, tok)
+    assert [s.index for s in later] == [1, 2, 1, 2]
+    assert later == [s for s in grid if s.index > 0]
+
+
 @pytest.mark.parametrize("task,haystack", [("passkey", "repeat"), ("passkey", "prose"), ("niah", "prose")])
 def test_length_within_one_percent(tok: Any, task: str, haystack: str) -> None:
     spec = TaskSpec(task, (1024, 3000, 8192), depths=(0.0, 50.0, 100.0), haystack=haystack)

@@ -26,6 +26,7 @@ from kvtier.cli.main import main
         (["ruler", "--depths", "50"], "drop --depths"),
         (["ruler", "--subtasks", "qa"], "unknown ruler subtask(s) qa"),
         (["passkey", "--samples", "0"], "--samples must be at least 1"),
+        (["passkey", "--first-sample", "-1"], "--first-sample must be 0 or more"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

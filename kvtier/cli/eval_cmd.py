@@ -45,6 +45,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--samples", type=int_type("--samples"), default=1, help="samples per (length, depth) cell"
     )
+    p.add_argument(
+        "--first-sample",
+        type=int,
+        default=0,
+        help="index of each cell's first sample: --first-sample 1 --samples 2 runs samples 1-2 of a "
+        "--samples 3 grid (same prompts)",
+    )
     p.add_argument("--seed", type=seed_type(), default=0, help="seed of the generators (0 <= seed < 2**64)")
     p.add_argument(
         "--method",
@@ -99,6 +106,7 @@ def build_config(args: argparse.Namespace) -> EvalConfig:
         depths=None if args.depths is None else parse_depths(args.depths),
         samples=args.samples,
         seed=args.seed,
+        first_sample=args.first_sample,
         haystack=args.haystack,
         subtasks=None if args.subtasks is None else tuple(s.strip() for s in args.subtasks.split(",")),
     )
@@ -111,6 +119,7 @@ _RECORDED = (
     "lengths",
     "depths",
     "samples",
+    "first_sample",
     "seed",
     "haystack",
     "subtasks",

@@ -130,6 +130,7 @@ def _meta(cfg: EvalConfig, llm: Any, command: str, samples: list[Sample]) -> dic
         "lengths": list(spec.lengths),
         "depths": [d for d in spec.grid_depths],  # null: drawn at random per sample
         "samples": spec.samples,
+        "first_sample": spec.first_sample,
         "seed": spec.seed,
         "haystack": {n: spec.haystack or DEFAULT_HAYSTACK[n] for n in spec.names},
         "max_model_len": llm.max_model_len_for(cfg.methods[0].choice()),

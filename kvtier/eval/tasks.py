@@ -58,6 +58,7 @@ class TaskSpec:
     depths: tuple[float, ...] | None = None
     samples: int = 1
     seed: int = 0
+    first_sample: int = 0  # index of the first sample of each cell (a run of a grid's later samples)
     haystack: str | None = None  # None: each subtask's default (DEFAULT_HAYSTACK)
     subtasks: tuple[str, ...] | None = None  # a subset of TASKS[task]; None: all
 
@@ -68,6 +69,8 @@ class TaskSpec:
             raise ConfigError("give at least one positive context length (--lengths 2k,4k)")
         if self.samples < 1:
             raise ConfigError(f"--samples must be at least 1, got {self.samples}")
+        if self.first_sample < 0:
+            raise ConfigError(f"--first-sample must be 0 or more, got {self.first_sample}")
         if self.haystack is not None and self.haystack not in HAYSTACKS:
             raise ConfigError(f"unknown --haystack {self.haystack!r}; choose one of {', '.join(HAYSTACKS)}")
         if self.depths is not None:
@@ -147,7 +150,7 @@ def generate_samples(
         kind = spec.haystack or DEFAULT_HAYSTACK[name]
         for length in spec.lengths:
             for depth in spec.grid_depths:
-                for i in range(spec.samples):
+                for i in range(spec.first_sample, spec.first_sample + spec.samples):
                     rng = random.Random(f"{spec.seed}/{name}/{length}/{depth}/{i}")
                     draft = _draft(name, ctx, kind, rng, depth, length)
                     sample = finish(draft, fmt, tokenizer, task=name, length=length, depth=depth, index=i)
