@@ -98,6 +98,52 @@ def test_evicting_store_keeps_budget_and_position(gqa: tuple[CausalLM, ModelConf
     assert all(torch.isfinite(x).all() for x in logits)
 
 
+@pytest.mark.parametrize("evict", ["snapkv", "h2o"])
+def test_an_evictors_plan_holds_what_its_store_allocates(
+    gqa: tuple[CausalLM, ModelConfig], evict: str
+) -> None:
+    """The plan's GPU bytes bound the store's peak, decode included: SnapKV keeps every decoded
+    token (it evicts in prefill only), so its plan counts the request's new tokens too."""
+    from kvtier.methods import parse_choice, plan_for
+    from kvtier.planner.hardware import hardware_preset
+    from kvtier.planner.inputs import PlanInputs
+
+    model, cfg = gqa
+    prompt, chunk, decode, budget = 400, 50, 150, 40
+    spec = f"{evict},kv_budget={budget}"
+    inputs = PlanInputs(
+        cfg,
+        prompt + decode,
+        hardware=hardware_preset("h200"),
+        dtype_bytes=4,
+        gpu_budget=None,
+        chunk_size=chunk,
+        block_size=8,
+        new_tokens=decode,
+    )
+    plan = plan_for(inputs, parse_choice(spec)).plan
+    assert plan.context < prompt + decode  # planned for what it keeps, not the context
+    parts = build_policy(cfg, device=CPU, **options(evict=evict, kv_budget=budget))
+    store = make_store(cfg, plan, parts, capacity=prompt + decode)
+    ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(5))
+    logits = None
+    for s in range(0, prompt, chunk):
+        store.begin_step(chunk)
+        logits = model(ids[s : s + chunk], store)
+        store.end_step()
+    for _ in range(decode):
+        assert logits is not None
+        store.begin_step(1)
+        logits = model(logits[-1].argmax().view(1), store)
+        store.end_step()
+    kept = budget + (decode if evict == "snapkv" else 0)
+    assert store.slice_length == [kept] * 3
+    assert store.account.peak["gpu"] <= plan.gpu_kv_bytes
+    if evict == "snapkv":  # unknown new tokens: up to the whole context
+        unknown = plan_for(replace(inputs, new_tokens=None), parse_choice(spec)).plan
+        assert unknown.context == prompt + decode
+
+
 def test_cache_rope_kernel_without_eviction_matches_default(gqa: tuple[CausalLM, ModelConfig]) -> None:
     model, cfg = gqa
     parts = build_policy(cfg, device=CPU, **options(evict="streaming", kv_budget=200))

@@ -49,8 +49,10 @@ class Engine:
     def __post_init__(self) -> None:
         hardware = hardware_preset("h200")
 
-        def plan_inputs(context: int, method: object) -> PlanInputs:
-            return PlanInputs(CFG, context, hardware=hardware, dtype_bytes=2, gpu_budget=self.budget)
+        def plan_inputs(context: int, method: object, new_tokens: int | None = None) -> PlanInputs:
+            return PlanInputs(
+                CFG, context, hardware=hardware, dtype_bytes=2, gpu_budget=self.budget, new_tokens=new_tokens
+            )
 
         self.llm = SimpleNamespace(
             model_config=CFG,

@@ -31,7 +31,9 @@ from kvtier.policies import PolicyParts
 class BatchHost(ModelHost, Protocol):
     """What batched generation needs of a loaded model (`kvtier.engine.llm.LLM` is one)."""
 
-    def plan_inputs(self, context: int, method: MethodChoice) -> PlanInputs: ...
+    def plan_inputs(
+        self, context: int, method: MethodChoice, new_tokens: int | None = None
+    ) -> PlanInputs: ...
 
     def make_store(
         self,
@@ -158,7 +160,7 @@ def batch_step_tokens(
         return base
     context = len(encoded[0]) + params.max_tokens
     try:
-        chunk = plan_for(llm.plan_inputs(context, method), method).plan.chunk_size
+        chunk = plan_for(llm.plan_inputs(context, method, params.max_tokens), method).plan.chunk_size
     except CapacityError:  # nothing fits: the pool's sizing says so in its own words
         return base
     return max(base, min(chunk, len(encoded[0])))
@@ -201,7 +203,8 @@ def own_stores(
     try:
         for seq in seqs:
             context = len(seq.prompt) + params.max_tokens
-            placed = plan_for(replace(llm.plan_inputs(context, method), gpu_budget=share), method)
+            inputs = llm.plan_inputs(context, method, params.max_tokens)
+            placed = plan_for(replace(inputs, gpu_budget=share), method)
             store, parts = llm.make_store(placed.plan, context, placed.cache_tokens, method)
             made.append(store)
             if not store.all_on_device:

@@ -278,17 +278,18 @@ class LLM:
             return int(torch.cuda.get_device_properties(self.device).total_memory)
         return None
 
-    def plan(self, context: int, method: MethodChoice | None = None) -> KVPlan:
+    def plan(self, context: int, method: MethodChoice | None = None, new_tokens: int | None = None) -> KVPlan:
         """The KV placement for a sequence of `context` tokens under `method` (default: this
-        LLM's), from `kvtier.methods.plan_for`."""
-        return self.placement(context, method or self.method).plan
+        LLM's), `new_tokens` of them decoded (None: unknown), from `kvtier.methods.plan_for`."""
+        return self.placement(context, method or self.method, new_tokens).plan
 
-    def placement(self, context: int, method: MethodChoice) -> Placement:
+    def placement(self, context: int, method: MethodChoice, new_tokens: int | None = None) -> Placement:
         """`plan_for` on this LLM's model, device, budget and options."""
-        return plan_for(self.plan_inputs(context, method), method)
+        return plan_for(self.plan_inputs(context, method, new_tokens), method)
 
-    def plan_inputs(self, context: int, method: MethodChoice) -> PlanInputs:
-        """What `plan_for` plans a request of `context` tokens under `method` with, here."""
+    def plan_inputs(self, context: int, method: MethodChoice, new_tokens: int | None = None) -> PlanInputs:
+        """What `plan_for` plans a request of `context` tokens under `method` with, here
+        (`new_tokens`: how many of them decode appends, the request's max_tokens; None: unknown)."""
         return PlanInputs(
             self.model_config,
             context,
@@ -304,6 +305,7 @@ class LLM:
             chunk_size=self.config.chunk_size,
             block_size=self.config.block_size,
             cpu_attention=self.cpu_attention,
+            new_tokens=new_tokens,
         )
 
     @property
@@ -437,7 +439,7 @@ class LLM:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             allocator = allocator_counts(self.device)
-        plan, store, parts = self._plan_and_store(context, method)
+        plan, store, parts = self._plan_and_store(context, method, params.max_tokens)
         sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, self.device)
         if self.parallel is not None:  # the last stage's logits are the model's
             sampler = self.parallel.synced(sampler, src=self.parallel.size - 1 if self.pipeline else 0)
@@ -478,17 +480,17 @@ class LLM:
         return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
 
     def _plan_and_store(
-        self, context: int, method: MethodChoice
+        self, context: int, method: MethodChoice, new_tokens: int
     ) -> tuple[KVPlan, TieredKVStore, PolicyParts]:
         """One request's plan and store. Over several ranks every rank plans its own part, and
         they agree: a plan or store that fails on one rank (pipeline stages differ) fails on all,
         before any collective, and all run the smallest rank's prefill chunk."""
         if self.parallel is None:
-            placement = self.placement(context, method)
+            placement = self.placement(context, method, new_tokens)
             store, parts = self.make_store(placement.plan, context, placement.cache_tokens, method)
             return placement.plan, store, parts
         with self.parallel.agree("planning the request"):
-            placement = self.placement(context, method)
+            placement = self.placement(context, method, new_tokens)
         # NOTE: a stage sends its chunk's hidden states to the next: the spans must be the same.
         chunk = min(self.parallel.all_gather_object(placement.plan.chunk_size))
         plan = replace(placement.plan, chunk_size=chunk)

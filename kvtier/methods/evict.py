@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from kvtier.errors import CapacityError
@@ -19,13 +20,17 @@ from kvtier.policies.scoring import CacheRopeKernel, ScoringKernel
 STREAMING_SINKS = 4  # StreamingLLM's attention sinks
 
 
-def plan_kept(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
+def plan_kept(
+    inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith, decode_appends: bool = False
+) -> Placement:
     """An evictor keeps at most `--kv-budget` tokens of every slice plus one step's new ones, on
     the GPU (`TieredKVStore` holds evictable slices resident and compacts them each step), so it
     is planned as a resident cache of what such a slice may be allocated (as `CompactSlices.tokens`:
     the store grows it by doubling, up to twice budget + chunk), not of the context: nothing
-    streams and no host tier is needed. The prefill chunk is the lossless plan's where that
-    plans (the kept tokens depend on the chunking), else the resident plan's own."""
+    streams and no host tier is needed. `decode_appends`: it evicts in prefill only (SnapKV), so
+    a slice also keeps every decoded token (`PlanInputs.new_tokens`; unknown: the context).
+    The prefill chunk is the lossless plan's where that plans (the kept tokens depend on the
+    chunking), else the resident plan's own."""
     chunk = inputs.chunk_size
     if chunk is None:
         try:
@@ -33,9 +38,12 @@ def plan_kept(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWit
         except CapacityError:
             chunk = None  # e.g. the host cannot hold the whole context: nothing of it goes there
     budget = int(options["kv_budget"])
+    decoded = 0
+    if decode_appends:
+        decoded = inputs.context if inputs.new_tokens is None else inputs.new_tokens
 
     def resident(chunk_tokens: int, chunk: int | None) -> KVPlan:
-        tokens = 2 * round_up(budget + chunk_tokens, inputs.block_size)
+        tokens = 2 * round_up(budget + chunk_tokens + decoded, inputs.block_size)
         return replace(inputs, context=min(inputs.context, tokens), kv="gpu", chunk_size=chunk).plan()
 
     if chunk is None:  # the resident plan's own chunk, found with room for the largest
@@ -43,8 +51,14 @@ def plan_kept(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWit
     return Placement(resident(chunk, chunk))
 
 
-def evictor_entry(name: str, help: str, parts: Callable[[BuildContext, int], PolicyParts]) -> MethodEntry:
-    """The registry entry of an evictor: `parts(ctx, budget)` builds it for one request."""
+def evictor_entry(
+    name: str,
+    help: str,
+    parts: Callable[[BuildContext, int], PolicyParts],
+    decode_appends: bool = False,
+) -> MethodEntry:
+    """The registry entry of an evictor: `parts(ctx, budget)` builds it for one request;
+    `decode_appends`: it never evicts in decode (`plan_kept`)."""
 
     def build(ctx: BuildContext) -> PolicyParts:
         budget = int(ctx.options["kv_budget"])
@@ -65,7 +79,7 @@ def evictor_entry(name: str, help: str, parts: Callable[[BuildContext, int], Pol
         takes=("kv_budget",),
         requires=("kv_budget",),
         examples={"kv_budget": "1k"},
-        plan=plan_kept,
+        plan=partial(plan_kept, decode_appends=decode_appends),
     )
 
 
@@ -96,6 +110,7 @@ SNAPKV = register(
         SnapKVEvictor.name,
         "SnapKV: prompt-window votes + recent",
         lambda _, b: _scored(SnapKVEvictor(b)),
+        decode_appends=True,  # "Decode steps append without eviction" (SnapKVEvictor)
     )
 )
 WINDOW = register(

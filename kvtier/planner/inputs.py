@@ -33,6 +33,9 @@ class PlanInputs:
     # never streams in decode runs (`TieredKVStore._staging_idle_in_decode`): not when they are
     # carved from a server's lent pages.
     staging_freed_in_decode: bool = True
+    # Tokens decode appends after the prompt (the request's max_tokens; None: unknown, so up to
+    # the whole context): what an evictor that never evicts in decode (SnapKV) keeps on top.
+    new_tokens: int | None = None
 
     def plan(self, codec: PackedFormat | None = None) -> KVPlan:
         """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""

@@ -136,7 +136,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     llm = engine.llm
     method = run_method(engine, seq)
     context = len(seq.prompt) + seq.params.max_tokens
-    base = llm.plan_inputs(context, method)
+    base = llm.plan_inputs(context, method, seq.params.max_tokens)
     cfg = llm.model_config
     # An evictor's store grows its slices step by step, which the region sizing cannot hold: it
     # does not borrow (`MethodEntry.borrows_pages`).
