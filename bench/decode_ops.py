@@ -12,6 +12,9 @@ innermost three kvtier frames.
 
     python bench/decode_ops.py --lengths 4K --methods "auto;hip,hip_preset=long;hip,hip_preset=lean"
 
+`--prefill` counts the prompt's prefill instead (a generate of one token, whose sampling is a
+handful of operators): what bounds a small model's HiP prefill on a GPU when its kernels are short.
+
 Random weights of `--model` (a preset) and random prompt ids: the counts do not depend on values.
 Results: $OUT/decode_ops.json (else bench/results/).
 """
@@ -94,13 +97,17 @@ def main() -> None:
     ap.add_argument("--lengths", default="4K", help="prompt lengths in tokens (comma list)")
     ap.add_argument("--methods", default="auto;hip,hip_preset=long;hip,hip_preset=lean", help="';'-separated")
     ap.add_argument("--tokens", type=int, default=16, help="decode tokens counted")
+    ap.add_argument("--prefill", action="store_true", help="count the prefill (one token generated)")
+    ap.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (default: the plan's)")
     ap.add_argument("--name", default="decode_ops")
     args = ap.parse_args()
     # NOTE: PyTorch's causal-bias tensor subclass cannot be made under a dispatch mode; a boolean
     # mask gives the same prefill (which the difference drops anyway).
     dense.causal_lower_right = lambda t, s: torch.ones(t, s, dtype=torch.bool).tril(s - t)  # type: ignore[assignment]
     lengths = [parse_count(x, "--lengths") for x in args.lengths.split(",")]
-    llm = LLM(args.model, device="cpu", max_model_len=max(lengths) + args.tokens + 64)
+    llm = LLM(
+        args.model, device="cpu", max_model_len=max(lengths) + args.tokens + 64, chunk_size=args.chunk_size
+    )
     rows = []
     for length in lengths:
         ids = torch.randint(
@@ -108,24 +115,33 @@ def main() -> None:
         )
         for method in [m for m in args.methods.split(";") if m]:
             ops1, syncs1 = counted(llm, ids.tolist(), method, 1)
-            ops, syncs = counted(llm, ids.tolist(), method, args.tokens + 1)
-            ops.subtract(ops1)
-            syncs.subtract(syncs1)
-            n = args.tokens
+            if args.prefill:
+                ops, syncs, n, what = ops1, syncs1, 1, "prefill"
+            else:
+                ops, syncs = counted(llm, ids.tolist(), method, args.tokens + 1)
+                ops.subtract(ops1)
+                syncs.subtract(syncs1)
+                n, what = args.tokens, "token"
             row = {
                 "method": method,
                 "prompt_tokens": length,
-                "operators_per_token": round(sum(ops.values()) / n, 1),
-                "syncs_per_token": round(sum(syncs.values()) / n, 2),
+                "counted": what,
+                f"operators_per_{what}": round(sum(ops.values()) / n, 1),
+                f"syncs_per_{what}": round(sum(syncs.values()) / n, 2),
                 "operators_by_source": {k: round(v / n, 1) for k, v in ops.most_common() if v > 0},
                 "syncs_by_source": {k: round(v / n, 2) for k, v in syncs.most_common() if v > 0},
             }
             rows.append(row)
-            print(f"{length:>7} {method:<24} {row['operators_per_token']:>8} ops/token "
-                  f"{row['syncs_per_token']:>5} syncs/token", flush=True)  # fmt: skip
+            print(f"{length:>7} {method:<24} {row[f'operators_per_{what}']:>8} ops/{what} "
+                  f"{row[f'syncs_per_{what}']:>5} syncs/{what}", flush=True)  # fmt: skip
     path = write_results(
         args.name,
-        {"model": f"{args.model} (random weights), CPU", "decode_tokens": args.tokens, "rows": rows},
+        {
+            "model": f"{args.model} (random weights), CPU",
+            "decode_tokens": None if args.prefill else args.tokens,
+            "chunk_size": args.chunk_size,
+            "rows": rows,
+        },
     )
     print(f"wrote {path}")
 

@@ -41,8 +41,8 @@ def test_a_million_tokens_fit_the_host_with_half_the_heads_streaming() -> None:
     assert plan.compact_slices == every // 2 and plan.num_slices == every - plan.compact_slices
     assert plan.host_kv_bytes == plan.streamed_slices * plan.capacity_tokens * plan.slice_token_bytes
     assert 0 < plan.host_kv_bytes <= 100 << 30
-    # Each compact slice may hold twice its 320 kept tokens plus a chunk (growth by doubling).
-    assert plan.compact_tokens == 2 * round_up(64 + 256 + plan.chunk_size, 256)
+    # Each compact slice is allocated once at its 320 kept tokens plus a chunk.
+    assert plan.compact_tokens == round_up(64 + 256 + plan.chunk_size, 256)
     compact = plan.compact_slices * plan.compact_tokens * plan.slice_token_bytes
     lossless_like = plan_kv(
         cfg, 1 << 20, gpu_budget=24 << 30, group_size=plan.group_size, chunk_size=plan.chunk_size
@@ -51,7 +51,7 @@ def test_a_million_tokens_fit_the_host_with_half_the_heads_streaming() -> None:
     assert lossless_like.host_kv_bytes > plan.host_kv_bytes  # (no host budget given to this one)
     # A --kv-budget sets what a streaming head keeps.
     budget = plan_for(inputs, parse_choice("duo,head_sparsity=0.5,kv_budget=1k")).plan
-    assert budget.compact_tokens == 2 * round_up(1024 + budget.chunk_size, 256)
+    assert budget.compact_tokens == round_up(1024 + budget.chunk_size, 256)
 
 
 def test_the_store_stays_within_what_the_plan_counts(

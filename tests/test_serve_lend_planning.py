@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import CapacityError
 from kvtier.kv.device_memory import fitting, region_buffers
 from kvtier.kv.layout import KVLayout
 from kvtier.loading.presets import preset_config
@@ -134,13 +135,24 @@ def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reser
     assert none is None and plan.gpu_kv_bytes >= plan_alone.gpu_kv_bytes
 
 
+@pytest.mark.parametrize("budget_gb", [17.5, 21.0])
 @pytest.mark.parametrize("spec", ["snapkv,kv_budget=2048", "h2o,kv_budget=2048"])
-def test_evicting_requests_do_not_borrow_pages(spec: str) -> None:
-    """An evictor's store grows slices per step that neither the region sizing nor the plan
-    counts: it is planned in the offload reserve alone."""
-    engine = Engine(budget=int(21e9), offer=661)
+def test_an_evicting_request_keeps_its_slices_in_borrowed_pages(spec: str, budget_gb: float) -> None:
+    """An evictor's store allocates each slice once, at what it keeps plus a chunk
+    (`KVPlan.compact_tokens`), so its slices are a run of lent pages: only its activations stay
+    in the reserve. At 17.5 GB the reserve alone cannot hold the request; with the pages it runs."""
+    engine = Engine(budget=int(budget_gb * 1e9), offer=661)
     seq = SimpleNamespace(
         prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=parse_choice(spec)
     )
-    _, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
-    assert first is None and not engine.lent
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1
+    assert plan.streamed_slices == 0 and plan.compact_tokens == plan.context < CONTEXT
+    assert engine.lent[0] * PAGE_BYTES >= plan.gpu_kv_bytes  # every slice in the run
+    act = activation_bytes(CFG, plan.chunk_size, 2, group_size=plan.group_size, context=CONTEXT)
+    assert outside_the_run(plan, engine) == act
+    assert act <= engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    alone = Engine(budget=engine.budget, offer=0)
+    if budget_gb < 18:
+        with pytest.raises(CapacityError):
+            plan_store(alone, seq)  # type: ignore[arg-type]

@@ -380,3 +380,35 @@ def test_a_resident_sparse_request_joins_the_batch_over_lent_pages(llm: LLM, spe
     assert tokens(short_q) == list(expected_short)
     assert seen["inside"] is True and isinstance(seen["lent"], int) and seen["lent"] > 0
     assert engine.own_store_requests == 1 and engine.kv.pool.lent == {} and engine.kv.pool.num_free == 256
+
+
+@pytest.mark.parametrize("spec", ["h2o,kv_budget=16", "window,kv_budget=16", "snapkv,kv_budget=40"])
+def test_an_evicting_request_keeps_its_slices_in_lent_pages(llm: LLM, spec: str) -> None:
+    """An evictor's slices are allocated once at what they keep plus a step (the plan's
+    `compact_tokens`), so in the server its store (which joins the batch's forward: nothing
+    streams) lives in a run of lent pool pages; its tokens equal `LLM.generate`'s."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 211, (72,), generator=g).tolist()
+    params = SamplingParams(max_tokens=12)
+    expected = llm.generate(ids, params, method=spec)[0].token_ids
+    engine = ServeEngine(
+        llm, ServeConfig(page_size=4, num_pages=1024, tiered_share=0.5, tiered_keep_tokens=4)
+    )
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        (own,) = [s.own for s in engine.scheduler.running if s.own is not None]  # in the batch's forward
+        storage = engine.store.storage
+        base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
+        bufs = list(own.store.resident.values())
+        seen["inside"] = bool(bufs) and all(base <= b.data_ptr() < end for b in bufs)
+        seen["lent"] = dict(engine.kv.pool.lent)
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice(spec))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected)
+    assert engine.own_store_requests == 1
+    assert seen["inside"] is True and len(seen["lent"]) == 1  # type: ignore[arg-type]
+    assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 1024

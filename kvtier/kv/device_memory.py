@@ -1,11 +1,12 @@
 """Where a store's full-precision GPU buffers come from: the caching allocator, or a region of
 device memory that someone else owns (a run of the server's KV pages, `PagedKVStore.page_run`).
 
-A `TieredKVStore` takes its resident slices of the whole capacity and its staging buffers from a
-`DeviceMemory`; everything else it allocates (an evictor's small growing slices, windows, packed
-rows, per-step temporaries) stays with PyTorch's caching allocator. In the server a long request
-is thus a tiered store over the same pages the batch uses: its buffers are views of page runs
-borrowed from the pool (`kvtier.kv.pages.PagePool.take_run`), not memory of its own.
+A `TieredKVStore` takes its resident slices of the whole capacity, an evictor's slices (once, at
+what they keep plus a step) and its staging buffers from a `DeviceMemory`; everything else it
+allocates (windows, packed rows, per-step temporaries) stays with PyTorch's caching allocator.
+In the server a long request is thus a tiered store over the same pages the batch uses: its
+buffers are views of page runs borrowed from the pool (`kvtier.kv.pages.PagePool.take_run`),
+not memory of its own.
 
     region (a page run, bytes)  |resident s0 ......|resident s7 ......|staging 0 |staging 1 |  |
                                 ^ 0                                                        used ^
@@ -94,16 +95,19 @@ def region_buffers(
 ) -> list[int]:
     """The bytes of each buffer a `TieredKVStore` of `plan` at `capacity` tokens takes from its
     `DeviceMemory`, in the order it asks for them: its full-precision resident slices of the
-    whole capacity, then its staging buffers. Exact, but where the store keeps fewer slices
-    whole (an evictor's slices: an upper bound). `windowed`: slices of layers whose sliding
-    window binds (resident, window-sized, from the caching allocator); `packing`: a packing
-    codec (its resident slices stay packed, from the caching allocator)."""
+    whole capacity (an evictor's: of `KVPlan.compact_tokens`), then its staging buffers.
+    Exact, but for head sparsity's mix of compact and whole slices. `windowed`: slices of
+    layers whose sliding window binds (resident, window-sized, from the caching allocator);
+    `packing`: a packing codec (its resident slices stay packed, from the caching allocator)."""
     cap = layout.round_up(max(capacity, 1))
     token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
     others = layout.num_slices - windowed
     whole = 0 if packing else min(plan.resident_slices, others)
     staged = others - (0 if packing else whole)
-    buffers = [cap * token] * whole
+    tokens = cap
+    if plan.compact_tokens and not plan.compact_slices:  # `--evict`: every slice at what it keeps
+        tokens = min(layout.round_up(plan.compact_tokens), cap)
+    buffers = [tokens * token] * whole
     if staged > 0:
         tokens = layout.round_up(plan.staging_tokens or cap)
         buffers += [tokens * token] * (plan.staging_buffers or 2)

@@ -112,9 +112,9 @@ class TieredKVStore:
         packer = packing_codec(codec)  # NOTE: raises ConfigError for an object that is not a codec
         if codec is not None and evictor is not None:
             raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
-        # Slices an evictor compacts always stay on the GPU (they hold a budget, not the context),
-        # allocated small and grown per step; the plan places the others (e.g. head-wise
-        # sparsity: streaming heads resident and compact, retrieval heads streamed).
+        # Slices an evictor compacts always stay on the GPU (they hold a budget, not the context);
+        # the plan places the others (e.g. head-wise sparsity: streaming heads resident and
+        # compact, retrieval heads streamed).
         self._evictable: frozenset[int] = frozenset()
         if evictor is not None:
             self._evictable = evictor.bind(lay, self._capacity)
@@ -144,9 +144,17 @@ class TieredKVStore:
         staged = places.staged
         if packer is not None:
             extent_tokens = lay.round_up(uncoded_tokens(packer) + plan.chunk_size)
+        # An evictor's slices are allocated once at what the plan says they may hold
+        # (`KVPlan.compact_tokens`: kept tokens plus a step's), from the store's memory like the
+        # whole slices; a plan without that size (made by hand) starts them at a block and grows
+        # them by doubling. A step that outgrows the planned size grows its slice the same way.
+        bounded = min(lay.round_up(plan.compact_tokens), self._capacity) if plan.compact_tokens else 0
+        self._bounded = frozenset(self._evictable - set(self._windowed) if bounded else ())
         for s in sorted(places.resident):
             tokens = lay.block_size if s in self._evictable else self._capacity
-            whole = s not in self._evictable and s not in self._windowed
+            if s in self._bounded:
+                tokens = bounded
+            whole = (s not in self._evictable or s in self._bounded) and s not in self._windowed
             if s in self._windowed:
                 tokens = self._window_tokens
             if whole:
@@ -321,7 +329,7 @@ class TieredKVStore:
         self.slice_length[sid] = k
         lay = self.layout
         target = lay.round_up(k + lay.block_size)
-        if buf.shape[0] > 2 * target:
+        if buf.shape[0] > 2 * target and sid not in self._bounded:  # NOTE: a bounded slice keeps its size
             self._resize_slice(sid, target)
 
     def _read_packed(self, sid: int, dst: torch.Tensor, start: int, end: int) -> int:

@@ -25,10 +25,10 @@ def plan_kept(
 ) -> Placement:
     """An evictor keeps at most `--kv-budget` tokens of every slice plus one step's new ones, on
     the GPU (`TieredKVStore` holds evictable slices resident and compacts them each step), so it
-    is planned as a resident cache of what such a slice may be allocated (as `CompactSlices.tokens`:
-    the store grows it by doubling, up to twice budget + chunk), not of the context: nothing
-    streams and no host tier is needed. `decode_appends`: it evicts in prefill only (SnapKV), so
-    a slice also keeps every decoded token (`PlanInputs.new_tokens`; unknown: the context).
+    is planned as a resident cache of that many tokens a slice (`KVPlan.compact_tokens`: the
+    store allocates each slice once at that size), not of the context: nothing streams and no
+    host tier is needed. `decode_appends`: it evicts in prefill only (SnapKV), so a slice also
+    keeps every decoded token (`PlanInputs.new_tokens`; unknown: the context).
     The prefill chunk is the lossless plan's where that plans (the kept tokens depend on the
     chunking), else the resident plan's own."""
     chunk = inputs.chunk_size
@@ -43,8 +43,9 @@ def plan_kept(
         decoded = inputs.context if inputs.new_tokens is None else inputs.new_tokens
 
     def resident(chunk_tokens: int, chunk: int | None) -> KVPlan:
-        tokens = 2 * round_up(budget + chunk_tokens + decoded, inputs.block_size)
-        return replace(inputs, context=min(inputs.context, tokens), kv="gpu", chunk_size=chunk).plan()
+        tokens = min(inputs.context, round_up(budget + chunk_tokens + decoded, inputs.block_size))
+        plan = replace(inputs, context=tokens, kv="gpu", chunk_size=chunk).plan()
+        return replace(plan, compact_tokens=tokens)
 
     if chunk is None:  # the resident plan's own chunk, found with room for the largest
         chunk = resident(MAX_CHUNK, None).chunk_size
@@ -80,6 +81,7 @@ def evictor_entry(
         requires=("kv_budget",),
         examples={"kv_budget": "1k"},
         plan=partial(plan_kept, decode_appends=decode_appends),
+        borrows_pages=True,  # its slices, allocated once at what they keep (`region_buffers`)
     )
 
 

@@ -1,8 +1,8 @@
 """Slices an evictor keeps compact on the GPU (head-wise sparsity's streaming heads).
 
-The store holds every slice an evictor may compact on the GPU, allocated a block at first and
-grown by doubling (never past the store's capacity) while a step's tokens land before the
-evictor compacts it back to `keep` tokens (`kvtier.kv.store`). `plan_kv` counts such slices
+The store holds every slice an evictor may compact on the GPU, allocated once at `keep` plus a
+chunk (`KVPlan.compact_tokens`): a step's tokens land there before the evictor compacts the
+slice back to `keep` tokens (`kvtier.kv.store`). `plan_kv` counts such slices
 next to the placed ones: they take GPU bytes off the budget, and neither stream nor need the
 host tier, so only the others are placed.
 """
@@ -32,11 +32,10 @@ class CompactSlices:
         return round(self.fraction * num_slices)
 
     def tokens(self, chunk: int, block_size: int) -> int:
-        """Tokens one compact slice may be allocated: a step appends up to `chunk` tokens to the
-        `keep` it holds, and growth by doubling can overshoot that by less than a factor 2."""
-        return 2 * round_up(self.keep + chunk, block_size)
+        """Tokens one compact slice is allocated (once, `kvtier.kv.store`): a step appends up
+        to `chunk` tokens to the `keep` it holds."""
+        return round_up(self.keep + chunk, block_size)
 
     def gpu_bytes(self, count: int, tokens: int, token_bytes: int) -> int:
-        """GPU bytes of `count` compact slices of at most `tokens` tokens: one more slice for the
-        resize in flight (its old and new buffers live together while it copies)."""
-        return (count + (1 if count else 0)) * tokens * token_bytes
+        """GPU bytes of `count` compact slices of `tokens` tokens."""
+        return count * tokens * token_bytes

@@ -41,7 +41,9 @@ class KVPlan:
     cpu_slices: int = 0
     # Slices an evictor keeps compact (kvtier.planner.compact): on the GPU, not placed.
     compact_slices: int = 0
-    compact_tokens: int = 0  # tokens one compact slice may be allocated
+    # Tokens the store allocates each slice an evictor compacts (`--evict`: every slice, placed as
+    # resident; head sparsity: its compact slices), once: kept tokens plus a step's. 0: none.
+    compact_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -91,8 +93,7 @@ class KVPlan:
         staging = self.staging_buffers * self.staging_tokens * self.slice_token_bytes
         if self.packed is not None and self.staging_buffers:
             staging += self.packed.scratch_bytes(self.staging_tokens)
-        compact = (self.compact_slices + (1 if self.compact_slices else 0)) * self.compact_tokens
-        compact *= self.slice_token_bytes  # one more for the resize in flight (CompactSlices.gpu_bytes)
+        compact = self.compact_slices * self.compact_tokens * self.slice_token_bytes  # as CompactSlices
         return self.resident_slices * self.slice_store_bytes + staging + self.window_kv_bytes + compact
 
     @property
