@@ -156,3 +156,23 @@ def test_an_evicting_request_keeps_its_slices_in_borrowed_pages(spec: str, budge
     if budget_gb < 18:
         with pytest.raises(CapacityError):
             plan_store(alone, seq)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("budget_gb", [17.0, 21.0])
+def test_a_head_sparsity_request_borrows_pages_for_more_resident_heads(budget_gb: float) -> None:
+    """Head sparsity's compact slices and its placed slices (whole or staged) are a region too:
+    with the pages the retrieval heads keep more KV on the GPU than over the reserve alone, and
+    what stays outside the run fits the reserve."""
+    engine = Engine(budget=int(budget_gb * 1e9), offer=661)
+    seq = SimpleNamespace(
+        prompt=[1] * 262_144,
+        params=SamplingParams(max_tokens=16),
+        method=parse_choice("duo,head_sparsity=0.5"),
+    )
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1 and plan.compact_slices > 0
+    room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    assert outside_the_run(plan, engine) <= room
+    alone = Engine(budget=engine.budget, offer=0)
+    plan_alone, _, none = plan_store(alone, seq)  # type: ignore[arg-type]
+    assert none is None and plan.resident_slices > plan_alone.resident_slices

@@ -382,7 +382,9 @@ def test_a_resident_sparse_request_joins_the_batch_over_lent_pages(llm: LLM, spe
     assert engine.own_store_requests == 1 and engine.kv.pool.lent == {} and engine.kv.pool.num_free == 256
 
 
-@pytest.mark.parametrize("spec", ["h2o,kv_budget=16", "window,kv_budget=16", "snapkv,kv_budget=40"])
+@pytest.mark.parametrize(
+    "spec", ["h2o,kv_budget=16", "window,kv_budget=16", "snapkv,kv_budget=40", "duo,head_sparsity=0.5"]
+)
 def test_an_evicting_request_keeps_its_slices_in_lent_pages(llm: LLM, spec: str) -> None:
     """An evictor's slices are allocated once at what they keep plus a step (the plan's
     `compact_tokens`), so in the server its store (which joins the batch's forward: nothing
@@ -412,3 +414,47 @@ def test_an_evicting_request_keeps_its_slices_in_lent_pages(llm: LLM, spec: str)
     assert engine.own_store_requests == 1
     assert seen["inside"] is True and len(seen["lent"]) == 1  # type: ignore[arg-type]
     assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 1024
+
+
+def test_head_sparsitys_store_over_a_region_takes_what_region_buffers_says(llm: LLM) -> None:
+    """Head sparsity mixes compact slices (at `compact_tokens`) with placed ones (whole, or
+    streamed through staging): the store asks for the whole ones, then the compact ones, then
+    staging, as `region_buffers` lists them, and gives the allocator's logits."""
+    plan = KVPlan(
+        "auto", group_size=1, resident_slices=2, chunk_size=16, staging_buffers=2, staging_tokens=40,
+        compact_slices=3, compact_tokens=72 + 16,
+    )  # fmt: skip
+    parts = parse_choice("duo,head_sparsity=0.5,kv_budget=72").build(
+        llm.model_config, CPU, llm.loaded.model, None, context=120
+    )
+    ids = torch.randint(1, 211, (96,), generator=torch.Generator().manual_seed(6))
+    lay = KVLayout.of(llm.model_config, plan.group_size, 8, torch.float32)
+    sizes = region_buffers(lay, plan, 120)
+    assert len(sizes) == 2 + 3 + 2 and sizes[2] < sizes[0]  # whole, compact, staging
+    need = fitting(sizes, 1 << 62)
+    region = torch.zeros(need + 1000, dtype=torch.uint8)
+    memory = RegionMemory(region)
+    outs = []
+    for mem in (None, memory):
+        store = TieredKVStore(
+            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=120,
+            options=StoreOptions(8), memory=mem, **parts.store_kwargs(),
+        )  # fmt: skip
+        logits = []
+        for a in range(0, len(ids), 16):
+            store.begin_step(16)
+            logits.append(llm.loaded.model(ids[a : a + 16], store)[-1])
+            store.end_step()
+        for _ in range(4):
+            store.begin_step(1)
+            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
+            store.end_step()
+        outs.append(torch.stack(logits))
+        assert sorted(store.slice_length) == [72] * 3 + [100] * 3  # the streaming heads evicted
+        if mem is not None:
+            base, end = region.data_ptr(), region.data_ptr() + region.numel()
+            bufs = list(store.resident.values()) + (store.ring.buffers if store.ring else [])
+            assert len(bufs) == 7 and all(base <= b.data_ptr() < end for b in bufs)
+        store.close()
+    assert memory.used <= need and need - memory.used < 512
+    assert torch.equal(outs[0], outs[1])

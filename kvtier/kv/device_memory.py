@@ -95,19 +95,21 @@ def region_buffers(
 ) -> list[int]:
     """The bytes of each buffer a `TieredKVStore` of `plan` at `capacity` tokens takes from its
     `DeviceMemory`, in the order it asks for them: its full-precision resident slices of the
-    whole capacity (an evictor's: of `KVPlan.compact_tokens`), then its staging buffers.
-    Exact, but for head sparsity's mix of compact and whole slices. `windowed`: slices of
-    layers whose sliding window binds (resident, window-sized, from the caching allocator);
+    whole capacity, then an evictor's compact slices (of `KVPlan.compact_tokens`; `--evict`
+    compacts every slice), then its staging buffers. `windowed`: slices of layers whose sliding
+    window binds (resident, window-sized, from the caching allocator);
     `packing`: a packing codec (its resident slices stay packed, from the caching allocator)."""
     cap = layout.round_up(max(capacity, 1))
     token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
     others = layout.num_slices - windowed
-    whole = 0 if packing else min(plan.resident_slices, others)
-    staged = others - (0 if packing else whole)
-    tokens = cap
+    placed = others - plan.compact_slices  # head sparsity's compact slices are not placed
+    whole = 0 if packing else min(plan.resident_slices, placed)
+    staged = placed - (0 if packing else whole)
+    kept = min(layout.round_up(plan.compact_tokens), cap) if plan.compact_tokens else cap
     if plan.compact_tokens and not plan.compact_slices:  # `--evict`: every slice at what it keeps
-        tokens = min(layout.round_up(plan.compact_tokens), cap)
-    buffers = [tokens * token] * whole
+        buffers = [kept * token] * whole
+    else:  # the placed resident slices, then the compact ones (the store's order)
+        buffers = [cap * token] * whole + [kept * token] * plan.compact_slices
     if staged > 0:
         tokens = layout.round_up(plan.staging_tokens or cap)
         buffers += [tokens * token] * (plan.staging_buffers or 2)

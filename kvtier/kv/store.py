@@ -150,7 +150,8 @@ class TieredKVStore:
         # them by doubling. A step that outgrows the planned size grows its slice the same way.
         bounded = min(lay.round_up(plan.compact_tokens), self._capacity) if plan.compact_tokens else 0
         self._bounded = frozenset(self._evictable - set(self._windowed) if bounded else ())
-        for s in sorted(places.resident):
+        # NOTE: whole slices first, then the bounded ones, as `region_buffers` sizes them.
+        for s in sorted(places.resident, key=lambda s: (s in self._bounded, s)):
             tokens = lay.block_size if s in self._evictable else self._capacity
             if s in self._bounded:
                 tokens = bounded

@@ -65,6 +65,7 @@ DUO = register(
         requires=("head_sparsity",),
         examples={"head_sparsity": "0.5"},
         plan=_plan,
+        borrows_pages=True,  # its compact and whole resident slices and staging (`region_buffers`)
     ),
     Option("head_sparsity", "--head-sparsity", _ratio, "fraction of KV heads that become streaming heads"),
 )

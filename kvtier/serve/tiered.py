@@ -127,7 +127,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     memory, so a `TieredRun` calls it on its launcher thread), and the first page of the run of
     pool pages its buffers live in (None: it has none).
 
-    A lossless request, or one whose method `borrows_pages` (quantized KV, HiP, Quest, eviction), over a model
+    A lossless request, or one whose method `borrows_pages` (every registered one does), over a model
     the pool serves borrows pages (`OffloadHost.lendable_pages`):
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
     and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
@@ -138,8 +138,6 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     context = len(seq.prompt) + seq.params.max_tokens
     base = llm.plan_inputs(context, method, seq.params.max_tokens)
     cfg = llm.model_config
-    # Head sparsity's mix of compact and placed slices is not sized as a region: it does not
-    # borrow (`MethodEntry.borrows_pages`).
     borrows = all(e.borrows_pages for e in method.selected())  # lossless: none selected
     lends = engine.paged and borrows and not cfg.windowed_layers(context)
     if lends:  # staging carved from lent pages stays put in decode: no bytes to plan on
