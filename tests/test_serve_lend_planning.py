@@ -81,7 +81,8 @@ class Engine:
 def outside_the_run(plan: KVPlan, engine: Engine) -> int:
     """GPU bytes the plan keeps beside the weights and outside its run of lent pages."""
     layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
-    used = fitting(region_buffers(layout, plan, CONTEXT), engine.offer * PAGE_BYTES)
+    buffers = region_buffers(layout, plan, CONTEXT, packing=plan.packed is not None)
+    used = fitting(buffers, engine.offer * PAGE_BYTES)
     act = activation_bytes(CFG, plan.chunk_size, 2, group_size=plan.group_size, context=CONTEXT)
     return act + plan.gpu_kv_bytes - used
 
@@ -176,3 +177,29 @@ def test_a_head_sparsity_request_borrows_pages_for_more_resident_heads(budget_gb
     alone = Engine(budget=engine.budget, offer=0)
     plan_alone, _, none = plan_store(alone, seq)  # type: ignore[arg-type]
     assert none is None and plan.resident_slices > plan_alone.resident_slices
+
+
+@pytest.mark.parametrize("budget_gb", [19.0, 21.0])
+@pytest.mark.parametrize("spec", ["int4", "int8"])
+def test_a_quantized_request_keeps_its_packed_rows_in_borrowed_pages(spec: str, budget_gb: float) -> None:
+    """A quantized store's resident slices stay packed on the device; their rows (in slabs of at
+    most 64 MiB), tail rings and the unpack scratch fill the run of lent pages after the staging
+    buffers, so more packed slices stay resident than over the reserve alone."""
+    engine = Engine(budget=int(budget_gb * 1e9), offer=661)
+    seq = SimpleNamespace(
+        prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=parse_choice(spec)
+    )
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1 and plan.packed is not None and plan.resident_slices
+    layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
+    buffers = region_buffers(layout, plan, CONTEXT, packing=True)
+    assert len(buffers) > 2 + plan.resident_slices  # tails, staging, rows, scratch
+    staging = plan.staging_buffers * plan.staging_tokens * plan.slice_token_bytes
+    run = engine.lent[0] * PAGE_BYTES
+    assert fitting(buffers, run) > max(staging + 0.15e9, run - 64e6)  # rows in the run, filled
+    room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    assert outside_the_run(plan, engine) <= room
+    alone = Engine(budget=engine.budget, offer=0)
+    plan_alone, _, _ = plan_store(alone, seq)  # type: ignore[arg-type]
+    assert plan.resident_slices > plan_alone.resident_slices
+    assert plan.gpu_kv_bytes > plan_alone.gpu_kv_bytes + 1e9

@@ -458,3 +458,65 @@ def test_head_sparsitys_store_over_a_region_takes_what_region_buffers_says(llm: 
         store.close()
     assert memory.used <= need and need - memory.used < 512
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp8"])
+@pytest.mark.parametrize("resident", [0, 3])
+def test_a_quantized_store_over_a_region_takes_what_region_buffers_says(
+    llm: LLM, codec: str, resident: int
+) -> None:
+    """A quantized store keeps its resident slices packed on the device: their tail rings,
+    the staging buffers, their packed rows and the unpack scratch all come from its memory, in
+    the order `region_buffers` lists them, and its logits equal the caching allocator's."""
+    from kvtier.planner.packed import PackedSizing
+
+    parts = parse_choice(codec).build(llm.model_config, CPU, llm.loaded.model, None, context=96)
+    packer = parts.codec
+    sizing = PackedSizing.of(packer, 1, llm.model_config.head_dim)  # type: ignore[arg-type]
+    plan = KVPlan(
+        "auto", group_size=1, resident_slices=resident, chunk_size=16, staging_buffers=2,
+        staging_tokens=96, packed=sizing,
+    )  # fmt: skip
+    ids = torch.randint(1, 211, (80,), generator=torch.Generator().manual_seed(8))
+    lay = KVLayout.of(llm.model_config, 1, 8, torch.float32)
+    sizes = region_buffers(lay, plan, 96, packing=True)
+    assert len(sizes) == (2 + 1 if resident == 0 else 5)  # staging, scratch (+ tails, rows)
+    need = fitting(sizes, 1 << 62)
+    region = torch.zeros(need + 1000, dtype=torch.uint8)
+    memory = RegionMemory(region)
+    outs = []
+    for mem in (None, memory):
+        store = TieredKVStore(
+            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=96,
+            options=StoreOptions(8), memory=mem, **parts.store_kwargs(),
+        )  # fmt: skip
+        assert len(store.on_device) == resident
+        logits = []
+        for a in range(0, len(ids), 16):
+            store.begin_step(16)
+            logits.append(llm.loaded.model(ids[a : a + 16], store)[-1])
+            store.end_step()
+        for _ in range(4):
+            store.begin_step(1)
+            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
+            store.end_step()
+        outs.append(torch.stack(logits))
+        store.close()
+    assert memory.used <= need and need - memory.used < 512
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("extents", [1, 2, 37, 64, 500, 1920])
+@pytest.mark.parametrize("extent_mib", [1, 16, 100])
+def test_device_slabs_divide_the_extents_exactly_within_the_cap(extents: int, extent_mib: int) -> None:
+    """A device arena's slabs hold a whole share of its extents: no byte beyond what the planner
+    counts, none over 64 MiB unless one extent is, and a run of lent pages can hold them apart."""
+    from kvtier.kv.tiers import DEVICE_SLAB_BYTES, device_slab_bytes
+
+    extent = extent_mib << 20
+    slab = device_slab_bytes(extent, extents)
+    per = slab // extent
+    assert slab % extent == 0 and extents % per == 0
+    assert slab <= max(DEVICE_SLAB_BYTES, extent)
+    if extents % 4 == 0 and extent_mib == 16:
+        assert per == 4  # the most that fit 64 MiB

@@ -21,6 +21,7 @@ import torch
 
 from kvtier.errors import CapacityError
 from kvtier.kv.layout import KVLayout
+from kvtier.kv.tiers import device_slab_bytes
 from kvtier.planner.placement import KVPlan
 
 ALIGN = 512  # bytes every buffer of a region starts on (covers every dtype and vector loads)
@@ -97,12 +98,16 @@ def region_buffers(
     `DeviceMemory`, in the order it asks for them: its full-precision resident slices of the
     whole capacity, then an evictor's compact slices (of `KVPlan.compact_tokens`; `--evict`
     compacts every slice), then its staging buffers. `windowed`: slices of layers whose sliding
-    window binds (resident, window-sized, from the caching allocator);
-    `packing`: a packing codec (its resident slices stay packed, from the caching allocator)."""
+    window binds (resident, window-sized, from the caching allocator). `packing`: a packing codec
+    (`plan.packed`): its resident slices stay packed on the device (`kvtier.kv.packed`), so the
+    store asks for their full-precision tail rings, the staging buffers, their packed rows and
+    the scratch loads unpack from (`packed_buffers`)."""
     cap = layout.round_up(max(capacity, 1))
     token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
     others = layout.num_slices - windowed
     placed = others - plan.compact_slices  # head sparsity's compact slices are not placed
+    if packing and plan.packed is not None:
+        return packed_buffers(layout, plan, cap, min(plan.resident_slices, placed))
     whole = 0 if packing else min(plan.resident_slices, placed)
     staged = placed - (0 if packing else whole)
     kept = min(layout.round_up(plan.compact_tokens), cap) if plan.compact_tokens else cap
@@ -114,3 +119,30 @@ def region_buffers(
         tokens = layout.round_up(plan.staging_tokens or cap)
         buffers += [tokens * token] * (plan.staging_buffers or 2)
     return buffers
+
+
+def packed_buffers(layout: KVLayout, plan: KVPlan, cap: int, on_device: int) -> list[int]:
+    """`region_buffers` of a quantized store (`plan.packed`) with `on_device` slices packed on
+    the device, in the store's order: their tail rings' slabs (`SliceStorage`), the staging
+    buffers (every slice is staged), their packed rows' slabs and the unpack scratch
+    (`PackedTier`)."""
+    sizing = plan.packed
+    assert sizing is not None
+    token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
+    buffers: list[int] = []
+    if on_device:
+        extent_tokens = layout.round_up(sizing.uncoded + plan.chunk_size)
+        buffers += _slabs(extent_tokens * token, 2 * on_device)  # a ring of two extents a slice
+    ring = layout.round_up(plan.staging_tokens or cap)
+    buffers += [ring * token] * (plan.staging_buffers or 2)
+    if on_device:
+        rows, per = -(-cap // sizing.group), sizing.extent_rows(cap)
+        buffers += _slabs(per * sizing.row_bytes, on_device * -(-rows // per))
+    buffers.append((ring // sizing.group + 2) * sizing.row_bytes)
+    return buffers
+
+
+def _slabs(extent_bytes: int, extents: int) -> list[int]:
+    """The slabs a device `HostArena` allocates for `extents` extents (`device_slab_bytes`)."""
+    per = max(1, device_slab_bytes(extent_bytes, extents) // extent_bytes)
+    return [per * extent_bytes] * -(-extents // per)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.hooks import KVCodec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HostArena, TierAccount, balanced_slab_bytes
+from kvtier.kv.tiers import GPU, HostArena, TierAccount, device_slab_bytes
 from kvtier.planner.packed import PackedSizing
 
 
@@ -70,6 +71,7 @@ class PackedTier:
 
     Rows of `slices` live in host memory (pinned on CUDA); rows of `device_slices` live in GPU
     memory: the GPU tier of a quantized cache, unpacked on the device and never crossing PCIe.
+    Those rows and the scratch come from `memory` when given (the store's `DeviceMemory`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class PackedTier:
         device: torch.device,
         account: TierAccount,
         device_slices: frozenset[int] = frozenset(),
+        memory: DeviceMemory | None = None,
     ) -> None:
         self.codec = codec
         self.layout = layout
@@ -101,21 +104,29 @@ class PackedTier:
             if not group:
                 continue
             extents = len(group) * -(-rows // extent_rows)
-            slab = max(extent_bytes, min(extents * extent_bytes, 1 << 30))
+            if where is None:
+                slab = max(extent_bytes, min(extents * extent_bytes, 1 << 30))
+            else:
+                slab = device_slab_bytes(extent_bytes, extents)
             arena = HostArena(
                 (extent_rows, self.row_bytes),
                 torch.uint8,
                 pin=device.type == "cuda",
                 account=account,
-                slab_bytes=slab if where is None else balanced_slab_bytes(extent_bytes, extents),
+                slab_bytes=slab,
                 device=where,
+                memory=memory,
             )
             self.arenas.append(arena)
             self.rows.update({sid: HostSlice(arena, extent_rows) for sid in group})
         self.reserve(capacity)
         self.coded = 0  # leading tokens of every streamed slice stored packed
         # One load at a time unpacks from here: loads run in order on the H2D stream.
-        self.scratch = torch.empty(scratch_tokens // g + 2, self.row_bytes, dtype=torch.uint8, device=device)
+        shape = (scratch_tokens // g + 2, self.row_bytes)
+        if memory is not None:
+            self.scratch = memory.empty(shape, torch.uint8)
+        else:
+            self.scratch = torch.empty(shape, dtype=torch.uint8, device=device)
         account.alloc(GPU, self.scratch.numel())
 
     def reserve(self, tokens: int) -> None:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
 from kvtier.kv.packed import TailHostSlice
-from kvtier.kv.tiers import HostArena, TierAccount, balanced_slab_bytes
+from kvtier.kv.tiers import HostArena, TierAccount, device_slab_bytes
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class SliceStorage:
         packing: bool,
         device: torch.device,
         account: TierAccount,
+        memory: DeviceMemory | None = None,
     ) -> None:
         shape = (2, layout.group_size, layout.head_dim)
         extent_bytes = extent_tokens * layout.token_bytes
@@ -87,8 +89,9 @@ class SliceStorage:
                 layout.dtype,
                 pin=pin,
                 account=account,
-                slab_bytes=balanced_slab_bytes(extent_bytes, 2 * len(places.on_device)),
+                slab_bytes=device_slab_bytes(extent_bytes, 2 * len(places.on_device)),
                 device=device,
+                memory=memory,
             )
         self.slices: dict[int, HostSlice] = {}
         for s in places.staged:

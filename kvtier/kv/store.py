@@ -164,7 +164,14 @@ class TieredKVStore:
                 self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
             self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
         self.storage = SliceStorage(
-            places, lay, extent_tokens, self._capacity, packing=packing, device=device, account=self.account
+            places,
+            lay,
+            extent_tokens,
+            self._capacity,
+            packing=packing,
+            device=device,
+            account=self.account,
+            memory=self.memory,
         )
         self.hosts: dict[int, HostSlice] = self.storage.slices  # slices attended through staging
         self.codec = codec
@@ -198,6 +205,7 @@ class TieredKVStore:
                 device=device,
                 account=self.account,
                 device_slices=self.on_device,
+                memory=self.memory,
             )
         # The plan's CPU-attended slices (kvtier.kv.cpu_attend): dense attention over the host
         # tier's KV, full precision or packed (the values a load would unpack); any other store

@@ -7,8 +7,12 @@ any machine (torch's own counters exist only on CUDA).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtier.kv.device_memory import DeviceMemory
 
 GPU, HOST = "gpu", "host"
 
@@ -38,7 +42,8 @@ class HostArena:
     every request up to a power of two, wastes nothing. `close()` returns the memory.
 
     With `device`, the slabs live in that device's memory instead and count in the GPU tier
-    (packed slices that stay on the GPU: `kvtier.kv.packed`).
+    (packed slices that stay on the GPU: `kvtier.kv.packed`), taken from `memory` when given
+    (a store's `DeviceMemory`: in the server, a run of lent pool pages).
     """
 
     def __init__(
@@ -49,8 +54,10 @@ class HostArena:
         account: TierAccount,
         slab_bytes: int = 1 << 30,
         device: torch.device | None = None,
+        memory: DeviceMemory | None = None,
     ) -> None:
         self.extent_shape = extent_shape
+        self.memory = memory if device is not None else None
         self.dtype = dtype
         self.device = device
         self.pin = pin and device is None
@@ -69,9 +76,12 @@ class HostArena:
         """One extent [*extent_shape]; allocates a new slab when none is free."""
         if not self._free:
             n = self.extents_per_slab
-            slab = torch.empty(
-                n * self.extent_numel, dtype=self.dtype, device=self.device, pin_memory=self.pin
-            )
+            if self.memory is not None:
+                slab = self.memory.empty((n * self.extent_numel,), self.dtype)
+            else:
+                slab = torch.empty(
+                    n * self.extent_numel, dtype=self.dtype, device=self.device, pin_memory=self.pin
+                )
             self.account.alloc(self.tier, slab.numel() * slab.element_size())
             self._slabs.append(slab)
             self._free.extend(reversed(slab.view(n, *self.extent_shape).unbind(0)))
@@ -98,6 +108,21 @@ def release_pinned_cache() -> None:
     blocks for its next long request instead (`TieredKVStore.close(release_host=False)`)."""
     if torch.cuda.is_available():
         torch._C._host_emptyCache()
+
+
+# Slabs of a device arena (a quantized store's packed slices on the GPU) are at most this: small
+# enough that a run of lent pool pages holds them in pieces (`kvtier.kv.device_memory`), and few
+# enough (16 a GB, at most) to cost nothing to allocate.
+DEVICE_SLAB_BYTES = 64 << 20
+
+
+def device_slab_bytes(extent_bytes: int, extents: int, cap: int = DEVICE_SLAB_BYTES) -> int:
+    """Slab size for `extents` extents of device memory: the most extents that divide `extents`
+    evenly and fit `cap` (at least one), so no slab holds an extent nobody takes and the bytes
+    are exactly what the planner counts (`PackedSizing.rows_bytes`)."""
+    n = max(1, extents)
+    per = max((d for d in range(1, n + 1) if n % d == 0 and d * extent_bytes <= cap), default=1)
+    return per * extent_bytes
 
 
 def balanced_slab_bytes(extent_bytes: int, extents: int, cap: int = 1 << 30) -> int:
