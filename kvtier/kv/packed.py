@@ -115,7 +115,7 @@ class PackedTier:
                 account=account,
                 slab_bytes=slab,
                 device=where,
-                memory=memory,
+                alloc=None if memory is None else memory.empty,
             )
             self.arenas.append(arena)
             self.rows.update({sid: HostSlice(arena, extent_rows) for sid in group})

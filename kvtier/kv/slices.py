@@ -91,7 +91,7 @@ class SliceStorage:
                 account=account,
                 slab_bytes=device_slab_bytes(extent_bytes, 2 * len(places.on_device)),
                 device=device,
-                memory=memory,
+                alloc=None if memory is None else memory.empty,
             )
         self.slices: dict[int, HostSlice] = {}
         for s in places.staged:

@@ -6,13 +6,13 @@ any machine (torch's own counters exist only on CUDA).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kvtier.kv.device_memory import DeviceMemory
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""Uninitialised device tensor of a shape and dtype (`kvtier.kv.device_memory.DeviceMemory.empty`)."""
 
 GPU, HOST = "gpu", "host"
 
@@ -42,8 +42,8 @@ class HostArena:
     every request up to a power of two, wastes nothing. `close()` returns the memory.
 
     With `device`, the slabs live in that device's memory instead and count in the GPU tier
-    (packed slices that stay on the GPU: `kvtier.kv.packed`), taken from `memory` when given
-    (a store's `DeviceMemory`: in the server, a run of lent pool pages).
+    (packed slices that stay on the GPU: `kvtier.kv.packed`), taken from `alloc` when given
+    (a store's `DeviceMemory.empty`: in the server, a run of lent pool pages).
     """
 
     def __init__(
@@ -54,10 +54,10 @@ class HostArena:
         account: TierAccount,
         slab_bytes: int = 1 << 30,
         device: torch.device | None = None,
-        memory: DeviceMemory | None = None,
+        alloc: Allocate | None = None,
     ) -> None:
         self.extent_shape = extent_shape
-        self.memory = memory if device is not None else None
+        self.alloc = alloc if device is not None else None
         self.dtype = dtype
         self.device = device
         self.pin = pin and device is None
@@ -76,8 +76,8 @@ class HostArena:
         """One extent [*extent_shape]; allocates a new slab when none is free."""
         if not self._free:
             n = self.extents_per_slab
-            if self.memory is not None:
-                slab = self.memory.empty((n * self.extent_numel,), self.dtype)
+            if self.alloc is not None:
+                slab = self.alloc((n * self.extent_numel,), self.dtype)
             else:
                 slab = torch.empty(
                     n * self.extent_numel, dtype=self.dtype, device=self.device, pin_memory=self.pin
