@@ -75,3 +75,17 @@ def test_methods_needing_unrotated_keys_or_kvtiers_model_are_refused(
     model, _ = llama
     with pytest.raises(ConfigError, match=match):
         TieredCache(model, kv=spec, context=64)
+
+
+def test_snapkvs_plan_counts_the_new_tokens_it_is_told(llama: tuple[Any, Path]) -> None:
+    """SnapKV keeps every decoded token: told `new_tokens`, the cache plans what it keeps; not
+    told, up to the whole context."""
+    from kvtier.errors import ConfigError
+
+    model, _ = llama
+    spec, context = "snapkv,kv_budget=40", 4096
+    told = TieredCache(model, kv=spec, context=context, new_tokens=NEW, chunk_size=256)
+    assert told.plan.context == told.plan.compact_tokens < context
+    assert TieredCache(model, kv=spec, context=context, chunk_size=256).plan.context == context
+    with pytest.raises(ConfigError, match="new_tokens"):
+        TieredCache(model, kv=spec, context=context, new_tokens=context + 1)

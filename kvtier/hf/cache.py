@@ -79,7 +79,9 @@ class TieredCache(Cache):
     activations (HF's forward's, `hf_activation_bytes`) and the KV into (default: the whole GPU;
     unlimited on the CPU); it does not cap the process. `context` is the most tokens the cache
     will hold (prompt plus new tokens; default: the model's `max_position_embeddings`): the plan
-    is made for it, and a longer sequence is refused. `plan` replaces the planner's placement
+    is made for it, and a longer sequence is refused. `new_tokens`: how many of them `generate`
+    will add (its `max_new_tokens`); SnapKV keeps every decoded token, so without it its plan
+    holds the whole context. `plan` replaces the planner's placement
     with one of your own. `cpu_attention` ("auto", "off" or a number of slices) lets decode
     attend some streamed slices on the CPU where the KV already is, as
     `kvtier.LLM(cpu_attention=)` does.
@@ -96,6 +98,7 @@ class TieredCache(Cache):
         *,
         gpu_memory: str | int | None = None,
         context: int | str | None = None,
+        new_tokens: int | None = None,
         chunk_size: int | None = None,
         block_size: int = 256,
         plan: KVPlan | None = None,
@@ -109,6 +112,9 @@ class TieredCache(Cache):
         self.context = parse_count(context, "context") if context is not None else default
         if self.context < 1:
             raise ConfigError(f"context must be at least 1 token, got {self.context}")
+        if new_tokens is not None and not 0 <= new_tokens <= self.context:
+            raise ConfigError(f"new_tokens must be between 0 and context ({self.context}), got {new_tokens}")
+        self.new_tokens = new_tokens
         self.gpu_memory = None if gpu_memory is None else parse_size(gpu_memory, "gpu_memory")
         if chunk_size is not None and chunk_size < 1:
             raise ConfigError(f"chunk_size must be at least 1, got {chunk_size}")
@@ -150,6 +156,7 @@ class TieredCache(Cache):
             chunk_size=self.chunk_size,
             block_size=self.block_size,
             cpu_attention=self.cpu_attention,
+            new_tokens=self.new_tokens,
             # NOTE: HF's own forward runs the chunks: it keeps more [T, h] tensors alive than
             # kvtier's runner and its norms make fp32 copies (`hf_activation_bytes`).
             activations="hf",
