@@ -189,3 +189,37 @@ def test_1m_tokens_fit_the_h200_host_only_as_hip_over_int4(capsys: CapSys) -> No
     # what HiP does not combine with is refused, not left out of the plan
     assert _main(["plan", *base, "--attention", "hip", "--head-sparsity", "0.5"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+def test_plan_evict_keeps_every_slice_on_the_gpu(capsys: CapSys) -> None:
+    """`--evict NAME --kv-budget N`: every slice on the GPU at its budget plus a chunk (SnapKV,
+    which evicts in prefill only, plus `--max-new-tokens`), nothing on the host, where lossless
+    at 256K under 24 GiB streams tens of GB; at 4M, which no host holds, it still plans."""
+    base = ["--model", "llama-3-8b", "--context", "256K", "--gpu-memory", "24GiB"]
+    out = _json(capsys, *base, "--evict", "h2o", "--kv-budget", "2k")
+    ev = out["evict"]
+    assert ev["host_kv_gb"] == 0 and ev["pcie_gb_per_token"] == 0 and not ev["keeps_new_tokens"]
+    assert ev["tokens_per_slice"] == 2048 + ev["chunk_size"]
+    token = 8 * 128 * 2 * 2  # a layer's slice: 8 KV heads x 128 x (K, V) x bf16
+    assert round(ev["gpu_kv_gb"] * 1e9) == ev["num_slices"] * ev["tokens_per_slice"] * token
+    snap = _json(capsys, *base, "--evict", "snapkv", "--kv-budget", "2k", "--max-new-tokens", "1k")["evict"]
+    assert snap["keeps_new_tokens"] and snap["tokens_per_slice"] == 2048 + snap["chunk_size"] + 1024
+    far = _json(capsys, "--model", "llama-3-8b", "--context", "4M", "--evict", "window", "--kv-budget", "2k")
+    assert far["evict"]["host_kv_gb"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kv-budget", "2k"], "add --evict NAME"),
+        (["--evict", "h2o"], "give --kv-budget N"),
+        (["--evict", "h2o", "--kv-budget", "2k", "--kv-quant", "int4"], "one at a time"),
+        (["--evict", "snapkv", "--kv-budget", "2k"], "give --max-new-tokens N"),
+        (["--evict", "window", "--kv-budget", "2k", "--max-new-tokens", "1M"], "more than --context"),
+    ],
+)
+def test_plan_evict_bad_input_says_what_to_do(argv: list[str], message: str, capsys: CapSys) -> None:
+    base = ["--model", "llama-3-8b", "--context", "256K", "--gpu-memory", "24GiB"]
+    assert _main(["plan", *base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

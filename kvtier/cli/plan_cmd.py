@@ -19,7 +19,14 @@ from kvtier.cli.options import (
     size_type,
     text_type,
 )
-from kvtier.cli.plan_methods import format_hip, format_lossy, hip_lines, lossy_lines
+from kvtier.cli.plan_methods import (
+    evict_lines,
+    format_evict,
+    format_hip,
+    format_lossy,
+    hip_lines,
+    lossy_lines,
+)
 from kvtier.cli.plan_parallel import format_parallel, parallel_lines, rank_of
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ModelLoadError
@@ -163,6 +170,27 @@ def add_parser(subparsers: Any) -> None:
         help="also predict head-wise sparsity: a fraction R of KV heads keep 64 sinks + 256 recent tokens",
     )
     p.add_argument(
+        "--evict",
+        default=None,
+        choices=names("evict"),
+        help="also plan token eviction under --kv-budget: every slice keeps its budget on the GPU",
+    )
+    p.add_argument(
+        "--kv-budget",
+        type=OPTIONS["kv_budget"].parse,
+        default=None,
+        metavar="N",
+        help="--evict's budget: " + OPTIONS["kv_budget"].help,
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=count_type("--max-new-tokens"),
+        default=None,
+        metavar="N",
+        help="of --context, the tokens generated (SnapKV keeps every one; default: unknown, so up to "
+        "the whole context)",
+    )
+    p.add_argument(
         "--attention",
         default="dense",
         choices=planned_attention(),
@@ -289,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity) if args.attention == "dense" else None
     )
     hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant, args.head_sparsity, args.hip_refresh)
+    evict = evict_lines(req, args.evict, args.kv_budget, args.max_new_tokens, others=bool(lossy or hip))
     parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)
@@ -298,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
             out["lossy"] = lossy
         if hip:
             out["hip"] = hip
+        if evict:
+            out["evict"] = evict
         print(json.dumps(out, indent=2))
     else:
         print(format_report(rep))
@@ -314,11 +345,13 @@ def run(args: argparse.Namespace) -> int:
             print(format_lossy(lossy))
         if hip:
             print(format_hip(hip))
+        if evict:
+            print(format_evict(evict))
     if args.plot:
         from kvtier.planner.plot import plot_memory
 
         plot_memory(req, args.plot)
-    if rep.error is not None and hip is None and lossy is None:
+    if rep.error is not None and hip is None and lossy is None and evict is None:
         raise CapacityError(rep.error)
     if rep.error is not None and not args.json:
         print("\nlossless does not fit (above); the method's plan does")

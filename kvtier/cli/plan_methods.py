@@ -3,11 +3,13 @@ beside the lossless one (which it may fit where lossless does not)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.errors import CapacityError, ConfigError
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.methods.duo import DUO_RECENT, DUO_SINKS
+from kvtier.planner.memory import round_up
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.report import PlanRequest
 from kvtier.sparse import resolve_preset
@@ -123,4 +125,62 @@ def format_hip(hip: dict[str, Any]) -> str:
         f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
         f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
         f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB"
+    )
+
+
+def evict_lines(
+    req: PlanRequest, evict: str | None, budget: int | None, new_tokens: int | None, others: bool = False
+) -> dict[str, Any] | None:
+    """The plan under `--evict` with `--kv-budget` (None without --evict): every slice stays on
+    the GPU holding what it keeps plus a prefill chunk (`KVPlan.compact_tokens`; SnapKV, which
+    evicts in prefill only, plus the `new_tokens` it decodes), nothing on the host or the link.
+    `others`: another method is planned beside it (one at a time: a ConfigError)."""
+    if evict is None:
+        if budget is not None or new_tokens is not None:
+            raise ConfigError("--kv-budget and --max-new-tokens plan an evictor: add --evict NAME")
+        return None
+    if others:
+        raise ConfigError(
+            "--evict cannot be planned with --kv-quant, --head-sparsity or --attention: one at a time"
+        )
+    if budget is None:
+        raise ConfigError(f"--evict {evict} keeps --kv-budget tokens a KV head: give --kv-budget N")
+    if new_tokens is not None and new_tokens > req.context:
+        raise ConfigError(f"--max-new-tokens {new_tokens} is more than --context {req.context}")
+    choice = MethodChoice(kv=req.policy, head_group=req.group_size, evict=evict, kv_budget=budget)
+    inputs = replace(req.inputs(), new_tokens=new_tokens)
+    try:
+        plan = plan_for(inputs, choice).plan
+    except CapacityError as e:
+        if new_tokens is None:
+            plan_for(replace(inputs, new_tokens=0), choice)  # NOTE: raises if the tokens are not why
+            raise CapacityError(
+                f"{e} (--evict {evict} keeps every generated token, and without --max-new-tokens the "
+                "plan counts the whole context: give --max-new-tokens N)"
+            ) from e
+        raise
+    return {
+        "method": f"--evict {evict} --kv-budget {budget}",
+        "max_new_tokens": new_tokens,
+        "tokens_per_slice": plan.compact_tokens,
+        "keeps_new_tokens": plan.compact_tokens > round_up(budget + plan.chunk_size, req.block_size),
+        "num_slices": plan.num_slices,
+        "chunk_size": plan.chunk_size,
+        "gpu_kv_gb": plan.gpu_kv_bytes / 1e9,
+        "host_kv_gb": plan.host_kv_bytes / 1e9,
+        "pcie_gb_per_token": plan.pcie_bytes_per_decode_token / 1e9,
+    }
+
+
+def format_evict(evict: dict[str, Any]) -> str:
+    """`evict_lines` as the plain report prints it."""
+    told = evict["max_new_tokens"]
+    new = "" if told is None else f", {told:,} new tokens"
+    kept = f"its budget, a {evict['chunk_size']:,}-token chunk"
+    kept += " and the new tokens" if evict["keeps_new_tokens"] else ""
+    return (
+        f"\nwith {evict['method']}{new}: all {evict['num_slices']} slices on the GPU, "
+        f"{evict['tokens_per_slice']:,} tokens each ({kept}), "
+        f"GPU KV {evict['gpu_kv_gb']:.2f} GB, host KV {evict['host_kv_gb']:.2f} GB, "
+        f"PCIe per decode token {evict['pcie_gb_per_token']:.2f} GB"
     )
