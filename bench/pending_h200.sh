@@ -118,6 +118,10 @@
 #   host-scoring A/B at 512K; no GGUF) and 67 (the same through the CLI, `--hip-host-keys on`,
 #   right after 65), 68 (128K A/B through the CLI), 69 (1M with host keys, after 63): if the
 #   decode rates rise and the peaks hold under 24 GiB, make host keys the default.
+# The twenty-sixth had no device either. Its GPU-facing changes are in the server's memory:
+#   evictor, head-sparsity and quantized stores now take their slices and packed rows from lent
+#   pool pages (dda1386, e55e696, 367af86), SnapKV plans its new tokens. The smoke's serve part
+#   (64) covers int8, window and snapkv requests beside a batch; its order is unchanged.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's

@@ -233,7 +233,8 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
                 )
                 return r.choices[0].text
 
-            specs = ["int8", "window,kv_budget=256", "head,head_group=1"]
+            # NOTE: since 2026-12-05 int8's packed rows and the evictors' slices are lent pool pages
+            specs = ["int8", "window,kv_budget=256", "snapkv,kv_budget=256", "head,head_group=1"]
             alone = [with_method(prompts[i], spec) for i, spec in enumerate(specs)]
             jobs = [(prompts[i], spec) for i, spec in enumerate(specs)] + [(p, None) for p in prompts[8:]]
             with ThreadPoolExecutor(len(jobs)) as pool:
