@@ -10,13 +10,15 @@ missing blocks from the host, so outputs are bitwise those of the non-offloaded 
 blocks are read and kept: `kvtier.sparse.cache_blocks`. With `HipConfig.host_scoring` no decode
 step streams: stage 0 is scored on keys read from the host tier (`HostKeys`).
 
-The mixin holds no state of its own: it declares the attributes and methods of `HipKernel`
-(`kvtier.sparse.kernel`) it uses, and `HipKernel` provides them.
+It also holds the stage pieces both halves run (`_stages`, `_window_start`, `_middle`). The
+mixin holds no state of its own: it declares the attributes of `HipKernel`
+(`kvtier.sparse.kernel`) it uses, and `HipKernel` sets them and provides `_heads`.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -26,6 +28,8 @@ from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, PositionedKV, block_ids
 from kvtier.sparse.host_keys import HostKeys
+from kvtier.sparse.pruning import run_stages
+from kvtier.sparse.rope_ext import RopeTable
 from kvtier.sparse.stats import HipStats
 
 
@@ -36,6 +40,7 @@ class CachedDecode:
 
     # Of `HipKernel` (see its `__init__`).
     cfg: HipConfig
+    rotary: RopeTable | None  # context extension: keys rotated in the kernel
     stats: HipStats
     _cache: dict[tuple[int, int, int], DecodeState]  # (layer, group, head) -> decode state
     _gpu: dict[tuple[int, int], BlockCache]  # (layer, group) -> block cache
@@ -237,16 +242,15 @@ class CachedDecode:
         self.stats.cache.refresh_reused += table.hits
         self.stats.cache.refresh_inserted += table.stored
 
-    # -- provided by HipKernel (stubs that type the calls above) ----------------------------
-
-    def _heads(self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep) -> torch.Tensor:
-        raise NotImplementedError
+    # -- pieces ---------------------------------------------------------------------------------
 
     def _window_start(self, first_query: int) -> int:
-        raise NotImplementedError
+        """w0 of a query block: the window covers [w0, query] for every query of the block."""
+        return max(self.cfg.sink, first_query - self.cfg.window + 1)
 
     def _middle(self, w0: int, device: torch.device) -> torch.Tensor:
-        raise NotImplementedError
+        """Stage-0 candidates: every key between the sinks and the window, [max(w0 - sink, 0)]."""
+        return torch.arange(self.cfg.sink, w0, device=device)
 
     def _stages(
         self,
@@ -258,4 +262,32 @@ class CachedDecode:
         first: int,
         upto: int | None = None,
     ) -> list[torch.Tensor]:
+        """Stages first..upto - 1 (all by default) over kv: a whole slice, a `PositionedKV` view,
+        or a slice's keys on the host (stage 0 alone, read in ranges)."""
+        cfg = self.cfg
+        n = len(cfg.chunk_sizes) if upto is None else upto
+        whole = not isinstance(kv, PositionedKV)  # stage 0's candidates are a range: `span`
+        if isinstance(kv, torch.Tensor):
+            keys: object = kv[:, 0]
+        else:
+            keys = kv if isinstance(kv, HostKeys) else kv.map(lambda t: t[:, 0])
+        return run_stages(
+            q,
+            pos,
+            cast(torch.Tensor, keys),  # NOTE: a view is only indexed by positions, host keys by ranges
+            cand,
+            chunk_sizes=cfg.chunk_sizes[:n],
+            budgets=cfg.stage_budgets(layer)[:n],
+            strides=cfg.query_strides[:n],
+            mode=cfg.scoring_rope(layer),
+            rotary=self.rotary,
+            window=cfg.window,
+            first=first,
+            head_score=cfg.head_score,
+            span=cfg.sink if first == 0 and whole else None,  # see `_middle`
+        )
+
+    # -- provided by HipKernel (a stub that types the calls above) -------------------------
+
+    def _heads(self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep) -> torch.Tensor:
         raise NotImplementedError

@@ -24,8 +24,6 @@ Offloaded KV (decode steps of slices the store streams, from GPU block caches): 
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from kvtier.attention.interface import SliceStep
@@ -35,10 +33,8 @@ from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.cached_decode import CachedDecode
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
-from kvtier.sparse.gpu_cache import BlockCache, PositionedKV
-from kvtier.sparse.host_keys import HostKeys
+from kvtier.sparse.gpu_cache import BlockCache
 from kvtier.sparse.prefill import prune_whole_blocks
-from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
 from kvtier.sparse.stats import HipStats
 
@@ -197,51 +193,6 @@ class HipKernel(CachedDecode):
             buf.rebuild(kv, prefix, w0, end, spare, rope, cfg.attention_rope)
             return buf.attend(q, step.start, rope)
         return buf.step(q, new, step.start, rope)
-
-    # -- pieces ---------------------------------------------------------------------------------
-
-    def _window_start(self, first_query: int) -> int:
-        """w0 of a query block: the window covers [w0, query] for every query of the block."""
-        return max(self.cfg.sink, first_query - self.cfg.window + 1)
-
-    def _middle(self, w0: int, device: torch.device) -> torch.Tensor:
-        """Stage-0 candidates: every key between the sinks and the window, [max(w0 - sink, 0)]."""
-        return torch.arange(self.cfg.sink, w0, device=device)
-
-    def _stages(
-        self,
-        q: torch.Tensor,
-        pos: torch.Tensor,
-        kv: KV | HostKeys,
-        layer: int,
-        cand: torch.Tensor,
-        first: int,
-        upto: int | None = None,
-    ) -> list[torch.Tensor]:
-        """Stages first..upto - 1 (all by default) over kv: a whole slice, a `PositionedKV` view,
-        or a slice's keys on the host (stage 0 alone, read in ranges)."""
-        cfg = self.cfg
-        n = len(cfg.chunk_sizes) if upto is None else upto
-        whole = not isinstance(kv, PositionedKV)  # stage 0's candidates are a range: `span`
-        if isinstance(kv, torch.Tensor):
-            keys: object = kv[:, 0]
-        else:
-            keys = kv if isinstance(kv, HostKeys) else kv.map(lambda t: t[:, 0])
-        return run_stages(
-            q,
-            pos,
-            cast(torch.Tensor, keys),  # NOTE: a view is only indexed by positions, host keys by ranges
-            cand,
-            chunk_sizes=cfg.chunk_sizes[:n],
-            budgets=cfg.stage_budgets(layer)[:n],
-            strides=cfg.query_strides[:n],
-            mode=cfg.scoring_rope(layer),
-            rotary=self.rotary,
-            window=cfg.window,
-            first=first,
-            head_score=cfg.head_score,
-            span=cfg.sink if first == 0 and whole else None,  # see `_middle`
-        )
 
 
 def _head(kv: KV, h: int) -> KV:
