@@ -8,6 +8,7 @@ equals `LLM.generate`, and gives them back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from queue import Queue
 
@@ -23,6 +24,7 @@ from kvtier.kv.layout import KVLayout
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.methods import parse_choice
 from kvtier.planner.placement import KVPlan
+from kvtier.policies import PolicyParts
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.metrics import render
 from tests.hf_reference import make_hf_model
@@ -431,33 +433,13 @@ def test_head_sparsitys_store_over_a_region_takes_what_region_buffers_says(llm: 
     lay = KVLayout.of(llm.model_config, plan.group_size, 8, torch.float32)
     sizes = region_buffers(lay, plan, 120)
     assert len(sizes) == 2 + 3 + 2 and sizes[2] < sizes[0]  # whole, compact, staging
-    need = fitting(sizes, 1 << 62)
-    region = torch.zeros(need + 1000, dtype=torch.uint8)
-    memory = RegionMemory(region)
-    outs = []
-    for mem in (None, memory):
-        store = TieredKVStore(
-            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=120,
-            options=StoreOptions(8), memory=mem, **parts.store_kwargs(),
-        )  # fmt: skip
-        logits = []
-        for a in range(0, len(ids), 16):
-            store.begin_step(16)
-            logits.append(llm.loaded.model(ids[a : a + 16], store)[-1])
-            store.end_step()
-        for _ in range(4):
-            store.begin_step(1)
-            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
-            store.end_step()
-        outs.append(torch.stack(logits))
+
+    def check(store: TieredKVStore, inside: Callable[[torch.Tensor], bool]) -> None:
         assert sorted(store.slice_length) == [72] * 3 + [100] * 3  # the streaming heads evicted
-        if mem is not None:
-            base, end = region.data_ptr(), region.data_ptr() + region.numel()
-            bufs = list(store.resident.values()) + (store.ring.buffers if store.ring else [])
-            assert len(bufs) == 7 and all(base <= b.data_ptr() < end for b in bufs)
-        store.close()
-    assert memory.used <= need and need - memory.used < 512
-    assert torch.equal(outs[0], outs[1])
+        bufs = list(store.resident.values()) + (store.ring.buffers if store.ring else [])
+        assert len(bufs) == 7 and all(inside(b) for b in bufs)
+
+    same_over_a_region(llm, plan, parts, ids, 120, sizes, check)
 
 
 @pytest.mark.parametrize("codec", ["int4", "fp8"])
@@ -481,29 +463,14 @@ def test_a_quantized_store_over_a_region_takes_what_region_buffers_says(
     lay = KVLayout.of(llm.model_config, 1, 8, torch.float32)
     sizes = region_buffers(lay, plan, 96, packing=True)
     assert len(sizes) == (2 + 1 if resident == 0 else 5)  # staging, scratch (+ tails, rows)
-    need = fitting(sizes, 1 << 62)
-    region = torch.zeros(need + 1000, dtype=torch.uint8)
-    memory = RegionMemory(region)
-    outs = []
-    for mem in (None, memory):
-        store = TieredKVStore(
-            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=96,
-            options=StoreOptions(8), memory=mem, **parts.store_kwargs(),
-        )  # fmt: skip
-        assert len(store.on_device) == resident
-        logits = []
-        for a in range(0, len(ids), 16):
-            store.begin_step(16)
-            logits.append(llm.loaded.model(ids[a : a + 16], store)[-1])
-            store.end_step()
-        for _ in range(4):
-            store.begin_step(1)
-            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
-            store.end_step()
-        outs.append(torch.stack(logits))
-        store.close()
-    assert memory.used <= need and need - memory.used < 512
-    assert torch.equal(outs[0], outs[1])
+
+    def check(store: TieredKVStore, inside: Callable[[torch.Tensor], bool]) -> None:
+        assert len(store.on_device) == resident and store.packed is not None
+        rows = [slab for a in store.packed.arenas if a.device is not None for slab in a.slabs()]
+        assert len(rows) == (1 if resident else 0)
+        assert all(inside(t) for t in [*rows, store.packed.scratch])
+
+    same_over_a_region(llm, plan, parts, ids, 96, sizes, check)
 
 
 @pytest.mark.parametrize("extents", [1, 2, 37, 64, 500, 1920])
@@ -520,3 +487,42 @@ def test_device_slabs_divide_the_extents_exactly_within_the_cap(extents: int, ex
     assert slab <= max(DEVICE_SLAB_BYTES, extent)
     if extents % 4 == 0 and extent_mib == 16:
         assert per == 4  # the most that fit 64 MiB
+
+
+def same_over_a_region(
+    llm: LLM,
+    plan: KVPlan,
+    parts: PolicyParts,
+    ids: torch.Tensor,
+    capacity: int,
+    sizes: list[int],
+    check: Callable[[TieredKVStore, Callable[[torch.Tensor], bool]], None],
+) -> None:
+    """A store of `plan` and `parts` over the caching allocator and over a region sized by
+    `fitting(sizes)`: 16-token prefill chunks of `ids`, then 4 greedy tokens. The region's store
+    uses exactly those bytes (up to the last alignment) and gives the same logits; `check` sees
+    each store with a test of whether a tensor lies in the region (never, for the allocator's)."""
+    need = fitting(sizes, 1 << 62)
+    region = torch.zeros(need + 1000, dtype=torch.uint8)
+    base, end = region.data_ptr(), region.data_ptr() + region.numel()
+    memory = RegionMemory(region)
+    outs = []
+    for mem in (None, memory):
+        store = TieredKVStore(
+            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=capacity,
+            options=StoreOptions(8), memory=mem, **parts.store_kwargs(),
+        )  # fmt: skip
+        logits = []
+        for a in range(0, len(ids), 16):
+            store.begin_step(16)
+            logits.append(llm.loaded.model(ids[a : a + 16], store)[-1])
+            store.end_step()
+        for _ in range(4):
+            store.begin_step(1)
+            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
+            store.end_step()
+        outs.append(torch.stack(logits))
+        check(store, (lambda t: base <= t.data_ptr() < end) if mem is not None else (lambda t: True))
+        store.close()
+    assert memory.used <= need and need - memory.used < 512
+    assert torch.equal(outs[0], outs[1])
