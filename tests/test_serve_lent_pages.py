@@ -51,30 +51,14 @@ PLANS = [
 def test_a_store_over_a_region_takes_region_bytes_and_equals_the_allocator(llm: LLM, plan: KVPlan) -> None:
     ids = torch.randint(1, 211, (37,), generator=torch.Generator().manual_seed(5))
     lay = KVLayout.of(llm.model_config, plan.group_size, 8, torch.float32)
-    need = fitting(region_buffers(lay, plan, 48), 1 << 62)  # a region that holds them all
-    region = torch.zeros(need + 1000, dtype=torch.uint8)
-    memory = RegionMemory(region)
-    outs = []
-    for mem in (None, memory):
-        store = TieredKVStore(
-            llm.model_config, plan, device=CPU, dtype=torch.float32, capacity=48,
-            options=StoreOptions(8), memory=mem,
-        )  # fmt: skip
-        store.begin_step(len(ids))
-        logits = [llm.loaded.model(ids, store)[-1]]
-        store.end_step()
-        for _ in range(3):
-            store.begin_step(1)
-            logits.append(llm.loaded.model(logits[-1].argmax().view(1), store)[-1])
-            store.end_step()
-        outs.append(torch.stack(logits))
-        if mem is not None:
-            base, end = region.data_ptr(), region.data_ptr() + region.numel()
-            bufs = list(store.resident.values()) + (store.ring.buffers if store.ring else [])
-            assert bufs and all(base <= b.data_ptr() < end for b in bufs)
-        store.close()
-    assert memory.used <= need and need - memory.used < 512  # exact, up to the last alignment
-    assert torch.equal(outs[0], outs[1])
+
+    def check(store: TieredKVStore, inside: Callable[[torch.Tensor], bool]) -> None:
+        bufs = list(store.resident.values()) + (store.ring.buffers if store.ring else [])
+        assert bufs and all(inside(b) for b in bufs)
+
+    same_over_a_region(
+        llm, plan, PolicyParts(), ids, 48, region_buffers(lay, plan, 48), check, chunk=len(ids)
+    )
 
 
 def test_a_region_too_small_raises_capacity_error() -> None:
@@ -497,9 +481,10 @@ def same_over_a_region(
     capacity: int,
     sizes: list[int],
     check: Callable[[TieredKVStore, Callable[[torch.Tensor], bool]], None],
+    chunk: int = 16,
 ) -> None:
     """A store of `plan` and `parts` over the caching allocator and over a region sized by
-    `fitting(sizes)`: 16-token prefill chunks of `ids`, then 4 greedy tokens. The region's store
+    `fitting(sizes)`: `chunk`-token prefill steps of `ids`, then 4 greedy tokens. The region's store
     uses exactly those bytes (up to the last alignment) and gives the same logits; `check` sees
     each store with a test of whether a tensor lies in the region (never, for the allocator's)."""
     need = fitting(sizes, 1 << 62)
@@ -513,9 +498,9 @@ def same_over_a_region(
             options=StoreOptions(8), memory=mem, **parts.store_kwargs(),
         )  # fmt: skip
         logits = []
-        for a in range(0, len(ids), 16):
-            store.begin_step(16)
-            logits.append(llm.loaded.model(ids[a : a + 16], store)[-1])
+        for a in range(0, len(ids), chunk):
+            store.begin_step(len(ids[a : a + chunk]))
+            logits.append(llm.loaded.model(ids[a : a + chunk], store)[-1])
             store.end_step()
         for _ in range(4):
             store.begin_step(1)
