@@ -1,6 +1,7 @@
 """How a tiered request is planned over borrowed pool pages under a GPU budget (`plan_store`).
 
-No weights: a stand-in engine carries Llama-3-8B's shapes, the H200's hardware numbers and the
+No weights: a stand-in engine (`bench/serve_lend_plans.py`'s `Server`, which prints the same
+plans per method) carries Llama-3-8B's shapes, the H200's hardware numbers and the
 budget a 24 GiB server leaves its long requests. The planner spends every byte it is given,
 and buffers fill a run of pages only whole, so the first trial over the offered run puts more
 in the reserve than the reserve holds; the plan must still borrow pages (it once borrowed none
@@ -10,72 +11,27 @@ run must fit the reserve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from bench.serve_lend_plans import CFG, PAGE_BYTES
+from bench.serve_lend_plans import Server as Engine
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError
 from kvtier.kv.device_memory import fitting, region_buffers
 from kvtier.kv.layout import KVLayout
-from kvtier.loading.presets import preset_config
 from kvtier.methods import MethodChoice, parse_choice, plan_for
-from kvtier.methods.plan import LOSSLESS
 from kvtier.methods.registry import Placement
-from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
 from kvtier.planner.placement import KVPlan
 from kvtier.serve import tiered
 from kvtier.serve.tiered import plan_store
 
-CFG = preset_config("llama-3-8b")
-PAGE_BYTES = CFG.num_layers * 16 * 2 * CFG.num_kv_heads * CFG.head_dim * 2  # bf16 pages of 16 tokens
 CONTEXT = 262_144 + 16
-
-
-@dataclass
-class Engine:
-    """What `plan_store` asks of the serving engine, with `offer` pages lendable."""
-
-    budget: int
-    offer: int
-    lent: list[int] = field(default_factory=list)
-    paged: bool = True
-    pool_tokens: int = 2_647 * 16
-    device: torch.device = field(default_factory=lambda: torch.device("cuda"))
-
-    def __post_init__(self) -> None:
-        hardware = hardware_preset("h200")
-
-        def plan_inputs(context: int, method: object, new_tokens: int | None = None) -> PlanInputs:
-            return PlanInputs(
-                CFG, context, hardware=hardware, dtype_bytes=2, gpu_budget=self.budget, new_tokens=new_tokens
-            )
-
-        self.llm = SimpleNamespace(
-            model_config=CFG,
-            config=SimpleNamespace(block_size=256),
-            dtype=torch.bfloat16,
-            method=LOSSLESS,
-            plan_inputs=plan_inputs,
-        )
-
-    def offload_gpu_budget(self) -> int:
-        return self.budget
-
-    def lendable_pages(self) -> int:
-        return self.offer
-
-    @property
-    def page_bytes(self) -> int:
-        return PAGE_BYTES
-
-    def lend(self, count: int) -> int:
-        self.lent.append(count)
-        return 1
 
 
 def outside_the_run(plan: KVPlan, engine: Engine) -> int:
