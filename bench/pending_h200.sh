@@ -122,8 +122,9 @@
 #   evictor, head-sparsity and quantized stores now take their slices and packed rows from lent
 #   pool pages (dda1386, e55e696, 367af86), SnapKV plans its new tokens. The smoke's serve part
 #   (64) covers int8, window and snapkv requests beside a batch. In its last half hour a device
-#   came: 66, 1, 64 and 67 ran at b0c523e (all green; host keys 17.35 tok/s at 512K). NEXT: 65
-#   beside 67 on one machine start (the same-start A/B), then 63 (call A), 68, 69.
+#   came: 66, 1, 64 and 67 ran at b0c523e (all green; host keys 17.35 tok/s at 512K); 65 on a
+#   fresh start ran past its 240 s (the 8B folder first). NEXT: 65 right after 67 on one warm
+#   machine (the same-start A/B), then 63 (call A), 68, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
