@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier.config import ModelConfig
+from kvtier.kv.reader import KEY_PIECES, SliceReader
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.methods.spec import parse_choice
@@ -237,7 +238,7 @@ def test_host_keys_free_the_staging_buffers_in_decode_and_prefill_makes_them_aga
 
 
 def test_stage_0_on_host_keys_over_an_int4_tier_is_bitwise_streaming_it(
-    gqa: tuple[CausalLM, ModelConfig],
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over an int4 host tier (keys and values share packed rows, so stage 0's keys are read
     from whole rows and unpacked): the same tokens and logits as streaming the packed slices."""
@@ -245,10 +246,33 @@ def test_stage_0_on_host_keys_over_an_int4_tier_is_bitwise_streaming_it(
     codec = parse_choice("int4").codec
     ref_logits, ref_tokens, _, _ = run(model, cfg, "head", kernel_for(cfg, cache_tokens=24), codec=codec())
     kernel = kernel_for(cfg, cache_tokens=24, host_scoring=True)
+    pieces: list[tuple[int, int, int]] = []  # (range asked, largest piece unpacked, pieces)
+    keys, read = SliceReader.keys, SliceReader.__call__
+
+    def counted_keys(self: SliceReader, start: int, end: int) -> torch.Tensor:
+        sizes: list[int] = []
+
+        def piece(reader: SliceReader, lo: int, hi: int) -> torch.Tensor:
+            sizes.append(hi - lo)
+            return read(reader, lo, hi)
+
+        monkeypatch.setattr(SliceReader, "__call__", piece)
+        try:
+            return keys(self, start, end)
+        finally:
+            monkeypatch.setattr(SliceReader, "__call__", read)
+            pieces.append((end - start, max(sizes), len(sizes)))
+
+    monkeypatch.setattr(SliceReader, "keys", counted_keys)
     logits, tokens, _, _ = run(model, cfg, "head", kernel, codec=codec())
     assert tokens == ref_tokens
     assert_same(logits, ref_logits)
     assert kernel.stats.cache.misses > 0
+    # keys and values are unpacked a piece at a time (rows of `group` tokens), not a range whole
+    group = codec().group
+    assert any(n > 2 * group for n, _, _ in pieces)
+    for n, largest, count in pieces:
+        assert largest <= max(group, -(-n // KEY_PIECES) + group) and count <= KEY_PIECES + 2
 
 
 def test_a_cache_short_of_stage_0_keeps_the_final_selection_first(

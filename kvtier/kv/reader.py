@@ -7,6 +7,8 @@ they cross PCIe. Every byte sent is counted in the store's `TierAccount.h2d_byte
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from kvtier.kv.host_slice import HostSlice
@@ -14,6 +16,12 @@ from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import TierAccount
+
+# A quantized tier's keys are unpacked with their values: `keys` does it this many pieces a
+# range, so the keys and values of one piece, not of the range, are in GPU memory beside the
+# keys returned (at 1M tokens int4 a 2-head slice's stage-0 slab of 262,144 tokens read whole
+# asked 256 MiB more than the plan's scoring bytes and ran out of memory under 24 GiB).
+KEY_PIECES = 8
 
 
 class SliceReader:
@@ -57,13 +65,20 @@ class SliceReader:
     def keys(self, start: int, end: int) -> torch.Tensor:
         """The keys of tokens [start, end) -> [end - start, G, D] on the device: only they cross
         PCIe from a full-precision host tier (half the bytes of `__call__`); a quantized tier's
-        rows hold keys and values together, so they are read and unpacked whole."""
+        rows hold keys and values together, so they are read and unpacked whole, `KEY_PIECES`
+        pieces a range (the unpacked values of one piece at a time)."""
         if not 0 <= start <= end <= self.length:
             raise IndexError(f"keys({start}, {end}) outside the {self.length} stored tokens")
-        if self.packed is not None:
-            return self(start, end)[:, 0]
         lay = self.layout
         dst = torch.empty(end - start, lay.group_size, lay.head_dim, dtype=lay.dtype, device=self.device)
+        if self.packed is not None:
+            g = self.packed.codec.group
+            per = -(-(end - start) // KEY_PIECES)
+            piece = max(g, -(-per // g) * g)  # whole rows; pieces start on row bounds
+            edges = [start, *range((start // piece + 1) * piece, end, piece), end]
+            for lo, hi in pairwise(edges):
+                dst[lo - start : hi - start] = self(lo, hi)[:, 0]
+            return dst
         self.streams.wait([self.host.last_write])
         self.host.read_keys_into(dst, start, end)
         self.account.h2d_bytes += (end - start) * lay.token_bytes // 2
