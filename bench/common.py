@@ -26,6 +26,7 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_total_bytes=p.total_memory, cuda=torch.version.cuda)
+        info.update(link_rates())
     try:
         import transformers
 
@@ -71,6 +72,26 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
     dst.copy_(src, non_blocking=True)
     times = [timed(lambda: dst.copy_(src, non_blocking=True))[0] for _ in range(5)]
     return nbytes / median(times) / 1e9
+
+
+def link_rates(nbytes: int = 1 << 28) -> dict[str, float]:
+    """The machine start's pinned host-to-device rate and host-memory read rate (GB/s), measured
+    when results are written: decode over offloaded KV follows them, and they differ between
+    starts of the same machine kind (issue 19: 512K decode 17.35 and 8.89 tok/s on two starts).
+    Empty when the GPU has no room left for the probe."""
+    try:
+        h2d = pinned_h2d_gbps(nbytes)
+        x = torch.ones(nbytes // 4)
+        x.sum()
+        t = time.perf_counter()
+        for _ in range(3):
+            x.sum()
+        host = 3 * nbytes / (time.perf_counter() - t) / 1e9
+    except (RuntimeError, torch.cuda.OutOfMemoryError):
+        return {}
+    finally:
+        torch.cuda.empty_cache()
+    return {"h2d_gbps": round(h2d, 1), "host_read_gbps": round(host, 1)}
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
