@@ -161,7 +161,7 @@ def engine_plan(
         attention="hip",
         hip_preset=method.removeprefix("hip-"),
         kv_quant=args.kv_quant,
-        hip_host_keys=args.host_scoring or None,  # its plan: caches on the staging bytes decode frees
+        hip_host_keys=args.host_scoring,  # as the kernel: with host keys caches take the staging bytes
     )
     placed = plan_for(inputs, choice)
     return placed.plan, placed.cache_tokens

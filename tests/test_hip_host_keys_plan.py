@@ -1,7 +1,7 @@
-"""How HiP is planned with host keys (`--hip-host-keys on`): decode never streams a slice, the
-store gives its staging buffers back while it decodes, so the block caches may take their bytes
-(`plan_hip(staging_idle_in_decode=True)`). No weights: Llama-3.1-8B's shapes on the H200's
-numbers under a 24 GiB cap, as `kvtier generate --gpu-memory 24GiB` plans them."""
+"""How HiP is planned with host keys (`--hip-host-keys on`, or `auto` from 256K): decode never
+streams a slice, the store gives its staging buffers back while it decodes, so the block caches
+may take their bytes (`plan_hip(staging_idle_in_decode=True)`). No weights: Llama-3.1-8B's
+shapes on the H200's numbers under a 24 GiB cap, as `kvtier generate --gpu-memory 24GiB` plans them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from kvtier.loading.presets import preset_config
 from kvtier.methods import parse_choice, plan_for
+from kvtier.methods.hip import host_keys
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.inputs import PlanInputs
 from kvtier.sparse import hip_phase_bytes
@@ -29,7 +30,7 @@ def test_host_keys_give_512k_block_caches_that_cover_a_refresh_interval() -> Non
     caches only; with host keys the same layer slices get caches of a whole refresh interval
     (None), which the freed staging bytes hold: the caches' bytes beyond the 16K ones are less
     than two staging buffers."""
-    plain = plan_for(inputs(), parse_choice("hip"))
+    plain = plan_for(inputs(), parse_choice("hip,hip_host_keys=off"))
     keys = plan_for(inputs(), parse_choice("hip,hip_host_keys=on"))
     assert plain.plan.group_size == keys.plan.group_size == CFG.num_kv_heads
     assert plain.cache_tokens is not None and plain.cache_tokens <= 16384
@@ -44,4 +45,22 @@ def test_without_freed_staging_host_keys_plan_as_streaming() -> None:
     """A server's request over lent pages keeps its staging buffers (carved from the run), so
     its plan takes no credit for them: the same placement as without host keys."""
     base = replace(inputs(), staging_freed_in_decode=False)
-    assert plan_for(base, parse_choice("hip,hip_host_keys=on")) == plan_for(base, parse_choice("hip"))
+    on, off = parse_choice("hip,hip_host_keys=on"), parse_choice("hip,hip_host_keys=off")
+    assert plan_for(base, on) == plan_for(base, off)
+
+
+def test_auto_plans_host_keys_from_256k_without_a_quantized_tier() -> None:
+    """The default (`--hip-host-keys auto`) plans as `on` at 512K and as `off` at 128K (where
+    streaming decoded faster on the H200) and over an int4 tier (whose rows hold keys and
+    values together); the kernel built for the same context agrees with its plan."""
+    on, off = parse_choice("hip,hip_host_keys=on"), parse_choice("hip,hip_host_keys=off")
+    assert plan_for(inputs(), parse_choice("hip")) == plan_for(inputs(), on)
+    assert plan_for(inputs(), parse_choice("hip")) != plan_for(inputs(), off)
+    short = inputs(131_136)
+    assert plan_for(short, parse_choice("hip")) == plan_for(short, off)
+    int4 = parse_choice("hip,kv_quant=int4")
+    assert plan_for(inputs(), int4) == plan_for(inputs(), parse_choice("hip,kv_quant=int4,hip_host_keys=off"))
+    assert host_keys(parse_choice("hip").options(), CONTEXT)
+    assert not host_keys(parse_choice("hip").options(), 131_136)
+    assert not host_keys(parse_choice("hip").options(), None)  # context not known
+    assert not host_keys(int4.options(), CONTEXT)

@@ -243,8 +243,9 @@ def test_hip_auto_preset_is_lean_past_the_trained_length(tiny: Path) -> None:
 
 def test_hip_host_keys_reaches_the_kernel_from_a_spec_and_a_flag(tiny: Path) -> None:
     """`hip,hip_host_keys=on` (a request's spec) and `--hip-host-keys on` (the CLI) turn on
-    `HipConfig.host_scoring` and say so in the method's description; "off" leaves it off; any
-    other value names the two."""
+    `HipConfig.host_scoring` and say so in the method's description; "off" leaves it off; "auto"
+    (the default) turns it on for a 512K request without a quantized tier; any other value names
+    the three."""
     from kvtier.cli.main import build_parser
     from kvtier.cli.options import method_kwargs
     from kvtier.methods.spec import parse_choice
@@ -255,8 +256,13 @@ def test_hip_host_keys_reaches_the_kernel_from_a_spec_and_a_flag(tiny: Path) -> 
     assert kernel.cfg.host_scoring and parts.describe.endswith("stage 0 on host keys")
     off: Any = parse_choice("hip,hip_host_keys=off").build(cfg, cpu, None).kernel
     assert not off.cfg.host_scoring
-    with pytest.raises(ConfigError, match="on or off"):
+    with pytest.raises(ConfigError, match="on, off or auto"):
         parse_choice("hip,hip_host_keys=yes")
+    assert parse_choice("hip,hip_host_keys=auto").hip_host_keys is None
+    at_512k: Any = parse_choice("hip").build(cfg, cpu, None, context=512 * 1024).kernel
+    assert at_512k.cfg.host_scoring  # auto, the default
+    int4: Any = parse_choice("hip,kv_quant=int4").build(cfg, cpu, None, context=512 * 1024).kernel
+    assert not int4.cfg.host_scoring
     flags = ["generate", "--prompt", "x", "--attention", "hip", "--hip-host-keys", "on"]
     args = build_parser().parse_args(flags)
     assert method_kwargs(args)["hip_host_keys"] is True

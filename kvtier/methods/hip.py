@@ -33,10 +33,30 @@ def _refresh(text: str) -> str:
     return text
 
 
-def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise ConfigError(f"--hip-host-keys takes on or off, got {text!r}")
-    return text == "on"
+def _on_off(text: str) -> bool | None:
+    if text not in ("on", "off", "auto"):
+        raise ConfigError(f"--hip-host-keys takes on, off or auto, got {text!r}")
+    return None if text == "auto" else text == "on"
+
+
+# `--hip-host-keys auto` (the default) reads stage-0 keys from the host from this context on, over
+# a full-precision host tier. H200, the same machine start, Llama-3.1-8B shapes through the CLI
+# under 24 GiB: 0.85x streaming's decode rate at 128K (`hip_cli_speed_128k_host_keys.json`: the
+# misses' small fetches cost more than the halved bytes save), 1.56x at 512K
+# (`hip_cli_speed_512k_hip_host_keys_ab.json` beside `hip_cli_speed_512k_hip_slab.json`); a
+# straight line through the two crosses near 180K. A quantized tier's rows hold keys and values
+# together, so host keys would read what streaming reads: auto leaves them off there.
+HOST_KEYS_FROM = 256 * 1024
+
+
+def host_keys(options: Mapping[str, Any], context: int | None) -> bool:
+    """Whether stage-0 reruns read host keys (`HipConfig.host_scoring`) for a request of
+    `context` tokens (None: not known): as asked, or under auto from `HOST_KEYS_FROM` tokens on
+    a full-precision host tier. The plan and the kernel both ask, with the same context."""
+    asked = options.get("hip_host_keys")
+    if asked is not None:
+        return bool(asked)
+    return context is not None and context >= HOST_KEYS_FROM and options.get("kv_quant") is None
 
 
 def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
@@ -53,7 +73,7 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
         layers_first=inputs.kv == "auto" and inputs.head_group is None,
         chunk_size=inputs.chunk_size,
         hardware=inputs.hardware,
-        staging_idle_in_decode=bool(options.get("hip_host_keys")) and inputs.staging_freed_in_decode,
+        staging_idle_in_decode=host_keys(options, inputs.context) and inputs.staging_freed_in_decode,
     )
     return Placement(hip.plan, hip.cache_tokens, hip.reserve_bytes)
 
@@ -63,19 +83,19 @@ def _build(ctx: BuildContext) -> PolicyParts:
     preset = resolve_preset(asked, ctx.cfg, ctx.context)
     refresh = ctx.options.get("hip_refresh")
     hip = hip_config(preset, refresh)
-    host_keys = bool(ctx.options.get("hip_host_keys"))
+    on_host = host_keys(ctx.options, ctx.context)
     kernel, unrotated = make_hip_kernel(
         ctx.cfg,
         ctx.device,
         preset,
         cache_tokens=ctx.hip_cache_tokens,
         refresh=hip.refresh,
-        host_scoring=host_keys,
+        host_scoring=on_host,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
     every = "" if refresh is None else f", refresh {refresh}"
-    keys = ", stage 0 on host keys" if host_keys else ""
+    keys = ", stage 0 on host keys" if on_host else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
     return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=describe)
 
@@ -113,6 +133,7 @@ HIP = register(
         _on_off,
         "on: a decode step that reruns HiP's stage 0 on an offloaded slice reads the slice's "
         "keys from host memory (half the bytes of streaming it whole) and the rest through the "
-        "block cache; same output (default off: not measured on a GPU yet)",
+        "block cache; same output. auto (the default): on from 256K tokens without --kv-quant "
+        "(H200: 1.56x streaming's decode rate at 512K, 0.85x at 128K)",
     ),
 )
