@@ -125,6 +125,12 @@
 #   came: 66, 1, 64 and 67 ran at b0c523e (all green; host keys 17.35 tok/s at 512K); 65 on a
 #   fresh start ran past its 240 s (the 8B folder first). NEXT: 65 right after 67 on one warm
 #   machine (the same-start A/B), then 63 (call A), 68, 69.
+# The twenty-seventh ran 69 (OOM: SliceReader.keys over int4 unpacked a slab whole; fixed), 67 then
+#   65 on one warm start (host keys 8.89 vs 5.71 tok/s at 512K), 68 (128K: 0.85x) and 63 (1M int4
+#   0.349 s/token) at 3a6ab57, then made `--hip-host-keys auto` the default (on from 256K without
+#   --kv-quant). NEXT: 69 again (after the fix), the smoke (group 1, then 64), and 67 once more
+#   with the rates bench JSONs now record (machine.h2d_gbps, host_read_gbps) to explain the
+#   17.35 vs 8.89 tok/s of two starts.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -171,8 +177,8 @@ case "$group" in
   # 512K through the CLI after the slab change (8-head slices: their slab is unchanged; the
   # HiP reserve grew ~143 MB, so the plan may differ): 9.85 tok/s at e85b67e. Needs the GGUF
   # (the 8B folder takes its tokenizer).
-  run 240 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
-    --timeout 230 --warmup-tokens 0 --name hip_cli_speed_512k_hip_slab
+  run 290 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_host_keys=off" --new-tokens 64 \
+    --timeout 280 --warmup-tokens 0 --name hip_cli_speed_512k_hip_slab
   ;;
 66)
   # issue 19: stage-0 decode reruns scored on keys read from pinned host memory (8bf13d8,
