@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from kvtier.config import ModelConfig
+from kvtier.kv.device_memory import RegionMemory, fitting, region_buffers
+from kvtier.kv.layout import KVLayout
 from kvtier.kv.reader import KEY_PIECES, SliceReader
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.methods.spec import parse_choice
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
-from kvtier.sparse import HipConfig, HipKernel, make_hip_kernel
+from kvtier.sparse import HipConfig, HipKernel, cache_bank_bytes, make_hip_kernel
 from kvtier.sparse.gpu_cache import BlockCache, block_ids
 from kvtier.sparse.opcount import OpCounter
 from tests.hf_reference import drive, make_hf_model
@@ -336,6 +338,55 @@ def test_cache_memory_follows_capacity_and_reset_frees_it(gqa: tuple[CausalLM, M
     assert kernel.gpu_cache_bytes() == SLICES * (18 * 4 * TOKEN_BYTES + 2 * 18 * 8)
     kernel.reset()
     assert kernel.gpu_cache_bytes() == 0
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_block_caches_placed_in_a_region_come_from_it_once_and_stay_bitwise(
+    gqa: tuple[CausalLM, ModelConfig], per_head: bool
+) -> None:
+    """A store over memory it was given (a server's lent pages) hands the kernel that memory
+    after its own buffers (`place_caches`): each streamed slice's block cache is a bank of
+    `cache_bank_bytes` in it, where `region_buffers` plus HiP's `method_buffers` say. A prompt
+    chunk after decode empties the caches but keeps them (a region frees nothing piecewise), so
+    the region's use does not grow; tokens and logits equal the caching allocator's."""
+    model, cfg = gqa
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(9))
+    bank = cache_bank_bytes(cfg, kernel_for(cfg, per_head=per_head).cfg, 1, 4)
+    lay = KVLayout.of(cfg, 1, 5, torch.float32)
+    sizes = region_buffers(lay, plan("head"), PROMPT + DECODE) + [bank] * SLICES
+    region = torch.zeros(fitting(sizes, 1 << 40), dtype=torch.uint8)
+    lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
+    runs: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
+    for where in ("allocator", "region"):
+        kernel = kernel_for(cfg, per_head=per_head)
+        memory = RegionMemory(region) if where == "region" else None
+        store = TieredKVStore(
+            cfg, plan("head"), device=CPU, dtype=torch.float32, capacity=PROMPT + DECODE,
+            options=StoreOptions(block_size=5, extent_blocks=4), kernel=kernel,
+            rotate_keys=not kernel.needs_unrotated_keys, memory=memory,
+        )  # fmt: skip
+        logits, tokens = drive(model, store, ids[:104], CHUNK, 8)
+        banks = {sl: c.bank.data_ptr() for sl, c in kernel._gpu.items()}
+        used = None if memory is None else memory.used
+        store.begin_step(16)
+        logits.append(model(ids[104:], store, logits_at=torch.arange(16)))
+        store.end_step()
+        for _ in range(8):
+            tokens.append(int(logits[-1][-1].argmax()))
+            store.begin_step(1)
+            logits.append(model(torch.tensor([tokens[-1]]), store))
+            store.end_step()
+        if memory is not None:
+            assert len(banks) == SLICES and all(lo <= p < hi for p in banks.values())
+            assert {sl: c.bank.data_ptr() for sl, c in kernel._gpu.items()} == banks  # the same banks
+            assert all(c.bank.numel() * 4 == bank for c in kernel._gpu.values())
+            assert memory.used == used and memory.spilled == 0 and region.numel() - memory.used < 512
+        else:
+            assert all(not lo <= p < hi for p in banks.values())
+        runs[where] = logits, tokens
+        store.close()
+    assert runs["region"][1] == runs["allocator"][1]
+    assert_same(runs["region"][0], runs["allocator"][0])
 
 
 def test_more_prompt_after_decode_frees_the_decode_caches_first(gqa: tuple[CausalLM, ModelConfig]) -> None:

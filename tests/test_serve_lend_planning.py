@@ -34,13 +34,16 @@ from kvtier.serve.tiered import plan_store
 CONTEXT = 262_144 + 16
 
 
-def outside_the_run(plan: KVPlan, engine: Engine) -> int:
-    """GPU bytes the plan keeps beside the weights and outside its run of lent pages."""
+def outside_the_run(plan: KVPlan, engine: Engine, placed: Placement | None = None) -> int:
+    """GPU bytes the plan keeps beside the weights and outside its run of lent pages (with
+    `placed`, its method's: the reserve, less its `method_buffers` that fit the run)."""
     layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
     buffers = region_buffers(layout, plan, CONTEXT, packing=plan.packed is not None)
+    extra = 0 if placed is None else placed.reserve_bytes
+    buffers += [] if placed is None else list(placed.method_buffers)
     used = fitting(buffers, engine.offer * PAGE_BYTES)
     act = activation_bytes(CFG, plan.chunk_size, 2, group_size=plan.group_size, context=CONTEXT)
-    return act + plan.gpu_kv_bytes - used
+    return act + plan.gpu_kv_bytes + extra - used
 
 
 @pytest.mark.parametrize("budget_gb", [17.0, 17.5, 18.0, 19.0, 21.0])
@@ -65,10 +68,10 @@ def test_a_long_request_borrows_pages_and_keeps_the_rest_within_the_reserve(budg
 def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reserve(
     spec: str, budget_gb: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What HiP (block caches, decode buffers, RoPE table) and Quest (page bounds) keep on the
-    GPU besides the store stays with the caching allocator: what the request keeps outside the
-    run, those included, fits the reserve, its buffers fill part of the run, and with the pages
-    it keeps at least as much KV on the GPU as over the reserve alone."""
+    """What HiP (decode buffers, RoPE table; block caches that miss the run) and Quest (page
+    bounds) keep on the GPU besides the store stays with the caching allocator: what the request
+    keeps outside the run, those counted whole, fits the reserve, its buffers fill part of the
+    run, and with the pages it keeps at least as much KV on the GPU as over the reserve alone."""
     engine = Engine(budget=int(budget_gb * 1e9), offer=661)
     method = parse_choice(spec)
     seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
@@ -81,15 +84,51 @@ def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reser
     monkeypatch.setattr(tiered, "plan_for", recorded)
     plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
     assert first == 1 and len(engine.lent) == 1
-    reserve = next(p.reserve_bytes for p in reversed(placements) if p.plan == plan)
-    assert reserve > 1e9  # HiP's ~1-3 GB, Quest's ~2 GB at 256K
+    placed = next(p for p in reversed(placements) if p.plan == plan)
+    assert placed.reserve_bytes > 1e9  # HiP's ~1-3 GB, Quest's ~2 GB at 256K
     room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
-    assert outside_the_run(plan, engine) + reserve <= room
+    assert outside_the_run(plan, engine, placed) <= room
     layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
     assert fitting(region_buffers(layout, plan, CONTEXT), engine.lent[0] * PAGE_BYTES) > 0
     alone = Engine(budget=engine.budget, offer=0)
     plan_alone, _, none = plan_store(alone, seq)  # type: ignore[arg-type]
     assert none is None and plan.gpu_kv_bytes >= plan_alone.gpu_kv_bytes
+
+
+def test_hips_block_caches_are_lent_pages_so_256k_fits_a_19_gb_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HiP's placement lists the block cache of each streamed slice (`method_buffers`, the bank
+    `CachedDecode` allocates), and `plan_store` fits them into the lent run after the store's
+    buffers: at 19 GB a 256K request, which the reserve alone cannot hold (its caches took
+    2.40 GB of it), runs with its caches in pool pages."""
+    from kvtier.sparse import cache_bank_bytes, hip_config
+
+    engine = Engine(budget=int(19e9), offer=661)
+    method = parse_choice("hip")
+    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
+    placements: list[Placement] = []
+
+    def recorded(inputs: PlanInputs, choice: MethodChoice) -> Placement:
+        placements.append(plan_for(inputs, choice))
+        return placements[-1]
+
+    monkeypatch.setattr(tiered, "plan_for", recorded)
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1
+    placed = next(p for p in reversed(placements) if p.plan == plan)
+    config = replace(hip_config("lean"), cache_tokens=placed.cache_tokens)  # `auto` past 8K: lean
+    bank = cache_bank_bytes(CFG, config, plan.group_size, 2)
+    assert placed.method_buffers == (bank,) * plan.streamed_slices and plan.streamed_slices > 0
+    layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
+    run = engine.lent[0] * PAGE_BYTES
+    store_only = fitting(region_buffers(layout, plan, CONTEXT), run)
+    with_caches = fitting([*region_buffers(layout, plan, CONTEXT), *placed.method_buffers], run)
+    assert with_caches - store_only >= bank  # at least one cache is in the run
+    room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    assert outside_the_run(plan, engine, placed) <= room
+    with pytest.raises(CapacityError):
+        plan_store(Engine(budget=engine.budget, offer=0), seq)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("budget_gb", [17.5, 21.0])

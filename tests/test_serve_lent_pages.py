@@ -109,7 +109,9 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     """A request streaming from the host (lossless "head", HiP, Quest or quantized) over a pool
     with room: its staging buffers are views of pool pages, lent from the top while short
     requests take pages from the bottom, its tokens equal `LLM.generate`, and the pages come
-    back at its end. HiP's caches and Quest's page bounds stay with the caching allocator."""
+    back at its end. HiP's block caches (36K tokens a slice under `fast`) do not fit this run and
+    spill to the caching allocator (`test_a_hip_request_keeps_its_block_caches_in_lent_pages`);
+    Quest's page bounds stay with the caching allocator."""
     g = torch.Generator().manual_seed(9)
     long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
     shorts = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (7, 13)]
@@ -129,6 +131,8 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
         base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
         seen["inside"] = all(base <= b.data_ptr() < end for b in run.store.ring.buffers)
         seen["kernel"] = type(run.store.kernel).__name__
+        banks = [c.bank for c in getattr(run.store.kernel, "_gpu", {}).values()]
+        seen["banks_inside"] = len(banks), all(base <= b.data_ptr() < end for b in banks)
         seen["lent"] = dict(pool.lent)
         seen["short_pages"] = [p for s in engine.scheduler.running for p in s.block_table]
         seen["metrics"] = render(engine, "m").splitlines()
@@ -142,6 +146,8 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     assert seen["kernel"] == KERNELS[spec]
     assert [tokens(q) for q in short_qs] == [list(t) for t in expected_short]
     assert seen["inside"] is True
+    if KERNELS[spec] == "HipKernel":
+        assert seen["banks_inside"] == (6, False)  # 3 layers x 2 KV heads: spilled, as planned
     lent = seen["lent"]
     assert isinstance(lent, dict) and len(lent) == 1
     ((first, count),) = lent.items()
@@ -150,6 +156,36 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     assert f'kvtier:kv_pages_used{{model_name="m",tier="gpu_lent"}} {count}' in seen["metrics"]  # type: ignore[operator]
     assert pool.lent == {} and pool.num_free == 1024  # given back
     assert engine.offloaded == 1
+
+
+def test_a_hip_request_keeps_its_block_caches_in_lent_pages(llm: LLM) -> None:
+    """A streaming HiP request over a pool with room for them: after its staging buffers, the
+    block cache of each streamed slice is carved from its run of pool pages too (the plan's
+    `method_buffers`), its tokens equal `LLM.generate`, and the pages come back."""
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    params, spec = SamplingParams(max_tokens=6), "hip,hip_preset=fast,kv=head"
+    expected = llm.generate(ids, params, method=spec)[0].token_ids
+    pages = 24_576  # 3 KB pages: a run of up to half of them holds six 4.6 MB banks
+    config = ServeConfig(page_size=4, num_pages=pages, tiered_share=0.5, tiered_keep_tokens=4)
+    engine = ServeEngine(llm, config)
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        (run,) = engine._tiered.values()
+        assert run.store is not None
+        storage = engine.store.storage
+        base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
+        banks = [c.bank for c in getattr(run.store.kernel, "_gpu", {}).values()]
+        seen["banks_inside"] = len(banks), all(base <= b.data_ptr() < end for b in banks)
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice(spec))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected)
+    assert seen["banks_inside"] == (6, True)  # 3 layers x 2 KV heads, each streamed
+    assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == pages
 
 
 def test_lending_leaves_the_batch_its_share_and_what_a_full_batch_keeps(llm: LLM) -> None:

@@ -8,6 +8,7 @@ model code never changes for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -80,6 +81,21 @@ class PrefillAwareKernel(Protocol):
     more than one token, so that memory is free while the chunk's activations are live."""
 
     def begin_prefill(self) -> None: ...
+
+
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""Uninitialised device tensors of (shape, dtype) from memory someone else owns and frees whole
+(`kvtier.kv.device_memory.DeviceMemory.empty`)."""
+
+
+@runtime_checkable
+class PlacesCaches(Protocol):
+    """A slice kernel whose decode caches may live in the memory the store was given (a server's
+    lent pool pages) instead of the caching allocator: the store hands it `alloc` once, after
+    its own buffers; the kernel then allocates its caches there once and keeps them across
+    prefill steps (a region frees nothing one by one)."""
+
+    def place_caches(self, alloc: Alloc) -> None: ...
 
 
 @runtime_checkable

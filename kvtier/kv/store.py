@@ -37,6 +37,7 @@ from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_int
 from kvtier.attention.interface import (
     CachingSliceKernel,
     DenseKernel,
+    PlacesCaches,
     PrefillAwareKernel,
     SliceKernel,
     SliceStep,
@@ -207,6 +208,11 @@ class TieredKVStore:
                 device_slices=self.on_device,
                 memory=self.memory,
             )
+        # A kernel's decode caches (HiP's block caches) come after the store's buffers from memory
+        # the store was given (a server's lent pages: `kvtier.methods.registry.Placement`'s
+        # `method_buffers` lists them after `region_buffers`), else from the caching allocator.
+        if not isinstance(self.memory, CachingMemory) and isinstance(self.kernel, PlacesCaches):
+            self.kernel.place_caches(self.memory.empty)
         # The plan's CPU-attended slices (kvtier.kv.cpu_attend): dense attention over the host
         # tier's KV, full precision or packed (the values a load would unpack); any other store
         # streams them as usual.

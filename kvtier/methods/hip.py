@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -16,7 +17,14 @@ from kvtier.methods.registry import (
     register,
 )
 from kvtier.policies import PolicyParts
-from kvtier.sparse import AUTO_PRESET, PRESET_NAMES, hip_config, make_hip_kernel, resolve_preset
+from kvtier.sparse import (
+    AUTO_PRESET,
+    PRESET_NAMES,
+    cache_bank_bytes,
+    hip_config,
+    make_hip_kernel,
+    resolve_preset,
+)
 from kvtier.sparse.config import REFRESH_PRESETS
 from kvtier.sparse.planning import plan_hip
 
@@ -63,19 +71,26 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
     """HiP's slicing and chunk search (`kvtier.sparse.planning.plan_hip`): whole layers first when
     the `auto` policy has no group given, with the largest block cache that fits."""
     preset = resolve_preset(str(options["hip_preset"]), inputs.cfg, inputs.context)
+    config = hip_config(preset, options.get("hip_refresh"))
     hip = plan_hip(
         inputs.cfg,
         inputs.context,
         plan_with,
         gpu_budget=inputs.gpu_budget,
-        preset=hip_config(preset, options.get("hip_refresh")),
+        preset=config,
         dtype_bytes=inputs.dtype_bytes,
         layers_first=inputs.kv == "auto" and inputs.head_group is None,
         chunk_size=inputs.chunk_size,
         hardware=inputs.hardware,
         staging_idle_in_decode=host_keys(options, inputs.context) and inputs.staging_freed_in_decode,
     )
-    return Placement(hip.plan, hip.cache_tokens, hip.reserve_bytes)
+    # Each streamed slice's block cache, which the kernel allocates from the store's memory when
+    # that is a server's lent pages (`HipKernel.place_caches`).
+    bank = cache_bank_bytes(
+        inputs.cfg, replace(config, cache_tokens=hip.cache_tokens), hip.plan.group_size, inputs.dtype_bytes
+    )
+    banks = (bank,) * hip.plan.streamed_slices
+    return Placement(hip.plan, hip.cache_tokens, hip.reserve_bytes, method_buffers=banks)
 
 
 def _build(ctx: BuildContext) -> PolicyParts:

@@ -84,6 +84,10 @@ class Placement:
     plan: KVPlan
     cache_tokens: int | None = None  # HiP: block cache per offloaded slice (None: a refresh interval)
     reserve_bytes: int = 0  # the method's GPU bytes taken off the budget before the store's plan
+    # Of those, the buffers its kernel allocates in decode from the memory the store was given
+    # (`kvtier.attention.interface.PlacesCaches`: HiP's block cache of each streamed slice), in
+    # the order it asks for them, after the store's own (`kvtier.kv.device_memory.region_buffers`).
+    method_buffers: tuple[int, ...] = ()
 
 
 PlanWith = Callable[[int | None, int | None, int | None], KVPlan]

@@ -131,7 +131,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     the pool serves borrows pages (`OffloadHost.lendable_pages`):
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
     and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
-    do not fit spill to the caching allocator), taken here, on the engine's thread; the engine
+    do not fit spill to the caching allocator), and after them its method's decode caches
+    (`Placement.method_buffers`: HiP's block caches), taken here, on the engine's thread; the engine
     takes the run back once the store is freed. Raises `CapacityError` when it fits nowhere."""
     llm = engine.llm
     method = run_method(engine, seq)
@@ -183,7 +184,8 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         except CapacityError:
             break
         layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
-        used = fitting(region_buffers(layout, trial.plan, context, packing=packing), offer * page_bytes)
+        buffers = region_buffers(layout, trial.plan, context, packing=packing) + list(trial.method_buffers)
+        used = fitting(buffers, offer * page_bytes)
         over = 0 if room is None else estimate(trial) - used - room
         if used and over <= 0:
             lent = -(-used // page_bytes)

@@ -138,6 +138,14 @@ def hip_gpu_bytes(
     return sum(hip_phase_bytes(cfg, preset, dtype_bytes, context, cache_tokens))
 
 
+def cache_bank_bytes(cfg: ModelConfig, hip: HipConfig, group: int, dtype_bytes: int = 2) -> int:
+    """GPU bytes of the block-cache bank of one streamed slice of `group` KV heads under `hip`
+    (its `cache_tokens`; None: a refresh interval): what `CachedDecode._cache_for` allocates,
+    from the store's memory when the kernel was given it (`HipKernel.place_caches`)."""
+    slots = hip.offload_cache_slots(group if hip.per_head else 1)
+    return slots * hip.cache_block * 2 * group * cfg.head_dim * dtype_bytes
+
+
 def hip_phase_bytes(
     cfg: ModelConfig,
     preset: str | HipConfig = "default",
@@ -168,6 +176,7 @@ __all__ = [
     "HipConfig",
     "HipKernel",
     "HipStats",
+    "cache_bank_bytes",
     "hip_config",
     "hip_gpu_bytes",
     "hip_phase_bytes",

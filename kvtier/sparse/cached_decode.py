@@ -22,7 +22,7 @@ from typing import cast
 
 import torch
 
-from kvtier.attention.interface import Fetch, SliceStep
+from kvtier.attention.interface import Alloc, Fetch, SliceStep
 from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positions, refresh_blocks
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
@@ -47,6 +47,7 @@ class CachedDecode:
     _streamed: set[tuple[int, int]]  # slices the store streams (asked about)
     _cover_tokens: dict[int, int]  # heads -> tokens a refresh interval reads
     _stage0: dict[tuple[int, int, int], torch.Tensor]  # stage 0 scored from host keys this step
+    _alloc: Alloc | None  # where block caches' banks come from (None: the caching allocator)
 
     # -- CachingSliceKernel -----------------------------------------------------------------
 
@@ -212,9 +213,8 @@ class CachedDecode:
         sl = (step.layer, step.group)
         if sl not in self._gpu:
             heads = kv.shape[2] if self.cfg.per_head else 1
-            b = self.cfg.cache_block
-            slots = -(-self.cfg.offload_cache_tokens(heads) // b)
-            self._gpu[sl] = BlockCache(slots, b, tuple(kv.shape[1:]), kv.dtype, kv.device)
+            slots, b = self.cfg.offload_cache_slots(heads), self.cfg.cache_block
+            self._gpu[sl] = BlockCache(slots, b, tuple(kv.shape[1:]), kv.dtype, kv.device, self._alloc)
         return self._gpu[sl]
 
     def _fill(self, kv: torch.Tensor, step: SliceStep) -> None:

@@ -174,6 +174,11 @@ class HipConfig:
         window = -(-(self.window + self.refresh[0]) // b) + 1
         return b * (-(-self.sink // b) + selected + window + 1)
 
+    def offload_cache_slots(self, heads: int = 1) -> int:
+        """Blocks of `cache_block` tokens in one streamed slice's GPU block cache: its
+        `offload_cache_tokens(heads)` rounded up to whole blocks."""
+        return -(-self.offload_cache_tokens(heads) // self.cache_block)
+
     def decode_buffer_tokens(self) -> int:
         """Rows of one decode query's gathered attention buffer (`AttendBuffer`), at most: sinks,
         the widest final selection, the window grown until stage 0 reruns, and one spare."""

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.attention.interface import Alloc
+
 
 @dataclass
 class CacheStats:
@@ -70,7 +72,8 @@ class BlockTable:
 
 
 class BlockCache:
-    """LRU cache of `slots` blocks of `block` token rows [2, G, D] of one slice, on `device`."""
+    """LRU cache of `slots` blocks of `block` token rows [2, G, D] of one slice, on `device`
+    (the bank from `alloc` when given)."""
 
     def __init__(
         self,
@@ -79,9 +82,12 @@ class BlockCache:
         row_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
+        alloc: Alloc | None = None,
     ) -> None:
         self.block = block
-        self.bank = torch.empty(slots, block, *row_shape, dtype=dtype, device=device)
+        shape = (slots, block, *row_shape)
+        # The bank from `alloc` (a server's lent pages) when given, else the caching allocator.
+        self.bank = torch.empty(shape, dtype=dtype, device=device) if alloc is None else alloc(shape, dtype)
         self.ids = torch.full((slots,), -1, dtype=torch.long, device=device)
         self.used = torch.full((slots,), -1, dtype=torch.long, device=device)
         self.tick = 0
@@ -102,6 +108,14 @@ class BlockCache:
         self.ids.fill_(-1)
         self.used.fill_(-1)
         self.end = 0
+        self.tail = None
+        self._table = None
+
+    def invalidate(self) -> None:
+        """Mark what the cache holds stale without touching its tensors (a store's prefill step
+        may run outside the inference mode they were made in): the next step that uses it finds
+        `end` matching no position and clears it first."""
+        self.end = -1
         self.tail = None
         self._table = None
 

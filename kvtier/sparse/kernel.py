@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.attention.interface import SliceStep
+from kvtier.attention.interface import Alloc, SliceStep
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
 from kvtier.sparse.block_sparse import attend_blocks
@@ -60,6 +60,8 @@ class HipKernel(CachedDecode):
         # Stage 0's selection scored from host keys this step (`_refresh_from_host`), by
         # (layer, group, head): `_decode` takes it instead of rerunning stage 0.
         self._stage0: dict[tuple[int, int, int], torch.Tensor] = {}
+        # Where block caches' banks come from (`place_caches`; None: the caching allocator).
+        self._alloc: Alloc | None = None
 
     @property
     def last_query_alone(self) -> bool:
@@ -73,9 +75,10 @@ class HipKernel(CachedDecode):
         return self.cfg.extend
 
     def reset(self) -> None:
-        """Forget every cached decode selection and free the block caches (a new sequence)."""
+        """Forget every cached decode selection and free the block caches (a new sequence;
+        caches placed in the store's memory are kept, emptied)."""
         self._cache.clear()
-        self._gpu.clear()
+        self._drop_caches()
         self._streamed.clear()
         self._stage0.clear()
 
@@ -83,10 +86,24 @@ class HipKernel(CachedDecode):
         """Before a prefill step (the store calls it): the step re-prunes every slice and the
         next decode step refills the block caches, so drop the caches and decode selections now,
         which also frees their memory before the chunk's activations exist
-        (`kvtier.sparse.planning` plans the larger of the two phases)."""
+        (`kvtier.sparse.planning` plans the larger of the two phases). Caches placed in the
+        store's memory (`place_caches`) are only emptied: that memory is not freed piecewise."""
         self._cache.clear()
-        self._gpu.clear()
+        self._drop_caches()
         self._stage0.clear()
+
+    def place_caches(self, alloc: Alloc) -> None:
+        """Allocate the block caches' banks with `alloc` from now on (`PlacesCaches`: the store's
+        region of a server's lent pages, which `kvtier.methods.hip` lists in its placement's
+        `method_buffers`, one bank per streamed slice)."""
+        self._alloc = alloc
+
+    def _drop_caches(self) -> None:
+        if self._alloc is None:
+            self._gpu.clear()
+            return
+        for cache in self._gpu.values():
+            cache.invalidate()
 
     def gpu_cache_bytes(self) -> int:
         """GPU bytes of the block caches of streamed slices (proportional to cache capacity)."""
