@@ -128,9 +128,11 @@
 # The twenty-seventh ran 69 (OOM: SliceReader.keys over int4 unpacked a slab whole; fixed), 67 then
 #   65 on one warm start (host keys 8.89 vs 5.71 tok/s at 512K), 68 (128K: 0.85x) and 63 (1M int4
 #   0.349 s/token) at 3a6ab57, then made `--hip-host-keys auto` the default (on from 256K without
-#   --kv-quant). NEXT: 69 again (after the fix), the smoke (group 1, then 64), and 67 once more
-#   with the rates bench JSONs now record (machine.h2d_gbps, host_read_gbps) to explain the
-#   17.35 vs 8.89 tok/s of two starts.
+#   --kv-quant), and put HiP's block caches of a served request in its lent pages (GPU-facing:
+#   the smoke's serve part now sends a streaming HiP request beside the batch). NEXT: the smoke
+#   (the GGUF's two-call setup with group 1, then 64), 69 again (after the fix; no GGUF), and 70
+#   (512K through the CLI with the default, recording the start's link and host-read rates, to
+#   explain the 17.35 vs 8.89 tok/s of two starts).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -210,6 +212,13 @@ case "$group" in
   # buffers given back in decode and the block caches planned on their bytes (cbd7b07). No GGUF.
   run 330 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
     --no-dense --kv-quant int4 --host-scoring --name hip_offload_planned_1m_int4_host_keys
+  ;;
+70)
+  # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
+  # records the machine start's pinned H2D and host-read rates: 17.35 and 8.89 tok/s on two
+  # starts with the same code. Needs the GGUF (the 8B folder takes its tokenizer).
+  run 290 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
+    --timeout 280 --warmup-tokens 0 --name hip_cli_speed_512k_hip_auto_keys
   ;;
 2)
   run 200 $py bench/serve_gpu.py --cases c1,c16,c64,c1-32k --name serve_gpu
