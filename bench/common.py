@@ -75,10 +75,12 @@ def pinned_h2d_gbps(nbytes: int = 1 << 30) -> float:
 
 
 def link_rates(nbytes: int = 1 << 28) -> dict[str, float]:
-    """The machine start's pinned host-to-device rate and host-memory read rate (GB/s), measured
-    when results are written: decode over offloaded KV follows them, and they differ between
-    starts of the same machine kind (issue 19: 512K decode 17.35 and 8.89 tok/s on two starts).
-    Empty when the GPU has no room left for the probe."""
+    """The machine start's pinned host-to-device rate and host-memory read rate (GB/s) and the
+    host's time per tiny CUDA op from Python (us), measured when results are written: decode
+    over offloaded KV follows them, and they differ between starts of the same machine kind
+    (issue 19: 512K decode 17.35 and 8.89 tok/s on two starts; the slower start's short decode
+    steps took twice the wall time over the same device work). Empty when the GPU has no room
+    left for the probe."""
     try:
         h2d = pinned_h2d_gbps(nbytes)
         x = torch.ones(nbytes // 4)
@@ -87,11 +89,18 @@ def link_rates(nbytes: int = 1 << 28) -> dict[str, float]:
         for _ in range(3):
             x.sum()
         host = 3 * nbytes / (time.perf_counter() - t) / 1e9
+        one = torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            one.add_(1)
+        torch.cuda.synchronize()
+        launch = (time.perf_counter() - t) / 2000 * 1e6
     except (RuntimeError, torch.cuda.OutOfMemoryError):
         return {}
     finally:
         torch.cuda.empty_cache()
-    return {"h2d_gbps": round(h2d, 1), "host_read_gbps": round(host, 1)}
+    return {"h2d_gbps": round(h2d, 1), "host_read_gbps": round(host, 1), "launch_us": round(launch, 2)}
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
