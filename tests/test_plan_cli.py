@@ -140,8 +140,8 @@ def test_plan_predicts_lossy_pcie_bytes(capsys: CapSys) -> None:
 
 def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys) -> None:
     """llama-3-8b on 24 GB of an H200: at 128K whole layers with the block cache of a whole
-    refresh interval; at 512K whole layers with a smaller cache (a layer's two staging buffers take
-    4.3 GB); at 768K 4-head slices. Always whole slices in staging."""
+    refresh interval; at 512K whole layers, with a smaller cache when decode streams (a layer's
+    two staging buffers take 4.3 GB); at 768K 4-head slices. Always whole slices in staging."""
     base = ["--model", "llama-3-8b", "--gpu", "h200", "--gpu-memory", "24GB", "--host-memory", "125GiB"]
     hips = {
         c: _json(capsys, *base, "--context", c, "--attention", "hip", "--hip-preset", "fast")["hip"]
@@ -149,12 +149,19 @@ def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys)
     }
     assert (hips["128K"]["group_size"], hips["128K"]["cache_tokens_per_slice"]) == (8, None)
     assert hips["512K"]["group_size"] == 8 and hips["512K"]["per_layer"]
-    assert 8192 <= hips["512K"]["cache_tokens_per_slice"] <= 16384
+    # From 256K stage 0 reads host keys (`--hip-host-keys auto`): decode streams nothing, so the
+    # caches also take the staging buffers' bytes and cover a refresh interval; streaming, the
+    # staging buffers leave room for smaller ones.
+    assert hips["512K"]["cache_tokens_per_slice"] is None
+    streaming = _json(capsys, *base, "--context", "512K", "--attention", "hip", "--hip-preset", "fast",
+                      "--hip-host-keys", "off")["hip"]  # fmt: skip
+    assert streaming["group_size"] == 8 and 8192 <= streaming["cache_tokens_per_slice"] <= 16384
     assert hips["768K"]["group_size"] == 4 and not hips["768K"]["per_layer"]
     # Prefill chunks by HiP's roofline: 16K at 512K (dense's roofline: 4K), with layer slices still,
     # since decode's block caches and prefill's activations are planned as phases.
     assert hips["512K"]["chunk_size"] == 16384 and 4096 < hips["128K"]["chunk_size"] < 16384
-    assert hips["512K"]["hip_gpu_gb"] < hips["128K"]["hip_gpu_gb"]
+    assert streaming["hip_gpu_gb"] < hips["128K"]["hip_gpu_gb"]
+    assert hips["512K"]["host_keys"] and not hips["128K"]["host_keys"] and not streaming["host_keys"]
     # Errors before allocating: room for the weights but not for whole slices next to the caches;
     # or not even for the weights once HiP's GPU bytes are taken.
     small = ["--model", "llama-3-8b", "--gpu", "h200", "--context", "768K", "--attention", "hip"]

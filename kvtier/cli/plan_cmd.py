@@ -204,6 +204,13 @@ def add_parser(subparsers: Any) -> None:
         "--hip-refresh", type=OPTIONS["hip_refresh"].parse, default=None, help=OPTIONS["hip_refresh"].help
     )
     p.add_argument(
+        "--hip-host-keys",
+        type=OPTIONS["hip_host_keys"].parse,
+        default=None,
+        metavar="{on,off,auto}",
+        help=OPTIONS["hip_host_keys"].help,
+    )
+    p.add_argument(
         "--tensor-parallel",
         type=int_type("--tensor-parallel"),
         default=1,
@@ -316,7 +323,15 @@ def run(args: argparse.Namespace) -> int:
     lossy = (
         lossy_lines(req, rep.plan, args.kv_quant, args.head_sparsity) if args.attention == "dense" else None
     )
-    hip = hip_lines(req, args.attention, args.hip_preset, args.kv_quant, args.head_sparsity, args.hip_refresh)
+    hip = hip_lines(
+        req,
+        args.attention,
+        args.hip_preset,
+        args.kv_quant,
+        args.head_sparsity,
+        args.hip_refresh,
+        args.hip_host_keys,
+    )
     evict = evict_lines(req, args.evict, args.kv_budget, args.max_new_tokens, others=bool(lossy or hip))
     parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:

@@ -9,6 +9,7 @@ from typing import Any
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.methods import MethodChoice, plan_for
 from kvtier.methods.duo import DUO_RECENT, DUO_SINKS
+from kvtier.methods.hip import host_keys as uses_host_keys
 from kvtier.planner.memory import round_up
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.report import PlanRequest
@@ -65,12 +66,16 @@ def hip_lines(
     kv_quant: str | None = None,
     head_sparsity: float | None = None,
     refresh: str | None = None,
+    host_keys: bool | None = None,
 ) -> dict[str, Any] | None:
     """The plan under a sparse attention method with a planner hook (None for dense), over
     `kv_quant`'s packed KV when given (`refresh`: HiP's decode refresh intervals by name, None:
-    the preset's): slices, block cache per offloaded slice, the method's GPU bytes, host KV and
-    its prefill chunk. A method it does not combine with is a ConfigError."""
+    the preset's; `host_keys`: `--hip-host-keys`, None: auto): slices, block cache per offloaded
+    slice, the method's GPU bytes, host KV and its prefill chunk. A method it does not combine
+    with is a ConfigError."""
     if attention == "dense":
+        if host_keys is not None:
+            raise ConfigError("--hip-host-keys applies only with --attention hip")
         return None
     choice = MethodChoice(
         kv=req.policy,
@@ -78,6 +83,7 @@ def hip_lines(
         attention=attention,
         hip_preset=preset,
         hip_refresh=refresh,
+        hip_host_keys=host_keys,
         kv_quant=kv_quant,
         head_sparsity=head_sparsity,
     )
@@ -86,6 +92,7 @@ def hip_lines(
     return {
         "preset": resolve_preset(preset, req.cfg, req.context),
         "refresh": refresh,
+        "host_keys": attention == "hip" and uses_host_keys(choice.options(), req.context),
         "kv_quant": kv_quant,
         "host_kv_gb": plan.host_kv_bytes / 1e9,
         "group_size": plan.group_size,
@@ -118,8 +125,9 @@ def format_hip(hip: dict[str, Any]) -> str:
     selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
     packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
     refresh = "" if hip["refresh"] is None else f", refresh {hip['refresh']}"
+    keys = ", stage 0 on host keys" if hip["host_keys"] else ""
     return (
-        f"\nwith --attention hip ({hip['preset']}{refresh}){packed}: {hip['num_slices']} slices of "
+        f"\nwith --attention hip ({hip['preset']}{refresh}{keys}){packed}: {hip['num_slices']} slices of "
         f"{hip['group_size']} KV heads ({selection}), "
         f"{hip['resident_slices']} resident; block cache per offloaded slice: "
         f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
