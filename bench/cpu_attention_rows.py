@@ -8,7 +8,8 @@ One query token, Llama-3-8B head shapes (head dim 128, 4 query heads per KV head
 caches), rows in 16 MiB extents as the store's packed tier keeps them. Each figure is the best
 of `--reps` interleaved runs; the load average is written next to them (the development machine
 is shared). Reported per case: seconds per call, tokens attended per second, bytes read per
-second (packed bytes for rows), and the speed-up over bf16 at the same thread count.
+second (packed bytes for rows), and the speed-up over bf16 at the same thread count. On AVX-512
+targets `kivi4-narrow` is kivi4 on the 8-float path (`kvtier.attention.cpu_decode.wide_rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from kvtier.attention.cpu_decode import CpuDecoder
+from kvtier.attention.cpu_decode import CpuDecoder, wide_rows
 from kvtier.policies.quant import Fp8Codec, KiviCodec
 
 EXTENT_BYTES = 64 << 20  # bf16 extents, as the store's host tier
@@ -54,6 +55,8 @@ def main() -> None:
         rows = codec.pack(kv)
         per = max(1, ROWS_EXTENT_BYTES // rows.shape[1])
         cases[f"kivi{bits}"] = (codec, list(rows.split(per)), rows.shape[0], rows.numel())
+        if bits == 4 and wide_rows() is not None:  # the 8-float path beside the AVX-512 one
+            cases["kivi4-narrow"] = cases["kivi4"]
     if not args.no_fp8:
         fp8 = Fp8Codec()
         rows = fp8.pack(kv)
@@ -67,6 +70,7 @@ def main() -> None:
         best: dict[str, float] = {}
         for _ in range(args.reps + 1):  # NOTE: the first round warms up (builds, first touch)
             for name, (codec, exts, units, _) in cases.items():
+                wide_rows(not name.endswith("-narrow"))
                 t0 = time.perf_counter()
                 if codec is None:
                     dec.attend(q, exts, units)

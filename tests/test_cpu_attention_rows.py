@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.attention.cpu_decode import CpuDecoder, native_library, plan_row_tasks
+from kvtier.attention.cpu_decode import CpuDecoder, native_library, plan_row_tasks, wide_rows
 from kvtier.policies.quant import Fp8Codec, KiviCodec
 
 NATIVE = native_library() is not None
@@ -126,6 +126,31 @@ def test_native_rows_do_not_depend_on_the_thread_count() -> None:
         dec.close()
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C++ compiler")
+@pytest.mark.parametrize("g,r,d", [(2, 4, 128), (1, 1, 64), (3, 3, 96)])
+def test_wide_4_bit_rows_equal_the_8_float_path_up_to_summation_order(g: int, r: int, d: int) -> None:
+    """On AVX-512 targets 4-bit rows with D a multiple of 32 are attended 16 floats a vector
+    (`wide_rows`): outputs within fp32 rounding of the 8-float path's, both of float64's. Where
+    the target lacks the path, `wide_rows` says so and the switch changes nothing."""
+    codec = KiviCodec(bits=4)
+    q, extents = packed_slice(codec, g, r, d, rows_per_extent=24, extents=2, seed=g * 10 + r)
+    dec = CpuDecoder(2, backend="native")
+    runs = []
+    try:
+        for wide in (True, False):
+            assert wide_rows(wide) in (wide, None)
+            runs.append(dec.start_rows(q, codec, extents, 45, g, d).result())
+    finally:
+        wide_rows(True)
+        dec.close()
+    ref_out, ref_lse = reference(codec, q, extents, 45, g, d)
+    for out, lse in runs:
+        assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(runs[0][1], runs[1][1], rtol=1e-6, atol=1e-6)
 
 
 def test_rows_of_another_shape_are_refused() -> None:

@@ -356,6 +356,7 @@ struct Tokens {
 
 constexpr int KIVI_GROUP = 32;
 static_assert(KIVI_GROUP == BLK, "a packed row is one online-softmax block");
+static_assert(KIVI_GROUP == 32, "attend_row4_wide reads a row's tokens as two vectors of 16");
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -614,6 +615,118 @@ void attend_row(Head<typename Codes<BITS>::Order, R>& hd, const HeadOfRow& at, i
 }
 #endif
 
+#if defined(__AVX512F__) && defined(KVTIER_SHUFFLE)
+// -- 4-bit rows, 16 floats a vector (AVX-512 targets) -----------------------------------------
+//
+// attend_row<4, R> with twice the lanes: 16 bytes of a (token, head)'s codes are 32 values, two
+// 16-value blocks, so one widening gives chunks c and c + 2 (F32S's even values of both blocks)
+// in one vector and c + 1, c + 3 (their odd values) in another. q and the accumulators are
+// paired the same way; a score's two halves are added before its horizontal sum. Halves the
+// widenings, conversions and multiply-adds of the 8-float path, which the CPU is bound by
+// (issue 23: int4 rows were attended at 0.93x the bf16 kernel's token rate on the H200's host).
+
+typedef float v16f __attribute__((vector_size(64)));
+
+int g_wide_rows = 1;  // kvtier_wide_rows: 0 takes the 8-float path (A/B checks and benchmarks)
+inline bool wide4() { return __atomic_load_n(&g_wide_rows, __ATOMIC_RELAXED) != 0; }
+
+inline v16f cat(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline v8f lo8(v16f x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline v8f hi8(v16f x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// 16 bytes of 4-bit codes as floats: even = the low halves (chunks c, c + 2), odd = the high ones.
+inline void nibble_chunks16(const uint8_t* p, v16f& even, v16f& odd) {
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m512 e = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+  const __m512 o = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+  memcpy(&even, &e, 64);
+  memcpy(&odd, &o, 64);
+}
+
+// Head h of a 4-bit row attended from its codes (R <= 4, D a multiple of 32: a value's run of
+// 32 channels is one group of four chunks), as attend_row<4, R>.
+template <int R>
+void attend_row4_wide(Head<F32S, R>& hd, const HeadOfRow& at, int D) {
+  constexpr int TOK = Head<F32S, R>::TOK;
+  const int C = D / 8, Q = D / 32;
+  v16f qa[R][MAX_DV / 4], qb[R][MAX_DV / 4];  // (q * step) of chunks (c, c + 2) and (c + 1, c + 3)
+  float bias[R];
+  for (int h = 0; h < R; ++h) {
+    v8f b = v8f{};
+    for (int c = 0; c < C; ++c) b += hd.q[h][c] * load(at.klo + c * 8);
+    bias[h] = hsum(b);
+    for (int k = 0; k < Q; ++k) {
+      const int c = 4 * k;
+      v8f s[4];
+      for (int j = 0; j < 4; ++j) s[j] = hd.q[h][c + j] * load(at.ks + (c + j) * 8);
+      qa[h][k] = cat(s[0], s[2]);
+      qb[h][k] = cat(s[1], s[3]);
+    }
+  }
+  for (int i = 0; i < KIVI_GROUP; i += TOK) {
+    v16f p[TOK][R];
+    for (int u = 0; u < TOK; ++u)
+      for (int h = 0; h < R; ++h) p[u][h] = v16f{};
+    for (int k = 0; k < Q; ++k) {
+      v16f e[TOK], o[TOK];
+      for (int u = 0; u < TOK; ++u) nibble_chunks16(at.keys(i + u) + 16 * k, e[u], o[u]);
+      for (int h = 0; h < R; ++h)
+        for (int u = 0; u < TOK; ++u) {
+          p[u][h] += qa[h][k] * e[u];
+          p[u][h] += qb[h][k] * o[u];
+        }
+    }
+    for (int u = 0; u < TOK; ++u)
+      for (int h = 0; h < R; ++h) hd.part[h][i + u] = lo8(p[u][h]) + hi8(p[u][h]);
+  }
+  hd.weights(KIVI_GROUP, C, bias);
+  for (int k = 0; k < Q; ++k) {
+    const int c = 4 * k;
+    v16f a[R], b[R];
+    for (int h = 0; h < R; ++h) {
+      a[h] = cat(hd.acc[h][c], hd.acc[h][c + 2]);
+      b[h] = cat(hd.acc[h][c + 1], hd.acc[h][c + 3]);
+    }
+    for (int j = 0; j < KIVI_GROUP; ++j) {
+      v16f va, vb;
+      nibble_chunks16(at.values(j) + 16 * k, va, vb);
+      const float step = at.vs[at.run(j, 32 * k)];
+      for (int h = 0; h < R; ++h) {
+        const float w = hd.s[h][j] * step;
+        a[h] += w * va;
+        b[h] += w * vb;
+      }
+    }
+    for (int h = 0; h < R; ++h) {
+      hd.acc[h][c] = lo8(a[h]);
+      hd.acc[h][c + 2] = hi8(a[h]);
+      hd.acc[h][c + 1] = lo8(b[h]);
+      hd.acc[h][c + 3] = hi8(b[h]);
+    }
+  }
+  // The values' mins: p . min of each run, the row's mins gathered by run once for all R heads
+  // (attend_row reads them strided, once per query head; ~13% of this path's time here).
+  alignas(64) float vt[MAX_DV / 4][KIVI_GROUP];  // [run, token]
+  for (int r = 0; r < at.nc; ++r)
+    for (int j = 0; j < KIVI_GROUP; ++j) vt[r][j] = at.vlo[at.run(j, r * at.cg)];
+  for (int h = 0; h < R; ++h) {
+    v16f s0, s1;
+    memcpy(&s0, &hd.s[h][0], 64);
+    memcpy(&s1, &hd.s[h][16], 64);
+    for (int r = 0; r < at.nc; ++r) {
+      v16f t0, t1;
+      memcpy(&t0, &vt[r][0], 64);
+      memcpy(&t1, &vt[r][16], 64);
+      const v16f x = s0 * t0 + s1 * t1;
+      const float m = hsum(lo8(x) + hi8(x));
+      for (int c = r * at.cg / 8; c < (r + 1) * at.cg / 8; ++c) hd.acc[h][c] += m;
+    }
+  }
+}
+#endif
+
 // nrows packed rows of all G KV heads; q, out and lse as `decode`. T: the block's order (F32, or
 // F32S for unpack_head4_split); PARAMS converts a row's scales, UNPACK one head of it into a
 // [32, 2, D] block (32 KB at D = 128: it stays in L1 while the head attends it).
@@ -635,6 +748,14 @@ void decode_rows(const uint8_t* rows, int64_t nrows, int64_t rb, int G, const fl
     for (int g = 0; g < G; ++g) {
 #ifdef KVTIER_SHUFFLE
       if constexpr (BITS != 0) {
+#if defined(__AVX512F__)
+        if constexpr (BITS == 4) {
+          if (D % 32 == 0 && wide4()) {
+            attend_row4_wide<R>(heads[g], HeadOfRow(row, BITS, G, D, g, par.data()), D);
+            continue;
+          }
+        }
+#endif
         attend_row<BITS, R>(heads[g], HeadOfRow(row, BITS, G, D, g, par.data()), D);
         continue;
       }
@@ -811,6 +932,18 @@ int kvtier_decode_kivi4(const void* rows, int64_t n, int G, const float* q, floa
 int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, float scale, int R, int D,
                         float* out, float* lse) {
   return dispatch<Packed<8>::Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
+}
+
+// Whether 4-bit rows are attended 16 floats a vector (AVX-512 targets; on = 1, the default) or 8
+// (0); a negative `on` only asks. Returns the setting, or -1 where the target has no such path.
+int kvtier_wide_rows(int on) {
+#if defined(__AVX512F__) && defined(KVTIER_SHUFFLE)
+  if (on >= 0) __atomic_store_n(&g_wide_rows, on ? 1 : 0, __ATOMIC_RELAXED);
+  return __atomic_load_n(&g_wide_rows, __ATOMIC_RELAXED);
+#else
+  (void)on;
+  return -1;
+#endif
 }
 
 // n fp8 rows (Fp8Codec: one token a row, E4M3 codes and an fp16 scale per vector); q, out and lse
