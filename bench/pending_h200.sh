@@ -132,7 +132,7 @@
 #   the smoke's serve part now sends a streaming HiP request beside the batch). NEXT: the smoke
 #   (the GGUF's two-call setup with group 1, then 64), 69 again (after the fix; no GGUF), and 70
 #   (512K through the CLI with the default, recording the start's link and host-read rates, to
-#   explain the 17.35 vs 8.89 tok/s of two starts).
+#   explain the 17.35 vs 8.89 tok/s of two starts), 71 (issue 23: AVX-512 4-bit rows on the host).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -212,6 +212,16 @@ case "$group" in
   # buffers given back in decode and the block caches planned on their bytes (cbd7b07). No GGUF.
   run 330 $py bench/hip_offload.py --contexts 1M --presets fast --policy planned --steps 34 \
     --no-dense --kv-quant int4 --host-scoring --name hip_offload_planned_1m_int4_host_keys
+  ;;
+71)
+  # issue 23: 4-bit rows attended 16 floats a vector on the host's AVX-512 (1.21x the 8-float
+  # path's token rate on the dev machine, cpu_attention_rows_cpu_wide.json); then int4 at 512K
+  # with CPU slices (12 forced, and what `auto` picks on the preset's old rate): 0.349 s/token on
+  # the link alone, 0.392 with 12 CPU slices before. If the rate holds, refit the H200 preset's
+  # packed CPU rate (kvtier.planner.hardware) from the JSON. No GGUF.
+  run 90 $py bench/cpu_attention_rows.py --threads 1,8,15 --bits 4,8 --name cpu_attention_rows_h200_wide
+  run 300 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,auto,12 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_wide
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
