@@ -340,6 +340,28 @@ def test_cache_memory_follows_capacity_and_reset_frees_it(gqa: tuple[CausalLM, M
     assert kernel.gpu_cache_bytes() == 0
 
 
+def second_turn(
+    model: CausalLM,
+    store: TieredKVStore,
+    chunk: torch.Tensor,
+    logits: list[torch.Tensor],
+    tokens: list[int],
+    began: Callable[[], None] = lambda: None,
+    steps: int = 8,
+) -> None:
+    """After decode steps, a prompt `chunk` as one step (`began` runs once the store began it),
+    then `steps` greedy tokens; appends to `logits` and `tokens`."""
+    store.begin_step(chunk.shape[0])
+    began()
+    logits.append(model(chunk, store, logits_at=torch.arange(chunk.shape[0])))
+    store.end_step()
+    for _ in range(steps):
+        tokens.append(int(logits[-1][-1].argmax()))
+        store.begin_step(1)
+        logits.append(model(torch.tensor([tokens[-1]]), store))
+        store.end_step()
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_block_caches_placed_in_a_region_come_from_it_once_and_stay_bitwise(
     gqa: tuple[CausalLM, ModelConfig], per_head: bool
@@ -368,14 +390,7 @@ def test_block_caches_placed_in_a_region_come_from_it_once_and_stay_bitwise(
         logits, tokens = drive(model, store, ids[:104], CHUNK, 8)
         banks = {sl: c.bank.data_ptr() for sl, c in kernel._gpu.items()}
         used = None if memory is None else memory.used
-        store.begin_step(16)
-        logits.append(model(ids[104:], store, logits_at=torch.arange(16)))
-        store.end_step()
-        for _ in range(8):
-            tokens.append(int(logits[-1][-1].argmax()))
-            store.begin_step(1)
-            logits.append(model(torch.tensor([tokens[-1]]), store))
-            store.end_step()
+        second_turn(model, store, ids[104:], logits, tokens)
         if memory is not None:
             assert len(banks) == SLICES and all(lo <= p < hi for p in banks.values())
             assert {sl: c.bank.data_ptr() for sl, c in kernel._gpu.items()} == banks  # the same banks
@@ -401,15 +416,11 @@ def test_more_prompt_after_decode_frees_the_decode_caches_first(gqa: tuple[Causa
         store = make_store(cfg, policy, kernel)
         logits, tokens = drive(model, store, ids[:104], CHUNK, 8)
         held = kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes()
-        store.begin_step(16)
-        assert kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes() == 0
-        logits.append(model(ids[104:], store, logits_at=torch.arange(16)))
-        store.end_step()
-        for _ in range(8):
-            tokens.append(int(logits[-1][-1].argmax()))
-            store.begin_step(1)
-            logits.append(model(torch.tensor([tokens[-1]]), store))
-            store.end_step()
+
+        def freed(k: HipKernel = kernel) -> None:
+            assert k.gpu_cache_bytes() + k.attend_buffer_bytes() == 0
+
+        second_turn(model, store, ids[104:], logits, tokens, freed)
         assert held > 0 and kernel.gpu_cache_bytes() + kernel.attend_buffer_bytes() > 0  # refilled
         runs[policy] = logits, tokens
         store.close()

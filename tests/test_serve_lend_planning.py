@@ -34,6 +34,18 @@ from kvtier.serve.tiered import plan_store
 CONTEXT = 262_144 + 16
 
 
+def recorded_placements(monkeypatch: pytest.MonkeyPatch) -> list[Placement]:
+    """Every placement `plan_store` gets from `plan_for` from now on, in order."""
+    placements: list[Placement] = []
+
+    def recorded(inputs: PlanInputs, choice: MethodChoice) -> Placement:
+        placements.append(plan_for(inputs, choice))
+        return placements[-1]
+
+    monkeypatch.setattr(tiered, "plan_for", recorded)
+    return placements
+
+
 def outside_the_run(plan: KVPlan, engine: Engine, placed: Placement | None = None) -> int:
     """GPU bytes the plan keeps beside the weights and outside its run of lent pages (with
     `placed`, its method's: the reserve, less its `method_buffers` that fit the run)."""
@@ -75,13 +87,7 @@ def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reser
     engine = Engine(budget=int(budget_gb * 1e9), offer=661)
     method = parse_choice(spec)
     seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
-    placements: list[Placement] = []
-
-    def recorded(inputs: PlanInputs, choice: MethodChoice) -> Placement:
-        placements.append(plan_for(inputs, choice))
-        return placements[-1]
-
-    monkeypatch.setattr(tiered, "plan_for", recorded)
+    placements = recorded_placements(monkeypatch)
     plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
     assert first == 1 and len(engine.lent) == 1
     placed = next(p for p in reversed(placements) if p.plan == plan)
@@ -107,13 +113,7 @@ def test_hips_block_caches_are_lent_pages_so_256k_fits_a_19_gb_server(
     engine = Engine(budget=int(19e9), offer=661)
     method = parse_choice("hip")
     seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
-    placements: list[Placement] = []
-
-    def recorded(inputs: PlanInputs, choice: MethodChoice) -> Placement:
-        placements.append(plan_for(inputs, choice))
-        return placements[-1]
-
-    monkeypatch.setattr(tiered, "plan_for", recorded)
+    placements = recorded_placements(monkeypatch)
     plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
     assert first == 1 and len(engine.lent) == 1
     placed = next(p for p in reversed(placements) if p.plan == plan)
