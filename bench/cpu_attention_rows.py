@@ -9,7 +9,8 @@ caches), rows in 16 MiB extents as the store's packed tier keeps them. Each figu
 of `--reps` interleaved runs; the load average is written next to them (the development machine
 is shared). Reported per case: seconds per call, tokens attended per second, bytes read per
 second (packed bytes for rows), and the speed-up over bf16 at the same thread count. On AVX-512
-targets `kivi4-narrow` is kivi4 on the 8-float path (`kvtier.attention.cpu_decode.wide_rows`).
+targets `bf16-narrow` and `kivi4-narrow` are those on the 8-float paths
+(`kvtier.attention.cpu_decode.wide_vectors`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from kvtier.attention.cpu_decode import CpuDecoder, wide_rows
+from kvtier.attention.cpu_decode import CpuDecoder, wide_vectors
 from kvtier.policies.quant import Fp8Codec, KiviCodec
 
 EXTENT_BYTES = 64 << 20  # bf16 extents, as the store's host tier
@@ -50,12 +51,14 @@ def main() -> None:
     per_extent = EXTENT_BYTES // (2 * g * d * 2)
     bf16 = list(kv.to(torch.bfloat16).split(per_extent))
     cases: dict[str, tuple[Any, list[torch.Tensor], int, int]] = {"bf16": (None, bf16, n, n * 2 * g * d * 2)}
+    if wide_vectors() is not None:  # the 8-float path beside the AVX-512 one
+        cases["bf16-narrow"] = cases["bf16"]
     for bits in (int(b) for b in args.bits.split(",")):
         codec = KiviCodec(bits=bits)
         rows = codec.pack(kv)
         per = max(1, ROWS_EXTENT_BYTES // rows.shape[1])
         cases[f"kivi{bits}"] = (codec, list(rows.split(per)), rows.shape[0], rows.numel())
-        if bits == 4 and wide_rows() is not None:  # the 8-float path beside the AVX-512 one
+        if bits == 4 and wide_vectors() is not None:  # the 8-float path beside the AVX-512 one
             cases["kivi4-narrow"] = cases["kivi4"]
     if not args.no_fp8:
         fp8 = Fp8Codec()
@@ -70,7 +73,7 @@ def main() -> None:
         best: dict[str, float] = {}
         for _ in range(args.reps + 1):  # NOTE: the first round warms up (builds, first touch)
             for name, (codec, exts, units, _) in cases.items():
-                wide_rows(not name.endswith("-narrow"))
+                wide_vectors(not name.endswith("-narrow"))
                 t0 = time.perf_counter()
                 if codec is None:
                     dec.attend(q, exts, units)

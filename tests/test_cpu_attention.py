@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvtier.attention.cpu_decode import CpuDecoder, merge, native_library, plan_tasks
+from kvtier.attention.cpu_decode import CpuDecoder, merge, native_library, plan_tasks, wide_vectors
 from kvtier.attention.dense import attend_prefix_lse
 from kvtier.loading.presets import preset_config
 from kvtier.planner.hardware import HARDWARE
@@ -153,6 +153,31 @@ def test_decode_matches_a_float64_reference(backend: str, dtype: torch.dtype, g:
     tol = 1e-6 if backend == "native" else 1e-5 if dtype == torch.float32 else 4e-3
     assert torch.allclose(out.double(), ref.reshape(g * r, d), rtol=tol, atol=tol)
     assert torch.allclose(lse.double(), ref_lse.reshape(g * r), rtol=tol, atol=tol)
+
+
+@NEEDS_CXX
+@pytest.mark.parametrize("g,r,d", [(1, 4, 128), (2, 9, 64), (2, 3, 96), (1, 2, 48)])
+def test_bf16_on_16_floats_a_vector_equals_the_8_float_path(g: int, r: int, d: int) -> None:
+    """On AVX-512 targets bf16 tokens with D a multiple of 32 are attended 16 floats a vector
+    (`wide_vectors`; D = 48 stays on the 8-float path): within fp32 rounding of the 8-float
+    path's output and of float64's."""
+    q, extents = slice_of(g, r, d, torch.bfloat16, 700, seed=5 * g + r)
+    dec = CpuDecoder(2, backend="native")
+    runs = []
+    try:
+        for wide in (True, False):
+            assert wide_vectors(wide) in (wide, None)
+            runs.append(dec.attend(q, extents, 1300))
+    finally:
+        wide_vectors(True)
+        dec.close()
+    kv = torch.cat(extents)[:1300].double()
+    scores = torch.einsum("grd,sgd->grs", q.float().double().view(g, r, d), kv[:, 0]) * d**-0.5
+    ref = torch.einsum("grs,sgd->grd", torch.softmax(scores, dim=-1), kv[:, 1]).reshape(g * r, d)
+    for out, lse in runs:
+        assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(lse.double(), torch.logsumexp(scores, dim=-1).reshape(-1), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(runs[0][0], runs[1][0], rtol=1e-6, atol=1e-6)
 
 
 class Gate:

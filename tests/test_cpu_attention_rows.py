@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.attention.cpu_decode import CpuDecoder, native_library, plan_row_tasks, wide_rows
+from kvtier.attention.cpu_decode import CpuDecoder, native_library, plan_row_tasks, wide_vectors
 from kvtier.policies.quant import Fp8Codec, KiviCodec
 
 NATIVE = native_library() is not None
@@ -132,18 +132,18 @@ def test_native_rows_do_not_depend_on_the_thread_count() -> None:
 @pytest.mark.parametrize("g,r,d", [(2, 4, 128), (1, 1, 64), (3, 3, 96)])
 def test_wide_4_bit_rows_equal_the_8_float_path_up_to_summation_order(g: int, r: int, d: int) -> None:
     """On AVX-512 targets 4-bit rows with D a multiple of 32 are attended 16 floats a vector
-    (`wide_rows`): outputs within fp32 rounding of the 8-float path's, both of float64's. Where
-    the target lacks the path, `wide_rows` says so and the switch changes nothing."""
+    (`wide_vectors`): outputs within fp32 rounding of the 8-float path's, both of float64's. Where
+    the target lacks the path, `wide_vectors` says so and the switch changes nothing."""
     codec = KiviCodec(bits=4)
     q, extents = packed_slice(codec, g, r, d, rows_per_extent=24, extents=2, seed=g * 10 + r)
     dec = CpuDecoder(2, backend="native")
     runs = []
     try:
         for wide in (True, False):
-            assert wide_rows(wide) in (wide, None)
+            assert wide_vectors(wide) in (wide, None)
             runs.append(dec.start_rows(q, codec, extents, 45, g, d).result())
     finally:
-        wide_rows(True)
+        wide_vectors(True)
         dec.close()
     ref_out, ref_lse = reference(codec, q, extents, 45, g, d)
     for out, lse in runs:

@@ -145,6 +145,35 @@ inline v8f vexp(v8f x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__) && defined(KVTIER_SHUFFLE)
+// 16 floats a vector (AVX-512 targets): 64 bytes of bf16 values or 16 bytes of 4-bit codes hold
+// 32 values, two 16-value blocks, so one widening gives chunks c and c + 2 (BF16's / F32S's even
+// values of both blocks) in one vector and c + 1, c + 3 (their odd values) in another; q and the
+// accumulators are paired the same way, and a score's two halves are added before its
+// horizontal sum. Half the widenings, conversions and multiply-adds of the 8-float path.
+#define KVTIER_WIDE 1
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+int g_wide = 1;  // kvtier_wide: 0 takes the 8-float paths (A/B checks and benchmarks)
+inline bool wide() { return __atomic_load_n(&g_wide, __ATOMIC_RELAXED) != 0; }
+
+inline v16f cat(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline v8f lo8(v16f x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline v8f hi8(v16f x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// 64 bytes of bf16 values 32p .. 32p + 31 as floats: even (chunks 4p, 4p + 2), odd (4p + 1, 4p + 3).
+inline void bf16_chunks16(const char* p, v16f& even, v16f& odd) {
+  v16u w;
+  memcpy(&w, p, 64);
+  const v16u e = w << 16, o = w & 0xffff0000u;
+  memcpy(&even, &e, 64);
+  memcpy(&odd, &o, 64);
+}
+#endif
+
 // The running state of one KV head's R query heads: an online softmax over blocks of tokens.
 template <class T, int R>
 struct Head {
@@ -155,6 +184,9 @@ struct Head {
   v8f part[R][BLK];    // a block's scores before their horizontal sums
   alignas(32) float s[R][BLK];
   float m[R], l[R];
+#ifdef KVTIER_WIDE
+  v16f qw[R][MAX_DV / 4][2];  // q's chunks (c, c + 2) and (c + 1, c + 3), c = 4k (score_wide)
+#endif
 
   void init(const float* q_in, float scale, int D) {
     for (int h = 0; h < R; ++h) {
@@ -164,6 +196,12 @@ struct Head {
         acc[h][c] = v8f{};
         for (int i = 0; i < 8; ++i) q[h][c][i] = q_in[h * D + T::value(c, i, D)] * scale;
       }
+#ifdef KVTIER_WIDE
+      for (int c = 0; c + 4 <= D / 8; c += 4) {
+        qw[h][c / 4][0] = cat(q[h][c], q[h][c + 2]);
+        qw[h][c / 4][1] = cat(q[h][c + 1], q[h][c + 3]);
+      }
+#endif
     }
   }
 
@@ -202,12 +240,82 @@ struct Head {
   // nb <= BLK tokens; k points at this head's K of the first one; V is v_off elements further.
   void block(const char* k, int nb, int64_t stride, int64_t v_off, int D) {
     const int C = D / 8;
+#ifdef KVTIER_WIDE
+    if constexpr (E == 2) {  // bf16 rows, D a multiple of 32: 16 floats a vector
+      if (D % 32 == 0 && wide()) {
+        int i = 0;
+        for (; i + TOK <= nb; i += TOK) score_wide<TOK>(k + i * stride * E, stride, C, i);
+        for (; i < nb; ++i) score_wide<1>(k + i * stride * E, stride, C, i);
+        weights(nb, C, nullptr);
+        values_wide(k + v_off * E, nb, stride, C);
+        return;
+      }
+    }
+#endif
     int i = 0;
     for (; i + TOK <= nb; i += TOK) score<TOK>(k + i * stride * E, stride, C, i);
     for (; i < nb; ++i) score<1>(k + i * stride * E, stride, C, i);
     weights(nb, C, nullptr);
     values(k + v_off * E, nb, stride, C);
   }
+
+#ifdef KVTIER_WIDE
+  // `score` over bf16 rows 16 floats a vector (D % 32 == 0): chunks (c, c + 2) and (c + 1, c + 3)
+  // of q, 4 chunks (64 bytes) of a key a step.
+  template <int U>
+  void score_wide(const char* k0, int64_t stride, int C, int i) {
+    v16f p[U][R];
+    for (int u = 0; u < U; ++u)
+      for (int h = 0; h < R; ++h) p[u][h] = v16f{};
+    for (int u = 0; u < U; ++u) {  // NOTE: as `score`: the token BLK ahead, spread over the block
+      const char* ahead = k0 + (u + BLK) * stride * E;
+      for (int b = 0; b < C * 8 * E; b += 64) {
+        __builtin_prefetch(ahead + b, 0, 2);
+        __builtin_prefetch(ahead + stride * E / 2 + b, 0, 2);
+      }
+    }
+    for (int c = 0; c < C; c += 4) {
+      v16f a[U], b[U];
+      for (int u = 0; u < U; ++u) bf16_chunks16(k0 + u * stride * E + c * 8 * E, a[u], b[u]);
+      for (int h = 0; h < R; ++h) {
+        const v16f qa = qw[h][c / 4][0], qb = qw[h][c / 4][1];
+        for (int u = 0; u < U; ++u) {
+          p[u][h] += qa * a[u];
+          p[u][h] += qb * b[u];
+        }
+      }
+    }
+    for (int u = 0; u < U; ++u)
+      for (int h = 0; h < R; ++h) part[h][i + u] = lo8(p[u][h]) + hi8(p[u][h]);
+  }
+
+  // `values` over bf16 rows 16 floats a vector (D % 32 == 0), all R heads' accumulators of 4
+  // chunks in registers across the block.
+  void values_wide(const char* v, int nb, int64_t stride, int C) {
+    for (int c = 0; c < C; c += 4) {
+      v16f a[R], b[R];
+      for (int h = 0; h < R; ++h) {
+        a[h] = cat(acc[h][c], acc[h][c + 2]);
+        b[h] = cat(acc[h][c + 1], acc[h][c + 3]);
+      }
+      for (int j = 0; j < nb; ++j) {
+        v16f va, vb;
+        bf16_chunks16(v + j * stride * E + c * 8 * E, va, vb);
+        for (int h = 0; h < R; ++h) {
+          const float w = s[h][j];
+          a[h] += w * va;
+          b[h] += w * vb;
+        }
+      }
+      for (int h = 0; h < R; ++h) {
+        acc[h][c] = lo8(a[h]);
+        acc[h][c + 2] = hi8(a[h]);
+        acc[h][c + 1] = lo8(b[h]);
+        acc[h][c + 3] = hi8(b[h]);
+      }
+    }
+  }
+#endif
 
   // The block's scores part[h][0, nb) (8-lane partials; plus bias[h] each, unless null) -> s[h]
   // as softmax weights exp(score - m) (0 past nb), with m, l and acc moved to the new maximum.
@@ -615,26 +723,12 @@ void attend_row(Head<typename Codes<BITS>::Order, R>& hd, const HeadOfRow& at, i
 }
 #endif
 
-#if defined(__AVX512F__) && defined(KVTIER_SHUFFLE)
-// -- 4-bit rows, 16 floats a vector (AVX-512 targets) -----------------------------------------
+#ifdef KVTIER_WIDE
+// -- 4-bit rows, 16 floats a vector (see KVTIER_WIDE) -----------------------------------------
 //
-// attend_row<4, R> with twice the lanes: 16 bytes of a (token, head)'s codes are 32 values, two
-// 16-value blocks, so one widening gives chunks c and c + 2 (F32S's even values of both blocks)
-// in one vector and c + 1, c + 3 (their odd values) in another. q and the accumulators are
-// paired the same way; a score's two halves are added before its horizontal sum. Halves the
-// widenings, conversions and multiply-adds of the 8-float path, which the CPU is bound by
-// (issue 23: int4 rows were attended at 0.93x the bf16 kernel's token rate on the H200's host).
+// attend_row<4, R> with twice the lanes, which the CPU is bound by (issue 23: int4 rows were
+// attended at 0.93x the bf16 kernel's token rate on the H200's host).
 
-typedef float v16f __attribute__((vector_size(64)));
-
-int g_wide_rows = 1;  // kvtier_wide_rows: 0 takes the 8-float path (A/B checks and benchmarks)
-inline bool wide4() { return __atomic_load_n(&g_wide_rows, __ATOMIC_RELAXED) != 0; }
-
-inline v16f cat(v8f a, v8f b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-inline v8f lo8(v16f x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
-inline v8f hi8(v16f x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
 
 // 16 bytes of 4-bit codes as floats: even = the low halves (chunks c, c + 2), odd = the high ones.
 inline void nibble_chunks16(const uint8_t* p, v16f& even, v16f& odd) {
@@ -748,9 +842,9 @@ void decode_rows(const uint8_t* rows, int64_t nrows, int64_t rb, int G, const fl
     for (int g = 0; g < G; ++g) {
 #ifdef KVTIER_SHUFFLE
       if constexpr (BITS != 0) {
-#if defined(__AVX512F__)
+#ifdef KVTIER_WIDE
         if constexpr (BITS == 4) {
-          if (D % 32 == 0 && wide4()) {
+          if (D % 32 == 0 && wide()) {
             attend_row4_wide<R>(heads[g], HeadOfRow(row, BITS, G, D, g, par.data()), D);
             continue;
           }
@@ -934,12 +1028,13 @@ int kvtier_decode_kivi8(const void* rows, int64_t n, int G, const float* q, floa
   return dispatch<Packed<8>::Pass>((const char*)rows, n, G, q, scale, R, D, out, lse);
 }
 
-// Whether 4-bit rows are attended 16 floats a vector (AVX-512 targets; on = 1, the default) or 8
-// (0); a negative `on` only asks. Returns the setting, or -1 where the target has no such path.
-int kvtier_wide_rows(int on) {
-#if defined(__AVX512F__) && defined(KVTIER_SHUFFLE)
-  if (on >= 0) __atomic_store_n(&g_wide_rows, on ? 1 : 0, __ATOMIC_RELAXED);
-  return __atomic_load_n(&g_wide_rows, __ATOMIC_RELAXED);
+// Whether bf16 tokens and 4-bit rows (D a multiple of 32) are attended 16 floats a vector
+// (KVTIER_WIDE targets; on = 1, the default) or 8 (0); a negative `on` only asks. Returns the
+// setting, or -1 where the target has no such path.
+int kvtier_wide(int on) {
+#ifdef KVTIER_WIDE
+  if (on >= 0) __atomic_store_n(&g_wide, on ? 1 : 0, __ATOMIC_RELAXED);
+  return __atomic_load_n(&g_wide, __ATOMIC_RELAXED);
 #else
   (void)on;
   return -1;

@@ -134,20 +134,20 @@ def native_library() -> ctypes.CDLL | None:
     dll.kvtier_pool_run.restype = ctypes.c_int
     dll.kvtier_merge.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4
     dll.kvtier_merge.restype = None
-    dll.kvtier_wide_rows.argtypes = [ctypes.c_int]
-    dll.kvtier_wide_rows.restype = ctypes.c_int
+    dll.kvtier_wide.argtypes = [ctypes.c_int]
+    dll.kvtier_wide.restype = ctypes.c_int
     return dll
 
 
-def wide_rows(on: bool | None = None) -> bool | None:
-    """Whether the native kernel attends 4-bit rows 16 floats a vector (AVX-512 targets; on by
-    default), after setting it when `on` is given (an A/B switch for checks and benchmarks: the
-    8-float path gives the same values up to fp32 summation order). None: no native kernel, or
-    its target has no such path."""
+def wide_vectors(on: bool | None = None) -> bool | None:
+    """Whether the native kernel attends bf16 tokens and 4-bit rows (head dims a multiple of 32)
+    16 floats a vector (AVX-512 targets; on by default), after setting it when `on` is given (an
+    A/B switch for checks and benchmarks: the 8-float paths give the same values up to fp32
+    summation order). None: no native kernel, or its target has no such path."""
     lib = native_library()
     if lib is None:
         return None
-    got = int(lib.kvtier_wide_rows(-1 if on is None else int(on)))
+    got = int(lib.kvtier_wide(-1 if on is None else int(on)))
     return None if got < 0 else bool(got)
 
 
