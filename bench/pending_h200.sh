@@ -214,14 +214,17 @@ case "$group" in
     --no-dense --kv-quant int4 --host-scoring --name hip_offload_planned_1m_int4_host_keys
   ;;
 71)
-  # issue 23: 4-bit rows attended 16 floats a vector on the host's AVX-512 (1.21x the 8-float
-  # path's token rate on the dev machine, cpu_attention_rows_cpu_wide.json); then int4 at 512K
-  # with CPU slices (12 forced, and what `auto` picks on the preset's old rate): 0.349 s/token on
-  # the link alone, 0.392 with 12 CPU slices before. If the rate holds, refit the H200 preset's
-  # packed CPU rate (kvtier.planner.hardware) from the JSON. No GGUF.
+  # issue 23: bf16 tokens and 4-bit rows attended 16 floats a vector on the host's AVX-512
+  # (1.09x and 1.24x the 8-float paths' token rates at one thread on the dev machine,
+  # cpu_attention_rows_cpu_wide.json); int4 at 512K with CPU slices (12 forced, and what `auto`
+  # picks on the preset's old rate): 0.349 s/token on the link alone, 0.392 with 12 CPU slices
+  # before; lossless 512K with CPU slices (0.678 s at 8da3735, 0.65 asked). If the rates hold,
+  # refit the H200 preset's CPU rates (kvtier.planner.hardware) from the JSONs. No GGUF.
   run 90 $py bench/cpu_attention_rows.py --threads 1,8,15 --bits 4,8 --name cpu_attention_rows_h200_wide
-  run 300 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,auto,12 \
+  run 250 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,auto,12 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_wide
+  run 240 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_decode_wide
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
