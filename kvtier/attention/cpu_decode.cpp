@@ -205,15 +205,11 @@ struct Head {
     }
   }
 
-  // Score partials of U tokens from k0 (rows `stride` elements apart).
+  // This head's K and V of the U tokens BLK ahead of k0 (past the last row too: a prefetch never
+  // faults). NOTE: spread over the block: a burst at the block's start stalls on the cache's
+  // miss buffers, and the hardware prefetcher does not follow the K/V interleave well.
   template <int U>
-  void score(const char* k0, int64_t stride, int C, int i) {
-    v8f p[U][R];
-    for (int u = 0; u < U; ++u)
-      for (int h = 0; h < R; ++h) p[u][h] = v8f{};
-    // NOTE: this head's K and V of the token BLK ahead (past the last row too: a prefetch never
-    // faults). Spread over the block: a burst at the block's start stalls on the cache's miss
-    // buffers, and the hardware prefetcher does not follow the K/V interleave well.
+  static void prefetch_ahead(const char* k0, int64_t stride, int C) {
     for (int u = 0; u < U; ++u) {
       const char* ahead = k0 + (u + BLK) * stride * E;
       for (int b = 0; b < C * 8 * E; b += 64) {
@@ -221,6 +217,15 @@ struct Head {
         __builtin_prefetch(ahead + stride * E / 2 + b, 0, 2);
       }
     }
+  }
+
+  // Score partials of U tokens from k0 (rows `stride` elements apart).
+  template <int U>
+  void score(const char* k0, int64_t stride, int C, int i) {
+    v8f p[U][R];
+    for (int u = 0; u < U; ++u)
+      for (int h = 0; h < R; ++h) p[u][h] = v8f{};
+    prefetch_ahead<U>(k0, stride, C);
     for (int c = 0; c < C; c += 2) {
       v8f a[U], b[U];
       for (int u = 0; u < U; ++u) chunks<T>(k0 + u * stride * E, c, C, a[u], b[u]);
@@ -267,13 +272,7 @@ struct Head {
     v16f p[U][R];
     for (int u = 0; u < U; ++u)
       for (int h = 0; h < R; ++h) p[u][h] = v16f{};
-    for (int u = 0; u < U; ++u) {  // NOTE: as `score`: the token BLK ahead, spread over the block
-      const char* ahead = k0 + (u + BLK) * stride * E;
-      for (int b = 0; b < C * 8 * E; b += 64) {
-        __builtin_prefetch(ahead + b, 0, 2);
-        __builtin_prefetch(ahead + stride * E / 2 + b, 0, 2);
-      }
-    }
+    prefetch_ahead<U>(k0, stride, C);
     for (int c = 0; c < C; c += 4) {
       v16f a[U], b[U];
       for (int u = 0; u < U; ++u) bf16_chunks16(k0 + u * stride * E + c * 8 * E, a[u], b[u]);
