@@ -314,6 +314,22 @@ def test_run_eval_scores_each_method_on_the_same_prompts(tok: Any, tmp_path: Pat
     assert EvalResult.load(tmp_path / "r.json").to_json() == result.to_json()
 
 
+def test_run_eval_hands_over_each_partial_result(tok: Any, tmp_path: Path) -> None:
+    FakeLLM.tokenizer_ = tok
+    cfg = EvalConfig(TaskSpec("passkey", (1024,), samples=3), parse_methods(["auto"]))
+    out = tmp_path / "r.json"
+    seen: list[tuple[int, bool]] = []
+
+    def save(partial: EvalResult) -> None:
+        partial.save(out)
+        seen.append((len(EvalResult.load(out).records), partial.meta["complete"]))
+
+    result = run_eval(cfg, progress=False, llm_factory=FakeLLM, after_each=save)
+    assert seen == [(1, False), (2, False)]  # the finished run is the caller's to save
+    assert result.meta["complete"] is True and len(result.records) == 3
+    assert not (tmp_path / "r.json.part").exists()
+
+
 def test_run_eval_loads_again_only_for_engine_options(tok: Any) -> None:
     FakeLLM.tokenizer_, FakeLLM.made = tok, []
     cfg = EvalConfig(

@@ -86,7 +86,8 @@ def add_parser(subparsers: Any) -> None:
         type=output_path_type("--out"),
         default=None,
         metavar="F.json",
-        help="save everything, per-sample records too",
+        help='save everything, per-sample records too; rewritten after each sample ("complete": '
+        "false until the run ends), so a run that stops keeps what it finished",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
@@ -144,7 +145,8 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the eval; print a table (or `--json`), save `--out` and `--plot`."""
     cfg = build_config(args)
-    result = run_eval(cfg, command=command_line(args), progress=not args.no_progress)
+    save = (lambda partial: partial.save(args.out)) if args.out else None
+    result = run_eval(cfg, command=command_line(args), progress=not args.no_progress, after_each=save)
     if args.out:
         result.save(args.out)
     if args.plot:

@@ -126,9 +126,13 @@ class EvalResult:
         return {**self.summary(), "records": [r.to_dict() for r in self.records]}
 
     def save(self, path: str | Path) -> None:
-        """Write `to_json()` to `path` (ConfigError when it cannot be written)."""
+        """Write `to_json()` to `path` whole: a temporary file beside it, then renamed over it, so
+        a reader never sees half a file (ConfigError when it cannot be written)."""
+        target = Path(path)
+        partial = target.with_name(target.name + ".part")
         try:
-            Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+            partial.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+            partial.replace(target)
         except OSError as e:
             raise ConfigError(f"cannot write the results to {path}: {e}") from None
 

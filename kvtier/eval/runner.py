@@ -80,9 +80,13 @@ def run_eval(
     command: str = "",
     progress: bool = True,
     llm_factory: Callable[..., Any] | None = None,
+    after_each: Callable[[EvalResult], None] | None = None,
 ) -> EvalResult:
     """Run every sample of `cfg.spec` under every method, on one loaded model (a method that
-    changes an engine option, such as `chunk_size` or `dtype`, loads its own)."""
+    changes an engine option, such as `chunk_size` or `dtype`, loads its own).
+
+    `after_each` sees the result after every sample, its `meta["complete"]` False until the
+    last (the CLI saves `--out` there, so a long run that stops keeps what it finished)."""
     if llm_factory is None:
         from kvtier.engine.llm import LLM
 
@@ -95,6 +99,7 @@ def run_eval(
     check_lengths(cfg.spec.lengths, base.max_model_len_for(cfg.methods[0].choice()), cfg.methods[0].label)
     samples = generate_samples(cfg.spec, base.tokenizer)
     result = EvalResult(_meta(cfg, base, command, samples))
+    result.meta["complete"] = False
     from tqdm import tqdm
 
     bar = tqdm(total=len(samples) * len(cfg.methods), unit="sample", file=sys.stderr, disable=not progress)
@@ -111,9 +116,13 @@ def run_eval(
                 scores.append(record.score)
                 bar.set_postfix(score=f"{sum(scores) / len(scores):.2f}")
                 bar.update()
+                result.meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
+                if after_each is not None and len(result.records) < bar.total:
+                    after_each(result)
     finally:
         bar.close()
     result.meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    result.meta["complete"] = True
     return result
 
 
