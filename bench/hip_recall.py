@@ -192,7 +192,7 @@ def measure(
                 oracle = tallies["dense-oracle"]
                 oracle.mass.append(float(probs[needles.positions(layer, h).to(dev)].sum()))
                 oracle.add(layer, [score.topk(budget).indices], needles, h)
-        quest._meta.clear()  # NOTE: this layer's page bounds are not read again
+        quest.clear()  # NOTE: this layer's page bounds are not read again
     return tallies
 
 

@@ -4,6 +4,7 @@ configuration errors. Quantized KV has its own file, test_quantized_kv.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from kvtier.policies import PolicyParts
 from kvtier.policies.evict import H2OEvictor, SnapKVEvictor, WindowEvictor
 from kvtier.policies.head_sparsity import HeadStreamingEvictor, head_scores
 from kvtier.policies.quant import Fp8Codec, KiviCodec
-from kvtier.policies.quest import DENSE_LAYERS, QuestKernel, quest_gpu_bytes
+from kvtier.policies.quest import DENSE_LAYERS, QuestKernel, bounded_slices, quest_gpu_bytes
 from kvtier.policies.scoring import attention_mass
 from tests.policy_store import CPU, DECODE, PROMPT, make_store, options, run
 
@@ -174,22 +175,32 @@ def test_quest_page_size_is_an_option(gqa: tuple[CausalLM, ModelConfig]) -> None
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_quest_gpu_bytes_bound_the_page_bounds_it_keeps(
+def test_quest_gpu_bytes_are_the_page_bounds_it_keeps(
     gqa: tuple[CausalLM, ModelConfig], streamed: bool
 ) -> None:
     """The planner's count of Quest's GPU page bounds equals what the kernel holds after a run
-    (full pages of every layer past the dense ones), plus one slice's worth for an append."""
+    of a known capacity (one buffer of its pages per slice past the dense layers, allocated
+    once); without a capacity the buffers double and logits are the same."""
     model, cfg = gqa
-    kernel = QuestKernel(budget=8, page=4)
-    run(model, cfg, PolicyParts(kernel=kernel), streamed=streamed)
-    held = sum(
-        lo.numel() * lo.element_size() + hi.numel() * hi.element_size() for lo, hi in kernel._meta.values()
-    )
     context = PROMPT + DECODE
-    assert {layer for layer, _ in kernel._meta} == set(range(DENSE_LAYERS, cfg.num_layers))
-    per_head = (context // 4) * 2 * cfg.head_dim * 4  # float32
-    assert held == (cfg.num_layers - DENSE_LAYERS) * cfg.num_kv_heads * per_head
-    assert quest_gpu_bytes(cfg, context, 4, 4) == held + cfg.num_kv_heads * per_head
+    kernel = QuestKernel(budget=8, page=4, capacity=context)
+    sizes: list[int] = []
+
+    def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        sizes.append(math.prod(shape))
+        return torch.empty(shape, dtype=dtype)
+
+    kernel.place_caches(alloc)
+    logits, _ = run(model, cfg, PolicyParts(kernel=kernel), streamed=streamed)
+    assert {layer for layer, _ in kernel._bounds} == set(range(DENSE_LAYERS, cfg.num_layers))
+    assert kernel.held_bytes() == quest_gpu_bytes(cfg, context, 4, 4) == 4 * sum(sizes)  # float32
+    assert len(sizes) == bounded_slices(cfg, 2)  # run's slices of 2 KV heads, each allocated once
+    assert kernel.read_tokens < kernel.total_tokens  # decode selected pages
+    growing = QuestKernel(budget=8, page=4)
+    again, _ = run(model, cfg, PolicyParts(kernel=growing), streamed=streamed)
+    for a, b in zip(again, logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert growing.held_bytes() >= kernel.held_bytes()
 
 
 def test_quest_is_planned_with_its_page_bounds_off_the_budget() -> None:

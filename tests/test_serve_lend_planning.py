@@ -81,9 +81,10 @@ def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reser
     spec: str, budget_gb: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What HiP (decode buffers, RoPE table; block caches that miss the run) and Quest (page
-    bounds) keep on the GPU besides the store stays with the caching allocator: what the request
-    keeps outside the run, those counted whole, fits the reserve, its buffers fill part of the
-    run, and with the pages it keeps at least as much KV on the GPU as over the reserve alone."""
+    bounds that miss the run) keep on the GPU besides the store stays with the caching
+    allocator: what the request keeps outside the run, those counted whole, fits the reserve,
+    its buffers fill part of the run, and with the pages it keeps at least as much KV on the GPU
+    as over the reserve alone."""
     engine = Engine(budget=int(budget_gb * 1e9), offer=661)
     method = parse_choice(spec)
     seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
@@ -125,6 +126,33 @@ def test_hips_block_caches_are_lent_pages_so_256k_fits_a_19_gb_server(
     store_only = fitting(region_buffers(layout, plan, CONTEXT), run)
     with_caches = fitting([*region_buffers(layout, plan, CONTEXT), *placed.method_buffers], run)
     assert with_caches - store_only >= bank  # at least one cache is in the run
+    room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
+    assert outside_the_run(plan, engine, placed) <= room
+    with pytest.raises(CapacityError):
+        plan_store(Engine(budget=engine.budget, offer=0), seq)  # type: ignore[arg-type]
+
+
+def test_quests_page_bounds_are_lent_pages_so_256k_fits_a_17_5_gb_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Quest's placement lists one page bounds buffer per slice past its dense layers (their sum
+    is its reserve), and `plan_store` fits them into the lent run: at 17.5 GB a 256K request,
+    which the reserve alone cannot hold (~2 GB of bounds), runs with its bounds in pool pages."""
+    from kvtier.policies.quest import bounded_slices, quest_gpu_bytes
+
+    engine = Engine(budget=int(17.5e9), offer=661)
+    method = parse_choice("quest,kv_budget=2048")
+    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
+    placements = recorded_placements(monkeypatch)
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1
+    placed = next(p for p in reversed(placements) if p.plan == plan)
+    assert len(placed.method_buffers) == bounded_slices(CFG, plan.group_size)
+    assert sum(placed.method_buffers) == placed.reserve_bytes == quest_gpu_bytes(CFG, CONTEXT, 16, 2)
+    layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
+    run = engine.lent[0] * PAGE_BYTES
+    with_bounds = fitting([*region_buffers(layout, plan, CONTEXT), *placed.method_buffers], run)
+    assert with_bounds - fitting(region_buffers(layout, plan, CONTEXT), run) > placed.reserve_bytes / 2
     room = engine.budget - weight_bytes(CFG, 2) - GPU_RESERVE_BYTES
     assert outside_the_run(plan, engine, placed) <= room
     with pytest.raises(CapacityError):

@@ -111,7 +111,7 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     requests take pages from the bottom, its tokens equal `LLM.generate`, and the pages come
     back at its end. HiP's block caches (36K tokens a slice under `fast`) do not fit this run and
     spill to the caching allocator (`test_a_hip_request_keeps_its_block_caches_in_lent_pages`);
-    Quest's page bounds stay with the caching allocator."""
+    Quest's page bounds (a few KB a slice) are carved from the run after the store's buffers."""
     g = torch.Generator().manual_seed(9)
     long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
     shorts = [torch.randint(1, 211, (n,), generator=g).tolist() for n in (7, 13)]
@@ -133,6 +133,8 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
         seen["kernel"] = type(run.store.kernel).__name__
         banks = [c.bank for c in getattr(run.store.kernel, "_gpu", {}).values()]
         seen["banks_inside"] = len(banks), all(base <= b.data_ptr() < end for b in banks)
+        bounds = list(getattr(run.store.kernel, "_bounds", {}).values())
+        seen["bounds_inside"] = len(bounds), all(base <= b.data_ptr() < end for b in bounds)
         seen["lent"] = dict(pool.lent)
         seen["short_pages"] = [p for s in engine.scheduler.running for p in s.block_table]
         seen["metrics"] = render(engine, "m").splitlines()
@@ -148,6 +150,8 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     assert seen["inside"] is True
     if KERNELS[spec] == "HipKernel":
         assert seen["banks_inside"] == (6, False)  # 3 layers x 2 KV heads: spilled, as planned
+    if KERNELS[spec] == "QuestKernel":
+        assert seen["bounds_inside"] == (2, True)  # the layer past the 2 dense ones x 2 KV heads
     lent = seen["lent"]
     assert isinstance(lent, dict) and len(lent) == 1
     ((first, count),) = lent.items()

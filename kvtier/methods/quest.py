@@ -9,7 +9,7 @@ from kvtier.errors import CapacityError
 from kvtier.methods.registry import BuildContext, MethodEntry, Option, Placement, PlanWith, register
 from kvtier.planner.inputs import PlanInputs
 from kvtier.policies import PolicyParts
-from kvtier.policies.quest import QuestKernel, quest_gpu_bytes
+from kvtier.policies.quest import QuestKernel, bounded_slices, bounds_slice_bytes, quest_gpu_bytes
 from kvtier.units import format_bytes, parse_count
 
 QUEST_PAGE = Option(
@@ -22,12 +22,15 @@ QUEST_PAGE = Option(
 
 def _build(ctx: BuildContext) -> PolicyParts:
     budget, page = int(ctx.options["kv_budget"]), int(ctx.options["quest_page"])
-    return PolicyParts(kernel=QuestKernel(budget, page=page), describe=f"quest budget {budget} page {page}")
+    kernel = QuestKernel(budget, page=page, capacity=ctx.context)
+    return PolicyParts(kernel=kernel, describe=f"quest budget {budget} page {page}")
 
 
 def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
     """The store's plan within the GPU budget less Quest's page bounds, which stay on the GPU
-    for every slice (they select the pages a decode step gathers from the host)."""
+    for every slice (they select the pages a decode step gathers from the host): one buffer a
+    slice past the dense layers, which the kernel takes from a server's lent pages
+    (`QuestKernel.place_caches`) and so lists as `method_buffers`."""
     page = int(options["quest_page"])
     bounds = quest_gpu_bytes(inputs.cfg, inputs.context, page, inputs.dtype_bytes)
     budget = inputs.gpu_budget
@@ -38,7 +41,9 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
             f"{format_bytes(budget)}: use a larger --quest-page, a shorter context or more --gpu-memory"
         )
     plan = plan_with(None, None if budget is None else budget - bounds, None)
-    return Placement(plan, reserve_bytes=bounds)
+    group = plan.group_size
+    buffers = (bounds_slice_bytes(inputs.cfg, inputs.context, page, group, inputs.dtype_bytes),)
+    return Placement(plan, reserve_bytes=bounds, method_buffers=buffers * bounded_slices(inputs.cfg, group))
 
 
 QUEST = register(
@@ -51,7 +56,7 @@ QUEST = register(
         requires=("kv_budget",),
         examples={"kv_budget": "1k"},
         plan=_plan,
-        borrows_pages=True,  # its page bounds are the placement's reserve_bytes
+        borrows_pages=True,  # its page bounds are its method_buffers, in lent pages
     ),
     QUEST_PAGE,
 )

@@ -85,7 +85,8 @@ class Placement:
     cache_tokens: int | None = None  # HiP: block cache per offloaded slice (None: a refresh interval)
     reserve_bytes: int = 0  # the method's GPU bytes taken off the budget before the store's plan
     # Of those, the buffers its kernel allocates in decode from the memory the store was given
-    # (`kvtier.attention.interface.PlacesCaches`: HiP's block cache of each streamed slice), in
+    # (`kvtier.attention.interface.PlacesCaches`: HiP's block cache of each streamed slice, Quest's
+    # page bounds of each slice past its dense layers), in
     # the order it asks for them, after the store's own (`kvtier.kv.device_memory.region_buffers`).
     method_buffers: tuple[int, ...] = ()
 

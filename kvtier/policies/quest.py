@@ -14,7 +14,9 @@ own): a gather in GPU memory for a resident slice; for an *offloaded* slice Ques
 on the GPU and gathers the selected pages from host memory, so PCIe carries the selection, not
 the context.
 `read_tokens / total_tokens` counts the (query head, token) pairs attended. Page metadata is
-cached per slice for full pages (tokens are append-only under Quest).
+cached per slice for full pages (tokens are append-only under Quest), in one buffer a slice of
+the request's capacity when that is known: allocated once, filled in place, and taken from the
+store's memory when it hands the kernel one (`place_caches`: a server's lent pool pages).
 """
 
 from __future__ import annotations
@@ -25,30 +27,47 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.attention.dense import attend
-from kvtier.attention.interface import Fetch, SliceStep
+from kvtier.attention.interface import Alloc, Fetch, SliceStep
 from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 
 DENSE_LAYERS = 2  # the first layers attend densely and keep no page bounds (the paper's)
 
 
+def bounds_slice_bytes(cfg: ModelConfig, context: int, page: int, group: int, dtype_bytes: int) -> int:
+    """Bytes of one slice's page bounds buffer (`group` KV heads) at `context` tokens: a key
+    minimum and maximum per page, the last partial one included, per KV head and channel."""
+    return 2 * -(-context // page) * group * cfg.head_dim * dtype_bytes  # [2, P, G, D]
+
+
+def bounded_slices(cfg: ModelConfig, group: int) -> int:
+    """Slices that keep page bounds: every KV-head group of the layers past the dense ones."""
+    return max(cfg.num_layers - DENSE_LAYERS, 0) * -(-cfg.num_kv_heads // group)
+
+
 def quest_gpu_bytes(cfg: ModelConfig, context: int, page: int, dtype_bytes: int) -> int:
-    """GPU bytes of Quest's page bounds at `context` tokens: a key minimum and maximum per full
-    page, per KV head and channel, in every layer past the dense ones (resident and streamed
-    slices alike), plus one more slice's worth for the copy a completed page's append makes."""
-    layers = max(cfg.num_layers - DENSE_LAYERS, 0)
-    per_slice = (context // page) * 2 * cfg.head_dim * dtype_bytes  # [pages, 1 head, D] x (min, max)
-    return (layers * cfg.num_kv_heads + cfg.num_kv_heads) * per_slice
+    """GPU bytes of Quest's page bounds at `context` tokens, resident and streamed slices alike
+    (`bounds_slice_bytes` for each KV head of the layers past the dense ones)."""
+    return bounded_slices(cfg, 1) * bounds_slice_bytes(cfg, context, page, 1, dtype_bytes)
 
 
 class QuestKernel:
-    """Dense prefill, top-page sparse decode under a token `budget`."""
+    """Dense prefill, top-page sparse decode under a token `budget`. `capacity`: the request's
+    tokens (prompt plus output), which each slice's page bounds buffer is sized for (None: not
+    known; the buffers then double as pages come)."""
 
-    def __init__(self, budget: int, page: int = 16, dense_layers: int = DENSE_LAYERS) -> None:
+    def __init__(
+        self, budget: int, page: int = 16, dense_layers: int = DENSE_LAYERS, capacity: int | None = None
+    ) -> None:
         if page < 1 or budget < page:
             raise ConfigError(f"--kv-budget {budget} for Quest must be at least one page of {page} tokens")
         self.budget, self.page, self.dense_layers = budget, page, dense_layers
-        self._meta: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # full pages' min, max
+        self._capacity_pages = 0 if capacity is None else -(-capacity // page)
+        self._alloc: Alloc | None = None  # the store's memory (`place_caches`; None: the allocator)
+        # Per slice: key minima and maxima per page [2, P, G, D] (slot `full` holds the partial
+        # last page's while a resident step reads it) and how many full pages they hold.
+        self._bounds: dict[tuple[int, int], torch.Tensor] = {}
+        self._full: dict[tuple[int, int], int] = {}
         # For offloaded slices: keys of the unfinished last page [n < page, G, D] and the stored
         # length they describe (a cached step needs exactly that length).
         self._tail: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
@@ -56,20 +75,55 @@ class QuestKernel:
         self.total_tokens = 0
         self.gathered_tokens = 0  # tokens read from host memory by cached (offloaded) steps
 
+    def place_caches(self, alloc: Alloc) -> None:
+        """Allocate the page bounds' buffers with `alloc` from now on (`PlacesCaches`: the
+        store's memory after its own buffers; a server lists them in `Placement.method_buffers`)."""
+        self._alloc = alloc
+
+    def clear(self) -> None:
+        """Forget every slice's page bounds and drop their buffers."""
+        self._bounds.clear()
+        self._full.clear()
+
+    def _buffer(self, key: tuple[int, int], keys: torch.Tensor, pages: int) -> torch.Tensor:
+        """The slice's bounds buffer [2, >= pages, G, D] (keys: its [n, G, D] rows): allocated at
+        the capacity's pages once; past them (an unknown capacity) it doubles, keeping its pages."""
+        buf = self._bounds.get(key)
+        if buf is not None and buf.shape[1] >= pages:
+            return buf
+        held = 0 if buf is None else buf.shape[1]
+        shape = (2, max(pages, self._capacity_pages, 2 * held), *keys.shape[-2:])
+        if self._alloc is not None:
+            grown = self._alloc(shape, keys.dtype)
+        else:
+            grown = torch.empty(shape, dtype=keys.dtype, device=keys.device)
+        if buf is not None:
+            full = self._full.get(key, 0)
+            grown[:, :full].copy_(buf[:, :full])
+        self._bounds[key] = grown
+        return grown
+
     def _minmax(self, kv: torch.Tensor, step: SliceStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key minima and maxima per page, [P, G, D] each; the last page may be partial."""
+        """Key minima and maxima per page, [P, G, D] each (views of the slice's buffer); the
+        last page may be partial."""
         key = (step.layer, step.group)
         s, p = kv.shape[0], self.page
-        full = s // p
-        lo, hi = self._meta.get(key, (kv.new_empty(0, *kv.shape[2:]), kv.new_empty(0, *kv.shape[2:])))
-        if lo.shape[0] < full:
-            keys = kv[lo.shape[0] * p : full * p, 0].unflatten(0, (-1, p))  # [P', p, G, D]
-            lo, hi = torch.cat((lo, keys.amin(1))), torch.cat((hi, keys.amax(1)))
-            self._meta[key] = (lo, hi)
+        full, pages = s // p, -(-s // p)
+        buf = self._buffer(key, kv[:, 0], pages)
+        done = self._full.get(key, 0)
+        if done < full:
+            keys = kv[done * p : full * p, 0].unflatten(0, (-1, p))  # [P', p, G, D]
+            buf[0, done:full] = keys.amin(1)
+            buf[1, done:full] = keys.amax(1)
+            self._full[key] = full
         if s > full * p:
             tail = kv[full * p :, 0]
-            lo, hi = torch.cat((lo, tail.amin(0, keepdim=True))), torch.cat((hi, tail.amax(0, keepdim=True)))
-        return lo, hi
+            buf[0, full], buf[1, full] = tail.amin(0), tail.amax(0)
+        return buf[0, :pages], buf[1, :pages]
+
+    def held_bytes(self) -> int:
+        """GPU bytes of every slice's page bounds buffer."""
+        return sum(b.numel() * b.element_size() for b in self._bounds.values())
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
         out = self._attend(q, kv, step)
@@ -115,16 +169,16 @@ class QuestKernel:
     ) -> torch.Tensor:
         """Decode over an offloaded slice: select pages from the GPU metadata, gather only them."""
         key = (step.layer, step.group)
-        lo, hi = self._meta[key]
-        out, gathered = self._gathered(q, step, lo, hi, fetch.gather, kv_new)
+        full = self._full[key]
+        buf = self._bounds[key]
+        out, gathered = self._gathered(q, step, buf[0, :full], buf[1, :full], fetch.gather, kv_new)
         self.gathered_tokens += gathered
         tail, _ = self._tail[key]
         tail = torch.cat((tail, kv_new[:, 0]))
-        if tail.shape[0] == self.page:  # the page is complete: its metadata joins the others
-            self._meta[key] = (
-                torch.cat((lo, tail.amin(0, keepdim=True))),
-                torch.cat((hi, tail.amax(0, keepdim=True))),
-            )
+        if tail.shape[0] == self.page:  # the page is complete: its bounds join the others
+            buf = self._buffer(key, tail, full + 1)
+            buf[0, full], buf[1, full] = tail.amin(0), tail.amax(0)
+            self._full[key] = full + 1
             tail = tail[:0]
         self._tail[key] = (tail, step.start + 1)
         return out
@@ -174,7 +228,7 @@ class QuestKernel:
         pages = -(-s // self.page)
         top_k = min(max(3, self.budget // self.page), pages)
         if step.start == 0:
-            self._meta.pop((step.layer, step.group), None)  # a new sequence
+            self._full.pop((step.layer, step.group), None)  # a new sequence (its buffer stays)
             self._tail.pop((step.layer, step.group), None)
         if t > 1 or step.layer < self.dense_layers or s <= self.budget or top_k >= pages:
             if t == 1:

@@ -132,8 +132,9 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     it is planned with their bytes added to its budget, and its whole-capacity resident slices
     and staging buffers are carved from one run of them (`kvtier.kv.device_memory`; those that
     do not fit spill to the caching allocator), and after them its method's decode caches
-    (`Placement.method_buffers`: HiP's block caches), taken here, on the engine's thread; the engine
-    takes the run back once the store is freed. Raises `CapacityError` when it fits nowhere."""
+    (`Placement.method_buffers`: HiP's block caches, Quest's page bounds), taken here, on the
+    engine's thread; the engine takes the run back once the store is freed. Raises
+    `CapacityError` when it fits nowhere."""
     llm = engine.llm
     method = run_method(engine, seq)
     context = len(seq.prompt) + seq.params.max_tokens
