@@ -233,14 +233,15 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
                 )
                 return r.choices[0].text
 
-            # NOTE: since 2026-12-05 int8's packed rows, the evictors' slices and HiP's block caches
-            # (of the slices it streams) are lent pool pages
+            # NOTE: since 2026-12-05 int8's packed rows, the evictors' slices, HiP's block caches
+            # (of the slices it streams) and Quest's page bounds are lent pool pages
             specs = [
                 "int8",
                 "window,kv_budget=256",
                 "snapkv,kv_budget=256",
                 "head,head_group=1",
                 "hip,hip_preset=fast,kv=head",
+                "quest,kv_budget=64,kv=head",
             ]
             alone = [with_method(prompts[i], spec) for i, spec in enumerate(specs)]
             jobs = [(prompts[i], spec) for i, spec in enumerate(specs)] + [(p, None) for p in prompts[8:]]

@@ -551,3 +551,47 @@ def same_over_a_region(
         store.close()
     assert memory.used <= need and need - memory.used < 512
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_run_compacts_the_pool_when_a_running_request_splits_its_free_pages(llm: LLM) -> None:
+    """A short request whose pages sit in the middle of the pool (the ones below it were freed)
+    leaves no stretch as long as a run may borrow: before planning the run, its pages move down
+    (`ServeEngine.compact`), the run borrows the longer stretch, and both requests' tokens equal
+    `LLM.generate`'s (the moved pages kept their tokens and the block table follows them)."""
+    g = torch.Generator().manual_seed(21)
+    short_ids = torch.randint(1, 211, (13,), generator=g).tolist()
+    long_ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    short_params, long_params = SamplingParams(max_tokens=12), SamplingParams(max_tokens=6)
+    expected_short = llm.generate(short_ids, short_params)[0].token_ids
+    expected_long = llm.generate(long_ids, long_params, method="head")[0].token_ids
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_share=0.5, tiered_keep_tokens=0))
+    pool = engine.kv.pool
+    below = [pool.allocate() for _ in range(30)]  # ids 0 .. 29, as if finished requests had held them
+    short_q = collect(engine, short_ids, short_params)
+    engine._drain(block=False)
+    engine.step()  # the short request's prompt: its pages 30 .. 33
+    (seq,) = engine.scheduler.running
+    assert seq.block_table == [30, 31, 32, 33]
+    for page in below:
+        pool.release(page)
+    assert pool.largest_run() == 30 < engine._lendable_in_all() == 32  # 0.5 of 64, none lent yet
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        seen["lent"] = dict(pool.lent)
+        seen["short_table"] = list(seq.block_table)
+        long_q.put(d)
+
+    long_q: Queue[Delta] = Queue()
+    engine.submit(long_ids, long_params, sink, method=parse_choice("head"))
+    engine.run_until_idle()
+    # the cheapest window of 32 is 32 .. 63, which holds pages 32 and 33: they move to 0 and 1
+    assert engine.pages_compacted == 2
+    assert tokens(long_q) == list(expected_long) and tokens(short_q) == list(expected_short)
+    short_table = seen["short_table"]
+    assert isinstance(short_table, list) and short_table[:4] == [30, 31, 0, 1]
+    assert max(short_table) < 32  # it grew from the lowest free ids
+    ((first, count),) = seen["lent"].items()  # type: ignore[attr-defined]
+    assert first + count == 64 and count > 0
+    assert pool.lent == {} and pool.num_free == 64
+    assert "kvtier:pages_compacted_total" in render(engine, "m")

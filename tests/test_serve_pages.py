@@ -40,6 +40,34 @@ def test_runs_are_lent_from_the_top_and_evict_cached_pages_in_their_way() -> Non
     assert pages == [0, 1, 2, 3]
 
 
+def test_compaction_moves_the_fewest_pages_down_to_free_ids_and_skips_lent_runs() -> None:
+    pool = PagePool(12)
+    held = [pool.allocate() for _ in range(12)]  # 0 .. 11
+    assert pool.take_run(1) is None
+    for p in held:
+        if p not in (1, 6, 7):
+            pool.release(p)
+    assert pool.register(6, b"h6")
+    # 0 | 1 | 2 .. 5 | 6 7 | 8 .. 11: the longest free stretch is 4
+    assert pool.largest_run() == 4 and pool.compaction(4) == []
+    # 5 ids: windows 0 .. 4, 1 .. 5, 2 .. 6 and 7 .. 11 hold one page each; the highest goes:
+    # page 7 to the lowest free id outside 7 .. 11
+    assert pool.compaction(5) == [(7, 0)]
+    pool.move(7, 0)
+    assert pool.ref[0] == 1 and pool.ref[7] == 0 and pool.largest_run() == 5
+    assert pool.take_run(4) == 8  # lent 8 .. 11; free 2 .. 5 and 7
+    # 7 ids: 0 .. 6 and 1 .. 7 are the windows without a lent page, and neither has free ids
+    # outside it for the pages it holds (3 for 1, and 2 for none)
+    assert pool.compaction(7) == []
+    pool.return_run(8)
+    # now 2 .. 8 up to 5 .. 11 hold one page (6), and 5 .. 11 is the highest: 6 goes to 2
+    assert pool.compaction(7) == [(6, 2)]
+    pool.move(6, 2)
+    assert pool.lookup(b"h6") == 2 and pool.page_hash[6] is None and pool.ref[2] == 1
+    assert pool.largest_run() == 9 and pool.take_run(9) == 3
+    assert pool.num_free == 0
+
+
 def test_refcounts_and_cached_pages_go_to_lru_tail_first() -> None:
     evicted: list[tuple[int, bytes]] = []
     pool = PagePool(3, on_evict=lambda p, h: evicted.append((p, h)))

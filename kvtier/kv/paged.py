@@ -139,6 +139,19 @@ class PagedKVStore:
         assert first >= 0 and first + count <= self.num_pages, "a run past the pool"
         return self.storage[first : first + count].view(-1).view(torch.uint8)
 
+    def move_pages(self, moves: list[tuple[int, int]]) -> None:
+        """Copy each (from, to) page's tokens of every layer (a pool `compaction`): one copy per
+        run of consecutive ids on both sides, and no temporary beyond the copies themselves.
+        Sources and targets must not overlap."""
+        i = 0
+        while i < len(moves):
+            src, dst = moves[i]
+            k = 1
+            while i + k < len(moves) and moves[i + k] == (src + k, dst + k):
+                k += 1
+            self.storage[dst : dst + k].copy_(self.storage[src : src + k])
+            i += k
+
     def layer_flat(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s flat view [.., 2, H_kv, D]: slot `page * slot_stride + offset`."""
         return self._flat[layer * self.page_size :]

@@ -13,7 +13,10 @@ A page holds `page_size` consecutive tokens of one sequence (all layers; the ten
 cached page (calling `on_evict(page, hash)` first, so the host tier can save its contents).
 `take_run(n)` lends the highest n consecutive unreferenced ids at once (evicting the cached ones
 among them): sequences fill the pool from the bottom and runs from the top, so a run finds room
-while the batch uses less than the rest.
+while the batch uses less than the rest. When a sequence that took high ids outlives the ones
+below it, the free ids are split; `compaction(n)` then plans the moves of referenced pages down
+to free ids that make a stretch of n, and `move` carries one out (the caller copies the page's
+tensors and rewrites the block tables that hold it).
 
     ids   0 ..................................................... N - 1
           [seq pages, lowest first ->   free / cached   <- lent runs, highest first]
@@ -153,6 +156,52 @@ class PagePool:
             self.ref[page] = 1
         self.lent[first] = count
         return first
+
+    def compaction(self, count: int) -> list[tuple[int, int]]:
+        """Moves (from, to) of referenced pages that leave `count` consecutive unreferenced ids:
+        in the window of `count` ids without a lent page that holds the fewest referenced ones
+        (the highest among equals), each of those goes to the lowest free id outside the window.
+        Empty when a stretch of `count` exists already or no window can be emptied that way."""
+        n = self.num_pages
+        if count < 1 or count > n or self.largest_run() >= count:
+            return []
+        lent = bytearray(n)
+        for first, length in self.lent.items():
+            lent[first : first + length] = b"\x01" * length
+        best: tuple[int, int] | None = None  # (moves, -first)
+        held = blocked = free = 0  # in the window
+        for last in range(n):  # the window [last - count + 1, last]
+            held += self.ref[last] > 0 and not lent[last]
+            blocked += lent[last]
+            free += self._is_free[last]
+            if last >= count:
+                out = last - count
+                held -= self.ref[out] > 0 and not lent[out]
+                blocked -= lent[out]
+                free -= self._is_free[out]
+            first = last - count + 1
+            fits = self._num_free - free >= held  # free ids outside the window for its pages
+            if first >= 0 and not blocked and fits and (best is None or (held, -first) <= best):
+                best = (held, -first)
+        if best is None:
+            return []
+        first = -best[1]
+        outside = (p for p in range(n) if self._is_free[p] and not first <= p < first + count)
+        sources = [p for p in range(first, first + count) if self.ref[p] > 0]
+        return list(zip(sources, outside, strict=False))
+
+    def move(self, src: int, dst: int) -> None:
+        """Give referenced page `src`'s references and hash to free page `dst`; `src` is free
+        after (one step of a `compaction`). Mutates the pool."""
+        assert self.ref[src] > 0 and self._is_free[dst], "a move takes a referenced page to a free id"
+        assert all(not (f <= src < f + k) for f, k in self.lent.items()), "a lent page stays put"
+        self._take_free(dst)
+        self.ref[dst], self.ref[src] = self.ref[src], 0
+        h = self.page_hash[src]
+        if h is not None:
+            self.cached[h] = dst
+        self.page_hash[dst], self.page_hash[src] = h, None
+        self._put_free(src)
 
     def return_run(self, first: int) -> None:
         """Take back the run lent at `first`: its ids are free again."""

@@ -66,6 +66,8 @@ class ServeEngine(BatchEngine):
         self.offloaded = 0  # tiered runs finished
         self.cache_releases = 0  # `_release_cached_blocks` calls
         self.own_store_requests = 0  # requests whose own store joined the batch's forward
+        self.pages_compacted = 0  # pages moved to make a run longer (`compact`)
+        self._compacted_for: Sequence | None = None  # the waiting request it last compacted for
         self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._by_id: dict[str, Sequence] = {}
@@ -102,6 +104,10 @@ class ServeEngine(BatchEngine):
         together, in one stretch of unreferenced ids, leaving the batch `max_num_seqs` x
         `tiered_keep_tokens` tokens of pages and the running sequences the pages they need to
         reach their full length."""
+        return min(self._lendable_in_all(), self.kv.pool.largest_run())
+
+    def _lendable_in_all(self) -> int:
+        """`lendable_pages` were the pool's unreferenced ids one stretch."""
         pool, cfg = self.kv.pool, self.config
         cap = int(cfg.tiered_share * pool.num_pages) - pool.num_lent
         p = cfg.page_size
@@ -110,7 +116,28 @@ class ServeEngine(BatchEngine):
             max(0, -(-(len(s.prompt) + s.params.max_tokens) // p) - len(s.block_table))
             for s in self.scheduler.running
         )
-        return max(0, min(cap, pool.largest_run(), pool.num_free - headroom - keep))
+        return max(0, min(cap, pool.num_free - headroom - keep))
+
+    def compact(self) -> int:
+        """Move running sequences' pages down to free ids (engine thread, between batch steps)
+        when that makes the stretch a run may borrow longer (`PagePool.compaction`): the pages'
+        tensors are copied on the batch's stream, after its queued work and the host tier's
+        pending saves, and the block tables rewritten. Returns the pages moved."""
+        pool = self.kv.pool
+        moves = pool.compaction(self._lendable_in_all())
+        if not moves:
+            return 0
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.kv.host.flush()  # NOTE: saves read pages by id; none of these, but keep the order
+            self.store.move_pages(moves)
+        moved = dict(moves)
+        for src, dst in moves:
+            pool.move(src, dst)
+        for seq in self.scheduler.running:
+            if any(p in moved for p in seq.block_table):
+                seq.block_table = [moved.get(p, p) for p in seq.block_table]
+        self.pages_compacted += len(moves)
+        return len(moves)
 
     def lend(self, count: int) -> int | None:
         """Lend `count` consecutive pages (engine thread): evicted cached pages among them are
@@ -268,6 +295,10 @@ class ServeEngine(BatchEngine):
                 continue
             if any(run.opening for run in self._tiered.values()):
                 break  # NOTE: its store's memory is not in the budget yet: plan after it
+            if self.paged and self.scheduler.running and seq is not self._compacted_for:
+                # NOTE: once per waiting request (the scan is O(pool pages) on the host)
+                self._compacted_for = seq
+                self.compact()
             try:
                 plan, make_store, first = plan_store(self, seq)
             except CapacityError as e:

@@ -49,6 +49,13 @@ def render(engine: ServeEngine, model_name: str) -> str:
             [("", engine.own_store_requests)],
         ),
         (
+            "pages_compacted_total",
+            "counter",
+            "Pool pages of running requests moved down to free ids so that a tiered request could "
+            "borrow one longer run of pages.",
+            [("", engine.pages_compacted)],
+        ),
+        (
             "decode_ahead_steps_total",
             "counter",
             "Decode-only batch steps that queued more than one forward before reading tokens back "
