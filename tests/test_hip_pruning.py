@@ -307,3 +307,50 @@ def test_hip_reserve_covers_a_decode_scoring_product(monkeypatch: pytest.MonkeyP
     assert long - always("llama-3-8b", 1 << 20) == product - PRUNE_BATCH_BYTES
     assert short == always("llama-3-8b", 1024)  # 1K tokens x 8 heads: below the prefill batch
     assert small == always("smollm2-135m", 1 << 15)
+
+
+@pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_cpu_bisection_in_tiles_equals_one_tile(
+    mode: str, per_row: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU's bisection over tiles of blocks and chunks (`CPU_TILE_BYTES`) gives the scores of
+    one tile of everything up to float rounding (the products run in other shapes: a few
+    scores differ in the last bit), with chunk-indexed RoPE placing each tile's probes by their
+    chunk's index in the block, a partial last chunk and empty chunks."""
+    from kvtier.sparse import prefill
+
+    gen = torch.Generator().manual_seed(7)
+    s, g, r, nq, chunk, d = 300, 2, 3, 4, 8, 32
+    keys = torch.randn(s, g, d, generator=gen)
+    q = torch.randn(5, nq, g * r, d, generator=gen)
+    q_pos = torch.tensor([[296 + i for i in range(nq)]] * 5) - torch.arange(5)[:, None] * 40
+    valid = torch.tensor([290, 250, 211, 170, 37])
+    rows = [torch.randperm(s, generator=gen)[: int(v)].sort().values for v in valid.tolist()]
+    cand = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
+    c_count = -(-cand.shape[1] // chunk)
+    lengths = (valid[:, None] - torch.arange(c_count)[None, :] * chunk).clamp(0, chunk)
+    rope = RopeTable(Rotary(RopeConfig(), d, device=torch.device("cpu")))
+    qr, limit = prefill._scoring_queries(
+        q, q_pos, keys, -(-valid // chunk), c_count, mode=mode, rotary=rope, window=8
+    )
+    chunks = prefill._chunks(cand, c_count, chunk)
+
+    def scores() -> torch.Tensor:
+        kw = {"mode": mode, "rotary": rope, "limit": limit, "per_row": per_row}
+        return prefill._bisect(qr, keys, chunks, lengths, **kw)
+
+    monkeypatch.setattr(prefill, "CPU_TILE_BYTES", 1 << 30)
+    whole = scores()
+    monkeypatch.setattr(prefill, "CPU_TILE_BYTES", 2 * nq * g * r * 4 * 5)  # 5 chunks of 2 blocks
+    monkeypatch.setattr(prefill, "CPU_TILE_BLOCKS", 2)
+    tiled = scores()
+    assert tiled.shape == whole.shape == ((5, c_count, nq * g * r) if per_row else (5, c_count))
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=4e-6)
+    live = lengths > 0
+
+    def kept(rows: torch.Tensor) -> torch.Tensor:  # the chunks a stage keeping 8 would keep
+        score = prefill.softmax_head_score(rows.clone(), live, d**-0.5) if per_row else rows
+        return torch.where(live, score, float("-inf")).topk(8, dim=1).indices.sort(dim=1).values
+
+    assert torch.equal(kept(tiled), kept(whole))
