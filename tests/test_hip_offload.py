@@ -19,7 +19,7 @@ from kvtier.loading.weights import load_safetensors_folder
 from kvtier.methods.spec import parse_choice
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
-from kvtier.sparse import HipConfig, HipKernel, cache_bank_bytes, make_hip_kernel
+from kvtier.sparse import HipConfig, HipKernel, cache_bank_bytes, hip_method_buffers, make_hip_kernel
 from kvtier.sparse.gpu_cache import BlockCache, block_ids
 from kvtier.sparse.opcount import OpCounter
 from tests.hf_reference import drive, make_hf_model
@@ -367,20 +367,24 @@ def test_block_caches_placed_in_a_region_come_from_it_once_and_stay_bitwise(
     gqa: tuple[CausalLM, ModelConfig], per_head: bool
 ) -> None:
     """A store over memory it was given (a server's lent pages) hands the kernel that memory
-    after its own buffers (`place_caches`): each streamed slice's block cache is a bank of
-    `cache_bank_bytes` in it, where `region_buffers` plus HiP's `method_buffers` say. A prompt
-    chunk after decode empties the caches but keeps them (a region frees nothing piecewise), so
-    the region's use does not grow; tokens and logits equal the caching allocator's."""
+    after its own buffers (`place_caches`): the RoPE table, then each streamed slice's decode
+    rows and block cache (a bank of `cache_bank_bytes`) come from it, where `region_buffers`
+    plus HiP's `method_buffers` (`hip_method_buffers`) say. A prompt chunk after decode empties
+    the caches but keeps them (a region frees nothing piecewise), so the region's use does not
+    grow; tokens and logits equal the caching allocator's."""
     model, cfg = gqa
     ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(9))
-    bank = cache_bank_bytes(cfg, kernel_for(cfg, per_head=per_head).cfg, 1, 4)
+    hip = kernel_for(cfg, per_head=per_head).cfg
+    bank = cache_bank_bytes(cfg, hip, 1, 4)
     lay = KVLayout.of(cfg, 1, 5, torch.float32)
-    sizes = region_buffers(lay, plan("head"), PROMPT + DECODE) + [bank] * SLICES
+    method = hip_method_buffers(cfg, hip, 1, 4, PROMPT + DECODE, [True] * SLICES)
+    assert len(method) == 2 + SLICES  # cos, sin, then a slice's rows and bank each
+    sizes = region_buffers(lay, plan("head"), PROMPT + DECODE) + list(method)
     region = torch.zeros(fitting(sizes, 1 << 40), dtype=torch.uint8)
     lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
     runs: dict[str, tuple[list[torch.Tensor], list[int]]] = {}
     for where in ("allocator", "region"):
-        kernel = kernel_for(cfg, per_head=per_head)
+        kernel = kernel_for(cfg, per_head=per_head, capacity=PROMPT + DECODE)
         memory = RegionMemory(region) if where == "region" else None
         store = TieredKVStore(
             cfg, plan("head"), device=CPU, dtype=torch.float32, capacity=PROMPT + DECODE,
@@ -389,15 +393,19 @@ def test_block_caches_placed_in_a_region_come_from_it_once_and_stay_bitwise(
         )  # fmt: skip
         logits, tokens = drive(model, store, ids[:104], CHUNK, 8)
         banks = {sl: c.bank.data_ptr() for sl, c in kernel._gpu.items()}
+        rows = [t.data_ptr() for pair in kernel._rows.values() for t in pair]
+        assert kernel.rotary is not None
+        rope = [kernel.rotary._cos.data_ptr(), kernel.rotary._sin.data_ptr()]
         used = None if memory is None else memory.used
         second_turn(model, store, ids[104:], logits, tokens)
         if memory is not None:
             assert len(banks) == SLICES and all(lo <= p < hi for p in banks.values())
+            assert len(rows) == 2 * SLICES and all(lo <= p < hi for p in rows + rope)
             assert {sl: c.bank.data_ptr() for sl, c in kernel._gpu.items()} == banks  # the same banks
             assert all(c.bank.numel() * 4 == bank for c in kernel._gpu.values())
             assert memory.used == used and memory.spilled == 0 and region.numel() - memory.used < 512
         else:
-            assert all(not lo <= p < hi for p in banks.values())
+            assert not rows and all(not lo <= p < hi for p in [*banks.values(), *rope])
         runs[where] = logits, tokens
         store.close()
     assert runs["region"][1] == runs["allocator"][1]

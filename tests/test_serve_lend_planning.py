@@ -102,14 +102,15 @@ def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reser
     assert none is None and plan.gpu_kv_bytes >= plan_alone.gpu_kv_bytes
 
 
-def test_hips_block_caches_are_lent_pages_so_256k_fits_a_19_gb_server(
+def test_hips_decode_memory_is_lent_pages_so_256k_fits_a_19_gb_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """HiP's placement lists the block cache of each streamed slice (`method_buffers`, the bank
-    `CachedDecode` allocates), and `plan_store` fits them into the lent run after the store's
-    buffers: at 19 GB a 256K request, which the reserve alone cannot hold (its caches took
-    2.40 GB of it), runs with its caches in pool pages."""
-    from kvtier.sparse import cache_bank_bytes, hip_config
+    """HiP's placement lists its RoPE table and each slice's decode arena (its decode rows and,
+    streamed, the bank `CachedDecode` allocates: `method_buffers`), and `plan_store` fits them
+    into the lent run after the store's buffers: at 19 GB a 256K request, which the reserve
+    alone cannot hold (its caches took 2.40 GB of it), runs with its caches in pool pages."""
+    from kvtier.sparse import cache_bank_bytes, hip_config, hip_method_buffers
+    from kvtier.sparse.rope_ext import table_bytes
 
     engine = Engine(budget=int(19e9), offer=661)
     method = parse_choice("hip")
@@ -120,7 +121,12 @@ def test_hips_block_caches_are_lent_pages_so_256k_fits_a_19_gb_server(
     placed = next(p for p in reversed(placements) if p.plan == plan)
     config = replace(hip_config("lean"), cache_tokens=placed.cache_tokens)  # `auto` past 8K: lean
     bank = cache_bank_bytes(CFG, config, plan.group_size, 2)
-    assert placed.method_buffers == (bank,) * plan.streamed_slices and plan.streamed_slices > 0
+    assert plan.resident_slices == 0 < plan.streamed_slices  # every slice streams here
+    flags = [True] * plan.num_slices
+    assert placed.method_buffers == hip_method_buffers(CFG, config, plan.group_size, 2, CONTEXT, flags)
+    rope, arenas = placed.method_buffers[:2], placed.method_buffers[2:]
+    assert sum(rope) == table_bytes(CONTEXT, CFG.head_dim, 2) and len(arenas) == plan.num_slices
+    assert all(a > bank for a in arenas)  # its bank and its decode rows
     layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
     run = engine.lent[0] * PAGE_BYTES
     store_only = fitting(region_buffers(layout, plan, CONTEXT), run)

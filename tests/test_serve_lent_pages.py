@@ -27,6 +27,7 @@ from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.metrics import render
+from kvtier.sparse import HipKernel
 from tests.hf_reference import make_hf_model
 
 CPU = torch.device("cpu")
@@ -162,15 +163,16 @@ def test_a_streaming_request_borrows_a_run_of_pool_pages_and_gives_it_back(llm: 
     assert engine.offloaded == 1
 
 
-def test_a_hip_request_keeps_its_block_caches_in_lent_pages(llm: LLM) -> None:
-    """A streaming HiP request over a pool with room for them: after its staging buffers, the
-    block cache of each streamed slice is carved from its run of pool pages too (the plan's
-    `method_buffers`), its tokens equal `LLM.generate`, and the pages come back."""
+def test_a_hip_request_keeps_its_decode_memory_in_lent_pages(llm: LLM) -> None:
+    """A streaming HiP request over a pool with room for them: after its staging buffers, its
+    RoPE table and each streamed slice's decode rows and block cache are carved from its run of
+    pool pages too (the plan's `method_buffers`), its tokens equal `LLM.generate`, and the
+    pages come back."""
     g = torch.Generator().manual_seed(12)
     ids = torch.randint(1, 211, (40,), generator=g).tolist()
     params, spec = SamplingParams(max_tokens=6), "hip,hip_preset=fast,kv=head"
     expected = llm.generate(ids, params, method=spec)[0].token_ids
-    pages = 24_576  # 3 KB pages: a run of up to half of them holds six 4.6 MB banks
+    pages = 32_768  # 3 KB pages: half of them hold six 4.6 MB banks and a 64K-row RoPE table
     config = ServeConfig(page_size=4, num_pages=pages, tiered_share=0.5, tiered_keep_tokens=4)
     engine = ServeEngine(llm, config)
     seen: dict[str, object] = {}
@@ -180,8 +182,13 @@ def test_a_hip_request_keeps_its_block_caches_in_lent_pages(llm: LLM) -> None:
         assert run.store is not None
         storage = engine.store.storage
         base, end = storage.data_ptr(), storage.data_ptr() + storage.numel() * storage.element_size()
-        banks = [c.bank for c in getattr(run.store.kernel, "_gpu", {}).values()]
+        kernel = run.store.kernel
+        assert isinstance(kernel, HipKernel) and kernel.rotary is not None
+        banks = [c.bank for c in kernel._gpu.values()]
+        rows = [t for pair in kernel._rows.values() for t in pair]
+        rope = [kernel.rotary._cos, kernel.rotary._sin]
         seen["banks_inside"] = len(banks), all(base <= b.data_ptr() < end for b in banks)
+        seen["rows_inside"] = len(rows), all(base <= t.data_ptr() < end for t in rows + rope)
         q.put(d)
 
     q: Queue[Delta] = Queue()
@@ -189,6 +196,7 @@ def test_a_hip_request_keeps_its_block_caches_in_lent_pages(llm: LLM) -> None:
     engine.run_until_idle()
     assert tokens(q) == list(expected)
     assert seen["banks_inside"] == (6, True)  # 3 layers x 2 KV heads, each streamed
+    assert seen["rows_inside"] == (12, True)  # a decode query per slice: keys and values
     assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == pages
 
 

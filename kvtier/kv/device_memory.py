@@ -4,10 +4,9 @@ device memory that someone else owns (a run of the server's KV pages, `PagedKVSt
 A `TieredKVStore` takes its resident slices of the whole capacity, an evictor's slices (once, at
 what they keep plus a step), a quantized cache's packed rows on the device and its staging
 buffers from a `DeviceMemory`; everything else it allocates (windows, per-step temporaries)
-stays with PyTorch's caching allocator, and some of a method's own GPU state (HiP's decode
-buffers and RoPE table) with it. HiP's block caches and Quest's page bounds come from the
-store's memory too, after its buffers, when that is a region
-(`kvtier.attention.interface.PlacesCaches`).
+stays with PyTorch's caching allocator. A method's own decode state (HiP's RoPE table, decode
+rows and block caches, Quest's page bounds) comes from the store's memory too, after its
+buffers, when that is a region (`kvtier.attention.interface.PlacesCaches`).
 In the server a long request is thus a tiered store over the same pages the batch uses: its
 buffers are views of page runs borrowed from the pool (`kvtier.kv.pages.PagePool.take_run`),
 not memory of its own.

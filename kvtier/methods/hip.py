@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.kv.slices import place_slices
 from kvtier.methods.registry import (
     BuildContext,
     MethodEntry,
@@ -20,8 +21,8 @@ from kvtier.policies import PolicyParts
 from kvtier.sparse import (
     AUTO_PRESET,
     PRESET_NAMES,
-    cache_bank_bytes,
     hip_config,
+    hip_method_buffers,
     make_hip_kernel,
     resolve_preset,
 )
@@ -84,13 +85,20 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
         hardware=inputs.hardware,
         staging_idle_in_decode=host_keys(options, inputs.context) and inputs.staging_freed_in_decode,
     )
-    # Each streamed slice's block cache, which the kernel allocates from the store's memory when
-    # that is a server's lent pages (`HipKernel.place_caches`).
-    bank = cache_bank_bytes(
-        inputs.cfg, replace(config, cache_tokens=hip.cache_tokens), hip.plan.group_size, inputs.dtype_bytes
+    # What the kernel allocates from the store's memory when that is a server's lent pages
+    # (`HipKernel.place_caches`): the RoPE table, then each slice's decode rows and, streamed,
+    # its block cache, in slice order (the store places resident slices as `place_slices` does).
+    plan = hip.plan
+    streamed = set(place_slices(plan.num_slices, plan.resident_slices, frozenset(), packing=False).streamed)
+    buffers = hip_method_buffers(
+        inputs.cfg,
+        replace(config, cache_tokens=hip.cache_tokens),
+        plan.group_size,
+        inputs.dtype_bytes,
+        inputs.context,
+        [s in streamed for s in range(plan.num_slices)],
     )
-    banks = (bank,) * hip.plan.streamed_slices
-    return Placement(hip.plan, hip.cache_tokens, hip.reserve_bytes, method_buffers=banks)
+    return Placement(plan, hip.cache_tokens, hip.reserve_bytes, method_buffers=buffers)
 
 
 def _build(ctx: BuildContext) -> PolicyParts:
@@ -103,6 +111,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         ctx.cfg,
         ctx.device,
         preset,
+        capacity=ctx.context,
         cache_tokens=ctx.hip_cache_tokens,
         refresh=hip.refresh,
         host_scoring=on_host,

@@ -18,6 +18,7 @@ from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.model.rope import Rotary
 from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
+from kvtier.sparse.decode_memory import slice_decode_bytes
 from kvtier.sparse.gpu_cache import CacheStats
 from kvtier.sparse.kernel import HipKernel, HipStats
 from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, decode_scoring_bytes
@@ -94,13 +95,18 @@ def hip_config(preset: str | HipConfig, refresh: str | None = None) -> HipConfig
 
 
 def make_hip_kernel(
-    cfg: ModelConfig, device: torch.device, preset: str = "default", **overrides: object
+    cfg: ModelConfig,
+    device: torch.device,
+    preset: str = "default",
+    capacity: int | None = None,
+    **overrides: object,
 ) -> tuple[SliceKernel, bool]:
     """The HiP kernel for a model, and whether the store needs `rotate_keys=False`.
 
     `preset` is a key of HIP_PRESETS; `overrides` are HipConfig fields (e.g. `window=512`,
-    `extend=False`, `refresh=(96, 24, 8)`). Raises ConfigError on an unknown preset or field, or
-    on contradictory budgets.
+    `extend=False`, `refresh=(96, 24, 8)`); `capacity`: the request's tokens, which a RoPE table
+    placed in the store's memory is sized for (`HipKernel.place_caches`). Raises ConfigError on
+    an unknown preset or field, or on contradictory budgets.
     """
     if preset not in HIP_PRESETS:
         raise ConfigError(f"unknown hip preset {preset!r}; use one of {', '.join(HIP_PRESETS)}")
@@ -110,7 +116,7 @@ def make_hip_kernel(
         raise ConfigError(f"unknown hip option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
     hip = replace(HIP_PRESETS[preset], **overrides)  # type: ignore[arg-type]
     rotary = Rotary(cfg.rope, cfg.head_dim, device) if hip.extend else None
-    kernel = HipKernel(hip, rotary)
+    kernel = HipKernel(hip, rotary, capacity=capacity)
     return kernel, kernel.needs_unrotated_keys
 
 
@@ -146,6 +152,18 @@ def cache_bank_bytes(cfg: ModelConfig, hip: HipConfig, group: int, dtype_bytes: 
     return slots * hip.cache_block * 2 * group * cfg.head_dim * dtype_bytes
 
 
+def hip_method_buffers(
+    cfg: ModelConfig, hip: HipConfig, group: int, dtype_bytes: int, context: int, streamed: list[bool]
+) -> tuple[int, ...]:
+    """What a `HipKernel` given the store's memory (`place_caches`) allocates there, in order
+    (`Placement.method_buffers`): the RoPE table's cos and sin (with `extend`, sized for
+    `context`), then each slice's decode arena (`slice_decode_bytes`) in slice order, as the
+    first decode step reaches them; `streamed[i]`: whether slice i streams (its bank)."""
+    rope = table_bytes(context, cfg.head_dim, dtype_bytes) // 2 if hip.extend and context else 0
+    arenas = [slice_decode_bytes(cfg.head_dim, hip, group, dtype_bytes, s) for s in streamed]
+    return (*((rope, rope) if rope else ()), *arenas)
+
+
 def hip_phase_bytes(
     cfg: ModelConfig,
     preset: str | HipConfig = "default",
@@ -179,7 +197,9 @@ __all__ = [
     "cache_bank_bytes",
     "hip_config",
     "hip_gpu_bytes",
+    "hip_method_buffers",
     "hip_phase_bytes",
     "make_hip_kernel",
     "resolve_preset",
+    "slice_decode_bytes",
 ]

@@ -23,9 +23,11 @@ from typing import cast
 import torch
 
 from kvtier.attention.interface import Alloc, Fetch, SliceStep
+from kvtier.kv.device_memory import CachingMemory, DeviceMemory, RegionMemory
 from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positions, refresh_blocks
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
+from kvtier.sparse.decode_memory import slice_decode_bytes
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, PositionedKV, block_ids
 from kvtier.sparse.host_keys import HostKeys
 from kvtier.sparse.pruning import run_stages
@@ -47,7 +49,21 @@ class CachedDecode:
     _streamed: set[tuple[int, int]]  # slices the store streams (asked about)
     _cover_tokens: dict[int, int]  # heads -> tokens a refresh interval reads
     _stage0: dict[tuple[int, int, int], torch.Tensor]  # stage 0 scored from host keys this step
-    _alloc: Alloc | None  # where block caches' banks come from (None: the caching allocator)
+    _alloc: Alloc | None  # where decode memory comes from (None: the caching allocator)
+    _arenas: dict[tuple[int, int], RegionMemory]  # slice -> its decode memory in `_alloc`'s
+
+    def _arena(self, sl: tuple[int, int], row: torch.Tensor) -> DeviceMemory | None:
+        """Slice `sl`'s decode memory (row: one of its tokens [2, G, D]), carved from the placed
+        memory at the first call (None: nothing placed); what outgrows it spills."""
+        if self._alloc is None:
+            return None
+        arena = self._arenas.get(sl)
+        if arena is None:
+            g, d = row.shape[-2], row.shape[-1]
+            size = slice_decode_bytes(d, self.cfg, g, row.element_size(), sl in self._streamed)
+            arena = RegionMemory(self._alloc((size,), torch.uint8), spill=CachingMemory(row.device))
+            self._arenas[sl] = arena
+        return arena
 
     # -- CachingSliceKernel -----------------------------------------------------------------
 
@@ -214,7 +230,9 @@ class CachedDecode:
         if sl not in self._gpu:
             heads = kv.shape[2] if self.cfg.per_head else 1
             slots, b = self.cfg.offload_cache_slots(heads), self.cfg.cache_block
-            self._gpu[sl] = BlockCache(slots, b, tuple(kv.shape[1:]), kv.dtype, kv.device, self._alloc)
+            arena = self._arena(sl, kv[0])
+            alloc = None if arena is None else arena.empty
+            self._gpu[sl] = BlockCache(slots, b, tuple(kv.shape[1:]), kv.dtype, kv.device, alloc)
         return self._gpu[sl]
 
     def _fill(self, kv: torch.Tensor, step: SliceStep) -> None:

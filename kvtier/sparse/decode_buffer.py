@@ -33,10 +33,13 @@ class AttendBuffer:
     """Gathered (and rotated) keys and values of one decode query's attention; mutable.
 
     `end` is the number of slice positions the buffer covers (the last query + 1); a step whose
-    query is at `end` may `append`, any other must `rebuild`.
+    query is at `end` may `append`, any other must `rebuild`. `placed`: keys and values
+    [rows, G, D] in the store's memory (`HipKernel.place_caches`), used while they hold enough
+    rows; past them the buffer grows from the caching allocator.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, placed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self._placed = placed
         self.k: torch.Tensor | None = None  # [cap, G, D] keys at their attention positions
         self.v: torch.Tensor | None = None  # [cap, G, D]
         self.mask: torch.Tensor | None = None  # [1, cap] all true (what the reference masks)
@@ -77,7 +80,7 @@ class AttendBuffer:
         n = idx.shape[0]
         # NOTE: rows grow by one a step between refreshes, so asking for n + spare at every
         # rebuild reallocated at nearly each one; room for n is enough, with spare when growing.
-        self._reserve(n + 1 if n < self.capacity else n + spare, k)
+        self._reserve(n + 1 if n < self.capacity else n + spare, k, n + 1)
         assert self.k is not None and self.v is not None
         self.k[:n] = k
         self.v[:n] = v
@@ -109,7 +112,7 @@ class AttendBuffer:
         """Store the rotated key k [1, G, D] and value v [1, G, D] of `position` == `end`."""
         assert position == self.end, "append adds the next token only"
         if self.length == self.capacity:
-            self._reserve(2 * self.capacity, k)
+            self._reserve(2 * self.capacity, k, self.capacity + 1)
         assert self.k is not None and self.v is not None
         n = self.length
         self.k[n : n + 1] = k
@@ -132,13 +135,19 @@ class AttendBuffer:
             return attend_gathered_triton(q, self.k, self.v, self.index[:n], self.far)
         return softmax_attention(q, self.k[:n], self.v[:n], self.mask[:, :n])
 
-    def _reserve(self, capacity: int, like: torch.Tensor) -> None:
-        """Grow to at least `capacity` rows shaped like `like`'s [G, D], keeping valid rows."""
-        if capacity <= self.capacity and self.k is not None and self.k.dtype == like.dtype:
+    def _reserve(self, capacity: int, like: torch.Tensor, least: int) -> None:
+        """Room for `least` rows shaped like `like`'s [G, D], keeping valid rows: the placed
+        rows when they hold that many, else `capacity` rows (>= least) from the allocator."""
+        if least <= self.capacity and self.k is not None and self.k.dtype == like.dtype:
             return
         dev = like.device
-        k = torch.empty(capacity, *like.shape[1:], dtype=like.dtype, device=dev)
-        v = torch.empty_like(k)
+        placed = self._placed
+        if placed is not None and placed[0].dtype == like.dtype and least <= placed[0].shape[0]:
+            k, v = placed
+            capacity = k.shape[0]
+        else:
+            k = torch.empty(capacity, *like.shape[1:], dtype=like.dtype, device=dev)
+            v = torch.empty_like(k)
         if self.k is not None and self.v is not None and self.k.dtype == like.dtype:
             n = min(self.length, capacity)
             k[:n] = self.k[:n]

@@ -28,14 +28,15 @@ import torch
 
 from kvtier.attention.interface import Alloc, SliceStep
 from kvtier.errors import ConfigError
+from kvtier.kv.device_memory import RegionMemory
 from kvtier.model.rope import Rotary
 from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.cached_decode import CachedDecode
 from kvtier.sparse.config import HipConfig
-from kvtier.sparse.decode_buffer import KV, DecodeState
+from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
 from kvtier.sparse.gpu_cache import BlockCache
 from kvtier.sparse.prefill import prune_whole_blocks
-from kvtier.sparse.rope_ext import RopeTable
+from kvtier.sparse.rope_ext import RopeTable, table_positions
 from kvtier.sparse.stats import HipStats
 
 
@@ -47,10 +48,11 @@ class HipKernel(CachedDecode):
     its GPU block caches and stats, never kv. Also a `CachingSliceKernel`: see `CachedDecode`.
     """
 
-    def __init__(self, cfg: HipConfig, rotary: Rotary | None = None) -> None:
+    def __init__(self, cfg: HipConfig, rotary: Rotary | None = None, capacity: int | None = None) -> None:
         if cfg.extend and rotary is None:
             raise ConfigError("hip extend=True needs the model's Rotary: keys are rotated in the kernel")
         self.cfg = cfg
+        self.capacity = capacity  # the request's tokens (None: not known), for a placed RoPE table
         self.rotary = RopeTable(rotary) if cfg.extend and rotary is not None else None
         self.stats = HipStats(decode_recomputes=[0] * len(cfg.chunk_sizes))
         self._cache: dict[tuple[int, int, int], DecodeState] = {}
@@ -62,6 +64,10 @@ class HipKernel(CachedDecode):
         self._stage0: dict[tuple[int, int, int], torch.Tensor] = {}
         # Where block caches' banks come from (`place_caches`; None: the caching allocator).
         self._alloc: Alloc | None = None
+        # With `place_caches`: each slice's decode memory (`slice_decode_bytes`), carved once at
+        # its first decode step, and the gathered rows of each decode query kept in it.
+        self._arenas: dict[tuple[int, int], RegionMemory] = {}
+        self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def last_query_alone(self) -> bool:
@@ -93,10 +99,26 @@ class HipKernel(CachedDecode):
         self._stage0.clear()
 
     def place_caches(self, alloc: Alloc) -> None:
-        """Allocate the block caches' banks with `alloc` from now on (`PlacesCaches`: the store's
-        region of a server's lent pages, which `kvtier.methods.hip` lists in its placement's
-        `method_buffers`, one bank per streamed slice)."""
+        """Allocate decode memory with `alloc` from now on (`PlacesCaches`: the store's region of
+        a server's lent pages): the RoPE table (at the capacity's positions, when known), then
+        at its first decode step each slice's arena of its decode queries' gathered rows and,
+        streamed, its block cache's bank, as `kvtier.sparse.hip_method_buffers` lists them."""
         self._alloc = alloc
+        if self.rotary is not None and self.capacity is not None:
+            self.rotary.place(alloc, table_positions(self.capacity))
+
+    def _placed_rows(
+        self, key: tuple[int, int, int], new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode query `key`'s gathered keys and values [rows, G, D] in its slice's arena
+        (new: its token's row [2, G, D]), allocated once; None without placed memory."""
+        if key not in self._rows:
+            arena = self._arenas.get((key[0], key[1]))  # `_heads` carved it with the whole row
+            if arena is None:
+                return None
+            shape = (self.cfg.decode_buffer_tokens(), *new.shape[1:])
+            self._rows[key] = (arena.empty(shape, new.dtype), arena.empty(shape, new.dtype))
+        return self._rows[key]
 
     def _drop_caches(self) -> None:
         if self._alloc is None:
@@ -124,6 +146,8 @@ class HipKernel(CachedDecode):
 
     def _heads(self, q: torch.Tensor, kv: KV, new: torch.Tensor, step: SliceStep) -> torch.Tensor:
         """q [T, H_q_g, D] over kv; `new` [2, G, D] is the row at step.start (decode's token)."""
+        if q.shape[0] == 1 and self._alloc is not None:
+            self._arena((step.layer, step.group), new)
         if not self.cfg.per_head:
             return self._slice(q, kv, new, step, -1)
         g = kv.shape[2]
@@ -189,7 +213,8 @@ class HipKernel(CachedDecode):
             else:
                 outs = self._stages(q, pos, kv, step.layer, cand, first)
             if st is None:
-                st = DecodeState(outputs=outs, computed_at=[0] * len(outs), window_start=w0)
+                placed = AttendBuffer(self._placed_rows(key, new))
+                st = DecodeState(outputs=outs, computed_at=[0] * len(outs), window_start=w0, attn=placed)
             else:
                 st.outputs[first:] = outs
                 st.computed_at[first:] = [st.step] * len(outs)

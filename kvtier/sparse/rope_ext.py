@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.attention.interface import Alloc
 from kvtier.model.layers import use_fused
 from kvtier.model.rope import Rotary
 
@@ -62,6 +63,14 @@ class RopeTable:
         self.rotary = rotary
         self._cos = self._sin = torch.empty(0, rotary.head_dim)
         self._dtype: torch.dtype | None = None
+        self._alloc: Alloc | None = None  # the store's memory (`place`)
+        self._placed = 0  # positions the placed table holds (0: none placed yet)
+
+    def place(self, alloc: Alloc, positions: int) -> None:
+        """Take the table from `alloc` (the store's memory), once, at `positions` rows (a
+        request's `table_positions`), computed whole when first used; past them it grows from
+        the caching allocator as before."""
+        self._alloc, self._placed = alloc, positions
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         """x [N, H, D] rotated at `positions` [N] (non-negative integers), in x's dtype.
@@ -94,8 +103,14 @@ class RopeTable:
             old = self._cos.shape[0] if self._dtype == x.dtype else 0
             size = table_positions(max(n, old + 1))
             self._cos = self._sin = torch.empty(0, self.rotary.head_dim)  # free the old table first
-            cos = torch.empty(size, self.rotary.head_dim, dtype=x.dtype, device=x.device)
-            sin = torch.empty_like(cos)
+            if self._alloc is not None and n <= self._placed:
+                size = self._placed
+                cos = self._alloc((size, self.rotary.head_dim), x.dtype)
+                sin = self._alloc((size, self.rotary.head_dim), x.dtype)
+                self._alloc = None  # NOTE: once: the store's memory frees nothing piecewise
+            else:
+                cos = torch.empty(size, self.rotary.head_dim, dtype=x.dtype, device=x.device)
+                sin = torch.empty_like(cos)
             for a in range(0, size, TABLE_STEP):
                 b = min(a + TABLE_STEP, size)
                 cos[a:b], sin[a:b] = self.rotary.cos_sin(torch.arange(a, b, device=x.device), x.dtype)
