@@ -137,9 +137,9 @@
 #   Quest's page bounds preallocated per slice and placed in a served request's lent pages, HiP's
 #   RoPE table and decode rows placed there too (one arena a slice with its bank), the pool
 #   compacted before a run is planned (pages copied on the batch's stream), and HiP's torch
-#   bisection tiled on the CPU (CUDA keeps one tile; its relative probes skip a table gather on
-#   both). The smoke's serve part now sends a streaming Quest request beside the batch. NEXT:
-#   as the twenty-seventh's: 71 with the GGUF's first half (call A), 1 (call B), 64, 70, 69.
+#   bisection tiled on the CPU (CUDA runs Triton's; the torch path's relative probes no longer
+#   gather table rows). The smoke's serve part now sends a streaming Quest request beside the
+#   batch. NEXT: as the twenty-seventh's: 71 with the GGUF's first half (call A), 1 (call B), 64, 70, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's

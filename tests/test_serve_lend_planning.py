@@ -102,6 +102,20 @@ def test_a_sparse_request_borrows_pages_with_its_gpu_extras_counted_in_the_reser
     assert none is None and plan.gpu_kv_bytes >= plan_alone.gpu_kv_bytes
 
 
+def planned_over_pages(
+    monkeypatch: pytest.MonkeyPatch, budget: float, spec: str
+) -> tuple[Engine, SimpleNamespace, KVPlan, Placement]:
+    """A 256K request naming `spec` planned on a server of `budget` bytes offering 661 pages:
+    the engine, the request, its plan (over one lent run) and the placement it came from."""
+    engine = Engine(budget=int(budget), offer=661)
+    method = parse_choice(spec)
+    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
+    placements = recorded_placements(monkeypatch)
+    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
+    assert first == 1 and len(engine.lent) == 1
+    return engine, seq, plan, next(p for p in reversed(placements) if p.plan == plan)
+
+
 def test_hips_decode_memory_is_lent_pages_so_256k_fits_a_19_gb_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -112,13 +126,7 @@ def test_hips_decode_memory_is_lent_pages_so_256k_fits_a_19_gb_server(
     from kvtier.sparse import cache_bank_bytes, hip_config, hip_method_buffers
     from kvtier.sparse.rope_ext import table_bytes
 
-    engine = Engine(budget=int(19e9), offer=661)
-    method = parse_choice("hip")
-    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
-    placements = recorded_placements(monkeypatch)
-    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
-    assert first == 1 and len(engine.lent) == 1
-    placed = next(p for p in reversed(placements) if p.plan == plan)
+    engine, seq, plan, placed = planned_over_pages(monkeypatch, 19e9, "hip")
     config = replace(hip_config("lean"), cache_tokens=placed.cache_tokens)  # `auto` past 8K: lean
     bank = cache_bank_bytes(CFG, config, plan.group_size, 2)
     assert plan.resident_slices == 0 < plan.streamed_slices  # every slice streams here
@@ -146,13 +154,7 @@ def test_quests_page_bounds_are_lent_pages_so_256k_fits_a_17_5_gb_server(
     which the reserve alone cannot hold (~2 GB of bounds), runs with its bounds in pool pages."""
     from kvtier.policies.quest import bounded_slices, quest_gpu_bytes
 
-    engine = Engine(budget=int(17.5e9), offer=661)
-    method = parse_choice("quest,kv_budget=2048")
-    seq = SimpleNamespace(prompt=[1] * 262_144, params=SamplingParams(max_tokens=16), method=method)
-    placements = recorded_placements(monkeypatch)
-    plan, _, first = plan_store(engine, seq)  # type: ignore[arg-type]
-    assert first == 1 and len(engine.lent) == 1
-    placed = next(p for p in reversed(placements) if p.plan == plan)
+    engine, seq, plan, placed = planned_over_pages(monkeypatch, 17.5e9, "quest,kv_budget=2048")
     assert len(placed.method_buffers) == bounded_slices(CFG, plan.group_size)
     assert sum(placed.method_buffers) == placed.reserve_bytes == quest_gpu_bytes(CFG, CONTEXT, 16, 2)
     layout = KVLayout.of(CFG, plan.group_size, 256, torch.bfloat16)
