@@ -6,6 +6,7 @@ Only tokenization here (the embedded SmolLM2's tokenizer); no model forward pass
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -328,6 +329,26 @@ def test_run_eval_hands_over_each_partial_result(tok: Any, tmp_path: Path) -> No
     assert seen == [(1, False), (2, False)]  # the finished run is the caller's to save
     assert result.meta["complete"] is True and len(result.records) == 3
     assert not (tmp_path / "r.json.part").exists()
+
+
+def test_run_eval_keeps_the_records_it_resumes_and_runs_the_rest(tok: Any) -> None:
+    """Records of an earlier run of the grid (`--resume`) are kept for the samples they match
+    (method, cell, index, prompt length, expected answer); only the others are generated."""
+    FakeLLM.tokenizer_ = tok
+    cfg = EvalConfig(TaskSpec("passkey", (1024,), samples=3), parse_methods(["auto"]))
+    first = run_eval(cfg, progress=False, llm_factory=FakeLLM)
+    kept = [replace(r, answer="kept") for r in first.records[:2]]
+    stale = replace(first.records[2], expected=("0",))  # another prompt: run again
+    calls: list[int] = []
+
+    class Counting(FakeLLM):
+        def generate(self, *a: Any, **k: Any) -> list[Any]:
+            calls.append(1)
+            return super().generate(*a, **k)
+
+    again = run_eval(cfg, progress=False, llm_factory=Counting, done=[*kept, stale])
+    assert [r.answer for r in again.records[:2]] == ["kept", "kept"] and len(calls) == 1
+    assert again.records[2] == first.records[2] and again.meta["resumed"] == 2
 
 
 def test_run_eval_loads_again_only_for_engine_options(tok: Any) -> None:

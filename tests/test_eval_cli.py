@@ -27,6 +27,7 @@ from kvtier.cli.main import main
         (["ruler", "--subtasks", "qa"], "unknown ruler subtask(s) qa"),
         (["passkey", "--samples", "0"], "--samples must be at least 1"),
         (["passkey", "--first-sample", "-1"], "--first-sample must be 0 or more"),
+        (["passkey", "--resume"], "--resume continues the run saved in --out F.json: give --out"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -57,3 +58,18 @@ def test_passkey_end_to_end_on_the_embedded_model(
     assert saved["command"].startswith("kvtier eval passkey --model")
     assert saved["kvtier_version"] and saved["machine"]["device"] == "cpu"
     assert png.stat().st_size > 1000
+    assert saved["complete"] is True and saved["resumed"] == 0
+    # the same command with --resume keeps the finished sample instead of running it again
+    assert main([*argv, "--resume"]) == 0
+    again = json.loads(out.read_text())
+    assert again["resumed"] == 1 and again["records"] == saved["records"]
+
+
+def test_resume_refuses_a_file_of_another_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--resume` continues only the command `--out` was saved by, before loading a model."""
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"command": "kvtier eval passkey --lengths 2k", "records": []}))
+    assert main(["eval", "passkey", "--lengths", "1k", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run of another command ('kvtier eval passkey --lengths 2k')" in err
+    assert "give the same options, another --out, or drop --resume" in err

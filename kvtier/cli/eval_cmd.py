@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
+from pathlib import Path
 from typing import Any
 
 from kvtier.cli.options import int_type, output_path_type, seed_type, size_type
+from kvtier.errors import ConfigError
 from kvtier.eval.grid import parse_depths, parse_lengths
 from kvtier.eval.haystack import HAYSTACKS
+from kvtier.eval.results import EvalResult, Record
 from kvtier.eval.ruler import RULER_SUBTASKS
 from kvtier.eval.runner import EvalConfig, run_eval
 from kvtier.eval.specs import option_types, parse_methods
@@ -89,6 +93,12 @@ def add_parser(subparsers: Any) -> None:
         help='save everything, per-sample records too; rewritten after each sample ("complete": '
         "false until the run ends), so a run that stops keeps what it finished",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run that --out holds (the same command, stopped before it completed): "
+        "its finished samples are kept, not run again",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -142,11 +152,30 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
+def resumed_records(out: str | None, command: str) -> list[Record]:
+    """The records `--resume` keeps: those of `out` when it holds a run of `command` (none when
+    it does not exist yet). ConfigError when there is no `--out` or it holds another run."""
+    if out is None:
+        raise ConfigError("--resume continues the run saved in --out F.json: give --out")
+    if not Path(out).exists():
+        print(f"--resume: {out} does not exist yet; running every sample", file=sys.stderr)
+        return []
+    earlier = EvalResult.load(out)
+    if earlier.meta.get("command") != command:
+        raise ConfigError(
+            f"--resume: {out} holds a run of another command ({earlier.meta.get('command')!r}); "
+            f"this one is {command!r}: give the same options, another --out, or drop --resume"
+        )
+    return earlier.records
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the eval; print a table (or `--json`), save `--out` and `--plot`."""
     cfg = build_config(args)
+    command = command_line(args)
+    done = resumed_records(args.out, command) if args.resume else []
     save = (lambda partial: partial.save(args.out)) if args.out else None
-    result = run_eval(cfg, command=command_line(args), progress=not args.no_progress, after_each=save)
+    result = run_eval(cfg, command=command, progress=not args.no_progress, after_each=save, done=done)
     if args.out:
         result.save(args.out)
     if args.plot:

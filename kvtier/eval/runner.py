@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -81,12 +81,15 @@ def run_eval(
     progress: bool = True,
     llm_factory: Callable[..., Any] | None = None,
     after_each: Callable[[EvalResult], None] | None = None,
+    done: Sequence[Record] = (),
 ) -> EvalResult:
     """Run every sample of `cfg.spec` under every method, on one loaded model (a method that
     changes an engine option, such as `chunk_size` or `dtype`, loads its own).
 
     `after_each` sees the result after every sample, its `meta["complete"]` False until the
-    last (the CLI saves `--out` there, so a long run that stops keeps what it finished)."""
+    last (the CLI saves `--out` there, so a long run that stops keeps what it finished).
+    `done`: records of an earlier run of the same grid (`--resume`): a sample whose method,
+    cell and index, prompt length and expected answer match one is not run again."""
     if llm_factory is None:
         from kvtier.engine.llm import LLM
 
@@ -100,6 +103,8 @@ def run_eval(
     samples = generate_samples(cfg.spec, base.tokenizer)
     result = EvalResult(_meta(cfg, base, command, samples))
     result.meta["complete"] = False
+    earlier = {_key(r.method, r.task, r.length, r.depth, r.index): r for r in done}
+    result.meta["resumed"] = 0
     from tqdm import tqdm
 
     bar = tqdm(total=len(samples) * len(cfg.methods), unit="sample", file=sys.stderr, disable=not progress)
@@ -111,7 +116,16 @@ def run_eval(
             scores: list[float] = []
             for sample in samples:
                 bar.set_description(f"{method.label} {sample.task} {sample.length}")
-                record = run_sample(llm, sample, method)
+                key = _key(method.label, sample.task, sample.length, sample.depth, sample.index)
+                prev = earlier.get(key)
+                if prev is not None and (prev.expected, prev.prompt_tokens) == (
+                    sample.expected,
+                    sample.prompt_tokens,
+                ):
+                    record = prev
+                    result.meta["resumed"] += 1
+                else:
+                    record = run_sample(llm, sample, method)
                 result.records.append(record)
                 scores.append(record.score)
                 bar.set_postfix(score=f"{sum(scores) / len(scores):.2f}")
@@ -124,6 +138,10 @@ def run_eval(
     result.meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     result.meta["complete"] = True
     return result
+
+
+def _key(method: str, task: str, length: int, depth: float | None, index: int) -> tuple[Any, ...]:
+    return method, task, length, depth, index
 
 
 def _meta(cfg: EvalConfig, llm: Any, command: str, samples: list[Sample]) -> dict[str, Any]:
