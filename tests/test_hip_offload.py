@@ -614,3 +614,24 @@ def test_hip_gpu_bytes_cover_the_block_caches_and_buffers_a_run_allocates(
     assert kernel.rotary is not None
     table = 2 * kernel.rotary._cos.numel() * 4
     assert 0 < held + table <= hip_gpu_bytes(cfg, "default", dtype_bytes=4, context=PROMPT + DECODE)
+
+
+@pytest.mark.parametrize("host_scoring", [False, True])
+def test_a_context_shorter_than_the_sinks_streams_like_resident_kv(
+    gqa: tuple[CausalLM, ModelConfig], host_scoring: bool
+) -> None:
+    """A prompt shorter than the sinks (every key a sink: the window would start past the
+    query) decodes over streamed slices, filling and reading their block caches, with the
+    tokens and logits of resident KV. (`kvtier generate --attention hip --kv head` on a
+    5-token prompt failed in the block cache's bookkeeping: an arange from 256 down to 5.)"""
+    model, cfg = gqa
+    ids = torch.randint(0, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for policy in ("gpu", "head"):
+        # a cache smaller than a refresh interval's reads: the full steps rank what it keeps
+        kernel = kernel_for(cfg, sink=16, window=8, cache_tokens=8, host_scoring=host_scoring)
+        store = make_store(cfg, policy, kernel)
+        runs[policy] = drive(model, store, ids, CHUNK, 12)
+        store.close()
+    assert runs["head"][1] == runs["gpu"][1]
+    assert_same(runs["head"][0], runs["gpu"][0])

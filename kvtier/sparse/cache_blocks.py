@@ -32,7 +32,8 @@ def needed_positions(
     for st in states:
         stage = st.first_due(cfg.refresh, st.step + 1) - 1
         parts.append(st.outputs[stage].to(device))
-        parts.append(torch.arange(st.window_start, start + 1, device=device))
+        # NOTE: a context shorter than the sinks has its window start past the query: none
+        parts.append(torch.arange(min(st.window_start, start + 1), start + 1, device=device))
     return torch.cat(parts)
 
 
@@ -65,6 +66,7 @@ def refresh_blocks(
             parts.append(torch.div(sel[ends], b, rounding_mode="floor"))
             parts.append(torch.div(sel[::b], b, rounding_mode="floor"))
         w0 = min(w0, st.window_start)
+    w0 = min(w0, start + 1)  # a context shorter than the sinks: no window past the query
     # NOTE: the sink blocks stop below the window's first block: `append` writes the new
     # token to one copy of the last block only, so the block it writes must not be duplicated
     # (a context shorter than the sinks has its window inside the sink blocks).
@@ -104,7 +106,7 @@ def keep_blocks(
     which is the order the tiers would fill the cache one by one.
     """
     b = cfg.cache_block
-    w0 = min(st.window_start for st in states)
+    w0 = min(min(st.window_start for st in states), start + 1)  # none past the query
     edges = torch.cat((torch.arange(min(cfg.sink, start + 1)), torch.arange(w0, start + 1))).to(device)
     stages = reversed(range(len(cfg.chunk_sizes)))  # the final selection first
     tiers = [edges] + [torch.cat([st.outputs[i].to(device) for st in states]) for i in stages]

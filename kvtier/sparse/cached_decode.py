@@ -164,7 +164,7 @@ class CachedDecode:
             (out,) = self._stages(qh, pos, keys, layer, cand, 0, upto=1)
             self._stage0[(layer, step.group, h)] = out
             parts.append(out)
-        parts.append(torch.arange(w0, s + 1, device=q.device))
+        parts.append(torch.arange(min(w0, s + 1), s + 1, device=q.device))  # w0 > s: all sinks
         return torch.cat(parts)
 
     def _keep_read(self, cache: BlockCache, table: BlockTable, step: SliceStep, groups: int) -> None:
