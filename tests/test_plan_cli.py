@@ -215,10 +215,33 @@ def test_plan_evict_keeps_every_slice_on_the_gpu(capsys: CapSys) -> None:
     assert far["evict"]["host_kv_gb"] == 0
 
 
+def test_plan_quest_keeps_its_page_bounds_off_the_budget(capsys: CapSys) -> None:
+    """`--attention quest --kv-budget N`: the plan within the budget less Quest's page bounds
+    (the registry's planner, as `LLM` plans it), and the bounds shrink with larger pages."""
+    from kvtier.loading.presets import preset_config
+    from kvtier.policies.quest import quest_gpu_bytes
+
+    base = ["--model", "llama-3-8b", "--context", "256K", "--gpu-memory", "24GiB"]
+    quest = _json(capsys, *base, "--attention", "quest", "--kv-budget", "2k")["quest"]
+    bounds = quest_gpu_bytes(preset_config("llama-3-8b"), 262_144, 16, 2)
+    assert round(quest["page_bounds_gb"] * 1e9) == bounds and quest["method"].endswith("--quest-page 16")
+    assert 0 < quest["resident_slices"] < quest["num_slices"] and quest["host_kv_gb"] > 0
+    wide = _json(capsys, *base, "--attention", "quest", "--kv-budget", "2k", "--quest-page", "64")["quest"]
+    assert wide["page_bounds_gb"] < quest["page_bounds_gb"] / 3
+    assert wide["resident_slices"] >= quest["resident_slices"]
+    assert _main(["plan", *base, "--attention", "quest", "--kv-budget", "2k"]) == 0
+    assert "page bounds 2.01 GB on the GPU" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--kv-budget", "2k"], "add --evict NAME"),
+        (["--kv-budget", "2k"], "the budget of --evict NAME or --attention quest: add one"),
+        (["--max-new-tokens", "1k"], "add --evict NAME"),
+        (["--attention", "quest"], "give --kv-budget N"),
+        (["--quest-page", "4"], "applies only with --attention quest"),
+        (["--attention", "quest", "--kv-budget", "2k", "--kv-quant", "int4"], "one at a time"),
+        (["--attention", "quest", "--kv-budget", "2k", "--evict", "h2o"], "one at a time"),
         (["--evict", "h2o"], "give --kv-budget N"),
         (["--evict", "h2o", "--kv-budget", "2k", "--kv-quant", "int4"], "one at a time"),
         (["--evict", "snapkv", "--kv-budget", "2k"], "give --max-new-tokens N"),

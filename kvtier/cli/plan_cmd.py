@@ -24,8 +24,10 @@ from kvtier.cli.plan_methods import (
     format_evict,
     format_hip,
     format_lossy,
+    format_quest,
     hip_lines,
     lossy_lines,
+    quest_lines,
 )
 from kvtier.cli.plan_parallel import format_parallel, parallel_lines, rank_of
 from kvtier.config import ModelConfig
@@ -33,6 +35,7 @@ from kvtier.errors import CapacityError, ModelLoadError
 from kvtier.loading.gguf import gguf_model_config, is_gguf_file
 from kvtier.loading.presets import PRESETS, preset_config
 from kvtier.methods import OPTIONS, REGISTRY, choices, names
+from kvtier.methods.registry import MethodEntry
 from kvtier.planner.hardware import HARDWARE, hardware_preset
 from kvtier.planner.memory import (
     DTYPE_BYTES,
@@ -180,7 +183,7 @@ def add_parser(subparsers: Any) -> None:
         type=OPTIONS["kv_budget"].parse,
         default=None,
         metavar="N",
-        help="--evict's budget: " + OPTIONS["kv_budget"].help,
+        help="--evict's or --attention quest's budget: " + OPTIONS["kv_budget"].help,
     )
     p.add_argument(
         "--max-new-tokens",
@@ -195,10 +198,13 @@ def add_parser(subparsers: Any) -> None:
         default="dense",
         choices=planned_attention(),
         help="also plan a sparse attention method with its own planner (HiP: its slices, block "
-        "cache per offloaded slice and prefill chunk)",
+        "cache per offloaded slice and prefill chunk; Quest: its page bounds, under --kv-budget)",
     )
     p.add_argument(
         "--hip-preset", type=OPTIONS["hip_preset"].parse, default="auto", help=OPTIONS["hip_preset"].help
+    )
+    p.add_argument(
+        "--quest-page", type=OPTIONS["quest_page"].parse, default=None, help=OPTIONS["quest_page"].help
     )
     p.add_argument(
         "--hip-refresh", type=OPTIONS["hip_refresh"].parse, default=None, help=OPTIONS["hip_refresh"].help
@@ -304,14 +310,17 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+PLANNED_OPTIONS = frozenset({"kv_budget"})  # method options `kvtier plan` takes (`--kv-budget`)
+
+
 def planned_attention() -> tuple[str, ...]:
-    """`--attention` values `kvtier plan` can plan: dense and the methods with a planner hook that
-    need no option it lacks (Quest's --kv-budget)."""
-    return tuple(
-        n
-        for n in choices("attention")
-        if n not in REGISTRY or (REGISTRY[n].plan is not None and not REGISTRY[n].requires)
-    )
+    """`--attention` values `kvtier plan` can plan: dense and the methods with a planner hook
+    whose required options it takes."""
+
+    def planned(entry: MethodEntry) -> bool:
+        return entry.plan is not None and set(entry.requires) <= PLANNED_OPTIONS
+
+    return tuple(n for n in choices("attention") if n not in REGISTRY or planned(REGISTRY[n]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -332,7 +341,15 @@ def run(args: argparse.Namespace) -> int:
         args.hip_refresh,
         args.hip_host_keys,
     )
-    evict = evict_lines(req, args.evict, args.kv_budget, args.max_new_tokens, others=bool(lossy or hip))
+    quest = quest_lines(req, args.attention, args.kv_budget, args.quest_page, args.kv_quant)
+    evict = evict_lines(
+        req,
+        args.evict,
+        args.kv_budget,
+        args.max_new_tokens,
+        others=bool(lossy or hip or quest),
+        budget_used=quest is not None,
+    )
     parallel = parallel_lines(args, rep, resolve_model(args.model))
     if args.json:
         out = report_json(rep)
@@ -342,6 +359,8 @@ def run(args: argparse.Namespace) -> int:
             out["lossy"] = lossy
         if hip:
             out["hip"] = hip
+        if quest:
+            out["quest"] = quest
         if evict:
             out["evict"] = evict
         print(json.dumps(out, indent=2))
@@ -360,13 +379,15 @@ def run(args: argparse.Namespace) -> int:
             print(format_lossy(lossy))
         if hip:
             print(format_hip(hip))
+        if quest:
+            print(format_quest(quest))
         if evict:
             print(format_evict(evict))
     if args.plot:
         from kvtier.planner.plot import plot_memory
 
         plot_memory(req, args.plot)
-    if rep.error is not None and hip is None and lossy is None and evict is None:
+    if rep.error is not None and hip is None and quest is None and lossy is None and evict is None:
         raise CapacityError(rep.error)
     if rep.error is not None and not args.json:
         print("\nlossless does not fit (above); the method's plan does")

@@ -73,7 +73,7 @@ def hip_lines(
     the preset's; `host_keys`: `--hip-host-keys`, None: auto): slices, block cache per offloaded
     slice, the method's GPU bytes, host KV and its prefill chunk. A method it does not combine
     with is a ConfigError."""
-    if attention == "dense":
+    if attention != "hip":
         if host_keys is not None:
             raise ConfigError("--hip-host-keys applies only with --attention hip")
         return None
@@ -104,6 +104,47 @@ def hip_lines(
         "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
         "chunk_size": plan.chunk_size,
     }
+
+
+def quest_lines(
+    req: PlanRequest, attention: str, budget: int | None, page: int | None, kv_quant: str | None = None
+) -> dict[str, Any] | None:
+    """The plan under `--attention quest` (None for another attention): the store's plan within
+    the budget less Quest's page bounds, which stay on the GPU for every slice past its dense
+    layers; a decode step then reads only the pages its heads select (about `budget` tokens a KV
+    head), from the host for streamed slices. ConfigError without `--kv-budget`."""
+    if attention != "quest":
+        if page is not None:
+            raise ConfigError("--quest-page applies only with --attention quest")
+        return None
+    if budget is None:
+        raise ConfigError("--attention quest reads --kv-budget tokens a KV head per step: give --kv-budget N")
+    if kv_quant is not None:
+        raise ConfigError("--attention quest cannot be planned with --kv-quant: one at a time")
+    choice = MethodChoice(
+        kv=req.policy, head_group=req.group_size, attention="quest", kv_budget=budget, quest_page=page or 16
+    )
+    placed = plan_for(req.inputs(), choice)
+    plan = placed.plan
+    return {
+        "method": f"--attention quest --kv-budget {budget} --quest-page {choice.quest_page}",
+        "resident_slices": plan.resident_slices,
+        "num_slices": plan.num_slices,
+        "page_bounds_gb": placed.reserve_bytes / 1e9,
+        "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
+        "host_kv_gb": plan.host_kv_bytes / 1e9,
+        "chunk_size": plan.chunk_size,
+    }
+
+
+def format_quest(quest: dict[str, Any]) -> str:
+    """`quest_lines` as the plain report prints it."""
+    return (
+        f"\nwith {quest['method']}: {quest['resident_slices']}/{quest['num_slices']} slices resident, "
+        f"page bounds {quest['page_bounds_gb']:.2f} GB on the GPU, GPU KV with staging "
+        f"{quest['gpu_kv_with_staging_gb']:.2f} GB, host KV {quest['host_kv_gb']:.2f} GB, prefill "
+        f"chunk {quest['chunk_size']:,}; a decode step reads about --kv-budget tokens a KV head"
+    )
 
 
 def format_lossy(lossy: dict[str, Any]) -> str:
@@ -137,15 +178,23 @@ def format_hip(hip: dict[str, Any]) -> str:
 
 
 def evict_lines(
-    req: PlanRequest, evict: str | None, budget: int | None, new_tokens: int | None, others: bool = False
+    req: PlanRequest,
+    evict: str | None,
+    budget: int | None,
+    new_tokens: int | None,
+    others: bool = False,
+    budget_used: bool = False,
 ) -> dict[str, Any] | None:
     """The plan under `--evict` with `--kv-budget` (None without --evict): every slice stays on
     the GPU holding what it keeps plus a prefill chunk (`KVPlan.compact_tokens`; SnapKV, which
     evicts in prefill only, plus the `new_tokens` it decodes), nothing on the host or the link.
-    `others`: another method is planned beside it (one at a time: a ConfigError)."""
+    `others`: another method is planned beside it (one at a time: a ConfigError);
+    `budget_used`: that method took `--kv-budget` (Quest's)."""
     if evict is None:
-        if budget is not None or new_tokens is not None:
-            raise ConfigError("--kv-budget and --max-new-tokens plan an evictor: add --evict NAME")
+        if budget is not None and not budget_used:
+            raise ConfigError("--kv-budget is the budget of --evict NAME or --attention quest: add one")
+        if new_tokens is not None:
+            raise ConfigError("--max-new-tokens plans an evictor's new tokens: add --evict NAME")
         return None
     if others:
         raise ConfigError(
