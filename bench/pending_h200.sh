@@ -139,7 +139,8 @@
 #   compacted before a run is planned (pages copied on the batch's stream), and HiP's torch
 #   bisection tiled on the CPU (CUDA runs Triton's; the torch path's relative probes no longer
 #   gather table rows). The smoke's serve part now sends a streaming Quest request beside the
-#   batch. NEXT: as the twenty-seventh's: 71 with the GGUF's first half (call A), 1 (call B), 64, 70, 69.
+#   batch. NEXT: as the twenty-seventh's: 71 with the GGUF's first half (call A), 1 (call B), 64, 70, 69;
+#   then 72 and 73 (the mixed case with the long request naming HiP, then Quest: no GGUF).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -232,6 +233,18 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_wide
   run 240 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_decode_wide
+  ;;
+72)
+  # issue 18: the mixed case (one 256K request beside 32 short streams, 24 GiB) with the long
+  # request naming HiP: its store, block caches, decode rows and RoPE table in lent pool pages
+  # (9daadb9; CPU-checked only). The lossless case: 1.50x the shorts' TPOT, 1.16x the floor.
+  run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --long-method hip \
+    --mixed-timeout 300 --name serve_gpu_24gib_mixed_hip
+  ;;
+73)
+  # 72 with Quest (its page bounds in lent pages since 5860240): a 2K budget over 16-token pages.
+  run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --long-method "quest,kv_budget=2k" \
+    --mixed-timeout 300 --name serve_gpu_24gib_mixed_quest
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now

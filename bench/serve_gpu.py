@@ -44,7 +44,9 @@ from bench.serve_mixed import run_mixed
 from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
 from kvtier.loading.resolve import read_model_config
+from kvtier.methods import parse_choice
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.server import freeze_heap
 from kvtier.units import parse_count
@@ -234,6 +236,11 @@ def main() -> None:
     )
     ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
     ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
+    ap.add_argument(
+        "--long-method",
+        default=None,
+        help="mixed: a method the long request names, e.g. hip or quest,kv_budget=2k (default: lossless)",
+    )
     ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
     ap.add_argument(
         "--mixed-timeout", type=float, default=240.0, help="mixed: seconds to wait for the long prefill"
@@ -299,6 +306,11 @@ def main() -> None:
     unknown = [c for c in cases if c not in CASES and c not in SPECIAL]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join([*CASES, *SPECIAL])}")
+    if args.long_method is not None:
+        try:
+            parse_choice(args.long_method)  # NOTE: a typo fails here, not after loading the model
+        except ConfigError as e:
+            ap.error(f"--long-method: {e}")
     dtype = "bf16" if args.device.startswith("cuda") else "fp32"
     # The mixed case's long request may run past the model's trained context (synthetic ids).
     trained = int(read_model_config(args.model).max_position_embeddings)
@@ -388,6 +400,7 @@ def main() -> None:
                 CASES["c32"],
                 profile_steps=window,  # type: ignore[arg-type]
                 trace=f"{out_dir}/{args.name}_trace.json.gz" if args.trace else None,
+                long_method=args.long_method,
             )
         elif name == "prefix":
             pool = args.prefix_pool_tokens

@@ -12,6 +12,7 @@ import torch
 
 from bench.serve_loop import FIRST_STEPS, GcPauses, Stream, ThreadClock, ms_p50, ms_quantile, step_loop, sync
 from kvtier.engine.sampling import SamplingParams
+from kvtier.methods import parse_choice
 from kvtier.serve.engine import ServeEngine
 
 
@@ -25,9 +26,11 @@ def run_mixed(
     shorts_case: tuple[int, int, int],
     profile_steps: tuple[int, int] | None = None,
     trace: str | None = None,
+    long_method: str | None = None,
 ) -> dict[str, Any]:
     """One long request (served tiered) plus short streams (`shorts_case`: requests, prompt
-    and new tokens, as serve_gpu's c32), submitted once it decodes.
+    and new tokens, as serve_gpu's c32), submitted once it decodes. `long_method`: a method
+    spec the long request names (as a client's `extra_body={"method": ...}`; None: lossless).
     `profile_steps`: the batch steps whose device ops are tabled (and traced to `trace`); the
     profiler slows the steps it records, so a run that profiles is not a timing of the case."""
     n, prompt, new = shorts_case
@@ -40,7 +43,7 @@ def run_mixed(
             f"mixed: {long_tokens} tokens fit the pool of {engine.pool_tokens}; give a longer "
             "--long-tokens or a smaller --num-pages, so the long request is served tiered"
         )
-    engine.submit(long_ids, params, long)
+    engine.submit(long_ids, params, long, method=None if long_method is None else parse_choice(long_method))
     sync(engine)
     t0 = time.perf_counter()
     engine._drain(block=False)
@@ -107,6 +110,7 @@ def run_mixed(
     floor = per_token / (pcie_gbps * 1e9)
     return {
         "long_prompt_tokens": long_tokens,
+        "long_method": long_method or "lossless",
         "long_route": route,
         "long_lent_pages": lent,
         "short_waiting_at_most": max_waiting,
