@@ -234,3 +234,19 @@ def test_a_quantized_request_keeps_its_packed_rows_in_borrowed_pages(spec: str, 
     plan_alone, _, _ = plan_store(alone, seq)  # type: ignore[arg-type]
     assert plan.resident_slices > plan_alone.resident_slices
     assert plan.gpu_kv_bytes > plan_alone.gpu_kv_bytes + 1e9
+
+
+def test_hip_over_packed_kv_lists_a_bank_for_every_staged_slice() -> None:
+    """Over `--kv-quant` every slice is attended through staging (its packed rows unpacked
+    there, on the device or from the host), so the kernel gives each one a block cache: HiP's
+    `method_buffers` list a slice arena with its bank for all of them, device-packed ones too."""
+    from kvtier.planner.hardware import hardware_preset
+    from kvtier.sparse import hip_config, hip_method_buffers
+
+    inputs = PlanInputs(CFG, 262_144, hardware=hardware_preset("h200"), dtype_bytes=2, gpu_budget=24 << 30)
+    placed = plan_for(inputs, parse_choice("hip,kv_quant=int4"))
+    plan = placed.plan
+    assert plan.packed is not None and plan.resident_slices > 0  # some slices packed on the device
+    config = replace(hip_config("lean"), cache_tokens=placed.cache_tokens)
+    staged = hip_method_buffers(CFG, config, plan.group_size, 2, 262_144, [True] * plan.num_slices)
+    assert placed.method_buffers == staged

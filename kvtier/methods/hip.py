@@ -86,10 +86,12 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
         staging_idle_in_decode=host_keys(options, inputs.context) and inputs.staging_freed_in_decode,
     )
     # What the kernel allocates from the store's memory when that is a server's lent pages
-    # (`HipKernel.place_caches`): the RoPE table, then each slice's decode rows and, streamed,
-    # its block cache, in slice order (the store places resident slices as `place_slices` does).
+    # (`HipKernel.place_caches`): the RoPE table, then each slice's decode rows and, for one
+    # attended through staging, its block cache, in slice order (the store places slices as
+    # `place_slices` does; a packed cache stages its device-resident slices too).
     plan = hip.plan
-    streamed = set(place_slices(plan.num_slices, plan.resident_slices, frozenset(), packing=False).streamed)
+    places = place_slices(plan.num_slices, plan.resident_slices, frozenset(), packing=plan.packed is not None)
+    streamed = set(places.staged)
     buffers = hip_method_buffers(
         inputs.cfg,
         replace(config, cache_tokens=hip.cache_tokens),
