@@ -318,7 +318,7 @@ def test_cpu_bisection_in_tiles_equals_one_tile(
     one tile of everything up to float rounding (the products run in other shapes: a few
     scores differ in the last bit), with chunk-indexed RoPE placing each tile's probes by their
     chunk's index in the block, a partial last chunk and empty chunks."""
-    from kvtier.sparse import prefill
+    from kvtier.sparse import prefill, prefill_bisect
 
     gen = torch.Generator().manual_seed(7)
     s, g, r, nq, chunk, d = 300, 2, 3, 4, 8, 32
@@ -338,12 +338,12 @@ def test_cpu_bisection_in_tiles_equals_one_tile(
 
     def scores() -> torch.Tensor:
         kw = {"mode": mode, "rotary": rope, "limit": limit, "per_row": per_row}
-        return prefill._bisect(qr, keys, chunks, lengths, **kw)
+        return prefill_bisect.bisect_chunks(qr, keys, chunks, lengths, **kw)
 
-    monkeypatch.setattr(prefill, "CPU_TILE_BYTES", 1 << 30)
+    monkeypatch.setattr(prefill_bisect, "CPU_TILE_BYTES", 1 << 30)
     whole = scores()
-    monkeypatch.setattr(prefill, "CPU_TILE_BYTES", 2 * nq * g * r * 4 * 5)  # 5 chunks of 2 blocks
-    monkeypatch.setattr(prefill, "CPU_TILE_BLOCKS", 2)
+    monkeypatch.setattr(prefill_bisect, "CPU_TILE_BYTES", 2 * nq * g * r * 4 * 5)  # 5 chunks of 2 blocks
+    monkeypatch.setattr(prefill_bisect, "CPU_TILE_BLOCKS", 2)
     tiled = scores()
     assert tiled.shape == whole.shape == ((5, c_count, nq * g * r) if per_row else (5, c_count))
     torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=4e-6)

@@ -16,7 +16,8 @@ pytestmark = NEEDS_TRITON
 
 from kvtier.config import RopeConfig  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
-from kvtier.sparse.prefill import _bisect, _chunks, _scoring_queries, _span, run_block_stages  # noqa: E402
+from kvtier.sparse.prefill import _chunks, _scoring_queries, _span, run_block_stages  # noqa: E402
+from kvtier.sparse.prefill_bisect import bisect_chunks  # noqa: E402
 from kvtier.sparse.pruning import run_stages  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
 
@@ -33,7 +34,7 @@ def test_kernel_scores_equal_the_torch_bisection(
     device: str, rotate: bool, span: bool, mode: str, per_row: bool
 ) -> None:
     """Chunk scores of blocks with different candidate counts (a partial last chunk, empty
-    chunks) equal `_bisect`'s, on the same rotated queries; with `per_row`, every (query, head)
+    chunks) equal `bisect_chunks`'s, on the same rotated queries; with `per_row`, every (query, head)
     row's maximum (the kernel's rows come in another order: compared sorted)."""
     from kvtier.sparse.triton_bisect import bisect_triton
 
@@ -54,7 +55,7 @@ def test_kernel_scores_equal_the_torch_bisection(
     n_chunks = -(-valid // chunk)
     qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rope, window=8)
     chunks = _chunks(cand, c_count, chunk)
-    ref = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rope, limit=limit, per_row=per_row)
+    ref = bisect_chunks(qr, keys, chunks, lengths, mode=mode, rotary=rope, limit=limit, per_row=per_row)
     tables = rope.tables(limit, keys) if rope is not None else None
     got = bisect_triton(
         qr, keys, None if span else cand, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row
@@ -126,7 +127,7 @@ def test_cpu_cases_in_subprocess() -> None:
 
 def test_softmax_head_score_is_a_softmax_over_live_chunks_then_the_max_over_rows() -> None:
     """`softmax_head_score` (max_r exp(x - logsumexp)) equals the softmax it replaces, on the
-    kernel's layout (a permuted view, chunks contiguous) and on `_bisect`'s [B, C, R]."""
+    kernel's layout (a permuted view, chunks contiguous) and on `bisect_chunks`'s [B, C, R]."""
     from kvtier.sparse.prefill import softmax_head_score
 
     gen = torch.Generator().manual_seed(3)

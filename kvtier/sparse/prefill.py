@@ -22,14 +22,13 @@ products run as batched operators), so a near-tie between chunk scores may break
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.config import HipConfig
+from kvtier.sparse.prefill_bisect import bisect_chunks
 from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
-from kvtier.sparse.rope_ext import RopeTable, probe_positions, scoring_query_position
+from kvtier.sparse.rope_ext import RopeTable, scoring_query_position
 
 
 def pool_blocks(
@@ -109,7 +108,9 @@ def prune_blocks(
         )
     else:
         assert chunks is not None
-        scores = _bisect(qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row)
+        scores = bisect_chunks(
+            qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
+        )
     if per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
         scores = softmax_head_score(scores, lengths > 0, q.shape[-1] ** -0.5)
     scores = torch.where(lengths > 0, scores, float("-inf"))
@@ -176,121 +177,6 @@ def _scoring_queries(
     return q.reshape(bsz, nq, g, hq // g, d), limit
 
 
-# On the CPU `_bisect` runs tiles of (blocks, chunks) whose per-row score tensors stay near this
-# size, so a round's ~10 operators over them read cache, not memory: 1.8x faster per block on the
-# 2-core development machine (16 against 29 ms at SmolLM2's stage 2 at 16K: 2,048 chunks of 8,
-# 64 queries x 9 heads); tiles of 4 blocks were the best of 1-8. Each chunk's bisection is its
-# own, so tiles give the same scores up to float rounding (the products run in other shapes).
-CPU_TILE_BYTES = 2 << 20
-CPU_TILE_BLOCKS = 4
-
-
-def _bisect(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    chunks: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    mode: str,
-    rotary: RopeTable | None,
-    limit: int,
-    per_row: bool = False,
-) -> torch.Tensor:
-    """`chunk_scores`'s bisection of chunks [B, C, c] (lengths [B, C]) for each block's rotated
-    queries q [B, Nq, G, r, D] (`_scoring_queries`).
-
-    Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
-    max-pooled over the block's queries and heads; with `per_row`, that max per (query, head)
-    row, [B, C, Nq * G * r] (the "softmax" head score's input). The path goes where the
-    max-pooled probe is larger, either way. On the CPU in tiles (`CPU_TILE_BYTES`).
-    """
-    bsz, c_count, _ = chunks.shape
-    rows = q.shape[1] * q.shape[2] * q.shape[3]
-    blocks = min(bsz, CPU_TILE_BLOCKS)
-    width = max(1, CPU_TILE_BYTES // (blocks * rows * 4))
-    if q.is_cuda or (blocks == bsz and width >= c_count):
-        blocks, width = bsz, c_count
-    tiles = [
-        [
-            _bisect_tile(
-                q[b : b + blocks],
-                keys,
-                chunks[b : b + blocks, a : a + width],
-                lengths[b : b + blocks, a : a + width],
-                a,
-                mode=mode,
-                rotary=rotary,
-                limit=limit,
-                per_row=per_row,
-            )
-            for a in range(0, c_count, width)
-        ]
-        for b in range(0, bsz, blocks)
-    ]
-    if len(tiles) == 1 and len(tiles[0]) == 1:
-        return tiles[0][0]
-    return torch.cat([torch.cat(row, dim=1) for row in tiles])
-
-
-def _bisect_tile(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    chunks: torch.Tensor,
-    lengths: torch.Tensor,
-    offset: int,
-    *,
-    mode: str,
-    rotary: RopeTable | None,
-    limit: int,
-    per_row: bool,
-) -> torch.Tensor:
-    """`_bisect` of chunks [B, C', c] that are chunks `offset` .. `offset` + C' - 1 of each
-    block (their index places chunk-indexed probes)."""
-    bsz, c_count, c = chunks.shape
-    g, d = keys.shape[1], keys.shape[2]
-    qf = q.float()  # [B, Nq, G, r, D]
-    index = (torch.arange(c_count, device=chunks.device) + offset).expand(bsz, c_count)  # [B, C']
-
-    def probe(offset: torch.Tensor, side: int) -> torch.Tensor:
-        pos = chunks.gather(2, offset[:, :, None]).squeeze(2)  # [B, C]; -1 in empty chunks
-        k = keys[pos.clamp(min=0).flatten()]  # [B * C, G, D]
-        if rotary is not None and mode == "relative":
-            # NOTE: every left probe sits at position 0 (the identity: cos 1, sin 0, as the
-            # Triton kernel skips it) and every right one at 1: one table row for all, broadcast
-            # (`rotate_at`: bitwise the gathered rows' rotation, without the gather)
-            k = k if side == 0 else rotary.rotate_at(k, 1)
-        elif rotary is not None:
-            k = rotary.rotate(
-                k, probe_positions(mode, side, index.flatten(), pos.clamp(min=0).flatten()), limit
-            )
-        # NOTE: in the order the batched product writes ([B, G, Nq, r, C]), read as [B, C, R]
-        # through a view: rows in (g, n, r) order, which no reduction over them minds
-        s = torch.einsum("bngrd,bcgd->bgnrc", qf, k.view(bsz, c_count, g, d).float())
-        return s.permute(0, 4, 1, 2, 3).flatten(2)  # [B, C, R]
-
-    lo = torch.zeros_like(lengths)
-    hi = lengths
-    best: torch.Tensor | None = None
-    for _ in range(max(1, math.ceil(math.log2(c)))):
-        mid = lo + (hi - lo) // 2
-        rows_left = probe(((lo + mid) // 2).clamp(max=c - 1), 0)
-        rows_right = probe(((mid + hi) // 2).clamp(max=c - 1), 1)
-        s_left, s_right = rows_left.amax(dim=2), rows_right.amax(dim=2)  # [B, C]
-        go_right = s_right > s_left
-        if not per_row:
-            top = torch.maximum(s_left, s_right)
-            best = top if best is None else torch.maximum(best, top)
-        elif best is None:
-            best = torch.maximum(rows_left, rows_right)
-        else:  # NOTE: in place: no new tensor of the rows' size per round
-            torch.maximum(best, rows_left, out=best)
-            torch.maximum(best, rows_right, out=best)
-        lo = torch.where(go_right, mid, lo)
-        hi = torch.where(go_right, hi, mid)
-    assert best is not None
-    return best
-
-
 def run_block_stages(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -317,7 +203,7 @@ def run_block_stages(
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
     Chunks are scored by `bisect_triton` (`triton`; None: on CUDA when triton is installed) or
-    by `_bisect`'s torch operators. Stage by stage, blocks are pruned in batches whose
+    by `bisect_chunks`'s torch operators. Stage by stage, blocks are pruned in batches whose
     temporaries (`stage_prune_bytes`), with every block's candidates, stay near
     `PRUNE_BATCH_BYTES`: with torch the probe keys of every chunk of every block, in float32, and
     their scores (at 512K a layer slice of 8 KV heads takes ~25 MB per block, so 64 blocks at
