@@ -141,6 +141,10 @@
 #   gather table rows). The smoke's serve part now sends a streaming Quest request beside the
 #   batch. NEXT: as the twenty-seventh's: 71 with the GGUF's first half (call A), 1 (call B), 64, 70, 69;
 #   then 72 and 73 (the mixed case with the long request naming HiP, then Quest: no GGUF).
+# The twenty-ninth had no device ("none lent"). Its GPU-facing change: a layer's CPU-attended
+#   slices merge in one batch, their results crossing in one asynchronous copy from pinned
+#   memory (a pageable copy per slice had synchronized the host every layer). NEXT: as the
+#   twenty-eighth's (71 with the GGUF's first half, 1, 64, 70, 69, 72, 73), with 74 after 71.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -233,6 +237,15 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_wide
   run 240 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_decode_wide
+  ;;
+74)
+  # issue 23: the layer's CPU slices merged in one batch with one asynchronous copy (the
+  # twenty-ninth session; each slice's pageable copy had made the host wait for the device every
+  # layer). One KV head a slice took 0.706 s/token at 512K (cpu_attention_512k_g1.json, 0.634
+  # simulated), four 0.678 (cpu_attention_decode_3buf.json; 71's last row runs four after the
+  # change, with the 16-float kernel). No GGUF.
+  run 250 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1_merged
   ;;
 72)
   # issue 18: the mixed case (one 256K request beside 32 short streams, 24 GiB) with the long

@@ -224,3 +224,21 @@ def test_two_native_decoders_run_at_once() -> None:
 def test_decode_rejects_a_length_past_the_extents(decoder: CpuDecoder) -> None:
     with pytest.raises(ValueError, match="outside"):
         decoder.attend(torch.zeros(4, 8), [torch.zeros(10, 2, 1, 8)], 11)
+
+
+def test_results_land_in_the_tensors_given(decoder: CpuDecoder) -> None:
+    """`into`: the result is written to views of one buffer (how a layer's CPU slices share one
+    copy to the GPU), equal to a start without it; a wrong shape or dtype is refused."""
+    extents = [torch.randn(600, 2, 2, 32) for _ in range(2)]
+    q = torch.randn(6, 32)
+    buf = torch.full((2, 6 * 32 + 6), float("nan"))
+    into = (buf[1, : 6 * 32].view(6, 32), buf[1, 6 * 32 :])
+    out, lse = decoder.start(q, extents, 1100, into=into).result()
+    ref_out, ref_lse = decoder.attend(q, extents, 1100)
+    assert out.data_ptr() == into[0].data_ptr() and lse.data_ptr() == into[1].data_ptr()
+    assert torch.equal(buf[1, : 6 * 32].view(6, 32), ref_out) and torch.equal(buf[1, 6 * 32 :], ref_lse)
+    assert buf[0].isnan().all()  # nothing written past the views
+    with pytest.raises(ValueError, match="into"):
+        decoder.start(q, extents, 1100, into=(torch.empty(6, 32, dtype=torch.bfloat16), torch.empty(6)))
+    with pytest.raises(ValueError, match="into"):
+        decoder.start(q, extents, 1100, into=(torch.empty(6, 32), torch.empty(5)))

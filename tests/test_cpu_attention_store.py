@@ -121,6 +121,43 @@ def test_cpu_slices_give_the_same_tokens(
     store.close()
 
 
+def test_a_layers_cpu_slices_merge_together_adjacent_or_not(tmp_path: Path, backend: str) -> None:
+    """Four KV heads a layer, slices of one: a layer's CPU slices are merged in one batch whether
+    their groups are adjacent (every slice on the CPU) or not (a resident slice between them),
+    with the tokens and logits of all-on-device attention, and a decode step's operators do not
+    grow with a layer's CPU slices (the old per-slice merge took ~16 a slice)."""
+    from kvtier.sparse.opcount import OpCounter
+
+    make_hf_model("llama-mha", tmp_path)  # 3 layers, 4 KV heads
+    model, cfg = load_safetensors_folder(tmp_path, CPU, torch.float32)
+
+    def go(p: KVPlan) -> tuple[list[torch.Tensor], list[int], int, frozenset[int]]:
+        logits, tokens, store = run(model, cfg, p)
+        store.begin_step(1)
+        with OpCounter() as ops:
+            model(torch.tensor([tokens[-1]]), store)
+        store.end_step()
+        slices = store.cpu.slices if store.cpu is not None else frozenset()
+        store.close()
+        return logits, tokens, ops.total, slices
+
+    def mha(group: int, resident: int, cpu: int) -> KVPlan:
+        return KVPlan("head", group, resident, CHUNK, 2, 60, num_slices=3 * (4 // group), cpu_slices=cpu)
+
+    ref_logits, ref_tokens, _, _ = go(KVPlan("gpu", 4, 3, CHUNK, 0, 0))
+    _, _, layer_ops, _ = go(mha(4, 0, 3))  # one CPU slice a layer
+    for p, groups in ((mha(1, 0, 12), (0, 1, 2, 3)), (mha(1, 6, 6), (0, 2))):
+        logits, tokens, ops, slices = go(p)
+        assert sorted(s % 4 for s in slices if s < 4) == list(groups)
+        assert tokens == ref_tokens
+        for a, b in zip(logits, ref_logits, strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        if p.resident_slices == 0 and backend == "native":
+            # 9 more CPU slices than layer slices: a write-back each (the torch backend also merges
+            # each slice's tasks with CPU operators)
+            assert ops - layer_ops <= 3 * 9, (ops, layer_ops)
+
+
 def test_a_store_with_a_method_kernel_or_evictor_streams_its_cpu_slices(
     gqa_model: tuple[CausalLM, ModelConfig],
 ) -> None:

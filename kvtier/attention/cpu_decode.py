@@ -196,6 +196,23 @@ def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tenso
     return merged.reshape(heads, -1), torch.logsumexp(lse, dim=0).reshape(heads)
 
 
+def _check_into(into: tuple[torch.Tensor, torch.Tensor] | None, heads: int, head_dim: int) -> None:
+    """ValueError unless `into` is None or float32 contiguous CPU (out [heads, head_dim], lse [heads])."""
+    if into is None:
+        return
+    out, lse = into
+    for x, shape in ((out, (heads, head_dim)), (lse, (heads,))):
+        if (
+            tuple(x.shape) != shape
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or not x.is_contiguous()
+        ):
+            raise ValueError(
+                f"`into` needs contiguous float32 CPU tensors of shapes {(heads, head_dim)}, {(heads,)}"
+            )
+
+
 class PendingDecode:
     """CPU attention started by `CpuDecoder.start`; `result()` waits for it and merges."""
 
@@ -206,12 +223,14 @@ class PendingDecode:
         lse: torch.Tensor,
         heads: int,
         merged: tuple[torch.Tensor, torch.Tensor] | None = None,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self._futures = futures
         self._out = out  # [P, G, r, D] float32
         self._lse = lse  # [P, G, r]
         self._heads = heads
         self._merged = merged  # written by the futures (native), else merged here
+        self._into = into  # where the torch backend's merge is copied (the native one writes it)
 
     @property
     def native(self) -> bool:
@@ -224,7 +243,12 @@ class PendingDecode:
             f.result()
         if self._merged is not None:
             return self._merged
-        return merge(self._out, self._lse, self._heads)
+        out, lse = merge(self._out, self._lse, self._heads)
+        if self._into is None:
+            return out, lse
+        self._into[0].copy_(out)
+        self._into[1].copy_(lse)
+        return self._into
 
 
 class CpuDecoder:
@@ -265,11 +289,14 @@ class CpuDecoder:
         extents: list[torch.Tensor],
         length: int,
         ready: torch.cuda.Event | None = None,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PendingDecode:
         """Attend q [H_q, D] (one token; any float dtype, CPU) over tokens [0, length) of the
         token-major `extents` (each [E, 2, G, D], CPU), non-causally. Returns at once; the work
         runs on the decoder's threads, after waiting for `ready` (e.g. q's copy to the host and
-        the last write to the extents) off the caller's thread. length must be at least 1."""
+        the last write to the extents) off the caller's thread. length must be at least 1.
+        `into`: float32 CPU tensors (out [H_q, D], lse [H_q]) the result is written to (e.g.
+        views of one pinned buffer a caller copies to the GPU at once)."""
         e, _, g, d = extents[0].shape
         hq = q.shape[0]
         r = hq // g
@@ -277,6 +304,7 @@ class CpuDecoder:
             raise ValueError(f"length {length} outside 1..{e * len(extents)}")
         tasks = plan_tasks(extents, length)
         out, lse = self._outputs(len(tasks), g, r, d)
+        _check_into(into, hq, d)
         native = (
             self.lib is not None
             and extents[0].dtype in (torch.float32, torch.bfloat16)
@@ -287,12 +315,12 @@ class CpuDecoder:
         if native:
             row = 2 * g * d * extents[0].element_size()
             kind = int(extents[0].dtype == torch.bfloat16)
-            return self._start_native(q, extents, tasks, row, kind, out, lse, ready)
+            return self._start_native(q, extents, tasks, row, kind, out, lse, ready, into)
         futures = [
             self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready)
             for n, t in enumerate(tasks)
         ]
-        return PendingDecode(futures, out, lse, hq)
+        return PendingDecode(futures, out, lse, hq, into=into)
 
     def start_rows(
         self,
@@ -303,6 +331,7 @@ class CpuDecoder:
         heads: int,
         head_dim: int,
         ready: torch.cuda.Event | None = None,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PendingDecode:
         """As `start`, over the first `rows` packed rows of `codec` (rows of `codec.group` tokens
         of `heads` KV heads, in row `extents` [R_e, row_bytes] uint8, CPU): the values attended
@@ -318,6 +347,7 @@ class CpuDecoder:
             raise ValueError(f"rows of {row_bytes} bytes, but the codec's hold {codec.row_bytes(g, d)}")
         tasks = plan_row_tasks(extents, rows)
         out, lse = self._outputs(len(tasks), g, r, d)
+        _check_into(into, hq, d)
         fmt = native_row_format(codec)
         native = (
             self.lib is not None
@@ -328,12 +358,12 @@ class CpuDecoder:
         )
         if native:
             assert fmt is not None
-            return self._start_native(q, extents, tasks, row_bytes, ROW_KINDS[fmt], out, lse, ready)
+            return self._start_native(q, extents, tasks, row_bytes, ROW_KINDS[fmt], out, lse, ready, into)
         futures = [
             self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready, codec)
             for n, t in enumerate(tasks)
         ]
-        return PendingDecode(futures, out, lse, hq)
+        return PendingDecode(futures, out, lse, hq, into=into)
 
     def _outputs(self, tasks: int, g: int, r: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The tasks' partial results out [P, G, r, D] and lse [P, G, r] (float32), after making
@@ -352,10 +382,12 @@ class CpuDecoder:
         out: torch.Tensor,
         lse: torch.Tensor,
         ready: torch.cuda.Event | None,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> PendingDecode:
-        """One native job over `tasks` (`unit`: bytes per token or row; `kind`: the pool's kernel)."""
+        """One native job over `tasks` (`unit`: bytes per token or row; `kind`: the pool's kernel),
+        merged into `into` (else new tensors)."""
         hq, d = q.shape[0], out.shape[-1]
-        merged = (torch.empty(hq, d), torch.empty(hq))
+        merged = into if into is not None else (torch.empty(hq, d), torch.empty(hq))
         ptrs = [extents[t.extent].data_ptr() + t.start * unit for t in tasks]
         job = (q, ptrs, [t.tokens for t in tasks], kind, out, lse, merged, ready, extents)
         return PendingDecode([self._issuer.submit(self._run_native, *job)], out, lse, hq, merged)

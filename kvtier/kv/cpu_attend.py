@@ -68,6 +68,11 @@ class CpuSlices:
         flags = cpu_slice_flags(layout.num_layers, layout.num_groups, resident, count)
         self.slices = frozenset(s for s, f in enumerate(flags) if f)
         self.layers = frozenset(s // layout.num_groups for s in self.slices)
+        self._groups = {  # layer -> its CPU slices' groups, ascending
+            li: tuple(g for g in range(layout.num_groups) if layout.slice_index(li, g) in self.slices)
+            for li in self.layers
+        }
+        self._head_index: dict[int, tuple[slice | torch.Tensor, slice | torch.Tensor]] = {}
         self.layout = layout
         self.hosts = hosts
         self.device = device
@@ -93,50 +98,98 @@ class CpuSlices:
         """Attention of one decode token at `layer` over `length` stored tokens: q [1, H_q, D]
         (rotated), kv [1, 2, H_kv, D] the token's own K/V. CPU slices start first, the others run
         through the store's `attend_slice`, then the CPU results are merged and the CPU slices'
-        new tokens go to the host through `write_back`; returns [1, H_q, D]."""
+        new tokens go to the host through `write_back`; returns [1, H_q, D].
+
+        The layer's CPU slices are merged together: their results land in one buffer (pinned on
+        CUDA) that crosses to the device in one asynchronous copy, and their new tokens' own
+        attention and the merge run once over all their heads. NOTE: a copy from pageable memory
+        would make the host wait for the device's queue every layer."""
         lay = self.layout
-        s = length
-        on_cpu = [g for g in range(lay.num_groups) if lay.slice_index(layer, g) in self.slices]
-        pending: dict[int, list[PendingDecode]] = {}
-        if s > 0:
+        on_cpu = self._groups[layer]
+        n, r, d = len(on_cpu), lay.q_per_kv * lay.group_size, lay.head_dim
+        pending: list[PendingDecode] = []
+        results: torch.Tensor | None = None  # [parts, n, r * D + r]: each part's out, then its lse
+        if length > 0:
             q_host, ready = self._query_to_host(q[0], [self.hosts[lay.slice_index(layer, g)] for g in on_cpu])
-            for g in on_cpu:
-                sid = lay.slice_index(layer, g)
-                pending[g] = self._start(sid, q_host[lay.q_heads(g)], s, ready)
+            jobs = [
+                self._jobs(lay.slice_index(layer, g), q_host[lay.q_heads(g)], length, ready) for g in on_cpu
+            ]
+            parts = len(jobs[0])  # NOTE: the same for every slice: one length, layout and codec
+            assert all(len(j) == parts for j in jobs)
+            results = torch.empty(parts, n, r * d + r, pin_memory=self.device.type == "cuda")
+            for i, slice_jobs in enumerate(jobs):
+                for p, job in enumerate(slice_jobs):
+                    pending.append(job((results[p, i, : r * d].view(r, d), results[p, i, r * d :])))
         outs: dict[int, torch.Tensor] = {}
         for g in range(lay.num_groups):
-            if g not in pending and g not in on_cpu:
+            if g not in on_cpu:
                 outs[g] = attend_slice(layer, g, q[:, lay.q_heads(g)], kv[:, :, lay.kv_heads(g)])
-        for g in on_cpu:
-            qg = q[:, lay.q_heads(g)]  # [1, H_q_g, D]
-            new = kv[:, :, lay.kv_heads(g)].contiguous()  # [1, 2, G, D]
-            part = attend_self_lse(qg, new[:, 0], new[:, 1])
-            for started in pending.get(g, []):
-                out, lse = started.result()  # [H_q_g, D], [H_q_g] float32, on the CPU
-                part = merge_into((out.to(self.device)[None], lse.to(self.device)[None]), part)
-            outs[g] = part[0].to(q.dtype)
-            write_back(lay.slice_index(layer, g), new, self.streams.record())
+        q_heads, kv_heads = self._heads(layer)
+        new = kv[:, :, kv_heads]  # [1, 2, n * G, D]
+        part = attend_self_lse(q[:, q_heads], new[:, 0], new[:, 1])  # [1, n * r, D], [1, n * r]
+        if results is not None:
+            for started in pending:
+                started.result()
+            res = results.to(self.device, non_blocking=True)
+            cpu_out = res[..., : r * d].reshape(-1, 1, n * r, d)
+            cpu_lse = res[..., r * d :].reshape(-1, 1, n * r)
+            for p in range(res.shape[0]):
+                part = merge_into((cpu_out[p], cpu_lse[p]), part)
+        merged = part[0].to(q.dtype)
+        after = self.streams.record()
+        for i, g in enumerate(on_cpu):
+            outs[g] = merged[:, i * r : (i + 1) * r]
+            write_back(lay.slice_index(layer, g), kv[:, :, lay.kv_heads(g)].contiguous(), after)
         return torch.cat([outs[g] for g in range(lay.num_groups)], dim=1)
 
-    def _start(
+    def _heads(self, layer: int) -> tuple[slice | torch.Tensor, slice | torch.Tensor]:
+        """The query and KV heads of `layer`'s CPU slices: slices where the groups are adjacent,
+        else index tensors on the device (made once)."""
+        heads = self._head_index.get(layer)
+        if heads is None:
+            lay, groups = self.layout, self._groups[layer]
+            if groups[-1] - groups[0] + 1 == len(groups):
+                heads = (
+                    slice(lay.q_heads(groups[0]).start, lay.q_heads(groups[-1]).stop),
+                    slice(lay.kv_heads(groups[0]).start, lay.kv_heads(groups[-1]).stop),
+                )
+            else:
+                qi = [h for g in groups for h in range(lay.num_kv_heads * lay.q_per_kv)[lay.q_heads(g)]]
+                ki = [h for g in groups for h in range(lay.num_kv_heads)[lay.kv_heads(g)]]
+                heads = (torch.tensor(qi, device=self.device), torch.tensor(ki, device=self.device))
+            self._head_index[layer] = heads
+        return heads
+
+    def _jobs(
         self, sid: int, q: torch.Tensor, length: int, ready: torch.cuda.Event | None
-    ) -> list[PendingDecode]:
-        """The CPU attention of q [H_q_g, D] over slice `sid`'s `length` stored tokens: one start
-        over full-precision extents, or with a quantized host tier one over the packed rows of
-        its coded tokens and one per stored piece of its uncoded tail."""
-        host = self.hosts[sid]
+    ) -> list[Callable[[tuple[torch.Tensor, torch.Tensor]], PendingDecode]]:
+        """The CPU attention of q [H_q_g, D] over slice `sid`'s `length` stored tokens, as starts
+        that each take where to write (out, lse): one over full-precision extents, or with a
+        quantized host tier one over the packed rows of its coded tokens and one per stored
+        piece of its uncoded tail."""
+        host, dec = self.hosts[sid], self.decoder
         if self.packed is None:
-            return [self.decoder.start(q, host.extents, length, ready)]
+            return [functools.partial(self._start, host.extents, q, length, ready)]
         lay, codec = self.layout, self.packed.codec
         rows = min(self.packed.coded, length) // codec.group
-        parts = []
+        jobs = []
         if rows:
             extents = self.packed.rows[sid].extents
             g, d = lay.group_size, lay.head_dim
-            parts.append(self.decoder.start_rows(q, codec, extents, rows, g, d, ready))
+            jobs.append(lambda into: dec.start_rows(q, codec, extents, rows, g, d, ready, into))
         for view in host.views(rows * codec.group, length):
-            parts.append(self.decoder.start(q, [view], view.shape[0], ready))
-        return parts
+            jobs.append(functools.partial(self._start, [view], q, view.shape[0], ready))
+        return jobs
+
+    def _start(
+        self,
+        extents: list[torch.Tensor],
+        q: torch.Tensor,
+        length: int,
+        ready: torch.cuda.Event | None,
+        into: tuple[torch.Tensor, torch.Tensor],
+    ) -> PendingDecode:
+        return self.decoder.start(q, extents, length, ready, into)
 
     def _query_to_host(
         self, q: torch.Tensor, hosts: list[HostSlice]
