@@ -142,20 +142,39 @@ def write_llama8b(folder: Path, gguf: Path) -> None:
 
 
 def generate_checks(
-    smoke: Smoke, label: str, model: list[str], short: Path, long: Path | None, jobs: int = 1
+    smoke: Smoke,
+    label: str,
+    model: list[str],
+    short: Path,
+    long: Path | None,
+    jobs: int = 1,
+    medium: Path | None = None,
 ) -> None:
     """Each --kv with and without the cap, each lossy flag under the cap, a long prompt under it;
     `jobs` of them at once (each process's peak is its own torch counter, and capped ones cap
-    themselves, so they may share a large GPU: 4 x 24 GiB fit an H200)."""
+    themselves, so they may share a large GPU: 4 x 24 GiB fit an H200). HiP's rows take the
+    `medium` prompt: on the short one (2,903 tokens) HiP drops nothing and runs lossless on CUDA
+    (`EngineConfig.exact_lossless`), which one row checks."""
     base = ["generate", *model, "--prompt-file", str(short), "--max-new-tokens", "8", "--json"]
+    hip_args = None if medium is None else [*base[:-4], str(medium), *base[-3:]]
     tokens: dict[str, list[int]] = {}
     pool = ThreadPoolExecutor(max(1, jobs))
     futures: list[Future[None]] = []
 
-    def gen(name: str, extra: list[str], cap: bool, prompt_args: list[str] | None = None) -> None:
-        futures.append(pool.submit(run_gen, name, extra, cap, prompt_args))
+    def gen(
+        name: str,
+        extra: list[str],
+        cap: bool,
+        prompt_args: list[str] | None = None,
+        exact: bool | None = None,
+    ) -> None:
+        futures.append(pool.submit(run_gen, name, extra, cap, prompt_args, exact))
 
-    def run_gen(name: str, extra: list[str], cap: bool, prompt_args: list[str] | None) -> None:
+    def run_gen(
+        name: str, extra: list[str], cap: bool, prompt_args: list[str] | None, exact: bool | None
+    ) -> None:
+        """One generate command; `exact`: whether it must (True) or must not (False) have run a
+        lossy method lossless (`ran_lossless` in its plan)."""
         args = (prompt_args or base) + extra + (["--gpu-memory", CAP] if cap else [])
         check, data = smoke.cli(label, name, args, parse_json=True)
         if check is None or data is None:
@@ -167,8 +186,11 @@ def generate_checks(
             check.detail = (
                 f"{data['prompt_tokens']} tok, prefill {data['stats']['prefill_tokens_per_s']:.0f} tok/s, "
                 f"{plan.get('policy')} g{plan.get('group_size')} res {plan.get('resident_slices')} "
-                f"chunk {plan.get('chunk_size')}"
+                f"chunk {plan.get('chunk_size')}, {plan.get('method')}"
             )
+            if exact is not None and ("ran_lossless" in plan) != exact:
+                check.ok = False
+                check.detail += f"; ran_lossless {'missing' if exact else 'present'}"
             if cap and (peak is None or peak > CAP_BYTES):
                 check.ok = False
                 check.detail += f"; peak {peak} B over the {CAP} cap"
@@ -201,7 +223,15 @@ def generate_checks(
     gen("kv=head group=1 cap", ["--kv", "head", "--head-group", "1"], cap=True)
     gen("default (no --kv, no cap)", [], cap=False)
     for name, flags in LOSSY.items():
-        gen(f"lossy {name} cap", flags, cap=True)
+        hip = name.startswith("hip")
+        gen(
+            f"lossy {name} cap",
+            flags,
+            cap=True,
+            prompt_args=hip_args if hip else None,
+            exact=False if hip else None,
+        )
+    gen("lossy hip short cap: ran lossless", LOSSY["hip"], cap=True, exact=True)
     if long is not None:
         long_args = ["generate", *model, "--prompt-file", str(long), "--max-new-tokens", "4", "--json"]
         gen("long prompt, auto, cap", [], cap=True, prompt_args=long_args)
@@ -383,6 +413,8 @@ def main() -> int:
     sections = set(args.sections.split(","))
     short = args.workdir / "short.txt"
     short.write_text(prose(1200, seed=1) + "\nSummarize the entries above in one sentence.")
+    medium = args.workdir / "medium.txt"  # ~4.4K tokens: past HiP's 3,328 (`fast`, `lean`)
+    medium.write_text(prose(1800, seed=3) + "\nSummarize the entries above in one sentence.")
     long = args.workdir / "long.txt"
     long.write_text(prose(args.long_words, seed=2) + "\nWhich entry mentions a falcon first?")
     gguf = embedded_gguf()
@@ -431,7 +463,7 @@ def main() -> int:
     smoke.on_add = write
     for label, model, long_prompt in targets:
         if "generate" in sections:
-            generate_checks(smoke, label, model, short, long_prompt, args.jobs)
+            generate_checks(smoke, label, model, short, long_prompt, args.jobs, medium)
         if "plan" in sections:
             plan_checks(smoke, label, model)
         if "eval" in sections and label == "embedded":

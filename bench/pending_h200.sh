@@ -141,10 +141,13 @@
 #   gather table rows). The smoke's serve part now sends a streaming Quest request beside the
 #   batch. NEXT: as the twenty-seventh's: 71 with the GGUF's first half (call A), 1 (call B), 64, 70, 69;
 #   then 72 and 73 (the mixed case with the long request naming HiP, then Quest: no GGUF).
-# The twenty-ninth had no device ("none lent"). Its GPU-facing change: a layer's CPU-attended
+# The twenty-ninth had no device ("none lent"). Its GPU-facing changes: a layer's CPU-attended
 #   slices merge in one batch, their results crossing in one asynchronous copy from pinned
-#   memory (a pageable copy per slice had synchronized the host every layer). NEXT: as the
-#   twenty-eighth's (71 with the GGUF's first half, 1, 64, 70, 69, 72, 73), with 74 after 71.
+#   memory (a pageable copy per slice had synchronized the host every layer); a request whose
+#   method drops nothing at its length (HiP under 3,328 tokens) runs lossless on CUDA, so the
+#   smoke's HiP rows now take a 4.4K-token prompt and one row checks the short prompt ran
+#   lossless. NEXT: as the twenty-eighth's (71 with the GGUF's first half, 1, 64, 70, 69, 72,
+#   73), with 74 after 71.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's

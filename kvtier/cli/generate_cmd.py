@@ -84,11 +84,14 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def plan_note(plan: dict[str, object]) -> str:
-    """The stats line's plan: the tiered store's placement, or the batch engine's page pool."""
+    """The stats line's plan: the tiered store's placement, or the batch engine's page pool (and
+    why a lossy method ran lossless, `LLM.exact_note`)."""
+    exact = f"; ran lossless: {plan['ran_lossless']}" if "ran_lossless" in plan else ""
     if plan.get("policy") == "batched":
         graphs = ", CUDA graphs" if "cuda_graphs_capture_s" in plan else ""
-        return f"kv=batched ({plan.get('pages', '?')} pages{graphs})"
-    return f"kv={plan.get('policy')} group={plan.get('group_size')} resident={plan.get('resident_slices')}"
+        return f"kv=batched ({plan.get('pages', '?')} pages{graphs}){exact}"
+    placed = f"kv={plan.get('policy')} group={plan.get('group_size')} resident={plan.get('resident_slices')}"
+    return placed + exact
 
 
 def tp_note(plan: dict[str, object]) -> str:

@@ -45,6 +45,9 @@ def float_type(
     return lambda text: parse_finite_float(text, flag, lo, hi, lo_open=lo_open, hi_open=hi_open)
 
 
+EXACT_LOSSLESS = {"auto": None, "on": True, "off": False}  # --exact-lossless -> LLM(exact_lossless=)
+
+
 def cpu_attention_type(text: str) -> str | int:
     """`--cpu-attention`: auto, off or a number of slices."""
     return parse_mode(text)
@@ -251,6 +254,20 @@ def add_method_options(p: argparse.ArgumentParser) -> None:
     for key, opt in OPTIONS.items():
         if key not in FAMILIES:
             g.add_argument(opt.flag, type=_parsed(key), default=None, help=opt.help)
+    add_exact_lossless_option(g)
+
+
+def add_exact_lossless_option(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--exact-lossless`: `LLM(exact_lossless=)` (generate's method options; serve's requests
+    name their methods in the body)."""
+    p.add_argument(
+        "--exact-lossless",
+        choices=tuple(EXACT_LOSSLESS),
+        default="auto",
+        help="a request whose method drops nothing at its length (HiP under 3,328 tokens of prompt "
+        "plus output with its fast and lean presets) runs lossless, on the faster paths, and says "
+        "so: auto (default: on CUDA), on, off (the method's own path at every length)",
+    )
 
 
 def method_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -273,6 +290,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "cpu_attention": args.cpu_attention,
         "experts": args.experts,
+        "exact_lossless": EXACT_LOSSLESS[getattr(args, "exact_lossless", "auto")],
         "tensor_parallel": getattr(args, "tensor_parallel", None),
         "pipeline_parallel": getattr(args, "pipeline_parallel", None),
         **method_kwargs(args),

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 from kvtier.cli.options import (
+    add_exact_lossless_option,
     add_model_options,
     check_before_loading,
     float_type,
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         allow_abbrev=False,
     )
     add_model_options(p)
+    add_exact_lossless_option(p)
     p.add_argument(
         "--host",
         type=text_type("--host", allow_empty=False),

@@ -42,6 +42,10 @@ class EngineConfig:
     # pool of its size; decode steps replayed as CUDA graphs) when its KV fits the device, as a
     # list of prompts does; None: on CUDA, where the graphs take the host out of each step.
     single_batched: bool | None = None
+    # A lossy request short enough that its method drops nothing (HiP below its budgets:
+    # `MethodChoice.exact_at`) runs lossless instead, on those faster paths, and says so in its
+    # stats; None: on CUDA. (On the CPU the tests and evals run HiP's own path at short lengths.)
+    exact_lossless: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -22,7 +22,7 @@ from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel, load_model
 from kvtier.loading.resolve import read_model_config
-from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
+from kvtier.methods import MethodChoice, Placement, PlanInputs, method_spec, parse_choice, plan_for
 from kvtier.model.fuse import fuse_projections_
 from kvtier.model.llama import CausalLM
 from kvtier.parallel.group import RankGroup, launched_world_size
@@ -50,11 +50,13 @@ class LLM:
     (KV heads per streamed group), `chunk_size` (prefill chunk; default from the planner),
     `max_model_len` (allow prompts past the model's trained context), `cpu_attention` ("off", the
     default; "auto": the planner gives the CPU the streamed slices it can decode in time,
-    measured on this machine; or a number of slices: `kvtier.planner.cpu_split`; opt-in until
-    its CUDA path has run on a GPU), `fuse_projections` (q/k/v and gate/up as one matmul each,
-    the default; False keeps the separate ones, for comparisons), `single_batched` (one prompt
+    measured on this machine; or a number of slices: `kvtier.planner.cpu_split`),
+    `fuse_projections` (q/k/v and gate/up as one matmul each, the default; False keeps the
+    separate ones, for comparisons), `single_batched` (one prompt
     with a lossless method and `kv="auto"` runs through the batch engine, its decode steps
-    replayed as CUDA graphs, when its KV fits the device; None: on CUDA). The placement
+    replayed as CUDA graphs, when its KV fits the device; None: on CUDA), `exact_lossless` (a
+    request whose lossy method drops nothing at its length, such as HiP under 3,328 tokens with
+    `fast`, runs lossless and says so in `stats.plan["ran_lossless"]`; None: on CUDA). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
 
@@ -92,6 +94,7 @@ class LLM:
         fuse_projections: bool = True,
         experts: str = "auto",
         single_batched: bool | None = None,
+        exact_lossless: bool | None = None,
         tensor_parallel: int | None = None,
         pipeline_parallel: int | None = None,
     ) -> None:
@@ -111,6 +114,7 @@ class LLM:
             fuse_projections=fuse_projections,
             experts=experts,
             single_batched=single_batched,
+            exact_lossless=exact_lossless,
         )
         # The default method of this LLM's requests; `generate(..., method=)` picks another.
         self.method = MethodChoice(
@@ -383,6 +387,32 @@ class LLM:
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
             check_length(len(ids), params, self.max_model_len_for(chosen))
+        exact = self.exact_note(chosen, max(len(ids) for ids in encoded) + params.max_tokens)
+        if exact is not None:
+            chosen = chosen.lossless_twin
+        outputs = self._run(batch, encoded, params, progress, chosen)
+        for out in outputs if exact is not None else ():
+            out.stats.plan["ran_lossless"] = exact
+        return outputs
+
+    def exact_note(self, method: MethodChoice, context: int) -> str | None:
+        """Why a request of `context` tokens (prompt plus output) under `method` runs lossless
+        (`EngineConfig.exact_lossless`: its method drops nothing at that length), else None."""
+        on = self.config.exact_lossless
+        if on is None:
+            on = self.device.type == "cuda"
+        if not on or method.lossless or not method.exact_at(self.model_config, context):
+            return None
+        return f"{method_spec(method)} drops nothing at {context} tokens (prompt plus output)"
+
+    def _run(
+        self,
+        batch: list[Prompt],
+        encoded: list[list[int]],
+        params: SamplingParams,
+        progress: bool,
+        chosen: MethodChoice,
+    ) -> list[RequestOutput]:
         batchable = chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
         if batchable and self.parallel is None and (len(batch) > 1 or self._one_batched(chosen)):
             batched = generate_batched(self, batch, encoded, params, progress, chosen)

@@ -40,7 +40,7 @@ from kvtier.methods.registry import (
     register,
     unregister,
 )
-from kvtier.methods.spec import parse_choice, spec_names
+from kvtier.methods.spec import method_spec, parse_choice, spec_names
 
 __all__ = [
     "FAMILIES",
@@ -56,6 +56,7 @@ __all__ = [
     "build_policy",
     "choices",
     "lookup",
+    "method_spec",
     "names",
     "parse_choice",
     "plan_for",

@@ -110,6 +110,20 @@ class MethodChoice:
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def exact_at(self, cfg: ModelConfig, context: int) -> bool:
+        """Whether a request of `context` tokens (prompt plus output) under this lossy choice
+        loses nothing: every method it selects keeps and attends every key at that length
+        (`MethodEntry.exact_at`; HiP below its budgets), so it may run as `lossless_twin`, on the
+        faster lossless paths, with the same attention up to rounding. False when lossless."""
+        chosen, options = self.selected(), self.options()
+        exact = [e.exact_at is not None and e.exact_at(options, cfg, context) for e in chosen]
+        return bool(exact) and all(exact)
+
+    @property
+    def lossless_twin(self) -> MethodChoice:
+        """This choice's placement (`kv`, `head_group`) with no method: lossless."""
+        return MethodChoice(kv=self.kv, head_group=self.head_group)
+
     def build(
         self,
         cfg: ModelConfig,

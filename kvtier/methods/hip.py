@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.kv.slices import place_slices
 from kvtier.methods.registry import (
@@ -103,6 +104,13 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
     return Placement(plan, hip.cache_tokens, hip.reserve_bytes, method_buffers=buffers)
 
 
+def _exact_at(options: Mapping[str, Any], cfg: ModelConfig, context: int) -> bool:
+    """Whether the preset a request of `context` tokens resolves to keeps every key there
+    (`HipConfig.exact_tokens`: 3,328 tokens for `fast` and `lean`)."""
+    preset = resolve_preset(str(options["hip_preset"]), cfg, context)
+    return context <= hip_config(preset, options.get("hip_refresh")).exact_tokens
+
+
 def _build(ctx: BuildContext) -> PolicyParts:
     asked = str(ctx.options["hip_preset"])
     preset = resolve_preset(asked, ctx.cfg, ctx.context)
@@ -136,6 +144,7 @@ HIP = register(
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
+        exact_at=_exact_at,
     ),
     Option(
         "hip_preset",

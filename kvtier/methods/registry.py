@@ -97,6 +97,10 @@ PlanWith = Callable[[int | None, int | None, int | None], KVPlan]
 PlanHook = Callable[[PlanInputs, Mapping[str, Any], PlanWith], Placement]
 """A method's own planner (HiP's slicing and chunk search): inputs, option values, store planner."""
 
+ExactHook = Callable[[Mapping[str, Any], ModelConfig, int], bool]
+"""Whether a method keeps and attends every key of a request of this many tokens (prompt plus
+output), so that it computes lossless attention up to rounding: option values, model, context."""
+
 
 @dataclass(frozen=True)
 class MethodEntry:
@@ -110,7 +114,9 @@ class MethodEntry:
     `borrows_pages`: in the server its store's whole-capacity buffers may be a run of pool pages
     (`kvtier.serve.tiered.plan_store`): the store takes from its `DeviceMemory` exactly what
     `kvtier.kv.device_memory.region_buffers` says, and whatever else the method keeps on the GPU
-    is in its `Placement.reserve_bytes`.
+    is in its `Placement.reserve_bytes`. `exact_at`: when a request is short enough that the
+    method drops nothing (HiP below its budgets), so it may run lossless instead
+    (`MethodChoice.exact_at`); None: never.
     """
 
     name: str
@@ -124,6 +130,7 @@ class MethodEntry:
     examples: Mapping[str, str] = field(default_factory=dict)  # option -> a value for messages
     composes_with: tuple[str, ...] = ()
     borrows_pages: bool = False
+    exact_at: ExactHook | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

@@ -82,3 +82,16 @@ def parse_choice(text: str) -> MethodChoice:
             raise ConfigError(f"method {text!r}: {part!r} is not one of {', '.join(parsers)} = value")
         kwargs[key] = parsers[key](value)
     return MethodChoice(**kwargs)
+
+
+def method_spec(choice: MethodChoice) -> str:
+    """`choice` as a spec of its non-default fields, `key=value` in field order
+    (`attention=hip,hip_preset=lean`); "auto" for the default choice."""
+    default = MethodChoice()
+    parts = []
+    for f in fields(MethodChoice):
+        value = getattr(choice, f.name)
+        if value != getattr(default, f.name):
+            shown = {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+            parts.append(f"{f.name}={shown}")
+    return ",".join(parts) or "auto"

@@ -67,6 +67,8 @@ class ServeEngine(BatchEngine):
         self.cache_releases = 0  # `_release_cached_blocks` calls
         self.own_store_requests = 0  # requests whose own store joined the batch's forward
         self.pages_compacted = 0  # pages moved to make a run longer (`compact`)
+        self.exact_lossless_requests = 0  # lossy requests that ran lossless (`submit`)
+        self._count_lock = threading.Lock()  # counters `submit` updates from callers' threads
         self._compacted_for: Sequence | None = None  # the waiting request it last compacted for
         self.tiered_h2d_bytes = self.tiered_d2h_bytes = 0  # PCIe bytes of finished tiered runs
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -174,10 +176,17 @@ class ServeEngine(BatchEngine):
         """Queue a request; `sink` gets its `Delta`s from the engine thread. Returns its id.
 
         `method`: a method of its own (any registered one, or a placement): the request is then
-        served over a tiered store (`kvtier.serve.tiered`). Raises EngineClosed once
+        served over a tiered store (`kvtier.serve.tiered`), unless the method drops nothing at
+        the request's length (`LLM.exact_note`: HiP below its budgets), which then runs
+        lossless, in the batch when it names no placement. Raises EngineClosed once
         `begin_shutdown` was called."""
         if self._closing.is_set():
             raise EngineClosed(SHUTTING_DOWN)
+        if method is not None and self.llm.exact_note(method, len(prompt) + params.max_tokens) is not None:
+            method = method.lossless_twin
+            method = None if method == MethodChoice() else method
+            with self._count_lock:
+                self.exact_lossless_requests += 1
         seq = self.make_sequence(prompt, params, sink, cache_salt, method)
         tiered = method is not None or self.needs_offload(prompt, params)
         self._inbox.put(("tiered" if tiered else "add", seq))

@@ -49,6 +49,13 @@ def render(engine: ServeEngine, model_name: str) -> str:
             [("", engine.own_store_requests)],
         ),
         (
+            "requests_ran_lossless_total",
+            "counter",
+            "Requests naming a lossy method that drops nothing at their length (HiP below its "
+            "budgets), run lossless instead.",
+            [("", engine.exact_lossless_requests)],
+        ),
+        (
             "pages_compacted_total",
             "counter",
             "Pool pages of running requests moved down to free ids so that a tiered request could "

@@ -154,6 +154,17 @@ class HipConfig:
         return self.pruning_rope
 
     @property
+    def exact_tokens(self) -> int:
+        """The longest context (prompt plus output) whose every query keeps every key: the
+        candidates between the sinks and a query's window (at most context - sink - window) fit
+        every stage's budget in every layer: the final stage's outside `wide_layers`, the
+        smallest (budgets decrease, are whole chunks, and `wide_budget` is at least the final
+        one). Up to it HiP computes dense attention (up to rounding: with `extend` the kernel
+        rotates keys at their own positions, which "streaming" RoPE leaves unchanged when
+        nothing is dropped)."""
+        return self.sink + self.window + self.budgets[-1]
+
+    @property
     def attended_tokens(self) -> int:
         """Keys one query attends at most outside `wide_layers`: sink + selected + window + block."""
         return self.sink + self.budgets[-1] + self.window + self.block_q
