@@ -136,3 +136,37 @@ def test_the_cli_flag_and_its_stats_line(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as bad:
         main([*base, "--exact-lossless", "sometimes"])
     assert bad.value.code == 2 and "--exact-lossless" in capsys.readouterr().err
+
+
+def test_evictors_and_quest_are_exact_within_their_budget(folder: Path) -> None:
+    """An evictor evicts nothing, Quest reads every page and streaming heads keep every token
+    while the context fits the budget: with the option on such a request runs lossless (with a
+    budget past its capacity an evicting store refuses it), one token past it the method runs."""
+    from kvtier.errors import ConfigError
+    from kvtier.loading.presets import preset_config
+
+    cfg = preset_config("smollm2-135m")
+    for spec in (
+        "h2o,kv_budget=64",
+        "window,kv_budget=64",
+        "snapkv,kv_budget=64",
+        "quest,kv_budget=64",
+        "duo,head_sparsity=0.5,kv_budget=64",  # streaming heads keep 64 tokens in all
+    ):
+        choice = parse_choice(spec)
+        assert choice.exact_at(cfg, 64) and not choice.exact_at(cfg, 65), spec
+    ids = torch.randint(1, 211, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = SamplingParams(max_tokens=6)
+    lossless = LLM(str(folder), device="cpu", dtype="fp32").generate(ids, params)[0]
+    on = LLM(str(folder), device="cpu", dtype="fp32", exact_lossless=True)
+    for spec in ("h2o,kv_budget=64", "quest,kv_budget=64"):
+        out = on.generate(ids, params, method=spec)[0]
+        assert out.token_ids == lossless.token_ids and "ran_lossless" in out.stats.plan, spec
+    assert (
+        on.generate(ids, params, method="h2o,kv_budget=40")[0].stats.plan["method"] == "evict h2o budget 40"
+    )
+    off = LLM(str(folder), device="cpu", dtype="fp32").generate(ids, params, method="h2o,kv_budget=64")[0]
+    assert off.stats.plan["method"] == "evict h2o budget 64" and off.token_ids == lossless.token_ids
+    with pytest.raises(ConfigError, match="not below the context"):  # a budget past the capacity
+        LLM(str(folder), device="cpu", dtype="fp32").generate(ids, params, method="h2o,kv_budget=4096")
+    assert "ran_lossless" in on.generate(ids, params, method="h2o,kv_budget=4096")[0].stats.plan

@@ -265,8 +265,9 @@ def add_exact_lossless_option(p: argparse.ArgumentParser | argparse._ArgumentGro
         choices=tuple(EXACT_LOSSLESS),
         default="auto",
         help="a request whose method drops nothing at its length (HiP under 3,328 tokens of prompt "
-        "plus output with its fast and lean presets) runs lossless, on the faster paths, and says "
-        "so: auto (default: on CUDA), on, off (the method's own path at every length)",
+        "plus output with its fast and lean presets, eviction or Quest within --kv-budget) runs "
+        "lossless, on the faster paths, and says so: auto (default: on CUDA), on, off (the "
+        "method's own path at every length)",
     )
 
 

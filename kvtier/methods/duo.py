@@ -66,6 +66,7 @@ DUO = register(
         examples={"head_sparsity": "0.5"},
         plan=_plan,
         borrows_pages=True,  # its compact and whole resident slices and staging (`region_buffers`)
+        exact_at=lambda options, _, context: context <= _kept(options),  # streaming heads keep all
     ),
     Option("head_sparsity", "--head-sparsity", _ratio, "fraction of KV heads that become streaming heads"),
 )

@@ -8,7 +8,7 @@ from functools import partial
 from typing import Any
 
 from kvtier.errors import CapacityError
-from kvtier.methods.registry import BuildContext, MethodEntry, Placement, PlanWith, register
+from kvtier.methods.registry import BuildContext, MethodEntry, Placement, PlanWith, register, within_budget
 from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import round_up
 from kvtier.planner.placement import KVPlan
@@ -82,6 +82,7 @@ def evictor_entry(
         examples={"kv_budget": "1k"},
         plan=partial(plan_kept, decode_appends=decode_appends),
         borrows_pages=True,  # its slices, allocated once at what they keep (`region_buffers`)
+        exact_at=within_budget,  # evicts nothing up to its budget (its store would refuse that)
     )
 
 

@@ -6,7 +6,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.errors import CapacityError
-from kvtier.methods.registry import BuildContext, MethodEntry, Option, Placement, PlanWith, register
+from kvtier.methods.registry import (
+    BuildContext,
+    MethodEntry,
+    Option,
+    Placement,
+    PlanWith,
+    register,
+    within_budget,
+)
 from kvtier.planner.inputs import PlanInputs
 from kvtier.policies import PolicyParts
 from kvtier.policies.quest import QuestKernel, bounded_slices, bounds_slice_bytes, quest_gpu_bytes
@@ -57,6 +65,7 @@ QUEST = register(
         examples={"kv_budget": "1k"},
         plan=_plan,
         borrows_pages=True,  # its page bounds are its method_buffers, in lent pages
+        exact_at=within_budget,  # a context within the budget is dense (`QuestKernel`)
     ),
     QUEST_PAGE,
 )

@@ -102,6 +102,12 @@ ExactHook = Callable[[Mapping[str, Any], ModelConfig, int], bool]
 output), so that it computes lossless attention up to rounding: option values, model, context."""
 
 
+def within_budget(options: Mapping[str, Any], _: ModelConfig, context: int) -> bool:
+    """`exact_at` of a method that keeps or reads `--kv-budget` tokens a head and every token
+    until a context exceeds them (the evictors, Quest)."""
+    return context <= int(options["kv_budget"])
+
+
 @dataclass(frozen=True)
 class MethodEntry:
     """One opt-in method: how a request selects it and how its store parts are built.
