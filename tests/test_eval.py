@@ -396,3 +396,25 @@ def test_subtask_mean_weighs_each_subtask_equally(tmp_path: Path) -> None:
     assert EvalResult.load(tmp_path / "r.json").to_json() == result.to_json()
     one = EvalResult({"task": "passkey"}, [r for r in recs if r.task == "a"])
     assert "subtask_mean" not in one.aggregates()
+
+
+def test_a_sample_whose_method_ran_lossless_is_marked(tok: Any) -> None:
+    """`LLM.exact_note`: a sample whose method dropped nothing at its length ran lossless; its
+    record, the aggregates and the table say so."""
+
+    class Exact(FakeLLM):
+        def generate(
+            self, prompts: list[list[int]], params: Any, chat: bool = False, method: Any = None
+        ) -> Any:
+            out = super().generate(prompts, params, chat, method)
+            out[0].stats.plan = {"ran_lossless": "attention=hip drops nothing"} if method.kv == "head" else {}
+            return out
+
+    FakeLLM.tokenizer_ = tok
+    cfg = EvalConfig(TaskSpec("passkey", (1024,), samples=2), parse_methods(["auto", "head"]))
+    result = run_eval(cfg, progress=False, llm_factory=Exact)
+    assert [r.ran_lossless for r in result.records] == [False, False, True, True]
+    overall = {c["method"]: c for c in result.aggregates()["overall"]}
+    assert "ran_lossless" not in overall["auto"] and overall["head"]["ran_lossless"] == 2
+    assert "2 sample(s) ran lossless" in result.table()
+    assert Record.from_dict(result.records[2].to_dict()).ran_lossless is True

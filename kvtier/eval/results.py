@@ -42,6 +42,9 @@ class Record:
     score: float
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # The method dropped nothing at this length and ran lossless (`LLM.exact_note`): the answer
+    # is lossless attention's.
+    ran_lossless: bool = False
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Record:
@@ -59,14 +62,18 @@ class Record:
 
 
 def aggregate(records: Sequence[Record], keys: Sequence[str]) -> list[dict[str, Any]]:
-    """Mean score and count per distinct value of `keys`, in order of first appearance."""
-    groups: dict[tuple[Any, ...], list[float]] = {}
+    """Mean score and count per distinct value of `keys`, in order of first appearance, and how
+    many of a group's samples ran lossless (`Record.ran_lossless`), where any did."""
+    groups: dict[tuple[Any, ...], list[Record]] = {}
     for r in records:
-        groups.setdefault(tuple(getattr(r, k) for k in keys), []).append(r.score)
-    return [
-        {**dict(zip(keys, key, strict=True)), "n": len(v), "score": round(sum(v) / len(v), 4)}
-        for key, v in groups.items()
-    ]
+        groups.setdefault(tuple(getattr(r, k) for k in keys), []).append(r)
+    rows = []
+    for key, group in groups.items():
+        row = {**dict(zip(keys, key, strict=True)), "n": len(group)}
+        row["score"] = round(sum(r.score for r in group) / len(group), 4)
+        exact = sum(r.ran_lossless for r in group)
+        rows.append({**row, "ran_lossless": exact} if exact else row)
+    return rows
 
 
 def subtask_means(by_length: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -169,6 +176,9 @@ class EvalResult:
             lines.append(
                 "  mean: " + ", ".join(f"{c['task']} {100 * c['score']:.1f}% (n={c['n']})" for c in overall)
             )
+            exact = sum(c.get("ran_lossless", 0) for c in overall)
+            if exact:
+                lines.append(f"  {exact} sample(s) ran lossless: the method dropped nothing at their length")
             for m in (c for c in self.aggregates().get(SUBTASK_MEAN, []) if c["method"] == method):
                 at = _k(m["length"])
                 lines.append(f"  mean of {m['subtasks']} subtasks at {at}: {100 * m['score']:.1f}%")

@@ -71,6 +71,7 @@ def run_sample(llm: Any, sample: Sample, method: MethodSpec) -> Record:
         score=score(sample.scorer, out.text, sample.expected),
         prefill_s=round(out.stats.prefill_s, 3),
         decode_s=round(out.stats.decode_s, 3),
+        ran_lossless="ran_lossless" in (getattr(out.stats, "plan", None) or {}),
     )
 
 
