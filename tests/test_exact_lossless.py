@@ -170,3 +170,14 @@ def test_evictors_and_quest_are_exact_within_their_budget(folder: Path) -> None:
     with pytest.raises(ConfigError, match="not below the context"):  # a budget past the capacity
         LLM(str(folder), device="cpu", dtype="fp32").generate(ids, params, method="h2o,kv_budget=4096")
     assert "ran_lossless" in on.generate(ids, params, method="h2o,kv_budget=4096")[0].stats.plan
+
+
+def test_plan_says_where_hip_drops_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli.main import main
+
+    base = ["plan", "--model", "llama-3-8b", "--gpu-memory", "24GiB", "--attention", "hip"]
+    assert main([*base, "--context", "2K"]) == 0
+    assert "it drops nothing up to 3,328 tokens: at this context it runs lossless" in capsys.readouterr().out
+    assert main([*base, "--context", "4K"]) == 0
+    out = capsys.readouterr().out
+    assert "it drops nothing up to 3,328 tokens" in out and "runs lossless" not in out

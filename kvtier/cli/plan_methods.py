@@ -13,7 +13,7 @@ from kvtier.methods.hip import host_keys as uses_host_keys
 from kvtier.planner.memory import round_up
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.report import PlanRequest
-from kvtier.sparse import resolve_preset
+from kvtier.sparse import hip_config, resolve_preset
 
 
 def lossy_lines(
@@ -89,9 +89,13 @@ def hip_lines(
     )
     hip = plan_for(req.inputs(), choice)
     plan = hip.plan
+    resolved = resolve_preset(preset, req.cfg, req.context)
     return {
-        "preset": resolve_preset(preset, req.cfg, req.context),
+        "preset": resolved,
         "refresh": refresh,
+        # HiP drops nothing up to this many tokens of prompt plus output (`HipConfig.exact_tokens`)
+        "exact_tokens": hip_config(resolved, refresh).exact_tokens,
+        "runs_lossless": choice.exact_at(req.cfg, req.context),
         "host_keys": attention == "hip" and uses_host_keys(choice.options(), req.context),
         "kv_quant": kv_quant,
         "host_kv_gb": plan.host_kv_bytes / 1e9,
@@ -173,7 +177,9 @@ def format_hip(hip: dict[str, Any]) -> str:
         f"{hip['resident_slices']} resident; block cache per offloaded slice: "
         f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
         f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
-        f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB"
+        f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB; it drops "
+        f"nothing up to {hip['exact_tokens']:,} tokens"
+        + (": at this context it runs lossless (on CUDA; --exact-lossless)" if hip["runs_lossless"] else "")
     )
 
 
