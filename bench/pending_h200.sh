@@ -146,8 +146,9 @@
 #   memory (a pageable copy per slice had synchronized the host every layer); a request whose
 #   method drops nothing at its length (HiP under 3,328 tokens) runs lossless on CUDA, so the
 #   smoke's HiP rows now take a 4.4K-token prompt and one row checks the short prompt ran
-#   lossless. NEXT: as the twenty-eighth's (71 with the GGUF's first half, 1, 64, 70, 69, 72,
-#   73), with 74 after 71.
+#   lossless; Quest's offloaded decode reads its selected pages with the GPU (host_gather) in
+#   shapes that need no host sync. NEXT: as the twenty-eighth's (71 with the GGUF's first half,
+#   1, 64, 70, 69, 72, 73), with 74 after 71 and 75 (Quest at 512K over structured KV).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -249,6 +250,14 @@ case "$group" in
   # change, with the 16-float kernel). No GGUF.
   run 250 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --head-group 1 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1_merged
+  ;;
+75)
+  # issue 19 ("every HiP and Quest speed over structured KV") and Quest's GPU page reads (the
+  # twenty-ninth session: the GPU reads the selected pages from pinned memory, no host sync; at
+  # 512K over synthetic KV the CPU gather took 3.22 s a step, quest_offload.json). --kv-fill auto
+  # fills Quest rows with structured KV. No GGUF.
+  run 280 $py bench/tiered_store.py --contexts 512K --full-prefill-max 1 --policies head+quest4096p16 \
+    --decode-steps 4 --name quest_offload_structured
   ;;
 72)
   # issue 18: the mixed case (one 256K request beside 32 short streams, 24 GiB) with the long

@@ -27,7 +27,7 @@ class Rows:
         for start, end, at in spans:
             out[at : at + end - start] = self.kv[start:end]
 
-    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+    def pages(self, pages: torch.Tensor, counts: torch.Tensor, page: int) -> torch.Tensor:
         raise AssertionError("fetch_blocks reads through runs()")
 
 

@@ -132,3 +132,50 @@ def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set: run the CPU cases in a
     fresh interpreter-mode process."""
     run_cpu_cases(__file__)
+
+
+def test_page_tiles_cut_pages_by_their_counts() -> None:
+    """`page_tiles`: page pages[k]'s first counts[k] tokens to rows k * page on, in tiles of 16;
+    a count of 0 copies nothing (built with tensor ops, as on the GPU)."""
+    from kvtier.kv.host_gather import page_tiles
+
+    tiles = page_tiles(torch.tensor([7, 2, 0]), torch.tensor([20, 0, 5]), page=20, tile=16)
+    assert tiles.tolist() == [[140, 0, 16], [156, 16, 4], [40, 20, 0], [56, 36, 0], [0, 40, 5], [16, 56, 0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_tiles_reads_selected_pages(device: str) -> None:
+    """Quest's pages through one launch over device-built tiles: whole pages, a partial last one
+    and an unused slot; rows no tile names keep what they held."""
+    from kvtier.kv.host_gather import extent_offsets, gather_tiles, page_tiles
+
+    extents = _extents(5, torch.float32, pin=device == "cuda")
+    page = 8
+    pages = torch.tensor([1, 6, 14, 3], device=device)  # page 6 spans extents 1 and 2 (E = 24)
+    counts = torch.tensor([8, 8, 3, 0], device=device)
+    out = torch.full((4 * page, 2, G, D), -7.0, device=device)
+    gather_tiles(extents, extent_offsets(extents, out.device), E, page_tiles(pages, counts, page), out)
+    spans = [(8, 16, 0), (48, 56, 8), (112, 115, 16)]
+    assert torch.equal(out.cpu(), _expected(extents, spans, 4 * page))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=DEVICES[1].marks)])
+def test_host_slice_reads_pages(device: str) -> None:
+    """`HostSlice.read_pages_into`: the same rows, the rest zeroed (on the CPU by a host gather;
+    on the GPU through `gather_tiles`)."""
+    from kvtier.kv.host_slice import HostSlice
+
+    pool = _extents(5, torch.float32, pin=device == "cuda")
+
+    class Arena:
+        def take(self) -> torch.Tensor:
+            return pool.pop(0)
+
+    host = HostSlice(Arena(), E)  # type: ignore[arg-type]
+    host.reserve(5 * E)
+    out = torch.full((4 * 8, 2, G, D), -7.0, device=device)
+    pages = torch.tensor([14, 6, 1, 3], device=device)  # any order
+    host.read_pages_into(out, pages, torch.tensor([3, 8, 8, 0], device=device), 8)
+    want = _expected(host.extents, [(112, 115, 0), (48, 56, 8), (8, 16, 16)], 32)
+    want[want == -7.0] = 0.0
+    assert torch.equal(out.cpu(), want)

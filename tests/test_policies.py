@@ -236,6 +236,33 @@ def test_quest_selects_pages_by_upper_bound() -> None:
     assert kernel.read_tokens == 12 and kernel.total_tokens == 16
 
 
+@pytest.mark.parametrize("length", [61, 64, 65])  # a partial last page, none, one stored token in it
+def test_quest_decode_equals_attention_over_each_heads_pages(length: int) -> None:
+    """A sparse decode step (static shapes: union slots, unused ones empty) attends exactly each
+    query head's chosen pages' stored tokens and its own token, as a per-head reference."""
+    g, r, d, page = 2, 3, 8, 4
+    kernel = QuestKernel(budget=12, page=page, dense_layers=0)
+    gen = torch.Generator().manual_seed(length)
+    kv = torch.randn(length + 1, 2, g, d, generator=gen)
+    q = torch.randn(1, g * r, d, generator=gen)
+    step = SliceStep(0, 0, length)
+    out = kernel(q, kv, step)
+    lo, hi = kernel._minmax(kv[:length], SliceStep(0, 0, length - 1))
+    pages = -(-(length + 1) // page)
+    top = kernel._top_pages(q, lo[: length // page], hi[: length // page], pages, 3)  # [G, r, 3]
+    for h in range(g * r):
+        keep = torch.zeros(length + 1, dtype=torch.bool)
+        for pg in top[h // r, h % r].tolist():
+            keep[pg * page : (pg + 1) * page] = True
+        keep[length] = True
+        k, v = kv[keep, 0, h // r], kv[keep, 1, h // r]  # [n, D]
+        want = torch.softmax(q[0, h] @ k.T / d**0.5, dim=-1) @ v
+        assert torch.allclose(out[0, h], want, atol=1e-5), h
+    assert kernel.read_tokens == sum(
+        min((pg + 1) * page, length + 1) - pg * page for row in top.flatten(0, 1).tolist() for pg in row
+    )
+
+
 # -- head sparsity ----------------------------------------------------------------------------
 
 

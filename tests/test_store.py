@@ -236,12 +236,13 @@ def test_slice_reader_reads_ranges_and_gathers_positions_across_extents(
 
     before = store.account.h2d_bytes
     assert torch.equal(reader()(7, 31), whole[7:31])
-    pos = torch.tensor([0, 9, 10, 11, 29, 30, n - 1])  # both sides of extent boundaries
-    assert torch.equal(reader().gather(pos), whole[pos])
-    assert reader().gather(torch.empty(0, dtype=torch.long)).shape == (0, 2, 1, cfg.head_dim)
-    assert store.account.h2d_bytes - before == (24 + 7) * 2 * cfg.head_dim * 4
-    with pytest.raises(IndexError, match="outside"):
-        reader().gather(torch.tensor([n]))
+    # pages of 4 (Quest's): a page across an extent boundary (tokens 8-11), a partial one, an
+    # unused slot; rows past a page's count are zeros, the bytes are the rows read
+    got = reader().pages(torch.tensor([2, 0, 7, 5]), torch.tensor([4, 4, 2, 0]), 4)
+    want = torch.zeros(16, 2, 1, cfg.head_dim)
+    want[0:4], want[4:8], want[8:10] = whole[8:12], whole[0:4], whole[28:30]
+    assert torch.equal(got, want)
+    assert store.account.h2d_bytes - before == (24 + 10) * 2 * cfg.head_dim * 4
     with pytest.raises(IndexError, match="outside"):
         reader()(0, n + 1)
     # several runs in one call, each across extent boundaries, placed at their own offsets

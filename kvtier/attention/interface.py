@@ -58,11 +58,12 @@ class Fetch(Protocol):
     """Reads stored tokens of one streamed slice into GPU memory, on the compute stream.
 
     `fetch(start, end)` -> kv [end - start, 2, G, D]: tokens [start, end).
-    `fetch.gather(positions)` -> kv [n, 2, G, D]: the tokens at `positions` ([n] int64, sorted,
-    any device), gathered on the host side so only they cross PCIe.
     `fetch.runs(spans, out)`: tokens [start, end) of each (start, end, at) span copied into
     out[at : at + end - start] (out [n, 2, G, D] on the device), all spans in one call.
     `fetch.keys(start, end)` -> k [end - start, G, D]: the keys alone of tokens [start, end).
+    `fetch.pages(pages, counts, page)` -> kv [K * page, 2, G, D]: the first counts[k] tokens of
+    page pages[k] (pages of `page` tokens) at rows k * page on, zeros elsewhere (pages, counts
+    [K] int64 on the device); which pages and how many are never read on the host (no sync).
     """
 
     def __call__(self, start: int, end: int) -> torch.Tensor: ...
@@ -71,7 +72,7 @@ class Fetch(Protocol):
 
     def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None: ...
 
-    def gather(self, positions: torch.Tensor) -> torch.Tensor: ...
+    def pages(self, pages: torch.Tensor, counts: torch.Tensor, page: int) -> torch.Tensor: ...
 
 
 @runtime_checkable

@@ -12,7 +12,9 @@ The extents of a slice are separate allocations. The kernel addresses them from 
 each extent's start as an element offset from it (`extent_offsets`), so no integer becomes a
 pointer. Tiles are cut on the host from the runs with a few vectorized torch ops.
 
-    tiles [T, 3] int64: (first source token, first output row, rows <= TILE)
+    tiles [T, 3] int64: (first source token, first output row, rows <= TILE); cut on the host
+    from runs (`run_tiles`), or on the device from pages (`page_tiles`: Quest's selected pages,
+    whose count the host never reads)
     token p of the slice -> extent (p // E) % ring, row p % E; a row is contiguous (2 * G * D
     elements of K and V, or a packed row of bytes)
 
@@ -81,6 +83,41 @@ def run_tiles(spans: list[tuple[int, int, int]], tile: int = TILE) -> torch.Tens
     return torch.stack((src, at[run] + j, (end[run] - src).clamp(max=tile)), dim=1)
 
 
+def page_tiles(pages: torch.Tensor, counts: torch.Tensor, page: int, tile: int = TILE) -> torch.Tensor:
+    """Tiles of pages, built where `pages` is (no host sync): the first counts[k] tokens of page
+    pages[k] ([K] int64 each, any order; counts <= page, 0 copies nothing) go to output rows
+    k * page on. [K * ceil(page / tile), 3] int64 (source token, output row, rows)."""
+    per = -(-page // tile)
+    j = torch.arange(per, device=pages.device) * tile  # [per] each tile's first token in its page
+    k = torch.arange(pages.shape[0], device=pages.device)
+    src = (pages[:, None] * page + j).flatten()
+    dst = (k[:, None] * page + j).flatten()
+    rows = (counts[:, None] - j).clamp(min=0, max=tile)  # [K, per]
+    return torch.stack((src, dst, rows.flatten()), dim=1)
+
+
+def gather_tiles(
+    extents: list[torch.Tensor],
+    offsets: torch.Tensor,
+    extent_tokens: int,
+    tiles: torch.Tensor,
+    out: torch.Tensor,
+    ring: int | None = None,
+) -> None:
+    """The rows `tiles` ([T, 3] int64 on out's device: `run_tiles`, `page_tiles`) name, copied
+    into out [n, *row] (contiguous, the extents' dtype); rows no tile names are untouched.
+    Asynchronous on CUDA."""
+    if tiles.shape[0] == 0:
+        return
+    row, cols = extents[0][0].numel(), out[0].numel()
+    grid = (tiles.shape[0], triton.cdiv(cols, BLOCK_C))
+    _gather_rows[grid](
+        extents[0], offsets, tiles, out, extent_tokens, ring or len(extents),
+        ROW=row, COLS=cols, TILE=TILE, BLOCK_C=min(BLOCK_C, triton.next_power_of_2(cols)),
+        num_warps=4,
+    )  # fmt: skip
+
+
 def gather_runs(
     extents: list[torch.Tensor],
     offsets: torch.Tensor,
@@ -107,10 +144,4 @@ def gather_runs(
         return
     if out.is_cuda:
         tiles = tiles.pin_memory().to(out.device, non_blocking=True)
-    row, cols = extents[0][0].numel(), out[0].numel()
-    grid = (tiles.shape[0], triton.cdiv(cols, BLOCK_C))
-    _gather_rows[grid](
-        extents[0], offsets, tiles, out, extent_tokens, ring or len(extents),
-        ROW=row, COLS=cols, TILE=TILE, BLOCK_C=min(BLOCK_C, triton.next_power_of_2(cols)),
-        num_warps=4,
-    )  # fmt: skip
+    gather_tiles(extents, offsets, extent_tokens, tiles, out, ring)

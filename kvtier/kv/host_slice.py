@@ -94,6 +94,33 @@ class HostSlice:
         for e, off, at, n in self._pieces(start, end):
             dst[at : at + n].copy_(self.extents[e][off : off + n, 0], non_blocking=True)
 
+    def read_pages_into(
+        self, dst: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor, page: int
+    ) -> None:
+        """Copy the first counts[k] tokens of page pages[k] (tokens pages[k] * page on, stored)
+        into dst[k * page :] for every k ([K] int64 each, on dst's device; counts <= page); the
+        other rows of dst are zeroed. Into a GPU from pinned extents: one kernel over tiles built
+        on the GPU, so the host never reads which pages or how many (no sync); otherwise the
+        rows are gathered on the host. Asynchronous on CUDA."""
+        dst.zero_()
+        if dst.is_cuda and self.extents and self.extents[0].is_pinned() and dst.is_contiguous():
+            from kvtier.kv import host_gather
+
+            tiles = host_gather.page_tiles(pages, counts, page)
+            host_gather.gather_tiles(
+                self.extents, self._extent_offsets(dst.device), self.extent_tokens, tiles, dst, self._ring()
+            )
+            return
+        i = torch.arange(page)
+        filled = (i[None, :] < counts.cpu()[:, None]).flatten()  # [K * page] rows that are copied
+        positions = torch.where(filled, (pages.cpu()[:, None] * page + i).flatten(), 0)  # others: token 0
+        order = torch.argsort(positions)  # NOTE: `gather_into` takes sorted positions
+        got = torch.empty((positions.shape[0], *dst.shape[1:]), dtype=dst.dtype)
+        self.gather_into(got, positions[order])
+        rows = torch.empty_like(got)
+        rows[order] = got
+        dst.copy_(torch.where(filled[:, None, None, None], rows, 0).to(dst.device))
+
     def _extent_offsets(self, device: torch.device) -> torch.Tensor:
         """`host_gather.extent_offsets` of the extents on `device`, rebuilt when they change."""
         from kvtier.kv import host_gather

@@ -1,8 +1,9 @@
 """`SliceReader`: what a caching slice kernel may read of a streamed slice (`Fetch`).
 
 Ranges are copied extent by extent (packed rows unpacked on the GPU when the host tier is
-quantized); scattered tokens are gathered on the host into one pinned buffer first, so only
-they cross PCIe. Every byte sent is counted in the store's `TierAccount.h2d_bytes`.
+quantized); runs and pages of scattered tokens are read by one GPU kernel from the pinned
+extents (`kvtier.kv.host_gather`), so only they cross PCIe. Every byte sent is counted in the
+store's `TierAccount.h2d_bytes`.
 """
 
 from __future__ import annotations
@@ -100,18 +101,19 @@ class SliceReader:
         self.host.read_runs_into(out, spans)
         self.account.h2d_bytes += sum(end - start for start, end, _ in spans) * self.layout.token_bytes
 
-    def gather(self, positions: torch.Tensor) -> torch.Tensor:
-        """Tokens at `positions` ([n] int64, sorted, any device) -> [n, 2, G, D] on the device."""
+    def pages(self, pages: torch.Tensor, counts: torch.Tensor, page: int) -> torch.Tensor:
+        """Pages of `page` tokens -> [K * page, 2, G, D] on the device: the first counts[k] stored
+        tokens of page pages[k] at rows k * page on, zeros elsewhere (pages, counts [K] int64 on
+        the device). On CUDA the GPU reads them from the pinned extents itself
+        (`HostSlice.read_pages_into`): the host never learns which pages or how many, so the
+        step does not wait; only their bytes cross PCIe, counted on the device (`add_h2d`)."""
         if self.packed is not None:
             raise NotImplementedError("gathering tokens from a quantized host tier is not supported")
-        pos = positions.to("cpu", torch.int64)
-        n = pos.numel()
-        if n and (int(pos[0]) < 0 or int(pos[-1]) >= self.length):
-            raise IndexError(f"gather positions outside the {self.length} stored tokens")
-        if self.host.last_write is not None:
+        dst = self._empty(pages.shape[0] * page)
+        self.streams.wait([self.host.last_write])  # NOTE: the GPU reads the host's newest rows
+        gpu_reads = dst.is_cuda and bool(self.host.extents) and self.host.extents[0].is_pinned()
+        if not gpu_reads and self.host.last_write is not None:
             self.host.last_write.synchronize()  # NOTE: the host reads these tokens itself
-        cuda = self.device.type == "cuda"
-        tmp = self._empty(n, pin=cuda, device=torch.device("cpu"))
-        self.host.gather_into(tmp, pos)
-        self.account.h2d_bytes += n * self.layout.token_bytes
-        return tmp.to(self.device, non_blocking=True) if cuda else tmp
+        self.host.read_pages_into(dst, pages, counts, page)
+        self.account.add_h2d(counts.sum() * self.layout.token_bytes)
+        return dst

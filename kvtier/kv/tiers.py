@@ -19,12 +19,38 @@ GPU, HOST = "gpu", "host"
 
 @dataclass
 class TierAccount:
-    """Bytes allocated per tier (now and peak) and bytes moved between tiers."""
+    """Bytes allocated per tier (now and peak) and bytes moved between tiers.
+
+    `h2d_bytes` also counts copies whose size only the GPU knows (`add_h2d`: Quest's selected
+    pages), read back when `h2d_bytes` is next read or added to (a sync then, typically after
+    the step's sampled token was read, so nothing waits)."""
 
     allocated: dict[str, int] = field(default_factory=lambda: {GPU: 0, HOST: 0})
     peak: dict[str, int] = field(default_factory=lambda: {GPU: 0, HOST: 0})
-    h2d_bytes: int = 0
     d2h_bytes: int = 0
+    _h2d: int = 0
+    _h2d_pending: list[torch.Tensor] = field(default_factory=list)  # device byte counts, unread
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes copied host to device, the device's counts (`add_h2d`) included."""
+        if self._h2d_pending:
+            self._h2d += int(torch.stack(self._h2d_pending).sum())
+            self._h2d_pending.clear()
+        return self._h2d
+
+    @h2d_bytes.setter
+    def h2d_bytes(self, nbytes: int) -> None:
+        """Set the total (`+=` read it first, device counts included)."""
+        self._h2d_pending.clear()
+        self._h2d = nbytes
+
+    def add_h2d(self, nbytes: torch.Tensor) -> None:
+        """Count a host-to-device copy of `nbytes` (an int64 [] tensor, any device) without reading
+        it; counts are summed on their device every 256."""
+        self._h2d_pending.append(nbytes)
+        if len(self._h2d_pending) >= 256:
+            self._h2d_pending[:] = [torch.stack(self._h2d_pending).sum()]
 
     def alloc(self, tier: str, nbytes: int) -> None:
         self.allocated[tier] += nbytes

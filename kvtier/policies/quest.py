@@ -11,8 +11,9 @@ first `dense_layers` layers are dense; a context within the budget is dense (bit
 A decode step reads only the union of the pages its query heads select (each head masked to its
 own): a gather in GPU memory for a resident slice; for an *offloaded* slice Quest is a
 `CachingSliceKernel` that keeps the page minima and maxima (and the keys of the unfinished page)
-on the GPU and gathers the selected pages from host memory, so PCIe carries the selection, not
-the context.
+on the GPU and has the GPU read the selected pages from pinned host memory (`Fetch.pages`), so
+PCIe carries the selection, not the context. A step's shapes do not depend on the selection
+(`_gathered`), so nothing is read back to the host.
 `read_tokens / total_tokens` counts the (query head, token) pairs attended. Page metadata is
 cached per slice for full pages (tokens are append-only under Quest), in one buffer a slice of
 the request's capacity when that is known: allocated once, filled in place, and taken from the
@@ -71,9 +72,35 @@ class QuestKernel:
         # For offloaded slices: keys of the unfinished last page [n < page, G, D] and the stored
         # length they describe (a cached step needs exactly that length).
         self._tail: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
-        self.read_tokens = 0
         self.total_tokens = 0
-        self.gathered_tokens = 0  # tokens read from host memory by cached (offloaded) steps
+        # (query head, token) pairs attended, and tokens offloaded steps read from host memory:
+        # counted on the host where it knows them, else on the device (read by the properties)
+        self._counts = {"read": 0, "gathered": 0}
+        self._pending: dict[str, list[torch.Tensor]] = {"read": [], "gathered": []}
+
+    @property
+    def read_tokens(self) -> int:
+        """(query head, token) pairs decode steps attended (reads the device counts: a sync)."""
+        return self._total("read")
+
+    @property
+    def gathered_tokens(self) -> int:
+        """Tokens offloaded (cached) decode steps read from host memory (a sync, as read_tokens)."""
+        return self._total("gathered")
+
+    def _count(self, name: str, n: torch.Tensor) -> None:
+        """Add a device count without reading it (summed on the device every 256)."""
+        pending = self._pending[name]
+        pending.append(n)
+        if len(pending) >= 256:
+            pending[:] = [torch.stack(pending).sum()]
+
+    def _total(self, name: str) -> int:
+        pending = self._pending[name]
+        if pending:
+            self._counts[name] += int(torch.stack(pending).sum())
+            pending.clear()
+        return self._counts[name]
 
     def place_caches(self, alloc: Alloc) -> None:
         """Allocate the page bounds' buffers with `alloc` from now on (`PlacesCaches`: the
@@ -171,8 +198,10 @@ class QuestKernel:
         key = (step.layer, step.group)
         full = self._full[key]
         buf = self._bounds[key]
-        out, gathered = self._gathered(q, step, buf[0, :full], buf[1, :full], fetch.gather, kv_new)
-        self.gathered_tokens += gathered
+        out, rows = self._gathered(
+            q, step, buf[0, :full], buf[1, :full], lambda o, c: fetch.pages(o, c, self.page), kv_new
+        )
+        self._count("gathered", rows)
         tail, _ = self._tail[key]
         tail = torch.cat((tail, kv_new[:, 0]))
         if tail.shape[0] == self.page:  # the page is complete: its bounds join the others
@@ -189,30 +218,45 @@ class QuestKernel:
         step: SliceStep,
         lo: torch.Tensor,
         hi: torch.Tensor,
-        read: Callable[[torch.Tensor], torch.Tensor],
+        read: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         kv_new: torch.Tensor,
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode query over the pages its heads select: q [1, H_q, D], page metadata lo/hi
-        [>= start // page, G, D], `read(positions [n])` -> their rows [n, 2, G, D], kv_new
-        [1, 2, G, D] the query's own row. Only the union of the heads' pages is read; each head
-        is masked to its own. Returns [1, H_q, D] and the number of rows read."""
+        [>= start // page, G, D], `read(pages, counts)` -> the first counts[k] stored rows of
+        page pages[k] at rows k * page on ([K] int64 each; [K * page, 2, G, D], other rows
+        finite), kv_new [1, 2, G, D] the query's own row. Only the union of the heads' pages is
+        read, each head masked to its own. Shapes do not depend on which pages were chosen, so
+        nothing is read back to the host:
+
+            K = min(complete pages, G * r * (top_k - 1)) union slots, the chosen complete pages
+            first (ascending; the rest count 0 rows), then the query's own page (its stored
+            tokens; the last page is always chosen) -> K + 1 pages of rows, masked
+
+        Returns [1, H_q, D] and the number of stored rows read (a device count)."""
         s, hq, p = step.start + 1, q.shape[1], self.page
         _, pages, top_k = self._sparse(step, s)
         g = lo.shape[1]
         r = hq // g
-        m = step.start // p  # complete pages before the query's
+        m = step.start // p  # complete pages before the query's (its own is page m = pages - 1)
         top = self._top_pages(q, lo[:m], hi[:m], pages, top_k)  # [G, r, K]
         chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
         chosen.scatter_(-1, top, True)
-        union = chosen.flatten(0, 1).any(0).nonzero().flatten()  # [U] pages any head reads
-        positions = (union[:, None] * p + torch.arange(p, device=q.device)).flatten()
-        positions = positions[positions < step.start]  # the query's own row is kv_new
-        kv = torch.cat((read(positions), kv_new))  # [n + 1, 2, G, D]
-        page_of = torch.cat((positions, positions.new_tensor([step.start]))) // p
-        mask = chosen[:, :, page_of].reshape(1, hq, 1, -1)  # [1, H_q, 1, n + 1]
+        union = chosen[..., :m].flatten(0, 1).any(0)  # [m] complete pages any head reads
+        slots = min(m, g * r * (top_k - 1))
+        first = torch.sort(union.to(torch.uint8), descending=True, stable=True).indices[:slots]  # [slots]
+        # NOTE: torch.full, not new_tensor: a tensor made from host values is a copy that waits
+        # for the device on CUDA
+        own = torch.full((1,), m, dtype=torch.long, device=q.device)
+        order = torch.cat((first, own))  # [slots + 1] pages read
+        counts = torch.cat((union[first].long() * p, torch.full_like(own, step.start - m * p)))
+        kv = torch.cat((read(order, counts), kv_new))  # [(slots + 1) * p + 1, 2, G, D]
+        filled = (torch.arange(p, device=q.device)[None, :] < counts[:, None]).flatten()  # rows read
+        page_of = order.repeat_interleave(p)
+        mask = (chosen[:, :, page_of] & filled).reshape(1, hq, 1, -1)
+        mask = torch.cat((mask, mask.new_ones(1, hq, 1, 1)), dim=-1)  # the query's own row
         self.total_tokens += s * hq
-        self.read_tokens += int(mask.sum())
-        return self._masked(q, kv, mask, r), positions.numel()
+        self._count("read", mask.sum())
+        return self._masked(q, kv, mask, r), counts.sum()
 
     @staticmethod
     def _masked(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, r: int) -> torch.Tensor:
@@ -233,8 +277,15 @@ class QuestKernel:
         if t > 1 or step.layer < self.dense_layers or s <= self.budget or top_k >= pages:
             if t == 1:
                 self.total_tokens += s * hq
-                self.read_tokens += s * hq
+                self._counts["read"] += s * hq
             return attend(q, kv)
         lo, hi = self._minmax(kv, step)
-        # A resident slice is read the same way: only the selected pages' rows (a GPU gather).
-        return self._gathered(q, step, lo, hi, lambda pos: kv[pos], kv[step.start :])[0]
+        # A resident slice is read the same way: only the selected pages' rows (a GPU gather; the
+        # rows past a page's count are any stored rows, masked).
+        last = max(step.start - 1, 0)
+
+        def rows(order: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+            at = order[:, None] * self.page + torch.arange(self.page, device=order.device)
+            return kv[at.flatten().clamp(max=last)]
+
+        return self._gathered(q, step, lo, hi, rows, kv[step.start :])[0]
