@@ -147,7 +147,9 @@
 #   method drops nothing at its length (HiP under 3,328 tokens) runs lossless on CUDA, so the
 #   smoke's HiP rows now take a 4.4K-token prompt and one row checks the short prompt ran
 #   lossless; Quest's offloaded decode reads its selected pages with the GPU (host_gather) in
-#   shapes that need no host sync. NEXT: as the twenty-eighth's (71 with the GGUF's first half,
+#   shapes that need no host sync; per-step index tensors made from host lists (the batch
+#   engine's mixed steps, paged decode tables, prefix-cache pages, packed run reads, the eager
+#   forward's last-token index) are copied non-blocking instead of waiting for the stream. NEXT: as the twenty-eighth's (71 with the GGUF's first half,
 #   1, 64, 70, 69, 72, 73), with 74 after 71 and 75 (Quest at 512K over structured KV).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).

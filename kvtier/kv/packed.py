@@ -194,7 +194,9 @@ class PackedTier:
             offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
             to = torch.repeat_interleave(torch.tensor([p[0] for p in places]), n) + offset
             src = torch.repeat_interleave(torch.tensor([p[1] for p in places]), n) + offset
-            dst.index_copy_(0, to.to(self.device), kv[src.to(self.device)])
+            dst.index_copy_(
+                0, to.to(self.device, non_blocking=True), kv[src.to(self.device, non_blocking=True)]
+            )
             moved += rows * self.row_bytes
         if tails:
             host.read_runs_into(dst, tails)

@@ -212,10 +212,10 @@ class PagedKVStore:
             if s.n_new == 1:
                 decodes.append((offset, slots))
             else:
-                reads.append((offset, s.n_new, slots.to(self.device)))
+                reads.append((offset, s.n_new, slots.to(self.device, non_blocking=True)))
             offset += s.n_new
         if len(decodes) == 1:  # a lone decode token takes the exact single-sequence path
-            reads.append((decodes[0][0], 1, decodes[0][1].to(self.device)))
+            reads.append((decodes[0][0], 1, decodes[0][1].to(self.device, non_blocking=True)))
             decodes = []
         if decodes and self.decode_kernel is not None:
             dec = [s for s in steps if s.n_new == 1]
@@ -224,9 +224,11 @@ class PagedKVStore:
             for b, s in enumerate(dec):
                 used = s.block_table[: -(-(s.start + 1) // p)]
                 tables[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
-            self._dec_tables = tables.to(self.device)
-            self._dec_lens = torch.tensor([s.start + 1 for s in dec], dtype=torch.int32, device=self.device)
-            self._dec_rows = torch.tensor([o for o, _ in decodes], device=self.device)
+            self._dec_tables = tables.to(self.device, non_blocking=True)
+            self._dec_lens = torch.tensor([s.start + 1 for s in dec], dtype=torch.int32).to(
+                self.device, non_blocking=True
+            )
+            self._dec_rows = torch.tensor([o for o, _ in decodes]).to(self.device, non_blocking=True)
         elif decodes:
             s_max = max(len(sl) for _, sl in decodes)
             padded = torch.zeros(len(decodes), s_max, dtype=torch.long)
@@ -234,13 +236,16 @@ class PagedKVStore:
             for b, (_, sl) in enumerate(decodes):
                 padded[b, : len(sl)] = sl
                 mask[b, ..., : len(sl)] = True
-            self._dec_rows = torch.tensor([o for o, _ in decodes], device=self.device)
-            self._dec_slots, self._dec_mask = padded.to(self.device), mask.to(self.device)
+            self._dec_rows = torch.tensor([o for o, _ in decodes]).to(self.device, non_blocking=True)
+            self._dec_slots, self._dec_mask = (
+                padded.to(self.device, non_blocking=True),
+                mask.to(self.device, non_blocking=True),
+            )
         else:
             self._dec_rows = torch.empty(0, dtype=torch.long, device=self.device)
         pos_all = torch.cat(positions)
-        self._cos, self._sin = self.rotary.cos_sin(pos_all.to(self.device), self.dtype)
-        self._write = torch.cat(writes).to(self.device)
+        self._cos, self._sin = self.rotary.cos_sin(pos_all.to(self.device, non_blocking=True), self.dtype)
+        self._write = torch.cat(writes).to(self.device, non_blocking=True)
         self._reads = reads
 
     def end_step(self) -> None:

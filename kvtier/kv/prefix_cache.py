@@ -122,7 +122,7 @@ class HostPageCache:
         step = self.chunk_pages
         for start in range(0, len(pairs), step):
             runs, pages = slot_runs(pairs[start : start + step], self._per)
-            pages_t = torch.tensor(pages, device=device)  # [k]
+            pages_t = torch.tensor(pages).to(device, non_blocking=True)  # [k]
             for slabs, dev in zip(self._slabs, self.device_pages, strict=True):
                 staged = dev.index_select(0, pages_t)  # [k, P, 2, H_kv, D] on the device
                 off = 0
@@ -183,7 +183,7 @@ class HostPageCache:
         device = self.device_pages[0].device
         runs, pages = slot_runs(pairs, self._per)
         k = len(pages)
-        pages_t = torch.tensor(pages, device=device)  # [k] the page of each staged row
+        pages_t = torch.tensor(pages).to(device, non_blocking=True)  # [k] the page of each staged row
         rows: dict[int, list[int]] = {}  # slab -> its rows in the runs' order, if scattered
         if len(runs) > max(8, k // 8):
             self.gathered += 1

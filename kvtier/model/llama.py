@@ -102,9 +102,9 @@ class CausalLM(nn.Module):
     def _logits(
         self, x: torch.Tensor, input_ids: torch.Tensor, logits_at: torch.Tensor | None
     ) -> torch.Tensor:
-        if logits_at is None:
-            logits_at = torch.tensor([input_ids.shape[0] - 1], device=input_ids.device)
-        h = self.model.norm(x[logits_at])  # [N, hidden]
+        # NOTE: the last token by a slice: a tensor made from a host value would be a copy that
+        # waits on CUDA for the step's queued layers before the head is issued
+        h = self.model.norm(x[-1:] if logits_at is None else x[logits_at])  # [N, hidden]
         logits = self.lm_head(h).float()  # [N, vocab]
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

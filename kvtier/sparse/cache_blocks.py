@@ -107,7 +107,9 @@ def keep_blocks(
     """
     b = cfg.cache_block
     w0 = min(min(st.window_start for st in states), start + 1)  # none past the query
-    edges = torch.cat((torch.arange(min(cfg.sink, start + 1)), torch.arange(w0, start + 1))).to(device)
+    edges = torch.cat(
+        (torch.arange(min(cfg.sink, start + 1), device=device), torch.arange(w0, start + 1, device=device))
+    )
     stages = reversed(range(len(cfg.chunk_sizes)))  # the final selection first
     tiers = [edges] + [torch.cat([st.outputs[i].to(device) for st in states]) for i in stages]
     ids = torch.div(torch.cat(tiers), b, rounding_mode="floor")  # [n]

@@ -251,10 +251,12 @@ class BatchEngine:
                     store.begin_step(n)
             if steps:
                 self.store.begin_step(steps)
+            # NOTE: non-blocking copies of host lists (pageable: staged at once, no wait for the
+            # device); a tensor made on the device from host values would wait for the stream
             logits = self.model(
-                torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
                 attention,
-                logits_at=torch.tensor(sample_at, dtype=torch.long, device=self.device),
+                logits_at=torch.tensor(sample_at, dtype=torch.long).to(self.device, non_blocking=True),
             )  # [N, vocab]
             if steps:
                 self.store.end_step()
