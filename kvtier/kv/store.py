@@ -338,7 +338,7 @@ class TieredKVStore:
         n = self.slice_length[sid]
         g, k = keep.shape
         src = buf[:n].permute(2, 0, 1, 3)  # [G, n, 2, D]
-        idx = keep.to(buf.device)[:, :, None, None].expand(g, k, 2, buf.shape[-1])
+        idx = keep.to(buf.device, non_blocking=True)[:, :, None, None].expand(g, k, 2, buf.shape[-1])
         kept = torch.gather(src, 1, idx).permute(1, 2, 0, 3)  # [K, 2, G, D]
         buf[:k] = kept
         self.slice_length[sid] = k
