@@ -236,12 +236,15 @@ def test_quest_selects_pages_by_upper_bound() -> None:
     assert kernel.read_tokens == 12 and kernel.total_tokens == 16
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["union", "fixed-shapes"])
 @pytest.mark.parametrize("length", [61, 64, 65])  # a partial last page, none, one stored token in it
-def test_quest_decode_equals_attention_over_each_heads_pages(length: int) -> None:
-    """A sparse decode step (static shapes: union slots, unused ones empty) attends exactly each
-    query head's chosen pages' stored tokens and its own token, as a per-head reference."""
+def test_quest_decode_equals_attention_over_each_heads_pages(length: int, fixed: bool) -> None:
+    """A sparse decode step attends exactly each query head's chosen pages' stored tokens and its
+    own token, as a per-head reference: over the union's pages (the CPU's way) and in fixed
+    shapes (CUDA's: a slot per page the heads could choose, unused ones empty)."""
     g, r, d, page = 2, 3, 8, 4
     kernel = QuestKernel(budget=12, page=page, dense_layers=0)
+    kernel.fixed_shapes = fixed
     gen = torch.Generator().manual_seed(length)
     kv = torch.randn(length + 1, 2, g, d, generator=gen)
     q = torch.randn(1, g * r, d, generator=gen)
@@ -428,9 +431,10 @@ def test_planner_predicts_the_bytes_each_policy_stores_and_moves(
         store.end_step()
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["union", "fixed-shapes"])
 @pytest.mark.parametrize("group", [1, 2])
 def test_quest_over_offload_gathers_only_selected_pages_and_matches_resident_quest(
-    gqa: tuple[CausalLM, ModelConfig], group: int
+    gqa: tuple[CausalLM, ModelConfig], group: int, fixed: bool
 ) -> None:
     model, cfg = gqa
     budget, page, decode = 16, 4, 12
@@ -438,6 +442,7 @@ def test_quest_over_offload_gathers_only_selected_pages_and_matches_resident_que
         model, cfg, PolicyParts(kernel=QuestKernel(budget, page, dense_layers=1)), group, 25, decode
     )
     kernel = QuestKernel(budget, page, dense_layers=1)
+    kernel.fixed_shapes = fixed  # the offloaded steps (the resident reference takes the union)
     logits, store = run(model, cfg, PolicyParts(kernel=kernel), group, 25, decode, streamed=True)
     for a, b in zip(logits, ref, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)  # masked vs gathered: summation order

@@ -102,10 +102,10 @@ class HostSlice:
         other rows of dst are zeroed. Into a GPU from pinned extents: one kernel over tiles built
         on the GPU, so the host never reads which pages or how many (no sync); otherwise the
         rows are gathered on the host. Asynchronous on CUDA."""
-        dst.zero_()
         if dst.is_cuda and self.extents and self.extents[0].is_pinned() and dst.is_contiguous():
             from kvtier.kv import host_gather
 
+            dst.zero_()
             tiles = host_gather.page_tiles(pages, counts, page)
             host_gather.gather_tiles(
                 self.extents, self._extent_offsets(dst.device), self.extent_tokens, tiles, dst, self._ring()
@@ -113,13 +113,20 @@ class HostSlice:
             return
         i = torch.arange(page)
         filled = (i[None, :] < counts.cpu()[:, None]).flatten()  # [K * page] rows that are copied
-        positions = torch.where(filled, (pages.cpu()[:, None] * page + i).flatten(), 0)  # others: token 0
-        order = torch.argsort(positions)  # NOTE: `gather_into` takes sorted positions
-        got = torch.empty((positions.shape[0], *dst.shape[1:]), dtype=dst.dtype)
+        rows = filled.nonzero().flatten()
+        positions = (pages.cpu()[:, None] * page + i).flatten()[rows]
+        n = rows.shape[0]
+        prefix = n == 0 or (int(rows[-1]) == n - 1 and bool((positions[1:] > positions[:-1]).all()))
+        if prefix and dst.device.type == "cpu":
+            # NOTE: the usual case (ascending whole pages, a partial last one): read in place
+            self.gather_into(dst, positions)
+            dst[n:].zero_()
+            return
+        order = torch.argsort(positions)  # `gather_into` takes sorted positions
+        got = torch.empty((n, *dst.shape[1:]), dtype=dst.dtype)
         self.gather_into(got, positions[order])
-        rows = torch.empty_like(got)
-        rows[order] = got
-        dst.copy_(torch.where(filled[:, None, None, None], rows, 0).to(dst.device))
+        dst.zero_()
+        dst[rows[order].to(dst.device)] = got.to(dst.device)
 
     def _extent_offsets(self, device: torch.device) -> torch.Tensor:
         """`host_gather.extent_offsets` of the extents on `device`, rebuilt when they change."""

@@ -73,6 +73,8 @@ class QuestKernel:
         # length they describe (a cached step needs exactly that length).
         self._tail: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self.total_tokens = 0
+        # Decode steps in shapes independent of the pages chosen (no host read; None: on CUDA)
+        self.fixed_shapes: bool | None = None
         # (query head, token) pairs attended, and tokens offloaded steps read from host memory:
         # counted on the host where it knows them, else on the device (read by the properties)
         self._counts = {"read": 0, "gathered": 0}
@@ -87,6 +89,9 @@ class QuestKernel:
     def gathered_tokens(self) -> int:
         """Tokens offloaded (cached) decode steps read from host memory (a sync, as read_tokens)."""
         return self._total("gathered")
+
+    def _fixed(self, q: torch.Tensor) -> bool:
+        return q.is_cuda if self.fixed_shapes is None else self.fixed_shapes
 
     def _count(self, name: str, n: torch.Tensor) -> None:
         """Add a device count without reading it (summed on the device every 256)."""
@@ -232,6 +237,9 @@ class QuestKernel:
             first (ascending; the rest count 0 rows), then the query's own page (its stored
             tokens; the last page is always chosen) -> K + 1 pages of rows, masked
 
+        (`fixed_shapes`; on the CPU, where reading the union back costs nothing and the padded
+        slots would cost work, K is the union's size.)
+
         Returns [1, H_q, D] and the number of stored rows read (a device count)."""
         s, hq, p = step.start + 1, q.shape[1], self.page
         _, pages, top_k = self._sparse(step, s)
@@ -242,8 +250,11 @@ class QuestKernel:
         chosen = torch.zeros(g, r, pages, dtype=torch.bool, device=q.device)
         chosen.scatter_(-1, top, True)
         union = chosen[..., :m].flatten(0, 1).any(0)  # [m] complete pages any head reads
-        slots = min(m, g * r * (top_k - 1))
-        first = torch.sort(union.to(torch.uint8), descending=True, stable=True).indices[:slots]  # [slots]
+        if self._fixed(q):
+            slots = min(m, g * r * (top_k - 1))
+            first = torch.sort(union.to(torch.uint8), descending=True, stable=True).indices[:slots]  # [slots]
+        else:  # the union itself (a host read: free on the CPU, where fewer rows cost less work)
+            first = union.nonzero().flatten()
         # NOTE: torch.full, not new_tensor: a tensor made from host values is a copy that waits
         # for the device on CUDA
         own = torch.full((1,), m, dtype=torch.long, device=q.device)
