@@ -99,8 +99,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="decode tokens counted")
     ap.add_argument("--prefill", action="store_true", help="count the prefill (one token generated)")
     ap.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (default: the plan's)")
+    ap.add_argument(
+        "--fixed-shapes",
+        action="store_true",
+        help="Quest decodes in CUDA's fixed shapes (quest.FIXED_SHAPES), not the CPU's union",
+    )
     ap.add_argument("--name", default="decode_ops")
     args = ap.parse_args()
+    if args.fixed_shapes:
+        import kvtier.policies.quest as quest
+
+        quest.FIXED_SHAPES = True
     # NOTE: PyTorch's causal-bias tensor subclass cannot be made under a dispatch mode; a boolean
     # mask gives the same prefill (which the difference drops anyway).
     dense.causal_lower_right = lambda t, s: torch.ones(t, s, dtype=torch.bool).tril(s - t)  # type: ignore[assignment]

@@ -33,6 +33,9 @@ from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 
 DENSE_LAYERS = 2  # the first layers attend densely and keep no page bounds (the paper's)
+# Decode steps in shapes independent of the pages chosen (`QuestKernel.fixed_shapes`; None: on
+# CUDA). `bench/decode_ops.py --fixed-shapes` sets True to count CUDA's path on the CPU.
+FIXED_SHAPES: bool | None = None
 
 
 def bounds_slice_bytes(cfg: ModelConfig, context: int, page: int, group: int, dtype_bytes: int) -> int:
@@ -74,7 +77,7 @@ class QuestKernel:
         self._tail: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self.total_tokens = 0
         # Decode steps in shapes independent of the pages chosen (no host read; None: on CUDA)
-        self.fixed_shapes: bool | None = None
+        self.fixed_shapes: bool | None = FIXED_SHAPES
         # (query head, token) pairs attended, and tokens offloaded steps read from host memory:
         # counted on the host where it knows them, else on the device (read by the properties)
         self._counts = {"read": 0, "gathered": 0}
