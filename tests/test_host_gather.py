@@ -7,6 +7,8 @@ CUDA the extents are pinned and the output is on the GPU, as in a HiP block-cach
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -30,6 +32,19 @@ def _expected(extents: list[torch.Tensor], spans: list[tuple[int, int, int]], ro
     for start, end, at in spans:
         want[at : at + end - start] = whole[start:end]
     return want
+
+
+def _host_slice(extents: list[torch.Tensor]) -> Any:
+    """A `HostSlice` whose arena hands out `extents` in order (reserve takes them)."""
+    from kvtier.kv.host_slice import HostSlice
+
+    pool = list(extents)
+
+    class Arena:
+        def take(self) -> torch.Tensor:
+            return pool.pop(0)
+
+    return HostSlice(Arena(), E)  # type: ignore[arg-type]
 
 
 def test_runs_are_cut_into_tiles_of_at_most_tile_tokens() -> None:
@@ -73,16 +88,7 @@ def test_host_slice_reads_runs_through_the_gather(device: str) -> None:
     """`HostSlice.read_runs_into` (on the GPU: the one-launch path; on the CPU: the copies)
     puts every run where it belongs, also after the slice grows by two extents (on the GPU the
     extents' offsets are rebuilt)."""
-    from kvtier.kv.host_slice import HostSlice
-
-    extents = _extents(4, torch.bfloat16, pin=device == "cuda")
-    pool = list(extents)
-
-    class Arena:
-        def take(self) -> torch.Tensor:
-            return pool.pop(0)
-
-    host = HostSlice(Arena(), E)  # type: ignore[arg-type]
+    host = _host_slice(_extents(4, torch.bfloat16, pin=device == "cuda"))
     host.reserve(2 * E)
     for spans in ([(1, 30, 0), (40, 48, 29)], [(70, 90, 0), (5, 6, 20)]):
         host.reserve(4 * E)  # the second pass has two more extents
@@ -111,15 +117,8 @@ def test_gather_keys_reads_each_rows_first_half(device: str) -> None:
 def test_host_slice_reads_keys(device: str) -> None:
     """`HostSlice.read_keys_into`: tokens [start, end)'s keys [n, G, D], across extents (on the
     GPU through the key gather, on the CPU by strided copies)."""
-    from kvtier.kv.host_slice import HostSlice
 
-    pool = _extents(4, torch.float32, pin=device == "cuda")
-
-    class Arena:
-        def take(self) -> torch.Tensor:
-            return pool.pop(0)
-
-    host = HostSlice(Arena(), E)  # type: ignore[arg-type]
+    host = _host_slice(_extents(4, torch.float32, pin=device == "cuda"))
     host.reserve(4 * E)
     whole = torch.cat(host.extents)
     out = torch.full((70, G, D), -7.0, device=device)
@@ -163,15 +162,8 @@ def test_gather_tiles_reads_selected_pages(device: str) -> None:
 def test_host_slice_reads_pages(device: str) -> None:
     """`HostSlice.read_pages_into`: the same rows, the rest zeroed (on the CPU by a host gather;
     on the GPU through `gather_tiles`)."""
-    from kvtier.kv.host_slice import HostSlice
 
-    pool = _extents(5, torch.float32, pin=device == "cuda")
-
-    class Arena:
-        def take(self) -> torch.Tensor:
-            return pool.pop(0)
-
-    host = HostSlice(Arena(), E)  # type: ignore[arg-type]
+    host = _host_slice(_extents(5, torch.float32, pin=device == "cuda"))
     host.reserve(5 * E)
     out = torch.full((4 * 8, 2, G, D), -7.0, device=device)
     pages = torch.tensor([14, 6, 1, 3], device=device)  # any order
