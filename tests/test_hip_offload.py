@@ -412,6 +412,48 @@ def test_block_caches_placed_in_a_region_come_from_it_once_and_stay_bitwise(
     assert_same(runs["region"][0], runs["allocator"][0])
 
 
+def test_a_short_requests_decode_memory_is_bounded_by_its_tokens_and_stays_bitwise(
+    gqa: tuple[CausalLM, ModelConfig],
+) -> None:
+    """HiP's block caches and decode rows hold at most the request's tokens (`HipConfig.capacity`):
+    an 18-token request (12 prompt, 6 decoded) over streamed slices takes 24-token caches and
+    19-row buffers where the preset's are 72 and 23; a region sized by `hip_method_buffers` for
+    that length holds them exactly; tokens and logits equal resident KV's and an unbounded
+    kernel's. (A 304-token HiP request on an 8B model under 24 GiB could not be served: the
+    preset-sized caches took 2.08 GB of a 1.88 GB offload reserve.)"""
+    model, cfg = gqa
+    prompt, new = 12, 6
+    cap = prompt + new
+    ids = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(3))
+    lay = KVLayout.of(cfg, 1, 5, torch.float32)
+    runs = {}
+    cases = (("resident", "gpu", None), ("unbounded", "head", None), ("bounded", "head", cap))
+    for name, policy, capacity in cases:
+        kernel = kernel_for(cfg, capacity=capacity)
+        memory = None
+        if capacity is not None:
+            assert kernel.cfg.offload_cache_tokens() == 24 and kernel.cfg.decode_buffer_tokens() == cap + 1
+            method = hip_method_buffers(cfg, kernel.cfg, 1, 4, cap, [True] * SLICES)
+            assert method == hip_method_buffers(cfg, HipConfig(**TINY), 1, 4, cap, [True] * SLICES)  # type: ignore[arg-type]
+            sizes = region_buffers(lay, plan(policy), cap) + list(method)
+            memory = RegionMemory(torch.zeros(fitting(sizes, 1 << 40), dtype=torch.uint8))
+        store = TieredKVStore(
+            cfg, plan(policy), device=CPU, dtype=torch.float32, capacity=cap,
+            options=StoreOptions(block_size=5, extent_blocks=4), kernel=kernel,
+            rotate_keys=not kernel.needs_unrotated_keys, memory=memory,
+        )  # fmt: skip
+        runs[name] = drive(model, store, ids, CHUNK, new)
+        if memory is not None:
+            banks = list(kernel._gpu.values())
+            assert len(banks) == SLICES and all(c.slots == 6 for c in banks)
+            assert all(k.shape[0] == cap + 1 for pair in kernel._rows.values() for k in pair)
+            assert memory.spilled == 0 and memory.region.numel() - memory.used < 512
+        store.close()
+    for name in ("unbounded", "bounded"):
+        assert runs[name][1] == runs["resident"][1]
+        assert_same(runs[name][0], runs["resident"][0])
+
+
 def test_more_prompt_after_decode_frees_the_decode_caches_first(gqa: tuple[CausalLM, ModelConfig]) -> None:
     """A prompt chunk after decode steps (the next chat turn): the store's multi-token step frees
     HiP's block caches and decode buffers before the chunk runs, so prefill's activations and

@@ -130,8 +130,12 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     from kvtier.sparse import CACHE_TOKEN_STEPS, HipKernel
     from kvtier.sparse.planning import store_budget
 
-    budget, context, fits = 10**9, 64, CACHE_TOKEN_STEPS[2]
-    llm = LLM(str(tiny), device="cpu", attention="hip", hip_preset="default", gpu_memory=str(budget))
+    # NOTE: past every cache step: a shorter request's caches are bounded by its tokens anyway
+    budget, context, fits = 10**9, 65_536, CACHE_TOKEN_STEPS[2]
+    # a short chunk: a long one's activations, which decode frees, would dwarf every cache size
+    llm = LLM(
+        str(tiny), device="cpu", attention="hip", hip_preset="default", gpu_memory=str(budget), chunk_size=64
+    )
     cfg = llm.model_config
     # The tiny model's caches are smaller than prefill's pruning reserve, the larger phase: without
     # it the cache size is what decides.
@@ -160,15 +164,20 @@ def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(
     """Through `LLM` end to end: a budget where the planner streams whole-layer slices with a
     reduced block cache gives the tokens of HiP with everything resident."""
     import kvtier.sparse as sparse
+    import kvtier.sparse.planning as planning
 
     # The tiny model's caches are smaller than prefill's pruning reserve, the larger phase: without
     # it the block cache is what the budget has to fit.
     monkeypatch.setattr(sparse, "PRUNE_BATCH_BYTES", 0)
+    # Cache steps below the request's 412 tokens (the real ones, 8K-16K, exceed it: its caches
+    # are bounded by its tokens, `HipConfig.capacity`, whatever the step).
+    monkeypatch.setattr(planning, "CACHE_TOKEN_STEPS", (256, 192, 128, 64))
     ids = [(7 * i) % 200 + 3 for i in range(400)]
     params = SamplingParams(max_tokens=12)
     ref = LLM(str(tiny), device="cpu", attention="hip").generate(ids, params)[0]
-    for budget in range(556_000_000, 560_000_000, 100_000):  # the tiny model's KV: ~1 MB
-        llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget))
+    # 16-token chunks: the whole prompt's activations, which decode frees, would dwarf the caches
+    for budget in range(545_000_000, 550_000_000, 40_000):  # the tiny model's KV: ~1 MB
+        llm = LLM(str(tiny), device="cpu", attention="hip", gpu_memory=str(budget), chunk_size=16)
         with contextlib.suppress(CapacityError):
             placed = llm.placement(len(ids) + params.max_tokens, llm.method)
             plan, cache_tokens = placed.plan, placed.cache_tokens

@@ -105,7 +105,8 @@ def make_hip_kernel(
 
     `preset` is a key of HIP_PRESETS; `overrides` are HipConfig fields (e.g. `window=512`,
     `extend=False`, `refresh=(96, 24, 8)`); `capacity`: the request's tokens, which a RoPE table
-    placed in the store's memory is sized for (`HipKernel.place_caches`). Raises ConfigError on
+    placed in the store's memory is sized for (`HipKernel.place_caches`) and which bound its
+    block caches and decode rows (`HipConfig.capacity`). Raises ConfigError on
     an unknown preset or field, or on contradictory budgets.
     """
     if preset not in HIP_PRESETS:
@@ -114,7 +115,7 @@ def make_hip_kernel(
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ConfigError(f"unknown hip option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-    hip = replace(HIP_PRESETS[preset], **overrides)  # type: ignore[arg-type]
+    hip = replace(HIP_PRESETS[preset], **{"capacity": capacity, **overrides})  # type: ignore[arg-type]
     rotary = Rotary(cfg.rope, cfg.head_dim, device) if hip.extend else None
     kernel = HipKernel(hip, rotary, capacity=capacity)
     return kernel, kernel.needs_unrotated_keys
@@ -134,7 +135,8 @@ def hip_gpu_bytes(
     cache_tokens: int | None = None,
 ) -> int:
     """GPU bytes HiP holds besides the plan's KV: every slice's block cache (used when the slice
-    is offloaded) and decode attention buffer, at the preset's budgets, the RoPE table of
+    is offloaded) and decode attention buffer, at the preset's budgets (bounded by `context`:
+    `HipConfig.capacity`), the RoPE table of
     context extension, which covers every position up to `context`, and prefill's temporaries
     (pruning one batch of query blocks). `cache_tokens`: the block cache
     per slice (None: the preset's, a whole refresh interval).
@@ -160,6 +162,7 @@ def hip_method_buffers(
     `context`), then each slice's decode arena (`slice_decode_bytes`) in slice order, as the
     first decode step reaches them; `streamed[i]`: whether slice i streams (its bank)."""
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) // 2 if hip.extend and context else 0
+    hip = replace(hip, capacity=context) if context else hip  # as the kernel is built for it
     arenas = [slice_decode_bytes(cfg.head_dim, hip, group, dtype_bytes, s) for s in streamed]
     return (*((rope, rope) if rope else ()), *arenas)
 
@@ -176,7 +179,7 @@ def hip_phase_bytes(
     product). The kernel frees the decode bytes when a prefill step starts
     (`HipKernel.begin_prefill`), so a prefill chunk's activations and the decode caches need not
     fit at once. `preset`: a HIP_PRESETS name or its config (`hip_config`)."""
-    hip = replace(hip_config(preset), cache_tokens=cache_tokens)
+    hip = replace(hip_config(preset), cache_tokens=cache_tokens, capacity=context or None)
     tokens = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0

@@ -73,6 +73,11 @@ class HipConfig:
     # (None = `offload_cache_tokens()`: everything a refresh interval reads, so all hit).
     cache_block: int = 16
     cache_tokens: int | None = None
+    # The request's tokens (prompt and output), when known: no block cache needs more blocks
+    # than they fill (and a spare) and no decode query gathers more rows than there are tokens,
+    # so a short request's decode memory shrinks with it (`offload_cache_tokens`,
+    # `decode_buffer_tokens`); None: the preset's budgets alone size them.
+    capacity: int | None = None
     # Decode steps that rerun stage 0 on a streamed slice: score the keys read from the host
     # tier range by range (only keys cross PCIe; `kvtier.sparse.host_keys`), then read the
     # sinks, the new selection and the window through the block cache (misses fetched), instead
@@ -175,15 +180,20 @@ class HipConfig:
         The default holds everything the decode steps of one stage-0 refresh interval read, with
         `heads` independent selections (KV heads of the slice when `per_head`): the sink blocks,
         the stage-0 chunks (each may straddle one more block than it covers), the window grown by
-        refresh[0] tokens (new tokens included). Proportional to budgets, not context.
+        refresh[0] tokens (new tokens included). Proportional to budgets, not context, but
+        never more than every block of `capacity` tokens and a spare one.
         """
-        if self.cache_tokens is not None:
-            return self.cache_tokens
         b = self.cache_block
-        chunks = self.budgets[0] // self.chunk_sizes[0]
-        selected = heads * chunks * (-(-self.chunk_sizes[0] // b) + 1)
-        window = -(-(self.window + self.refresh[0]) // b) + 1
-        return b * (-(-self.sink // b) + selected + window + 1)
+        if self.cache_tokens is not None:
+            tokens = self.cache_tokens
+        else:
+            chunks = self.budgets[0] // self.chunk_sizes[0]
+            selected = heads * chunks * (-(-self.chunk_sizes[0] // b) + 1)
+            window = -(-(self.window + self.refresh[0]) // b) + 1
+            tokens = b * (-(-self.sink // b) + selected + window + 1)
+        if self.capacity is not None:
+            tokens = min(tokens, b * (-(-self.capacity // b) + 1))
+        return tokens
 
     def offload_cache_slots(self, heads: int = 1) -> int:
         """Blocks of `cache_block` tokens in one streamed slice's GPU block cache: its
@@ -192,8 +202,10 @@ class HipConfig:
 
     def decode_buffer_tokens(self) -> int:
         """Rows of one decode query's gathered attention buffer (`AttendBuffer`), at most: sinks,
-        the widest final selection, the window grown until stage 0 reruns, and one spare."""
-        return self.sink + max(self.wide_budget, self.budgets[-1]) + self.window + self.refresh[0] + 1
+        the widest final selection, the window grown until stage 0 reruns, and one spare; never
+        more than `capacity` tokens and the spare."""
+        rows = self.sink + max(self.wide_budget, self.budgets[-1]) + self.window + self.refresh[0] + 1
+        return rows if self.capacity is None else min(rows, self.capacity + 1)
 
     def with_refresh(self, preset: str) -> HipConfig:
         """This config with the decode refresh intervals of a named preset."""

@@ -24,6 +24,8 @@ Offloaded KV (decode steps of slices the store streams, from GPU block caches): 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvtier.attention.interface import Alloc, SliceStep
@@ -51,8 +53,10 @@ class HipKernel(CachedDecode):
     def __init__(self, cfg: HipConfig, rotary: Rotary | None = None, capacity: int | None = None) -> None:
         if cfg.extend and rotary is None:
             raise ConfigError("hip extend=True needs the model's Rotary: keys are rotated in the kernel")
+        if capacity is not None and cfg.capacity is None:
+            cfg = replace(cfg, capacity=capacity)  # its caches and decode rows are bounded by it
         self.cfg = cfg
-        self.capacity = capacity  # the request's tokens (None: not known), for a placed RoPE table
+        self.capacity = cfg.capacity  # the request's tokens (None: not known), for a placed RoPE table
         self.rotary = RopeTable(rotary) if cfg.extend and rotary is not None else None
         self.stats = HipStats(decode_recomputes=[0] * len(cfg.chunk_sizes))
         self._cache: dict[tuple[int, int, int], DecodeState] = {}
