@@ -62,6 +62,7 @@ class Server:
     budget: int
     offer: int
     lent: list[int] = field(default_factory=list)
+    wider: int | None = None  # pages lendable without the batch's keep (None: `offer`)
     paged: bool = True
     pool_tokens: int = 2_647 * PAGE_TOKENS
     device: torch.device = field(default_factory=lambda: torch.device("cuda"))
@@ -89,8 +90,8 @@ class Server:
     def offload_gpu_budget(self) -> int:
         return self.budget
 
-    def lendable_pages(self) -> int:
-        return self.offer
+    def lendable_pages(self, keep_batch: bool = True) -> int:
+        return self.offer if keep_batch or self.wider is None else self.wider
 
     def lend(self, count: int) -> int:
         self.lent.append(count)

@@ -132,7 +132,7 @@ def step(smoke: Smoke, label: str, name: str, fn: Callable[[], str]) -> bool:
     try:
         detail, ok = fn(), True
     except Exception as e:
-        detail, ok = f"{type(e).__name__}: {str(e)[:160]}", False
+        detail, ok = f"{type(e).__name__}: {str(e)[:600]}", False
     smoke.add(Check(label, name, [], ok, round(time.perf_counter() - t0, 2), detail=detail))
     return ok
 
@@ -241,9 +241,12 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
 
             def with_method(prompt: str, method: str | None) -> str:
                 extra = {"method": method} if method else None
-                r = client.completions.create(
-                    model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body=extra
-                )
+                try:
+                    r = client.completions.create(
+                        model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body=extra
+                    )
+                except Exception as e:  # name the method: the step's detail is all a run keeps
+                    raise RuntimeError(f"method {method!r}: {type(e).__name__}: {e}") from e
                 return r.choices[0].text
 
             # NOTE: since 2026-12-05 int8's packed rows, the evictors' slices, HiP's block caches

@@ -250,3 +250,27 @@ def test_hip_over_packed_kv_lists_a_bank_for_every_staged_slice() -> None:
     config = replace(hip_config("lean"), cache_tokens=placed.cache_tokens)
     staged = hip_method_buffers(CFG, config, plan.group_size, 2, 262_144, [True] * plan.num_slices)
     assert placed.method_buffers == staged
+
+
+# What a 24 GiB Llama-3-8B server leaves a request over a store of its own (the H200 smoke of
+# 2026-12-05, bench/results/gpu_smoke_serve.json: 16.40 GB after HiP's 2.08 GB).
+SERVER_24GIB = 18_480_000_000
+
+
+def test_hip_requests_fit_a_24_gib_8b_server_whose_pool_keeps_every_page() -> None:
+    """Under 24 GiB the batch keeps an 8B model's whole pool (64 x 2,048 tokens), and the
+    offload reserve is short of HiP's decode memory at the preset's budgets: the smoke's
+    304-token HiP request failed with CapacityError. A short request's HiP memory is now bounded
+    by its tokens (`HipConfig.capacity`), so it fits the reserve alone; a 128K one, which fits
+    nowhere without pages, borrows the free pages the keep withheld, and only then."""
+    hip = parse_choice("hip,hip_preset=fast")
+    short = SimpleNamespace(prompt=[1] * 288, params=SamplingParams(max_tokens=16), method=hip)
+    engine = Engine(budget=SERVER_24GIB, offer=0, wider=661)
+    _, _, first = plan_store(engine, short)  # type: ignore[arg-type]
+    assert first is None and not engine.lent
+    long = SimpleNamespace(prompt=[1] * 131_072, params=SamplingParams(max_tokens=16), method=hip)
+    with pytest.raises(CapacityError):
+        plan_store(Engine(budget=SERVER_24GIB, offer=0), long)  # type: ignore[arg-type]
+    engine = Engine(budget=SERVER_24GIB, offer=0, wider=661)
+    _, _, first = plan_store(engine, long)  # type: ignore[arg-type]
+    assert first == 1 and 0 < engine.lent[0] <= 661

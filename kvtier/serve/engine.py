@@ -101,19 +101,20 @@ class ServeEngine(BatchEngine):
     def page_bytes(self) -> int:
         return self.store.bytes_per_page
 
-    def lendable_pages(self) -> int:
+    def lendable_pages(self, keep_batch: bool = True) -> int:
         """Pages a tiered run may borrow now: at most `tiered_share` of the pool for all runs
-        together, in one stretch of unreferenced ids, leaving the batch `max_num_seqs` x
-        `tiered_keep_tokens` tokens of pages and the running sequences the pages they need to
-        reach their full length."""
-        return min(self._lendable_in_all(), self.kv.pool.largest_run())
+        together, in one stretch of unreferenced ids, leaving the running sequences the pages
+        they need to reach their full length and, with `keep_batch`, the batch `max_num_seqs` x
+        `tiered_keep_tokens` tokens of pages (`plan_store` asks without it for a request that
+        fits nowhere else)."""
+        return min(self._lendable_in_all(keep_batch), self.kv.pool.largest_run())
 
-    def _lendable_in_all(self) -> int:
+    def _lendable_in_all(self, keep_batch: bool = True) -> int:
         """`lendable_pages` were the pool's unreferenced ids one stretch."""
         pool, cfg = self.kv.pool, self.config
         cap = int(cfg.tiered_share * pool.num_pages) - pool.num_lent
         p = cfg.page_size
-        keep = -(-cfg.max_num_seqs * cfg.tiered_keep_tokens // p)
+        keep = -(-cfg.max_num_seqs * cfg.tiered_keep_tokens // p) if keep_batch else 0
         headroom = sum(
             max(0, -(-(len(s.prompt) + s.params.max_tokens) // p) - len(s.block_table))
             for s in self.scheduler.running

@@ -95,8 +95,9 @@ class OffloadHost(Protocol):
 
     def offload_gpu_budget(self) -> int | None: ...
 
-    def lendable_pages(self) -> int:
-        """Pages a tiered run may borrow now (0: none)."""
+    def lendable_pages(self, keep_batch: bool = True) -> int:
+        """Pages a tiered run may borrow now (0: none); `keep_batch` False: without the pages
+        kept for the batch's future sequences (`ServeConfig.tiered_keep_tokens`)."""
         ...
 
     def lend(self, count: int) -> int | None:
@@ -145,7 +146,6 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     if lends:  # staging carved from lent pages stays put in decode: no bytes to plan on
         base = replace(base, staging_freed_in_decode=False)
     packing = packing_codec(method.codec()) is not None  # its resident slices stay packed
-    offer = engine.lendable_pages() if lends else 0
     page_bytes = engine.page_bytes
 
     budget = engine.offload_gpu_budget()  # None: unlimited (the CPU)
@@ -170,43 +170,62 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     # the chunk the reserve alone gives it, when the request fits the reserve alone at all;
     # lent pages may also be what makes it fit.
     room = None if budget is None else budget - weight_bytes(cfg, base.dtype_bytes) - GPU_RESERVE_BYTES
-    alone: Placement | None = None
-    try:
-        alone = planned(0, base.chunk_size)
-    except CapacityError:
-        if not offer:
-            raise
-    chunk = base.chunk_size if alone is None else alone.plan.chunk_size
-    placement, first, lent = alone, None, 0
-    extra, shrink, last = offer * page_bytes, 0, None
-    for _ in range(REPLANS if offer else 0):
+
+    def attempt(offer: int) -> tuple[Placement, int | None, int]:
+        """The placement over the reserve and up to `offer` lent pages, the first page and count
+        of the run it took (None, 0: none); CapacityError when it fits neither."""
+        alone: Placement | None = None
         try:
-            trial = planned(extra, chunk)
+            alone = planned(0, base.chunk_size)
         except CapacityError:
-            break
-        layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
-        buffers = region_buffers(layout, trial.plan, context, packing=packing) + list(trial.method_buffers)
-        used = fitting(buffers, offer * page_bytes)
-        over = 0 if room is None else estimate(trial) - used - room
-        if used and over <= 0:
-            lent = -(-used // page_bytes)
-            first = engine.lend(lent)
-            if first is not None:
-                placement = trial
-            break
-        # NOTE: plans are discrete: taking `over` off `extra` can leave the same plan (the planner
-        # had that much slack), and the same `over`, trial after trial. Then the step doubles.
-        same = (trial.plan, trial.reserve_bytes) == last
-        shrink = 2 * shrink if same else max(over, page_bytes)
-        extra -= shrink
-        last = (trial.plan, trial.reserve_bytes)
-        if extra <= 0:
-            break
-    if placement is None:
-        raise CapacityError(
-            f"a {context:,}-token request fits neither the GPU memory left for requests over "
-            "stores of their own (--offload-reserve) nor that and the pool pages it may borrow now"
-        )
+            if not offer:
+                raise
+        chunk = base.chunk_size if alone is None else alone.plan.chunk_size
+        placement, first, lent = alone, None, 0
+        extra, shrink, last = offer * page_bytes, 0, None
+        for _ in range(REPLANS if offer else 0):
+            try:
+                trial = planned(extra, chunk)
+            except CapacityError:
+                break
+            layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
+            buffers = region_buffers(layout, trial.plan, context, packing=packing)
+            buffers += list(trial.method_buffers)
+            used = fitting(buffers, offer * page_bytes)
+            over = 0 if room is None else estimate(trial) - used - room
+            if used and over <= 0:
+                lent = -(-used // page_bytes)
+                first = engine.lend(lent)
+                if first is not None:
+                    placement = trial
+                break
+            # NOTE: plans are discrete: taking `over` off `extra` can leave the same plan (the
+            # planner had that much slack), and the same `over`, trial after trial. Then the
+            # step doubles.
+            same = (trial.plan, trial.reserve_bytes) == last
+            shrink = 2 * shrink if same else max(over, page_bytes)
+            extra -= shrink
+            last = (trial.plan, trial.reserve_bytes)
+            if extra <= 0:
+                break
+        if placement is None:
+            raise CapacityError(
+                f"a {context:,}-token request fits neither the GPU memory left for requests over "
+                "stores of their own (--offload-reserve) nor that and the pool pages it may borrow now"
+            )
+        return placement, first, lent
+
+    # NOTE: first within what the batch keeps for its future sequences; a request that fits
+    # nowhere then (HiP's decode memory beside an 8B model's pool under 24 GiB, which keeps it
+    # all) may borrow the pages free now that the keep withheld, up to the share.
+    offer = engine.lendable_pages() if lends else 0
+    try:
+        placement, first, lent = attempt(offer)
+    except CapacityError:
+        wider = engine.lendable_pages(keep_batch=False) if lends else 0
+        if wider <= offer:
+            raise
+        placement, first, lent = attempt(wider)
 
     def make() -> tuple[TieredKVStore, str]:
         region = None if first is None else engine.store.page_run(first, lent)

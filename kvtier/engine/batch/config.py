@@ -79,7 +79,9 @@ class BatchConfig:
     tiered_share: float = 0.25
     # ... but only beyond what max_num_seqs sequences of this many tokens would hold: the batch
     # keeps that much of the pool (at 24 GiB, Llama-3-8B's 42K-token pool is all kept, so a
-    # tiered run there borrows nothing; on a whole H200 it may borrow up to the share).
+    # tiered run there borrows nothing; on a whole H200 it may borrow up to the share). A
+    # request that fits neither the offload reserve nor that (HiP's decode memory at 24 GiB)
+    # may borrow the free pages the keep withheld, up to the share (`plan_store`).
     tiered_keep_tokens: int = 2048
     # Free the allocator's unused cached blocks once a tiered run's prefill ends (on CUDA), so
     # the batch's next allocations do not run into the budget's cap (a retry: a device-wide sync
