@@ -219,6 +219,45 @@ def test_lending_leaves_the_batch_its_share_and_what_a_full_batch_keeps(llm: LLM
     assert small.lendable_pages() == 0 and small.lendable_pages(keep_batch=False) == 25
 
 
+def test_a_request_that_fits_nowhere_else_borrows_what_the_batchs_keep_withheld(llm: LLM) -> None:
+    """A server whose batch keeps every page (a pool smaller than max_num_seqs x
+    tiered_keep_tokens, as an 8B model's under 24 GiB) and whose reserve is short of a
+    request's staging buffers: the request borrows the free pages the keep withheld (up to the
+    share), equals `LLM.generate` and gives them back; with no share to borrow it fails with
+    CapacityError in its own words."""
+    from kvtier.planner.memory import GPU_RESERVE_BYTES, weight_bytes
+
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6)
+    expected = llm.generate(ids, params, method="head")[0].token_ids
+    # weights, the CUDA reserve and activations fit; the two staging buffers do not
+    budget = weight_bytes(llm.model_config, 4) + GPU_RESERVE_BYTES + 128_000
+    outcomes = {}
+    for share in (0.5, 0.0):
+        cfg = ServeConfig(page_size=4, num_pages=100, tiered_share=share, tiered_keep_tokens=10**6)
+        engine = ServeEngine(llm, cfg)
+        engine.offload_gpu_budget = lambda: budget  # type: ignore[method-assign]
+        assert engine.lendable_pages() == 0
+        lent: list[int] = []
+        q: Queue[Delta] = Queue()
+
+        def sink(d: Delta, engine: ServeEngine = engine, lent: list[int] = lent, q: Queue[Delta] = q) -> None:
+            lent.append(engine.kv.pool.num_lent)
+            q.put(d)
+
+        engine.submit(ids, params, sink, method=parse_choice("head"))
+        engine.run_until_idle()
+        outcomes[share] = q
+        assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 100
+        if share:
+            assert tokens(q) == list(expected)
+            assert 0 < max(lent) <= 50
+    errors = [d.error for d in list(outcomes[0.0].queue) if d.error]
+    assert errors and errors[0].startswith("CapacityError: a 46-token request does not fit")
+    assert "--offload-reserve" in errors[0] and "no pages to lend" in errors[0]
+
+
 def test_buffers_past_the_lendable_pages_spill_to_the_reserve_and_tokens_stay_equal(llm: LLM) -> None:
     """Only one of the run's two staging buffers fits the pages it may borrow: that one lives
     in the lent run, the other in the caching allocator, and the tokens still equal generate."""

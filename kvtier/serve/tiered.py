@@ -177,9 +177,13 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         alone: Placement | None = None
         try:
             alone = planned(0, base.chunk_size)
-        except CapacityError:
+        except CapacityError as e:
             if not offer:
-                raise
+                raise CapacityError(
+                    f"a {context:,}-token request does not fit the GPU memory left for requests over "
+                    "stores of their own (raise --offload-reserve or --gpu-memory) and the pool has no "
+                    f"pages to lend it now: {e}"
+                ) from None
         chunk = base.chunk_size if alone is None else alone.plan.chunk_size
         placement, first, lent = alone, None, 0
         extra, shrink, last = offer * page_bytes, 0, None
