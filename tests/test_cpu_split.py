@@ -147,8 +147,8 @@ def test_the_simulation_matches_the_h200_cpu_slice_sweeps() -> None:
 def test_a_third_staging_buffer_is_bought_with_a_resident_slice_where_it_pays() -> None:
     budget = 24 * 2**30
     for ctx in (131072, 524288):
-        off = plan_kv(LLAMA3, ctx, gpu_budget=budget, hardware=H200)
-        split = plan_kv(LLAMA3, ctx, gpu_budget=budget, hardware=H200, cpu_attention="auto")
+        off = plan_kv(LLAMA3, ctx, gpu_budget=budget, hardware=H200, group_size=4)
+        split = plan_kv(LLAMA3, ctx, gpu_budget=budget, hardware=H200, cpu_attention="auto", group_size=4)
         assert (off.staging_buffers, off.cpu_slices) == (2, 0)
         assert split.staging_buffers == 3 and split.resident_slices == off.resident_slices - 1
         assert split.gpu_kv_bytes <= off.gpu_kv_bytes
@@ -158,6 +158,25 @@ def test_a_third_staging_buffer_is_bought_with_a_resident_slice_where_it_pays() 
     # nothing resident to give: two buffers stay
     layer = plan_kv(LLAMA3, 524288, policy="layer", gpu_budget=budget, hardware=H200, cpu_attention="auto")
     assert layer.resident_slices == 0 and layer.staging_buffers == 2 and layer.cpu_slices > 0
+
+
+def test_auto_takes_finer_slices_where_their_cpu_split_decodes_faster() -> None:
+    """With CPU attention, `auto` compares slicings by their split's simulated decode step, not
+    by streamed bytes alone: at 512K under 24 GiB one KV head a slice (0.634 s simulated) over
+    four (0.671). On the H200, one machine start, they decoded at 0.671 and 0.709 s/token
+    (bench/results/cpu_attention_512k_g1_merged.json, cpu_attention_decode_wide.json). Without
+    CPU attention, or with a group given, the slicing is the least-streaming one as before."""
+    budget = 24 * 2**30
+    off = plan_kv(LLAMA3, 524288, gpu_budget=budget, hardware=H200)
+    split = plan_kv(LLAMA3, 524288, gpu_budget=budget, hardware=H200, cpu_attention="auto")
+    four = plan_kv(LLAMA3, 524288, gpu_budget=budget, hardware=H200, cpu_attention="auto", group_size=4)
+    assert off.group_size == 4 and four.group_size == 4 and split.group_size == 1
+    t1, t4 = (decode_step_s(LLAMA3, p.slice_shape(LLAMA3), H200, 2, p.cpu_slices) for p in (split, four))
+    assert t1 < t4 * 0.98 and abs(t1 - 0.634) < 0.01 and abs(t4 - 0.671) < 0.01
+    assert split.gpu_kv_bytes <= budget  # the finer plan is one the budget holds
+    # where no slicing splits better by the margin, the least-streaming one stays
+    short = plan_kv(LLAMA3, 32768, gpu_budget=budget, hardware=H200, cpu_attention="auto")
+    assert short.streamed_slices == 0
 
 
 def test_kvplan_checks_its_cpu_slices() -> None:
