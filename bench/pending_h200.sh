@@ -151,6 +151,13 @@
 #   engine's mixed steps, paged decode tables, prefix-cache pages, packed run reads, the eager
 #   forward's last-token index) are copied non-blocking instead of waiting for the stream. NEXT: as the twenty-eighth's (71 with the GGUF's first half,
 #   1, 64, 70, 69, 72, 73), with 74 after 71 and 75 (Quest at 512K over structured KV).
+# The thirtieth ran 71 (with the GGUF's first half), 1, 64 + 74, 75 + 70 at 182bb02: the smoke's
+#   serve part failed one check (a 304-token HiP request on the 8B model under 24 GiB: HiP's
+#   preset-sized decode memory over the offload reserve; fixed: HiP's caches are bounded by the
+#   request, and a request that fits nowhere else borrows what the batch's keep withheld).
+#   GPU-facing since: HipConfig.capacity (the kernel's caches and decode rows), the serve
+#   fallback, auto's slicing by the CPU split. NEXT: the GGUF's two-call setup, then the smoke
+#   (group 1, then 64), 72 (the mixed case with HiP: now it can borrow), 76, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -272,6 +279,16 @@ case "$group" in
   # 72 with Quest (its page bounds in lent pages since 5860240): a 2K budget over 16-token pages.
   run 330 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --long-method "quest,kv_budget=2k" \
     --mixed-timeout 300 --name serve_gpu_24gib_mixed_quest
+  ;;
+76)
+  # issue 23: `--cpu-attention auto` now picks the slicing by its split's simulation (the thirtieth
+  # session): one KV head a slice at 512K (0.671 s/token measured with --head-group 1 against
+  # 0.709 for four, one start), two at 128K (0.116 simulated against 0.124; four measured 0.121
+  # at 8da3735). No GGUF.
+  run 250 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_auto_split
+  run 150 $py bench/tiered_store.py --contexts 128K --policies auto --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_128k_auto_split
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
