@@ -175,9 +175,11 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         """The placement over the reserve and up to `offer` lent pages, the first page and count
         of the run it took (None, 0: none); CapacityError when it fits neither."""
         alone: Placement | None = None
+        short: CapacityError | None = None  # what the planner said of the reserve alone
         try:
             alone = planned(0, base.chunk_size)
         except CapacityError as e:
+            short = e
             if not offer:
                 raise CapacityError(
                     f"a {context:,}-token request does not fit the GPU memory left for requests over "
@@ -213,9 +215,13 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             if extra <= 0:
                 break
         if placement is None:
+            said = "" if short is None else f" (the reserve alone: {short})"
             raise CapacityError(
                 f"a {context:,}-token request fits neither the GPU memory left for requests over "
-                "stores of their own (--offload-reserve) nor that and the pool pages it may borrow now"
+                f"stores of their own nor that and the {offer:,} pool pages it may borrow now "
+                f"({offer * page_bytes / 1e9:.2f} GB){said}; raise --offload-reserve (by default a "
+                "quarter of the pool's room, at most 4 GiB) or --tiered-share, or run it alone with "
+                "`kvtier generate`"
             )
         return placement, first, lent
 
