@@ -416,9 +416,9 @@ def test_a_short_requests_decode_memory_is_bounded_by_its_tokens_and_stays_bitwi
     gqa: tuple[CausalLM, ModelConfig],
 ) -> None:
     """HiP's block caches and decode rows hold at most the request's tokens (`HipConfig.capacity`):
-    an 18-token request (12 prompt, 6 decoded) over streamed slices takes 24-token caches and
-    19-row buffers where the preset's are 72 and 23; a region sized by `hip_method_buffers` for
-    that length holds them exactly; tokens and logits equal resident KV's and an unbounded
+    an 18-token request (12 prompt, 6 decoded) over streamed slices takes 60-token caches (3
+    stage-0 chunks, not 4) and 19-row buffers where the preset's are 72 and 23; a region sized
+    by `hip_method_buffers` for that length holds them exactly; tokens and logits equal resident KV's and an unbounded
     kernel's. (A 304-token HiP request on an 8B model under 24 GiB could not be served: the
     preset-sized caches took 2.08 GB of a 1.88 GB offload reserve.)"""
     model, cfg = gqa
@@ -432,7 +432,7 @@ def test_a_short_requests_decode_memory_is_bounded_by_its_tokens_and_stays_bitwi
         kernel = kernel_for(cfg, capacity=capacity)
         memory = None
         if capacity is not None:
-            assert kernel.cfg.offload_cache_tokens() == 24 and kernel.cfg.decode_buffer_tokens() == cap + 1
+            assert kernel.cfg.offload_cache_tokens() == 60 and kernel.cfg.decode_buffer_tokens() == cap + 1
             method = hip_method_buffers(cfg, kernel.cfg, 1, 4, cap, [True] * SLICES)
             assert method == hip_method_buffers(cfg, HipConfig(**TINY), 1, 4, cap, [True] * SLICES)  # type: ignore[arg-type]
             sizes = region_buffers(lay, plan(policy), cap) + list(method)
@@ -445,7 +445,7 @@ def test_a_short_requests_decode_memory_is_bounded_by_its_tokens_and_stays_bitwi
         runs[name] = drive(model, store, ids, CHUNK, new)
         if memory is not None:
             banks = list(kernel._gpu.values())
-            assert len(banks) == SLICES and all(c.slots == 6 for c in banks)
+            assert len(banks) == SLICES and all(c.slots == 15 for c in banks)
             assert all(k.shape[0] == cap + 1 for pair in kernel._rows.values() for k in pair)
             assert memory.spilled == 0 and memory.region.numel() - memory.used < 512
         store.close()
@@ -623,6 +623,29 @@ def test_refresh_fill_of_a_covering_cache_makes_no_host_sync(
     _, _, _, h2d = run(model, cfg, "head", kernel)
     assert h2d == REFRESH_BYTES and kernel.stats.cache.refresh_inserted > 0
     assert calls == []
+
+
+def test_a_cache_bounded_by_a_short_request_still_covers_and_refills_without_syncs(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 20-token request's default cache is cut to the stage-0 chunks it can hold (3 of 4) and
+    the blocks it fills, yet still covers a refresh interval: refills take static shapes (no
+    host sync), as the preset-sized cache's do."""
+    model, cfg = gqa
+    cap = 20
+    kernel = kernel_for(cfg, capacity=cap)
+    assert kernel.cfg.offload_cache_tokens() < HipConfig(**TINY).offload_cache_tokens()  # type: ignore[arg-type]
+    calls: list[str] = []
+    monkeypatch.setattr(kernel, "_fill", recording_syncs(kernel._fill, calls))
+    ids = torch.randint(0, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(2))
+    store = TieredKVStore(
+        cfg, plan("head"), device=CPU, dtype=torch.float32, capacity=cap,
+        options=StoreOptions(block_size=5, extent_blocks=4), kernel=kernel,
+        rotate_keys=not kernel.needs_unrotated_keys,
+    )  # fmt: skip
+    drive(model, store, ids, CHUNK, cap - 14)
+    store.close()
+    assert kernel.stats.cache.refresh_inserted > 0 and calls == []
 
 
 @pytest.mark.parametrize("sink,window", [(256, 6), (2, 3), (1, 2)])

@@ -180,20 +180,24 @@ class HipConfig:
         The default holds everything the decode steps of one stage-0 refresh interval read, with
         `heads` independent selections (KV heads of the slice when `per_head`): the sink blocks,
         the stage-0 chunks (each may straddle one more block than it covers), the window grown by
-        refresh[0] tokens (new tokens included). Proportional to budgets, not context, but
-        never more than every block of `capacity` tokens and a spare one.
+        refresh[0] tokens (new tokens included). Proportional to budgets, not context; with a
+        `capacity`, no more stage-0 chunks than it holds and no more sink or window blocks than
+        it fills, so the default still covers a refresh interval (`refresh_blocks` fits it).
+        `cache_tokens` above that default is cut to it.
         """
-        b = self.cache_block
-        if self.cache_tokens is not None:
-            tokens = self.cache_tokens
-        else:
-            chunks = self.budgets[0] // self.chunk_sizes[0]
-            selected = heads * chunks * (-(-self.chunk_sizes[0] // b) + 1)
-            window = -(-(self.window + self.refresh[0]) // b) + 1
-            tokens = b * (-(-self.sink // b) + selected + window + 1)
+        b, c0 = self.cache_block, self.chunk_sizes[0]
+        chunks = self.budgets[0] // c0
+        sinks = -(-self.sink // b)
+        window = -(-(self.window + self.refresh[0]) // b) + 1
         if self.capacity is not None:
-            tokens = min(tokens, b * (-(-self.capacity // b) + 1))
-        return tokens
+            filled = -(-self.capacity // b)
+            chunks, sinks, window = (
+                min(chunks, -(-self.capacity // c0)),
+                min(sinks, filled),
+                min(window, filled + 1),
+            )
+        cover = b * (sinks + heads * chunks * (-(-c0 // b) + 1) + window + 1)
+        return cover if self.cache_tokens is None else min(self.cache_tokens, cover)
 
     def offload_cache_slots(self, heads: int = 1) -> int:
         """Blocks of `cache_block` tokens in one streamed slice's GPU block cache: its
