@@ -418,9 +418,10 @@ def test_a_short_requests_decode_memory_is_bounded_by_its_tokens_and_stays_bitwi
     """HiP's block caches and decode rows hold at most the request's tokens (`HipConfig.capacity`):
     an 18-token request (12 prompt, 6 decoded) over streamed slices takes 60-token caches (3
     stage-0 chunks, not 4) and 19-row buffers where the preset's are 72 and 23; a region sized
-    by `hip_method_buffers` for that length holds them exactly; tokens and logits equal resident KV's and an unbounded
-    kernel's. (A 304-token HiP request on an 8B model under 24 GiB could not be served: the
-    preset-sized caches took 2.08 GB of a 1.88 GB offload reserve.)"""
+    by `hip_method_buffers` for that length holds them exactly; tokens and logits equal
+    resident KV's and an unbounded kernel's. (A 304-token HiP request on an 8B model under 24
+    GiB could not be served: the preset-sized caches took 2.08 GB of a 1.88 GB offload
+    reserve.)"""
     model, cfg = gqa
     prompt, new = 12, 6
     cap = prompt + new
