@@ -123,29 +123,38 @@ def _short(r: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", default="256K", help="prompt tokens (16 more are generated)")
+    ap.add_argument("--context", default="256K", help="prompt tokens, comma list (16 more are generated)")
     ap.add_argument("--budgets", default="17,17.5,19,21", help="server GPU budgets in GB (1e9), comma list")
     ap.add_argument("--offer", type=int, default=661, help="pool pages a run may borrow (661: 1.39 GB)")
     ap.add_argument("--methods", default=METHODS, help="';'-separated method specs")
+    ap.add_argument(
+        "--kept",
+        action="store_true",
+        help="the batch's keep holds the whole pool (an 8B model's under 24 GiB): the offer is "
+        "only lent to a request that fits nowhere else",
+    )
     ap.add_argument("--name", default="serve_lend_plans")
     args = ap.parse_args()
-    prompt = parse_count(args.context, "--context")
+    prompts = [parse_count(c, "--context") for c in args.context.split(",")]
     rows = []
-    for spec in args.methods.split(";"):
-        for gb in (float(x) for x in args.budgets.split(",")):
-            seq = SimpleNamespace(
-                prompt=[1] * prompt, params=SamplingParams(max_tokens=16), method=parse_choice(spec)
-            )
-            budget = int(gb * 1e9)
-            row = {
-                "method": spec,
-                "budget_gb": gb,
-                "with_pages": planned(Server(budget, args.offer), seq),
-                "reserve_alone": planned(Server(budget, 0), seq),
-            }
-            rows.append(row)
-            w, a = _short(row["with_pages"]), _short(row["reserve_alone"])
-            print(f"{spec:<26} {gb:5.1f} GB  pages: {w:<31}  alone: {a}", flush=True)
+    for prompt in prompts:
+        for spec in args.methods.split(";"):
+            for gb in (float(x) for x in args.budgets.split(",")):
+                seq = SimpleNamespace(
+                    prompt=[1] * prompt, params=SamplingParams(max_tokens=16), method=parse_choice(spec)
+                )
+                budget = int(gb * 1e9)
+                offered = Server(budget, 0, wider=args.offer) if args.kept else Server(budget, args.offer)
+                row = {
+                    "context": prompt,
+                    "method": spec,
+                    "budget_gb": gb,
+                    "with_pages": planned(offered, seq),
+                    "reserve_alone": planned(Server(budget, 0), seq),
+                }
+                rows.append(row)
+                w, a = _short(row["with_pages"]), _short(row["reserve_alone"])
+                print(f"{prompt:>8} {spec:<26} {gb:5.2f} GB  pages: {w:<31}  alone: {a}", flush=True)
     path = write_results(
         args.name,
         {
@@ -154,8 +163,10 @@ def main() -> None:
             "code": subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
             ).stdout.strip(),
-            "context": prompt,
+            "command": "bench/serve_lend_plans.py " + " ".join(sys.argv[1:]),
+            "contexts": prompts,
             "offer_pages": args.offer,
+            "offer_only_past_the_keep": args.kept,
             "page_bytes": PAGE_BYTES,
             "rows": rows,
         },
