@@ -156,8 +156,9 @@
 #   preset-sized decode memory over the offload reserve; fixed: HiP's caches are bounded by the
 #   request, and a request that fits nowhere else borrows what the batch's keep withheld).
 #   GPU-facing since: HipConfig.capacity (the kernel's caches and decode rows), the serve
-#   fallback, auto's slicing by the CPU split. NEXT: the GGUF's two-call setup, then the smoke
-#   (group 1, then 64), 72 (the mixed case with HiP: now it can borrow), 76, 73, 69.
+#   fallback, auto's slicing by the CPU split. NEXT: 77 (no GGUF) in call A with the GGUF's
+#   first half, the smoke (group 1, then 64), 72 (the mixed case with HiP at 256K: by the
+#   planner it fits only with --offload-reserve 4GiB), 76, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -294,6 +295,13 @@ case "$group" in
   # unpacking is not modelled); four with CPU slices measured 0.315 (issue 23 asks 0.25).
   run 200 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_g1
+  ;;
+77)
+  # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
+  # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request
+  # and a request that fits nowhere else borrows the pages the batch's keep withheld (HiP 16K and
+  # 128K should borrow ~635-659 pages: serve_lend_plans_24gib_kept.json). No GGUF.
+  run 200 $py bench/serve_methods_fit.py --gpu-memory 24GiB --name serve_methods_fit_24gib
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
