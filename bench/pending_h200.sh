@@ -295,6 +295,10 @@ case "$group" in
   # unpacking is not modelled); four with CPU slices measured 0.315 (issue 23 asks 0.25).
   run 200 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_g1
+  # lossless 512K, one head a slice: more CPU slices than the split's 104 (the link carried
+  # 33.8 GB a token, 0.61 s, at 0.671 s/token; 0.65 asked)
+  run 280 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 104,120,136 --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1_sweep
   ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
