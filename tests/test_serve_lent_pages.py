@@ -258,6 +258,43 @@ def test_a_request_that_fits_nowhere_else_borrows_what_the_batchs_keep_withheld(
     assert "--offload-reserve" in errors[0] and "no pages to lend" in errors[0]
 
 
+def test_a_sliding_window_models_request_borrows_pages_for_its_full_layers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A model with sliding-window layers (Qwen2's: layer 0 full, layers 1 and 2 a 6-token
+    window): a request past the window streams its full layer's slices through staging buffers
+    carved from lent pages, its windowed layers' slices stay with the caching allocator
+    (`region_buffers(..., windowed)`), and its tokens equal `LLM.generate`. (Windowed models
+    borrowed nothing before.)"""
+    folder: Path = tmp_path_factory.mktemp("qwen2-window")
+    make_hf_model("qwen2-window", folder)
+    windowed = LLM(str(folder), device="cpu", dtype="fp32", kv="gpu")
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 211, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6)
+    expected = windowed.generate(ids, params, method="head")[0].token_ids
+    cfg = ServeConfig(page_size=4, num_pages=200, tiered_share=0.5, tiered_keep_tokens=0)
+    engine = ServeEngine(windowed, cfg)
+    seen: dict[str, object] = {}
+
+    def sink(d: Delta) -> None:
+        (run,) = engine._tiered.values()
+        assert run.store is not None
+        seen["lent"] = engine.kv.pool.num_lent
+        seen["region"] = isinstance(run.store.memory, RegionMemory)
+        seen["windows"] = len(run.store._windowed)
+        seen["staged"] = run.store.ring is not None
+        q.put(d)
+
+    q: Queue[Delta] = Queue()
+    engine.submit(ids, params, sink, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert tokens(q) == list(expected)
+    assert seen["region"] is True and isinstance(seen["lent"], int) and seen["lent"] > 0
+    assert seen["windows"] == 4 and seen["staged"] is True  # 2 windowed layers x 2 KV heads
+    assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 200
+
+
 def test_buffers_past_the_lendable_pages_spill_to_the_reserve_and_tokens_stay_equal(llm: LLM) -> None:
     """Only one of the run's two staging buffers fits the pages it may borrow: that one lives
     in the lent run, the other in the caching allocator, and the tokens still equal generate."""

@@ -142,7 +142,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     base = llm.plan_inputs(context, method, seq.params.max_tokens)
     cfg = llm.model_config
     borrows = all(e.borrows_pages for e in method.selected())  # lossless: none selected
-    lends = engine.paged and borrows and not cfg.windowed_layers(context)
+    lends = engine.paged and borrows  # NOTE: a windowed layer's slices stay with the allocator
     if lends:  # staging carved from lent pages stays put in decode: no bytes to plan on
         base = replace(base, staging_freed_in_decode=False)
     packing = packing_codec(method.codec()) is not None  # its resident slices stay packed
@@ -195,7 +195,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             except CapacityError:
                 break
             layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
-            buffers = region_buffers(layout, trial.plan, context, packing=packing)
+            buffers = region_buffers(layout, trial.plan, context, trial.plan.window_slices, packing=packing)
             buffers += list(trial.method_buffers)
             used = fitting(buffers, offer * page_bytes)
             over = 0 if room is None else estimate(trial) - used - room
