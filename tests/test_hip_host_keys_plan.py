@@ -64,3 +64,15 @@ def test_auto_plans_host_keys_from_256k_without_a_quantized_tier() -> None:
     assert not host_keys(parse_choice("hip").options(), 131_136)
     assert not host_keys(parse_choice("hip").options(), None)  # context not known
     assert not host_keys(int4.options(), CONTEXT)
+
+
+def test_caches_below_the_steps_are_tried_only_where_nothing_else_fits() -> None:
+    """`SMALL_CACHE_TOKEN_STEPS`: at 512K under 18 GiB no slicing holds whole slices beside an
+    8K-token block cache; a 4K one (a step then fetches what its final selection misses) fits.
+    At 24 GiB, where the steps fit, the plan keeps its 8K-or-larger cache."""
+    from kvtier.sparse import CACHE_TOKEN_STEPS, SMALL_CACHE_TOKEN_STEPS
+
+    tight = plan_for(replace(inputs(), gpu_budget=parse_size("18GiB")), parse_choice("hip"))
+    assert tight.cache_tokens in SMALL_CACHE_TOKEN_STEPS and tight.plan.streamed_slices
+    roomy = plan_for(inputs(), parse_choice("hip"))
+    assert roomy.cache_tokens is None or roomy.cache_tokens >= CACHE_TOKEN_STEPS[-1]

@@ -73,6 +73,7 @@ from kvtier.methods.registry import Placement
 from kvtier.model.llama import CausalLM
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
 from kvtier.planner.placement import KVPlan
+from kvtier.sparse import SMALL_CACHE_TOKEN_STEPS
 
 
 class OffloadHost(Protocol):
@@ -171,40 +172,30 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     # lent pages may also be what makes it fit.
     room = None if budget is None else budget - weight_bytes(cfg, base.dtype_bytes) - GPU_RESERVE_BYTES
 
-    def attempt(offer: int) -> tuple[Placement, int | None, int]:
-        """The placement over the reserve and up to `offer` lent pages, the first page and count
-        of the run it took (None, 0: none); CapacityError when it fits neither."""
-        alone: Placement | None = None
-        short: CapacityError | None = None  # what the planner said of the reserve alone
-        try:
-            alone = planned(0, base.chunk_size)
-        except CapacityError as e:
-            short = e
-            if not offer:
-                raise CapacityError(
-                    f"a {context:,}-token request does not fit the GPU memory left for requests over "
-                    "stores of their own (raise --offload-reserve or --gpu-memory) and the pool has no "
-                    f"pages to lend it now: {e}"
-                ) from None
-        chunk = base.chunk_size if alone is None else alone.plan.chunk_size
-        placement, first, lent = alone, None, 0
+    alone: Placement | None = None  # over the reserve alone
+    short: CapacityError | None = None  # what the planner said of the reserve alone
+    try:
+        alone = planned(0, base.chunk_size)
+    except CapacityError as e:
+        short = e
+    chunk = base.chunk_size if alone is None else alone.plan.chunk_size
+
+    def over_pages(offer: int) -> tuple[Placement, int] | None:
+        """The placement over the reserve and up to `offer` lent pages, with the pages its
+        buffers take (None: no such plan keeps the rest within the reserve). Lends nothing."""
         extra, shrink, last = offer * page_bytes, 0, None
         for _ in range(REPLANS if offer else 0):
             try:
                 trial = planned(extra, chunk)
             except CapacityError:
-                break
+                return None
             layout = KVLayout.of(cfg, trial.plan.group_size, llm.config.block_size, llm.dtype)
             buffers = region_buffers(layout, trial.plan, context, trial.plan.window_slices, packing=packing)
             buffers += list(trial.method_buffers)
             used = fitting(buffers, offer * page_bytes)
             over = 0 if room is None else estimate(trial) - used - room
             if used and over <= 0:
-                lent = -(-used // page_bytes)
-                first = engine.lend(lent)
-                if first is not None:
-                    placement = trial
-                break
+                return trial, -(-used // page_bytes)
             # NOTE: plans are discrete: taking `over` off `extra` can leave the same plan (the
             # planner had that much slack), and the same `over`, trial after trial. Then the
             # step doubles.
@@ -213,29 +204,45 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             extra -= shrink
             last = (trial.plan, trial.reserve_bytes)
             if extra <= 0:
-                break
-        if placement is None:
-            said = "" if short is None else f" (the reserve alone: {short})"
-            raise CapacityError(
-                f"a {context:,}-token request fits neither the GPU memory left for requests over "
-                f"stores of their own nor that and the {offer:,} pool pages it may borrow now "
-                f"({offer * page_bytes / 1e9:.2f} GB){said}; raise --offload-reserve (by default a "
-                "quarter of the pool's room, at most 4 GiB) or --tiered-share, or run it alone with "
-                "`kvtier generate`"
-            )
-        return placement, first, lent
+                return None
+        return None
 
-    # NOTE: first within what the batch keeps for its future sequences; a request that fits
-    # nowhere then (HiP's decode memory beside an 8B model's pool under 24 GiB, which keeps it
-    # all) may borrow the pages free now that the keep withheld, up to the share.
+    def stopgap(p: Placement | None) -> bool:  # a block cache below the steps: misses each step
+        return p is not None and p.cache_tokens in SMALL_CACHE_TOKEN_STEPS
+
+    # NOTE: first within what the batch keeps for its future sequences. A request that fits
+    # nowhere then, or only with a stopgap (HiP's decode memory beside an 8B model's pool under
+    # 24 GiB, which keeps it all), may borrow the pages free now that the keep withheld, up to
+    # the share.
     offer = engine.lendable_pages() if lends else 0
-    try:
-        placement, first, lent = attempt(offer)
-    except CapacityError:
-        wider = engine.lendable_pages(keep_batch=False) if lends else 0
-        if wider <= offer:
-            raise
-        placement, first, lent = attempt(wider)
+    paged = over_pages(offer)
+    if (paged is None or stopgap(paged[0])) and (alone is None or stopgap(alone)) and lends:
+        wider = engine.lendable_pages(keep_batch=False)
+        if wider > offer:
+            offer, more = wider, over_pages(wider)
+            if more is not None and (paged is None or not stopgap(more[0])):
+                paged = more
+    placement, first, lent = alone, None, 0
+    # pages when they fit, unless they only give a stopgap where the reserve alone does not
+    if paged is not None and (alone is None or stopgap(paged[0]) <= stopgap(alone)):
+        first = engine.lend(paged[1])
+        if first is not None:
+            placement, lent = paged
+    if placement is None:
+        if not offer:
+            raise CapacityError(
+                f"a {context:,}-token request does not fit the GPU memory left for requests over "
+                "stores of their own (raise --offload-reserve or --gpu-memory) and the pool has no "
+                f"pages to lend it now: {short}"
+            )
+        said = "" if short is None else f" (the reserve alone: {short})"
+        raise CapacityError(
+            f"a {context:,}-token request fits neither the GPU memory left for requests over "
+            f"stores of their own nor that and the {offer:,} pool pages it may borrow now "
+            f"({offer * page_bytes / 1e9:.2f} GB){said}; raise --offload-reserve (by default a "
+            "quarter of the pool's room, at most 4 GiB) or --tiered-share, or run it alone with "
+            "`kvtier generate`"
+        )
 
     def make() -> tuple[TieredKVStore, str]:
         region = None if first is None else engine.store.page_run(first, lent)

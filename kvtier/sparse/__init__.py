@@ -125,6 +125,10 @@ def make_hip_kernel(
 # refresh interval's cache leaves no room for a layer's staging buffers. 8K still holds the
 # published budgets' final selection (2K in 8-token chunks), sinks and window.
 CACHE_TOKEN_STEPS = (16384, 12288, 10240, 8192)
+# Smaller ones, tried only when no slicing fits with those: a step then fetches from the host
+# the part of its final selection the cache misses, rather than the request failing (a 256K
+# HiP request beside an 8B model's pool under 24 GiB fits with 4K).
+SMALL_CACHE_TOKEN_STEPS = (6144, 4096)
 
 
 def hip_gpu_bytes(
@@ -193,6 +197,7 @@ __all__ = [
     "CACHE_TOKEN_STEPS",
     "HIP_PRESETS",
     "PRESET_NAMES",
+    "SMALL_CACHE_TOKEN_STEPS",
     "CacheStats",
     "HipConfig",
     "HipKernel",

@@ -35,7 +35,13 @@ from kvtier.planner.roofline import (
     linear_flops_per_token,
     min_host_hidden_chunk,
 )
-from kvtier.sparse import CACHE_TOKEN_STEPS, hip_config, hip_gpu_bytes, hip_phase_bytes
+from kvtier.sparse import (
+    CACHE_TOKEN_STEPS,
+    SMALL_CACHE_TOKEN_STEPS,
+    hip_config,
+    hip_gpu_bytes,
+    hip_phase_bytes,
+)
 from kvtier.sparse.config import HipConfig
 
 # (group_size, gpu_budget, chunk_size) -> the store plan; None = the store planner's own choice.
@@ -162,22 +168,26 @@ def plan_hip(
         chunks = [hip_chunk_size(cfg, context, hw, hip_config(preset), dtype_bytes), None]
     error: CapacityError | None = None
     planned = False  # some plan fitted, only not with whole slices
-    for chunk in chunks:
-        for group in groups:
-            for cache_tokens in (None, *CACHE_TOKEN_STEPS):
-                try:
-                    plan = plan_of(group, cache_tokens, chunk)
-                except CapacityError as e:
-                    error = e  # the last: the largest budget tried
-                    continue
-                planned = True
-                if plan.streamed_slices == 0:
-                    return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
-                if plan.staging_tokens >= plan.capacity_tokens:
-                    return HipPlacement(plan, cache_tokens, reserve(cache_tokens))
+    # NOTE: caches below the steps miss part of each step's final selection (fetched from the
+    # host); they are tried only once no slicing fits with the steps, so no plan that fitted
+    # before changes.
+    for caches in ((None, *CACHE_TOKEN_STEPS), SMALL_CACHE_TOKEN_STEPS):
+        for chunk in chunks:
+            for group in groups:
+                for cache_tokens in caches:
+                    try:
+                        plan = plan_of(group, cache_tokens, chunk)
+                    except CapacityError as e:
+                        error = e  # the last: the largest budget tried
+                        continue
+                    planned = True
+                    if plan.streamed_slices == 0:
+                        return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
+                    if plan.staging_tokens >= plan.capacity_tokens:
+                        return HipPlacement(plan, cache_tokens, reserve(cache_tokens))
     if isinstance(error, HostCapacityError):
         raise error  # HiP's GPU bytes are not what is short
-    least = reserve(CACHE_TOKEN_STEPS[-1]) / 1e9
+    least = reserve(SMALL_CACHE_TOKEN_STEPS[-1]) / 1e9
     if error is not None and (not layers_first or not planned):
         raise CapacityError(
             f"{error}; --attention hip first takes {least:.2f} GB or more of --gpu-memory for its "
