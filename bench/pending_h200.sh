@@ -303,9 +303,10 @@ case "$group" in
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
   # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request
-  # and a request that fits nowhere else borrows the pages the batch's keep withheld (HiP 16K and
-  # 128K should borrow ~635-659 pages: serve_lend_plans_24gib_kept.json). No GGUF.
-  run 200 $py bench/serve_methods_fit.py --gpu-memory 24GiB --name serve_methods_fit_24gib
+  # and a request that fits nowhere else borrows the pages the batch's keep withheld (HiP 16K,
+  # 128K and 256K should borrow ~635-659 pages, 256K with a 4K-token stopgap cache:
+  # serve_lend_plans_24gib_kept.json). No GGUF.
+  run 260 $py bench/serve_methods_fit.py --gpu-memory 24GiB --name serve_methods_fit_24gib
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now

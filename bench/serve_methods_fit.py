@@ -36,7 +36,7 @@ from kvtier.methods import parse_choice
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.units import parse_count
 
-CASES = "hip,hip_preset=fast@304;hip@4400;hip@16K;hip@128K;quest,kv_budget=2048@128K;int4@128K"
+CASES = "hip,hip_preset=fast@304;hip@4400;hip@16K;hip@128K;quest,kv_budget=2048@128K;int4@128K;hip@256K"
 
 
 def serve_one(engine: ServeEngine, spec: str, tokens: int, new: int, seed: int) -> dict[str, Any]:
