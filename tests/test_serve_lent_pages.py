@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from queue import Queue
+from typing import Any
 
 import pytest
 import torch
@@ -95,6 +96,28 @@ def tokens(q: Queue[Delta]) -> list[int]:
     while not q.empty():
         out += q.get().token_ids
     return out
+
+
+Probe = Callable[[Any], dict[str, Any]]  # a tiered run -> what a test looks at
+
+
+def served_alone(
+    engine: ServeEngine, ids: list[int], params: SamplingParams, method: str, probe: Probe
+) -> tuple[list[int], dict[str, Any]]:
+    """A request naming `method` served alone as a tiered run: its tokens, and what `probe(run)`
+    returned at its last token (`run.store` is built by then)."""
+    seen: dict[str, Any] = {}
+    q: Queue[Delta] = Queue()
+
+    def sink(d: Delta) -> None:
+        (run,) = engine._tiered.values()
+        assert run.store is not None
+        seen.update(probe(run))
+        q.put(d)
+
+    engine.submit(ids, params, sink, method=parse_choice(method))
+    engine.run_until_idle()
+    return tokens(q), seen
 
 
 KERNELS = {
@@ -275,22 +298,20 @@ def test_a_sliding_window_models_request_borrows_pages_for_its_full_layers(
     expected = windowed.generate(ids, params, method="head")[0].token_ids
     cfg = ServeConfig(page_size=4, num_pages=200, tiered_share=0.5, tiered_keep_tokens=0)
     engine = ServeEngine(windowed, cfg)
-    seen: dict[str, object] = {}
-
-    def sink(d: Delta) -> None:
-        (run,) = engine._tiered.values()
-        assert run.store is not None
-        seen["lent"] = engine.kv.pool.num_lent
-        seen["region"] = isinstance(run.store.memory, RegionMemory)
-        seen["windows"] = len(run.store._windowed)
-        seen["staged"] = run.store.ring is not None
-        q.put(d)
-
-    q: Queue[Delta] = Queue()
-    engine.submit(ids, params, sink, method=parse_choice("head"))
-    engine.run_until_idle()
-    assert tokens(q) == list(expected)
-    assert seen["region"] is True and isinstance(seen["lent"], int) and seen["lent"] > 0
+    out, seen = served_alone(
+        engine,
+        ids,
+        params,
+        "head",
+        lambda run: {
+            "lent": engine.kv.pool.num_lent,
+            "region": isinstance(run.store.memory, RegionMemory),
+            "windows": len(run.store._windowed),
+            "staged": run.store.ring is not None,
+        },
+    )
+    assert out == list(expected)
+    assert seen["region"] is True and seen["lent"] > 0
     assert seen["windows"] == 4 and seen["staged"] is True  # 2 windowed layers x 2 KV heads
     assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 200
 
@@ -304,20 +325,14 @@ def test_buffers_past_the_lendable_pages_spill_to_the_reserve_and_tokens_stay_eq
     expected = llm.generate(ids, params, method="head")[0].token_ids
     cfg = ServeConfig(page_size=4, num_pages=100, tiered_share=0.15, tiered_keep_tokens=0)
     engine = ServeEngine(llm, cfg)
-    seen: dict[str, int] = {}
 
-    def sink(d: Delta) -> None:
-        (run,) = engine._tiered.values()
-        assert run.store is not None
+    def probe(run: Any) -> dict[str, Any]:
         memory = run.store.memory
         assert isinstance(memory, RegionMemory)
-        seen.update(spilled=memory.spilled, used=memory.used, lent=engine.kv.pool.num_lent)
-        q.put(d)
+        return {"spilled": memory.spilled, "used": memory.used, "lent": engine.kv.pool.num_lent}
 
-    q: Queue[Delta] = Queue()
-    engine.submit(ids, params, sink, method=parse_choice("head"))
-    engine.run_until_idle()
-    assert tokens(q) == list(expected)
+    out, seen = served_alone(engine, ids, params, "head", probe)
+    assert out == list(expected)
     assert seen["spilled"] > 0 and seen["used"] > 0  # one buffer each way
     assert 0 < seen["lent"] <= 15 and seen["lent"] == -(-seen["used"] // engine.page_bytes)
     assert engine.kv.pool.lent == {} and engine.kv.pool.num_free == 100
