@@ -117,7 +117,7 @@ def make_hip_kernel(
         raise ConfigError(f"unknown hip option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
     hip = replace(HIP_PRESETS[preset], **{"capacity": capacity, **overrides})  # type: ignore[arg-type]
     rotary = Rotary(cfg.rope, cfg.head_dim, device) if hip.extend else None
-    kernel = HipKernel(hip, rotary, capacity=capacity)
+    kernel = HipKernel(hip, rotary)  # NOTE: `hip.capacity` sizes its RoPE table and caches
     return kernel, kernel.needs_unrotated_keys
 
 

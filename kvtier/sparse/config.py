@@ -73,10 +73,11 @@ class HipConfig:
     # (None = `offload_cache_tokens()`: everything a refresh interval reads, so all hit).
     cache_block: int = 16
     cache_tokens: int | None = None
-    # The request's tokens (prompt and output), when known: no block cache needs more blocks
-    # than they fill (and a spare) and no decode query gathers more rows than there are tokens,
-    # so a short request's decode memory shrinks with it (`offload_cache_tokens`,
-    # `decode_buffer_tokens`); None: the preset's budgets alone size them.
+    # The request's tokens (prompt and output), when known: a block cache covers no more
+    # stage-0 chunks than they hold and no more sink or window blocks than they fill, and no
+    # decode query gathers more rows than there are tokens, so a short request's decode memory
+    # shrinks with it (`offload_cache_tokens`, `decode_buffer_tokens`); None: the preset's
+    # budgets alone size them.
     capacity: int | None = None
     # Decode steps that rerun stage 0 on a streamed slice: score the keys read from the host
     # tier range by range (only keys cross PCIe; `kvtier.sparse.host_keys`), then read the
