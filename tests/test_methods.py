@@ -158,6 +158,20 @@ def test_hip_shrinks_its_block_cache_before_giving_up_whole_layer_slices(
     assert f"block cache {fits} tokens/slice" in parts.describe
 
 
+def test_a_stopgap_block_cache_says_so_in_the_plan(tiny: Path) -> None:
+    """A block cache below the steps (`SMALL_CACHE_TOKEN_STEPS`, only where nothing else fits)
+    misses every step; the plan's description says so, as `kvtier generate` prints it."""
+    from kvtier.sparse import CACHE_TOKEN_STEPS, SMALL_CACHE_TOKEN_STEPS
+
+    llm = LLM(str(tiny), device="cpu", attention="hip", hip_preset="default", chunk_size=64)
+    plan = llm.plan(65_536)
+    for tokens, stopgap in ((SMALL_CACHE_TOKEN_STEPS[-1], True), (CACHE_TOKEN_STEPS[-1], False)):
+        store, parts = llm.make_store(plan, 65_536, tokens)
+        store.close()
+        assert f"block cache {tokens} tokens/slice" in parts.describe
+        assert ("a stopgap" in parts.describe) is stopgap
+
+
 def test_hip_offloaded_by_the_engine_matches_hip_on_the_gpu(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

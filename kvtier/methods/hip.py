@@ -22,6 +22,7 @@ from kvtier.policies import PolicyParts
 from kvtier.sparse import (
     AUTO_PRESET,
     PRESET_NAMES,
+    SMALL_CACHE_TOKEN_STEPS,
     hip_config,
     hip_method_buffers,
     make_hip_kernel,
@@ -127,6 +128,8 @@ def _build(ctx: BuildContext) -> PolicyParts:
         host_scoring=on_host,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
+    if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
+        cache += " (a stopgap: steps fetch what it misses)"
     auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
     every = "" if refresh is None else f", refresh {refresh}"
     keys = ", stage 0 on host keys" if on_host else ""
