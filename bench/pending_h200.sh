@@ -155,10 +155,13 @@
 #   serve part failed one check (a 304-token HiP request on the 8B model under 24 GiB: HiP's
 #   preset-sized decode memory over the offload reserve; fixed: HiP's caches are bounded by the
 #   request, and a request that fits nowhere else borrows what the batch's keep withheld).
-#   GPU-facing since: HipConfig.capacity (the kernel's caches and decode rows), the serve
-#   fallback, auto's slicing by the CPU split. NEXT: 77 (no GGUF) in call A with the GGUF's
-#   first half, the smoke (group 1, then 64), 72 (the mixed case with HiP at 256K: by the
-#   planner it fits only with --offload-reserve 4GiB), 76, 73, 69.
+#   GPU-facing since: HipConfig.capacity (the kernel's caches and decode rows), stopgap block
+#   caches of 6K/4K tokens (only where nothing else fits), the serve fallback, windowed models
+#   lending, auto's slicing by the CPU split. NEXT: call A carries .gguf_a and runs
+#   `mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/ && export PYTHONPATH=. PYTHONUNBUFFERED=1
+#   && bash bench/pending_h200.sh 77`; call B, at once, carries .whl and .gguf_b: the smoke
+#   (group 1), then 64; then 72 (the mixed case with HiP at 256K: by the planner it now fits
+#   with a 4K stopgap cache and 659 lent pages), 76, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
