@@ -46,9 +46,21 @@ def serve_one(engine: ServeEngine, spec: str, tokens: int, new: int, seed: int) 
     )
     lent: list[int] = []
     out: list[Delta] = []
+    placed: dict[str, Any] = {"path": "batch or its own store"}
+    owned = engine.own_store_requests
 
     def sink(d: Delta) -> None:
         lent.append(engine.kv.pool.num_lent)
+        for run in engine._tiered.values():  # alone: at most one
+            kernel = getattr(run.store, "kernel", None)
+            cache = getattr(getattr(kernel, "cfg", None), "cache_tokens", None)
+            placed.update(
+                path="tiered",
+                group_size=run.plan.group_size,
+                resident_slices=run.plan.resident_slices,
+                num_slices=run.plan.num_slices,
+                hip_cache_tokens=cache,
+            )
         out.append(d)
 
     t0 = time.perf_counter()
@@ -65,6 +77,8 @@ def serve_one(engine: ServeEngine, spec: str, tokens: int, new: int, seed: int) 
         "generated": generated,
         "error": errors[0] if errors else None,
         "lent_pages_max": max(lent, default=0),
+        "own_store": engine.own_store_requests > owned,
+        "placement": placed,
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
