@@ -98,6 +98,14 @@ def tokens(q: Queue[Delta]) -> list[int]:
     return out
 
 
+def head_request(llm: LLM, seed: int, max_tokens: int) -> tuple[list[int], SamplingParams, list[int]]:
+    """40 seeded token ids, their sampling parameters, and what `LLM.generate` gives them under
+    the lossless "head" method (what a served request must equal)."""
+    ids = torch.randint(1, 211, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+    params = SamplingParams(max_tokens=max_tokens)
+    return ids, params, list(llm.generate(ids, params, method="head")[0].token_ids)
+
+
 Probe = Callable[[Any], dict[str, Any]]  # a tiered run -> what a test looks at
 
 
@@ -250,10 +258,7 @@ def test_a_request_that_fits_nowhere_else_borrows_what_the_batchs_keep_withheld(
     CapacityError in its own words."""
     from kvtier.planner.memory import GPU_RESERVE_BYTES, weight_bytes
 
-    g = torch.Generator().manual_seed(8)
-    ids = torch.randint(1, 211, (40,), generator=g).tolist()
-    params = SamplingParams(max_tokens=6)
-    expected = llm.generate(ids, params, method="head")[0].token_ids
+    ids, params, expected = head_request(llm, 8, 6)
     # weights, the CUDA reserve and activations fit; the two staging buffers do not
     budget = weight_bytes(llm.model_config, 4) + GPU_RESERVE_BYTES + 128_000
     outcomes = {}
@@ -292,10 +297,7 @@ def test_a_sliding_window_models_request_borrows_pages_for_its_full_layers(
     folder: Path = tmp_path_factory.mktemp("qwen2-window")
     make_hf_model("qwen2-window", folder)
     windowed = LLM(str(folder), device="cpu", dtype="fp32", kv="gpu")
-    g = torch.Generator().manual_seed(11)
-    ids = torch.randint(1, 211, (40,), generator=g).tolist()
-    params = SamplingParams(max_tokens=6)
-    expected = windowed.generate(ids, params, method="head")[0].token_ids
+    ids, params, expected = head_request(windowed, 11, 6)
     cfg = ServeConfig(page_size=4, num_pages=200, tiered_share=0.5, tiered_keep_tokens=0)
     engine = ServeEngine(windowed, cfg)
     out, seen = served_alone(
@@ -319,10 +321,7 @@ def test_a_sliding_window_models_request_borrows_pages_for_its_full_layers(
 def test_buffers_past_the_lendable_pages_spill_to_the_reserve_and_tokens_stay_equal(llm: LLM) -> None:
     """Only one of the run's two staging buffers fits the pages it may borrow: that one lives
     in the lent run, the other in the caching allocator, and the tokens still equal generate."""
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(1, 211, (40,), generator=g).tolist()
-    params = SamplingParams(max_tokens=5)
-    expected = llm.generate(ids, params, method="head")[0].token_ids
+    ids, params, expected = head_request(llm, 4, 5)
     cfg = ServeConfig(page_size=4, num_pages=100, tiered_share=0.15, tiered_keep_tokens=0)
     engine = ServeEngine(llm, cfg)
 
@@ -406,10 +405,7 @@ def test_lent_pages_make_a_request_fit_that_the_reserve_alone_cannot(
     make_hf_model("llama-gqa", folder)
     small = LLM(str(folder), device="cpu", dtype="fp32", kv="gpu", chunk_size=16)
     cfg = small.model_config
-    g = torch.Generator().manual_seed(10)
-    ids = torch.randint(1, 211, (40,), generator=g).tolist()
-    params = SamplingParams(max_tokens=4)
-    expected = small.generate(ids, params, method="head")[0].token_ids
+    ids, params, expected = head_request(small, 10, 4)
     act = activation_bytes(cfg, 16, 4, group_size=1, context=len(ids) + 4)
     engine = ServeEngine(
         small, ServeConfig(page_size=4, num_pages=400, tiered_share=0.5, tiered_keep_tokens=0)
