@@ -63,11 +63,15 @@ def serve_one(engine: ServeEngine, spec: str, tokens: int, new: int, seed: int) 
             )
         out.append(d)
 
+    cuda = engine.device.type == "cuda"
+    closing = sum(not f.done() for f, _ in engine._closing_runs)
+    allocated = round(torch.cuda.memory_allocated(engine.device) / 1e9, 3) if cuda else None
     t0 = time.perf_counter()
     engine.submit(
         ids.tolist(), SamplingParams(max_tokens=new, ignore_eos=True), sink, method=parse_choice(spec)
     )
     engine.run_until_idle()
+    seconds = time.perf_counter() - t0
     errors = [d.error for d in out if d.error]
     generated = sum(len(d.token_ids) for d in out)
     return {
@@ -79,7 +83,11 @@ def serve_one(engine: ServeEngine, spec: str, tokens: int, new: int, seed: int) 
         "lent_pages_max": max(lent, default=0),
         "own_store": engine.own_store_requests > owned,
         "placement": placed,
-        "seconds": round(time.perf_counter() - t0, 2),
+        "seconds": round(seconds, 2),
+        # sent at once after the one before, as a server sees them: that one's store may still
+        # be being freed (on its launcher thread), and the plan must count what it holds
+        "stores_being_freed_at_submit": closing,
+        "allocated_at_submit_gb": allocated,
     }
 
 
@@ -112,6 +120,7 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rows: list[dict[str, Any]] = []
+    end: dict[str, Any] = {}  # what stays allocated with no request left (a leak shows there)
     budget = llm.gpu_budget()
 
     def save() -> Path:  # after every request: a run cut short keeps its rows
@@ -127,16 +136,26 @@ def main() -> None:
                 "offload_gpu_budget": engine.offload_gpu_budget(),
                 "peak_reserved_bytes": peak,
                 "within_budget": budget is None or peak <= budget,
+                "allocated_idle_gb": round(idle / 1e9, 3),
+                **end,
                 "rows": rows,
             },
         )
 
+    idle = torch.cuda.memory_allocated(engine.device) if cuda else 0
     for i, (spec, tokens) in enumerate(cases):
         row = serve_one(engine, spec, tokens, args.new_tokens, seed=i)
         rows.append(row)
         shown = "ok" if row["ok"] else f"FAILED: {row['error']}"
         lent = row["lent_pages_max"]
         print(f"{spec:<32} {tokens:>8} lent {lent:>4} {row['seconds']:>7.1f} s  {shown}", flush=True)
+        path = save()
+    for freed, _ in engine._closing_runs:  # the last store, freed on the launcher thread
+        freed.result(timeout=120)
+    if cuda:
+        left = torch.cuda.memory_allocated(engine.device)
+        print(f"allocated with no request left {left / 1e9:.3f} GB, before the first {idle / 1e9:.3f} GB")
+        end["allocated_at_end_gb"] = round(left / 1e9, 3)
         path = save()
     peak = torch.cuda.max_memory_reserved() if cuda else 0
     engine.shutdown()

@@ -83,6 +83,8 @@ def test_offloaded_requests_plan_within_the_budget_minus_the_pool() -> None:
     assert offload_gpu_budget(GiB, weights + pool, 0, pool) == 0
     # A batch step's activations and gather are allocated beside the request: not its to plan with.
     assert offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool, GiB) == 23 * GiB - pool
+    # Another request's store (running, or being freed) holds memory outside the pool.
+    assert offload_gpu_budget(24 * GiB, weights + pool, 120 * GiB, pool, GiB, 2 * GiB) == 21 * GiB - pool
 
 
 def test_a_tiered_run_beside_a_full_batch_step_stays_in_the_budget() -> None:

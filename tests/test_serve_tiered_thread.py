@@ -225,3 +225,62 @@ def test_paced_attention_keeps_the_launcher_a_few_layers_ahead(monkeypatch: pyte
     log.clear()
     unpaced(0, q, q, q)
     assert log == []  # the CPU, or the engine's own thread: never a wait
+
+
+def test_what_a_failed_run_allocated_is_freed_before_the_next_plan(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that fails half-built and a step that fails after allocating leave nothing
+    allocated once the request has failed, by reference counting alone (no collector run): on
+    the H200 a Quest request planned after a failed one ran out of memory with ~2.7 GB still
+    allocated (`bench/results/serve_methods_fit_24gib.json`). Their errors reach the request."""
+    import gc
+    import weakref
+
+    import kvtier.serve.engine as serve_engine
+
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def half_built(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        partly = torch.zeros(1 << 16)  # a buffer the store had taken
+        held.append(weakref.ref(partly))
+        raise RuntimeError("out of memory while building")
+
+    def failing_step(run: TieredRun) -> None:
+        activation = torch.zeros(1 << 16)
+        held.append(weakref.ref(activation))
+        raise RuntimeError("out of memory in a layer")
+
+    monkeypatch.setattr(serve_engine.gc, "collect", lambda *a: 0)
+    gc.disable()
+    try:
+        for where, patch in ((LLM, ("make_store", half_built)), (TieredRun, ("_queue_step", failing_step))):
+            with monkeypatch.context() as m:
+                m.setattr(where, *patch)
+                engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_thread=True))
+                q: Queue[Delta] = Queue()
+                engine.submit(ids(40, 1), SamplingParams(max_tokens=4), q.put, method=parse_choice("head"))
+                engine.run_until_idle()
+                for f, _ in engine._closing_runs:
+                    f.result(timeout=30)
+                engine.shutdown()
+                deltas = [q.get() for _ in range(q.qsize())]
+                assert deltas[-1].finish_reason == "error" and "out of memory" in (deltas[-1].error or "")
+        assert len(held) == 2 and all(r() is None for r in held)
+    finally:
+        gc.enable()
+
+
+def test_a_plan_counts_what_other_requests_stores_hold() -> None:
+    """`held_by_stores`: nothing while no request holds a store (what is allocated then is the
+    server's own), and beyond that once a run is being freed or runs."""
+    engine = ServeEngine.__new__(ServeEngine)  # the method's state only, no model
+    engine._tiered, engine._closing_runs, engine._idle_allocated = {}, [], 0
+    engine.scheduler = type("S", (), {"running": [], "waiting": []})()  # type: ignore[assignment]
+    assert engine.held_by_stores(20_000) == 0 and engine._idle_allocated == 20_000
+    done: Any = object()
+    engine._closing_runs = [(done, None)]
+    assert engine.held_by_stores(22_500) == 2_500
+    assert engine.held_by_stores(19_000) == 0
+    engine._closing_runs = []
+    assert engine.held_by_stores(21_000) == 0 and engine._idle_allocated == 21_000

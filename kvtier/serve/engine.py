@@ -19,6 +19,7 @@ PCIe streaming.
 from __future__ import annotations
 
 import contextlib
+import gc
 import queue
 import threading
 import time
@@ -81,6 +82,9 @@ class ServeEngine(BatchEngine):
         if self.decoder is not None:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 self.graphs_at_start = self.decoder.capture_all()
+        # What is allocated while no request holds a store (`held_by_stores`).
+        cuda = self.device.type == "cuda"
+        self._idle_allocated = int(torch.cuda.memory_allocated(self.device)) if cuda else 0
 
     def offload_gpu_budget(self) -> int | None:
         """The GPU budget an offloaded request is planned within: the server's budget minus the
@@ -95,7 +99,19 @@ class ServeEngine(BatchEngine):
         sized = self.pool_budget
         # NOTE: the context is not the planner's to give either (see sizing.py).
         batch = 0 if sized is None else sized.activation + int(pool * sized.gather) + sized.context
-        return offload_gpu_budget(budget, allocated, free, pool, batch)
+        return offload_gpu_budget(budget, allocated, free, pool, batch, self.held_by_stores(allocated))
+
+    def held_by_stores(self, allocated: int) -> int:
+        """GPU bytes that requests' stores hold outside the pool now (tiered runs, running or
+        being freed, and stores of their own in the batch): what is allocated beyond the last
+        time none held any (`allocated` then; weights, pool, graphs and the like). Another
+        request planned without them ran out of memory (`bench/results/serve_methods_fit_24gib.json`:
+        a Quest request planned while a finished HiP run's store was being freed)."""
+        batch = list(self.scheduler.running) + list(self.scheduler.waiting)
+        if not (self._tiered or self._closing_runs or any(s.own is not None for s in batch)):
+            self._idle_allocated = allocated
+            return 0
+        return max(0, allocated - self._idle_allocated)
 
     @property
     def page_bytes(self) -> int:
@@ -418,6 +434,11 @@ class ServeEngine(BatchEngine):
         super()._finish(seq, reason, emitted, error)  # NOTE: closes a store of its own
         if first is not None:
             self.kv.pool.return_run(first)
+        if error is not None and (run is not None or seq.own is not None):
+            # NOTE: what the failed step allocated may still sit in reference cycles through
+            # its error's frames (`tiered.detached` breaks the run's own; a library's may
+            # remain), which only the collector frees: before the next request is planned
+            gc.collect()
 
     # -- numbers for /metrics --------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ import torch
 from kvtier.engine.batch.sequence import Sequence
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, raised_at
 from kvtier.kv.device_memory import CachingMemory, RegionMemory, fitting, region_buffers
 from kvtier.kv.hooks import packing_codec
 from kvtier.kv.layout import KVLayout
@@ -253,6 +253,19 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     return placement.plan, make, first
 
 
+def detached(error: BaseException) -> BaseException:
+    """`error` without its traceback, whose frames hold the failed step's tensors (a partly built
+    store, a layer's activations) and, through the run in them, the error itself: a cycle only
+    the garbage collector frees, while the next request's plan needs that GPU memory free now.
+    An out-of-memory error keeps kvtier's line that asked for the memory in its message."""
+    site = raised_at(error) if isinstance(error, torch.OutOfMemoryError) else ""
+    if site and error.args and isinstance(error.args[0], str):
+        first, _, rest = error.args[0].partition("\n")
+        error.args = (f"{first} (at {site})" + (f"\n{rest}" if rest else ""), *error.args[1:])
+    error.__context__ = error.__cause__ = None
+    return error.with_traceback(None)
+
+
 class PacedAttention:
     """A run's store as the model's attention (`kvtier.attention.Attention`), keeping the
     launcher thread at most `ahead` layers ahead of the device: before queuing layer l it waits
@@ -332,7 +345,7 @@ class TieredRun:
         try:
             store, _ = make_store()
         except BaseException as e:  # NOTE: raised again by the first step's `collect`
-            self._open_error = e
+            self._open_error = detached(e)
             return
         if self.stream is not None:  # NOTE: the store's buffers were allocated on this thread's stream
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -384,8 +397,12 @@ class TieredRun:
             self._queue_step()
 
     def _queue_step(self) -> None:
-        if self._open_error is not None:
-            raise self._open_error
+        error, self._open_error = self._open_error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # NOTE: the traceback's frames must not hold what they raise
         store, attention = self.store, self._attention
         assert store is not None and attention is not None
         on = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -421,8 +438,13 @@ class TieredRun:
         self._in_flight = False
         queued, self._queued = self._queued, None
         self._done = None
-        if queued is not None:
-            queued.result()
+        error = None if queued is None else queued.exception()
+        queued = None
+        if error is not None:
+            try:
+                raise detached(error)
+            finally:
+                error = None  # NOTE: no frame of this traceback holds the exception
         if not self._samples:
             return None
         assert self.token is not None
@@ -436,6 +458,7 @@ class TieredRun:
         if self._closed:
             return None
         self._closed = True
+        self._queued = None  # NOTE: a failed step's future holds its error, whose frames hold this run
         launcher, self._launcher = self._launcher, None
         if launcher is None:
             self._free()

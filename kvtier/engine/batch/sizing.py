@@ -225,10 +225,13 @@ def outside_allocator_bytes(device: torch.device, free: int, total: int) -> int:
     return max(0, min(outside, CONTEXT_MAX))
 
 
-def offload_gpu_budget(budget: int, allocated: int, free: int, pool_bytes: int, batch_bytes: int = 0) -> int:
+def offload_gpu_budget(
+    budget: int, allocated: int, free: int, pool_bytes: int, batch_bytes: int = 0, held: int = 0
+) -> int:
     """The `gpu_budget` to plan an offloaded request with: the GPU budget (`LLM.gpu_budget()`,
     capped by what this process holds plus what is free on the GPU now) minus the page pool,
-    which stays allocated while the request runs, and minus `batch_bytes`, what a batch step
-    allocates beside it (its activations and one layer's gather of the pool). The planner takes
-    weights, the request's own activations and its reserve off this itself."""
-    return max(0, min(budget, allocated + free) - pool_bytes - batch_bytes)
+    which stays allocated while the request runs, minus `batch_bytes`, what a batch step
+    allocates beside it (its activations and one layer's gather of the pool), and minus `held`,
+    what other requests' stores hold outside the pool now (running or still being freed). The
+    planner takes weights, the request's own activations and its reserve off this itself."""
+    return max(0, min(budget, allocated + free) - pool_bytes - batch_bytes - held)
