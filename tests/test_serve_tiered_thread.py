@@ -284,3 +284,36 @@ def test_a_plan_counts_what_other_requests_stores_hold() -> None:
     assert engine.held_by_stores(19_000) == 0
     engine._closing_runs = []
     assert engine.held_by_stores(21_000) == 0 and engine._idle_allocated == 21_000
+
+
+def test_a_request_that_does_not_fit_waits_for_a_store_of_its_own_in_the_batch(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store of its own in the batch holds GPU memory outside the pool: a tiered request the
+    planner cannot fit beside it waits for it to finish (it held no pool page), then runs."""
+    import kvtier.serve.engine as serve_engine
+    from kvtier.errors import CapacityError
+
+    plan_store = serve_engine.plan_store
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_thread=True))
+    refused: list[int] = []
+
+    def beside_own_stores(host: Any, seq: Any) -> Any:
+        batch = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+        if any(s.own is not None for s in batch if s is not seq):
+            refused.append(1)
+            raise CapacityError("does not fit beside the store of its own")
+        return plan_store(host, seq)
+
+    monkeypatch.setattr(serve_engine, "plan_store", beside_own_stores)
+    own_q: Queue[Delta] = Queue()
+    long_q: Queue[Delta] = Queue()
+    params = SamplingParams(max_tokens=4)
+    engine.submit(ids(12, 6), params, own_q.put, method=parse_choice("window,kv_budget=8"))
+    engine._drain(block=False)
+    engine.step_tiered()  # the short request's own store joins the batch
+    assert engine.own_store_requests == 1 and engine.kv.pool.num_used == 0
+    engine.submit(ids(40, 7), params, long_q.put, method=parse_choice("head"))
+    engine.run_until_idle()
+    assert refused and len(tokens(own_q)) == 4
+    assert tokens(long_q) == list(llm.generate(ids(40, 7), params, method="head")[0].token_ids)

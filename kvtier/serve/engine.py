@@ -328,8 +328,9 @@ class ServeEngine(BatchEngine):
             try:
                 plan, make_store, first = plan_store(self, seq)
             except CapacityError as e:
-                # others hold the memory (runs, or sequences whose pages it could borrow): wait
-                if self._tiered or self._closing_runs or (self.kv.pool.num_used and self.scheduler.has_work):
+                # others hold the memory (runs, stores of their own in the batch, or sequences
+                # whose pages it could borrow): wait
+                if self._tiered or self._closing_runs or self._batch_holds_memory():
                     break
                 self._tiered_wait.popleft()
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
@@ -366,6 +367,12 @@ class ServeEngine(BatchEngine):
                 self._advance(seq, run)
             except Exception as e:  # fail this request, keep serving
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+
+    def _batch_holds_memory(self) -> bool:
+        """Whether the batch's sequences hold memory a waiting tiered request could get once
+        they finish: pool pages, or a store of their own."""
+        batch = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return bool(batch) and (self.kv.pool.num_used > 0 or any(s.own is not None for s in batch))
 
     def _take_back_runs(self) -> None:
         """Return to the pool the pages of every run whose store has been freed."""
