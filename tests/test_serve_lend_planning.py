@@ -293,3 +293,30 @@ def test_hip_requests_fit_a_24_gib_8b_server_whose_pool_keeps_every_page(
     assert first == 1 and engine.lent
     assert next(p for p in reversed(placements) if p.plan == plan).cache_tokens not in SMALL_CACHE_TOKEN_STEPS
     assert placements[0].cache_tokens in SMALL_CACHE_TOKEN_STEPS  # the reserve alone's
+
+
+def test_a_placed_request_is_logged_and_a_stopgap_cache_warned_of(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kvtier serve` prints how each request over a store of its own was placed; a HiP request
+    that only fits with a stopgap block cache (host-bound decode) is a warning that names the
+    flag giving it a whole cache."""
+    import logging
+
+    hip = parse_choice("hip,hip_preset=fast")
+    long = SimpleNamespace(prompt=[1] * 131_072, params=SamplingParams(max_tokens=16), method=hip)
+    with caplog.at_level(logging.INFO, logger="kvtier.serve"):
+        plan, _, _ = plan_store(Engine(budget=SERVER_24GIB, offer=0, wider=661), long)  # type: ignore[arg-type]
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and "a 131,088-token request, hip: kv=" in record.message
+    assert f"{plan.group_size} KV head" in record.message and "pool pages borrowed" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvtier.serve"):  # the reserve alone, no pages
+        plan_store(Engine(budget=SERVER_24GIB, offer=0), replace_prompt(long, 16_384))  # type: ignore[arg-type]
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "stopgap" in record.message
+    assert "--offload-reserve" in record.message
+
+
+def replace_prompt(seq: SimpleNamespace, n: int) -> SimpleNamespace:
+    return SimpleNamespace(prompt=[1] * n, params=seq.params, method=seq.method)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 from dataclasses import replace
@@ -224,5 +225,11 @@ def run(args: argparse.Namespace) -> int:
     if engine.pool_budget is not None and engine.pool_budget.where == "GPU":
         pool = engine.store.bytes_per_page * engine.store.num_pages
         print(f"kvtier serve: {engine.pool_budget.describe(pool)}", file=sys.stderr)
+    placed = logging.StreamHandler(sys.stderr)  # a request over a store of its own: how it was placed
+    placed.setFormatter(logging.Formatter("kvtier serve: %(message)s"))
+    log = logging.getLogger("kvtier.serve")
+    log.addHandler(placed)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     serve_forever(build_app(engine, settings), args.host, args.port)
     return 0

@@ -49,6 +49,7 @@ True at once (`BatchConfig.tiered_thread=True` runs it on the launcher thread th
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -121,6 +122,7 @@ StoreMaker = Callable[[], tuple[TieredKVStore, str]]
 """Builds a request's store (allocating its tiers) and returns it with its method's description."""
 
 REPLANS = 8  # plans tried over lent pages (each well under a millisecond)
+log = logging.getLogger("kvtier.serve")  # each placed request (`kvtier serve` prints it)
 
 
 def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, int | None]:
@@ -243,6 +245,24 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
             "quarter of the pool's room, at most 4 GiB) or --tiered-share, or run it alone with "
             "`kvtier generate`"
         )
+
+    plan = placement.plan
+    named = ", ".join(e.name for e in method.selected()) or "lossless"
+    note = (
+        f"a {context:,}-token request, {named}: kv={plan.policy}, "
+        f"{plan.group_size} KV head{'s' * (plan.group_size > 1)} a slice, {plan.resident_slices} of "
+        f"{plan.num_slices} slices "
+        f"resident, chunk {plan.chunk_size}" + (f", {lent} pool pages borrowed" if lent else "")
+    )
+    if stopgap(placement):
+        log.warning(
+            f"{note}; its HiP block cache is a {placement.cache_tokens}-token stopgap: each decode "
+            "step looks its blocks up and fetches what it misses from the host, so decode is bound "
+            "by host work (it may be slower than lossless); a larger --offload-reserve gives it a "
+            "whole cache"
+        )
+    else:
+        log.info(note)
 
     def make() -> tuple[TieredKVStore, str]:
         region = None if first is None else engine.store.page_run(first, lent)
