@@ -256,10 +256,10 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     )
     if stopgap(placement):
         log.warning(
-            f"{note}; its HiP block cache is a {placement.cache_tokens}-token stopgap: each decode "
-            "step looks its blocks up and fetches what it misses from the host, so decode is bound "
-            "by host work (it may be slower than lossless); a larger --offload-reserve gives it a "
-            "whole cache"
+            f"{note}; its HiP block cache is a {placement.cache_tokens}-token stopgap: a decode "
+            "step that reruns a stage looks its blocks up and fetches what it misses from the "
+            "host, a sync a slice, so decode is bound by host work (it may be slower than "
+            "lossless); a larger --offload-reserve gives it a whole cache and wider slices"
         )
     else:
         log.info(note)
