@@ -49,7 +49,7 @@ from kvtier.loading.resolve import read_model_config
 from kvtier.methods import parse_choice
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.server import freeze_heap
-from kvtier.units import parse_count
+from kvtier.units import parse_count, parse_size
 
 # name -> (concurrent requests, prompt tokens, new tokens)
 CASES: dict[str, tuple[int, int, int]] = {
@@ -224,6 +224,12 @@ def main() -> None:
         help="share of the page pool tiered runs may borrow for their buffers (0: the reserve only)",
     )
     ap.add_argument(
+        "--offload-reserve",
+        default=None,
+        help="GPU memory kept for requests over stores of their own (as kvtier serve's; default: "
+        "a quarter of the pool's room, at most 4 GiB)",
+    )
+    ap.add_argument(
         "--tiered-keep-tokens",
         type=int,
         default=ServeConfig.tiered_keep_tokens,
@@ -338,6 +344,7 @@ def main() -> None:
         tiered_keep_tokens=args.tiered_keep_tokens,
         tiered_release_after_prefill=args.tiered_release_after_prefill,
         decode_steps=args.decode_steps,
+        offload_reserve=None if args.offload_reserve is None else parse_size(args.offload_reserve),
     )
     t0 = time.perf_counter()
     engine = ServeEngine(llm, cfg)
@@ -366,6 +373,7 @@ def main() -> None:
         "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
         "tiered_lookahead_layers": args.tiered_lookahead_layers,
         "tiered_share": args.tiered_share,
+        "offload_reserve": args.offload_reserve or "default",
         "tiered_keep_tokens": args.tiered_keep_tokens,
         "tiered_release_after_prefill": args.tiered_release_after_prefill,
         "cases": {},
