@@ -162,6 +162,13 @@
 #   && bash bench/pending_h200.sh 77`; call B, at once, carries .whl and .gguf_b: the smoke
 #   (group 1), then 64; then 72 (the mixed case with HiP at 256K: by the planner it now fits
 #   with a 4K stopgap cache and 659 lent pages), 76, 73, 69.
+# The thirty-first got no H200; on an H100 it ran 77 (ran out of memory after a 128K HiP request:
+#   fixed, ServeEngine.held_by_stores and tiered.detached), 1 and 64 (85/85 at 1647454), 77 again
+#   (7/7 at ede2f51), 72 (HiP 256K beside 32 streams: 1.005 s/token, one-head slices with a
+#   stopgap cache) and 72 with --offload-reserve 4GiB (0.427 s/token, four-head slices). GPU-facing
+#   since the smoke: the serve changes above, a request waits for an own store in the batch, the
+#   placement log. NEXT (on an H200): 76 (issue 23), the smoke (the GGUF's two calls: A with
+#   .gguf_a runs 78, B with .whl and .gguf_b runs 64), 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -310,6 +317,13 @@ case "$group" in
   # 128K and 256K should borrow ~635-659 pages, 256K with a 4K-token stopgap cache:
   # serve_lend_plans_24gib_kept.json). No GGUF.
   run 260 $py bench/serve_methods_fit.py --gpu-memory 24GiB --name serve_methods_fit_24gib
+  ;;
+78)
+  # issue 18, the H100's mixed HiP rows on an H200 (the thirty-first session): 72's case with the
+  # default reserve (one-head slices, a 4K stopgap cache: 1.005 s/token on the H100) and with
+  # --offload-reserve 4GiB (four-head slices: 0.427). Needs .whl (uvicorn). No GGUF.
+  run 280 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --long-method hip --offload-reserve 4GiB \
+    --mixed-timeout 240 --name serve_gpu_24gib_mixed_hip_reserve4
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
