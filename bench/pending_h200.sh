@@ -167,8 +167,10 @@
 #   (7/7 at ede2f51), 72 (HiP 256K beside 32 streams: 1.005 s/token, one-head slices with a
 #   stopgap cache) and 72 with --offload-reserve 4GiB (0.427 s/token, four-head slices). GPU-facing
 #   since the smoke: the serve changes above, a request waits for an own store in the batch, the
-#   placement log. NEXT (on an H200): 76 (issue 23), the smoke (the GGUF's two calls: A with
-#   .gguf_a runs 78, B with .whl and .gguf_b runs 64), 73, 69.
+#   placement log. NEXT (on an H200): call A carries .gguf_a and .whl (56 MB): `mkdir -p /tmp/gg
+#   && cp .gguf_a/gguf_part_aa /tmp/gg/ && source bench/h200_setup.sh >/dev/null 2>&1 && bash
+#   bench/pending_h200.sh 78`; call B, at once, carries .whl and .gguf_b: the smoke (1, then 64);
+#   then 76 (issue 23), 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
