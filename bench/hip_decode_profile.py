@@ -32,6 +32,7 @@ import io
 import pstats
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields, replace
@@ -248,7 +249,7 @@ def main() -> None:
         })  # fmt: skip
     # Operators and host conversions per slice, by the first stage a step reruns: one more
     # refresh interval (steps numbered on from the timed ones).
-    ops = {kind: OpCounter() for kind in STEP_KINDS}
+    ops = {kind: OpCounter(by_function=True) for kind in STEP_KINDS}
     kind_syncs: dict[str, dict[str, int]] = {kind: {} for kind in STEP_KINDS}
     kind_steps = dict.fromkeys(STEP_KINDS, 0)
     for i in range(args.steps, args.steps + hip.refresh[0]):
@@ -295,6 +296,7 @@ def main() -> None:
     counted = {}
     for kind in STEP_KINDS:
         n = kind_steps[kind] * slices
+        where = ops[kind].by_function or Counter()
         if n:
             counted[kind] = {
                 "steps": kind_steps[kind],
@@ -302,10 +304,12 @@ def main() -> None:
                 "syncs_per_slice": round(sum(kind_syncs[kind].values()) / n, 2),
                 "syncs": {k: round(v / n, 2) for k, v in sorted(kind_syncs[kind].items())},
                 "top_ops": {k: round(v / n, 1) for k, v in ops[kind].counts.most_common(12)},
+                "by_function": {k: round(v / n, 1) for k, v in where.most_common(14)},
             }
             c = counted[kind]
             line = f"{kind:>8}: {c['ops_per_slice']:7.1f} ops/slice {c['syncs_per_slice']:6.2f} syncs/slice"
             print(line, c["syncs"])
+            print(" " * 10 + ", ".join(f"{k} {v}" for k, v in list(c["by_function"].items())[:6]))
     per = {k: round(v / max(1, cached) / slices, 3) for k, v in sorted(syncs.items())}
     print(
         f"host conversions per slice on cached steps: {sum(syncs.values()) / max(1, cached) / slices:.3f}",

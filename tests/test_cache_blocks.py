@@ -139,3 +139,16 @@ def test_ensure_reads_counts_back_once_and_write_none() -> None:
     slot = cache.lookup(torch.tensor([5]))
     assert cache.tail is not None and cache.tail.tolist() == slot.tolist()
     assert cache.bank[slot[0], :, 0].tolist() == [5.0, -2.0]
+
+
+def test_op_counter_attributes_operators_to_the_kvtier_function_that_ran_them() -> None:
+    """`OpCounter(by_function=True)`: each operator under the innermost kvtier function on the
+    stack (the cache's `lookup` inside `ensure` counts as `lookup`), all of them counted."""
+    cache = BlockCache(4, 2, (1,), torch.float32, torch.device("cpu"))
+    with OpCounter(by_function=True) as ops:
+        cache.lookup(torch.tensor([0, 1]))
+        torch.zeros(3).add_(1)  # outside kvtier
+    assert ops.by_function is not None and sum(ops.by_function.values()) == ops.total
+    assert ops.by_function["sparse/gpu_cache.py:lookup"] > 0
+    assert ops.by_function.get("outside kvtier", 0) >= 2  # zeros, add_ (this file is under tests/)
+    assert OpCounter().by_function is None

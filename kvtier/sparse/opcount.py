@@ -10,6 +10,7 @@ kernel launch on a GPU), and, apart, the operators that make a CUDA host wait fo
         step()
     ops.total, ops.counts  # operators run, and per operator name
     ops.sync_total, ops.syncs  # of them, those that would sync on CUDA
+    ops.by_function  # per innermost kvtier function that ran them (OpCounter(by_function=True))
 
 `Tensor.tolist` reads a CUDA tensor back without an aten operator on a CPU tensor: it is not
 counted here (wrap it, as `bench/hip_decode_profile.py` does).
@@ -17,7 +18,10 @@ counted here (wrap it, as `bench/hip_decode_profile.py` does).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
+from types import FrameType
 from typing import Any
 
 import torch
@@ -47,10 +51,13 @@ class OpCounter(TorchDispatchMode):
     """A dispatch mode that counts non-view aten operators by name (mutable `counts`), and those
     of them that would sync a CUDA host (`syncs`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_function: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
+        # "module.py:function" of the innermost kvtier frame that ran each operator (a stack walk
+        # an operator: only when asked)
+        self.by_function: Counter[str] | None = Counter() if by_function else None
 
     @property
     def total(self) -> int:
@@ -67,4 +74,21 @@ class OpCounter(TorchDispatchMode):
             self.counts[name] += 1
             if _syncs(name, args, kwargs):
                 self.syncs[name] += 1
+            if self.by_function is not None:
+                self.by_function[_innermost_kvtier_frame()] += 1
         return func(*args, **kwargs)
+
+
+def _innermost_kvtier_frame() -> str:
+    """'subpackage/module.py:function' of the innermost kvtier frame on the stack (beside this
+    module), or 'outside kvtier'."""
+    f: FrameType | None = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename
+        if path.startswith(_PACKAGE) and path != __file__:
+            return f"{path[len(_PACKAGE) :]}:{f.f_code.co_name}"
+        f = f.f_back
+    return "outside kvtier"
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # kvtier/'s path, with its separator
