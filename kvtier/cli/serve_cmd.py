@@ -225,11 +225,12 @@ def run(args: argparse.Namespace) -> int:
     if engine.pool_budget is not None and engine.pool_budget.where == "GPU":
         pool = engine.store.bytes_per_page * engine.store.num_pages
         print(f"kvtier serve: {engine.pool_budget.describe(pool)}", file=sys.stderr)
-    placed = logging.StreamHandler(sys.stderr)  # a request over a store of its own: how it was placed
-    placed.setFormatter(logging.Formatter("kvtier serve: %(message)s"))
-    log = logging.getLogger("kvtier.serve")
-    log.addHandler(placed)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    log = logging.getLogger("kvtier.serve")  # how each request over a store of its own was placed
+    if not log.handlers:  # NOTE: once a process (tests run the command more than once)
+        placed = logging.StreamHandler(sys.stderr)
+        placed.setFormatter(logging.Formatter("kvtier serve: %(message)s"))
+        log.addHandler(placed)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     serve_forever(build_app(engine, settings), args.host, args.port)
     return 0
