@@ -272,6 +272,9 @@ def serve_checks(smoke: Smoke, label: str, model: list[str]) -> None:
             own = re.search(r"^kvtier:own_store_requests_total\{[^}]*\} ([0-9.e+]+)", text, re.M)
             owned = own.group(1) if own else "?"
             assert all(len(t) > 0 for t in together), "a request came back empty"
+            # the server says how it placed each of them (`kvtier.serve.tiered` logs it)
+            placed = (smoke.workdir / f"serve_{label}.log").read_text().count("kvtier serve: a ")
+            assert placed >= len(specs), f"the server's log shows {placed} placed requests"
             if label != "embedded":
                 # NOTE: random bf16 weights leave near-ties everywhere: a batch of another size
                 # rounds the projections differently and flips greedy picks (see "16 concurrent",
