@@ -87,7 +87,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=size_type("--offload-reserve", positive=False),
         default=None,
         help="GPU memory kept out of the page pool for requests that stream their KV from the host "
-        "or name a method (default: a quarter of what the pool could take, at most 4 GiB)",
+        "or name a method (default: a quarter of what the pool could take, at most 4 GiB). Long "
+        "HiP requests want more: with 4GiB a 256K one beside an 8B model under 24 GiB got 4-head "
+        "slices and decoded 2.35x faster than with the default (docs/serving.md)",
     )
     p.add_argument(
         "--tiered-share",
