@@ -317,3 +317,29 @@ def test_a_request_that_does_not_fit_waits_for_a_store_of_its_own_in_the_batch(
     engine.run_until_idle()
     assert refused and len(tokens(own_q)) == 4
     assert tokens(long_q) == list(llm.generate(ids(40, 7), params, method="head")[0].token_ids)
+
+
+def test_an_out_of_memory_error_names_its_line_once_when_detached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`detached` drops the traceback and puts the allocating line (`raised_at`: the innermost
+    kvtier frame) in an out-of-memory error's first line, once: the store's error is detached
+    where it is caught and again after it is raised from the step."""
+    from kvtier.serve import tiered
+    from kvtier.serve.tiered import detached
+
+    monkeypatch.setattr(tiered, "raised_at", lambda e: "kvtier/kv/store.py:12 in allocate")
+
+    def allocate() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore advice")
+
+    try:
+        allocate()
+    except torch.OutOfMemoryError as e:
+        error = detached(e)
+    assert error.__traceback__ is None
+    first = str(error).splitlines()[0]
+    assert first.endswith("in allocate)") and " (at " in first
+    try:
+        raise error
+    except torch.OutOfMemoryError as e:
+        again = detached(e)
+    assert str(again).count(" (at ") == 1 and str(again).endswith("more advice")

@@ -277,9 +277,12 @@ def detached(error: BaseException) -> BaseException:
     """`error` without its traceback, whose frames hold the failed step's tensors (a partly built
     store, a layer's activations) and, through the run in them, the error itself: a cycle only
     the garbage collector frees, while the next request's plan needs that GPU memory free now.
-    An out-of-memory error keeps kvtier's line that asked for the memory in its message."""
-    site = raised_at(error) if isinstance(error, torch.OutOfMemoryError) else ""
+    An out-of-memory error keeps kvtier's line that asked for the memory in its message (once:
+    one raised again, from a frame of its own, is detached again)."""
+    named = getattr(error, "_kvtier_site_named", False)
+    site = raised_at(error) if isinstance(error, torch.OutOfMemoryError) and not named else ""
     if site and error.args and isinstance(error.args[0], str):
+        error._kvtier_site_named = True  # type: ignore[attr-defined]
         first, _, rest = error.args[0].partition("\n")
         error.args = (f"{first} (at {site})" + (f"\n{rest}" if rest else ""), *error.args[1:])
     error.__context__ = error.__cause__ = None
