@@ -1,6 +1,6 @@
 """What a served request's store keeps on the GPU with and without borrowed pool pages, per method.
 
-`kvtier.serve.tiered.plan_store` plans a request that names a method (or is too long for the
+`kvtier.serve.store_plan.plan_store` plans a request that names a method (or is too long for the
 page pool) within the GPU memory the server leaves for stores of their own (`--offload-reserve`)
 plus the pool pages it may borrow now; the buffers `region_buffers` lists are carved from those
 pages. This prints, for each method and server GPU budget, the plan with an offer of pages and
@@ -34,7 +34,7 @@ from kvtier.methods import parse_choice
 from kvtier.methods.plan import LOSSLESS
 from kvtier.planner.hardware import hardware_preset
 from kvtier.planner.inputs import PlanInputs
-from kvtier.serve.tiered import plan_store
+from kvtier.serve.store_plan import plan_store
 from kvtier.units import parse_count
 
 CFG = preset_config("llama-3-8b")
@@ -56,7 +56,7 @@ METHODS = ";".join(
 
 @dataclass
 class Server:
-    """What `plan_store` asks of the serving engine (`kvtier.serve.tiered.OffloadHost`): a GPU
+    """What `plan_store` asks of the serving engine (`kvtier.serve.store_plan.OffloadHost`): a GPU
     budget for stores of their own and `offer` pool pages lendable; records what it lends."""
 
     budget: int
@@ -158,7 +158,7 @@ def main() -> None:
     path = write_results(
         args.name,
         {
-            "note": "planner arithmetic (kvtier.serve.tiered.plan_store), no model or GPU; Llama-3-8B "
+            "note": "planner arithmetic (kvtier.serve.store_plan.plan_store), no model or GPU; Llama-3-8B "
             "shapes, bf16, 16-token pages, H200 rates; 16 new tokens",
             "code": subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False

@@ -28,8 +28,8 @@ from kvtier.methods.registry import Placement
 from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import GPU_RESERVE_BYTES, activation_bytes, weight_bytes
 from kvtier.planner.placement import KVPlan
-from kvtier.serve import tiered
-from kvtier.serve.tiered import plan_store
+from kvtier.serve import store_plan
+from kvtier.serve.store_plan import plan_store
 
 CONTEXT = 262_144 + 16
 
@@ -42,7 +42,7 @@ def recorded_placements(monkeypatch: pytest.MonkeyPatch) -> list[Placement]:
         placements.append(plan_for(inputs, choice))
         return placements[-1]
 
-    monkeypatch.setattr(tiered, "plan_for", recorded)
+    monkeypatch.setattr(store_plan, "plan_for", recorded)
     return placements
 
 

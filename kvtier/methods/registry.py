@@ -118,7 +118,7 @@ class MethodEntry:
     `requires` those it cannot run without; `composes_with` the families of methods a request
     may select beside it (HiP's kernel reads whatever the store holds, so a codec may pack it).
     `borrows_pages`: in the server its store's whole-capacity buffers may be a run of pool pages
-    (`kvtier.serve.tiered.plan_store`): the store takes from its `DeviceMemory` exactly what
+    (`kvtier.serve.store_plan.plan_store`): the store takes from its `DeviceMemory` exactly what
     `kvtier.kv.device_memory.region_buffers` says, and whatever else the method keeps on the GPU
     is in its `Placement.reserve_bytes`. `exact_at`: when a request is short enough that the
     method drops nothing (HiP below its budgets), so it may run lossless instead

@@ -6,7 +6,7 @@ Callers (HTTP handlers, tests, the benchmark) talk to it through thread-safe met
 Everything else (scheduler, pages, model) is touched by the engine thread alone, or, without a
 thread, by whoever calls `step()` / `run_until_idle()`.
 
-A request that names a method of its own is planned for (`kvtier.serve.tiered.plan_store`)
+A request that names a method of its own is planned for (`kvtier.serve.store_plan.plan_store`)
 within the server's GPU budget minus the pool, exactly like `kvtier generate` plans it. When its
 store fits wholly in device memory it joins the batch: the batch's forward attends it next to
 the pages (`kvtier.kv.batch_step.MixedStep`). When it streams from the host tier, as does a
@@ -38,7 +38,8 @@ from kvtier.engine.runner import prefill_spans
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError, KvtierError, PromptError
 from kvtier.methods import MethodChoice
-from kvtier.serve.tiered import TieredRun, plan_store
+from kvtier.serve.store_plan import plan_store
+from kvtier.serve.tiered import TieredRun
 
 MAX_TIERED_RUNS = 4  # tiered runs advanced together; more wait for one to finish
 IDLE_POLL_S = 0.0005  # sleep between polls of tiered runs' steps when the batch is idle
