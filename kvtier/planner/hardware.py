@@ -1,7 +1,8 @@
 """GPU hardware numbers for the roofline: peak compute, HBM bandwidth, host link bandwidth.
 
 Presets are datasheet numbers except the H200's, which were measured on the machine kvtier is
-tested on (research/headinfer.md §3.4). Every number can be overridden (`kvtier plan --tflops
+tested on (research/headinfer.md §3.4), and the H100's host and GEMM numbers (the H200's: see
+its entry). Every number can be overridden (`kvtier plan --tflops
 --hbm-bw --pcie-bw`), and the engine may pass a `Hardware` it calibrated at start-up.
 """
 
@@ -92,7 +93,25 @@ HARDWARE: dict[str, Hardware] = {
     "rtx4090": Hardware("rtx4090", flops=165e12, hbm_bw=1.0e12, pcie_bw=25e9, memory_bytes=24 * GiB),
     "l40s": Hardware("l40s", flops=362e12, hbm_bw=0.864e12, pcie_bw=25e9, memory_bytes=48 * GiB),
     "a100-80g": Hardware("a100-80g", flops=312e12, hbm_bw=2.0e12, pcie_bw=25e9, memory_bytes=80 * GiB),
-    "h100-sxm": Hardware("h100-sxm", flops=989e12, hbm_bw=3.35e12, pcie_bw=55e9, memory_bytes=80 * GiB),
+    # The H100 the device tool lends (2026-12-05) sits in the same kind of host as its H200: the
+    # same PCIe Gen5 link (53.4-54.5 GB/s pinned H2D), launch cost (6.9-10.8 us against the
+    # H200's 6.2-13.1) and host reads (88-109 GB/s, once 37 on a start that read 108 minutes
+    # before; `machine` in serve_gpu_24gib_mixed_hip*.json, serve_methods_fit_24gib.json,
+    # gpu_checks.json). So it takes the H200's host numbers; its GPU is the same GH100 die (the
+    # H200's measured GEMM rate) with HBM3 at the datasheet's 3.35 TB/s (not measured).
+    "h100-sxm": Hardware(
+        "h100-sxm",
+        flops=790e12,
+        hbm_bw=3.35e12,
+        pcie_bw=55e9,
+        memory_bytes=80 * GiB,
+        slice_overhead_s=H200_SLICE_OVERHEAD_S,
+        prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
+        layer_overhead_s=H200_LAYER_OVERHEAD_S,
+        cpu_attention_bw=H200_CPU_ATTENTION_BW,
+        host_read_bw=H200_HOST_READ_BW,
+        host_combined_bw=H200_HOST_COMBINED_BW,
+    ),
     # Measured: 790 TFLOP/s bf16 GEMM, 4.2 TB/s device copy, 55 GB/s pinned H2D (PCIe Gen5 x16).
     "h200": Hardware(
         "h200",
