@@ -321,11 +321,14 @@ case "$group" in
   run 260 $py bench/serve_methods_fit.py --gpu-memory 24GiB --name serve_methods_fit_24gib
   ;;
 78)
-  # issue 18, the H100's mixed HiP rows on an H200 (the thirty-first session): 72's case with the
-  # default reserve (one-head slices, a 4K stopgap cache: 1.005 s/token on the H100) and with
-  # --offload-reserve 4GiB (four-head slices: 0.427). Needs .whl (uvicorn). No GGUF.
-  run 280 $py bench/serve_gpu.py --gpu-memory 24GiB --cases mixed --long-method hip --offload-reserve 4GiB \
-    --mixed-timeout 240 --name serve_gpu_24gib_mixed_hip_reserve4
+  # issue 18, the H100's mixed HiP rows on an H200 (the thirty-first session): 72's case with
+  # --offload-reserve 4GiB (four-head slices: 0.427 s/token on the H100) and with the default
+  # reserve (one-head slices, a 4K stopgap cache: 1.005), each with c32 (the shorts alone, issue
+  # 18's 2x baseline, not run on the H100). Needs .whl (uvicorn). No GGUF.
+  run 280 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --long-method hip --offload-reserve 4GiB \
+    --mixed-timeout 230 --name serve_gpu_24gib_mixed_hip_reserve4
+  run 280 $py bench/serve_gpu.py --gpu-memory 24GiB --cases c32,mixed --long-method hip \
+    --mixed-timeout 230 --name serve_gpu_24gib_mixed_hip
   ;;
 70)
   # 512K through the CLI with the default `--hip-host-keys auto` (on from 256K), the JSON now
