@@ -105,9 +105,9 @@ class ServeEngine(BatchEngine):
     def held_by_stores(self, allocated: int) -> int:
         """GPU bytes that requests' stores hold outside the pool now (tiered runs, running or
         being freed, and stores of their own in the batch): what is allocated beyond the last
-        time none held any (`allocated` then; weights, pool, graphs and the like). Another
-        request planned without them ran out of memory (`bench/results/serve_methods_fit_24gib.json`:
-        a Quest request planned while a finished HiP run's store was being freed)."""
+        time none held any (`allocated` then; weights, pool, graphs and the like). Requests
+        planned without them ran out of memory (a Quest one planned while a finished HiP run's
+        store was being freed: `bench/results/serve_methods_fit_24gib_1647454.json`)."""
         batch = list(self.scheduler.running) + list(self.scheduler.waiting)
         if not (self._tiered or self._closing_runs or any(s.own is not None for s in batch)):
             self._idle_allocated = allocated
