@@ -89,6 +89,21 @@ class Hardware:
         return self.flops / self.hbm_bw
 
 
+# Measured: 790 TFLOP/s bf16 GEMM, 4.2 TB/s device copy, 55 GB/s pinned H2D (PCIe Gen5 x16).
+_H200 = Hardware(
+    "h200",
+    flops=790e12,
+    hbm_bw=4.2e12,
+    pcie_bw=55e9,
+    memory_bytes=141 * 10**9,
+    slice_overhead_s=H200_SLICE_OVERHEAD_S,
+    prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
+    layer_overhead_s=H200_LAYER_OVERHEAD_S,
+    cpu_attention_bw=H200_CPU_ATTENTION_BW,
+    host_read_bw=H200_HOST_READ_BW,
+    host_combined_bw=H200_HOST_COMBINED_BW,
+)
+
 HARDWARE: dict[str, Hardware] = {
     "rtx4090": Hardware("rtx4090", flops=165e12, hbm_bw=1.0e12, pcie_bw=25e9, memory_bytes=24 * GiB),
     "l40s": Hardware("l40s", flops=362e12, hbm_bw=0.864e12, pcie_bw=25e9, memory_bytes=48 * GiB),
@@ -99,33 +114,8 @@ HARDWARE: dict[str, Hardware] = {
     # before; `machine` in serve_gpu_24gib_mixed_hip*.json, serve_methods_fit_24gib.json,
     # gpu_checks.json). So it takes the H200's host numbers; its GPU is the same GH100 die (the
     # H200's measured GEMM rate) with HBM3 at the datasheet's 3.35 TB/s (not measured).
-    "h100-sxm": Hardware(
-        "h100-sxm",
-        flops=790e12,
-        hbm_bw=3.35e12,
-        pcie_bw=55e9,
-        memory_bytes=80 * GiB,
-        slice_overhead_s=H200_SLICE_OVERHEAD_S,
-        prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
-        layer_overhead_s=H200_LAYER_OVERHEAD_S,
-        cpu_attention_bw=H200_CPU_ATTENTION_BW,
-        host_read_bw=H200_HOST_READ_BW,
-        host_combined_bw=H200_HOST_COMBINED_BW,
-    ),
-    # Measured: 790 TFLOP/s bf16 GEMM, 4.2 TB/s device copy, 55 GB/s pinned H2D (PCIe Gen5 x16).
-    "h200": Hardware(
-        "h200",
-        flops=790e12,
-        hbm_bw=4.2e12,
-        pcie_bw=55e9,
-        memory_bytes=141 * 10**9,
-        slice_overhead_s=H200_SLICE_OVERHEAD_S,
-        prefill_slice_overhead_s=H200_PREFILL_SLICE_OVERHEAD_S,
-        layer_overhead_s=H200_LAYER_OVERHEAD_S,
-        cpu_attention_bw=H200_CPU_ATTENTION_BW,
-        host_read_bw=H200_HOST_READ_BW,
-        host_combined_bw=H200_HOST_COMBINED_BW,
-    ),
+    "h100-sxm": replace(_H200, name="h100-sxm", hbm_bw=3.35e12, memory_bytes=80 * GiB),
+    "h200": _H200,
 }
 
 DEFAULT_HARDWARE = HARDWARE["rtx4090"]  # the paper's card
