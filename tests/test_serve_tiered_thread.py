@@ -343,3 +343,27 @@ def test_an_out_of_memory_error_names_its_line_once_when_detached(monkeypatch: p
     except torch.OutOfMemoryError as e:
         again = detached(e)
     assert str(again).count(" (at ") == 1 and str(again).endswith("more advice")
+
+
+def test_a_failed_request_with_a_store_of_its_own_runs_the_collector(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request over a store of its own that fails has the collector run once its store is
+    closed (what it allocated may sit in cycles through its error); a plain one does not."""
+    import kvtier.serve.engine as serve_engine
+
+    collected: list[int] = []
+    monkeypatch.setattr(serve_engine.gc, "collect", lambda *a: collected.append(1) or 0)
+    engine = ServeEngine(llm, ServeConfig(page_size=4, num_pages=64, tiered_thread=True))
+    q: Queue[Delta] = Queue()
+    params = SamplingParams(max_tokens=4)
+    engine.submit(ids(12, 6), params, q.put, method=parse_choice("window,kv_budget=8"))
+    engine.submit(ids(12, 7), params, q.put)
+    engine._drain(block=False)
+    engine.step_tiered()  # the first joins the batch over a store of its own
+    own, plain = sorted(engine.scheduler.waiting, key=lambda s: s.own is None)
+    assert own.own is not None and plain.own is None
+    engine._finish(plain, "error", error="boom")
+    assert not collected
+    engine._finish(own, "error", error="boom")
+    assert collected == [1] and own.own is None

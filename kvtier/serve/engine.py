@@ -439,10 +439,11 @@ class ServeEngine(BatchEngine):
             self.tiered_d2h_bytes += run.d2h_bytes
             first = None
         self._by_id.pop(seq.request_id, None)
-        super()._finish(seq, reason, emitted, error)  # NOTE: closes a store of its own
+        owned = seq.own is not None
+        super()._finish(seq, reason, emitted, error)  # NOTE: closes a store of its own (own = None)
         if first is not None:
             self.kv.pool.return_run(first)
-        if error is not None and (run is not None or seq.own is not None):
+        if error is not None and (run is not None or owned):
             # NOTE: what the failed step allocated may still sit in reference cycles through
             # its error's frames (`tiered.detached` breaks the run's own; a library's may
             # remain), which only the collector frees: before the next request is planned
