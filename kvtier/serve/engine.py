@@ -108,8 +108,7 @@ class ServeEngine(BatchEngine):
         time none held any (`allocated` then; weights, pool, graphs and the like). Requests
         planned without them ran out of memory (a Quest one planned while a finished HiP run's
         store was being freed: `bench/results/serve_methods_fit_24gib_1647454.json`)."""
-        batch = list(self.scheduler.running) + list(self.scheduler.waiting)
-        if not (self._tiered or self._closing_runs or any(s.own is not None for s in batch)):
+        if not (self._tiered or self._closing_runs or self._own_store_in_batch()):
             self._idle_allocated = allocated
             return 0
         return max(0, allocated - self._idle_allocated)
@@ -372,8 +371,12 @@ class ServeEngine(BatchEngine):
     def _batch_holds_memory(self) -> bool:
         """Whether the batch's sequences hold memory a waiting tiered request could get once
         they finish: pool pages, or a store of their own."""
-        batch = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return bool(batch) and (self.kv.pool.num_used > 0 or any(s.own is not None for s in batch))
+        busy = self.scheduler.has_work and self.kv.pool.num_used > 0
+        return busy or self._own_store_in_batch()
+
+    def _own_store_in_batch(self) -> bool:
+        """Whether a running or waiting sequence of the batch has a store of its own."""
+        return any(s.own is not None for q in (self.scheduler.running, self.scheduler.waiting) for s in q)
 
     def _take_back_runs(self) -> None:
         """Return to the pool the pages of every run whose store has been freed."""
