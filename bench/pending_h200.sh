@@ -312,6 +312,21 @@ case "$group" in
   run 280 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 104,120,136 --head-group 1 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1_sweep
   ;;
+79)
+  # 76 split to fit one call (its four rows take ~880 s): the rows that may close issue 23 first,
+  # 512K lossless under the auto split and int4 with one KV head a slice. No GGUF.
+  run 250 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_auto_split
+  run 200 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_g1
+  ;;
+80)
+  # 76's other rows: 128K under the auto split, the one-head 512K CPU-slice sweep. No GGUF.
+  run 150 $py bench/tiered_store.py --contexts 128K --policies auto --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_128k_auto_split
+  run 280 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 104,120,136 --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1_sweep
+  ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
   # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request
