@@ -200,7 +200,7 @@ case "$group" in
   ;;
 64)
   # the smoke's plan, eval and serve part (needs .whl) and the CUDA checks
-  run 220 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
+  run 250 $py bench/gpu_smoke.py --sections plan,eval,serve --out "$OUT/gpu_smoke_serve.json"
   run 60 $py bench/gpu_checks.py
   ;;
 63)
