@@ -327,6 +327,17 @@ case "$group" in
   run 280 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention 104,120,136 --head-group 1 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_512k_g1_sweep
   ;;
+81)
+  # issue 23 after 7af4a1c (packed loads unpack on their own stream, two scratches): int4 at 512K
+  # with one KV head a slice, link alone and with CPU slices (0.275 s/token at e00201f, where the
+  # link's 11.6 GB take 0.21 s), and four heads (0.315 at 182bb02); then the CUDA checks (int4
+  # rows: tokens equal the packed cache streamed whole). No GGUF.
+  run 170 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off,auto --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_g1_unpack_stream
+  run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_unpack_stream
+  run 80 $py bench/gpu_checks.py
+  ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
   # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request
