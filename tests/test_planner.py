@@ -258,15 +258,14 @@ def test_hip_prefill_chunk_hides_pcie_where_dense_attention_would_not() -> None:
 
 
 def test_a_packed_context_whose_unpack_scratch_does_not_fit_says_so() -> None:
-    """int4 KV of Llama-3-8B at 8M under 17 GiB: the budget check's one-block scratches fit, the
-    whole slice's two unpack scratches do not; a CapacityError that names them (it was an
-    assertion). 20 GiB holds them."""
+    """int4 KV of Llama-3-8B at 8M under 17 GiB: the budget check's one-block scratch fits, the
+    whole slice's unpack scratch does not; a CapacityError that names it (it was an assertion)."""
     from kvtier.methods import PlanInputs
     from kvtier.methods.spec import parse_choice
 
     codec = parse_choice("int4").codec()
     cfg, h200 = preset_config("llama-3-8b"), hardware_preset("h200")
     inputs = PlanInputs(cfg, 8 << 20, hardware=h200, dtype_bytes=2, gpu_budget=17 << 30)
-    with pytest.raises(CapacityError, match="packed rows unpack through 2 scratches of the whole slice"):
+    with pytest.raises(CapacityError, match="packed rows unpack through a scratch of the whole slice"):
         inputs.plan(codec)
-    assert replace(inputs, gpu_budget=20 << 30).plan(codec).staging_tokens > 0
+    assert replace(inputs, gpu_budget=18 << 30).plan(codec).staging_tokens > 0

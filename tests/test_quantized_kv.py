@@ -68,7 +68,7 @@ def read_slice(store: TieredKVStore, sid: int) -> torch.Tensor:
         return store.resident[sid][:n]
     assert store.packed is not None
     out = torch.empty(n, *store.hosts[sid].extents[0].shape[1:])
-    store.packed.read_into(sid, store.hosts[sid], out, 0, n)
+    store.packed.read_into(sid, store.hosts[sid], out, 0, n, scratch=False)
     return out
 
 
@@ -292,51 +292,3 @@ def test_the_store_refuses_what_is_not_a_codec_when_built(
     if not isinstance(codec, RawBytes):
         with pytest.raises(ConfigError, match="cannot size packed slices"):
             PackedSizing.of(codec, 1, cfg.head_dim)
-
-
-def test_staging_loads_unpack_on_their_own_stream_alternating_scratches(
-    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A streamed slice's load copies its rows on the H2D stream and unpacks them on the unpack
-    stream, from the other scratch than the load before: on the H200 the unpack kernel had sat
-    between two copies on the H2D stream (~60 ms a token at 512K int4)."""
-    import contextlib
-
-    from kvtier.kv.streams import Streams
-
-    model, cfg = gqa
-    codec = KiviCodec(bits=4, group=8, residual=16)
-    _, store = run(model, cfg, PolicyParts(codec=codec), group=1, chunk=25, streamed=True)
-    assert store.packed is not None and len(store.packed.scratches) == 2
-    on: list[str] = []  # the streams entered, innermost last
-
-    def entering(label: str) -> contextlib.AbstractContextManager[None]:
-        @contextlib.contextmanager
-        def ctx() -> Any:
-            on.append(label)
-            try:
-                yield
-            finally:
-                on.pop()
-
-        return ctx()
-
-    monkeypatch.setattr(Streams, "on_h2d", lambda self: entering("h2d"))
-    monkeypatch.setattr(Streams, "on_unpack", lambda self: entering("unpack"))
-    unpacked: list[tuple[tuple[str, ...], int]] = []  # (streams entered, the rows' address)
-    original = KiviCodec.unpack_into
-
-    def spy(self: KiviCodec, rows: torch.Tensor, dst: torch.Tensor) -> bool:
-        unpacked.append((tuple(on), rows.data_ptr()))
-        return original(self, rows, dst)
-
-    monkeypatch.setattr(KiviCodec, "unpack_into", spy)
-    store.begin_step(1)
-    model(torch.tensor([1]), store)
-    store.end_step()
-    slices = cfg.num_layers * cfg.num_kv_heads
-    assert len(unpacked) == slices  # one unpack a streamed slice's load
-    assert all(streams == ("h2d", "unpack") for streams, _ in unpacked)
-    first = [s.data_ptr() for s in store.packed.scratches]
-    assert [ptr for _, ptr in unpacked] == [first[i % 2] for i in range(slices)]
-    store.close()

@@ -583,13 +583,13 @@ def test_a_quantized_store_over_a_region_takes_what_region_buffers_says(
     ids = torch.randint(1, 211, (80,), generator=torch.Generator().manual_seed(8))
     lay = KVLayout.of(llm.model_config, 1, 8, torch.float32)
     sizes = region_buffers(lay, plan, 96, packing=True)
-    assert len(sizes) == (2 + 2 if resident == 0 else 6)  # staging, scratches (+ tails, rows)
+    assert len(sizes) == (2 + 1 if resident == 0 else 5)  # staging, scratch (+ tails, rows)
 
     def check(store: TieredKVStore, inside: Callable[[torch.Tensor], bool]) -> None:
         assert len(store.on_device) == resident and store.packed is not None
         rows = [slab for a in store.packed.arenas if a.device is not None for slab in a.slabs()]
         assert len(rows) == (1 if resident else 0)
-        assert all(inside(t) for t in [*rows, *store.packed.scratches])
+        assert all(inside(t) for t in [*rows, store.packed.scratch])
 
     same_over_a_region(llm, plan, parts, ids, 96, sizes, check)
 

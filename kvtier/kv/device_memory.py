@@ -25,7 +25,6 @@ import torch
 from kvtier.errors import CapacityError
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.tiers import device_slab_bytes
-from kvtier.planner.packed import UNPACK_SCRATCHES
 from kvtier.planner.placement import KVPlan
 
 ALIGN = 512  # bytes every buffer of a region starts on (covers every dtype and vector loads)
@@ -105,7 +104,7 @@ def region_buffers(
     window binds (resident, window-sized, from the caching allocator). `packing`: a packing codec
     (`plan.packed`): its resident slices stay packed on the device (`kvtier.kv.packed`), so the
     store asks for their full-precision tail rings, the staging buffers, their packed rows and
-    the scratches loads unpack from (`packed_buffers`)."""
+    the scratch loads unpack from (`packed_buffers`)."""
     cap = layout.round_up(max(capacity, 1))
     token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
     others = layout.num_slices - windowed
@@ -128,7 +127,7 @@ def region_buffers(
 def packed_buffers(layout: KVLayout, plan: KVPlan, cap: int, on_device: int) -> list[int]:
     """`region_buffers` of a quantized store (`plan.packed`) with `on_device` slices packed on
     the device, in the store's order: their tail rings' slabs (`SliceStorage`), the staging
-    buffers (every slice is staged), their packed rows' slabs and the unpack scratches
+    buffers (every slice is staged), their packed rows' slabs and the unpack scratch
     (`PackedTier`)."""
     sizing = plan.packed
     assert sizing is not None
@@ -142,7 +141,7 @@ def packed_buffers(layout: KVLayout, plan: KVPlan, cap: int, on_device: int) -> 
     if on_device:
         rows, per = -(-cap // sizing.group), sizing.extent_rows(cap)
         buffers += _slabs(per * sizing.row_bytes, on_device * -(-rows // per))
-    buffers += [sizing.scratch_rows(ring) * sizing.row_bytes] * UNPACK_SCRATCHES
+    buffers.append((ring // sizing.group + 2) * sizing.row_bytes)
     return buffers
 
 

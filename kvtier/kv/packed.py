@@ -10,13 +10,7 @@ int8: ~1/1.8, fp8: ~1/2 of bf16), and the values attended are exactly `codec.rou
  tokens of a slice:  [ 0 ............................ coded )[ coded ........ length )
  host:               packed rows (PackedTier)                 bf16 HostSlice (write-backs)
  load to GPU:        rows -> scratch -> unpack -> buf[0:coded]  copy -> buf[coded:length]
- streams:            H2D     (H2D)      unpack stream          H2D
 ```
-
-A staging load (`load_into`) copies its rows on the H2D stream into one of two scratches and
-unpacks them on the unpack stream, so the next load's copy runs while this one unpacks: the link
-carries packed bytes back to back (with one scratch the unpack kernel sat between two copies on
-the H2D stream, ~60 ms a token at 512K int4 on the H200).
 
 The full-precision host copy keeps only the uncoded tail (`TailHostSlice`, a ring of two
 extents), so host RAM holds the packed rows plus a few thousand tokens per slice: the longest
@@ -31,9 +25,9 @@ from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.hooks import KVCodec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
-from kvtier.kv.streams import Event, Streams
+from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HostArena, TierAccount, device_slab_bytes
-from kvtier.planner.packed import UNPACK_SCRATCHES, PackedSizing
+from kvtier.planner.packed import PackedSizing
 
 
 class TailHostSlice(HostSlice):
@@ -127,83 +121,49 @@ class PackedTier:
             self.rows.update({sid: HostSlice(arena, extent_rows) for sid in group})
         self.reserve(capacity)
         self.coded = 0  # leading tokens of every streamed slice stored packed
-        # Staging loads alternate between these: one fills on the H2D stream while the other is
-        # unpacked on the unpack stream (`load_into`).
-        shape = (
-            PackedSizing.of(codec, layout.group_size, layout.head_dim).scratch_rows(scratch_tokens),
-            self.row_bytes,
-        )
-        new = (
-            memory.empty if memory is not None else (lambda sh, dt: torch.empty(sh, dtype=dt, device=device))
-        )
-        self.scratches = [new(shape, torch.uint8) for _ in range(UNPACK_SCRATCHES)]
-        self._unpacked: list[Event | None] = [None] * UNPACK_SCRATCHES  # last unpack from each
-        self._next_scratch = 0
-        account.alloc(GPU, sum(s.numel() for s in self.scratches))
+        # One load at a time unpacks from here: loads run in order on the H2D stream.
+        shape = (scratch_tokens // g + 2, self.row_bytes)
+        if memory is not None:
+            self.scratch = memory.empty(shape, torch.uint8)
+        else:
+            self.scratch = torch.empty(shape, dtype=torch.uint8, device=device)
+        account.alloc(GPU, self.scratch.numel())
 
     def reserve(self, tokens: int) -> None:
         rows = -(-tokens // self.codec.group)
         for r in self.rows.values():
             r.reserve(rows)
 
-    def read_into(self, sid: int, host: HostSlice, dst: torch.Tensor, start: int, end: int) -> int:
-        """Tokens [start, end) of slice `sid` into dst[: end - start], all on the current stream:
-        coded ones unpacked from rows (read into a fresh buffer), the rest copied from `host`.
-        Returns the bytes sent over PCIe (0 for a slice kept on the device)."""
+    def read_into(
+        self, sid: int, host: HostSlice, dst: torch.Tensor, start: int, end: int, *, scratch: bool = True
+    ) -> int:
+        """Tokens [start, end) of slice `sid` into dst[: end - start] on the current stream: coded
+        ones unpacked from rows, the rest copied from `host`. Returns the bytes sent over PCIe
+        (0 for a slice kept on the device).
+
+        `scratch`: unpack from the shared scratch; only for loads issued in order on one stream
+        (the staging ring's). Other callers get a fresh buffer."""
         g = self.codec.group
         c = min(max(self.coded, start), end)
         moved = 0
         if c > start:
             r0, r1 = start // g, -(-c // g)
-            rows = torch.empty(r1 - r0, self.row_bytes, dtype=torch.uint8, device=self.device)
+            if scratch and r1 - r0 <= self.scratch.shape[0]:
+                rows = self.scratch[: r1 - r0]
+            else:
+                rows = torch.empty(r1 - r0, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.rows[sid].read_into(rows, r0, r1)
-            self._unpack(rows, dst[: c - start], start - r0 * g)
+            out = dst[: c - start]
+            whole = start % g == 0 and (c - start) % g == 0  # out is exactly the rows' tokens
+            if not (whole and self.codec.unpack_into(rows, out)):
+                lay = self.layout
+                kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [(r1 - r0) g, ...]
+                out.copy_(kv[start - r0 * g : c - r0 * g])
             moved += (r1 - r0) * self.row_bytes
         if end > c:
             host.read_into(dst[c - start : end - start], c, end)
             moved += (end - c) * self.layout.token_bytes
         return 0 if sid in self.device_slices else moved
-
-    def load_into(
-        self, sid: int, host: HostSlice, dst: torch.Tensor, start: int, end: int, streams: Streams
-    ) -> tuple[int, Event | None]:
-        """`read_into` for a staging load issued on the H2D stream (loads come in order there):
-        the rows cross into the next scratch and are unpacked on `streams`' unpack stream, so
-        the H2D stream goes on to the next load at once. Returns the bytes sent over PCIe and
-        the event of the unpack (None: nothing unpacked, or on the CPU); dst is ready once it
-        and the H2D stream's work so far are done."""
-        g = self.codec.group
-        c = min(max(self.coded, start), end)
-        r0, r1 = start // g, -(-c // g)
-        if c <= start or r1 - r0 > self.scratches[0].shape[0]:
-            return self.read_into(sid, host, dst, start, end), None
-        k = self._next_scratch
-        self._next_scratch = (k + 1) % len(self.scratches)
-        rows = self.scratches[k][: r1 - r0]
-        streams.wait([self._unpacked[k]])  # the last unpack from this scratch has read it
-        self.rows[sid].read_into(rows, r0, r1)
-        copied = streams.record()
-        with streams.on_unpack():
-            streams.wait([copied])
-            self._unpack(rows, dst[: c - start], start - r0 * g)
-            unpacked = streams.record()
-        self._unpacked[k] = unpacked
-        moved = (r1 - r0) * self.row_bytes
-        if end > c:
-            host.read_into(dst[c - start : end - start], c, end)
-            moved += (end - c) * self.layout.token_bytes
-        return (0 if sid in self.device_slices else moved), unpacked
-
-    def _unpack(self, rows: torch.Tensor, out: torch.Tensor, skip: int) -> None:
-        """Unpack rows into out on the current stream, from token `skip` of the first row."""
-        if not (
-            skip == 0
-            and out.shape[0] == rows.shape[0] * self.codec.group
-            and self.codec.unpack_into(rows, out)
-        ):
-            lay = self.layout
-            kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [rows g, 2, G, D]
-            out.copy_(kv[skip : skip + out.shape[0]])
 
     def read_runs_into(
         self, sid: int, host: HostSlice, dst: torch.Tensor, spans: list[tuple[int, int, int]]
@@ -267,7 +227,7 @@ class PackedTier:
         return coded // self.codec.group * self.row_bytes + (length - coded) * self.layout.token_bytes
 
     def close(self) -> None:
-        self.account.free(GPU, sum(s.numel() for s in self.scratches))
+        self.account.free(GPU, self.scratch.numel())
         self.rows.clear()
         for arena in self.arenas:
             arena.close()

@@ -55,7 +55,9 @@ class SliceReader:
         dst = self._empty(end - start)
         self.streams.wait([self.host.last_write])
         if self.packed is not None:
-            self.account.h2d_bytes += self.packed.read_into(self.sid, self.host, dst, start, end)
+            self.account.h2d_bytes += self.packed.read_into(
+                self.sid, self.host, dst, start, end, scratch=False
+            )
         else:
             self.host.read_into(dst, start, end)
             self.account.h2d_bytes += (end - start) * self.layout.token_bytes

@@ -36,10 +36,9 @@ class Load:
     end: int
 
 
-# read(slice_id, dst, start, end) -> (bytes sent, event): copy tokens [start, end) of a streamed
-# slice into dst[: end - start] on the current stream, or partly on another stream whose work
-# the event marks (None: all on the current stream).
-Reader = Callable[[int, torch.Tensor, int, int], tuple[int, Event | None]]
+# read(slice_id, dst, start, end) -> bytes sent: copy tokens [start, end) of a streamed slice
+# into dst[: end - start] on the current stream.
+Reader = Callable[[int, torch.Tensor, int, int], int]
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Loaded:
     load: Load
     buffer: int
     view: torch.Tensor  # the whole buffer, [tokens, 2, G, D]
-    ready: list[Event | None]  # all of them done: the buffer holds the load
+    ready: Event | None
 
 
 class StagingRing:
@@ -106,13 +105,12 @@ class StagingRing:
             # the slice that used it last, and the host tokens may still be in flight from the
             # previous step's write-back: wait for all three before overwriting.
             self.streams.wait([*self._free_after[b], host.last_write])
-            aside: Event | None = None
             if self._read is None:
                 host.read_into(buf, load.start, load.end)
                 moved = (load.end - load.start) * self.token_bytes
             else:
-                moved, aside = self._read(load.slice_id, buf, load.start, load.end)
-            ready = [self.streams.record(), aside]
+                moved = self._read(load.slice_id, buf, load.start, load.end)
+            ready = self.streams.record()
         self.account.h2d_bytes += moved
         self._inflight.append(Loaded(load, b, buf, ready))
 
@@ -124,7 +122,7 @@ class StagingRing:
         loaded = self._inflight.popleft()
         if loaded.load != load:
             raise RuntimeError(f"staging schedule out of order: expected {load}, have {loaded.load}")
-        self.streams.wait(loaded.ready)
+        self.streams.wait([loaded.ready])
         self._fill()
         return loaded
 

@@ -54,7 +54,7 @@ from kvtier.kv.packed import PackedTier
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
-from kvtier.kv.streams import Event, Streams
+from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.kv.write_back import HostWrites
@@ -347,9 +347,9 @@ class TieredKVStore:
         if buf.shape[0] > 2 * target and sid not in self._bounded:  # NOTE: a bounded slice keeps its size
             self._resize_slice(sid, target)
 
-    def _read_packed(self, sid: int, dst: torch.Tensor, start: int, end: int) -> tuple[int, Event | None]:
+    def _read_packed(self, sid: int, dst: torch.Tensor, start: int, end: int) -> int:
         assert self.packed is not None
-        return self.packed.load_into(sid, self.hosts[sid], dst, start, end, self.streams)
+        return self.packed.read_into(sid, self.hosts[sid], dst, start, end)
 
     def _schedule(self, n_new: int) -> list[Load]:
         assert self.ring is not None

@@ -9,9 +9,8 @@ plus the codec's full-precision window long:
  tail:  2 x round_up(uncoded + chunk, block) tokens x token bytes
 ```
 
-Streamed slices keep both in host memory; resident ones in GPU memory. Loads unpack through
-`UNPACK_SCRATCHES` GPU scratches of rows, one staging buffer each: a load's rows cross into one
-while the GPU unpacks the previous load's from the other, so the link never waits for an unpack.
+Streamed slices keep both in host memory; resident ones in GPU memory, where loads unpack
+through a scratch of rows for one staging buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from kvtier.errors import ConfigError
 from kvtier.planner.memory import round_up
 
 ROWS_EXTENT_BYTES = 16 << 20  # one copy per 16 MiB of packed rows
-UNPACK_SCRATCHES = 2  # GPU scratches of packed rows that loads alternate between
 
 
 @runtime_checkable
@@ -89,10 +87,6 @@ class PackedSizing:
         """Full-precision tokens of a slice's tail ring (two extents)."""
         return 2 * round_up(self.uncoded + chunk, block_size)
 
-    def scratch_rows(self, staging_tokens: int) -> int:
-        """Rows of one unpack scratch: those of one staging load (and two partial rows)."""
-        return staging_tokens // self.group + 2
-
     def scratch_bytes(self, staging_tokens: int) -> int:
-        """GPU bytes of the `UNPACK_SCRATCHES` scratches staging loads unpack from."""
-        return UNPACK_SCRATCHES * self.scratch_rows(staging_tokens) * self.row_bytes
+        """GPU rows one staging load unpacks from."""
+        return (staging_tokens // self.group + 2) * self.row_bytes

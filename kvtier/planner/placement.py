@@ -45,7 +45,7 @@ from kvtier.planner.memory import (
     window_kv_bytes,
     window_tokens,
 )
-from kvtier.planner.packed import UNPACK_SCRATCHES, PackedFormat, PackedSizing
+from kvtier.planner.packed import PackedFormat, PackedSizing
 from kvtier.planner.roofline import MIN_CHUNK, default_chunk_size
 
 MIN_REDUCED_CHUNK = 256  # the planner halves the roofline chunk no further than this
@@ -302,12 +302,12 @@ def plan_kv(
         if best is None or (cost, n) < best[:2]:
             best = (cost, n, plan)
     if best is None and host_error is None:
-        # NOTE: the budget check above counts a packed slice's unpack scratches for one block; a
+        # NOTE: the budget check above counts a packed slice's unpack scratch for one block; a
         # load unpacks the whole slice's rows, so a long packed context can still not fit.
         raise CapacityError(
             f"{context} tokens of packed KV need {_gb(scratch_need)} of GPU memory to stream a slice "
-            f"(its packed rows unpack through {UNPACK_SCRATCHES} scratches of the whole slice), "
-            f"--gpu-memory is {_gb(gpu_budget)}; use a shorter context or a larger --gpu-memory"
+            f"(its packed rows unpack through a scratch of the whole slice), --gpu-memory is "
+            f"{_gb(gpu_budget)}; use a shorter context or a larger --gpu-memory"
         )
     if best is None:  # the budget check guarantees room for group_size 1, so the host is too small
         assert host_error is not None
