@@ -338,6 +338,17 @@ case "$group" in
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_unpack_stream
   run 80 $py bench/gpu_checks.py
   ;;
+82)
+  # issue 23: where int4's ~55 ms over the link goes (0.348 s/token at 512K, one KV head a slice,
+  # link alone, for 16.2 GB = 0.293 s): one decode step traced (is the link idle, or slow?), a
+  # third staging buffer, and lossless link-alone traced beside it. No GGUF.
+  run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step --name int4_512k_g1_trace
+  run 90 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --staging-buffers 3 --name int4_512k_g1_3buf
+  run 90 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention off --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step --name lossless_512k_g1_trace
+  ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
   # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request
