@@ -126,6 +126,8 @@ def traced_step(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
         "h2d_busy_s": busy(copies),
         "h2d_gap_s_total": sum(g for g in gaps if g > 0),
         "h2d_gaps_ms_top": [round(g * 1e3, 3) for g in gaps[:10]],
+        "h2d_gaps_over_50us": sum(g > 50e-6 for g in gaps),
+        "h2d_gap_s_over_50us": sum(g for g in gaps if g > 50e-6),
         "kernel_busy_s_by_stream": {k: busy(v) for k, v in kernels.items()},
         "kernel_count_by_stream": {k: len(v) for k, v in kernels.items()},
         "top_cuda_ops": [
