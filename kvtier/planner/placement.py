@@ -313,9 +313,17 @@ def plan_kv(
         assert host_error is not None
         raise host_error
     chosen = on_cpu(best[2])
-    if group_size is None and codec is None and cpu_attention == "auto" and chosen.cpu_slices:
+    # NOTE: over a quantized cache the least-streaming slicing may give the CPU nothing where a
+    # finer one splits well (its slices are a layer's smaller share), so finer ones are tried
+    # either way; the CPU then attends at its packed rate.
+    if group_size is None and cpu_attention == "auto" and (chosen.cpu_slices or codec is not None):
+        split_hw = (
+            hw
+            if codec is None
+            else replace(hw, cpu_attention_bw=hw.cpu_packed_rate(native_row_format(codec)))
+        )
         finer = [on_cpu(p) for p in feasible if p.group_size < chosen.group_size]  # NOTE: ~20 ms each
-        chosen = _fastest_split(cfg, chosen, finer, hw, dtype_bytes)
+        chosen = _fastest_split(cfg, chosen, finer, split_hw, dtype_bytes)
     return chosen
 
 
@@ -333,7 +341,9 @@ def _fastest_split(
     the CPU take a layer's share more evenly: on the H200 at 512K under 24 GiB one KV head a
     slice decoded at 0.671 s/token against 0.709 for four, on one machine start (simulated
     0.634 and 0.671; `bench/results/cpu_attention_512k_g1_merged.json`,
-    `cpu_attention_decode_wide.json`)."""
+    `cpu_attention_decode_wide.json`); over int4 KV one head a slice 0.275 against four heads'
+    0.315 on two starts (`cpu_attention_int4_512k_g1.json`, `cpu_attention_int4_512k_wide.json`).
+    `hw`'s CPU rate is the one the split attends at (a quantized cache's packed rate)."""
 
     def step(plan: KVPlan) -> float:
         return decode_step_s(cfg, plan.slice_shape(cfg), hw, dtype_bytes, plan.cpu_slices)
