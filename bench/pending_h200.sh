@@ -358,6 +358,17 @@ case "$group" in
   run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --name cpu_attention_int4_512k_g1_same_start
   ;;
+84)
+  # issue 23, int4's link idle (55 ms a token at 512K, one head a slice: int4_512k_g1_trace.json,
+  # an H100). The traced step's H2D stream ran 256 unpacks (37 ms) and 448 device-to-device row
+  # copies between its host copies: 192 streamed unpacks (~28 ms) and 64 device-packed loads
+  # (~18 ms) account for ~46 of the 55. The A/B on one warm machine: this group traced as the
+  # tree is, then in the next call the same with the unpack stream applied to the working tree
+  # (`git show 7af4a1c -- kvtier | git apply`, reverted in 866cf5d: on the H200 it measured 0.348
+  # against 0.363 on the H100, machines apart). No GGUF.
+  run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step --name int4_512k_g1_trace_ab
+  ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
   # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request
