@@ -325,7 +325,6 @@ def check_before_loading(args: argparse.Namespace) -> None:
         of_rank(read_model_config(args.model))  # ConfigError before any process starts
     if args.gpu_memory is None and args.head_group is None:
         return
-    import torch
 
     from kvtier.engine.config import EngineConfig
     from kvtier.methods import MethodChoice, PlanInputs, plan_for
@@ -342,7 +341,7 @@ def check_before_loading(args: argparse.Namespace) -> None:
     )
     device = config.torch_device()
     dtype = config.torch_dtype(device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     cfg = place_experts(
         of_rank(read_model_config(args.model)),
         config.gpu_memory,

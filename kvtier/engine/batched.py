@@ -196,7 +196,7 @@ def own_stores(
     budget = llm.gpu_budget()
     share = None
     if budget is not None:
-        itemsize = torch.empty((), dtype=llm.dtype).element_size()
+        itemsize = llm.dtype.itemsize
         weights = weight_bytes(llm.model_config, itemsize)
         share = weights + max(0, budget - weights) // len(seqs)
     made: list[TieredKVStore] = []

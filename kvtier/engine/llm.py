@@ -172,7 +172,7 @@ class LLM:
         when the weights would leave too little of --gpu-memory on a GPU)."""
         if self.config.experts == "gpu":
             return False  # NOTE: no config read for the default of most models
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         cfg = place_experts(
             read_model_config(model),
             self.config.gpu_memory,
@@ -298,7 +298,7 @@ class LLM:
             self.model_config,
             context,
             hardware=self.hardware(),
-            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            dtype_bytes=self.dtype.itemsize,
             gpu_budget=self.gpu_budget(),
             host_budget=rank_host_budget(
                 host_memory_available() if self.device.type == "cuda" else None,

@@ -148,7 +148,7 @@ class TieredCache(Cache):
             self.model_config,
             self.context,
             hardware=self.hardware(),
-            dtype_bytes=torch.empty((), dtype=self.dtype).element_size(),
+            dtype_bytes=self.dtype.itemsize,
             gpu_budget=budget,
             host_budget=host_memory_available() if cuda else None,
             kv=self.method.kv,

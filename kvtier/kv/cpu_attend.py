@@ -262,7 +262,7 @@ def measured_rates(dtype: torch.dtype, head_dim: int, q_per_kv: int) -> tuple[fl
     caches), and a threaded fp32 sum over as many bytes. Takes about a second (plus the kernel's build
     on first use)."""
     nbytes = 256 << 20
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     tokens = nbytes // (2 * head_dim * item)
     ext = torch.full((tokens, 2, 1, head_dim), 0.01, dtype=dtype)
     q = torch.full((q_per_kv, head_dim), 0.01, dtype=dtype)

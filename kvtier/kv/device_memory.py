@@ -68,7 +68,7 @@ class RegionMemory:
         return self.region.numel()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         nbytes = math.prod(shape) * itemsize
         start = -(-self.used // ALIGN) * ALIGN
         if start + nbytes > self.capacity:
@@ -106,7 +106,7 @@ def region_buffers(
     store asks for their full-precision tail rings, the staging buffers, their packed rows and
     the scratch loads unpack from (`packed_buffers`)."""
     cap = layout.round_up(max(capacity, 1))
-    token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
+    token = layout.token_bytes
     others = layout.num_slices - windowed
     placed = others - plan.compact_slices  # head sparsity's compact slices are not placed
     if packing and plan.packed is not None:
@@ -131,7 +131,7 @@ def packed_buffers(layout: KVLayout, plan: KVPlan, cap: int, on_device: int) -> 
     (`PackedTier`)."""
     sizing = plan.packed
     assert sizing is not None
-    token = 2 * layout.group_size * layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
+    token = layout.token_bytes
     buffers: list[int] = []
     if on_device:
         extent_tokens = layout.round_up(sizing.uncoded + plan.chunk_size)

@@ -62,7 +62,7 @@ class KVLayout:
     @property
     def token_bytes(self) -> int:
         """Bytes of one token of one slice (K and V of `group_size` heads)."""
-        return 2 * self.group_size * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.group_size * self.head_dim * self.dtype.itemsize
 
     def slice_index(self, layer: int, group: int) -> int:
         """Position of (layer, group) in execution order: layer-major."""

@@ -93,7 +93,7 @@ class HostArena:
         for n in extent_shape:
             numel *= n
         self.extent_numel = numel
-        extent_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        extent_bytes = numel * dtype.itemsize
         self.extents_per_slab = max(1, slab_bytes // extent_bytes)
         self._slabs: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []

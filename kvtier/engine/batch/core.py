@@ -107,7 +107,7 @@ class BatchEngine:
         """(device pages, host-tier pages): as given, checked against the memory budget, or sized
         from it (`kvtier.engine.batch.sizing`). Raises CapacityError before anything is allocated."""
         cfg, host_ = self.config, self.host
-        itemsize = torch.empty((), dtype=host_.dtype).element_size()
+        itemsize = host_.dtype.itemsize
         per_page = cfg.page_size * host_.model_config.kv_bytes_per_token(itemsize)
         budget = measure_pool_budget(
             host_.model_config,

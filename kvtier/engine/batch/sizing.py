@@ -191,7 +191,7 @@ def measure_pool_budget(
     is the GPU's offload term (`PoolBudget.with_default_offload` sizes a default). None on a CPU whose
     available memory is unknown (not Linux): nothing to check against.
     """
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     activation = step_activation_bytes(cfg, max_num_batched_tokens, max_num_seqs, itemsize)
     if device.type == "cuda":
         assert gpu_budget is not None
