@@ -270,3 +270,25 @@ def test_auto_takes_finer_slices_over_a_quantized_cache_too() -> None:
     assert auto.gpu_kv_bytes <= budget
     unmeasured = planned(H200, cpu_attention="auto")
     assert (unmeasured.group_size, unmeasured.cpu_slices) == (4, 0)
+
+
+def test_packed_loads_count_their_unpack_on_the_link_stream() -> None:
+    """int4 at 512K on the link alone: a load's unpack runs on the H2D stream and slices packed
+    on the device load through the ring too, so the link waits for them (a traced step:
+    bench/results/int4_512k_g1_trace.json). With `Hardware.unpack_bw` the simulation gives the
+    measured steps of four heads a slice (H200) and one (H100, the same host kind) within 8%;
+    without it, 13-14% short."""
+    from kvtier.policies.quant import KiviCodec
+
+    codec = KiviCodec(bits=4)
+    for name, g in (("cpu_attention_int4_512k_wide", 4), ("int4_512k_g1_trace", 1)):
+        row = json.loads(Path(f"bench/results/{name}.json").read_text())["rows"][0]
+        p = row["plan"]
+        assert p["group_size"] == g and p["cpu_slices"] == 0
+        per_token = codec.row_bytes(g, 128) / codec.group
+        shape = SliceShape(
+            32, 8 // g, p["resident_slices"], row["context"], 512 * g, 1, p["staging_buffers"], per_token
+        )
+        measured = row["decode_s_per_token"]
+        assert decode_step_s(LLAMA3, shape, H200, 2, 0) == pytest.approx(measured, rel=0.08)
+        assert decode_step_s(LLAMA3, shape, replace(H200, unpack_bw=0.0), 2, 0) < measured * 0.87

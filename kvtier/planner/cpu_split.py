@@ -144,6 +144,11 @@ def decode_step_s(
     read_bytes = shape.context * (shape.read_token_bytes or shape.slice_token_bytes)
     blocks = max(shape.blocks_per_slice, 1)
     load_s = read_bytes / blocks / pcie
+    # A packed load is unpacked on the H2D stream, the link idle meanwhile; a slice packed on
+    # the device loads through the ring too: its rows copied on the device, then unpacked.
+    packed = shape.read_token_bytes > 0
+    unpack_s = slice_bytes / blocks / hw.unpack_bw if packed and hw.unpack_bw > 0 else 0.0
+    device_load_s = read_bytes / blocks / hw.hbm_bw + unpack_s
     attn_s = slice_bytes / blocks / hw.hbm_bw + hw.slice_overhead_s  # one staged block (or resident slice)
     layer_s = weight_bytes(cfg, dtype_bytes) / cfg.num_layers / hw.hbm_bw + hw.layer_overhead_s
     nbuf = max(shape.staging_buffers, 1)
@@ -160,14 +165,14 @@ def decode_step_s(
         for s in sids:
             if on_cpu[s]:
                 continue
-            if resident[s]:
+            if resident[s] and not packed:
                 gpu = max(gpu, start) + slice_bytes / hw.hbm_bw + hw.slice_overhead_s
                 continue
             for _ in range(blocks):
                 j = len(done)
                 free = done[j - nbuf] if j >= nbuf else 0.0
                 issued = taken[j - ahead] if j >= ahead else 0.0  # when the host issued load j
-                link = max(link, free, issued) + load_s
+                link = max(link, free, issued) + (device_load_s if resident[s] else load_s + unpack_s)
                 gpu = max(gpu, link) + attn_s
                 done.append(gpu)
                 taken.append(host)

@@ -32,6 +32,11 @@ H200_LAYER_OVERHEAD_S = 850e-6
 H200_HOST_READ_BW = 102e9
 H200_CPU_ATTENTION_BW = 68.6e9
 H200_HOST_COMBINED_BW = 104e9
+# A packed (quantized) load's unpack kernel: 256 unpacks of one-KV-head int4 slices at 512K
+# (268 MB of bf16 each) ran 37.0 ms, 1.86e12 B/s of unpacked KV, on the H2D stream between the
+# loads' copies (a traced decode step on an H100 of the same host kind, 2026-12-05:
+# bench/results/int4_512k_g1_trace.json). Not measured on the H200 (HBM 1.25x the H100's).
+H200_UNPACK_BW = 1.86e12
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,10 @@ class Hardware:
     # each format measured ("kivi4", "fp8", ...: `kvtier.attention.row_formats.native_row_format`;
     # none: a quantized cache gets CPU slices only when told a number).
     cpu_packed_bw: tuple[tuple[str, float], ...] = ()
+    # The GPU's unpacking of packed rows into full-precision KV, in bytes of that KV a second:
+    # a quantized cache's loads run it on the H2D stream, where the link waits for it (0: not
+    # modelled).
+    unpack_bw: float = 0.0
 
     def __post_init__(self) -> None:
         for field_name in ("flops", "hbm_bw", "pcie_bw", "memory_bytes"):
@@ -68,7 +77,7 @@ class Hardware:
                 raise ConfigError(f"hardware {self.name}: {field_name} must be positive")
         if min(self.slice_overhead_s, self.prefill_slice_overhead_s, self.layer_overhead_s) < 0:
             raise ConfigError(f"hardware {self.name}: host overheads must not be negative")
-        if min(self.cpu_attention_bw, self.host_read_bw, self.host_combined_bw) < 0 or any(
+        if min(self.cpu_attention_bw, self.host_read_bw, self.host_combined_bw, self.unpack_bw) < 0 or any(
             rate < 0 for _, rate in self.cpu_packed_bw
         ):
             raise ConfigError(f"hardware {self.name}: host CPU rates must not be negative")
@@ -102,6 +111,7 @@ _H200 = Hardware(
     cpu_attention_bw=H200_CPU_ATTENTION_BW,
     host_read_bw=H200_HOST_READ_BW,
     host_combined_bw=H200_HOST_COMBINED_BW,
+    unpack_bw=H200_UNPACK_BW,
 )
 
 HARDWARE: dict[str, Hardware] = {
