@@ -199,7 +199,7 @@ def run_policy(
             dtype_bytes=2,
             chunk_size=chunk_size,
             group_size=args.head_group if policy in ("head", "auto") else None,
-            hardware=_hardware(cfg, cpu),
+            hardware=(hw := _hardware(cfg, cpu)),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
             cpu_attention=parse_mode(cpu),
         )
@@ -209,6 +209,8 @@ def run_policy(
     if args.staging_buffers and plan.staging_buffers:
         plan = dataclasses.replace(plan, staging_buffers=args.staging_buffers)
         row["policy"] = f"{spec}/b{args.staging_buffers}"
+    if hw.cpu_packed_bw:  # the CPU rates a quantized cache's split took (measured here)
+        row["cpu_packed_bw"] = dict(hw.cpu_packed_bw)
     row["plan"] = {
         k: getattr(plan, k)
         for k in (
