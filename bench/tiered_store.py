@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import KV_FILLS, fill_store, median, pinned_h2d_gbps, timed, write_results
 from kvtier.errors import CapacityError
 from kvtier.kv.cpu_attend import measured_packed_rates
+from kvtier.kv.hooks import StoreOptions
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
@@ -235,7 +236,13 @@ def run_policy(
     store = None
     try:
         store = TieredKVStore(
-            cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=total, **method_parts(cfg, model, method)
+            cfg,
+            plan,
+            device=DEV,
+            dtype=torch.bfloat16,
+            capacity=total,
+            options=StoreOptions(unpack_stream=args.unpack_stream),
+            **method_parts(cfg, model, method),
         )
         gen = torch.Generator(device=DEV).manual_seed(0)
         # NOTE: a plan's chunk may exceed a short context (DeepSeek-V2-Lite's 9,216 at the 8K
@@ -411,6 +418,12 @@ def main() -> None:
         default="auto",
         help="the stored context's KV: auto (structured for quest rows, whose page selection "
         "reads it; synthetic for the rest, whose speed does not), structured or synthetic",
+    )
+    ap.add_argument(
+        "--unpack-stream",
+        action="store_true",
+        help="a quantized cache's loads unpacked on a stream of their own (StoreOptions."
+        "unpack_stream; its second scratch is not in the plan)",
     )
     ap.add_argument(
         "--trace-step",

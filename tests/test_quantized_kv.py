@@ -292,3 +292,82 @@ def test_the_store_refuses_what_is_not_a_codec_when_built(
     if not isinstance(codec, RawBytes):
         with pytest.raises(ConfigError, match="cannot size packed slices"):
             PackedSizing.of(codec, 1, cfg.head_dim)
+
+
+@pytest.mark.parametrize("resident", [0, 3])
+def test_loads_unpacked_on_their_own_stream_give_the_same_logits(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch, resident: int
+) -> None:
+    """`StoreOptions.unpack_stream`: a streamed slice's rows are copied on the H2D stream into
+    alternating scratches and unpacked on the unpack stream; a slice packed on the device is
+    unpacked there from its rows, extent by extent (3-row extents here), with nothing on the
+    H2D stream. The same logits bit for bit and the same bytes moved as the loads unpacked on
+    the H2D stream."""
+    import contextlib
+
+    import kvtier.planner.packed as packed_sizes
+    from kvtier.kv.streams import Streams
+    from tests.policy_store import DECODE, PROMPT, drive_store
+
+    model, cfg = gqa
+    codec = KiviCodec(bits=4, group=8, residual=16)
+    monkeypatch.setattr(packed_sizes, "ROWS_EXTENT_BYTES", 3 * codec.row_bytes(1, cfg.head_dim))
+    plan = KVPlan("head", 1, resident, 25, 2, PROMPT + DECODE)
+
+    def store(aside: bool) -> TieredKVStore:
+        return TieredKVStore(
+            cfg,
+            plan,
+            device=CPU,
+            dtype=torch.float32,
+            capacity=PROMPT + DECODE,
+            options=StoreOptions(block_size=8, unpack_stream=aside),
+            **PolicyParts(codec=codec).store_kwargs(),
+        )
+
+    on: list[str] = []  # the streams entered, innermost last
+    unpacked: list[tuple[tuple[str, ...], int]] = []  # (streams entered, scratch read or -1)
+
+    def entering(label: str) -> contextlib.AbstractContextManager[None]:
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            on.append(label)
+            try:
+                yield
+            finally:
+                on.pop()
+
+        return ctx()
+
+    monkeypatch.setattr(Streams, "on_h2d", lambda self: entering("h2d"))
+    monkeypatch.setattr(Streams, "on_unpack", lambda self: entering("unpack"))
+    original = KiviCodec.unpack_into
+    a, b = store(False), store(True)
+    assert a.packed is not None and b.packed is not None
+    assert (len(a.packed.scratches), len(b.packed.scratches)) == (1, 2)
+    scratches: list[torch.Tensor] = []  # of the store being driven
+
+    def spy(self: KiviCodec, rows: torch.Tensor, dst: torch.Tensor) -> bool:
+        which = [i for i, t in enumerate(scratches) if rows.data_ptr() == t.data_ptr()]
+        unpacked.append((tuple(on), which[0] if which else -1))
+        return original(self, rows, dst)
+
+    monkeypatch.setattr(KiviCodec, "unpack_into", spy)
+    scratches[:] = a.packed.scratches
+    ref = drive_store(model, cfg, a, chunk=25)
+    before = unpacked[:]
+    unpacked.clear()
+    scratches[:] = b.packed.scratches
+    got = drive_store(model, cfg, b, chunk=25)
+    for x, y in zip(ref, got, strict=True):
+        assert torch.equal(x, y)
+    assert a.account.h2d_bytes == b.account.h2d_bytes > 0
+    assert before and all(streams == ("h2d",) for streams, _ in before)  # between two copies
+    assert unpacked and all(streams == ("h2d", "unpack") for streams, _ in unpacked)
+    streamed = [i for _, i in unpacked if i >= 0]
+    assert streamed == [k % 2 for k in range(len(streamed))]  # alternating scratches
+    from_rows = len(unpacked) - len(streamed)  # device-packed rows unpacked where they lie
+    assert (from_rows > 0) == (resident > 0)
+    for s in (a, b):
+        s.close()
+        assert s.account.allocated == {"gpu": 0, "host": 0}

@@ -39,6 +39,11 @@ class StoreOptions:
     block_size: int = 256
     extent_bytes: int = 64 << 20
     extent_blocks: int | None = None
+    # A quantized cache's loads unpacked on a stream of their own, from two alternating row
+    # scratches, and slices packed on the device loaded there too, so the H2D stream only
+    # copies (`kvtier.kv.packed.PackedTier.load_into`). Off: all on the H2D stream, where the
+    # link waits for them. An A/B switch until measured on one machine start.
+    unpack_stream: bool = False
 
 
 @runtime_checkable

@@ -12,6 +12,12 @@ int8: ~1/1.8, fp8: ~1/2 of bf16), and the values attended are exactly `codec.rou
  load to GPU:        rows -> scratch -> unpack -> buf[0:coded]  copy -> buf[coded:length]
 ```
 
+With `StoreOptions.unpack_stream` a staging load (`load_into`) puts only the rows' copy on the
+H2D stream, into one of two scratches, and unpacks on the unpack stream; a slice packed on the
+device is unpacked there straight from its rows. Without it the unpack runs on the H2D stream
+between two copies, and the link waits for it (~55 ms a token at 512K int4 on an H100:
+bench/results/int4_512k_g1_trace.json).
+
 The full-precision host copy keeps only the uncoded tail (`TailHostSlice`, a ring of two
 extents), so host RAM holds the packed rows plus a few thousand tokens per slice: the longest
 context grows with the byte ratio too.
@@ -25,7 +31,7 @@ from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.hooks import KVCodec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
-from kvtier.kv.streams import Streams
+from kvtier.kv.streams import Event, Streams
 from kvtier.kv.tiers import GPU, HostArena, TierAccount, device_slab_bytes
 from kvtier.planner.packed import PackedSizing
 
@@ -86,6 +92,7 @@ class PackedTier:
         account: TierAccount,
         device_slices: frozenset[int] = frozenset(),
         memory: DeviceMemory | None = None,
+        scratches: int = 1,
     ) -> None:
         self.codec = codec
         self.layout = layout
@@ -121,13 +128,19 @@ class PackedTier:
             self.rows.update({sid: HostSlice(arena, extent_rows) for sid in group})
         self.reserve(capacity)
         self.coded = 0  # leading tokens of every streamed slice stored packed
-        # One load at a time unpacks from here: loads run in order on the H2D stream.
+        # Loads unpack from here, in order on the H2D stream; `load_into` alternates between
+        # `scratches` of them (one fills while the other is unpacked).
         shape = (scratch_tokens // g + 2, self.row_bytes)
-        if memory is not None:
-            self.scratch = memory.empty(shape, torch.uint8)
-        else:
-            self.scratch = torch.empty(shape, dtype=torch.uint8, device=device)
-        account.alloc(GPU, self.scratch.numel())
+        self.scratches = [
+            memory.empty(shape, torch.uint8)
+            if memory is not None
+            else torch.empty(shape, dtype=torch.uint8, device=device)
+            for _ in range(scratches)
+        ]
+        self.scratch = self.scratches[0]
+        self._unpacked: list[Event | None] = [None] * scratches  # the last unpack from each
+        self._next = 0
+        account.alloc(GPU, sum(s.numel() for s in self.scratches))
 
     def reserve(self, tokens: int) -> None:
         rows = -(-tokens // self.codec.group)
@@ -164,6 +177,64 @@ class PackedTier:
             host.read_into(dst[c - start : end - start], c, end)
             moved += (end - c) * self.layout.token_bytes
         return 0 if sid in self.device_slices else moved
+
+    def load_into(
+        self,
+        sid: int,
+        host: HostSlice,
+        dst: torch.Tensor,
+        start: int,
+        end: int,
+        streams: Streams,
+        free: list[Event | None],
+    ) -> tuple[int, Event | None]:
+        """`read_into` for a staging load issued on the H2D stream, writing dst only after the
+        `free` events: the H2D stream copies the rows of a streamed slice into the next scratch
+        (after the last unpack from it), and the unpack stream unpacks them and copies the
+        uncoded tail; a slice packed on the device is unpacked on the unpack stream straight
+        from its rows. Returns the bytes sent over PCIe and the event of the unpack stream's
+        work (None: all on the current stream)."""
+        g = self.codec.group
+        c = min(max(self.coded, start), end)
+        r0, r1 = start // g, -(-c // g)
+        on_device = sid in self.device_slices
+        if c <= start or start % g or (not on_device and r1 - r0 > self.scratch.shape[0]):
+            streams.wait([*free, *self._unpacked])  # read_into may fill scratch 0
+            return self.read_into(sid, host, dst, start, end), None
+        moved = 0
+        if not on_device:
+            k = self._next
+            self._next = (k + 1) % len(self.scratches)
+            rows = self.scratches[k][: r1 - r0]
+            streams.wait([self._unpacked[k], host.last_write])  # the rows' last encode, too
+            self.rows[sid].read_into(rows, r0, r1)
+            moved = (r1 - r0) * self.row_bytes
+            free = [*free, streams.record()]
+        with streams.on_unpack():
+            streams.wait(free)
+            if on_device:  # unpacked where they lie: one unpack per extent of rows
+                at = 0
+                for piece in self.rows[sid].views(r0, r1):
+                    n = min(piece.shape[0] * g, c - start - at)
+                    self._unpack(piece, dst[at : at + n])
+                    at += n
+            else:
+                self._unpack(rows, dst[: c - start])
+            if end > c:
+                host.read_into(dst[c - start : end - start], c, end)
+                moved += (end - c) * self.layout.token_bytes
+            done = streams.record()
+        if not on_device:
+            self._unpacked[k] = done
+        return (0 if on_device else moved), done
+
+    def _unpack(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Unpack rows [m, row_bytes] into out, the first out.shape[0] tokens of the rows, on
+        the current stream."""
+        if not (out.shape[0] == rows.shape[0] * self.codec.group and self.codec.unpack_into(rows, out)):
+            lay = self.layout
+            kv = self.codec.unpack(rows, lay.group_size, lay.head_dim, lay.dtype)  # [m g, 2, G, D]
+            out.copy_(kv[: out.shape[0]])
 
     def read_runs_into(
         self, sid: int, host: HostSlice, dst: torch.Tensor, spans: list[tuple[int, int, int]]
@@ -227,7 +298,7 @@ class PackedTier:
         return coded // self.codec.group * self.row_bytes + (length - coded) * self.layout.token_bytes
 
     def close(self) -> None:
-        self.account.free(GPU, self.scratch.numel())
+        self.account.free(GPU, sum(s.numel() for s in self.scratches))
         self.rows.clear()
         for arena in self.arenas:
             arena.close()

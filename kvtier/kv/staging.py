@@ -36,9 +36,11 @@ class Load:
     end: int
 
 
-# read(slice_id, dst, start, end) -> bytes sent: copy tokens [start, end) of a streamed slice
-# into dst[: end - start] on the current stream.
-Reader = Callable[[int, torch.Tensor, int, int], int]
+# read(slice_id, dst, start, end, free) -> (bytes sent, event): copy tokens [start, end) of a
+# streamed slice into dst[: end - start], its writes of dst ordered after the `free` events (the
+# buffer's last readers, the slice's last write-back), on the current stream or partly on
+# another whose work the event marks (None: all on the current stream).
+Reader = Callable[[int, torch.Tensor, int, int, list[Event | None]], tuple[int, Event | None]]
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Loaded:
     load: Load
     buffer: int
     view: torch.Tensor  # the whole buffer, [tokens, 2, G, D]
-    ready: Event | None
+    ready: list[Event | None]  # all of them done: the buffer holds the load
 
 
 class StagingRing:
@@ -104,13 +106,15 @@ class StagingRing:
             # NOTE: the buffer may still be read by attention or by the D2H of new tokens of
             # the slice that used it last, and the host tokens may still be in flight from the
             # previous step's write-back: wait for all three before overwriting.
-            self.streams.wait([*self._free_after[b], host.last_write])
+            free = [*self._free_after[b], host.last_write]
+            aside: Event | None = None
             if self._read is None:
+                self.streams.wait(free)
                 host.read_into(buf, load.start, load.end)
                 moved = (load.end - load.start) * self.token_bytes
             else:
-                moved = self._read(load.slice_id, buf, load.start, load.end)
-            ready = self.streams.record()
+                moved, aside = self._read(load.slice_id, buf, load.start, load.end, free)
+            ready = [self.streams.record(), aside]
         self.account.h2d_bytes += moved
         self._inflight.append(Loaded(load, b, buf, ready))
 
@@ -122,7 +126,7 @@ class StagingRing:
         loaded = self._inflight.popleft()
         if loaded.load != load:
             raise RuntimeError(f"staging schedule out of order: expected {load}, have {loaded.load}")
-        self.streams.wait([loaded.ready])
+        self.streams.wait(loaded.ready)
         self._fill()
         return loaded
 

@@ -54,7 +54,7 @@ from kvtier.kv.packed import PackedTier
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
-from kvtier.kv.streams import Streams
+from kvtier.kv.streams import Event, Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.kv.write_back import HostWrites
@@ -196,6 +196,7 @@ class TieredKVStore:
         # A packing codec keeps coded tokens packed (kvtier.kv.packed): loads of streamed slices
         # move packed bytes over PCIe; values are identical to the codec's round trip.
         self.packed: PackedTier | None = None
+        self._unpack_stream = opts.unpack_stream
         if packer is not None and self.ring is not None:
             self.packed = PackedTier(
                 packer,
@@ -207,6 +208,7 @@ class TieredKVStore:
                 account=self.account,
                 device_slices=self.on_device,
                 memory=self.memory,
+                scratches=2 if opts.unpack_stream else 1,
             )
         # A kernel's decode caches (HiP's block caches) come after the store's buffers from memory
         # the store was given (a server's lent pages: `kvtier.methods.registry.Placement`'s
@@ -347,9 +349,14 @@ class TieredKVStore:
         if buf.shape[0] > 2 * target and sid not in self._bounded:  # NOTE: a bounded slice keeps its size
             self._resize_slice(sid, target)
 
-    def _read_packed(self, sid: int, dst: torch.Tensor, start: int, end: int) -> int:
+    def _read_packed(
+        self, sid: int, dst: torch.Tensor, start: int, end: int, free: list[Event | None]
+    ) -> tuple[int, Event | None]:
         assert self.packed is not None
-        return self.packed.read_into(sid, self.hosts[sid], dst, start, end)
+        if self._unpack_stream:
+            return self.packed.load_into(sid, self.hosts[sid], dst, start, end, self.streams, free)
+        self.streams.wait(free)
+        return self.packed.read_into(sid, self.hosts[sid], dst, start, end), None
 
     def _schedule(self, n_new: int) -> list[Load]:
         assert self.ring is not None

@@ -14,12 +14,14 @@ Event = torch.cuda.Event
 
 
 class Streams:
-    """The compute stream plus one host-to-device and one device-to-host copy stream."""
+    """The compute stream plus one host-to-device and one device-to-host copy stream, and one
+    that unpacks quantized loads (`StoreOptions.unpack_stream`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.unpack = torch.cuda.Stream(device) if self.cuda else None
 
     def record(self) -> Event | None:
         """An event marking all work queued so far on the current stream."""
@@ -41,6 +43,9 @@ class Streams:
 
     def on_d2h(self) -> contextlib.AbstractContextManager[None]:
         return _On(self.d2h) if self.d2h is not None else contextlib.nullcontext()
+
+    def on_unpack(self) -> contextlib.AbstractContextManager[None]:
+        return _On(self.unpack) if self.unpack is not None else contextlib.nullcontext()
 
     def synchronize(self) -> None:
         if self.cuda:
