@@ -28,7 +28,7 @@ from kvtier.policies.quant import KiviCodec
 DEV = torch.device("cuda")
 
 
-def run(model, cfg, plan, ids, decode=6, feed=None, codec=None):  # type: ignore[no-untyped-def]
+def run(model, cfg, plan, ids, decode=6, feed=None, codec=None, unpack_stream=False):  # type: ignore[no-untyped-def]
     """Logits of `ids` then `decode` greedy steps, and the argmax of each step. With `feed`
     (the reference's tokens) the steps decode those tokens instead of their own argmax, so the
     logits compare like for like even where a near tie flips an argmax."""
@@ -38,7 +38,7 @@ def run(model, cfg, plan, ids, decode=6, feed=None, codec=None):  # type: ignore
         device=DEV,
         dtype=torch.bfloat16,
         capacity=ids.shape[0] + decode,
-        options=StoreOptions(block_size=64, extent_blocks=3),
+        options=StoreOptions(block_size=64, extent_blocks=3, unpack_stream=unpack_stream),
         codec=codec,
     )
     logits, toks = [], []
@@ -151,6 +151,16 @@ def main() -> None:
     }.items():
         lg, t = run(model, cfg, plan, ids, feed=q_t, codec=int4)
         results[name] = {"tokens_equal": t == q_t, "rel": float((lg - q_ref).norm() / q_ref.norm())}
+    # The same int4 cache with its loads unpacked on a stream of their own (StoreOptions.
+    # unpack_stream), some slices packed on the device: the same kernels on other streams, so
+    # bitwise equal if the events order them right.
+    for name, plan in {
+        "int4-unpack-stream-g1": p("head", 1, 0, 1536),
+        "int4-unpack-stream-auto-g1-r7": replace(p("auto", 1, 7, 1536), num_slices=16),
+    }.items():
+        base, bt = run(model, cfg, plan, ids, codec=int4)
+        lg, t = run(model, cfg, plan, ids, codec=int4, unpack_stream=True)
+        results[name] = {"tokens_equal": t == bt, "bitwise": bool(torch.equal(lg, base))}
     results["moe-experts-on-host"] = experts_on_host_check()
     # lower-right causal flash path vs an fp32 reference
     q = torch.randn(300, 32, 128, device=DEV, dtype=torch.bfloat16)

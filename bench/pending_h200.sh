@@ -171,6 +171,11 @@
 #   && cp .gguf_a/gguf_part_aa /tmp/gg/ && source bench/h200_setup.sh >/dev/null 2>&1 && bash
 #   bench/pending_h200.sh 78`; call B, at once, carries .whl and .gguf_b: the smoke (1, then 64);
 #   then 76 (issue 23), 73, 69.
+# The thirty-second session ran 79 (76's first and third rows), the smoke (1, 64: 29+28+26, the
+#   last two serve checks cut by the then 220 s limit), 78 (both rows), 81 and 82 (on an H100).
+#   NEXT: 84 alone in a call (~9 min; the A/B of --unpack-stream on one start), then 83 (auto's
+#   slicing over int4), the smoke (the GGUF's two calls: kvtier/ changed after it: the planner's
+#   int4 slicing and unpack model, StoreOptions.unpack_stream), 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -362,12 +367,18 @@ case "$group" in
   # issue 23, int4's link idle (55 ms a token at 512K, one head a slice: int4_512k_g1_trace.json,
   # an H100). The traced step's H2D stream ran 256 unpacks (37 ms) and 448 device-to-device row
   # copies between its host copies: 192 streamed unpacks (~28 ms) and 64 device-packed loads
-  # (~18 ms) account for ~46 of the 55. The A/B on one warm machine: this group traced as the
-  # tree is, then in the next call the same with the unpack stream applied to the working tree
-  # (`git show 7af4a1c -- kvtier | git apply`, reverted in 866cf5d: on the H200 it measured 0.348
-  # against 0.363 on the H100, machines apart). No GGUF.
-  run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
-    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step --name int4_512k_g1_trace_ab
+  # (~18 ms) account for ~46 of the 55. StoreOptions.unpack_stream (--unpack-stream) takes both
+  # off it: the A/B on one machine start, traced, then with CPU slices; then the CUDA checks
+  # (int4-unpack-stream rows: bitwise). No GGUF.
+  for a in "" "--unpack-stream"; do
+    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step $a --name "int4_512k_g1_trace_ab${a:+_unpack}"
+  done
+  for a in "" "--unpack-stream"; do
+    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
+  done
+  run 80 $py bench/gpu_checks.py
   ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
