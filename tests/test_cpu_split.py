@@ -224,7 +224,8 @@ def test_a_quantized_cache_splits_at_the_cpus_packed_rate() -> None:
     assert planned((("kivi8", 2.5 * rate),)).cpu_slices == 0  # a rate for other rows only
     assert planned(()).cpu_slices == 0  # not measured
     assert planned((), 6).cpu_slices == 6  # a number is taken as given
-    assert H200.cpu_packed_rate("kivi4") == 0.0
+    assert H200.cpu_packed_rate("kivi4") == 22.5e9  # the preset's, measured there
+    assert replace(H200, cpu_packed_bw=()).cpu_packed_rate("kivi4") == 0.0
     assert replace(H200, cpu_packed_bw=(("kivi4", 1.0),)).cpu_packed_rate("kivi4") == 1.0
 
 
@@ -268,7 +269,7 @@ def test_auto_takes_finer_slices_over_a_quantized_cache_too() -> None:
     )
     assert t_auto < t_four * 0.98
     assert auto.gpu_kv_bytes <= budget
-    unmeasured = planned(H200, cpu_attention="auto")
+    unmeasured = planned(replace(H200, cpu_packed_bw=()), cpu_attention="auto")
     assert (unmeasured.group_size, unmeasured.cpu_slices) == (4, 0)
 
 

@@ -136,6 +136,19 @@ def test_plan_predicts_lossy_pcie_bytes(capsys: CapSys) -> None:
     assert packed["pcie_gb_per_token"] < rec["pcie_gb_per_decode_token"] / 3.2
     assert _main(["plan", *base, "--kv-quant", "int4", "--head-sparsity", "0.5"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+    assert packed["cpu_slices"] == 0 and packed["simulated_split_decode_s"] is None
+
+
+def test_plan_splits_a_quantized_cache_with_the_cpu_at_the_presets_packed_rate(capsys: CapSys) -> None:
+    """`--kv-quant int4 --cpu-attention auto` on the H200 preset (its measured packed CPU rates):
+    a finer slicing whose CPU split the simulation makes faster than the link's floor, printed
+    in the report (it was silent: the preset had no packed rate)."""
+    base = ["--model", "llama-3-8b", "--context", "512K", "--gpu", "h200", "--gpu-memory", "24GiB"]
+    packed = _json(capsys, *base, "--kv-quant", "int4", "--cpu-attention", "auto")["lossy"]
+    assert packed["num_slices"] > 64 and 0 < packed["cpu_slices"] < packed["streamed_slices"]
+    assert packed["simulated_split_decode_s"] < packed["decode_floor_s"]
+    assert _main(["plan", *base, "--kv-quant", "int4", "--cpu-attention", "auto"]) == 0
+    assert "streamed slices on the CPU over packed rows" in capsys.readouterr().out
 
 
 def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys) -> None:

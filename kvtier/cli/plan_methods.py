@@ -46,10 +46,23 @@ def lossy_lines(
         method = f"--head-sparsity {head_sparsity:g}"
         kept = DUO_SINKS + DUO_RECENT
         got = lossy_kv(cfg, plan, ctx, dtype_bytes=b, evicted_slices=plan.compact_slices, kept_tokens=kept)
+    split_s = None
+    if plan.cpu_slices and kv_quant is not None:  # the CPU attends packed rows at its packed rate
+        from dataclasses import replace
+
+        from kvtier.attention.row_formats import native_row_format
+        from kvtier.planner.cpu_split import decode_step_s
+
+        hw = req.hardware
+        packed_hw = replace(hw, cpu_attention_bw=hw.cpu_packed_rate(native_row_format(codec)))
+        split_s = decode_step_s(cfg, plan.slice_shape(cfg), packed_hw, b, plan.cpu_slices)
     return {
         "method": method,
         "resident_slices": plan.resident_slices,
         "num_slices": plan.num_slices,
+        "cpu_slices": plan.cpu_slices,
+        "streamed_slices": plan.streamed_slices,
+        "simulated_split_decode_s": split_s,
         "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
         "gpu_kv_gb": got.gpu_stored / 1e9,
         "host_kv_gb": got.host_stored / 1e9,
@@ -161,6 +174,12 @@ def format_lossy(lossy: dict[str, Any]) -> str:
         f"{lossy['pcie_gb_per_token']:.2f} GB "
         f"({'lossless does not fit' if lossless is None else f'lossless {lossless:.2f} GB'}), "
         f"decode floor {lossy['decode_floor_s']:.3f} s/token"
+        + (
+            f"; cpu attention: {lossy['cpu_slices']}/{lossy['streamed_slices']} streamed slices on "
+            f"the CPU over packed rows, simulated decode {lossy['simulated_split_decode_s']:.3f} s/token"
+            if lossy.get("simulated_split_decode_s") is not None
+            else ""
+        )
     )
 
 

@@ -37,6 +37,10 @@ H200_HOST_COMBINED_BW = 104e9
 # loads' copies (a traced decode step on an H100 of the same host kind, 2026-12-05:
 # bench/results/int4_512k_g1_trace.json). Not measured on the H200 (HBM 1.25x the H100's).
 H200_UNPACK_BW = 1.86e12
+# The native kernel's rates over packed rows on the H200's host, 15 threads (packed bytes a
+# second; bench/results/cpu_attention_rows_h200_wide.json, 2026-12-05): what `kvtier plan --gpu
+# h200` splits a quantized cache at. A run on the machine measures its own (`hardware_for`).
+H200_CPU_PACKED_BW = (("kivi4", 22.5e9), ("kivi8", 28.9e9), ("fp8", 19.0e9))
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ _H200 = Hardware(
     host_read_bw=H200_HOST_READ_BW,
     host_combined_bw=H200_HOST_COMBINED_BW,
     unpack_bw=H200_UNPACK_BW,
+    cpu_packed_bw=H200_CPU_PACKED_BW,
 )
 
 HARDWARE: dict[str, Hardware] = {
