@@ -66,14 +66,15 @@ from kvtier.units import parse_count, parse_size
 DEV = torch.device("cuda")
 
 
-def _hardware(cfg: Any, cpu: str) -> Hardware:
+def _hardware(cfg: Any, cpu: str, unpack_stream: bool = False) -> Hardware:
     """The H200 preset (its fitted CPU attention and contention rates); with `--cpu-attention
-    auto` on CUDA, also this host's measured rates over packed rows, which a quantized cache's
-    split needs (the preset has none)."""
+    auto` on CUDA, this host's measured rates over packed rows, which a quantized cache's split
+    takes; with `--unpack-stream`, no unpack on the link's stream (`Hardware.unpack_bw` 0), as
+    that store runs its loads."""
     hw = hardware_preset("h200")
     if cpu == "auto" and torch.cuda.is_available():
         hw = dataclasses.replace(hw, cpu_packed_bw=measured_packed_rates(cfg.head_dim, cfg.q_per_kv))
-    return hw
+    return dataclasses.replace(hw, unpack_bw=0.0) if unpack_stream else hw
 
 
 def method_choice(method: str) -> MethodChoice:
@@ -138,7 +139,7 @@ def run_policy(
             dtype_bytes=2,
             chunk_size=chunk_size,
             group_size=args.head_group if policy in ("head", "auto") else None,
-            hardware=(hw := _hardware(cfg, cpu)),
+            hardware=(hw := _hardware(cfg, cpu, args.unpack_stream)),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
             cpu_attention=parse_mode(cpu),
         )
