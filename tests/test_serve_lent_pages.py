@@ -589,7 +589,7 @@ def test_a_quantized_store_over_a_region_takes_what_region_buffers_says(
         assert len(store.on_device) == resident and store.packed is not None
         rows = [slab for a in store.packed.arenas if a.device is not None for slab in a.slabs()]
         assert len(rows) == (1 if resident else 0)
-        assert all(inside(t) for t in [*rows, store.packed.scratch])
+        assert all(inside(t) for t in [*rows, *store.packed.scratches])
 
     same_over_a_region(llm, plan, parts, ids, 96, sizes, check)
 

@@ -73,11 +73,11 @@ class TailHostSlice(HostSlice):
 
 
 class PackedTier:
-    """Packed rows of every packed slice, and the GPU scratch that loads unpack from.
+    """Packed rows of every packed slice, and the GPU scratches that loads unpack from.
 
     Rows of `slices` live in host memory (pinned on CUDA); rows of `device_slices` live in GPU
     memory: the GPU tier of a quantized cache, unpacked on the device and never crossing PCIe.
-    Those rows and the scratch come from `memory` when given (the store's `DeviceMemory`).
+    Those rows and the scratches come from `memory` when given (the store's `DeviceMemory`).
     """
 
     def __init__(
@@ -137,7 +137,6 @@ class PackedTier:
             else torch.empty(shape, dtype=torch.uint8, device=device)
             for _ in range(scratches)
         ]
-        self.scratch = self.scratches[0]
         self._unpacked: list[Event | None] = [None] * scratches  # the last unpack from each
         self._next = 0
         account.alloc(GPU, sum(s.numel() for s in self.scratches))
@@ -161,8 +160,8 @@ class PackedTier:
         moved = 0
         if c > start:
             r0, r1 = start // g, -(-c // g)
-            if scratch and r1 - r0 <= self.scratch.shape[0]:
-                rows = self.scratch[: r1 - r0]
+            if scratch and r1 - r0 <= self.scratches[0].shape[0]:
+                rows = self.scratches[0][: r1 - r0]
             else:
                 rows = torch.empty(r1 - r0, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.rows[sid].read_into(rows, r0, r1)
@@ -198,7 +197,7 @@ class PackedTier:
         c = min(max(self.coded, start), end)
         r0, r1 = start // g, -(-c // g)
         on_device = sid in self.device_slices
-        if c <= start or start % g or (not on_device and r1 - r0 > self.scratch.shape[0]):
+        if c <= start or start % g or (not on_device and r1 - r0 > self.scratches[0].shape[0]):
             streams.wait([*free, *self._unpacked])  # read_into may fill scratch 0
             return self.read_into(sid, host, dst, start, end), None
         moved = 0
