@@ -48,13 +48,10 @@ def lossy_lines(
         got = lossy_kv(cfg, plan, ctx, dtype_bytes=b, evicted_slices=plan.compact_slices, kept_tokens=kept)
     split_s = None
     if plan.cpu_slices and kv_quant is not None:  # the CPU attends packed rows at its packed rate
-        from dataclasses import replace
-
         from kvtier.attention.row_formats import native_row_format
         from kvtier.planner.cpu_split import decode_step_s
 
-        hw = req.hardware
-        packed_hw = replace(hw, cpu_attention_bw=hw.cpu_packed_rate(native_row_format(codec)))
+        packed_hw = req.hardware.over_packed(native_row_format(codec))
         split_s = decode_step_s(cfg, plan.slice_shape(cfg), packed_hw, b, plan.cpu_slices)
     return {
         "method": method,

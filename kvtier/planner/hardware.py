@@ -84,12 +84,17 @@ class Hardware:
         if min(self.cpu_attention_bw, self.host_read_bw, self.host_combined_bw, self.unpack_bw) < 0 or any(
             rate < 0 for _, rate in self.cpu_packed_bw
         ):
-            raise ConfigError(f"hardware {self.name}: host CPU rates must not be negative")
+            raise ConfigError(f"hardware {self.name}: CPU and unpack rates must not be negative")
 
     def cpu_packed_rate(self, fmt: str | None) -> float:
         """The CPU attention kernel's packed bytes per second over rows of format `fmt` (0: not
         measured, or None: rows the kernel does not read in place)."""
         return next((rate for f, rate in self.cpu_packed_bw if f == fmt), 0.0)
+
+    def over_packed(self, fmt: str | None) -> Hardware:
+        """These numbers with the CPU attending packed rows of format `fmt`: its attention rate
+        is `cpu_packed_rate(fmt)` (what a quantized cache's CPU split runs at)."""
+        return replace(self, cpu_attention_bw=self.cpu_packed_rate(fmt))
 
     @property
     def pcie_ridge(self) -> float:

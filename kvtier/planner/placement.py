@@ -113,10 +113,9 @@ def plan_kv(
         if plan.streamed_slices == 0 or not cfg.plain_scores or windowed or compact is not None:
             return plan  # NOTE: the store attends no evictor's slices on the CPU
         if codec is not None:
-            rate = hw.cpu_packed_rate(native_row_format(codec))
-            if rate <= 0 and not isinstance(cpu_attention, int):
+            packed_hw = hw.over_packed(native_row_format(codec))
+            if packed_hw.cpu_attention_bw <= 0 and not isinstance(cpu_attention, int):
                 return plan
-            packed_hw = replace(hw, cpu_attention_bw=rate)
             k = choose_cpu_slices(cfg, plan.slice_shape(cfg), packed_hw, dtype_bytes, cpu_attention)
             return replace(plan, cpu_slices=k)
         k = choose_cpu_slices(cfg, plan.slice_shape(cfg), hw, dtype_bytes, cpu_attention)
@@ -317,11 +316,7 @@ def plan_kv(
     # finer one splits well (its slices are a layer's smaller share), so finer ones are tried
     # either way; the CPU then attends at its packed rate.
     if group_size is None and cpu_attention == "auto" and (chosen.cpu_slices or codec is not None):
-        split_hw = (
-            hw
-            if codec is None
-            else replace(hw, cpu_attention_bw=hw.cpu_packed_rate(native_row_format(codec)))
-        )
+        split_hw = hw if codec is None else hw.over_packed(native_row_format(codec))
         finer = [on_cpu(p) for p in feasible if p.group_size < chosen.group_size]  # NOTE: ~20 ms each
         chosen = _fastest_split(cfg, chosen, finer, split_hw, dtype_bytes)
     return chosen
