@@ -196,6 +196,12 @@ def main() -> None:
     ap.add_argument(
         "--host-scoring", action="store_true", help="stage-0 reruns score keys read from the host"
     )
+    ap.add_argument(
+        "--probe-scoring",
+        action="store_true",
+        help="stage 0 scores the bisection's probes with Triton (HipConfig.probe_scoring; with "
+        "--host-scoring read in place from host memory); on the CPU only under TRITON_INTERPRET=1",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -204,7 +210,7 @@ def main() -> None:
         hip = replace(base, cache_tokens=args.cache_tokens)
     else:
         hip = HipConfig.scaled(args.context, refresh=base.refresh, cache_tokens=args.cache_tokens)
-    hip = replace(hip, host_scoring=args.host_scoring)
+    hip = replace(hip, host_scoring=args.host_scoring, probe_scoring=args.probe_scoring)
     # the op-counting interval and the prefill chunk run after the timed steps
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
     shape = (args.layers, args.kv_heads, args.head_dim, args.context)
@@ -327,6 +333,7 @@ def main() -> None:
         config = {
             "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
             "host_scoring": hip.host_scoring,
+            "probe_scoring": hip.probe_scoring,
         }  # fmt: skip
         info = {"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group}
         out = write_results(args.name, {

@@ -176,6 +176,8 @@
 #   NEXT: 84 alone in a call (~9 min; the A/B of --unpack-stream on one start), then 83 (auto's
 #   slicing over int4), the smoke (the GGUF's two calls: kvtier/ changed after it: the planner's
 #   int4 slicing and unpack model, StoreOptions.unpack_stream), 80, 73, 69.
+# The thirty-third session got no device (every start refused, then none lent): all of the above
+#   is still owed, and 85 (~7 min: probe scoring's A/B at 512K, HiP's stage-0 reruns) after 84.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -379,6 +381,20 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
   done
   run 80 $py bench/gpu_checks.py
+  ;;
+85)
+  # issue 19: decode's stage 0 on the bisection's probes alone (HipConfig.probe_scoring, built on
+  # the CPU in the thirty-third session): 8 layers of Llama-3's shapes at 512K, `lean`, 8-head
+  # slices, covering caches, host keys without and with probes, read in place from pinned host
+  # memory (CPU counts at 1 layer: 898 -> 305 operators a slice in a stage-0 rerun, its keys
+  # 2.14 GB -> 0.13 GB in fp32; at b0c523e a stage-0 step of 8 slices took 1.01 s, the 17.35
+  # tok/s CLI run's max step 1.13 s); then the kernel's CUDA tests. No GGUF.
+  for a in "" "--probe-scoring"; do
+    run 200 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 8 \
+      --kv-heads 8 --group 8 --head-dim 128 --steps 34 --kv-fill structured --host-scoring $a \
+      --name "hip_decode_profile_lean_512k_probe_ab${a:+_probes}"
+  done
+  run 240 $py -m pytest -q -p no:cacheprovider tests/test_probe_scoring.py tests/test_triton_bisect.py
   ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):

@@ -9,7 +9,7 @@ model code never changes for them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -54,6 +54,48 @@ class SliceKernel(Protocol):
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class ExtentKeys:
+    """The stored keys [length, G, D] of a streamed slice where they lie: its host tier's pinned
+    extents, each [E, 2, G_all, D] (a token's row holds its K, then its V), for a GPU kernel to
+    read in place over PCIe (pinned memory is mapped into the GPU's address space), only the
+    rows it needs (`Fetch.key_extents`). Token p lies in extent (p // extent_tokens) % ring,
+    whose start is offsets[that] elements from extents[0]'s; `head`: one of the slice's KV
+    heads (G = 1), else all of them (G = G_all)."""
+
+    extents: tuple[torch.Tensor, ...]
+    offsets: torch.Tensor  # [len(extents)] int64 on `device`
+    extent_tokens: int
+    ring: int
+    length: int
+    device: torch.device  # where the reading kernel runs
+    head: int | None = None
+    on_read: Callable[[int], None] | None = None  # bytes a kernel read, for the slice's PCIe count
+
+    @property
+    def shape(self) -> torch.Size:
+        g, d = self.extents[0].shape[2:]
+        return torch.Size((self.length, 1 if self.head is not None else g, d))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.extents[0].dtype
+
+    @property
+    def row_elements(self) -> int:
+        """Elements from one token's row to the next (2 * G_all * D)."""
+        return self.extents[0][0].numel()
+
+    @property
+    def first_element(self) -> int:
+        """Element of a row where the (first) key read starts: its head's."""
+        return (self.head or 0) * self.extents[0].shape[3]
+
+    def of_head(self, head: int) -> ExtentKeys:
+        """KV head `head` of the slice alone."""
+        return replace(self, head=head)
+
+
 class Fetch(Protocol):
     """Reads stored tokens of one streamed slice into GPU memory, on the compute stream.
 
@@ -64,6 +106,8 @@ class Fetch(Protocol):
     `fetch.pages(pages, counts, page)` -> kv [K * page, 2, G, D]: the first counts[k] tokens of
     page pages[k] (pages of `page` tokens) at rows k * page on, zeros elsewhere (pages, counts
     [K] int64 on the device); which pages and how many are never read on the host (no sync).
+    `fetch.key_extents()` -> the stored keys where a GPU kernel reads them in place (after the
+    host tier's pending writes), or None where it cannot (a quantized tier, no GPU, unpinned).
     """
 
     def __call__(self, start: int, end: int) -> torch.Tensor: ...
@@ -73,6 +117,8 @@ class Fetch(Protocol):
     def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None: ...
 
     def pages(self, pages: torch.Tensor, counts: torch.Tensor, page: int) -> torch.Tensor: ...
+
+    def key_extents(self) -> ExtentKeys | None: ...
 
 
 @runtime_checkable

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
+from kvtier.attention.interface import ExtentKeys
 from kvtier.kv.streams import Event
 from kvtier.kv.tiers import HostArena
 
@@ -93,6 +95,18 @@ class HostSlice:
             return
         for e, off, at, n in self._pieces(start, end):
             dst[at : at + n].copy_(self.extents[e][off : off + n, 0], non_blocking=True)
+
+    def key_extents(
+        self, length: int, device: torch.device, on_read: Callable[[int], None] | None = None
+    ) -> ExtentKeys | None:
+        """The keys of the first `length` tokens where a kernel on `device` reads them in place
+        (`ExtentKeys`): pinned extents for a GPU, any for the CPU (Triton's interpreter); None
+        where a GPU cannot map them (not pinned) or nothing is stored."""
+        if not self.extents or (device.type == "cuda" and not self.extents[0].is_pinned()):
+            return None
+        offsets = self._extent_offsets(device)
+        extents = tuple(self.extents)
+        return ExtentKeys(extents, offsets, self.extent_tokens, self._ring(), length, device, on_read=on_read)
 
     def read_pages_into(
         self, dst: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor, page: int

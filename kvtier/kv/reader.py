@@ -12,6 +12,7 @@ from itertools import pairwise
 
 import torch
 
+from kvtier.attention.interface import ExtentKeys
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
@@ -84,6 +85,20 @@ class SliceReader:
         self.host.read_keys_into(dst, start, end)
         self.account.h2d_bytes += (end - start) * lay.token_bytes // 2
         return dst
+
+    def key_extents(self) -> ExtentKeys | None:
+        """The stored keys where a GPU kernel reads them in place (`ExtentKeys`, after the host's
+        pending writes; what it reads is counted), or None: a quantized tier (rows hold codes)
+        or extents a GPU cannot map."""
+        if self.packed is not None:
+            return None
+        keys = self.host.key_extents(self.length, self.device, on_read=self._count)
+        if keys is not None:
+            self.streams.wait([self.host.last_write])
+        return keys
+
+    def _count(self, h2d_bytes: int) -> None:
+        self.account.h2d_bytes += h2d_bytes
 
     def runs(self, spans: list[tuple[int, int, int]], out: torch.Tensor) -> None:
         """Tokens [start, end) of each (start, end, at) span into out[at : at + end - start]

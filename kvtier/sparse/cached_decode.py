@@ -17,19 +17,22 @@ mixin holds no state of its own: it declares the attributes of `HipKernel`
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import cast
 
 import torch
 
-from kvtier.attention.interface import Alloc, Fetch, SliceStep
+from kvtier.attention.interface import Alloc, ExtentKeys, Fetch, SliceStep
 from kvtier.kv.device_memory import CachingMemory, DeviceMemory, RegionMemory
+from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positions, refresh_blocks
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, DecodeState
 from kvtier.sparse.decode_memory import slice_decode_bytes
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, PositionedKV, block_ids
 from kvtier.sparse.host_keys import HostKeys
+from kvtier.sparse.prefill import prune_blocks
 from kvtier.sparse.pruning import run_stages
 from kvtier.sparse.rope_ext import RopeTable
 from kvtier.sparse.stats import HipStats
@@ -156,11 +159,17 @@ class CachedDecode:
         heads = range(groups) if cfg.per_head else (-1,)
         r = q.shape[1] // groups
         parts = [torch.arange(min(cfg.sink, s + 1), device=q.device)]
+        # NOTE: the length of the slice a streamed step would see (its kv includes the new
+        # token at s, never a candidate): the scoring bounds its RoPE positions by it.
+        extents = fetch.key_extents() if self._probing(q) else None
+        in_place = None if extents is None else replace(extents, length=s + 1)
         for h in heads:
             qh = q if h < 0 else q[:, h * r : (h + 1) * r]
-            # NOTE: the length of the slice a streamed step would see (its kv includes the new
-            # token at s, never a candidate): ScoreFn bounds its RoPE positions by it.
-            keys = HostKeys(fetch, s + 1, groups, q.shape[2], head=None if h < 0 else h)
+            keys: HostKeys | ExtentKeys
+            if in_place is not None:
+                keys = in_place if h < 0 else in_place.of_head(h)
+            else:
+                keys = HostKeys(fetch, s + 1, groups, q.shape[2], head=None if h < 0 else h)
             (out,) = self._stages(qh, pos, keys, layer, cand, 0, upto=1)
             self._stage0[(layer, step.group, h)] = out
             parts.append(out)
@@ -274,16 +283,22 @@ class CachedDecode:
         self,
         q: torch.Tensor,
         pos: torch.Tensor,
-        kv: KV | HostKeys,
+        kv: KV | HostKeys | ExtentKeys,
         layer: int,
         cand: torch.Tensor,
         first: int,
         upto: int | None = None,
     ) -> list[torch.Tensor]:
         """Stages first..upto - 1 (all by default) over kv: a whole slice, a `PositionedKV` view,
-        or a slice's keys on the host (stage 0 alone, read in ranges)."""
+        or a slice's keys on the host (stage 0 alone: read in ranges, or in place by probe)."""
         cfg = self.cfg
         n = len(cfg.chunk_sizes) if upto is None else upto
+        if isinstance(kv, ExtentKeys):  # stage 0 alone
+            assert first == 0 and n == 1, "keys in place serve stage 0 alone"
+            return [self._stage0_probes(q, pos, kv, layer, cand)]
+        if first == 0 and isinstance(kv, torch.Tensor) and self._probing(q):
+            out = self._stage0_probes(q, pos, kv[:, 0], layer, cand)
+            return [out, *(self._stages(q, pos, kv, layer, out, 1, upto) if n > 1 else [])]
         whole = not isinstance(kv, PositionedKV)  # stage 0's candidates are a range: `span`
         if isinstance(kv, torch.Tensor):
             keys: object = kv[:, 0]
@@ -304,6 +319,37 @@ class CachedDecode:
             head_score=cfg.head_score,
             span=cfg.sink if first == 0 and whole else None,  # see `_middle`
         )
+
+    def _probing(self, q: torch.Tensor) -> bool:
+        """Whether stage 0 scores probes with Triton (`HipConfig.probe_scoring`): on CUDA, or on
+        CPU tensors under Triton's interpreter (tests)."""
+        if not self.cfg.probe_scoring or not use_triton():
+            return False
+        return q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+    def _stage0_probes(
+        self,
+        q: torch.Tensor,
+        pos: torch.Tensor,
+        keys: torch.Tensor | ExtentKeys,
+        layer: int,
+        cand: torch.Tensor,
+    ) -> torch.Tensor:
+        """Stage 0 of one decode query q [1, H_q, D] at pos [1] over cand == arange(sink, w0),
+        its chunks scored on the bisection's probes alone (`prune_blocks` with `bisect_triton`,
+        as a prefill block of one query): keys [S, G, D] of the staged slice, or `ExtentKeys`
+        read in place from host memory. Returns the kept positions, sorted."""
+        cfg = self.cfg
+        n, chunk, budget = cand.numel(), cfg.chunk_sizes[0], cfg.stage_budgets(layer)[0]
+        valid = torch.full((1,), n, dtype=torch.long, device=q.device)
+        kept, _ = prune_blocks(
+            q[None], pos[None], keys, None, valid, chunk, budget, mode=cfg.scoring_rope(layer),
+            rotary=self.rotary, window=cfg.window, first=cfg.sink, width=n, triton=True,
+            head_score=cfg.head_score,
+        )  # fmt: skip
+        if n % chunk == 0 or -(-n // chunk) <= budget // chunk:  # no padding: no boolean mask (a sync)
+            return kept[0]
+        return kept[0][kept[0] >= 0]
 
     # -- provided by HipKernel (a stub that types the calls above) -------------------------
 

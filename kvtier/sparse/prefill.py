@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.attention.interface import ExtentKeys
 from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.prefill_bisect import bisect_chunks
@@ -61,7 +62,7 @@ def pool_blocks(
 def prune_blocks(
     q: torch.Tensor,
     q_pos: torch.Tensor,
-    keys: torch.Tensor,
+    keys: torch.Tensor | ExtentKeys,
     candidates: torch.Tensor | None,
     valid: torch.Tensor,
     chunk: int,
@@ -78,7 +79,8 @@ def prune_blocks(
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
     keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
     block b's candidates are first .. first + valid[b] - 1 (stage 0), N = `width`.
-    `triton`: score chunks with `bisect_triton` (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+    `triton`: score chunks with `bisect_triton` (CUDA, or CPU tensors under TRITON_INTERPRET=1),
+    which alone reads keys in place from host memory (`ExtentKeys`, stage 0: `candidates` None).
     `head_score`: "max" or "softmax", as `pruning.chunk_scores`.
 
     Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
@@ -102,12 +104,13 @@ def prune_blocks(
     if triton:
         from kvtier.sparse.triton_bisect import bisect_triton
 
-        tables = rotary.tables(limit, keys) if rotary is not None else None
+        like = q if isinstance(keys, ExtentKeys) else keys  # the table's dtype and device
+        tables = rotary.tables(limit, like) if rotary is not None else None
         scores = bisect_triton(
             qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row
         )
     else:
-        assert chunks is not None
+        assert chunks is not None and isinstance(keys, torch.Tensor), "keys in place need the Triton kernel"
         scores = bisect_chunks(
             qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
         )
@@ -155,7 +158,7 @@ def _chunks(candidates: torch.Tensor, c_count: int, chunk: int) -> torch.Tensor:
 def _scoring_queries(
     q: torch.Tensor,
     q_pos: torch.Tensor,
-    keys: torch.Tensor,
+    keys: torch.Tensor | ExtentKeys,
     n_chunks: torch.Tensor,
     c_count: int,
     *,

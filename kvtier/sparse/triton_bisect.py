@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.attention.interface import ExtentKeys
+
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
 NUM_WARPS: int | None = None  # None: 8 with 128 rows or more, else 4 (bench/hip_kernels.py sweeps)
@@ -47,6 +49,18 @@ def _probe_pos(cand_base, cs, cmask, off, length, first, CHUNK: tl.constexpr, AR
     else:
         pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
     return tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
+
+
+@triton.jit
+def _row_offsets(pos, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Element offsets [BC] of the key rows of positions pos [BC] from the keys' pointer: pos *
+    stride_ks in one tensor, or with EXTENTS in a host slice's extents (`ExtentKeys`): token p in
+    extent (p // extent_tokens) % ring, whose start is offs_ptr[that] elements on."""
+    if EXTENTS:
+        nth = pos // extent_tokens
+        start = tl.load(offs_ptr + nth % ring)
+        return start + (pos - nth * extent_tokens) * stride_ks
+    return pos * stride_ks
 
 
 @triton.jit
@@ -100,6 +114,9 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     off_r,
     length,  # [BC] valid entries of the chunk
     first,
+    offs_ptr,  # [extents] int64 (EXTENTS only)
+    extent_tokens,
+    ring,
     stride_ks,
     stride_kg,
     R_VALID,
@@ -111,6 +128,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     MODE: tl.constexpr,
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
+    EXTENTS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -120,6 +138,8 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     row's max(left, right) also goes into the row maxima (this program owns its chunks' cells)."""
     pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
     pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
+    row_l = _row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+    row_r = _row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
     d = tl.arange(0, D)
     rows = tl.arange(0, R)
     rmask = rows < R_VALID
@@ -144,8 +164,8 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     for g in range(G):  # NOTE: not unrolled: 8 heads x 16 probes of unrolled dots took minutes to compile
         q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
-        k_l = _key(k_ptr + pos_l[:, None] * stride_ks + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
-        k_r = _key(k_ptr + pos_r[:, None] * stride_ks + g * stride_kg, d, c_r, s_r, D, ROTATE)
+        k_l = _key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
+        k_r = _key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
         sc_l = _dots(q, k_l, INTERPRET)  # [R, BC]
         sc_r = _dots(q, k_r, INTERPRET)
         best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
@@ -171,6 +191,9 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     C,
     N,
     first,
+    offs_ptr,  # [extents] int64 element offsets of a host slice's extents (EXTENTS only)
+    extent_tokens,
+    ring,
     stride_ks,
     stride_kg,
     R_VALID,
@@ -182,6 +205,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     MODE: tl.constexpr,
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
+    EXTENTS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -201,8 +225,8 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l, s_r = _probe_pair(
             q_base, row_ptr + b * G * R * C, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l,
-            off_r, length, first, stride_ks, stride_kg, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE,
-            ARANGE, INTERPRET, PER_ROW, BLOCK_C,
+            off_r, length, first, offs_ptr, extent_tokens, ring, stride_ks, stride_kg, R_VALID, C, G,
+            R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, INTERPRET, PER_ROW, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -213,7 +237,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
 
 def bisect_triton(
     q: torch.Tensor,
-    keys: torch.Tensor,
+    keys: torch.Tensor | ExtentKeys,
     candidates: torch.Tensor | None,
     first: int,
     lengths: torch.Tensor,
@@ -226,12 +250,15 @@ def bisect_triton(
     """Chunk scores of a pruning stage, as `prefill._bisect` computes them.
 
     q [B, Nq, G, r, D] pooled queries, already rotated at their scoring positions; keys [S, G, D]
-    (last dim contiguous); candidates [B, C * chunk] sorted positions (-1 padding), or None for
-    block b's positions first .. first + valid - 1 (stage 0; `lengths` carries valid);
-    lengths [B, C] valid entries per chunk. `tables`: the RoPE cos/sin rows [P, D] covering every
-    probe position of `mode`, or None (no rotation). Returns [B, C] float32 (empty chunks too:
-    the caller masks them); with `per_row`, `_bisect(per_row=True)`'s rows as a view [B, C, G, Nq * r]
-    (rows in another order, which the "softmax" head score's max over rows ignores). No host sync.
+    (last dim contiguous), or a streamed slice's keys where they lie in pinned host memory
+    (`ExtentKeys`: the kernel reads each probe's key over PCIe, ~2 * levels of a chunk's keys,
+    and reports those bytes to its `on_read`); candidates [B, C * chunk] sorted positions (-1
+    padding), or None for block b's positions first .. first + valid - 1 (stage 0; `lengths`
+    carries valid); lengths [B, C] valid entries per chunk. `tables`: the RoPE cos/sin rows
+    [P, D] covering every probe position of `mode`, or None (no rotation). Returns [B, C]
+    float32 (empty chunks too: the caller masks them); with `per_row`, `_bisect(per_row=True)`'s
+    rows as a view [B, C, G, Nq * r] (rows in another order, which the "softmax" head score's
+    max over rows ignores). No host sync.
     """
     bsz, nq, g, r, d = q.shape
     c_count = lengths.shape[1]
@@ -246,12 +273,19 @@ def bisect_triton(
     if per_row:
         row_best = torch.full((bsz, g, r_pad, c_count), float("-inf"), dtype=torch.float32, device=q.device)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
-    cos, sin = tables if tables is not None else (keys, keys)
+    if isinstance(keys, ExtentKeys):
+        k_ptr, offs = keys.extents[0].view(-1)[keys.first_element :], keys.offsets
+        stride_ks, stride_kg, extent_tokens, ring = keys.row_elements, d, keys.extent_tokens, keys.ring
+    else:  # the offsets' pointer is a placeholder
+        k_ptr, offs, extent_tokens, ring = keys, lengths, 1, 1
+        stride_ks, stride_kg = keys.stride(0), keys.stride(1)
+    cos, sin = tables if tables is not None else (k_ptr, k_ptr)
+    levels = max(1, math.ceil(math.log2(chunk)))
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     grid = (bsz, triton.cdiv(c_count, BLOCK_C))
     _bisect_kernel[grid](
         qr,
-        keys,
+        k_ptr,
         cand,
         lengths,
         cos,
@@ -261,23 +295,29 @@ def bisect_triton(
         c_count,
         cand.shape[1],
         first,
-        keys.stride(0),
-        keys.stride(1),
+        offs,
+        extent_tokens,
+        ring,
+        stride_ks,
+        stride_kg,
         rows,
         G=g,
         R=r_pad,
         D=d,
         CHUNK=chunk,
-        LEVELS=max(1, math.ceil(math.log2(chunk))),
+        LEVELS=levels,
         MODE=MODES[mode],
         ROTATE=tables is not None,
         ARANGE=candidates is None,
+        EXTENTS=isinstance(keys, ExtentKeys),
         INTERPRET=interpret,
         PER_ROW=per_row,
         BLOCK_C=BLOCK_C,
         num_warps=NUM_WARPS or (8 if r_pad >= 128 else 4),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
+    if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk
+        keys.on_read(bsz * c_count * 2 * levels * g * d * keys.dtype.itemsize)
     if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
         return row_best[:, :, :rows].permute(0, 3, 1, 2)
     return out
