@@ -7,6 +7,8 @@ tests/triton_interpreter.py: a subprocess re-runs the CPU cases when triton was 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -60,10 +62,10 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
     whole = torch.cat(extents)[:s]  # [S, 2, G, D]
     keys = whole[:, 0] if head is None else whole[:, 0, head : head + 1]  # [S, G', D]
     read: list[int] = []
-    in_place = ExtentKeys(
-        tuple(extents), extent_offsets(extents, torch.device(device)), per, len(extents), s,
-        torch.device(device), on_read=read.append,
-    )  # fmt: skip
+    dev = torch.device(device)
+    offsets = extent_offsets(extents, dev)
+    in_place = ExtentKeys(tuple(extents), offsets, per, len(extents), s, dev, g, D, whole.dtype)
+    in_place = replace(in_place, on_read=read.append)
     in_place = in_place if head is None else in_place.of_head(head)
     assert in_place.shape == keys.shape
     gq = keys.shape[1]
@@ -82,6 +84,55 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
     got = bisect_triton(qr, in_place, None, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row)
     assert torch.equal(got, ref)
     assert read == [c_count * 2 * 4 * gq * D * 4]  # 4 levels of 16-token chunks, float32 keys
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [4, 8, 2])
+@pytest.mark.parametrize("head", [None, 2])
+@pytest.mark.parametrize("mode", ["relative", "absolute"])
+def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
+    device: str, bits: int, head: int | None, mode: str
+) -> None:
+    """Over KIVI rows in separate extents (`ExtentKeys` with the codec's bits) the kernel unpacks
+    each probe's key as the store's unpack does, so it scores bitwise what it scores over the
+    rows unpacked into one tensor; it reports each probe's codes and fp16 parameters."""
+    from kvtier.kv.host_gather import extent_offsets
+    from kvtier.policies.quant import KiviCodec
+    from kvtier.sparse.triton_bisect import bisect_triton
+
+    codec = KiviCodec(bits=bits)
+    s, g, rows_per, chunk, first = 320, 3, 3, 16, 4  # 10 rows in extents of 3
+    gen = torch.Generator().manual_seed(2)
+    kv = (torch.randn(s, 2, g, D, generator=gen) * 2 + 0.5).to(device)
+    rows = codec.pack(kv)  # [10, row_bytes]
+    unpacked = torch.empty_like(kv)
+    if not codec.unpack_into(rows, unpacked):  # on CUDA the Triton unpack, as the store
+        unpacked = codec.unpack(rows, g, D, kv.dtype)
+    extents = [rows[i : i + rows_per].clone() for i in range(0, rows.shape[0], rows_per)]
+    dev = torch.device(device)
+    read: list[int] = []
+    in_place = ExtentKeys(
+        tuple(extents), extent_offsets(extents, dev), rows_per * codec.group, len(extents), s, dev, g, D,
+        kv.dtype, on_read=read.append, bits=bits, group=codec.group,
+    )  # fmt: skip
+    keys = unpacked[:, 0]
+    if head is not None:
+        in_place, keys = in_place.of_head(head), keys[:, head : head + 1]
+    gq = keys.shape[1]
+    q = torch.randn(1, 1, gq * 2, D, generator=gen).to(device)
+    valid = torch.tensor([s - 30 - first], device=device)
+    c_count = -(-int(valid) // chunk)
+    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
+    rope = RopeTable(Rotary(RopeConfig(), D, device=device))
+    qr, limit = _scoring_queries(
+        q, torch.tensor([[s - 1]], device=device), keys, -(-valid // chunk), c_count, mode=mode,
+        rotary=rope, window=8,
+    )  # fmt: skip
+    tables = rope.tables(limit, keys)
+    ref = bisect_triton(qr, keys.contiguous(), None, first, lengths, chunk, mode=mode, tables=tables)
+    got = bisect_triton(qr, in_place, None, first, lengths, chunk, mode=mode, tables=tables)
+    assert torch.equal(got, ref)
+    assert read == [c_count * 2 * 4 * gq * (D * bits // 8 + 4 * D)]
 
 
 @pytest.mark.parametrize("device", ["cpu"])  # the model-level check: the interpreter's CPU run
@@ -120,6 +171,54 @@ def test_probe_scoring_is_the_same_streamed_resident_or_in_place_and_reads_only_
     w0 = [PROMPT + k - TINY["window"] + 1 for k in range(0, DECODE, REFRESH0)]  # type: ignore[operator]
     probes = sum(-(-(w - TINY["sink"]) // chunk) * 2 * levels for w in w0) * SLICES * TOKEN_BYTES // 2  # type: ignore[operator]
     assert h2d == probes + in_place.stats.cache.fetched_bytes
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
+    gqa: tuple[CausalLM, ModelConfig],  # noqa: F811
+    device: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over an int4 host tier, stage 0 read in place from the packed rows (each probe's key
+    unpacked by the kernel) decodes the tokens of streaming the packed slices and moves only the
+    probes' codes and parameters (and the block cache's misses). Logits agree within rounding,
+    not bitwise: with host keys the block cache keeps the full-precision copy of a window token
+    coded after it was cached, where a streamed refresh reads it unpacked (host keys without
+    probes differ from streaming the same way; the kernel's unpacking is bitwise, see above)."""
+    if device == "cpu" and not _interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run by the subprocess case)")
+    from kvtier.policies.quant import KiviCodec
+    from kvtier.sparse import triton_bisect
+
+    model, cfg = gqa
+
+    def codec() -> KiviCodec:  # every full row coded; a window past the uncoded tail
+        return KiviCodec(bits=4, residual=0)
+
+    opts = {"cache_tokens": 48, "window": 40}
+    streamed = kernel_for(cfg, **opts, probe_scoring=True)
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "head", streamed, codec=codec())
+    in_place = kernel_for(cfg, **opts, probe_scoring=True, host_scoring=True)
+    read: list[tuple[int, int]] = []  # (bits, bytes) of each in-place stage-0 run's keys
+    kernel = triton_bisect.bisect_triton
+
+    def spy(q: torch.Tensor, keys: object, *args: object, **kwargs: object) -> torch.Tensor:
+        if isinstance(keys, ExtentKeys):
+            keys = replace(keys, on_read=lambda n: read.append((keys.bits, n)))  # type: ignore[attr-defined]
+        return kernel(q, keys, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_bisect, "bisect_triton", spy)
+    logits, tokens, _, _ = run(model, cfg, "head", in_place, codec=codec())
+    assert tokens == ref_tokens
+    assert all(torch.allclose(a, b, atol=0.05) for a, b in zip(logits, ref_logits, strict=True))
+    # Every stage-0 run (steps 0, 6, 12, 18 of each slice) read its probes in place from the
+    # packed rows: two keys a level of each 8-token chunk of [sink, w0), a key its 4-bit codes
+    # and fp16 minima and steps (16 dims); nothing else of the rows.
+    chunk, levels, sink = TINY["chunk_sizes"][0], 3, TINY["sink"]  # type: ignore[index]
+    w0 = [PROMPT + k - 40 + 1 for k in range(0, DECODE, REFRESH0)]
+    per_slice = [-(-(w - sink) // chunk) * 2 * levels * (16 * 4 // 8 + 4 * 16) for w in w0]  # type: ignore[operator]
+    assert sorted(read) == sorted((4, n) for n in per_slice * SLICES)
+    assert in_place.stats.decode_recomputes[0] == len(w0) * SLICES
 
 
 def _interpreting() -> bool:

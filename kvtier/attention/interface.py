@@ -57,11 +57,13 @@ class SliceKernel(Protocol):
 @dataclass(frozen=True)
 class ExtentKeys:
     """The stored keys [length, G, D] of a streamed slice where they lie: its host tier's pinned
-    extents, each [E, 2, G_all, D] (a token's row holds its K, then its V), for a GPU kernel to
-    read in place over PCIe (pinned memory is mapped into the GPU's address space), only the
-    rows it needs (`Fetch.key_extents`). Token p lies in extent (p // extent_tokens) % ring,
-    whose start is offsets[that] elements from extents[0]'s; `head`: one of the slice's KV
-    heads (G = 1), else all of them (G = G_all)."""
+    extents, for a GPU kernel to read in place over PCIe (pinned memory is mapped into the GPU's
+    address space), only the rows it needs (`Fetch.key_extents`). Full precision (`bits` 0):
+    extents [E, 2, heads, D] (a token's row holds its K, then its V); KIVI (`bits` 2, 4 or 8,
+    `kvtier.policies.quant.KiviCodec`): extents [E / group, row bytes] uint8 of packed rows of
+    `group` tokens. Token p lies in extent (p // extent_tokens) % ring, whose start is
+    offsets[that] elements from extents[0]'s; `head`: one of the slice's KV heads (G = 1), else
+    all of them (G = heads)."""
 
     extents: tuple[torch.Tensor, ...]
     offsets: torch.Tensor  # [len(extents)] int64 on `device`
@@ -69,27 +71,50 @@ class ExtentKeys:
     ring: int
     length: int
     device: torch.device  # where the reading kernel runs
+    heads: int  # KV heads in a token's row
+    head_dim: int
+    dtype: torch.dtype  # the keys' (KIVI: what the rows unpack to)
     head: int | None = None
     on_read: Callable[[int], None] | None = None  # bytes a kernel read, for the slice's PCIe count
+    bits: int = 0
+    group: int = 1
 
     @property
     def shape(self) -> torch.Size:
-        g, d = self.extents[0].shape[2:]
-        return torch.Size((self.length, 1 if self.head is not None else g, d))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.extents[0].dtype
+        return torch.Size((self.length, 1 if self.head is not None else self.heads, self.head_dim))
 
     @property
     def row_elements(self) -> int:
-        """Elements from one token's row to the next (2 * G_all * D)."""
-        return self.extents[0][0].numel()
+        """Full precision: elements from one token's row to the next (2 * heads * D)."""
+        return 2 * self.heads * self.head_dim
 
     @property
     def first_element(self) -> int:
-        """Element of a row where the (first) key read starts: its head's."""
-        return (self.head or 0) * self.extents[0].shape[3]
+        """Full precision: element of a row where the (first) key read starts: its head's."""
+        return (self.head or 0) * self.head_dim
+
+    @property
+    def extent_rows(self) -> int:
+        """KIVI: packed rows an extent."""
+        return self.extent_tokens // self.group
+
+    @property
+    def row_bytes(self) -> int:
+        """KIVI: bytes from one packed row to the next."""
+        return self.extents[0].shape[1]
+
+    @property
+    def key_code_bytes(self) -> int:
+        """KIVI: bytes of a row's key codes (its value codes follow, then the parameters)."""
+        return self.group * self.heads * self.head_dim * self.bits // 8
+
+    @property
+    def probe_bytes(self) -> int:
+        """Bytes read for one key of one KV head: its elements, or its codes and fp16 minima
+        and steps."""
+        if self.bits:
+            return self.head_dim * self.bits // 8 + 2 * 2 * self.head_dim
+        return self.head_dim * self.dtype.itemsize
 
     def of_head(self, head: int) -> ExtentKeys:
         """KV head `head` of the slice alone."""
@@ -106,8 +131,9 @@ class Fetch(Protocol):
     `fetch.pages(pages, counts, page)` -> kv [K * page, 2, G, D]: the first counts[k] tokens of
     page pages[k] (pages of `page` tokens) at rows k * page on, zeros elsewhere (pages, counts
     [K] int64 on the device); which pages and how many are never read on the host (no sync).
-    `fetch.key_extents()` -> the stored keys where a GPU kernel reads them in place (after the
-    host tier's pending writes), or None where it cannot (a quantized tier, no GPU, unpinned).
+    `fetch.key_extents(end)` -> the stored keys of tokens [0, end) where a GPU kernel reads them
+    in place (after the host tier's pending writes), or None where it cannot (rows it cannot
+    decode, unpinned memory).
     """
 
     def __call__(self, start: int, end: int) -> torch.Tensor: ...
@@ -118,7 +144,7 @@ class Fetch(Protocol):
 
     def pages(self, pages: torch.Tensor, counts: torch.Tensor, page: int) -> torch.Tensor: ...
 
-    def key_extents(self) -> ExtentKeys | None: ...
+    def key_extents(self, end: int) -> ExtentKeys | None: ...
 
 
 @runtime_checkable

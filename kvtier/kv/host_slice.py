@@ -96,17 +96,29 @@ class HostSlice:
         for e, off, at, n in self._pieces(start, end):
             dst[at : at + n].copy_(self.extents[e][off : off + n, 0], non_blocking=True)
 
+    def mapped(self, device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, int] | None:
+        """Where a kernel on `device` reads these extents in place: (extents, each one's start as
+        an element offset from the first's on `device`, the ring: token t is in extent
+        (t // extent_tokens) % ring). None where a GPU cannot map them (not pinned) or there are
+        none. The CPU reads any (Triton's interpreter)."""
+        if not self.extents or (device.type == "cuda" and not self.extents[0].is_pinned()):
+            return None
+        return tuple(self.extents), self._extent_offsets(device), self._ring()
+
     def key_extents(
         self, length: int, device: torch.device, on_read: Callable[[int], None] | None = None
     ) -> ExtentKeys | None:
         """The keys of the first `length` tokens where a kernel on `device` reads them in place
-        (`ExtentKeys`): pinned extents for a GPU, any for the CPU (Triton's interpreter); None
-        where a GPU cannot map them (not pinned) or nothing is stored."""
-        if not self.extents or (device.type == "cuda" and not self.extents[0].is_pinned()):
+        (`ExtentKeys` of these token rows [E, 2, G, D]), or None (`mapped`)."""
+        where = self.mapped(device)
+        if where is None:
             return None
-        offsets = self._extent_offsets(device)
-        extents = tuple(self.extents)
-        return ExtentKeys(extents, offsets, self.extent_tokens, self._ring(), length, device, on_read=on_read)
+        extents, offsets, ring = where
+        _, _, heads, head_dim = extents[0].shape
+        return ExtentKeys(
+            extents, offsets, self.extent_tokens, ring, length, device, heads, head_dim, extents[0].dtype,
+            on_read=on_read,
+        )  # fmt: skip
 
     def read_pages_into(
         self, dst: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor, page: int

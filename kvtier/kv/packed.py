@@ -25,8 +25,12 @@ context grows with the byte ratio too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from kvtier.attention.interface import ExtentKeys
+from kvtier.attention.row_formats import KIVI_GROUP, ROW_KINDS, native_row_format
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.hooks import KVCodec
 from kvtier.kv.host_slice import HostSlice
@@ -140,6 +144,22 @@ class PackedTier:
         self._unpacked: list[Event | None] = [None] * scratches  # the last unpack from each
         self._next = 0
         account.alloc(GPU, sum(s.numel() for s in self.scratches))
+
+    def key_extents(
+        self, sid: int, length: int, device: torch.device, on_read: Callable[[int], None] | None
+    ) -> ExtentKeys | None:
+        """Slice `sid`'s coded keys where a kernel on `device` reads them in place from its KIVI
+        rows (`ExtentKeys` with the codec's bits), or None: another codec, or rows not mapped."""
+        fmt = native_row_format(self.codec)  # KIVI rows are recognised by their layout
+        where = self.rows[sid].mapped(device)
+        if fmt is None or not fmt.startswith("kivi") or where is None:
+            return None
+        extents, offsets, ring = where
+        lay, g = self.layout, KIVI_GROUP
+        return ExtentKeys(
+            extents, offsets, self.rows[sid].extent_tokens * g, ring, length, device, lay.group_size,
+            lay.head_dim, lay.dtype, on_read=on_read, bits=ROW_KINDS[fmt], group=g,
+        )  # fmt: skip
 
     def reserve(self, tokens: int) -> None:
         rows = -(-tokens // self.codec.group)

@@ -86,13 +86,19 @@ class SliceReader:
         self.account.h2d_bytes += (end - start) * lay.token_bytes // 2
         return dst
 
-    def key_extents(self) -> ExtentKeys | None:
-        """The stored keys where a GPU kernel reads them in place (`ExtentKeys`, after the host's
-        pending writes; what it reads is counted), or None: a quantized tier (rows hold codes)
-        or extents a GPU cannot map."""
-        if self.packed is not None:
+    def key_extents(self, end: int) -> ExtentKeys | None:
+        """The stored keys of tokens [0, end) where a GPU kernel reads them in place
+        (`ExtentKeys`, after the host's pending writes; what it reads is counted, but not from
+        a slice packed on the device), or None: a quantized tier's rows other than KIVI's, an
+        `end` past its coded tokens (the rest are in its full-precision tail), or extents a GPU
+        cannot map."""
+        if self.packed is None:
+            keys = self.host.key_extents(self.length, self.device, on_read=self._count)
+        elif end <= self.packed.coded:
+            count = None if self.sid in self.packed.device_slices else self._count
+            keys = self.packed.key_extents(self.sid, self.length, self.device, count)
+        else:
             return None
-        keys = self.host.key_extents(self.length, self.device, on_read=self._count)
         if keys is not None:
             self.streams.wait([self.host.last_write])
         return keys

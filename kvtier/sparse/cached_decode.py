@@ -161,7 +161,7 @@ class CachedDecode:
         parts = [torch.arange(min(cfg.sink, s + 1), device=q.device)]
         # NOTE: the length of the slice a streamed step would see (its kv includes the new
         # token at s, never a candidate): the scoring bounds its RoPE positions by it.
-        extents = fetch.key_extents() if self._probing(q) else None
+        extents = fetch.key_extents(w0) if self._probing(q) else None  # stage 0 reads [sink, w0)
         in_place = None if extents is None else replace(extents, length=s + 1)
         for h in heads:
             qh = q if h < 0 else q[:, h * r : (h + 1) * r]

@@ -87,6 +87,41 @@ def _key(k_rows, d, c, s, D: tl.constexpr, ROTATE: tl.constexpr):  # type: ignor
 
 
 @triton.jit
+def _packed_vals(rows, base, t, h, dd, g_all, n_codes, D: tl.constexpr, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """float32 keys [BC, D] of tokens t [BC] of KIVI rows starting base [BC] bytes from `rows`,
+    KV head h, channels dd [D]: code * step + min, as `quant_triton._unpack_kivi` computes them
+    (codes in (token, head, channel) order, BITS to a byte from the low bits; then the keys'
+    fp16 minima and steps per (head, channel) after both code blocks)."""
+    per = 8 // BITS
+    i = (t[:, None] * g_all + h) * D + dd[None, :]  # [BC, D] code index in the row
+    b = tl.load(rows + base[:, None] + i // per).to(tl.int32)
+    code = ((b >> ((i % per) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    sp = (rows + base[:, None] + 2 * n_codes).to(tl.pointer_type(tl.float16))
+    c = h * D + dd[None, :]
+    lo = tl.load(sp + c).to(tl.float32)
+    step = tl.load(sp + g_all * D + c).to(tl.float32)
+    return code * step + lo
+
+
+@triton.jit
+def _packed_key(  # type: ignore[no-untyped-def]
+    rows, base, t, h, d, c, s, g_all, n_codes,
+    KDT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
+):  # fmt: skip
+    """`_key` of keys unpacked from KIVI rows (`_packed_vals`), rounded to KDT as an unpacked
+    slice holds them."""
+    k = _packed_vals(rows, base, t, h, d, g_all, n_codes, D, BITS).to(KDT, fp_downcast_rounding="rtne")
+    if ROTATE:
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        half = _packed_vals(rows, base, t, h, (d + D // 2) % D, g_all, n_codes, D, BITS)
+        ks = half.to(KDT, fp_downcast_rounding="rtne").to(tl.float32) * sign[None, :]
+        a = (k.to(tl.float32) * c).to(KDT).to(tl.float32)
+        b = (ks * s).to(KDT).to(tl.float32)
+        k = (a + b).to(KDT)
+    return k
+
+
+@triton.jit
 def _dots(q, k, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]
     """q [R, D] . k [BC, D]^T: [R, BC] float32."""
     if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
@@ -115,10 +150,13 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     length,  # [BC] valid entries of the chunk
     first,
     offs_ptr,  # [extents] int64 (EXTENTS only)
-    extent_tokens,
+    extent_tokens,  # tokens an extent (BITS: rows)
     ring,
-    stride_ks,
+    stride_ks,  # elements between token rows (BITS: bytes between packed rows)
     stride_kg,
+    head0,  # BITS: the first KV head read, of g_all in a row
+    g_all,
+    n_codes,  # BITS: bytes of a row's key codes
     R_VALID,
     C,
     G: tl.constexpr,
@@ -129,6 +167,8 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     EXTENTS: tl.constexpr,
+    BITS: tl.constexpr,  # 0: full-precision keys; else KIVI rows of GROUP tokens
+    GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -138,8 +178,17 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     row's max(left, right) also goes into the row maxima (this program owns its chunks' cells)."""
     pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
     pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
-    row_l = _row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
-    row_r = _row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+    if BITS > 0:  # a packed row holds GROUP tokens: its byte offset, and each probe's token in it
+        row_l = _row_offsets(pos_l // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        row_r = _row_offsets(pos_r // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        t_l = pos_l % GROUP
+        t_r = pos_r % GROUP
+    else:
+        row_l = _row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        row_r = _row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        t_l = pos_l  # unused
+        t_r = pos_r
+    kdt = q_base.dtype.element_ty  # the keys' dtype, as the queries'
     d = tl.arange(0, D)
     rows = tl.arange(0, R)
     rmask = rows < R_VALID
@@ -164,8 +213,14 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     for g in range(G):  # NOTE: not unrolled: 8 heads x 16 probes of unrolled dots took minutes to compile
         q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
-        k_l = _key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
-        k_r = _key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
+        if BITS > 0:
+            h = head0 + g
+            rot_l = ROTATE and MODE != 1
+            k_l = _packed_key(k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, rot_l)
+            k_r = _packed_key(k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, n_codes, kdt, D, BITS, ROTATE)
+        else:
+            k_l = _key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
+            k_r = _key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
         sc_l = _dots(q, k_l, INTERPRET)  # [R, BC]
         sc_r = _dots(q, k_r, INTERPRET)
         best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
@@ -196,6 +251,9 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     ring,
     stride_ks,
     stride_kg,
+    head0,
+    g_all,
+    n_codes,
     R_VALID,
     G: tl.constexpr,
     R: tl.constexpr,
@@ -206,6 +264,8 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     EXTENTS: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -225,8 +285,9 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l, s_r = _probe_pair(
             q_base, row_ptr + b * G * R * C, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l,
-            off_r, length, first, offs_ptr, extent_tokens, ring, stride_ks, stride_kg, R_VALID, C, G,
-            R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, INTERPRET, PER_ROW, BLOCK_C,
+            off_r, length, first, offs_ptr, extent_tokens, ring, stride_ks, stride_kg, head0, g_all,
+            n_codes, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, BITS, GROUP,
+            INTERPRET, PER_ROW, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -273,7 +334,12 @@ def bisect_triton(
     if per_row:
         row_best = torch.full((bsz, g, r_pad, c_count), float("-inf"), dtype=torch.float32, device=q.device)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
-    if isinstance(keys, ExtentKeys):
+    head0, g_all, n_codes, bits, group = 0, g, 0, 0, 1  # full-precision keys
+    if isinstance(keys, ExtentKeys) and keys.bits:  # KIVI rows: bytes, from the rows' first
+        k_ptr, offs, extent_tokens, ring = keys.extents[0].view(-1), keys.offsets, keys.extent_rows, keys.ring
+        stride_ks, stride_kg, head0, g_all = keys.row_bytes, 0, keys.head or 0, keys.heads
+        n_codes, bits, group = keys.key_code_bytes, keys.bits, keys.group
+    elif isinstance(keys, ExtentKeys):
         k_ptr, offs = keys.extents[0].view(-1)[keys.first_element :], keys.offsets
         stride_ks, stride_kg, extent_tokens, ring = keys.row_elements, d, keys.extent_tokens, keys.ring
     else:  # the offsets' pointer is a placeholder
@@ -300,6 +366,9 @@ def bisect_triton(
         ring,
         stride_ks,
         stride_kg,
+        head0,
+        g_all,
+        n_codes,
         rows,
         G=g,
         R=r_pad,
@@ -310,6 +379,8 @@ def bisect_triton(
         ROTATE=tables is not None,
         ARANGE=candidates is None,
         EXTENTS=isinstance(keys, ExtentKeys),
+        BITS=bits,
+        GROUP=group,
         INTERPRET=interpret,
         PER_ROW=per_row,
         BLOCK_C=BLOCK_C,
@@ -317,7 +388,7 @@ def bisect_triton(
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk
-        keys.on_read(bsz * c_count * 2 * levels * g * d * keys.dtype.itemsize)
+        keys.on_read(bsz * c_count * 2 * levels * g * keys.probe_bytes)
     if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
         return row_best[:, :, :rows].permute(0, 3, 1, 2)
     return out
