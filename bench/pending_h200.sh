@@ -177,7 +177,9 @@
 #   slicing over int4), the smoke (the GGUF's two calls: kvtier/ changed after it: the planner's
 #   int4 slicing and unpack model, StoreOptions.unpack_stream), 80, 73, 69.
 # The thirty-third session got no device (every start refused, then none lent): all of the above
-#   is still owed, and 85 (~7 min: probe scoring's A/B at 512K, HiP's stage-0 reruns) after 84.
+#   is still owed, then 85 (~7 min: probe scoring's A/B at 512K, HiP's stage-0 reruns), and after
+#   the GGUF 86 (the same through the CLI) and 87 (its NIAH on CUDA): if 86 wins and 87 holds,
+#   make --hip-probes the default.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -395,6 +397,28 @@ case "$group" in
       --name "hip_decode_profile_lean_512k_probe_ab${a:+_probes}"
   done
   run 240 $py -m pytest -q -p no:cacheprovider tests/test_probe_scoring.py tests/test_triton_bisect.py
+  ;;
+86)
+  # issue 19 through the CLI: 512K with --hip-probes on (host keys are on there by default:
+  # stage 0 read in place by probe) beside the default on the same start (17.35 tok/s at
+  # b0c523e, 13.26 at 182bb02 on other starts; a stage-0 step ~1.1 s of its 64). GGUF (the
+  # tokenizer).
+  run 280 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_probes=on" --new-tokens 64 \
+    --timeout 240 --warmup-context 16K --name hip_cli_speed_512k_hip_probes
+  run 260 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
+    --timeout 240 --warmup-tokens 0 --name hip_cli_speed_512k_hip_probes_base
+  ;;
+87)
+  # issue 19: probe scoring's quality (its scores sum in another order than the torch decode
+  # path's): the CUDA NIAH grids the default passed (prose 16K 30/33, 32K 29/33:
+  # niah_smollm2_cuda_prose_hip_auto_x3.json; repeat: niah_smollm2_cuda_32k_repeat_lean_x3.json).
+  # GGUF.
+  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 33000 --method hip,hip_probes=on --no-progress \
+    --out "$OUT/niah_smollm2_cuda_prose_hip_probes_x3.json"
+  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack repeat --device cuda \
+    --max-model-len 33000 --method hip,hip_probes=on --no-progress \
+    --out "$OUT/niah_smollm2_cuda_repeat_hip_probes_x3.json"
   ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):

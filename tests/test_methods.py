@@ -291,6 +291,32 @@ def test_hip_host_keys_reaches_the_kernel_from_a_spec_and_a_flag(tiny: Path) -> 
     assert method_kwargs(args)["hip_host_keys"] is True
 
 
+def test_hip_probes_reaches_the_kernel_from_a_spec_a_flag_and_the_llm(tiny: Path) -> None:
+    """`hip,hip_probes=on`, `--hip-probes on` and `LLM(hip_probes=True)` turn on
+    `HipConfig.probe_scoring` and say so in the method's description; off by default; another
+    value names the two; without `--attention hip` it is refused."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    parts = parse_choice("hip,hip_host_keys=on,hip_probes=on").build(cfg, cpu, None)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.probe_scoring and kernel.cfg.host_scoring
+    assert parts.describe.endswith("stage 0 on host keys, stage 0 on its probes")
+    plain: Any = parse_choice("hip").build(cfg, cpu, None, context=512 * 1024).kernel
+    assert not plain.cfg.probe_scoring
+    with pytest.raises(ConfigError, match="on or off"):
+        parse_choice("hip,hip_probes=auto")
+    with pytest.raises(ConfigError, match="--hip-probes applies only with"):
+        parse_choice("hip_probes=on")
+    flags = ["generate", "--prompt", "x", "--attention", "hip", "--hip-probes", "on"]
+    args = build_parser().parse_args(flags)
+    assert method_kwargs(args)["hip_probes"] is True
+    llm = LLM(str(tiny), device="cpu", attention="hip", hip_probes=True)
+    assert llm.method.hip_probes is True
+
+
 def test_hip_refresh_sets_the_decode_intervals_of_the_preset(tiny: Path) -> None:
     """`--hip-refresh NAME` keeps the preset's budgets and takes NAME's refresh intervals: in the
     kernel, in the plan's block cache (which holds a refresh interval's window growth) and in

@@ -34,6 +34,7 @@ class MethodChoice:
     hip_preset: str = "auto"  # `kvtier.sparse.resolve_preset` picks one per request
     hip_refresh: str | None = None  # a REFRESH_PRESETS name (None: the preset's intervals)
     hip_host_keys: bool | None = None  # stage-0 reruns on host keys (`HipConfig.host_scoring`)
+    hip_probes: bool | None = None  # stage 0 scores the bisection's probes (`HipConfig.probe_scoring`)
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None
@@ -62,7 +63,7 @@ class MethodChoice:
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
         entry = self.entry
-        for key in ("kv_budget", "hip_refresh", "hip_host_keys"):
+        for key in ("kv_budget", "hip_refresh", "hip_host_keys", "hip_probes"):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]
                 raise ConfigError(f"{OPTIONS[key].flag} applies only with {', '.join(takers)}")

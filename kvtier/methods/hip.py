@@ -50,6 +50,12 @@ def _on_off(text: str) -> bool | None:
     return None if text == "auto" else text == "on"
 
 
+def _probes(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ConfigError(f"--hip-probes takes on or off, got {text!r}")
+    return text == "on"
+
+
 # `--hip-host-keys auto` (the default) reads stage-0 keys from the host from this context on, over
 # a full-precision host tier. H200, the same machine start, Llama-3.1-8B shapes through the CLI
 # under 24 GiB: 0.85x streaming's decode rate at 128K (`hip_cli_speed_128k_host_keys.json`: the
@@ -126,6 +132,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         cache_tokens=ctx.hip_cache_tokens,
         refresh=hip.refresh,
         host_scoring=on_host,
+        probe_scoring=bool(ctx.options.get("hip_probes")),
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
@@ -133,6 +140,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
     auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
     every = "" if refresh is None else f", refresh {refresh}"
     keys = ", stage 0 on host keys" if on_host else ""
+    keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
     return PolicyParts(kernel=kernel, rotate_keys=not unrotated, describe=describe)
 
@@ -143,7 +151,7 @@ HIP = register(
         "attention",
         "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
         _build,
-        takes=("hip_preset", "hip_refresh", "hip_host_keys"),
+        takes=("hip_preset", "hip_refresh", "hip_host_keys", "hip_probes"),
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
@@ -173,5 +181,15 @@ HIP = register(
         "keys from host memory (half the bytes of streaming it whole) and the rest through the "
         "block cache; same output. auto (the default): on from 256K tokens without --kv-quant "
         "(H200: 1.56x streaming's decode rate at 512K, 0.85x at 128K)",
+    ),
+    Option(
+        "hip_probes",
+        "--hip-probes",
+        _probes,
+        "on (CUDA, experimental): a decode step that runs HiP's stage 0 scores only the keys its "
+        "bisection probes, with the prefill's Triton kernel; with host keys it reads them in place "
+        "from pinned host memory (full-precision or KIVI rows), ~1/16 of the keys at 256-token "
+        "chunks. Scores sum in another order, so a near-tie may keep another chunk. off: the "
+        "default, until measured on a GPU",
     ),
 )
