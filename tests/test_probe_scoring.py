@@ -136,22 +136,25 @@ def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
 
 
 @pytest.mark.parametrize("device", ["cpu"])  # the model-level check: the interpreter's CPU run
-@pytest.mark.parametrize("extend", [True, False])
-@pytest.mark.parametrize("per_head", [False, True])
+# (context extension's rotations, one selection per KV head, the block cache: None covers a
+# refresh interval, 24 tokens misses and overflows); two cases: Triton's interpreter is slow
+@pytest.mark.parametrize(("extend", "per_head", "cache"), [(True, False, None), (False, True, 24)])
 def test_probe_scoring_is_the_same_streamed_resident_or_in_place_and_reads_only_probes(
     gqa: tuple[CausalLM, ModelConfig],  # noqa: F811
     device: str,
     extend: bool,
     per_head: bool,
+    cache: int | None,
 ) -> None:
-    """With probe scoring, HiP decode gives the same tokens and logits over resident KV, over
-    streamed slices, and with stage 0 read in place from the host tier (`host_scoring`), where
-    decode moves only the probes' keys and the block cache's misses; the tokens are those of
-    the torch scoring (these random keys have no near-ties)."""
+    """With probe scoring (every stage's chunks scored on their probes, later stages' keys read
+    from the block cache by address, its overflow too), HiP decode gives the same tokens and
+    logits over resident KV, over streamed slices, and with stage 0 read in place from the host
+    tier (`host_scoring`), where decode moves only the probes' keys and the block cache's
+    misses; the tokens are those of the torch scoring (these random keys have no near-ties)."""
     if device == "cpu" and not _interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run by the subprocess case)")
     model, cfg = gqa
-    opts = {"extend": extend, "per_head": per_head}
+    opts = {"extend": extend, "per_head": per_head, "cache_tokens": cache}
     _, torch_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg, **opts))
     ref = kernel_for(cfg, **opts, probe_scoring=True)
     ref_logits, ref_tokens, _, _ = run(model, cfg, "gpu", ref)

@@ -296,9 +296,8 @@ class CachedDecode:
         if isinstance(kv, ExtentKeys):  # stage 0 alone
             assert first == 0 and n == 1, "keys in place serve stage 0 alone"
             return [self._stage0_probes(q, pos, kv, layer, cand)]
-        if first == 0 and isinstance(kv, torch.Tensor) and self._probing(q):
-            out = self._stage0_probes(q, pos, kv[:, 0], layer, cand)
-            return [out, *(self._stages(q, pos, kv, layer, out, 1, upto) if n > 1 else [])]
+        if not isinstance(kv, HostKeys) and self._probing(q):
+            return self._stages_probed(q, pos, kv, layer, cand, first, n)
         whole = not isinstance(kv, PositionedKV)  # stage 0's candidates are a range: `span`
         if isinstance(kv, torch.Tensor):
             keys: object = kv[:, 0]
@@ -326,6 +325,36 @@ class CachedDecode:
         if not self.cfg.probe_scoring or not use_triton():
             return False
         return q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+    def _stages_probed(
+        self, q: torch.Tensor, pos: torch.Tensor, kv: KV, layer: int, cand: torch.Tensor, first: int, n: int
+    ) -> list[torch.Tensor]:
+        """`_stages` first..n - 1 scored on their probes (`bisect_triton`): stage 0 over the
+        slice's keys (a range), later stages over their candidates' keys in the slice or, in a
+        `PositionedKV` view, where the block cache holds them (by address)."""
+        cfg, outs = self.cfg, []
+        for i in range(first, n):
+            if i == 0:
+                assert isinstance(kv, torch.Tensor), "stage 0 needs the whole slice or its keys"
+                cand = self._stage0_probes(q, pos, kv[:, 0], layer, cand)
+                outs.append(cand)
+                continue
+            m, chunk, budget = cand.numel(), cfg.chunk_sizes[i], cfg.stage_budgets(layer)[i]
+            if -(-m // chunk) > budget // chunk:  # else every candidate is kept (`prune_stage`)
+                if isinstance(kv, torch.Tensor):
+                    keys, at = kv[:, 0], None
+                else:
+                    keys, addresses = kv.key_addresses(cand)
+                    at = addresses[None]
+                valid = torch.full((1,), m, dtype=torch.long, device=q.device)
+                kept, _ = prune_blocks(
+                    q[None], pos[None], keys, cand[None], valid, chunk, budget,
+                    mode=cfg.scoring_rope(layer), rotary=self.rotary, window=cfg.window, triton=True,
+                    head_score=cfg.head_score, addresses=at, length=kv.shape[0],
+                )  # fmt: skip
+                cand = kept[0] if m % chunk == 0 else kept[0][kept[0] >= 0]  # no padding: no sync
+            outs.append(cand)
+        return outs
 
     def _stage0_probes(
         self,

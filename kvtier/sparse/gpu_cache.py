@@ -290,6 +290,21 @@ class PositionedKV:
         b = self.extra[torch.where(inb, 0, r)]
         return torch.where(inb.view(-1, *[1] * (a.dim() - 1)), a, b)
 
+    def key_addresses(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys for a kernel that reads them by address: the bank's keys [slots * block, G, D]
+        (a view, last dim contiguous) and the key of each of positions [n] as an element offset
+        from its first element (rows of the overflow too, another allocation). Rows [.., 2, G, D]."""
+        t = self.table
+        j = torch.searchsorted(t.blocks, torch.div(positions, self.block, rounding_mode="floor"))
+        r = t.base[j] + positions % self.block
+        keys = self.bank[:, 0]
+        at = r * keys.stride(0)
+        if self.extra is not None:
+            more = self.extra[:, 0]
+            delta = (more.data_ptr() - keys.data_ptr()) // keys.element_size()
+            at = torch.where(t.in_bank[j], at, delta + r * more.stride(0))
+        return keys, at
+
     def __getitem__(self, index: torch.Tensor | tuple[torch.Tensor, int]) -> torch.Tensor:
         if isinstance(index, tuple):
             positions, j = index

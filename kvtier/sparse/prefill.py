@@ -75,13 +75,17 @@ def prune_blocks(
     width: int = 0,
     triton: bool = False,
     head_score: str = "max",
+    addresses: torch.Tensor | None = None,
+    length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
     keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
     block b's candidates are first .. first + valid[b] - 1 (stage 0), N = `width`.
     `triton`: score chunks with `bisect_triton` (CUDA, or CPU tensors under TRITON_INTERPRET=1),
     which alone reads keys in place from host memory (`ExtentKeys`, stage 0: `candidates` None).
-    `head_score`: "max" or "softmax", as `pruning.chunk_scores`.
+    `head_score`: "max" or "softmax", as `pruning.chunk_scores`. `addresses` [B, N] (with
+    `triton` and candidates): where each candidate's key is in keys (`bisect_triton`), keys then
+    not indexed by position; `length`: the slice's length then (keys' rows otherwise).
 
     Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
     chunks)) and their counts [B]. No host sync.
@@ -98,7 +102,9 @@ def prune_blocks(
     starts = torch.arange(c_count, device=dev) * chunk  # [C]
     lengths = (valid[:, None] - starts[None, :]).clamp(min=0, max=chunk)  # [B, C]
     n_chunks = -(-valid // chunk)  # [B] each block's own chunk count (chunk-indexed RoPE)
-    qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rotary, window=window)
+    qr, limit = _scoring_queries(
+        q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rotary, window=window, length=length
+    )
     chunks = _chunks(candidates, c_count, chunk) if candidates is not None else None  # [B, C, c]
     per_row = head_score == "softmax"
     if triton:
@@ -107,8 +113,9 @@ def prune_blocks(
         like = q if isinstance(keys, ExtentKeys) else keys  # the table's dtype and device
         tables = rotary.tables(limit, like) if rotary is not None else None
         scores = bisect_triton(
-            qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row
-        )
+            qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row,
+            addresses=addresses,
+        )  # fmt: skip
     else:
         assert chunks is not None and isinstance(keys, torch.Tensor), "keys in place need the Triton kernel"
         scores = bisect_chunks(
@@ -165,11 +172,13 @@ def _scoring_queries(
     mode: str,
     rotary: RopeTable | None,
     window: int,
+    length: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """q [B, Nq, H_q, D] rotated at the scoring positions of `mode` and split per KV head:
-    [B, Nq, G, r, D]; and a bound on every scoring position (queries and probes)."""
+    [B, Nq, G, r, D]; and a bound on every scoring position (queries and probes). `length`:
+    the slice's tokens, when keys' rows are not its positions."""
     g = keys.shape[1]
-    limit = keys.shape[0] + window + c_count + 2  # every scoring position is below it
+    limit = (length or keys.shape[0]) + window + c_count + 2  # every scoring position is below it
     if rotary is not None:
         if mode == "chunk_indexed":  # per block: min(true position, its chunk count + window)
             at = torch.minimum(q_pos, (n_chunks + window)[:, None]).flatten()

@@ -141,6 +141,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     row_base,  # pointer: this block's per-row maxima [G, R, C] (PER_ROW only)
     k_ptr,
     cand_base,  # pointer: this block's candidates [N] (unused when ARANGE)
+    addr_base,  # pointer: their keys' element offsets from k_ptr [N] (ADDR only)
     cos_ptr,
     sin_ptr,
     cs,  # [BC] chunk indices
@@ -167,6 +168,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     EXTENTS: tl.constexpr,
+    ADDR: tl.constexpr,  # keys at the element offsets addr_base gives, not at their positions
     BITS: tl.constexpr,  # 0: full-precision keys; else KIVI rows of GROUP tokens
     GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -178,7 +180,13 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     row's max(left, right) also goes into the row maxima (this program owns its chunks' cells)."""
     pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
     pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
-    if BITS > 0:  # a packed row holds GROUP tokens: its byte offset, and each probe's token in it
+    if ADDR:  # rows of a block cache's bank (or its overflow): offsets the caller computed
+        live = cmask & (length > 0)
+        row_l = tl.load(addr_base + cs * CHUNK + off_l, mask=live, other=0).to(tl.int64)
+        row_r = tl.load(addr_base + cs * CHUNK + off_r, mask=live, other=0).to(tl.int64)
+        t_l = pos_l  # unused
+        t_r = pos_r
+    elif BITS > 0:  # a packed row holds GROUP tokens: its byte offset, and each probe's token in it
         row_l = _row_offsets(pos_l // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         row_r = _row_offsets(pos_r // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         t_l = pos_l % GROUP
@@ -238,6 +246,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [B, G, R, D]
     k_ptr,  # [S, G, D] (last dim contiguous)
     cand_ptr,  # [B, N] int64 (unused when ARANGE)
+    addr_ptr,  # [B, N] int64 element offsets of the candidates' keys (ADDR only)
     len_ptr,  # [B, C] int64
     cos_ptr,  # [P, D] (unused unless ROTATE)
     sin_ptr,
@@ -264,6 +273,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     ROTATE: tl.constexpr,
     ARANGE: tl.constexpr,
     EXTENTS: tl.constexpr,
+    ADDR: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -284,10 +294,10 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l, s_r = _probe_pair(
-            q_base, row_ptr + b * G * R * C, k_ptr, cand_base, cos_ptr, sin_ptr, cs, cmask, off_l,
-            off_r, length, first, offs_ptr, extent_tokens, ring, stride_ks, stride_kg, head0, g_all,
-            n_codes, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, BITS, GROUP,
-            INTERPRET, PER_ROW, BLOCK_C,
+            q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
+            cmask, off_l, off_r, length, first, offs_ptr, extent_tokens, ring, stride_ks, stride_kg,
+            head0, g_all, n_codes, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, ADDR,
+            BITS, GROUP, INTERPRET, PER_ROW, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -307,6 +317,7 @@ def bisect_triton(
     mode: str,
     tables: tuple[torch.Tensor, torch.Tensor] | None,
     per_row: bool = False,
+    addresses: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunk scores of a pruning stage, as `prefill._bisect` computes them.
 
@@ -319,7 +330,10 @@ def bisect_triton(
     [P, D] covering every probe position of `mode`, or None (no rotation). Returns [B, C]
     float32 (empty chunks too: the caller masks them); with `per_row`, `_bisect(per_row=True)`'s
     rows as a view [B, C, G, Nq * r] (rows in another order, which the "softmax" head score's
-    max over rows ignores). No host sync.
+    max over rows ignores). `addresses` [B, N] int64 (with `candidates`, keys a tensor): each
+    candidate's key as an element offset from keys' first element, where keys are not at their
+    positions (the rows of a block cache's bank, or of its overflow, another allocation). No
+    host sync.
     """
     bsz, nq, g, r, d = q.shape
     c_count = lengths.shape[1]
@@ -334,6 +348,7 @@ def bisect_triton(
     if per_row:
         row_best = torch.full((bsz, g, r_pad, c_count), float("-inf"), dtype=torch.float32, device=q.device)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
+    addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
     head0, g_all, n_codes, bits, group = 0, g, 0, 0, 1  # full-precision keys
     if isinstance(keys, ExtentKeys) and keys.bits:  # KIVI rows: bytes, from the rows' first
         k_ptr, offs, extent_tokens, ring = keys.extents[0].view(-1), keys.offsets, keys.extent_rows, keys.ring
@@ -353,6 +368,7 @@ def bisect_triton(
         qr,
         k_ptr,
         cand,
+        addr,
         lengths,
         cos,
         sin,
@@ -379,6 +395,7 @@ def bisect_triton(
         ROTATE=tables is not None,
         ARANGE=candidates is None,
         EXTENTS=isinstance(keys, ExtentKeys),
+        ADDR=addresses is not None,
         BITS=bits,
         GROUP=group,
         INTERPRET=interpret,
