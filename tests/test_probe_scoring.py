@@ -20,6 +20,7 @@ from kvtier.attention.interface import ExtentKeys  # noqa: E402
 from kvtier.config import ModelConfig, RopeConfig  # noqa: E402
 from kvtier.model.llama import CausalLM  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
+from kvtier.sparse.opcount import OpCounter  # noqa: E402
 from kvtier.sparse.prefill import _scoring_queries  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
 from tests.test_hip_offload import (  # noqa: E402
@@ -80,9 +81,13 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
         rotary=rope, window=8,
     )  # fmt: skip
     tables = rope.tables(limit, keys)
-    ref = bisect_triton(qr, keys, None, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row)
-    got = bisect_triton(qr, in_place, None, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row)
+    opts = {"mode": mode, "tables": tables, "per_row": per_row}
+    ref = bisect_triton(qr, keys, None, first, lengths, chunk, **opts)  # type: ignore[arg-type]
+    with OpCounter() as ops:  # under the interpreter the kernel counts as the one launch it is
+        got = bisect_triton(qr, in_place, None, first, lengths, chunk, **opts)  # type: ignore[arg-type]
     assert torch.equal(got, ref)
+    if device == "cpu":
+        assert ops.counts["triton:_bisect_kernel"] == 1 and ops.total < 12, ops.counts
     assert read == [c_count * 2 * 4 * gq * D * 4]  # 4 levels of 16-token chunks, float32 keys
 
 

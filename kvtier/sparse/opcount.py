@@ -13,7 +13,9 @@ kernel launch on a GPU), and, apart, the operators that make a CUDA host wait fo
     ops.by_function  # per innermost kvtier function that ran them (OpCounter(by_function=True))
 
 `Tensor.tolist` reads a CUDA tensor back without an aten operator on a CPU tensor: it is not
-counted here (wrap it, as `bench/hip_decode_profile.py` does).
+counted here (wrap it, as `bench/hip_decode_profile.py` does). A Triton kernel that Triton's
+interpreter runs (TRITON_INTERPRET=1: the CPU's stand-in for a GPU launch) counts as one
+operator, "triton:<kernel>", not as the torch operators the interpreter runs for it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -67,6 +70,21 @@ class OpCounter(TorchDispatchMode):
     def sync_total(self) -> int:
         return sum(self.syncs.values())
 
+    def __enter__(self) -> OpCounter:
+        super().__enter__()
+        self._unpatch = _count_interpreted_launches(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._unpatch()
+        super().__exit__(*exc)
+
+    def launched(self, name: str) -> None:
+        """Count one launch of kernel `name` (not an aten operator)."""
+        self.counts[f"triton:{name}"] += 1
+        if self.by_function is not None:
+            self.by_function[_innermost_kvtier_frame()] += 1
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not func.is_view:
@@ -77,6 +95,31 @@ class OpCounter(TorchDispatchMode):
             if self.by_function is not None:
                 self.by_function[_innermost_kvtier_frame()] += 1
         return func(*args, **kwargs)
+
+
+def _count_interpreted_launches(counter: OpCounter) -> Callable[[], None]:
+    """Under Triton's interpreter, make each kernel run count as one launch in `counter`, its own
+    torch operators uncounted; returns what undoes it (a no-op elsewhere)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or "triton" not in sys.modules:
+        return lambda: None
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("warmup"):
+            return run(self, *args, **kwargs)
+        counter.launched(self.fn.__name__)
+        with _disable_current_modes():
+            return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = counted
+
+    def undo() -> None:
+        InterpretedFunction.run = run
+
+    return undo
 
 
 def _innermost_kvtier_frame() -> str:
