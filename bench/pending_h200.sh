@@ -388,7 +388,7 @@ case "$group" in
   # issue 19: decode's stage 0 on the bisection's probes alone (HipConfig.probe_scoring, built on
   # the CPU in the thirty-third session): 8 layers of Llama-3's shapes at 512K, `lean`, 8-head
   # slices, covering caches, host keys without and with probes, read in place from pinned host
-  # memory (CPU counts at 1 layer: 898 -> 305 operators a slice in a stage-0 rerun, its keys
+  # memory (CPU counts at 1 layer: 898 -> 220 operators a slice in a stage-0 rerun, its keys
   # 2.14 GB -> 0.13 GB in fp32; at b0c523e a stage-0 step of 8 slices took 1.01 s, the 17.35
   # tok/s CLI run's max step 1.13 s); then the kernel's CUDA tests. No GGUF.
   for a in "" "--probe-scoring"; do

@@ -39,10 +39,16 @@ from tests.test_hip_offload import (  # noqa: E402
 D = 32
 
 
+def _host(x: torch.Tensor, device: str) -> torch.Tensor:
+    """x as the host tier keeps it for `device`: pinned host memory for a GPU (which the kernel
+    reads in place, as the store's extents), a CPU tensor of its own for the interpreter."""
+    return x.cpu().pin_memory() if device == "cuda" else x.clone()
+
+
 def _extents(s: int, g: int, per: int, device: str) -> list[torch.Tensor]:
     """A host slice's extents: separate allocations of `per` tokens [per, 2, g, D] each."""
     gen = torch.Generator().manual_seed(11)
-    return [torch.randn(per, 2, g, D, generator=gen).to(device) for _ in range(-(-s // per))]
+    return [_host(torch.randn(per, 2, g, D, generator=gen), device) for _ in range(-(-s // per))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -60,7 +66,7 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
 
     s, g, per, chunk, first = 250, 3, 64, 16, 4
     extents = _extents(s, g, per, device)
-    whole = torch.cat(extents)[:s]  # [S, 2, G, D]
+    whole = torch.cat(extents)[:s].to(device)  # [S, 2, G, D]
     keys = whole[:, 0] if head is None else whole[:, 0, head : head + 1]  # [S, G', D]
     read: list[int] = []
     dev = torch.device(device)
@@ -113,7 +119,7 @@ def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
     unpacked = torch.empty_like(kv)
     if not codec.unpack_into(rows, unpacked):  # on CUDA the Triton unpack, as the store
         unpacked = codec.unpack(rows, g, D, kv.dtype)
-    extents = [rows[i : i + rows_per].clone() for i in range(0, rows.shape[0], rows_per)]
+    extents = [_host(rows[i : i + rows_per], device) for i in range(0, rows.shape[0], rows_per)]
     dev = torch.device(device)
     read: list[int] = []
     in_place = ExtentKeys(
