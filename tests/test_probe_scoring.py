@@ -51,6 +51,23 @@ def _extents(s: int, g: int, per: int, device: str) -> list[torch.Tensor]:
     return [_host(torch.randn(per, 2, g, D, generator=gen), device) for _ in range(-(-s // per))]
 
 
+def _stage0(
+    keys: torch.Tensor, valid: int, chunk: int, mode: str, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A decode query's stage 0 over the first `valid` candidates of keys [S, G, D]: its scoring
+    queries [1, 1, G, 2, D] (two query heads a KV head, at the last position), the chunks'
+    lengths [1, C] and the RoPE tables (cos, sin) covering every scoring position."""
+    s, g, dev = keys.shape[0], keys.shape[1], keys.device
+    q = torch.randn(1, 1, g * 2, D, generator=gen).to(dev)  # [B, Nq, H_q, D]
+    c_count = -(-valid // chunk)
+    lengths = (valid - torch.arange(c_count, device=dev)[None, :] * chunk).clamp(0, chunk)
+    rope = RopeTable(Rotary(RopeConfig(), D, device=dev))
+    n_chunks = torch.tensor([c_count], device=dev)
+    pos = torch.tensor([[s - 1]], device=dev)
+    qr, limit = _scoring_queries(q, pos, keys, n_chunks, c_count, mode=mode, rotary=rope, window=8)
+    return qr, lengths, rope.tables(limit, keys)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["relative", "chunk_indexed", "absolute"])
 @pytest.mark.parametrize("head", [None, 1])
@@ -75,18 +92,8 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
     in_place = replace(in_place, on_read=read.append)
     in_place = in_place if head is None else in_place.of_head(head)
     assert in_place.shape == keys.shape
-    gq = keys.shape[1]
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 1, gq * 2, D, generator=gen).to(device)  # [B, Nq, H_q, D]
-    valid = torch.tensor([s - 20 - first], device=device)
-    c_count = -(-int(valid) // chunk)
-    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
-    rope = RopeTable(Rotary(RopeConfig(), D, device=device))
-    qr, limit = _scoring_queries(
-        q, torch.tensor([[s - 1]], device=device), keys, -(-valid // chunk), c_count, mode=mode,
-        rotary=rope, window=8,
-    )  # fmt: skip
-    tables = rope.tables(limit, keys)
+    qr, lengths, tables = _stage0(keys, s - 20 - first, chunk, mode, torch.Generator().manual_seed(5))
+    c_count = lengths.shape[1]
     opts = {"mode": mode, "tables": tables, "per_row": per_row}
     ref = bisect_triton(qr, keys, None, first, lengths, chunk, **opts)  # type: ignore[arg-type]
     with OpCounter() as ops:  # under the interpreter the kernel counts as the one launch it is
@@ -94,7 +101,7 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
     assert torch.equal(got, ref)
     if device == "cpu":
         assert ops.counts["triton:_bisect_kernel"] == 1 and ops.total < 12, ops.counts
-    assert read == [c_count * 2 * 4 * gq * D * 4]  # 4 levels of 16-token chunks, float32 keys
+    assert read == [c_count * 2 * 4 * keys.shape[1] * D * 4]  # 4 levels of 16-token chunks, float32 keys
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -130,16 +137,8 @@ def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
     if head is not None:
         in_place, keys = in_place.of_head(head), keys[:, head : head + 1]
     gq = keys.shape[1]
-    q = torch.randn(1, 1, gq * 2, D, generator=gen).to(device)
-    valid = torch.tensor([s - 30 - first], device=device)
-    c_count = -(-int(valid) // chunk)
-    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
-    rope = RopeTable(Rotary(RopeConfig(), D, device=device))
-    qr, limit = _scoring_queries(
-        q, torch.tensor([[s - 1]], device=device), keys, -(-valid // chunk), c_count, mode=mode,
-        rotary=rope, window=8,
-    )  # fmt: skip
-    tables = rope.tables(limit, keys)
+    qr, lengths, tables = _stage0(keys, s - 30 - first, chunk, mode, gen)
+    c_count = lengths.shape[1]
     ref = bisect_triton(qr, keys.contiguous(), None, first, lengths, chunk, mode=mode, tables=tables)
     got = bisect_triton(qr, in_place, None, first, lengths, chunk, mode=mode, tables=tables)
     assert torch.equal(got, ref)
