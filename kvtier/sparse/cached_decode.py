@@ -320,8 +320,8 @@ class CachedDecode:
         )
 
     def _probing(self, q: torch.Tensor) -> bool:
-        """Whether stage 0 scores probes with Triton (`HipConfig.probe_scoring`): on CUDA, or on
-        CPU tensors under Triton's interpreter (tests)."""
+        """Whether the stages score their chunks on the bisection's probes with Triton
+        (`HipConfig.probe_scoring`): on CUDA, or on CPU tensors under Triton's interpreter."""
         if not self.cfg.probe_scoring or not use_triton():
             return False
         return q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

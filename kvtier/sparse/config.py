@@ -84,12 +84,13 @@ class HipConfig:
     # sinks, the new selection and the window through the block cache (misses fetched), instead
     # of streaming the slice (keys and values) whole. Same outputs. Off until measured on a GPU.
     host_scoring: bool = False
-    # Decode steps that run stage 0 (on CUDA, with Triton): score only the bisection's probes
-    # (`kvtier.sparse.triton_bisect`, as prefill does), not every candidate; with
-    # `host_scoring` the kernel reads those keys in place from the pinned host tier (~2 keys a
-    # level of each chunk: 1/16 of the keys at 256-token chunks). The scores' summation order
-    # differs from the torch path's, so a near-tie may pick another chunk. Off until measured
-    # on a GPU (speed and NIAH); a quantized host tier keeps `HostKeys`.
+    # Decode steps that rerun stages (on CUDA, with Triton): score only the keys the bisection
+    # probes (`kvtier.sparse.triton_bisect`, as prefill does), not every candidate: stage 0 with
+    # `host_scoring` reads them in place from the pinned host tier (~2 keys a level of each
+    # chunk: 1/16 of the keys at 256-token chunks; full-precision or KIVI rows, else
+    # `HostKeys`), later stages from the block cache by address. The scores' summation order
+    # differs from the torch path's, so a near-tie may pick another chunk. Off until measured on
+    # a GPU (speed and NIAH).
     probe_scoring: bool = False
 
     def __post_init__(self) -> None:
