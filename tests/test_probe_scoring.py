@@ -14,6 +14,9 @@ import torch
 
 from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
 
+# The model-level checks run the interpreter's CPU case alone (their helpers build CPU stores).
+CPU = [p for p in DEVICES if p.values[0] == "cpu"]
+
 pytestmark = NEEDS_TRITON
 
 from kvtier.attention.interface import ExtentKeys  # noqa: E402
@@ -145,7 +148,7 @@ def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
     assert read == [c_count * 2 * 4 * gq * (D * bits // 8 + 4 * D)]
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # the model-level check: the interpreter's CPU run
+@pytest.mark.parametrize("device", CPU)
 # (context extension's rotations, one selection per KV head, the block cache: None covers a
 # refresh interval, 24 tokens misses and overflows); two cases: Triton's interpreter is slow
 @pytest.mark.parametrize(("extend", "per_head", "cache"), [(True, False, None), (False, True, 24)])
@@ -161,8 +164,6 @@ def test_probe_scoring_is_the_same_streamed_resident_or_in_place_and_reads_only_
     logits over resident KV, over streamed slices, and with stage 0 read in place from the host
     tier (`host_scoring`), where decode moves only the probes' keys and the block cache's
     misses; the tokens are those of the torch scoring (these random keys have no near-ties)."""
-    if device == "cpu" and not _interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run by the subprocess case)")
     model, cfg = gqa
     opts = {"extend": extend, "per_head": per_head, "cache_tokens": cache}
     _, torch_tokens, _, _ = run(model, cfg, "gpu", kernel_for(cfg, **opts))
@@ -186,7 +187,7 @@ def test_probe_scoring_is_the_same_streamed_resident_or_in_place_and_reads_only_
     assert h2d == probes + in_place.stats.cache.fetched_bytes
 
 
-@pytest.mark.parametrize("device", ["cpu"])
+@pytest.mark.parametrize("device", CPU)
 def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
     gqa: tuple[CausalLM, ModelConfig],  # noqa: F811
     device: str,
@@ -198,8 +199,6 @@ def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
     not bitwise: with host keys the block cache keeps the full-precision copy of a window token
     coded after it was cached, where a streamed refresh reads it unpacked (host keys without
     probes differ from streaming the same way; the kernel's unpacking is bitwise, see above)."""
-    if device == "cpu" and not _interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (run by the subprocess case)")
     from kvtier.policies.quant import KiviCodec
     from kvtier.sparse import triton_bisect
 
@@ -232,12 +231,6 @@ def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
     per_slice = [-(-(w - sink) // chunk) * 2 * levels * (16 * 4 // 8 + 4 * 16) for w in w0]  # type: ignore[operator]
     assert sorted(read) == sorted((4, n) for n in per_slice * SLICES)
     assert in_place.stats.decode_recomputes[0] == len(w0) * SLICES
-
-
-def _interpreting() -> bool:
-    from tests.triton_interpreter import INTERPRET
-
-    return INTERPRET
 
 
 @SUBPROCESS_ONLY

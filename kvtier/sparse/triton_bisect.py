@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
+from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offsets
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
@@ -49,76 +50,6 @@ def _probe_pos(cand_base, cs, cmask, off, length, first, CHUNK: tl.constexpr, AR
     else:
         pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
     return tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
-
-
-@triton.jit
-def _row_offsets(pos, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Element offsets [BC] of the key rows of positions pos [BC] from the keys' pointer: pos *
-    stride_ks in one tensor, or with EXTENTS in a host slice's extents (`ExtentKeys`): token p in
-    extent (p // extent_tokens) % ring, whose start is offs_ptr[that] elements on."""
-    if EXTENTS:
-        nth = pos // extent_tokens
-        start = tl.load(offs_ptr + nth % ring)
-        return start + (pos - nth * extent_tokens) * stride_ks
-    return pos * stride_ks
-
-
-@triton.jit
-def _rope_rows(cos_ptr, sin_ptr, rp, d, D: tl.constexpr):  # type: ignore[no-untyped-def]
-    """cos and sin rows [BC, D] float32 at rotation positions rp [BC]."""
-    c = tl.load(cos_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
-    s = tl.load(sin_ptr + rp[:, None] * D + d[None, :]).to(tl.float32)
-    return c, s
-
-
-@triton.jit
-def _key(k_rows, d, c, s, D: tl.constexpr, ROTATE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Key rows [BC, D] at row pointers k_rows [BC, 1]; with ROTATE, `Rotary.apply`'s rounding:
-    x * cos + rotate_half(x) * sin, each op rounded to the keys' dtype."""
-    k = tl.load(k_rows + d[None, :])
-    if ROTATE:
-        sign = tl.where(d < D // 2, -1.0, 1.0)
-        ks = tl.load(k_rows + ((d + D // 2) % D)[None, :]).to(tl.float32) * sign[None, :]
-        kdt = k.dtype
-        a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
-        b = (ks * s).to(kdt).to(tl.float32)
-        k = (a + b).to(kdt)
-    return k
-
-
-@triton.jit
-def _packed_vals(rows, base, t, h, dd, g_all, n_codes, D: tl.constexpr, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """float32 keys [BC, D] of tokens t [BC] of KIVI rows starting base [BC] bytes from `rows`,
-    KV head h, channels dd [D]: code * step + min, as `quant_triton._unpack_kivi` computes them
-    (codes in (token, head, channel) order, BITS to a byte from the low bits; then the keys'
-    fp16 minima and steps per (head, channel) after both code blocks)."""
-    per = 8 // BITS
-    i = (t[:, None] * g_all + h) * D + dd[None, :]  # [BC, D] code index in the row
-    b = tl.load(rows + base[:, None] + i // per).to(tl.int32)
-    code = ((b >> ((i % per) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    sp = (rows + base[:, None] + 2 * n_codes).to(tl.pointer_type(tl.float16))
-    c = h * D + dd[None, :]
-    lo = tl.load(sp + c).to(tl.float32)
-    step = tl.load(sp + g_all * D + c).to(tl.float32)
-    return code * step + lo
-
-
-@triton.jit
-def _packed_key(  # type: ignore[no-untyped-def]
-    rows, base, t, h, d, c, s, g_all, n_codes,
-    KDT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
-):  # fmt: skip
-    """`_key` of keys unpacked from KIVI rows (`_packed_vals`), rounded to KDT as an unpacked
-    slice holds them."""
-    k = _packed_vals(rows, base, t, h, d, g_all, n_codes, D, BITS).to(KDT, fp_downcast_rounding="rtne")
-    if ROTATE:
-        sign = tl.where(d < D // 2, -1.0, 1.0)
-        half = _packed_vals(rows, base, t, h, (d + D // 2) % D, g_all, n_codes, D, BITS)
-        ks = half.to(KDT, fp_downcast_rounding="rtne").to(tl.float32) * sign[None, :]
-        a = (k.to(tl.float32) * c).to(KDT).to(tl.float32)
-        b = (ks * s).to(KDT).to(tl.float32)
-        k = (a + b).to(KDT)
-    return k
 
 
 @triton.jit
@@ -187,13 +118,13 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         t_l = pos_l  # unused
         t_r = pos_r
     elif BITS > 0:  # a packed row holds GROUP tokens: its byte offset, and each probe's token in it
-        row_l = _row_offsets(pos_l // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
-        row_r = _row_offsets(pos_r // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        row_l = row_offsets(pos_l // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        row_r = row_offsets(pos_r // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         t_l = pos_l % GROUP
         t_r = pos_r % GROUP
     else:
-        row_l = _row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
-        row_r = _row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        row_l = row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
+        row_r = row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         t_l = pos_l  # unused
         t_r = pos_r
     kdt = q_base.dtype.element_ty  # the keys' dtype, as the queries'
@@ -216,19 +147,19 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         else:
             rp_l = pos_l
             rp_r = pos_r
-        c_l, s_l = _rope_rows(cos_ptr, sin_ptr, rp_l, d, D)
-        c_r, s_r = _rope_rows(cos_ptr, sin_ptr, rp_r, d, D)
+        c_l, s_l = rope_rows(cos_ptr, sin_ptr, rp_l, d, D)
+        c_r, s_r = rope_rows(cos_ptr, sin_ptr, rp_r, d, D)
     for g in range(G):  # NOTE: not unrolled: 8 heads x 16 probes of unrolled dots took minutes to compile
         q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
         if BITS > 0:
             h = head0 + g
             rot_l = ROTATE and MODE != 1
-            k_l = _packed_key(k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, rot_l)
-            k_r = _packed_key(k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, n_codes, kdt, D, BITS, ROTATE)
+            k_l = packed_key(k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, rot_l)
+            k_r = packed_key(k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, n_codes, kdt, D, BITS, ROTATE)
         else:
-            k_l = _key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
-            k_r = _key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
+            k_l = load_key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
+            k_r = load_key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
         sc_l = _dots(q, k_l, INTERPRET)  # [R, BC]
         sc_r = _dots(q, k_r, INTERPRET)
         best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
