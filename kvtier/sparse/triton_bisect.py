@@ -115,8 +115,6 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         live = cmask & (length > 0)
         row_l = tl.load(addr_base + cs * CHUNK + off_l, mask=live, other=0).to(tl.int64)
         row_r = tl.load(addr_base + cs * CHUNK + off_r, mask=live, other=0).to(tl.int64)
-        t_l = pos_l  # unused
-        t_r = pos_r
     elif BITS > 0:  # a packed row holds GROUP tokens: its byte offset, and each probe's token in it
         row_l = row_offsets(pos_l // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         row_r = row_offsets(pos_r // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
@@ -125,8 +123,6 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     else:
         row_l = row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         row_r = row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
-        t_l = pos_l  # unused
-        t_r = pos_r
     kdt = q_base.dtype.element_ty  # the keys' dtype, as the queries'
     d = tl.arange(0, D)
     rows = tl.arange(0, R)
