@@ -202,6 +202,12 @@ def main() -> None:
         help="stage 0 scores the bisection's probes with Triton (HipConfig.probe_scoring; with "
         "--host-scoring read in place from host memory); on the CPU only under TRITON_INTERPRET=1",
     )
+    ap.add_argument(
+        "--slice-at-a-time",
+        action="store_true",
+        help="serve steps that rerun nothing a slice at a time, as before the layer path "
+        "(HipKernel.attend_cached_layer declines): the A/B of serving a layer's slices at once",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -215,6 +221,8 @@ def main() -> None:
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
     shape = (args.layers, args.kv_heads, args.head_dim, args.context)
     store, kernel = build(*shape, extra, hip, dev, args.group, args.kv_fill, args.kv_quant)
+    if args.slice_at_a_time:
+        kernel.attend_cached_layer = lambda *_: None  # type: ignore[method-assign]
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
@@ -333,7 +341,7 @@ def main() -> None:
         config = {
             "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
             "host_scoring": hip.host_scoring,
-            "probe_scoring": hip.probe_scoring,
+            "probe_scoring": hip.probe_scoring, "layer_at_once": not args.slice_at_a_time,
         }  # fmt: skip
         info = {"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group}
         out = write_results(args.name, {

@@ -420,6 +420,25 @@ case "$group" in
     --max-model-len 33000 --method hip,hip_probes=on --no-progress \
     --out "$OUT/niah_smollm2_cuda_repeat_hip_probes_x3.json"
   ;;
+88)
+  # issue 19: decode steps that rerun nothing, a layer's slices at once (the thirty-fourth
+  # session: HipKernel.attend_cached_layer, one RoPE, one row write, one attention and one merge
+  # launch a layer; CPU operators a slice 17.2 -> 11.6) against a slice at a time, on one start,
+  # 2-head slices (4 a layer, 1M's 128-slice shape) at 128K with host keys; first the new
+  # kernel's CUDA tests (batched = alone, bitwise). No GGUF.
+  run 150 $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
+  for a in "" "--slice-at-a-time"; do
+    run 110 $py bench/hip_decode_profile.py --as-preset --preset lean --context 128K --layers 32 \
+      --kv-heads 8 --group 2 --head-dim 128 --steps 34 --kv-fill structured --host-scoring $a \
+      --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
+  done
+  ;;
+89)
+  # the smoke of the embedded model alone (GPU-facing code changed: HiP decode's buffers attend
+  # through attend_buffers_triton, a layer at once): generate, then plan, eval and serve. GGUF.
+  run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 250 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --out "$OUT/gpu_smoke_serve_embedded.json"
+  ;;
 77)
   # issue 18: requests naming a method, each alone, on the 24 GiB server (Llama-3.1-8B shapes):
   # HiP at 304 tokens failed there at 182bb02; HiP's decode memory is now bounded by the request

@@ -542,6 +542,7 @@ def test_cached_steps_make_no_host_sync_with_the_default_cache(
     kernel = kernel_for(cfg, extend=extend, per_head=per_head)
     calls: list[str] = []
     monkeypatch.setattr(kernel, "attend_cached", recording_syncs(kernel.attend_cached, calls))
+    monkeypatch.setattr(kernel, "attend_cached_layer", recording_syncs(kernel.attend_cached_layer, calls))
     run(model, cfg, "head", kernel)
     assert kernel.stats.cache.cached_steps == SLICES * sum(1 for k in range(DECODE) if k % REFRESH0)
     assert calls == []
@@ -559,16 +560,18 @@ def test_a_small_cache_appends_without_syncs_on_steps_that_read_nothing_stored(
     kernel = kernel_for(cfg, cache_tokens=40, refresh=refresh)
     syncs: list[int] = []
 
-    def counting(*a: Any, **k: Any) -> Any:
-        calls: list[str] = []
-        before = kernel.stats.cache.cached_steps
-        out = recording_syncs(attend, calls)(*a, **k)
-        if kernel.stats.cache.cached_steps > before:
-            syncs.append(len(calls))
-        return out
+    def counting(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*a: Any, **k: Any) -> Any:
+            calls: list[str] = []
+            before = kernel.stats.cache.cached_steps
+            out = recording_syncs(fn, calls)(*a, **k)
+            syncs.extend([len(calls)] * (kernel.stats.cache.cached_steps - before))  # a slice each
+            return out
 
-    attend = kernel.attend_cached
-    monkeypatch.setattr(kernel, "attend_cached", counting)
+        return counted
+
+    monkeypatch.setattr(kernel, "attend_cached", counting(kernel.attend_cached))
+    monkeypatch.setattr(kernel, "attend_cached_layer", counting(kernel.attend_cached_layer))
     logits, tokens, _, _ = run(model, cfg, "head", kernel)
     assert tokens == ref_tokens
     assert_same(logits, ref_logits)
@@ -591,22 +594,34 @@ def test_cached_steps_launch_few_operators(
     runs so the per-slice operator count cannot creep back up."""
     model, cfg = gqa
     kernel = kernel_for(cfg, extend=extend, per_head=per_head, refresh=(REFRESH0, 3, 2))
-    plain: list[int] = []
-    every: list[int] = []
-    served = kernel.attend_cached
+    plain: list[float] = []  # operators a slice of the steps that recompute nothing
+    every: list[float] = []  # operators a slice
+    layered: list[int] = []  # slices of each layer served at once
 
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        before = sum(kernel.stats.decode_recomputes)
-        with OpCounter() as ops:
-            out = served(*args, **kwargs)  # type: ignore[arg-type]
-        every.append(ops.total)
-        if sum(kernel.stats.decode_recomputes) == before:
-            plain.append(ops.total)
-        return out
+    def counting(fn: Callable[..., Any], layer: bool) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            before = sum(kernel.stats.decode_recomputes)
+            with OpCounter() as ops:
+                out = fn(*args, **kwargs)
+            if out is None:  # the layer path declined before running anything
+                assert ops.total == 0
+                return out
+            slices = len(args[2]) if layer else 1
+            if layer:
+                layered.append(slices)
+            every.extend([ops.total / slices] * slices)
+            if sum(kernel.stats.decode_recomputes) == before:
+                plain.extend([ops.total / slices] * slices)
+            return out
 
-    monkeypatch.setattr(kernel, "attend_cached", counted)
+        return counted
+
+    monkeypatch.setattr(kernel, "attend_cached", counting(kernel.attend_cached, False))
+    monkeypatch.setattr(kernel, "attend_cached_layer", counting(kernel.attend_cached_layer, True))
     run(model, cfg, "head", kernel)
     assert plain and len(plain) < len(every)
+    # Steps that recompute nothing are served a layer (2 slices) at a time.
+    assert layered and set(layered) == {SLICES // 3} and sum(layered) == len(plain)
     assert max(plain) <= OPS_PLAIN_STEP, sorted(plain)
     assert sum(every) / len(every) <= OPS_MEAN_STEP, sum(every) / len(every)
 

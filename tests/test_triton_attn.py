@@ -146,14 +146,11 @@ def test_batched_blocks(device: str, dtype: torch.dtype, rotary: str | None) -> 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotary", [None, "streaming"])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_gathered_decode_buffer(
-    device: str, dtype: torch.dtype, rotary: str | None, splits: int | None
-) -> None:
+def test_gathered_decode_buffer(device: str, dtype: torch.dtype, rotary: str | None) -> None:
     """HiP decode's gathered rows (`AttendBuffer`: rebuilt, then two tokens appended) attended
     by the Triton kernel equal the reference gather over the slice."""
     from kvtier.sparse.decode_buffer import AttendBuffer
-    from kvtier.sparse.triton_attn import attend_gathered_triton
+    from kvtier.sparse.triton_decode import attend_buffers_triton
 
     g, r, d, w0, last = 2, 4, 64, 150, 181
     kv, qs = _case(device, last + 1, g, r, d, dtype, seed=3)
@@ -167,10 +164,85 @@ def test_gathered_decode_buffer(
     assert buf.length == 70 + last + 1 - w0
     q = qs[last : last + 1]
     qr = rope.rotate_at(q, last) if rope else q
-    assert buf.k is not None and buf.v is not None and buf.index is not None and buf.far is not None
-    out = attend_gathered_triton(qr, buf.k, buf.v, buf.index[: buf.length], buf.far, num_splits=splits)
+    assert buf.k is not None and buf.v is not None
+    out = attend_buffers_triton(qr, [buf.k], [buf.v], [buf.length])
     pos = torch.tensor([last], device=device)
     _check(out, attend_block_reference(q, pos, kv, prefix, w0, rotary=rope, mode=mode), dtype)
+
+
+def _stepped_buffers(
+    device: str, dtype: torch.dtype, rotary: str | None, pos: int
+) -> tuple[list, list, list]:
+    """Decode buffers of three queries at `pos` (g=2, r=2, D=32) of different lengths, the third
+    full (its next step grows it); the queries [B, 4, D] and new rows [B, 2, 2, D] at pos."""
+    from kvtier.sparse.decode_buffer import AttendBuffer
+
+    g, r, d = 2, 2, 32
+    rope = _rope(d, device) if rotary else None
+    lengths = [(40, pos - 60), (600, pos - 500), (5, pos - 8)]  # (prefix, window start)
+    kvs = [_case(device, pos + 1, g, r, d, dtype, seed=20 + i) for i in range(len(lengths))]
+    bufs = []
+    for i, ((n, w0), (kv, _)) in enumerate(zip(lengths, kvs, strict=True)):
+        buf = AttendBuffer()
+        spare = 8 if i == 2 else 20  # the third is full after 8 appends
+        buf.rebuild(kv, _prefix(n, w0, seed=n, device=device), w0, pos - 8, spare, rope, rotary or "absolute")
+        for p in range(pos - 8, pos):
+            buf.append(kv[p], p, rope)
+        bufs.append(buf)
+    assert bufs[2].length == bufs[2].capacity and bufs[0].length < bufs[0].capacity
+    qs = [q[pos : pos + 1] for _, q in kvs]
+    return bufs, qs, [kv[pos] for kv, _ in kvs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotary", [None, "streaming"])
+def test_decode_buffers_in_one_launch(device: str, dtype: torch.dtype, rotary: str | None) -> None:
+    """A layer's decode queries that rerun no stage (`step_buffers`: every buffer appends its
+    token and attends, together) give bitwise what each buffer's own `step` gives, one buffer
+    growing; the new rows land where `append` puts them."""
+    from kvtier.sparse.decode_buffer import step_buffers
+
+    pos = 1200
+    rope = _rope(32, device) if rotary else None
+    alone, qs, rows = _stepped_buffers(device, dtype, rotary, pos)
+    batched, _, _ = _stepped_buffers(device, dtype, rotary, pos)
+    want = torch.cat([buf.step(q, row, pos, rope) for buf, q, row in zip(alone, qs, rows, strict=True)])
+    got = step_buffers(batched, torch.cat(qs), torch.stack(rows), pos, rope)
+    assert torch.equal(got, want)
+    for a, b in zip(alone, batched, strict=True):
+        assert (a.length, a.end) == (b.length, b.end)
+        assert torch.equal(a.k[: a.length], b.k[: b.length]) and torch.equal(a.v[: a.length], b.v[: b.length])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_buffers_kernel_batch_equals_alone(device: str, dtype: torch.dtype) -> None:
+    """`attend_buffers_triton` over three buffers of different key splits, writing their new
+    rows first, equals bitwise each buffer attended alone (after `append`) and, within
+    rounding, the plain softmax over its rows."""
+    from kvtier.sparse.block_sparse import softmax_attention
+    from kvtier.sparse.triton_decode import attend_buffers_triton, entry_split
+
+    pos = 1200
+    alone, qs, rows = _stepped_buffers(device, dtype, None, pos)
+    batched, _, _ = _stepped_buffers(device, dtype, None, pos)
+    for buf in batched:
+        buf._room(pos)
+    new = torch.stack(rows)  # [B, 2, G, D]
+    n = [buf.length + 1 for buf in batched]
+    splits = {entry_split(k, 2, 2, dtype, 32, torch.device(device))[0] for k in n}
+    assert len(splits) > 1 or device == "cuda", splits  # the interpreter's 4 "SMs" split long lists
+    got = attend_buffers_triton(
+        torch.cat(qs), [b.k for b in batched], [b.v for b in batched], n, new=(new[:, 0], new[:, 1])
+    )
+    for i, buf in enumerate(alone):
+        buf.append(rows[i], pos, None)
+        assert torch.equal(batched[i].k[: n[i]], buf.k[: buf.length])
+        one = attend_buffers_triton(qs[i], [buf.k], [buf.v], [buf.length])
+        assert torch.equal(got[i : i + 1], one)
+        mask = torch.ones(1, buf.length, dtype=torch.bool, device=device)
+        _check(one, softmax_attention(qs[i], buf.k[: buf.length], buf.v[: buf.length], mask), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

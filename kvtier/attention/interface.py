@@ -197,6 +197,18 @@ class CachingSliceKernel(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class LayerCachedKernel(Protocol):
+    """A `CachingSliceKernel` that may serve a decode step of a whole layer's cached slices at
+    once (one launch for what a slice at a time costs several each): `attend_cached_layer`
+    returns None, having done nothing, when it cannot, and the store then calls `attend_cached`
+    per slice. Its outputs must equal those, bit for bit."""
+
+    def attend_cached_layer(
+        self, q: torch.Tensor, kv_new: torch.Tensor, steps: list[SliceStep]
+    ) -> torch.Tensor | None: ...
+
+
 class DenseKernel:
     """Exact causal attention over all stored tokens, scored as the layer's spec says (window,
     soft-capping, scale): the lossless default."""

@@ -37,6 +37,7 @@ from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_int
 from kvtier.attention.interface import (
     CachingSliceKernel,
     DenseKernel,
+    LayerCachedKernel,
     PlacesCaches,
     PrefillAwareKernel,
     SliceKernel,
@@ -392,6 +393,10 @@ class TieredKVStore:
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
         if self._cpu and self.cpu is not None and layer in self.cpu.layers:
             return self.cpu.attend_layer(layer, q, kv, self.length, self._attend_slice, self._write_back)
+        if q.shape[0] == 1 and isinstance(self.kernel, LayerCachedKernel):
+            out = self._attend_layer_cached(layer, q, kv)
+            if out is not None:
+                return out
         if lay.num_groups == 1:
             return self._attend_slice(layer, 0, q, kv)
         outs = [
@@ -455,6 +460,22 @@ class TieredKVStore:
         new = kv_new.contiguous()  # [T, 2, G, D]
         out = kernel.attend_cached(q, new, step, fetch)
         self._write_back(sid, new, self.streams.record())
+        return out
+
+    def _attend_layer_cached(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
+        """A decode step of a layer whose slices are all cached, through the kernel's
+        `attend_cached_layer` (None: some slice is not cached, or the kernel declined)."""
+        lay = self.layout
+        sids = [lay.slice_index(layer, g) for g in range(lay.num_groups)]
+        if not all(sid in self._cached for sid in sids):
+            return None
+        steps = [SliceStep(layer, g, self.slice_length[sid], self.attn[layer]) for g, sid in enumerate(sids)]
+        out = cast(LayerCachedKernel, self.kernel).attend_cached_layer(q, kv, steps)
+        if out is None:
+            return None
+        computed = self.streams.record()
+        for g, sid in enumerate(sids):
+            self._write_back(sid, kv[:, :, lay.kv_heads(g)].contiguous(), computed)
         return out
 
     def _attend_streamed_blocks(

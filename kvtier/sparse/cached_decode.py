@@ -28,7 +28,7 @@ from kvtier.kv.device_memory import CachingMemory, DeviceMemory, RegionMemory
 from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.cache_blocks import fetch_blocks, keep_blocks, needed_positions, refresh_blocks
 from kvtier.sparse.config import HipConfig
-from kvtier.sparse.decode_buffer import KV, DecodeState
+from kvtier.sparse.decode_buffer import KV, DecodeState, step_buffers
 from kvtier.sparse.decode_memory import slice_decode_bytes
 from kvtier.sparse.gpu_cache import BlockCache, BlockTable, PositionedKV, block_ids
 from kvtier.sparse.host_keys import HostKeys
@@ -136,6 +136,49 @@ class CachedDecode:
             assert not (host and self._covers(cache, groups)), "a covering cache overflowed"
             self._keep_read(cache, table, step, groups)
         return out
+
+    def attend_cached_layer(
+        self, q: torch.Tensor, kv_new: torch.Tensor, steps: list[SliceStep]
+    ) -> torch.Tensor | None:
+        """A decode step of a layer whose slices are all cached, in one go when no slice reads
+        anything stored: q [1, H_q, D], kv_new [1, 2, H_kv, D], steps[i] of the i-th slice (equal
+        head groups, in order). Returns [1, H_q, D], or None (nothing done) when some slice's
+        step reruns a stage or looks blocks up: the store then calls `attend_cached` a slice
+        at a time.
+
+        Each slice appends the token to its block cache and each decode query to its
+        `AttendBuffer`; the queries are rotated, their rows written and all attended in one
+        launch each (`step_buffers`), with the outputs of `attend_cached` slice by slice.
+        """
+        n_stages = len(self.cfg.chunk_sizes)
+        groups = kv_new.shape[2] // len(steps)
+        caches, states = [], []
+        for step in steps:
+            cache = self._gpu.get((step.layer, step.group))
+            if q.shape[0] != 1 or cache is None or self._stage0_due(step):
+                return None
+            if not (self._covers(cache, groups) or self._append_only(cache, step, groups)):
+                return None
+            s = step.start
+            for st in self._states(step, groups):
+                due = st.first_due(self.cfg.refresh, st.step + 1)
+                if due < n_stages or st.attn.end != s or st.position >= s or s < st.window_start:
+                    return None
+                states.append(st)
+            caches.append(cache)
+        stats = self.stats.cache
+        for i, (cache, step) in enumerate(zip(caches, steps, strict=True)):
+            cache.append(step.start, kv_new[0, :, i * groups : (i + 1) * groups])
+            stats.cached_steps += 1
+            stats.appended += int(step.start % cache.block == 0)
+        for st in states:
+            st.step += 1
+            st.position = steps[0].start
+        entries = len(states)  # one per slice, or one per KV head with `per_head`
+        rows = kv_new[0].view(2, entries, -1, kv_new.shape[-1]).transpose(0, 1)  # [E, 2, G_e, D]
+        qs = q[0].reshape(entries, -1, q.shape[-1])  # [E, H_q_e, D]
+        out = step_buffers([st.attn for st in states], qs, rows, steps[0].start, self.rotary)
+        return out.view(1, -1, q.shape[-1])
 
     def _stage0_due(self, step: SliceStep) -> bool:
         """Whether this decode step of a slice runs stage 0: its first (no decode state, or a

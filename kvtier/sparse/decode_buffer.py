@@ -43,8 +43,6 @@ class AttendBuffer:
         self.k: torch.Tensor | None = None  # [cap, G, D] keys at their attention positions
         self.v: torch.Tensor | None = None  # [cap, G, D]
         self.mask: torch.Tensor | None = None  # [1, cap] all true (what the reference masks)
-        self.index: torch.Tensor | None = None  # [cap] int64 0..cap-1 (the Triton key list)
-        self.far: torch.Tensor | None = None  # [1, 1] int64 query position past every row
         self.n_prefix = 0
         self.length = 0
         self.end = -1
@@ -55,7 +53,7 @@ class AttendBuffer:
 
     def nbytes(self) -> int:
         """Bytes held (keys, values and bookkeeping)."""
-        ts = (self.k, self.v, self.mask, self.index, self.far)
+        ts = (self.k, self.v, self.mask)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def rebuild(
@@ -100,19 +98,11 @@ class AttendBuffer:
     ) -> torch.Tensor:
         """`append(row, position)` then `attend(q, position)`, with the query and the new key
         rotated by one RoPE (both sit at `position`): q [1, H_q, D], row [2, G, D]."""
-        if rotary is None:
-            self._put(row[0:1], row[1:2], position)
-            return self.attend(q, position, None)
-        h = q.shape[1]
-        both = rotary.rotate_at(torch.cat((q, row[0:1]), dim=1), position)  # [1, H_q + G, D]
-        self._put(both[:, h:], row[1:2], position)
-        return self.attend(both[:, :h], position, None)
+        return step_buffers([self], q, row[None], position, rotary)
 
     def _put(self, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
         """Store the rotated key k [1, G, D] and value v [1, G, D] of `position` == `end`."""
-        assert position == self.end, "append adds the next token only"
-        if self.length == self.capacity:
-            self._reserve(2 * self.capacity, k, self.capacity + 1)
+        self._room(position)
         assert self.k is not None and self.v is not None
         n = self.length
         self.k[n : n + 1] = k
@@ -120,19 +110,26 @@ class AttendBuffer:
         self.length = n + 1
         self.end = position + 1
 
+    def _room(self, position: int) -> None:
+        """Make room for the row of `position` == `end` (growing the buffer when full)."""
+        assert position == self.end, "append adds the next token only"
+        if self.length == self.capacity:
+            assert self.k is not None
+            self._reserve(2 * self.capacity, self.k[:1], self.capacity + 1)
+
     def attend(self, q: torch.Tensor, position: int, rotary: RopeTable | None) -> torch.Tensor:
         """q [1, H_q, D] (un-rotated when `rotary`) at `position` == end - 1 over every row.
 
-        Returns [1, H_q, D] in q's dtype: the Triton kernel on CUDA, else pure torch."""
+        Returns [1, H_q, D] in q's dtype: the Triton kernel on CUDA (`attend_buffers_triton`,
+        as one entry of a batch: the same bits as beside others), else pure torch."""
         assert self.k is not None and self.v is not None and self.mask is not None
         if rotary is not None:
             q = rotary.rotate_at(q, position)
         n = self.length
         if q.is_cuda and use_triton():
-            from kvtier.sparse.triton_attn import attend_gathered_triton
+            from kvtier.sparse.triton_decode import attend_buffers_triton
 
-            assert self.index is not None and self.far is not None
-            return attend_gathered_triton(q, self.k, self.v, self.index[:n], self.far)
+            return attend_buffers_triton(q, [self.k], [self.v], [n])
         return softmax_attention(q, self.k[:n], self.v[:n], self.mask[:, :n])
 
     def _reserve(self, capacity: int, like: torch.Tensor, least: int) -> None:
@@ -154,8 +151,44 @@ class AttendBuffer:
             v[:n] = self.v[:n]
         self.k, self.v = k, v
         self.mask = torch.ones(1, capacity, dtype=torch.bool, device=dev)
-        self.index = torch.arange(capacity, dtype=torch.int64, device=dev)
-        self.far = torch.full((1, 1), 1 << 62, dtype=torch.int64, device=dev)
+
+
+def step_buffers(
+    bufs: list[AttendBuffer], q: torch.Tensor, rows: torch.Tensor, position: int, rotary: RopeTable | None
+) -> torch.Tensor:
+    """`AttendBuffer.step` of several buffers at one `position` (a layer's decode queries that
+    recompute nothing): q [B, H_q, D] (buffer b's query heads), rows [B, 2, G, D] their new
+    tokens. Returns [B, H_q, D]; mutates the buffers.
+
+    Every query and new key is rotated by one RoPE (elementwise: the values of rotating each
+    buffer's alone); on CUDA the rows are written and all buffers attended in one launch each
+    (`attend_buffers_triton`), whose output per buffer does not depend on the others; on the
+    CPU each buffer appends and attends as alone."""
+    bsz, h = q.shape[0], q.shape[1]
+    k, v = rows[:, 0], rows[:, 1]  # [B, G, D]
+    if rotary is not None:
+        g = k.shape[1]
+        both = rotary.rotate_at(
+            torch.cat((q.reshape(1, bsz * h, -1), k.reshape(1, bsz * g, -1)), dim=1), position
+        )
+        q, k = both[0, : bsz * h].view_as(q), both[0, bsz * h :].view_as(k)
+    if not (q.is_cuda and use_triton()):
+        outs = []
+        for b, buf in enumerate(bufs):
+            buf._put(k[b : b + 1], v[b : b + 1], position)
+            outs.append(buf.attend(q[b : b + 1], position, None))
+        return torch.cat(outs)
+    from kvtier.sparse.triton_decode import attend_buffers_triton
+
+    for buf in bufs:
+        buf._room(position)
+    keys = [cast(torch.Tensor, buf.k) for buf in bufs]
+    values = [cast(torch.Tensor, buf.v) for buf in bufs]
+    out = attend_buffers_triton(q, keys, values, [buf.length + 1 for buf in bufs], new=(k, v))
+    for buf in bufs:
+        buf.length += 1
+        buf.end = position + 1
+    return out
 
 
 @dataclass

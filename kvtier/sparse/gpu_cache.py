@@ -92,8 +92,18 @@ class BlockCache:
         self.used = torch.full((slots,), -1, dtype=torch.long, device=device)
         self.tick = 0
         self.end = 0  # tokens of the slice the cache is up to date with (0 = nothing cached)
-        self.tail: torch.Tensor | None = None  # [1] slot of the block of position end - 1
+        self._tail: torch.Tensor | None = None  # [1] slot of the block of position end - 1
+        self._tail_rows: torch.Tensor | None = None  # [block] its rows in the flat bank
         self._table: BlockTable | None = None  # every slot's block, sorted (see `table`)
+
+    @property
+    def tail(self) -> torch.Tensor | None:
+        """[1] the slot of the block of position end - 1 (None: not in the bank)."""
+        return self._tail
+
+    @tail.setter
+    def tail(self, slot: torch.Tensor | None) -> None:
+        self._tail, self._tail_rows = slot, None
 
     @property
     def slots(self) -> int:
@@ -240,8 +250,11 @@ class BlockCache:
             self.tail = slot
             self._table = None
         assert self.tail is not None, "the block of the last position must be in the bank to append"
+        if self._tail_rows is None:  # NOTE: once a block: a step then launches one copy
+            self._tail_rows = self.tail * b + torch.arange(b, device=self.tail.device)
         flat = self.bank.view(-1, *self.bank.shape[2:])
-        flat.index_copy_(0, self.tail * b + position % b, row[None])
+        at = position % b
+        flat.index_copy_(0, self._tail_rows[at : at + 1], row[None])
         self.end = position + 1
 
 
