@@ -420,6 +420,21 @@ case "$group" in
     --max-model-len 33000 --method hip,hip_probes=on --no-progress \
     --out "$OUT/niah_smollm2_cuda_repeat_hip_probes_x3.json"
   ;;
+90)
+  # what one call of a short device budget must do first: the new decode kernel's CUDA tests,
+  # issue 23's traced --unpack-stream A/B (84's first rows), the layer path's A/B (88, 16
+  # layers). No GGUF (call A of the GGUF's two carries its first half along).
+  run 150 $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py -k cuda
+  for a in "" "--unpack-stream"; do
+    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step $a --name "int4_512k_g1_trace_ab${a:+_unpack}"
+  done
+  for a in "" "--slice-at-a-time"; do
+    run 90 $py bench/hip_decode_profile.py --as-preset --preset lean --context 128K --layers 16 \
+      --kv-heads 8 --group 2 --head-dim 128 --steps 34 --kv-fill structured --host-scoring $a \
+      --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
+  done
+  ;;
 88)
   # issue 19: decode steps that rerun nothing, a layer's slices at once (the thirty-fourth
   # session: HipKernel.attend_cached_layer, one RoPE, one row write, one attention and one merge

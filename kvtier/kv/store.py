@@ -473,9 +473,10 @@ class TieredKVStore:
         out = cast(LayerCachedKernel, self.kernel).attend_cached_layer(q, kv, steps)
         if out is None:
             return None
-        computed = self.streams.record()
-        for g, sid in enumerate(sids):
-            self._write_back(sid, kv[:, :, lay.kv_heads(g)].contiguous(), computed)
+        news = [
+            (sid, kv[:, :, lay.kv_heads(g)].contiguous()) for g, sid in enumerate(sids)
+        ]  # [1, 2, G, D] each
+        self.writes.write_all(news, self.streams.record(), self.length, decode=self._step_tokens == 1)
         return out
 
     def _attend_streamed_blocks(

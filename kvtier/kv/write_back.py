@@ -39,34 +39,44 @@ class HostWrites:
         """Copy new [T, 2, G, D] to slice `sid`'s host tier at token `at`, after `after` (an event
         on the current stream); a decode step's is kept for `flush` when `defer` is on. Returns
         the copy's event (None when kept, or on the CPU)."""
+        return self.write_all([(sid, new)], after, at, decode)
+
+    def write_all(
+        self, writes: list[tuple[int, torch.Tensor]], after: torch.cuda.Event | None, at: int, decode: bool
+    ) -> torch.cuda.Event | None:
+        """`write` of several slices' new tokens (sid, [T, 2, G, D]) after one event, with one
+        switch to the copy stream and one wait for them all (a layer's cached slices)."""
         if self.defer and decode:
-            # NOTE: a clone, since `new` may be a view into a staging buffer that is reused as
-            # soon as the compute stream is done with it; the event orders the flush after it.
-            self._kept.append((sid, new.clone(), self.streams.record(), at))
+            # NOTE: clones, since `new` may be a view into a staging buffer that is reused as
+            # soon as the compute stream is done with it; the event orders the flush after them.
+            kept = [(sid, new.clone()) for sid, new in writes]
+            ready = self.streams.record()
+            self._kept.extend((sid, new, ready, at) for sid, new in kept)
             return None
-        return self._copy(sid, new, after, at)
+        return self._copy(writes, after, at)
 
     def flush(self) -> None:
         """Queue the kept writes, in order (before anything reads the host slices again)."""
         kept, self._kept = self._kept, []
         for sid, new, after, at in kept:
-            self._copy(sid, new, after, at)
+            self._copy([(sid, new)], after, at)
 
     def drop(self) -> None:
         """Forget the kept writes (the store is closing: nothing reads its host tier again)."""
         self._kept.clear()
 
     def _copy(
-        self, sid: int, new: torch.Tensor, after: torch.cuda.Event | None, at: int
+        self, writes: list[tuple[int, torch.Tensor]], after: torch.cuda.Event | None, at: int
     ) -> torch.cuda.Event | None:
-        host = self.hosts[sid]
         with self.streams.on_d2h():
             self.streams.wait([after])
-            host.write(at, new)
+            for sid, new in writes:
+                self.hosts[sid].write(at, new)
             written = self.streams.record()
-        if self.streams.d2h is not None:
-            new.record_stream(self.streams.d2h)
-        host.last_write = written
-        if sid not in self.on_device:
-            self.account.d2h_bytes += new.numel() * new.element_size()
+        for sid, new in writes:
+            if self.streams.d2h is not None:
+                new.record_stream(self.streams.d2h)
+            self.hosts[sid].last_write = written
+            if sid not in self.on_device:
+                self.account.d2h_bytes += new.numel() * new.element_size()
         return written
