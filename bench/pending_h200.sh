@@ -420,6 +420,15 @@ case "$group" in
     --max-model-len 33000 --method hip,hip_probes=on --no-progress \
     --out "$OUT/niah_smollm2_cuda_repeat_hip_probes_x3.json"
   ;;
+91)
+  # 90 cut to a short budget's first call: the CUDA tests and issue 23's traced A/B (then, with
+  # the GGUF's second half, 89's generate part).
+  run 150 $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py -k cuda
+  for a in "" "--unpack-stream"; do
+    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step $a --name "int4_512k_g1_trace_ab${a:+_unpack}"
+  done
+  ;;
 90)
   # what one call of a short device budget must do first: the new decode kernel's CUDA tests,
   # issue 23's traced --unpack-stream A/B (84's first rows), the layer path's A/B (88, 16
