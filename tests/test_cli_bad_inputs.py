@@ -114,6 +114,7 @@ BAD_INPUTS: list[tuple[list[str], list[str]]] = [
     ([*PLAN, "--head-sparsity", "inf"], ["--head-sparsity must be a finite number"]),
     ([*PLAN, "--head-sparsity", "1"], ["--head-sparsity must be in (0, 1), got 1"]),
     ([*PLAN, "--hip-host-keys", "on"], ["--hip-host-keys applies only with --attention hip"]),
+    ([*PLAN, "--hip-probes", "on"], ["--hip-probes applies only with --attention hip"]),
     ([*PLAN, "--attention", "hip", "--hip-host-keys", "yes"], ["--hip-host-keys takes on, off or auto"]),
     # sizes and counts: the same rules in every subcommand; too large for a float is no size
     ([*GEN, "--gpu-memory", "0"], ["--gpu-memory must be at least 1 byte, got '0'"]),

@@ -66,6 +66,19 @@ def test_auto_plans_host_keys_from_256k_without_a_quantized_tier() -> None:
     assert not host_keys(int4.options(), CONTEXT)
 
 
+def test_auto_plans_host_keys_over_an_int4_tier_when_stage_0_reads_probes_alone() -> None:
+    """With `--hip-probes on` a stage-0 rerun over an int4 tier reads its probes' codes alone,
+    so auto takes host keys there from 256K too (and not at 128K, nor when asked off); the plan
+    then frees the staging buffers in decode and gives block caches that cover an interval."""
+    probes = parse_choice("hip,kv_quant=int4,hip_probes=on")
+    assert host_keys(probes.options(), CONTEXT)
+    assert not host_keys(probes.options(), 131_136)
+    assert not host_keys(parse_choice("hip,kv_quant=int4,hip_probes=on,hip_host_keys=off").options(), CONTEXT)
+    on = parse_choice("hip,kv_quant=int4,hip_probes=on,hip_host_keys=on")
+    assert plan_for(inputs(), probes) == plan_for(inputs(), on)
+    assert plan_for(inputs(), probes) != plan_for(inputs(), parse_choice("hip,kv_quant=int4"))
+
+
 def test_caches_below_the_steps_are_tried_only_where_nothing_else_fits() -> None:
     """`SMALL_CACHE_TOKEN_STEPS`: at 512K under 18 GiB no slicing holds whole slices beside an
     8K-token block cache; a 4K one (a step then fetches what its final selection misses) fits.

@@ -217,6 +217,13 @@ def add_parser(subparsers: Any) -> None:
         help=OPTIONS["hip_host_keys"].help,
     )
     p.add_argument(
+        "--hip-probes",
+        type=OPTIONS["hip_probes"].parse,
+        default=False,
+        metavar="{on,off}",
+        help=OPTIONS["hip_probes"].help,
+    )
+    p.add_argument(
         "--tensor-parallel",
         type=int_type("--tensor-parallel"),
         default=1,
@@ -340,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
         args.head_sparsity,
         args.hip_refresh,
         args.hip_host_keys,
+        args.hip_probes,
     )
     quest = quest_lines(req, args.attention, args.kv_budget, args.quest_page, args.kv_quant)
     evict = evict_lines(

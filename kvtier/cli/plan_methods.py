@@ -77,15 +77,17 @@ def hip_lines(
     head_sparsity: float | None = None,
     refresh: str | None = None,
     host_keys: bool | None = None,
+    probes: bool = False,
 ) -> dict[str, Any] | None:
     """The plan under a sparse attention method with a planner hook (None for dense), over
     `kv_quant`'s packed KV when given (`refresh`: HiP's decode refresh intervals by name, None:
-    the preset's; `host_keys`: `--hip-host-keys`, None: auto): slices, block cache per offloaded
-    slice, the method's GPU bytes, host KV and its prefill chunk. A method it does not combine
-    with is a ConfigError."""
+    the preset's; `host_keys`: `--hip-host-keys`, None: auto; `probes`: `--hip-probes on`):
+    slices, block cache per offloaded slice, the method's GPU bytes, host KV and its prefill
+    chunk. A method it does not combine with is a ConfigError."""
     if attention != "hip":
-        if host_keys is not None:
-            raise ConfigError("--hip-host-keys applies only with --attention hip")
+        for flag, given in (("--hip-host-keys", host_keys is not None), ("--hip-probes", probes)):
+            if given:
+                raise ConfigError(f"{flag} applies only with --attention hip")
         return None
     choice = MethodChoice(
         kv=req.policy,
@@ -94,6 +96,7 @@ def hip_lines(
         hip_preset=preset,
         hip_refresh=refresh,
         hip_host_keys=host_keys,
+        hip_probes=probes,
         kv_quant=kv_quant,
         head_sparsity=head_sparsity,
     )
@@ -107,6 +110,7 @@ def hip_lines(
         "exact_tokens": hip_config(resolved, refresh).exact_tokens,
         "runs_lossless": choice.exact_at(req.cfg, req.context),
         "host_keys": attention == "hip" and uses_host_keys(choice.options(), req.context),
+        "probes": probes,
         "kv_quant": kv_quant,
         "host_kv_gb": plan.host_kv_bytes / 1e9,
         "group_size": plan.group_size,
@@ -187,6 +191,9 @@ def format_hip(hip: dict[str, Any]) -> str:
     packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
     refresh = "" if hip["refresh"] is None else f", refresh {hip['refresh']}"
     keys = ", stage 0 on host keys" if hip["host_keys"] else ""
+    keys += (
+        " read by probe" if hip["host_keys"] and hip["probes"] else ", probe scoring" if hip["probes"] else ""
+    )
     return (
         f"\nwith --attention hip ({hip['preset']}{refresh}{keys}){packed}: {hip['num_slices']} slices of "
         f"{hip['group_size']} KV heads ({selection}), "

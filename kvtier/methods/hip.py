@@ -62,18 +62,25 @@ def _probes(text: str) -> bool:
 # misses' small fetches cost more than the halved bytes save), 1.56x at 512K
 # (`hip_cli_speed_512k_hip_host_keys_ab.json` beside `hip_cli_speed_512k_hip_slab.json`); a
 # straight line through the two crosses near 180K. A quantized tier's rows hold keys and values
-# together, so host keys would read what streaming reads: auto leaves them off there.
+# together, so host keys scored on every key would read more than streaming the packed slice
+# (693 MB against ~540 MB a 4-head int4 slice at 1M, CPU count:
+# `hip_decode_profile_cpu_1m_lean_int4_host_keys.json`): auto leaves them off there, unless
+# stage 0 reads its probes alone (`--hip-probes on`: 173 MB, of it ~140 the block cache's fetch,
+# `hip_decode_profile_cpu_1m_lean_int4_probes.json`), which also lets the plan give the freed
+# staging memory to block caches that cover a refresh interval.
 HOST_KEYS_FROM = 256 * 1024
 
 
 def host_keys(options: Mapping[str, Any], context: int | None) -> bool:
     """Whether stage-0 reruns read host keys (`HipConfig.host_scoring`) for a request of
     `context` tokens (None: not known): as asked, or under auto from `HOST_KEYS_FROM` tokens on
-    a full-precision host tier. The plan and the kernel both ask, with the same context."""
+    a full-precision host tier, or on a quantized one with probe scoring. The plan and the
+    kernel both ask, with the same context."""
     asked = options.get("hip_host_keys")
     if asked is not None:
         return bool(asked)
-    return context is not None and context >= HOST_KEYS_FROM and options.get("kv_quant") is None
+    tier_ok = options.get("kv_quant") is None or bool(options.get("hip_probes"))
+    return context is not None and context >= HOST_KEYS_FROM and tier_ok
 
 
 def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -> Placement:
@@ -179,8 +186,8 @@ HIP = register(
         _on_off,
         "on: a decode step that reruns HiP's stage 0 on an offloaded slice reads the slice's "
         "keys from host memory (half the bytes of streaming it whole) and the rest through the "
-        "block cache; same output. auto (the default): on from 256K tokens without --kv-quant "
-        "(H200: 1.56x streaming's decode rate at 512K, 0.85x at 128K)",
+        "block cache; same output. auto (the default): on from 256K tokens without --kv-quant, "
+        "or with it and --hip-probes on (H200: 1.56x streaming's decode rate at 512K, 0.85x at 128K)",
     ),
     Option(
         "hip_probes",
