@@ -420,6 +420,14 @@ case "$group" in
     --max-model-len 33000 --method hip,hip_probes=on --no-progress \
     --out "$OUT/niah_smollm2_cuda_repeat_hip_probes_x3.json"
   ;;
+92)
+  # issue 19's 1M target (20 tok/s) through the CLI: int4 with --hip-probes on, so auto takes host
+  # keys (stage 0 reads its probes' codes in place) and the plan covering block caches (6.53 GB of
+  # HiP memory, `kvtier plan --context 1M ... --kv-quant int4 --hip-probes on`), steps that rerun
+  # nothing a layer at once. Prefill of ~1M tokens first (~4-5 min). GGUF (the tokenizer).
+  run 580 $py bench/hip_cli_speed.py --contexts 1M --methods "hip,kv_quant=int4,hip_probes=on" --new-tokens 64 \
+    --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes
+  ;;
 91)
   # 90 cut to a short budget's first call: the CUDA tests and issue 23's traced A/B (then, with
   # the GGUF's second half, 89's generate part).
