@@ -180,12 +180,13 @@
 #   is still owed, then 85 (~7 min: probe scoring's A/B at 512K, HiP's stage-0 reruns), and after
 #   the GGUF 86 (the same through the CLI) and 87 (its NIAH on CUDA): if 86 wins and 87 holds,
 #   make --hip-probes the default.
-# The thirty-fourth session got no device (every start refused, ~1,000 s of the budget spent on
-#   refusals). GPU-facing since: HiP decode buffers attend through `attend_buffers_triton` (every
-#   HiP decode step on CUDA), a layer's cached slices at once (`attend_cached_layer`), block-cache
-#   appends, batched write-backs. NEXT: 91 (or 90 with a whole budget) with the GGUF's first half
-#   (call A), then 89 (call B: the embedded smoke), then 84's CPU-slice rows, 88, 85, 86, 87, 92
-#   (1M through the CLI with probes: issue 19's 20 tok/s), then 83, 80, 73, 69.
+# The thirty-fourth session spent ~1,100 s of its budget on refused starts, then got an H100 for
+#   the rest at 1c3d349: 91 (the new decode kernel's CUDA tests, 60 passed; 84's traced pair:
+#   --unpack-stream 0.367 -> 0.318 s/token), 89 (embedded smoke 28/28 + 15/15), 88's A/B twice
+#   at 16 layers (plain steps 31.9 -> 12.8 ms), gpu_checks (all pass). NEXT: 84's CPU-slice pair
+#   (does --unpack-stream win with CPU slices too?), 85, 86, 87 (probes: speed, CLI, NIAH), 92
+#   (1M through the CLI with probes: issue 19's 20 tok/s), the 8B model's smoke (1's first row,
+#   then 64), then 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
