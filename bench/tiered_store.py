@@ -142,6 +142,7 @@ def run_policy(
             hardware=(hw := _hardware(cfg, cpu, args.unpack_stream)),
             codec=method_choice(method).codec(),  # packed host tier of a quantized method
             cpu_attention=parse_mode(cpu),
+            unpack_scratches=None if args.unpack_planned else 1,
         )
     except CapacityError as e:
         row["skipped"] = str(e)
@@ -180,7 +181,7 @@ def run_policy(
             device=DEV,
             dtype=torch.bfloat16,
             capacity=total,
-            options=StoreOptions(unpack_stream=args.unpack_stream),
+            options=StoreOptions(unpack_stream=None if args.unpack_planned else args.unpack_stream),
             **method_parts(cfg, model, method),
         )
         gen = torch.Generator(device=DEV).manual_seed(0)
@@ -362,7 +363,14 @@ def main() -> None:
         "--unpack-stream",
         action="store_true",
         help="a quantized cache's loads unpacked on a stream of their own (StoreOptions."
-        "unpack_stream; its second scratch is not in the plan)",
+        "unpack_stream; its second scratch is not in the plan). Without it or --unpack-planned: "
+        "unpacked on the link's stream, one scratch planned",
+    )
+    ap.add_argument(
+        "--unpack-planned",
+        action="store_true",
+        help="as the library does by default: the plan chooses (KVPlan.unpack_scratches: two, "
+        "unpacking off the link's stream, where its link model says that pays) and the store follows",
     )
     ap.add_argument(
         "--trace-step",

@@ -4,7 +4,7 @@ codec protocol a codec from outside kvtier plugs in through."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -345,6 +345,18 @@ def test_loads_unpacked_on_their_own_stream_give_the_same_logits(
     a, b = store(False), store(True)
     assert a.packed is not None and b.packed is not None
     assert (len(a.packed.scratches), len(b.packed.scratches)) == (1, 2)
+    for planned in (1, 2):  # the default (None) follows the plan's `unpack_scratches`
+        c = TieredKVStore(
+            cfg,
+            replace(plan, unpack_scratches=planned),
+            device=CPU,
+            dtype=torch.float32,
+            capacity=PROMPT + DECODE,
+            options=StoreOptions(block_size=8),
+            **PolicyParts(codec=codec).store_kwargs(),
+        )
+        assert c.packed is not None and len(c.packed.scratches) == planned
+        c.close()
     scratches: list[torch.Tensor] = []  # of the store being driven
 
     def spy(self: KiviCodec, rows: torch.Tensor, dst: torch.Tensor) -> bool:

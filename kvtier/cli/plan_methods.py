@@ -59,6 +59,8 @@ def lossy_lines(
         "num_slices": plan.num_slices,
         "cpu_slices": plan.cpu_slices,
         "streamed_slices": plan.streamed_slices,
+        # packed loads unpack on a stream of their own (a second row scratch: `KVPlan.unpack_scratches`)
+        "unpack_stream": plan.packed is not None and plan.unpack_scratches == 2,
         "simulated_split_decode_s": split_s,
         "gpu_kv_with_staging_gb": plan.gpu_kv_bytes / 1e9,
         "gpu_kv_gb": got.gpu_stored / 1e9,
@@ -175,6 +177,7 @@ def format_lossy(lossy: dict[str, Any]) -> str:
         f"{lossy['pcie_gb_per_token']:.2f} GB "
         f"({'lossless does not fit' if lossless is None else f'lossless {lossless:.2f} GB'}), "
         f"decode floor {lossy['decode_floor_s']:.3f} s/token"
+        + ("; packed loads unpack off the link's stream" if lossy.get("unpack_stream") else "")
         + (
             f"; cpu attention: {lossy['cpu_slices']}/{lossy['streamed_slices']} streamed slices on "
             f"the CPU over packed rows, simulated decode {lossy['simulated_split_decode_s']:.3f} s/token"

@@ -41,9 +41,9 @@ class StoreOptions:
     extent_blocks: int | None = None
     # A quantized cache's loads unpacked on a stream of their own, from two alternating row
     # scratches, and slices packed on the device loaded there too, so the H2D stream only
-    # copies (`kvtier.kv.packed.PackedTier.load_into`). Off: all on the H2D stream, where the
-    # link waits for them. An A/B switch until measured on one machine start.
-    unpack_stream: bool = False
+    # copies (`kvtier.kv.packed.PackedTier.load_into`). False: all on the H2D stream, where the
+    # link waits for them. None: as the plan says (`KVPlan.unpack_scratches`).
+    unpack_stream: bool | None = None
 
 
 @runtime_checkable

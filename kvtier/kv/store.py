@@ -197,7 +197,7 @@ class TieredKVStore:
         # A packing codec keeps coded tokens packed (kvtier.kv.packed): loads of streamed slices
         # move packed bytes over PCIe; values are identical to the codec's round trip.
         self.packed: PackedTier | None = None
-        self._unpack_stream = opts.unpack_stream
+        self._unpack_stream = plan.unpack_scratches == 2 if opts.unpack_stream is None else opts.unpack_stream
         if packer is not None and self.ring is not None:
             self.packed = PackedTier(
                 packer,
@@ -209,7 +209,7 @@ class TieredKVStore:
                 account=self.account,
                 device_slices=self.on_device,
                 memory=self.memory,
-                scratches=2 if opts.unpack_stream else 1,
+                scratches=2 if self._unpack_stream else 1,
             )
         # A kernel's decode caches (HiP's block caches) come after the store's buffers from memory
         # the store was given (a server's lent pages: `kvtier.methods.registry.Placement`'s

@@ -29,11 +29,17 @@ def plan_for(inputs: PlanInputs, method: MethodChoice = LOSSLESS) -> Placement:
             raise ConfigError("--cpu-attention N applies to lossless or quantized KV only: use auto or off")
         inputs = replace(inputs, cpu_attention="off")
 
+    entry = method.entry
+    hooked = entry is not None and entry.plan is not None
+    # NOTE: the store planner's choice of unpacking packed loads on a stream of their own weighs a
+    # decode that streams every slice each token; a method with its own planner (HiP's cached
+    # decode streams rarely) keeps one scratch.
+    scratches = 1 if hooked else None
+
     def plan_with(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:
         group, chunk = group or inputs.head_group, chunk or inputs.chunk_size
-        return replace(inputs, head_group=group, gpu_budget=gpu, chunk_size=chunk).plan(codec)
+        return replace(inputs, head_group=group, gpu_budget=gpu, chunk_size=chunk).plan(codec, scratches)
 
-    entry = method.entry
     if entry is not None and entry.plan is not None:
         return entry.plan(inputs, method.options(), plan_with)
     return Placement(plan_with(None, inputs.gpu_budget))

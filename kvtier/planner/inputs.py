@@ -37,8 +37,9 @@ class PlanInputs:
     # the whole context): what an evictor that never evicts in decode (SnapKV) keeps on top.
     new_tokens: int | None = None
 
-    def plan(self, codec: PackedFormat | None = None) -> KVPlan:
-        """The store's plan for these inputs; `codec`: a quantized cache, sized packed."""
+    def plan(self, codec: PackedFormat | None = None, unpack_scratches: int | None = None) -> KVPlan:
+        """The store's plan for these inputs; `codec`: a quantized cache, sized packed;
+        `unpack_scratches` as `plan_kv`'s (None: chosen by its link model)."""
         return plan_kv(
             self.cfg,
             self.context,
@@ -54,4 +55,5 @@ class PlanInputs:
             cpu_attention=self.cpu_attention,
             activations=self.activations,
             compact=self.compact,
+            unpack_scratches=unpack_scratches,
         )

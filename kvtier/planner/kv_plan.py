@@ -36,6 +36,9 @@ class KVPlan:
     # resident slices unpack on the GPU through the staging buffers.
     packed: PackedSizing | None = None
     packed_tail_tokens: int = 0  # full-precision tokens of a packed slice's tail ring
+    # Row scratches packed loads unpack from: 2 = on a stream of their own, so the link only
+    # copies (`StoreOptions.unpack_stream`; `plan_kv` plans it where the link model says it pays).
+    unpack_scratches: int = 1
     # Streamed slices a decode step attends on the CPU, where their KV lives, instead of copying
     # them (kvtier.planner.cpu_split); prefill streams them like the others.
     cpu_slices: int = 0
@@ -60,6 +63,8 @@ class KVPlan:
             raise ConfigError(f"{self.streamed_slices} slices are streamed but there is no staging buffer")
         if self.cpu_slices < 0 or (self.num_slices and self.cpu_slices > self.streamed_slices):
             raise ConfigError(f"cpu_slices must be between 0 and the streamed slices: {self}")
+        if self.unpack_scratches not in (1, 2):
+            raise ConfigError(f"unpack_scratches must be 1 or 2: {self}")
 
     def num_groups(self, cfg: ModelConfig) -> int:
         """KV-head groups per layer."""
@@ -92,7 +97,7 @@ class KVPlan:
         the rows a load unpacks from)."""
         staging = self.staging_buffers * self.staging_tokens * self.slice_token_bytes
         if self.packed is not None and self.staging_buffers:
-            staging += self.packed.scratch_bytes(self.staging_tokens)
+            staging += self.unpack_scratches * self.packed.scratch_bytes(self.staging_tokens)
         compact = self.compact_slices * self.compact_tokens * self.slice_token_bytes  # as CompactSlices
         return self.resident_slices * self.slice_store_bytes + staging + self.window_kv_bytes + compact
 

@@ -81,6 +81,7 @@ def plan_kv(
     cpu_attention: str | int = "off",
     activations: str = "runner",
     compact: CompactSlices | None = None,
+    unpack_scratches: int | None = None,
 ) -> KVPlan:
     """Plan KV placement for one sequence of `context` tokens.
 
@@ -95,14 +96,33 @@ def plan_kv(
     with a codec only a number: the CPU then reads the packed rows). `activations` says whose forward
     runs the chunks: "runner" (kvtier's, `activation_bytes`) or "hf" (transformers' model over a
     `kvtier.hf.TieredCache`, `hf_activation_bytes`). `compact`: slices an evictor keeps small on
-    the GPU (head-wise sparsity), counted beside the weights and not placed. Raises ConfigError
-    on bad arguments and CapacityError with the numbers when the GPU or host budget is too small.
+    the GPU (head-wise sparsity), counted beside the weights and not placed. `unpack_scratches`:
+    `KVPlan.unpack_scratches`; None: with a codec and no CPU attention, two where the link model
+    (`decode_step_s`, with the hardware's unpack rate) says unpacking off the link's stream beats
+    what the second scratch costs (a resident slice, say), else one. Raises ConfigError on bad
+    arguments and CapacityError with the numbers when the GPU or host budget is too small.
     """
+    if unpack_scratches is None:
+        given = dict(locals())  # NOTE: first: a comprehension's locals() would be its own
+        for name in ("cfg", "context", "unpack_scratches"):
+            del given[name]
+        one = plan_kv(cfg, context, **given, unpack_scratches=1)
+        link = hardware or DEFAULT_HARDWARE
+        if codec is None or cpu_attention not in ("off", 0) or link.unpack_bw <= 0 or not one.num_slices:
+            return one
+        try:
+            two = plan_kv(cfg, context, **given, unpack_scratches=2)
+        except CapacityError:
+            return one
+        t_one = decode_step_s(cfg, one.slice_shape(cfg), link, dtype_bytes, 0)
+        t_two = decode_step_s(cfg, two.slice_shape(cfg), replace(link, unpack_bw=0.0), dtype_bytes, 0)
+        return two if t_two < t_one else one
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     if activations not in ACTIVATIONS:
         raise ConfigError(f"unknown activation model {activations!r}; use one of {', '.join(ACTIVATIONS)}")
     hw = hardware or DEFAULT_HARDWARE
     capacity = round_up(context, block_size)
+    scratches = unpack_scratches if codec is not None else 1
 
     def on_cpu(plan: KVPlan) -> KVPlan:
         """The plan with its CPU-attended slices chosen (none where the CPU kernel's plain
@@ -175,7 +195,7 @@ def plan_kv(
     def staging_kv(g: int, tokens: int) -> int:
         """Two staging buffers of `tokens` tokens (packed: and the rows a load unpacks from)."""
         pk = sizing(g)
-        scratch = 0 if pk is None else pk.scratch_bytes(tokens)
+        scratch = 0 if pk is None else scratches * pk.scratch_bytes(tokens)
         return 2 * tokens * kv_token_bytes(cfg, g, dtype_bytes) + scratch
 
     def all_resident_kv(g: int, c: int) -> int:
@@ -234,6 +254,7 @@ def plan_kv(
             slice_token_bytes=kv_token_bytes(cfg, g, dtype_bytes),
             packed=pk,
             packed_tail_tokens=0 if pk is None else pk.tail_tokens(c, block_size),
+            unpack_scratches=scratches,
             window_slices=windowed * (cfg.num_kv_heads // g),
             window_tokens=0
             if not windowed
@@ -277,7 +298,7 @@ def plan_kv(
 
         c = pick_chunk(g, stream_kv)
         pk = sizing(g)
-        scratch = 0 if pk is None else pk.scratch_bytes(capacity)
+        scratch = 0 if pk is None else scratches * pk.scratch_bytes(capacity)
         avail = gpu_budget - fixed(c, g) - scratch
         n = placed(g)
         staging = _staging_tokens(avail, capacity, tok, block_size)
