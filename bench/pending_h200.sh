@@ -207,6 +207,15 @@ set -u
 group=${1:-1}
 py=${PYTHON:-python}
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -14; }
+# issue 19's A/B of a layer's cached slices at once against a slice at a time (88, 90): $1
+# layers of 2-head slices at 128K, lean, host keys, each run under $2 seconds
+layer_ab() {
+  for a in "" "--slice-at-a-time"; do
+    run "$2" $py bench/hip_decode_profile.py --as-preset --preset lean --context 128K --layers "$1" \
+      --kv-heads 8 --group 2 --head-dim 128 --steps 34 --kv-fill structured --host-scoring $a \
+      --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
+  done
+}
 case "$group" in
 1)
   # the smoke's generate part, a model at a time: both in one 330 s run were cut after 49 of 54
@@ -445,19 +454,11 @@ case "$group" in
   done
   ;;
 90)
-  # what one call of a short device budget must do first: the new decode kernel's CUDA tests,
-  # issue 23's traced --unpack-stream A/B (84's first rows), the layer path's A/B (88, 16
-  # layers). No GGUF (call A of the GGUF's two carries its first half along).
-  run 150 $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py -k cuda
-  for a in "" "--unpack-stream"; do
-    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention off --head-group 1 \
-      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 3 --trace-step $a --name "int4_512k_g1_trace_ab${a:+_unpack}"
-  done
-  for a in "" "--slice-at-a-time"; do
-    run 90 $py bench/hip_decode_profile.py --as-preset --preset lean --context 128K --layers 16 \
-      --kv-heads 8 --group 2 --head-dim 128 --steps 34 --kv-fill structured --host-scoring $a \
-      --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
-  done
+  # what one call of a short device budget must do first: 91 (the new decode kernel's CUDA tests,
+  # issue 23's traced --unpack-stream A/B), then the layer path's A/B (88, 16 layers). No GGUF
+  # (call A of the GGUF's two carries its first half along).
+  bash "$0" 91
+  layer_ab 16 90
   ;;
 88)
   # issue 19: decode steps that rerun nothing, a layer's slices at once (the thirty-fourth
@@ -466,11 +467,7 @@ case "$group" in
   # 2-head slices (4 a layer, 1M's 128-slice shape) at 128K with host keys; first the new
   # kernel's CUDA tests (batched = alone, bitwise). No GGUF.
   run 150 $py -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
-  for a in "" "--slice-at-a-time"; do
-    run 110 $py bench/hip_decode_profile.py --as-preset --preset lean --context 128K --layers 32 \
-      --kv-heads 8 --group 2 --head-dim 128 --steps 34 --kv-fill structured --host-scoring $a \
-      --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
-  done
+  layer_ab 32 110
   ;;
 89)
   # the smoke of the embedded model alone (GPU-facing code changed: HiP decode's buffers attend
