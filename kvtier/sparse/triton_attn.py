@@ -16,9 +16,10 @@ kernel merges the partial results by their log-sum-exp.
 Rotary (context extension, `rotary` given): q is rotated at its true positions in torch. For a
 prefill chunk's blocks (`attend_blocks_triton`) the kernel rotates each key tile itself, at
 `attention_key_positions(mode, ...)` with the RoPE table's cos/sin and `Rotary.apply`'s rounding
-(ROTATE); for one block or a decode query the keys are gathered and rotated in torch first and
-read from that [L, G, D] buffer by list position (K_GATHERED). Values are always read straight
-from kv by index, and the causal mask always uses true positions.
+(ROTATE); for one block the keys are gathered and rotated in torch first and read from that
+[L, G, D] buffer by list position (K_GATHERED). Values are always read straight from kv by index,
+and the causal mask always uses true positions. A decode query's rows kept gathered between
+steps (`AttendBuffer`) are attended by `kvtier.sparse.triton_decode`, many buffers a launch.
 
 The kernels themselves are in `kvtier.sparse.triton_attn_kernels`; this module launches them.
 `triton` is imported here at module level; `kvtier.sparse.block_sparse` imports this module only
@@ -300,31 +301,3 @@ def attend_blocks_triton(
         rope=rope,
         streaming=mode == "streaming",
     )
-
-
-def attend_gathered_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: torch.Tensor,
-    far: torch.Tensor,
-    *,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Decode over keys already gathered (and rotated): q [1, H_q, D] (rotated) attends rows
-    0..L-1 of k, v [cap, G, D], L = index.numel(), index = arange(L) int64 (the key list), far
-    [1, 1] int64 a query position past every row (nothing masked). One launch (two when the
-    key list is split). Returns [1, H_q, D] in q's dtype."""
-    n = index.numel()
-    out = _launch(
-        q.unsqueeze(0),
-        far,
-        k,
-        v,
-        index.view(1, -1),
-        window=(n, n),
-        k_gathered=True,
-        max_keys=n,
-        num_splits=num_splits,
-    )
-    return out[0]
