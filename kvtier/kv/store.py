@@ -473,9 +473,12 @@ class TieredKVStore:
         out = cast(LayerCachedKernel, self.kernel).attend_cached_layer(q, kv, steps)
         if out is None:
             return None
-        news = [
-            (sid, kv[:, :, lay.kv_heads(g)].contiguous()) for g, sid in enumerate(sids)
-        ]  # [1, 2, G, D] each
+        t, d = kv.shape[0], kv.shape[-1]
+        # NOTE: one copy for the layer: each slice's rows [T, 2, G, D] are then contiguous (T = 1)
+        per_slice = (
+            kv.view(t, 2, lay.num_groups, lay.group_size, d).transpose(1, 2).contiguous()
+        )  # [T, S, 2, G, D]
+        news = [(sid, per_slice[:, g]) for g, sid in enumerate(sids)]
         self.writes.write_all(news, self.streams.record(), self.length, decode=self._step_tokens == 1)
         return out
 
