@@ -30,16 +30,16 @@ def plan_for(inputs: PlanInputs, method: MethodChoice = LOSSLESS) -> Placement:
         inputs = replace(inputs, cpu_attention="off")
 
     entry = method.entry
-    hooked = entry is not None and entry.plan is not None
+    hook = None if entry is None else entry.plan
     # NOTE: the store planner's choice of unpacking packed loads on a stream of their own weighs a
     # decode that streams every slice each token; a method with its own planner (HiP's cached
     # decode streams rarely) keeps one scratch.
-    scratches = 1 if hooked else None
+    scratches = None if hook is None else 1
 
     def plan_with(group: int | None, gpu: int | None, chunk: int | None = None) -> KVPlan:
         group, chunk = group or inputs.head_group, chunk or inputs.chunk_size
         return replace(inputs, head_group=group, gpu_budget=gpu, chunk_size=chunk).plan(codec, scratches)
 
-    if entry is not None and entry.plan is not None:
-        return entry.plan(inputs, method.options(), plan_with)
+    if hook is not None:
+        return hook(inputs, method.options(), plan_with)
     return Placement(plan_with(None, inputs.gpu_budget))

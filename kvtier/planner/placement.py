@@ -102,25 +102,26 @@ def plan_kv(
     what the second scratch costs (a resident slice, say), else one. Raises ConfigError on bad
     arguments and CapacityError with the numbers when the GPU or host budget is too small.
     """
+    hw = hardware or DEFAULT_HARDWARE
+    if unpack_scratches is None and (codec is None or cpu_attention not in ("off", 0) or hw.unpack_bw <= 0):
+        unpack_scratches = 1  # nothing to weigh: one scratch
     if unpack_scratches is None:
         given = dict(locals())  # NOTE: first: a comprehension's locals() would be its own
-        for name in ("cfg", "context", "unpack_scratches"):
+        for name in ("cfg", "context", "unpack_scratches", "hw"):
             del given[name]
         one = plan_kv(cfg, context, **given, unpack_scratches=1)
-        link = hardware or DEFAULT_HARDWARE
-        if codec is None or cpu_attention not in ("off", 0) or link.unpack_bw <= 0 or not one.num_slices:
+        if not one.num_slices:
             return one
         try:
             two = plan_kv(cfg, context, **given, unpack_scratches=2)
         except CapacityError:
             return one
-        t_one = decode_step_s(cfg, one.slice_shape(cfg), link, dtype_bytes, 0)
-        t_two = decode_step_s(cfg, two.slice_shape(cfg), replace(link, unpack_bw=0.0), dtype_bytes, 0)
+        t_one = decode_step_s(cfg, one.slice_shape(cfg), hw, dtype_bytes, 0)
+        t_two = decode_step_s(cfg, two.slice_shape(cfg), replace(hw, unpack_bw=0.0), dtype_bytes, 0)
         return two if t_two < t_one else one
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     if activations not in ACTIVATIONS:
         raise ConfigError(f"unknown activation model {activations!r}; use one of {', '.join(ACTIVATIONS)}")
-    hw = hardware or DEFAULT_HARDWARE
     capacity = round_up(context, block_size)
     scratches = unpack_scratches if codec is not None else 1
 
