@@ -400,6 +400,26 @@ case "$group" in
   done
   run 80 $py bench/gpu_checks.py
   ;;
+93)
+  # the thirty-fifth session's first call: 84's CPU-slice pair (does the unpack stream win with
+  # --cpu-attention auto too? issue 23's 0.25 s/token needs both), then 85 (probe scoring's A/B
+  # at 512K and its kernels' CUDA tests). No GGUF (call A of the GGUF's two carries its first half).
+  for a in "" "--unpack-stream"; do
+    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
+  done
+  # issue 19's SmolLM2 prefill (HiP 0.11-0.13x dense at 16K, target 0.5x): where its time goes
+  # now (the last profile, hip_small_prefill_profile.json, is from 5170bf8). Random weights.
+  run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip;hip,hip_preset=long" --profile --name hip_small_prefill_profile_b
+  bash "$0" 85
+  ;;
+94)
+  # call B after 93: the embedded smoke (89; GPU-facing since 1c3d349: the planned unpack stream),
+  # then 87 (probe scoring's NIAH on CUDA). GGUF.
+  bash "$0" 89
+  bash "$0" 87
+  ;;
 85)
   # issue 19: decode's stage 0 on the bisection's probes alone (HipConfig.probe_scoring, built on
   # the CPU in the thirty-third session): 8 layers of Llama-3's shapes at 512K, `lean`, 8-head

@@ -275,8 +275,10 @@ def test_packed_loads_unpack_on_their_own_stream_where_the_link_model_says_it_pa
     """Over int4 at 512K (one KV head a slice, 24 GiB, the H200's rates) the plan gives packed
     loads a second row scratch, so they unpack off the link's stream (measured 0.367 -> 0.318
     s/token on an H100): it costs one resident slice, and the link model counts the unpack time
-    it saves as more. Not with CPU attention (not measured there), nor where the hardware's
-    unpack rate is unknown, nor under a method with its own planner (HiP)."""
+    it saves as more. With CPU attention the same weighing, each plan with its own CPU split:
+    beside a few CPU slices the link still bounds the step (two), beside `auto`'s split the
+    CPU does (one; the model's 0.261 against 0.264 s/token). Not where the hardware's unpack
+    rate is unknown, nor under a method with its own planner (HiP)."""
     from kvtier.methods import parse_choice, plan_for
     from kvtier.planner.inputs import PlanInputs
 
@@ -290,7 +292,9 @@ def test_packed_loads_unpack_on_their_own_stream_where_the_link_model_says_it_pa
     assert two.packed is not None
     scratch = two.packed.scratch_bytes(two.staging_tokens)
     assert two.gpu_kv_bytes == replace(two, unpack_scratches=1).gpu_kv_bytes + scratch
-    assert plan_kv(LLAMA3, 524_288, cpu_attention=8, **kw).unpack_scratches == 1
+    assert plan_kv(LLAMA3, 524_288, cpu_attention=8, **kw).unpack_scratches == 2
+    split = plan_kv(LLAMA3, 524_288, cpu_attention="auto", **kw)
+    assert (split.unpack_scratches, split.cpu_slices) == (1, 48)
     unknown = replace(h200, unpack_bw=0.0)
     assert plan_kv(LLAMA3, 524_288, **{**kw, "hardware": unknown}).unpack_scratches == 1
     assert plan_kv(LLAMA3, 524_288, gpu_budget=24 * GiB, group_size=1, hardware=h200).unpack_scratches == 1

@@ -52,6 +52,8 @@ def lossy_lines(
         from kvtier.planner.cpu_split import decode_step_s
 
         packed_hw = req.hardware.over_packed(native_row_format(codec))
+        if plan.unpack_scratches == 2:  # packed loads unpack off the link's stream
+            packed_hw = replace(packed_hw, unpack_bw=0.0)
         split_s = decode_step_s(cfg, plan.slice_shape(cfg), packed_hw, b, plan.cpu_slices)
     return {
         "method": method,

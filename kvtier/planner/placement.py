@@ -97,13 +97,13 @@ def plan_kv(
     runs the chunks: "runner" (kvtier's, `activation_bytes`) or "hf" (transformers' model over a
     `kvtier.hf.TieredCache`, `hf_activation_bytes`). `compact`: slices an evictor keeps small on
     the GPU (head-wise sparsity), counted beside the weights and not placed. `unpack_scratches`:
-    `KVPlan.unpack_scratches`; None: with a codec and no CPU attention, two where the link model
-    (`decode_step_s`, with the hardware's unpack rate) says unpacking off the link's stream beats
-    what the second scratch costs (a resident slice, say), else one. Raises ConfigError on bad
+    `KVPlan.unpack_scratches`; None: with a codec, two where the link model (`decode_step_s`,
+    with the hardware's unpack rate, each plan with its CPU split) says unpacking off the link's
+    stream beats what the second scratch costs (a resident slice, say), else one. Raises ConfigError on bad
     arguments and CapacityError with the numbers when the GPU or host budget is too small.
     """
     hw = hardware or DEFAULT_HARDWARE
-    if unpack_scratches is None and (codec is None or cpu_attention not in ("off", 0) or hw.unpack_bw <= 0):
+    if unpack_scratches is None and (codec is None or hw.unpack_bw <= 0):
         unpack_scratches = 1  # nothing to weigh: one scratch
     if unpack_scratches is None:
         given = dict(locals())  # NOTE: first: a comprehension's locals() would be its own
@@ -116,14 +116,20 @@ def plan_kv(
             two = plan_kv(cfg, context, **given, unpack_scratches=2)
         except CapacityError:
             return one
-        t_one = decode_step_s(cfg, one.slice_shape(cfg), hw, dtype_bytes, 0)
-        t_two = decode_step_s(cfg, two.slice_shape(cfg), replace(hw, unpack_bw=0.0), dtype_bytes, 0)
+        # NOTE: each with its own CPU split, which the CPU attends at its packed rate
+        split_hw = hw.over_packed(native_row_format(codec)) if codec is not None else hw
+        t_one = decode_step_s(cfg, one.slice_shape(cfg), split_hw, dtype_bytes, one.cpu_slices)
+        t_two = decode_step_s(
+            cfg, two.slice_shape(cfg), replace(split_hw, unpack_bw=0.0), dtype_bytes, two.cpu_slices
+        )
         return two if t_two < t_one else one
     _validate(cfg, context, policy, dtype_bytes, chunk_size, group_size, block_size)
     if activations not in ACTIVATIONS:
         raise ConfigError(f"unknown activation model {activations!r}; use one of {', '.join(ACTIVATIONS)}")
     capacity = round_up(context, block_size)
     scratches = unpack_scratches if codec is not None else 1
+    # the link as the CPU split sees it: with two scratches packed loads unpack off its stream
+    link_hw = hw if scratches == 1 else replace(hw, unpack_bw=0.0)
 
     def on_cpu(plan: KVPlan) -> KVPlan:
         """The plan with its CPU-attended slices chosen (none where the CPU kernel's plain
@@ -134,7 +140,7 @@ def plan_kv(
         if plan.streamed_slices == 0 or not cfg.plain_scores or windowed or compact is not None:
             return plan  # NOTE: the store attends no evictor's slices on the CPU
         if codec is not None:
-            packed_hw = hw.over_packed(native_row_format(codec))
+            packed_hw = link_hw.over_packed(native_row_format(codec))
             if packed_hw.cpu_attention_bw <= 0 and not isinstance(cpu_attention, int):
                 return plan
             k = choose_cpu_slices(cfg, plan.slice_shape(cfg), packed_hw, dtype_bytes, cpu_attention)
@@ -338,7 +344,7 @@ def plan_kv(
     # finer one splits well (its slices are a layer's smaller share), so finer ones are tried
     # either way; the CPU then attends at its packed rate.
     if group_size is None and cpu_attention == "auto" and (chosen.cpu_slices or codec is not None):
-        split_hw = hw if codec is None else hw.over_packed(native_row_format(codec))
+        split_hw = hw if codec is None else link_hw.over_packed(native_row_format(codec))
         finer = [on_cpu(p) for p in feasible if p.group_size < chosen.group_size]  # NOTE: ~20 ms each
         chosen = _fastest_split(cfg, chosen, finer, split_hw, dtype_bytes)
     return chosen
