@@ -401,9 +401,12 @@ case "$group" in
   run 80 $py bench/gpu_checks.py
   ;;
 93)
-  # the thirty-fifth session's first call: 84's CPU-slice pair (does the unpack stream win with
+  # the thirty-fifth session's first call: the native kernel's rates over packed rows (the next
+  # row prefetched while a row's heads attend: 1 thread 2.04 -> 2.76 M tokens/s on the CPU
+  # machine; 22.5 GB/s at 15 threads on the H200's host before), then 84's CPU-slice pair (does the unpack stream win with
   # --cpu-attention auto too? issue 23's 0.25 s/token needs both), then 85 (probe scoring's A/B
   # at 512K and its kernels' CUDA tests). No GGUF (call A of the GGUF's two carries its first half).
+  run 100 $py bench/cpu_attention_rows.py --threads 1,8,15 --bits 4,8 --reps 3 --name cpu_attention_rows_h200_prefetch
   for a in "" "--unpack-stream"; do
     run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
