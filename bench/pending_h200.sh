@@ -401,11 +401,12 @@ case "$group" in
   run 80 $py bench/gpu_checks.py
   ;;
 93)
-  # the thirty-fifth session's first call: the native kernel's rates over packed rows (the next
-  # row prefetched while a row's heads attend: 1 thread 2.04 -> 2.76 M tokens/s on the CPU
-  # machine; 22.5 GB/s at 15 threads on the H200's host before), then 84's CPU-slice pair (does the unpack stream win with
-  # --cpu-attention auto too? issue 23's 0.25 s/token needs both), then 85 (probe scoring's A/B
-  # at 512K and its kernels' CUDA tests). No GGUF (call A of the GGUF's two carries its first half).
+  # (~4 min) the thirty-fifth session's first call: the native kernel's rates over packed rows
+  # (the next row prefetched while a row's heads attend: 1 thread 2.04 -> 2.76 M tokens/s on the
+  # CPU machine; 22.5 GB/s at 15 threads on the H200's host before), then 84's CPU-slice pair
+  # (issue 23's 0.25 s/token; does the unpack stream win beside CPU slices? the planner's model
+  # says no: 0.261 against 0.264), then SmolLM2's HiP prefill profiled. No GGUF (call A of the
+  # GGUF's two carries its first half).
   run 100 $py bench/cpu_attention_rows.py --threads 1,8,15 --bits 4,8 --reps 3 --name cpu_attention_rows_h200_prefetch
   for a in "" "--unpack-stream"; do
     run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group 1 \
@@ -415,7 +416,6 @@ case "$group" in
   # now (the last profile, hip_small_prefill_profile.json, is from 5170bf8). Random weights.
   run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
     --methods "auto;hip;hip,hip_preset=long" --profile --name hip_small_prefill_profile_b
-  bash "$0" 85
   ;;
 94)
   # call B after 93: the embedded smoke (89; GPU-facing since 1c3d349: the planned unpack stream),
