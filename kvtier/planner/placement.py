@@ -118,6 +118,8 @@ def plan_kv(
             return one
         # NOTE: each with its own CPU split, which the CPU attends at its packed rate
         split_hw = hw.over_packed(native_row_format(codec)) if codec is not None else hw
+        if (one.cpu_slices or two.cpu_slices) and split_hw.cpu_attention_bw <= 0:
+            return one  # a split forced by count at an unknown CPU rate: nothing to simulate
         t_one = decode_step_s(cfg, one.slice_shape(cfg), split_hw, dtype_bytes, one.cpu_slices)
         t_two = decode_step_s(
             cfg, two.slice_shape(cfg), replace(split_hw, unpack_bw=0.0), dtype_bytes, two.cpu_slices
