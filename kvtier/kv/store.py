@@ -53,6 +53,7 @@ from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
 from kvtier.kv.reader import SliceReader
+from kvtier.kv.resident import ResidentSizes, allocate_resident
 from kvtier.kv.slices import SliceStorage, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Event, Streams
@@ -60,7 +61,6 @@ from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.kv.write_back import HostWrites
 from kvtier.model.rope import rotary_for
-from kvtier.planner.memory import window_tokens
 from kvtier.planner.packed import uncoded_tokens
 from kvtier.planner.placement import KVPlan
 
@@ -110,7 +110,6 @@ class TieredKVStore:
         self._cos = self._sin = torch.empty(0)
         shape = (2, lay.group_size, lay.head_dim)
         self._capacity = lay.round_up(max(capacity, 1))
-        self.resident: dict[int, torch.Tensor] = {}  # slice -> [capacity, 2, G, D]
         packer = packing_codec(codec)  # NOTE: raises ConfigError for an object that is not a codec
         if codec is not None and evictor is not None:
             raise ConfigError("a KV codec and an evictor cannot be combined yet: choose one")
@@ -126,11 +125,6 @@ class TieredKVStore:
         check_parts(self.attn, kernel, rotate_keys, codec is not None, evictor is not None)
         self._windowed = windowed_slices(cfg, lay, capacity)  # slice -> window
         self._plain_limit = plain_limit(cfg, capacity)
-        if cfg.sliding_window is not None:
-            # NOTE: the plan's size when plan_kv made it (the bytes it counted), else the same formula.
-            self._window_tokens = plan.window_tokens or window_tokens(
-                cfg.sliding_window, plan.chunk_size, capacity, lay.block_size
-            )
         extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
         # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
         extent_tokens = lay.block_size * min(extent_blocks, self._capacity // lay.block_size)
@@ -146,25 +140,13 @@ class TieredKVStore:
         staged = places.staged
         if packer is not None:
             extent_tokens = lay.round_up(uncoded_tokens(packer) + plan.chunk_size)
-        # An evictor's slices are allocated once at what the plan says they may hold
-        # (`KVPlan.compact_tokens`: kept tokens plus a step's), from the store's memory like the
-        # whole slices; a plan without that size (made by hand) starts them at a block and grows
-        # them by doubling. A step that outgrows the planned size grows its slice the same way.
-        bounded = min(lay.round_up(plan.compact_tokens), self._capacity) if plan.compact_tokens else 0
-        self._bounded = frozenset(self._evictable - set(self._windowed) if bounded else ())
-        # NOTE: whole slices first, then the bounded ones, as `region_buffers` sizes them.
-        for s in sorted(places.resident, key=lambda s: (s in self._bounded, s)):
-            tokens = lay.block_size if s in self._evictable else self._capacity
-            if s in self._bounded:
-                tokens = bounded
-            whole = (s not in self._evictable or s in self._bounded) and s not in self._windowed
-            if s in self._windowed:
-                tokens = self._window_tokens
-            if whole:
-                self.resident[s] = self.memory.empty((tokens, *shape), dtype)
-            else:
-                self.resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
-            self.account.alloc(GPU, self.resident[s].numel() * self.resident[s].element_size())
+        # Resident slices: whole, an evictor's (bounded by the plan or grown from a block) and
+        # windowed ones (kvtier.kv.resident).
+        sizes = ResidentSizes.of(cfg, plan, lay, capacity, self._evictable, self._windowed)
+        self._bounded = sizes.bounded
+        self.resident = allocate_resident(  # slice -> [tokens, 2, G, D]
+            places.resident, sizes, shape, dtype, memory=self.memory, device=device, account=self.account
+        )
         self.storage = SliceStorage(
             places,
             lay,
