@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.kv.device_memory import DeviceMemory
+from kvtier.kv.hooks import StoreOptions
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
 from kvtier.kv.packed import TailHostSlice
 from kvtier.kv.tiers import HostArena, TierAccount, device_slab_bytes
+from kvtier.planner.packed import PackedFormat, uncoded_tokens
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,19 @@ def place_slices(
     resident = evictable | (frozenset() if packing else frozenset(chosen))
     streamed = tuple(s for s in range(num_slices) if s not in resident and s not in on_device)
     return SlicePlaces(resident, on_device, streamed)
+
+
+def extent_tokens(
+    options: StoreOptions, layout: KVLayout, capacity: int, packer: PackedFormat | None, chunk: int
+) -> int:
+    """Tokens of one extent of a store of `capacity` tokens: `options`' size; with a packing
+    codec, the uncoded tail plus one step's `chunk` tokens (all a slice keeps in full precision,
+    in a ring of two extents)."""
+    if packer is not None:
+        return layout.round_up(uncoded_tokens(packer) + chunk)
+    blocks = options.extent_blocks or max(1, options.extent_bytes // (layout.block_size * layout.token_bytes))
+    # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
+    return layout.block_size * min(blocks, capacity // layout.block_size)
 
 
 class SliceStorage:

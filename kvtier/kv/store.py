@@ -54,14 +54,13 @@ from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
 from kvtier.kv.reader import SliceReader
 from kvtier.kv.resident import ResidentSizes, allocate_resident
-from kvtier.kv.slices import SliceStorage, place_slices
+from kvtier.kv.slices import SliceStorage, extent_tokens, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Event, Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.kv.write_back import HostWrites
 from kvtier.model.rope import rotary_for
-from kvtier.planner.packed import uncoded_tokens
 from kvtier.planner.placement import KVPlan
 
 # The hooks live in kvtier.kv.hooks.
@@ -125,21 +124,16 @@ class TieredKVStore:
         check_parts(self.attn, kernel, rotate_keys, codec is not None, evictor is not None)
         self._windowed = windowed_slices(cfg, lay, capacity)  # slice -> window
         self._plain_limit = plain_limit(cfg, capacity)
-        extent_blocks = opts.extent_blocks or max(1, opts.extent_bytes // (lay.block_size * lay.token_bytes))
-        # NOTE: never larger than the planned capacity, or short contexts would over-reserve.
-        extent_tokens = lay.block_size * min(extent_blocks, self._capacity // lay.block_size)
         # With a packing codec every slice keeps its coded tokens as packed rows (kvtier.kv.slices):
         # streamed ones in host memory, the plan's resident ones in GPU memory; both are unpacked
         # into the staging buffers when attended. Only the uncoded tail (plus one step's tokens)
-        # stays full precision, in a ring of two extents.
+        # stays full precision, in a ring of two extents (`extent_tokens`).
         packing = packer is not None
         places = place_slices(
             lay.num_slices, plan.resident_slices, self._evictable | frozenset(self._windowed), packing
         )
         self.on_device = places.on_device
         staged = places.staged
-        if packer is not None:
-            extent_tokens = lay.round_up(uncoded_tokens(packer) + plan.chunk_size)
         # Resident slices: whole, an evictor's (bounded by the plan or grown from a block) and
         # windowed ones (kvtier.kv.resident).
         sizes = ResidentSizes.of(cfg, plan, lay, capacity, self._evictable, self._windowed)
@@ -150,7 +144,7 @@ class TieredKVStore:
         self.storage = SliceStorage(
             places,
             lay,
-            extent_tokens,
+            extent_tokens(opts, lay, self._capacity, packer, plan.chunk_size),
             self._capacity,
             packing=packing,
             device=device,
