@@ -9,10 +9,10 @@ plan when the store is built, reallocated as a slice grows or shrinks.
  windowed  its window plus a step (kvtier.kv.windowed)         the caching allocator
 ```
 
-A buffer that must grow is reallocated from the caching allocator (by the store): whole slices
+A buffer that must grow is reallocated from the caching allocator (`reallocate`): whole slices
 double past the capacity (only in memory the store owns), an evictor's double when a step
 outgrows them, windowed ones grow for a step longer than the plan's chunk. An evictor's slice
-that a compaction left mostly free shrinks, unless bounded: those keep their size.
+that a compaction (`compact`) left mostly free shrinks, unless bounded: those keep their size.
 """
 
 from __future__ import annotations
@@ -104,3 +104,30 @@ def allocate_resident(
             resident[s] = torch.empty(tokens, *shape, dtype=dtype, device=device)
         account.alloc(GPU, resident[s].numel() * resident[s].element_size())
     return resident
+
+
+def reallocate(old: torch.Tensor, stored: int, tokens: int, account: TierAccount) -> torch.Tensor:
+    """A new buffer of `tokens` tokens (caching allocator) holding the first `stored` tokens of
+    old [C, 2, G, D]; the GPU account trades old's bytes for the new buffer's."""
+    new = torch.empty(tokens, *old.shape[1:], dtype=old.dtype, device=old.device)
+    new[:stored] = old[:stored]
+    account.alloc(GPU, new.numel() * new.element_size())
+    account.free(GPU, old.numel() * old.element_size())
+    return new
+
+
+def compact(buf: torch.Tensor, stored: int, keep: torch.Tensor) -> int:
+    """Keep tokens `keep` [G, K] (ascending per KV head) of the `stored` tokens of buf
+    [C, 2, G, D], in order, at its front; returns K, the tokens it now stores.
+
+    ```
+    before: [t0 t1 t2 t3 t4 t5 t6 t7]   keep[g] = [0, 1, 5, 6, 7]
+    after:  [t0 t1 t5 t6 t7 | free  ]   5 tokens stored; the store's position unchanged
+    ```
+    """
+    g, k = keep.shape
+    src = buf[:stored].permute(2, 0, 1, 3)  # [G, n, 2, D]
+    idx = keep.to(buf.device, non_blocking=True)[:, :, None, None].expand(g, k, 2, buf.shape[-1])
+    kept = torch.gather(src, 1, idx).permute(1, 2, 0, 3)  # [K, 2, G, D]
+    buf[:k] = kept
+    return k

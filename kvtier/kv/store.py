@@ -53,7 +53,7 @@ from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
 from kvtier.kv.reader import SliceReader
-from kvtier.kv.resident import ResidentSizes, allocate_resident
+from kvtier.kv.resident import ResidentSizes, allocate_resident, compact, reallocate
 from kvtier.kv.slices import SliceStorage, extent_tokens, place_slices
 from kvtier.kv.staging import Load, StagingRing
 from kvtier.kv.streams import Event, Streams
@@ -306,21 +306,10 @@ class TieredKVStore:
         self._coded = upto
 
     def _compact(self, sid: int, keep: torch.Tensor) -> None:
-        """Keep tokens `keep` [G, K] (ascending per KV head) of resident slice `sid`, in order.
-
-        ```
-        before: [t0 t1 t2 t3 t4 t5 t6 t7]   keep[g] = [0, 1, 5, 6, 7]
-        after:  [t0 t1 t5 t6 t7 | free  ]   slice_length = 5; position unchanged
-        ```
-        """
+        """Keep tokens `keep` [G, K] (ascending per KV head) of resident slice `sid`, in order
+        (`kvtier.kv.resident.compact`), and shrink its buffer if that left it mostly free."""
         buf = self.resident[sid]
-        n = self.slice_length[sid]
-        g, k = keep.shape
-        src = buf[:n].permute(2, 0, 1, 3)  # [G, n, 2, D]
-        idx = keep.to(buf.device, non_blocking=True)[:, :, None, None].expand(g, k, 2, buf.shape[-1])
-        kept = torch.gather(src, 1, idx).permute(1, 2, 0, 3)  # [K, 2, G, D]
-        buf[:k] = kept
-        self.slice_length[sid] = k
+        k = self.slice_length[sid] = compact(buf, self.slice_length[sid], keep)
         lay = self.layout
         target = lay.round_up(k + lay.block_size)
         if buf.shape[0] > 2 * target and sid not in self._bounded:  # NOTE: a bounded slice keeps its size
@@ -509,22 +498,12 @@ class TieredKVStore:
         for sid, old in self.resident.items():
             if sid in self._windowed:
                 continue  # holds its window, not the context
-            new = torch.empty(tokens, *old.shape[1:], dtype=old.dtype, device=old.device)
-            new[: self.length] = old[: self.length]
-            self.account.alloc(GPU, new.numel() * new.element_size())
-            self.account.free(GPU, old.numel() * old.element_size())
-            self.resident[sid] = new
+            self.resident[sid] = reallocate(old, self.length, tokens, self.account)
         self._capacity = tokens
 
     def _resize_slice(self, sid: int, tokens: int) -> None:
         """Reallocate one resident slice to `tokens` tokens, keeping what it stores."""
-        old = self.resident[sid]
-        n = self.slice_length[sid]
-        new = torch.empty(tokens, *old.shape[1:], dtype=old.dtype, device=old.device)
-        new[:n] = old[:n]
-        self.account.alloc(GPU, new.numel() * new.element_size())
-        self.account.free(GPU, old.numel() * old.element_size())
-        self.resident[sid] = new
+        self.resident[sid] = reallocate(self.resident[sid], self.slice_length[sid], tokens, self.account)
 
     def close(self, release_host: bool = True) -> None:
         """Free every tier. The store is unusable afterwards. `release_host=False` leaves its
