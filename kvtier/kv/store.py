@@ -29,11 +29,8 @@ soft-capping, scale) in `SliceStep.attn`.
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
-from kvtier.attention.dense import attend_prefix_lse, attend_self_lse, merge_into
 from kvtier.attention.interface import (
     CachingSliceKernel,
     DenseKernel,
@@ -52,11 +49,11 @@ from kvtier.kv.hooks import Evictor, KVCodec, RoundTripCodec, StoreOptions, pack
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
-from kvtier.kv.reader import SliceReader
 from kvtier.kv.resident import ResidentSizes, allocate_resident, compact, reallocate
 from kvtier.kv.slices import SliceStorage, extent_tokens, place_slices
-from kvtier.kv.staging import Load, StagingRing
-from kvtier.kv.streams import Event, Streams
+from kvtier.kv.staged_attend import StagedSlices
+from kvtier.kv.staging import StagingRing
+from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.kv.write_back import HostWrites
@@ -99,8 +96,6 @@ class TieredKVStore:
         # whether the store applies RoPE (False: keys are stored un-rotated and the kernel
         # rotates them at positions of its choosing, e.g. for context extension).
         self.kernel: SliceKernel = kernel or DenseKernel()
-        # Streamed slices this step that the kernel serves from its own GPU cache (nothing streamed).
-        self._cached: frozenset[int] = frozenset()
         self.rotate_keys = rotate_keys
         self.rotary = rotary_for(cfg, device)
         self.length = 0  # tokens stored in the longest slice (all slices, unless evicted)
@@ -200,6 +195,22 @@ class TieredKVStore:
         # New tokens of streamed slices to the host tier (`writes.defer`: a decode step's at the
         # next step's start, kvtier.kv.write_back).
         self.writes = HostWrites(self.hosts, self.streams, self.account, self.on_device)
+        # Their attention, and each step's loads into the staging buffers (kvtier.kv.staged_attend).
+        self.staged: StagedSlices | None = None
+        if self.ring is not None:
+            self.staged = StagedSlices(
+                self.ring,
+                self.hosts,
+                lay,
+                self.kernel,
+                self.attn,
+                device=device,
+                streams=self.streams,
+                account=self.account,
+                writes=self.writes,
+                packed=self.packed,
+                unpack_stream=self._unpack_stream,
+            )
         plain = not self._windowed and all(a.plain for a in self.attn)  # the CPU kernel's attention
         if (
             plan.cpu_slices
@@ -243,12 +254,11 @@ class TieredKVStore:
             self.packed.reserve(lay.round_up(end))
         if self.cpu is not None:
             self._cpu = self.cpu.begin_step(n_new)
-        if self.ring is not None:
-            read = self._read_packed if self.packed is not None else None
-            schedule = self._schedule(n_new)
+        if self.staged is not None:
+            schedule = self.staged.schedule(self.length, n_new, self._cpu)
             if not schedule and n_new == 1 and self._staging_idle_in_decode():
-                self.ring.give_back()  # made again by the next step that loads a slice
-            self.ring.start(schedule, self.hosts, read)
+                self.staged.ring.give_back()  # made again by the next step that loads a slice
+            self.staged.start(schedule)
 
     def _staging_idle_in_decode(self) -> bool:
         """Whether decode never loads a slice into the staging buffers (a caching kernel that
@@ -315,37 +325,6 @@ class TieredKVStore:
         if buf.shape[0] > 2 * target and sid not in self._bounded:  # NOTE: a bounded slice keeps its size
             self._resize_slice(sid, target)
 
-    def _read_packed(
-        self, sid: int, dst: torch.Tensor, start: int, end: int, free: list[Event | None]
-    ) -> tuple[int, Event | None]:
-        assert self.packed is not None
-        if self._unpack_stream:
-            return self.packed.load_into(sid, self.hosts[sid], dst, start, end, self.streams, free)
-        self.streams.wait(free)
-        return self.packed.read_into(sid, self.hosts[sid], dst, start, end), None
-
-    def _schedule(self, n_new: int) -> list[Load]:
-        assert self.ring is not None
-        s, cap = self.length, self.ring.tokens
-        loads = []
-        self._cached = frozenset()
-        kernel = self.kernel
-        if isinstance(kernel, CachingSliceKernel):
-            lay = self.layout
-            self._cached = frozenset(
-                sid
-                for sid in self.hosts
-                if not kernel.needs_slice(
-                    SliceStep(*divmod(sid, lay.num_groups), s, self.attn[sid // lay.num_groups]), n_new
-                )
-            )
-        for sid in sorted(set(self.hosts) - self._cached - self._cpu):
-            if s + n_new <= cap:
-                loads.append(Load(sid, 0, s))
-            else:
-                loads.extend(Load(sid, a, min(a + cap, s)) for a in range(0, s, cap))
-        return loads
-
     # -- attention -----------------------------------------------------------------------------
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -358,8 +337,9 @@ class TieredKVStore:
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
         if self._cpu and self.cpu is not None and layer in self.cpu.layers:
             return self.cpu.attend_layer(layer, q, kv, self.length, self._attend_slice, self._write_back)
-        if q.shape[0] == 1 and isinstance(self.kernel, LayerCachedKernel):
-            out = self._attend_layer_cached(layer, q, kv)
+        if q.shape[0] == 1 and isinstance(self.kernel, LayerCachedKernel) and self.staged is not None:
+            decode = self._step_tokens == 1
+            out = self.staged.attend_layer_cached(layer, q, kv, self.slice_length, self.length, decode)
             if out is not None:
                 return out
         if lay.num_groups == 1:
@@ -379,90 +359,8 @@ class TieredKVStore:
             buf = self.resident[sid]
             buf[s : s + t] = kv_new
             return self.kernel(q, buf[: s + t], step)
-        assert self.ring is not None
-        if sid in self._cached:
-            return self._attend_cached(sid, step, q, kv_new)
-        if s + t <= self.ring.tokens:
-            return self._attend_streamed(sid, step, q, kv_new)
-        if not isinstance(self.kernel, DenseKernel):
-            raise CapacityError(
-                f"slice ({layer}, {group}) needs {s + t} tokens but a staging buffer holds "
-                f"{self.ring.tokens}; this attention method needs whole slices on the GPU: "
-                "give it more --gpu-memory or a finer --head-group"
-            )
-        return self._attend_streamed_blocks(sid, step, q, kv_new)
-
-    def _attend_streamed(
-        self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
-    ) -> torch.Tensor:
-        assert self.ring is not None
-        s, t = self.length, q.shape[0]
-        loaded = self.ring.take(Load(sid, 0, s))
-        buf = loaded.view
-        buf[s : s + t] = kv_new
-        out = self.kernel(q, buf[: s + t], step)
-        computed = self.streams.record()
-        written = self._write_back(sid, buf[s : s + t], computed)
-        self.ring.release(loaded, [computed, written])
-        return out
-
-    def _attend_cached(
-        self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
-    ) -> torch.Tensor:
-        """A caching kernel serves the step from its GPU cache; only tokens it reads through
-        `fetch` (ranges or gathered positions) move."""
-        kernel = cast(CachingSliceKernel, self.kernel)  # NOTE: only caching kernels have cached slices
-        fetch = SliceReader(
-            sid,
-            self.hosts[sid],
-            self.layout,
-            self.length,
-            device=self.device,
-            streams=self.streams,
-            account=self.account,
-            packed=self.packed,
-        )
-        new = kv_new.contiguous()  # [T, 2, G, D]
-        out = kernel.attend_cached(q, new, step, fetch)
-        self._write_back(sid, new, self.streams.record())
-        return out
-
-    def _attend_layer_cached(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
-        """A decode step of a layer whose slices are all cached, through the kernel's
-        `attend_cached_layer` (None: some slice is not cached, or the kernel declined)."""
-        lay = self.layout
-        sids = [lay.slice_index(layer, g) for g in range(lay.num_groups)]
-        if not all(sid in self._cached for sid in sids):
-            return None
-        steps = [SliceStep(layer, g, self.slice_length[sid], self.attn[layer]) for g, sid in enumerate(sids)]
-        out = cast(LayerCachedKernel, self.kernel).attend_cached_layer(q, kv, steps)
-        if out is None:
-            return None
-        t, d = kv.shape[0], kv.shape[-1]
-        # NOTE: one copy for the layer: each slice's rows [T, 2, G, D] are then contiguous (T = 1)
-        per_slice = (
-            kv.view(t, 2, lay.num_groups, lay.group_size, d).transpose(1, 2).contiguous()
-        )  # [T, S, 2, G, D]
-        news = [(sid, per_slice[:, g]) for g, sid in enumerate(sids)]
-        self.writes.write_all(news, self.streams.record(), self.length, decode=self._step_tokens == 1)
-        return out
-
-    def _attend_streamed_blocks(
-        self, sid: int, step: SliceStep, q: torch.Tensor, kv_new: torch.Tensor
-    ) -> torch.Tensor:
-        """The slice does not fit a staging buffer: stream its prefix in sequence blocks and merge
-        the partial results by log-sum-exp, so GPU memory does not grow with the context."""
-        assert self.ring is not None
-        s, cap = self.length, self.ring.tokens
-        acc = None
-        for a in range(0, s, cap):
-            loaded = self.ring.take(Load(sid, a, min(a + cap, s)))
-            acc = merge_into(acc, attend_prefix_lse(q, loaded.view[: min(cap, s - a)], step.attn))
-            self.ring.release(loaded, [self.streams.record()])
-        out = merge_into(acc, attend_self_lse(q, kv_new[:, 0], kv_new[:, 1], step.attn))[0].to(q.dtype)
-        new = kv_new.contiguous()  # [T, 2, G, D]
-        self._write_back(sid, new, self.streams.record())
-        return out
+        assert self.staged is not None
+        return self.staged.attend(sid, step, q, kv_new, self.length, decode=self._step_tokens == 1)
 
     def _write_back(
         self, sid: int, new: torch.Tensor, after: torch.cuda.Event | None
