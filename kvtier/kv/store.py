@@ -43,16 +43,14 @@ from kvtier.attention.interface import (
 from kvtier.attention.spec import layer_attention
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
+from kvtier.kv.buffers import allocate_buffers
 from kvtier.kv.cpu_attend import CpuSlices
 from kvtier.kv.device_memory import CachingMemory, DeviceMemory
 from kvtier.kv.hooks import Evictor, KVCodec, RoundTripCodec, StoreOptions, packing_codec
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
-from kvtier.kv.packed import PackedTier
-from kvtier.kv.resident import ResidentSizes, allocate_resident, compact, reallocate
-from kvtier.kv.slices import SliceStorage, extent_tokens, place_slices
+from kvtier.kv.resident import compact, reallocate
 from kvtier.kv.staged_attend import StagedSlices
-from kvtier.kv.staging import StagingRing
 from kvtier.kv.streams import Streams
 from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
@@ -102,7 +100,6 @@ class TieredKVStore:
         self.position = 0  # absolute position of the next token (> length once tokens are evicted)
         self._step_tokens = 0
         self._cos = self._sin = torch.empty(0)
-        shape = (2, lay.group_size, lay.head_dim)
         self._capacity = lay.round_up(max(capacity, 1))
         packer = packing_codec(codec)  # NOTE: raises ConfigError for an object that is not a codec
         if codec is not None and evictor is not None:
@@ -119,69 +116,36 @@ class TieredKVStore:
         check_parts(self.attn, kernel, rotate_keys, codec is not None, evictor is not None)
         self._windowed = windowed_slices(cfg, lay, capacity)  # slice -> window
         self._plain_limit = plain_limit(cfg, capacity)
-        # With a packing codec every slice keeps its coded tokens as packed rows (kvtier.kv.slices):
-        # streamed ones in host memory, the plan's resident ones in GPU memory; both are unpacked
-        # into the staging buffers when attended. Only the uncoded tail (plus one step's tokens)
-        # stays full precision, in a ring of two extents (`extent_tokens`).
-        packing = packer is not None
-        places = place_slices(
-            lay.num_slices, plan.resident_slices, self._evictable | frozenset(self._windowed), packing
-        )
-        self.on_device = places.on_device
-        staged = places.staged
-        # Resident slices: whole, an evictor's (bounded by the plan or grown from a block) and
-        # windowed ones (kvtier.kv.resident).
-        sizes = ResidentSizes.of(cfg, plan, lay, capacity, self._evictable, self._windowed)
-        self._bounded = sizes.bounded
-        self.resident = allocate_resident(  # slice -> [tokens, 2, G, D]
-            places.resident, sizes, shape, dtype, memory=self.memory, device=device, account=self.account
-        )
-        self.storage = SliceStorage(
-            places,
+        self._unpack_stream = plan.unpack_scratches == 2 if opts.unpack_stream is None else opts.unpack_stream
+        # Where each slice lives and the buffers that hold it, in the order `region_buffers` sizes
+        # them (kvtier.kv.buffers): resident slices, extents, staging ring, packed rows.
+        bufs = allocate_buffers(
+            cfg,
+            plan,
             lay,
-            extent_tokens(opts, lay, self._capacity, packer, plan.chunk_size),
-            self._capacity,
-            packing=packing,
+            capacity,
+            opts,
+            packer,
+            self._evictable,
+            self._windowed,
             device=device,
-            account=self.account,
             memory=self.memory,
+            streams=self.streams,
+            account=self.account,
+            unpack_stream=self._unpack_stream,
         )
+        self.on_device = bufs.places.on_device
+        self._bounded = bufs.bounded
+        self.resident = bufs.resident  # slice -> [tokens, 2, G, D]
+        self.storage = bufs.storage
+        self.ring = bufs.ring
+        self.packed = bufs.packed
         self.hosts: dict[int, HostSlice] = self.storage.slices  # slices attended through staging
         self.codec = codec
         self._coded = 0  # leading tokens of every slice already stored coded
         # Tokens stored per slice; differs from `length` only in slices an evictor compacted.
         self.slice_length = [0] * lay.num_slices
         self.evictor = evictor
-        self.ring: StagingRing | None = None
-        if staged:
-            # NOTE: a plan that keeps everything resident has no staging buffers; packed
-            # slices on the GPU still need two to unpack into, of the whole slice.
-            self.ring = StagingRing(
-                plan.staging_buffers or 2,
-                lay.round_up(plan.staging_tokens or self._capacity),
-                shape,
-                dtype,
-                self.memory,
-                self.streams,
-                self.account,
-            )
-        # A packing codec keeps coded tokens packed (kvtier.kv.packed): loads of streamed slices
-        # move packed bytes over PCIe; values are identical to the codec's round trip.
-        self.packed: PackedTier | None = None
-        self._unpack_stream = plan.unpack_scratches == 2 if opts.unpack_stream is None else opts.unpack_stream
-        if packer is not None and self.ring is not None:
-            self.packed = PackedTier(
-                packer,
-                lay,
-                staged,
-                self._capacity,
-                scratch_tokens=self.ring.tokens,
-                device=device,
-                account=self.account,
-                device_slices=self.on_device,
-                memory=self.memory,
-                scratches=2 if self._unpack_stream else 1,
-            )
         # A kernel's decode caches (HiP's block caches) come after the store's buffers from memory
         # the store was given (a server's lent pages: `kvtier.methods.registry.Placement`'s
         # `method_buffers` lists them after `region_buffers`), else from the caching allocator.
