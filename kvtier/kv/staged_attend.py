@@ -59,15 +59,17 @@ class StagedSlices:
         writes: HostWrites,
         packed: PackedTier | None,
         unpack_stream: bool,
+        caching_memory: bool,
     ) -> None:
         self.ring, self.hosts, self.layout, self.kernel, self.attn = ring, hosts, layout, kernel, attn
         self.device, self.streams, self.account, self.writes = device, streams, account, writes
         self.packed = packed
         self.unpack_stream = unpack_stream  # `StoreOptions.unpack_stream`, as the store resolved it
+        self.caching_memory = caching_memory  # the ring's buffers are the caching allocator's
         # Slices this step that the kernel serves from its own GPU cache (nothing streamed).
         self.cached: frozenset[int] = frozenset()
 
-    def schedule(self, length: int, n_new: int, cpu: frozenset[int]) -> list[Load]:
+    def _schedule(self, length: int, n_new: int, cpu: frozenset[int]) -> list[Load]:
         """The loads of a step of `n_new` tokens after `length` stored, in the order the layers
         take them: every slice but `cpu` (attended on the CPU) and those the kernel serves from
         its own cache (which it sets `cached` to)."""
@@ -91,10 +93,23 @@ class StagedSlices:
                 loads.extend(Load(sid, a, min(a + cap, s)) for a in range(0, s, cap))
         return loads
 
-    def start(self, schedule: list[Load]) -> None:
-        """Start the step's loads (`StagingRing.start`), packed rows unpacked on the way."""
+    def start(self, length: int, n_new: int, cpu: frozenset[int]) -> None:
+        """Begin a step of `n_new` tokens after `length` stored: start its loads (`_schedule`,
+        `StagingRing.start`), packed rows unpacked on the way; a decode step that loads nothing
+        gives the ring's buffers back when `idle_in_decode`."""
         read = self._read_packed if self.packed is not None else None
+        schedule = self._schedule(length, n_new, cpu)
+        if not schedule and n_new == 1 and self.idle_in_decode():
+            self.ring.give_back()  # made again by the next step that loads a slice
         self.ring.start(schedule, self.hosts, read)
+
+    def idle_in_decode(self) -> bool:
+        """Whether decode never loads a slice into the staging buffers (a caching kernel that
+        serves every decode step itself) and their bytes would go back to the caching allocator,
+        where the kernel's decode caches are allocated (not a region someone else owns)."""
+        kernel = self.kernel
+        caching = isinstance(kernel, CachingSliceKernel) and not kernel.decode_streams
+        return caching and self.caching_memory
 
     def _read_packed(
         self, sid: int, dst: torch.Tensor, start: int, end: int, free: list[Event | None]

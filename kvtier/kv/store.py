@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 
 from kvtier.attention.interface import (
-    CachingSliceKernel,
     DenseKernel,
     LayerCachedKernel,
     PlacesCaches,
@@ -174,6 +173,7 @@ class TieredKVStore:
                 writes=self.writes,
                 packed=self.packed,
                 unpack_stream=self._unpack_stream,
+                caching_memory=isinstance(self.memory, CachingMemory),
             )
         plain = not self._windowed and all(a.plain for a in self.attn)  # the CPU kernel's attention
         if (
@@ -219,18 +219,7 @@ class TieredKVStore:
         if self.cpu is not None:
             self._cpu = self.cpu.begin_step(n_new)
         if self.staged is not None:
-            schedule = self.staged.schedule(self.length, n_new, self._cpu)
-            if not schedule and n_new == 1 and self._staging_idle_in_decode():
-                self.staged.ring.give_back()  # made again by the next step that loads a slice
-            self.staged.start(schedule)
-
-    def _staging_idle_in_decode(self) -> bool:
-        """Whether decode never loads a slice into the staging buffers (a caching kernel that
-        serves every decode step itself) and their bytes would go back to the caching allocator,
-        where the kernel's decode caches are allocated (not a region someone else owns)."""
-        kernel = self.kernel
-        caching = isinstance(kernel, CachingSliceKernel) and not kernel.decode_streams
-        return caching and isinstance(self.memory, CachingMemory)
+            self.staged.start(self.length, n_new, self._cpu)
 
     def _fit_windows(self, n_new: int) -> None:
         """Make room for `n_new` tokens in every windowed slice: drop what is past its window

@@ -30,8 +30,8 @@ class PlanInputs:
     activations: str = "runner"  # whose forward runs the chunks: "runner" (kvtier's) or "hf"
     compact: CompactSlices | None = None  # slices an evictor keeps small on the GPU (not placed)
     # Whether the store's staging buffers go back to the caching allocator while a kernel that
-    # never streams in decode runs (`TieredKVStore._staging_idle_in_decode`): not when they are
-    # carved from a server's lent pages.
+    # never streams in decode runs (`kvtier.kv.staged_attend.StagedSlices.idle_in_decode`): not
+    # when they are carved from a server's lent pages.
     staging_freed_in_decode: bool = True
     # Tokens decode appends after the prompt (the request's max_tokens; None: unknown, so up to
     # the whole context): what an evictor that never evicts in decode (SnapKV) keeps on top.
