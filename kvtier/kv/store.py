@@ -106,9 +106,7 @@ class TieredKVStore:
         # Slices an evictor compacts always stay on the GPU (they hold a budget, not the context);
         # the plan places the others (e.g. head-wise sparsity: streaming heads resident and
         # compact, retrieval heads streamed).
-        self._evictable: frozenset[int] = frozenset()
-        if evictor is not None:
-            self._evictable = evictor.bind(lay, self._capacity)
+        self._evictable = evictor.bind(lay, self._capacity) if evictor is not None else frozenset()
         # Each layer's scoring (window, soft-capping, scale) at this capacity; slices of layers
         # whose window binds keep only the window, resident (kvtier.kv.windowed).
         self.attn = layer_attention(cfg, capacity)
@@ -150,11 +148,6 @@ class TieredKVStore:
         # `method_buffers` lists them after `region_buffers`), else from the caching allocator.
         if not isinstance(self.memory, CachingMemory) and isinstance(self.kernel, PlacesCaches):
             self.kernel.place_caches(self.memory.empty)
-        # The plan's CPU-attended slices (kvtier.kv.cpu_attend): dense attention over the host
-        # tier's KV, full precision or packed (the values a load would unpack); any other store
-        # streams them as usual.
-        self.cpu: CpuSlices | None = None
-        self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
         # New tokens of streamed slices to the host tier (`writes.defer`: a decode step's at the
         # next step's start, kvtier.kv.write_back).
         self.writes = HostWrites(self.hosts, self.streams, self.account, self.on_device)
@@ -175,6 +168,11 @@ class TieredKVStore:
                 unpack_stream=self._unpack_stream,
                 caching_memory=isinstance(self.memory, CachingMemory),
             )
+        # The plan's CPU-attended slices (kvtier.kv.cpu_attend): dense attention over the host
+        # tier's KV, full precision or packed (the values a load would unpack); any other store
+        # streams them as usual.
+        self.cpu: CpuSlices | None = None
+        self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
         plain = not self._windowed and all(a.plain for a in self.attn)  # the CPU kernel's attention
         if (
             plan.cpu_slices
