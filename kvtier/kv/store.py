@@ -25,6 +25,11 @@ set the store behaves exactly as before:
 Layers whose sliding window binds at the capacity keep only their window, resident
 (`kvtier.kv.windowed`); every slice's kernel gets its layer's `LayerAttention` (window,
 soft-capping, scale) in `SliceStep.attn`.
+
+The store's parts live beside it: its buffers, allocated from the plan (`kvtier.kv.buffers`);
+its resident slices (`kvtier.kv.resident`); the loads and attention of staged slices
+(`kvtier.kv.staged_attend`) and of those attended on the CPU (`kvtier.kv.cpu_attend`); the
+copies of new tokens to the host tier (`kvtier.kv.write_back`).
 """
 
 from __future__ import annotations
