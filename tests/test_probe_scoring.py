@@ -26,7 +26,7 @@ from kvtier.model.rope import Rotary  # noqa: E402
 from kvtier.sparse.opcount import OpCounter  # noqa: E402
 from kvtier.sparse.prefill import _scoring_queries  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
-from tests.test_hip_offload import (  # noqa: E402
+from tests.hip_store import (  # noqa: E402
     DECODE,
     PROMPT,
     REFRESH0,
@@ -34,7 +34,6 @@ from tests.test_hip_offload import (  # noqa: E402
     TINY,
     TOKEN_BYTES,
     assert_same,
-    gqa,  # noqa: F401 (the fixture)
     kernel_for,
     run,
 )
@@ -153,7 +152,7 @@ def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
 # refresh interval, 24 tokens misses and overflows); two cases: Triton's interpreter is slow
 @pytest.mark.parametrize(("extend", "per_head", "cache"), [(True, False, None), (False, True, 24)])
 def test_probe_scoring_is_the_same_streamed_resident_or_in_place_and_reads_only_probes(
-    gqa: tuple[CausalLM, ModelConfig],  # noqa: F811
+    gqa: tuple[CausalLM, ModelConfig],
     device: str,
     extend: bool,
     per_head: bool,
@@ -189,7 +188,7 @@ def test_probe_scoring_is_the_same_streamed_resident_or_in_place_and_reads_only_
 
 @pytest.mark.parametrize("device", CPU)
 def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
-    gqa: tuple[CausalLM, ModelConfig],  # noqa: F811
+    gqa: tuple[CausalLM, ModelConfig],
     device: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
