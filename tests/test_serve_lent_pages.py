@@ -30,15 +30,15 @@ from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.metrics import render
 from kvtier.sparse import HipKernel
 from tests.hf_reference import make_hf_model
+from tests.serve_helpers import gqa_llm
+from tests.serve_lent_helpers import collect, head_request, served_alone, tokens
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    folder: Path = tmp_path_factory.mktemp("gqa")
-    make_hf_model("llama-gqa", folder)  # 3 layers, 4 query heads, 2 KV heads, vocab 211
-    return LLM(str(folder), device="cpu", dtype="fp32", kv="gpu")
+    return gqa_llm(tmp_path_factory)
 
 
 PLANS = [
@@ -83,49 +83,6 @@ def test_a_region_with_a_spill_places_first_fit_as_fitting_says() -> None:
     assert inside == [True, False, True, True]
     # 1200 at 0; 600 at 1536 (aligned to 512); 100 at 2560
     assert memory.spilled == 2000 and memory.used == fitting(sizes, 3000) == 2560 + 100
-
-
-def collect(engine: ServeEngine, ids: list[int], params: SamplingParams, **kw: object) -> Queue[Delta]:
-    q: Queue[Delta] = Queue()
-    engine.submit(ids, params, q.put, **kw)  # type: ignore[arg-type]
-    return q
-
-
-def tokens(q: Queue[Delta]) -> list[int]:
-    out: list[int] = []
-    while not q.empty():
-        out += q.get().token_ids
-    return out
-
-
-def head_request(llm: LLM, seed: int, max_tokens: int) -> tuple[list[int], SamplingParams, list[int]]:
-    """40 seeded token ids, their sampling parameters, and what `LLM.generate` gives them under
-    the lossless "head" method (what a served request must equal)."""
-    ids = torch.randint(1, 211, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
-    params = SamplingParams(max_tokens=max_tokens)
-    return ids, params, list(llm.generate(ids, params, method="head")[0].token_ids)
-
-
-Probe = Callable[[Any], dict[str, Any]]  # a tiered run -> what a test looks at
-
-
-def served_alone(
-    engine: ServeEngine, ids: list[int], params: SamplingParams, method: str, probe: Probe
-) -> tuple[list[int], dict[str, Any]]:
-    """A request naming `method` served alone as a tiered run: its tokens, and what `probe(run)`
-    returned at its last token (`run.store` is built by then)."""
-    seen: dict[str, Any] = {}
-    q: Queue[Delta] = Queue()
-
-    def sink(d: Delta) -> None:
-        (run,) = engine._tiered.values()
-        assert run.store is not None
-        seen.update(probe(run))
-        q.put(d)
-
-    engine.submit(ids, params, sink, method=parse_choice(method))
-    engine.run_until_idle()
-    return tokens(q), seen
 
 
 KERNELS = {
