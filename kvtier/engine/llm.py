@@ -13,10 +13,10 @@ import torch
 from kvtier.engine.batched import generate_batched
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import RequestOutput, allocator_counts
-from kvtier.engine.prompts import Prompt, check_length, encode_prompt, stopper, text_and_reason
+from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, stopper, text_and_reason
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import CapacityError, ConfigError, KvtierError, PromptError, raised_at
+from kvtier.errors import CapacityError, ConfigError, KvtierError, raised_at
 from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
@@ -378,14 +378,7 @@ class LLM:
             raise ConfigError(
                 f"several ranks run the lossless placements only for now; method {method!r} is lossy"
             )
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            batch: list[Prompt] = [prompts]
-        elif isinstance(prompts, list) and prompts:
-            batch = list(prompts)  # type: ignore[arg-type]
-        else:
-            raise PromptError("no prompts given")
+        batch = prompt_list(prompts)
         encoded = [self.encode(p, chat) for p in batch]
         for ids in encoded:
             check_length(len(ids), params, self.max_model_len_for(chosen))

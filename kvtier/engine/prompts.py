@@ -1,6 +1,6 @@
-"""A request's text side: prompts to token ids (with the chat template), the length check, when
-generation stops, and the output text with its finish reason. Pure functions of the tokenizer
-and the model's EOS ids; `LLM` and the batch engine call them."""
+"""A request's text side: a call's prompts as a list, prompts to token ids (with the chat
+template), the length check, when generation stops, and the output text with its finish reason.
+Pure functions of the tokenizer and the model's EOS ids; `LLM` and the batch engine call them."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ def encode_prompt(
     if min(ids) < 0 or max(ids) >= vocab:
         raise PromptError(f"token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
     return ids
+
+
+def prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """A call's prompts as a list: one prompt (text, or a list of token ids) alone, a list of
+    prompts as it is. PromptError when there are none."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts:
+        return list(prompts)  # type: ignore[arg-type]
+    raise PromptError("no prompts given")
 
 
 def check_length(n_prompt: int, params: SamplingParams, limit: int) -> None:
