@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
-from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
 from kvtier.engine.batched import generate_batched
 from kvtier.engine.config import EngineConfig
-from kvtier.engine.outputs import RequestOutput, allocator_counts
-from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, stopper, text_and_reason
-from kvtier.engine.runner import generate_tokens
-from kvtier.engine.sampling import Sampler, SamplingParams
-from kvtier.errors import CapacityError, ConfigError, KvtierError, raised_at
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, text_and_reason
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.tiered import generate_tiered
+from kvtier.errors import ConfigError, KvtierError
 from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
@@ -414,7 +412,7 @@ class LLM:
             if batched is not None:
                 return batched
         return [
-            self._generate_one(p, ids, params, progress, chosen)
+            generate_tiered(self, p, ids, params, progress, chosen)
             for p, ids in zip(batch, encoded, strict=True)
         ]
 
@@ -455,73 +453,6 @@ class LLM:
             **parts.store_kwargs(),
         )
         return store, parts
-
-    def _generate_one(
-        self, prompt: Prompt, ids: list[int], params: SamplingParams, progress: bool, method: MethodChoice
-    ) -> RequestOutput:
-        context = len(ids) + params.max_tokens
-        allocator: dict[str, int] = {}
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            allocator = allocator_counts(self.device)
-        plan, store, parts = self._plan_and_store(context, method, params.max_tokens)
-        sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, self.device)
-        if self.parallel is not None:  # the last stage's logits are the model's
-            sampler = self.parallel.synced(sampler, src=self.parallel.size - 1 if self.pipeline else 0)
-        self.collectives_started = True  # from here on an error may leave other ranks in a collective
-        try:
-            tokens, stats = generate_tokens(
-                self.loaded.model,
-                store,
-                torch.tensor(ids, dtype=torch.long, device=self.device),
-                sampler,
-                params.max_tokens,
-                plan.chunk_size,
-                stopper(params, self.loaded.eos_token_ids, self.tokenizer),
-                progress=progress and len(ids) > plan.chunk_size,
-            )
-            stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
-            if self.device.type == "cuda":
-                stats.peak_bytes["gpu_total"] = int(torch.cuda.max_memory_allocated(self.device))
-                after = allocator_counts(self.device)
-                stats.gpu_allocator = {k: after[k] - allocator[k] for k in after}
-                stats.gpu_allocator["reserved_peak"] = int(torch.cuda.max_memory_reserved(self.device))
-        except torch.OutOfMemoryError as e:
-            site = raised_at(e)
-            raise CapacityError(
-                f"out of memory during generation ({str(e).splitlines()[0][:160]}"
-                f"{', at ' + site if site else ''}); the plan was "
-                f"kv={plan.policy}, group={plan.group_size}, resident slices={plan.resident_slices}, "
-                f"chunk={plan.chunk_size}. All KV memory was freed. Pass a smaller --gpu-memory (the "
-                "planner then leaves more headroom), a smaller --chunk-size, or --kv head"
-            ) from None
-        finally:
-            store.close()
-        stats.plan = {**asdict(plan), "method": parts.describe}
-        if self.parallel is not None:
-            # NOTE: the plan, peaks and PCIe bytes are this rank's; every rank has the same plan.
-            stats.plan["pipeline_parallel" if self.pipeline else "tensor_parallel"] = self.parallel.size
-        text, reason = self.text_and_reason(tokens, params)
-        return RequestOutput(prompt if isinstance(prompt, str) else None, ids, text, tokens, reason, stats)
-
-    def _plan_and_store(
-        self, context: int, method: MethodChoice, new_tokens: int
-    ) -> tuple[KVPlan, TieredKVStore, PolicyParts]:
-        """One request's plan and store. Over several ranks every rank plans its own part, and
-        they agree: a plan or store that fails on one rank (pipeline stages differ) fails on all,
-        before any collective, and all run the smallest rank's prefill chunk."""
-        if self.parallel is None:
-            placement = self.placement(context, method, new_tokens)
-            store, parts = self.make_store(placement.plan, context, placement.cache_tokens, method)
-            return placement.plan, store, parts
-        with self.parallel.agree("planning the request"):
-            placement = self.placement(context, method, new_tokens)
-        # NOTE: a stage sends its chunk's hidden states to the next: the spans must be the same.
-        chunk = min(self.parallel.all_gather_object(placement.plan.chunk_size))
-        plan = replace(placement.plan, chunk_size=chunk)
-        with self.parallel.agree("allocating the KV store"):
-            store, parts = self.make_store(plan, context, placement.cache_tokens, method)
-        return plan, store, parts
 
     def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]:
         """The output text of `tokens` (cut at a stop string) and why generation ended."""
