@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 
 from kvtier.engine.batched import generate_batched
 from kvtier.engine.config import EngineConfig
+from kvtier.engine.load import fuse_llm_model, load_llm_model
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, text_and_reason
 from kvtier.engine.sampling import SamplingParams
@@ -18,16 +18,13 @@ from kvtier.errors import ConfigError, KvtierError
 from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
-from kvtier.loading import LoadedModel, load_model
+from kvtier.loading import LoadedModel
 from kvtier.loading.resolve import read_model_config
 from kvtier.methods import MethodChoice, Placement, PlanInputs, method_spec, parse_choice, plan_for
-from kvtier.model.fuse import fuse_projections_
 from kvtier.model.llama import CausalLM
 from kvtier.parallel.group import RankGroup, launched_world_size
-from kvtier.parallel.load import load_rank_model
 from kvtier.parallel.spawn import Workers, start_ranks
 from kvtier.planner.hardware import Hardware, host_memory_available
-from kvtier.planner.memory import place_experts
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
 from kvtier.policies import PolicyParts
@@ -135,52 +132,20 @@ class LLM:
             if self.parallel is not None:
                 self.device = self.parallel.device
             self.dtype = self.config.torch_dtype(self.device)
-            if self.device.type == "cuda" and self.config.gpu_memory is not None:
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                fraction = min(1.0, self.config.gpu_memory / total)
-                torch.cuda.set_per_process_memory_fraction(fraction, self.device)
-            if self.parallel is None:
-                self.loaded: LoadedModel = load_model(
-                    model, self.device, self.dtype, seed, experts_on_host=self._experts_on_host(model)
-                )
-            else:
-                with self.parallel.agree("loading the model"):
-                    self.loaded = load_rank_model(
-                        model, self.parallel, self.device, self.dtype, seed, pipeline=self.pipeline
-                    )
+            self.loaded: LoadedModel = load_llm_model(
+                model, self.config, self.device, self.dtype, self.parallel, self.pipeline
+            )
         except BaseException:
             if self._workers is not None:
                 self._workers.close(timeout_s=5.0, notify=False)
             raise
         if self.config.fuse_projections:
-            # NOTE: after sharding (a rank fuses its own heads). Fusing a block briefly holds its
-            # weights twice; a model that fills the budget leaves the blocks past an OOM unfused.
-            with contextlib.suppress(torch.OutOfMemoryError):
-                fuse_projections_(self.loaded.model)
-            if self.device.type == "cuda":
-                # NOTE: the separate weights' segments are free now; hand them back before the
-                # planner and the memory cap see this process's reserved bytes.
-                torch.cuda.empty_cache()
+            fuse_llm_model(self.loaded.model, self.device)
         self.model_config = self.loaded.config  # a rank's config under tensor parallelism
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model, context=self.max_model_len)
-
-    def _experts_on_host(self, model: str | None) -> bool:
-        """Whether a MoE model's routed experts go to host memory (`place_experts`: with "auto",
-        when the weights would leave too little of --gpu-memory on a GPU)."""
-        if self.config.experts == "gpu":
-            return False  # NOTE: no config read for the default of most models
-        itemsize = self.dtype.itemsize
-        cfg = place_experts(
-            read_model_config(model),
-            self.config.gpu_memory,
-            itemsize,
-            self.config.experts,
-            on_gpu=self.device.type == "cuda",
-        )
-        return cfg.moe is not None and cfg.moe.experts_on_host
 
     def _start_ranks(self, options: dict[str, Any]) -> tuple[RankGroup | None, Workers | None]:
         """This LLM's rank group (None: one process) and the workers it started (rank 0 outside
