@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
@@ -12,6 +11,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.load import fuse_llm_model, load_llm_model
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, text_and_reason
+from kvtier.engine.ranks import start_llm_ranks
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tiered import generate_tiered
 from kvtier.errors import ConfigError, KvtierError
@@ -19,14 +19,11 @@ from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel
-from kvtier.loading.resolve import read_model_config
 from kvtier.methods import MethodChoice, Placement, PlanInputs, method_spec, parse_choice, plan_for
 from kvtier.model.llama import CausalLM
-from kvtier.parallel.group import RankGroup, launched_world_size
-from kvtier.parallel.spawn import Workers, start_ranks
 from kvtier.planner.hardware import Hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
-from kvtier.planner.sharding import check_pipeline_parallel, check_tensor_parallel, rank_host_budget
+from kvtier.planner.sharding import rank_host_budget
 from kvtier.policies import PolicyParts
 
 BATCHABLE = ("auto", "gpu")  # placements a list of prompts is batched under (KV on the device)
@@ -97,7 +94,6 @@ class LLM:
         options = dict(locals())  # NOTE: first, so it holds the arguments alone (ranks 1..N-1 get them)
         del options["self"]
         self.collectives_started = False  # whether the current generate call has run the model
-        self.pipeline = False  # ranks are pipeline stages (else tensor-parallel shards)
         self.config = EngineConfig.with_sizes(
             gpu_memory,
             device=device,
@@ -127,7 +123,13 @@ class LLM:
             head_sparsity=head_sparsity,
         )
         self.device = self.config.torch_device()
-        self.parallel, self._workers = self._start_ranks(options)
+        # The rank group (None: one process), the workers this process started (ranks 1..N-1),
+        # and whether the ranks are pipeline stages (else tensor-parallel shards).
+        self.parallel, self._workers, self.pipeline = start_llm_ranks(
+            LLM, options, self.method, self.config, self.device
+        )
+        if self._workers is not None:
+            weakref.finalize(self, self._workers.close)
         try:
             if self.parallel is not None:
                 self.device = self.parallel.device
@@ -146,35 +148,6 @@ class LLM:
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model, context=self.max_model_len)
-
-    def _start_ranks(self, options: dict[str, Any]) -> tuple[RankGroup | None, Workers | None]:
-        """This LLM's rank group (None: one process) and the workers it started (rank 0 outside
-        torchrun); sets `self.pipeline` (stages, not tensor-parallel shards). The split is checked
-        on the model's config before any process starts."""
-        tp, pp = options["tensor_parallel"] or 1, options["pipeline_parallel"] or 1
-        if tp > 1 and pp > 1:
-            raise ConfigError("--tensor-parallel and --pipeline-parallel cannot be combined yet; choose one")
-        self.pipeline = pp > 1
-        size = options["pipeline_parallel"] if self.pipeline else options["tensor_parallel"]
-        launched = launched_world_size() or 1
-        if size in (None, 1) and launched == 1:
-            return None, None
-        check = check_pipeline_parallel if self.pipeline else check_tensor_parallel
-        check(read_model_config(options["model"]), size or launched)
-        if not self.method.lossless:
-            raise ConfigError(
-                "tensor and pipeline parallelism run the lossless placements (--kv gpu, layer, head, "
-                "auto) only for now; drop the lossy method options"
-            )
-        if self.config.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(
-                f"--device {self.config.device!r}: with several ranks, rank r runs on cuda:r of its "
-                "machine; pass --device cuda (or auto, or cpu)"
-            )
-        group, workers = start_ranks(size, self.device.type, LLM, options)
-        if workers is not None:
-            weakref.finalize(self, workers.close)
-        return group, workers
 
     @property
     def tensor_parallel(self) -> int:
