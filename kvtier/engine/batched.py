@@ -1,6 +1,7 @@
 """`LLM.generate` with a list of prompts: all at once through the continuous-batching engine
 `kvtier serve` uses (`kvtier.engine.batch`), over the page pool for a lossless method, or each
-prompt over a store of its own (in the same forward) for a lossy one."""
+prompt over a store of its own (in the same forward) for a lossy one; and which calls go there
+(`runs_batched`: also one prompt under `single_batched`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tqdm import tqdm
 from kvtier.engine.batch.config import BatchConfig, ModelHost
 from kvtier.engine.batch.core import BatchEngine
 from kvtier.engine.batch.sequence import Delta, OwnStore, Sequence
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import GenerationStats, RequestOutput
 from kvtier.engine.prompts import Prompt
 from kvtier.engine.runner import prefill_spans
@@ -23,6 +25,7 @@ from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import CapacityError
 from kvtier.kv.store import TieredKVStore
 from kvtier.methods import MethodChoice, PlanInputs, plan_for
+from kvtier.parallel.group import RankGroup
 from kvtier.planner.memory import weight_bytes
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
@@ -30,6 +33,9 @@ from kvtier.policies import PolicyParts
 
 class BatchHost(ModelHost, Protocol):
     """What batched generation needs of a loaded model (`kvtier.engine.llm.LLM` is one)."""
+
+    config: EngineConfig
+    parallel: RankGroup | None
 
     def plan_inputs(
         self, context: int, method: MethodChoice, new_tokens: int | None = None
@@ -44,6 +50,31 @@ class BatchHost(ModelHost, Protocol):
     ) -> tuple[TieredKVStore, PolicyParts]: ...
 
     def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]: ...
+
+
+BATCHABLE = ("auto", "gpu")  # placements a list of prompts is batched under (KV on the device)
+
+
+def runs_batched(llm: BatchHost, prompts: int, method: MethodChoice) -> bool:
+    """Whether a call's `prompts` (how many) under `method` go to the batch engine
+    (`generate_batched`, which may send them back): in one process, with the KV on the device
+    (`BATCHABLE`: the LLM's placement and the request's), several prompts, or one that
+    `_one_batched` takes."""
+    batchable = method.kv in BATCHABLE and llm.method.kv in BATCHABLE
+    return batchable and llm.parallel is None and (prompts > 1 or _one_batched(llm, method))
+
+
+def _one_batched(llm: BatchHost, method: MethodChoice) -> bool:
+    """Whether one prompt runs through the batch engine (`EngineConfig.single_batched`): a
+    lossless method with `kv="auto"` on a dense model (no MoE: the batch engine was never
+    run with experts) whose scores the paged kernels compute; `generate_batched` sends it back
+    to the tiered store when its KV does not fit the device. `--kv gpu` keeps the tiered store's
+    resident path."""
+    on = llm.config.single_batched
+    if on is None:
+        on = llm.device.type == "cuda"
+    cfg = llm.model_config
+    return on and method.lossless and method.kv == "auto" and cfg.plain_scores and cfg.moe is None
 
 
 def generate_batched(

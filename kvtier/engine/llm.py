@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from kvtier.engine.batched import generate_batched
+from kvtier.engine.batched import generate_batched, runs_batched
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.load import fuse_llm_model, load_llm_model
 from kvtier.engine.outputs import RequestOutput
@@ -25,8 +25,6 @@ from kvtier.planner.hardware import Hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
 from kvtier.planner.sharding import rank_host_budget
 from kvtier.policies import PolicyParts
-
-BATCHABLE = ("auto", "gpu")  # placements a list of prompts is batched under (KV on the device)
 
 
 class LLM:
@@ -344,8 +342,7 @@ class LLM:
         progress: bool,
         chosen: MethodChoice,
     ) -> list[RequestOutput]:
-        batchable = chosen.kv in BATCHABLE and self.method.kv in BATCHABLE
-        if batchable and self.parallel is None and (len(batch) > 1 or self._one_batched(chosen)):
+        if runs_batched(self, len(batch), chosen):
             batched = generate_batched(self, batch, encoded, params, progress, chosen)
             if batched is not None:
                 return batched
@@ -353,17 +350,6 @@ class LLM:
             generate_tiered(self, p, ids, params, progress, chosen)
             for p, ids in zip(batch, encoded, strict=True)
         ]
-
-    def _one_batched(self, method: MethodChoice) -> bool:
-        """Whether one prompt runs through the batch engine (`EngineConfig.single_batched`): a
-        lossless method with `kv="auto"` on a dense model (no MoE: the batch engine was never
-        run with experts) whose scores the paged kernels compute; `generate_batched` sends it back
-        here when its KV does not fit the device. `--kv gpu` keeps the tiered store's resident path."""
-        on = self.config.single_batched
-        if on is None:
-            on = self.device.type == "cuda"
-        cfg = self.model_config
-        return on and method.lossless and method.kv == "auto" and cfg.plain_scores and cfg.moe is None
 
     def make_store(
         self,
