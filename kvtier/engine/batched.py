@@ -22,16 +22,15 @@ from kvtier.engine.outputs import GenerationStats, RequestOutput
 from kvtier.engine.prompts import Prompt
 from kvtier.engine.runner import prefill_spans
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.tiered import StoreHost
 from kvtier.errors import CapacityError
 from kvtier.kv.store import TieredKVStore
 from kvtier.methods import MethodChoice, PlanInputs, plan_for
 from kvtier.parallel.group import RankGroup
 from kvtier.planner.memory import weight_bytes
-from kvtier.planner.placement import KVPlan
-from kvtier.policies import PolicyParts
 
 
-class BatchHost(ModelHost, Protocol):
+class BatchHost(ModelHost, StoreHost, Protocol):
     """What batched generation needs of a loaded model (`kvtier.engine.llm.LLM` is one)."""
 
     config: EngineConfig
@@ -40,16 +39,6 @@ class BatchHost(ModelHost, Protocol):
     def plan_inputs(
         self, context: int, method: MethodChoice, new_tokens: int | None = None
     ) -> PlanInputs: ...
-
-    def make_store(
-        self,
-        plan: KVPlan,
-        context: int,
-        hip_cache_tokens: int | None = None,
-        method: MethodChoice | None = None,
-    ) -> tuple[TieredKVStore, PolicyParts]: ...
-
-    def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]: ...
 
 
 BATCHABLE = ("auto", "gpu")  # placements a list of prompts is batched under (KV on the device)

@@ -23,18 +23,9 @@ from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 
 
-class TieredHost(Protocol):
-    """What a request over a store of its own needs of a loaded model (`kvtier.engine.llm.LLM`
-    is one)."""
-
-    device: torch.device
-    loaded: LoadedModel
-    tokenizer: Any
-    parallel: RankGroup | None
-    pipeline: bool  # ranks are pipeline stages (else tensor-parallel shards)
-    collectives_started: bool  # set here once the model runs: an error may then strand a rank
-
-    def placement(self, context: int, method: MethodChoice, new_tokens: int | None = None) -> Placement: ...
+class StoreHost(Protocol):
+    """What a request over a tiered store of its own needs of a loaded model, alone or in a
+    batch (`kvtier.engine.llm.LLM` is one): its store, and the output text of its tokens."""
 
     def make_store(
         self,
@@ -45,6 +36,19 @@ class TieredHost(Protocol):
     ) -> tuple[TieredKVStore, PolicyParts]: ...
 
     def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]: ...
+
+
+class TieredHost(StoreHost, Protocol):
+    """What one prompt run alone needs of a loaded model: its plan, its ranks, the model."""
+
+    device: torch.device
+    loaded: LoadedModel
+    tokenizer: Any
+    parallel: RankGroup | None
+    pipeline: bool  # ranks are pipeline stages (else tensor-parallel shards)
+    collectives_started: bool  # set here once the model runs: an error may then strand a rank
+
+    def placement(self, context: int, method: MethodChoice, new_tokens: int | None = None) -> Placement: ...
 
 
 def generate_tiered(
