@@ -187,6 +187,14 @@
 #   (does --unpack-stream win with CPU slices too?), 85, 86, 87 (probes: speed, CLI, NIAH), 92
 #   (1M through the CLI with probes: issue 19's 20 tok/s), the 8B model's smoke (1's first row,
 #   then 64), then 83, 80, 73, 69.
+# The thirty-fifth session got no machine (every start refused over two hours, ~900 s of the
+#   budget spent on refusals). Built on the CPU: the packed rows' CPU kernel prefetches the next
+#   row (int4 1 thread 2.04 -> 2.76 M tokens/s here), the planner weighs the unpack stream beside
+#   CPU slices. NEXT: call A carries .gguf_a and .whl and runs 93 (~4 min: the rows' rates on the
+#   host, the 512K int4 CPU-slice pair for issue 23's 0.25 s, SmolLM2's HiP prefill profile); call
+#   B at once carries .whl and .gguf_b and runs 89 (the embedded smoke: the store and LLM were
+#   split into modules since the last smoke); then 92 (1M through the CLI), 85, 86, 87, the 8B
+#   model's smoke (1's first row, then 64), 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
