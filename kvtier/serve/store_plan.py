@@ -36,7 +36,7 @@ from kvtier.sparse import SMALL_CACHE_TOKEN_STEPS
 
 
 class OffloadHost(Protocol):
-    """What a tiered run needs of the serving engine (`ServeEngine` is one)."""
+    """What a tiered run needs of the serving engine (`OffloadEngine`, so `ServeEngine`, is one)."""
 
     llm: LLM
     model: CausalLM
