@@ -57,7 +57,6 @@ class ServeEngine(OffloadEngine):
     def __init__(self, llm: LLM, config: BatchConfig | None = None) -> None:
         super().__init__(llm, config)
         self._tiered_wait: deque[Sequence] = deque()  # requests for tiered runs, not started yet
-        self._lent: dict[Sequence, int] = {}  # requests holding a run of pages -> its first id
         self.offloaded = 0  # tiered runs finished
         self.cache_releases = 0  # `_release_cached_blocks` calls
         self.own_store_requests = 0  # requests whose own store joined the batch's forward
@@ -279,22 +278,6 @@ class ServeEngine(OffloadEngine):
             except Exception as e:  # fail this request, keep serving
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
 
-    def _batch_holds_memory(self) -> bool:
-        """Whether the batch's sequences hold memory a waiting tiered request could get once
-        they finish: pool pages, or a store of their own."""
-        busy = self.scheduler.has_work and self.kv.pool.num_used > 0
-        return busy or self._own_store_in_batch()
-
-    def _take_back_runs(self) -> None:
-        """Return to the pool the pages of every run whose store has been freed."""
-        still = []
-        for freed, first in self._closing_runs:
-            if not freed.done():
-                still.append((freed, first))
-            elif first is not None:
-                self.kv.pool.return_run(first)
-        self._closing_runs = still
-
     def _advance(self, seq: Sequence, run: TieredRun) -> None:
         """Collect a run's finished step and launch its next; never waits for the device (on
         the CPU a launched step is done at once, so it is collected in the same call)."""
@@ -365,15 +348,6 @@ class ServeEngine(OffloadEngine):
     def num_tiered(self) -> tuple[int, int]:
         """(running, waiting) tiered runs."""
         return len(self._tiered), len(self._tiered_wait)
-
-    def tiered_bytes(self) -> dict[str, int]:
-        """KV bytes allocated now by the running tiered runs' stores, per tier (gpu, host)."""
-        out = {"gpu": 0, "host": 0}
-        for run in self._tiered.values():
-            if run.store is not None:
-                for tier, n in run.store.account.allocated.items():
-                    out[tier] += n
-        return out
 
     def transfer_bytes(self) -> dict[tuple[str, str], int]:
         """PCIe bytes so far by (direction, source): the prefix cache's host tier, and the

@@ -1,9 +1,10 @@
 """`OffloadEngine`: the batch engine's side of requests served over stores of their own (the
 `OffloadHost` that `kvtier.serve.store_plan.plan_store` plans within): the GPU budget such a
 request is planned within, what other requests' stores hold of it, the page pool's runs of
-pages it may borrow (and the compaction that makes them longer), and the GPU memory /metrics
-reports. `kvtier.serve.engine.ServeEngine` builds on it with the engine thread and the tiered
-runs themselves.
+pages it may borrow (the compaction that makes them longer, and taking them back once a run's
+store is freed), and the GPU memory and tiered stores' bytes /metrics reports.
+`kvtier.serve.engine.ServeEngine` builds on it with the engine thread and the tiered runs
+themselves.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class OffloadEngine(BatchEngine):
         super().__init__(llm, config)
         self.llm = llm
         self._tiered: dict[Sequence, TieredRun] = {}  # the running tiered runs
+        self._lent: dict[Sequence, int] = {}  # requests holding a run of pages -> its first id
         # Finished runs whose stores are being freed, with the first page of the run each had
         # borrowed (given back once freed).
         self._closing_runs: list[tuple[Future[None], int | None]] = []
@@ -117,6 +119,22 @@ class OffloadEngine(BatchEngine):
                 self.kv.host.flush()  # NOTE: before the run's store writes the pages
         return first
 
+    def _take_back_runs(self) -> None:
+        """Return to the pool the pages of every run whose store has been freed."""
+        still = []
+        for freed, first in self._closing_runs:
+            if not freed.done():
+                still.append((freed, first))
+            elif first is not None:
+                self.kv.pool.return_run(first)
+        self._closing_runs = still
+
+    def _batch_holds_memory(self) -> bool:
+        """Whether the batch's sequences hold memory a waiting tiered request could get once
+        they finish: pool pages, or a store of their own."""
+        busy = self.scheduler.has_work and self.kv.pool.num_used > 0
+        return busy or self._own_store_in_batch()
+
     def _own_store_in_batch(self) -> bool:
         """Whether a running or waiting sequence of the batch has a store of its own."""
         return any(s.own is not None for q in (self.scheduler.running, self.scheduler.waiting) for s in q)
@@ -136,3 +154,12 @@ class OffloadEngine(BatchEngine):
             "outside_allocator": outside_allocator_bytes(self.device, free, total),
             "budget": self.llm.gpu_budget() or total,
         }
+
+    def tiered_bytes(self) -> dict[str, int]:
+        """KV bytes allocated now by the running tiered runs' stores, per tier (gpu, host)."""
+        out = {"gpu": 0, "host": 0}
+        for run in self._tiered.values():
+            if run.store is not None:
+                for tier, n in run.store.account.allocated.items():
+                    out[tier] += n
+        return out
