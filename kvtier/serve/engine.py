@@ -13,7 +13,8 @@ the pages (`kvtier.kv.batch_step.MixedStep`). When it streams from the host tier
 request too long for the pool, it is a tiered run: the engine thread queues its steps (a
 prefill chunk or a decode token) on a CUDA stream of the run's own, below the batch's priority,
 and collects their tokens between batch steps once done, so the batch never waits for a run's
-PCIe streaming.
+PCIe streaming. What such requests get of the engine (the GPU budget, lent pool pages and their
+compaction) is its base, `kvtier.serve.offload_host.OffloadEngine`.
 """
 
 from __future__ import annotations
