@@ -189,7 +189,7 @@
 #   then 64), then 83, 80, 73, 69.
 # The thirty-fifth session got no machine (every start refused over two hours, ~900 s of the
 #   budget spent on refusals). Built on the CPU: the packed rows' CPU kernel prefetches the next
-#   row (int4 1 thread 2.04 -> 2.76 M tokens/s here), the planner weighs the unpack stream beside
+#   row (int4 1 thread 2.08 -> 2.76 M tokens/s here), the planner weighs the unpack stream beside
 #   CPU slices. NEXT: call A carries .gguf_a and .whl and runs 93 (~4 min: the rows' rates on the
 #   host, the 512K int4 CPU-slice pair for issue 23's 0.25 s, SmolLM2's HiP prefill profile); call
 #   B at once carries .whl and .gguf_b and runs 89 (the embedded smoke: the store and LLM were
@@ -410,7 +410,7 @@ case "$group" in
   ;;
 93)
   # (~4 min) the thirty-fifth session's first call: the native kernel's rates over packed rows
-  # (the next row prefetched while a row's heads attend: 1 thread 2.04 -> 2.76 M tokens/s on the
+  # (the next row prefetched while a row's heads attend: 1 thread 2.08 -> 2.76 M tokens/s on the
   # CPU machine; 22.5 GB/s at 15 threads on the H200's host before), then 84's CPU-slice pair
   # (issue 23's 0.25 s/token; does the unpack stream win beside CPU slices? the planner's model
   # says no: 0.261 against 0.264), then SmolLM2's HiP prefill profiled. No GGUF (call A of the
