@@ -187,11 +187,12 @@
 #   (does --unpack-stream win with CPU slices too?), 85, 86, 87 (probes: speed, CLI, NIAH), 92
 #   (1M through the CLI with probes: issue 19's 20 tok/s), the 8B model's smoke (1's first row,
 #   then 64), then 83, 80, 73, 69.
-# The thirty-fifth session got no machine (every start refused over two hours, ~900 s of the
-#   budget spent on refusals). Built on the CPU: the packed rows' CPU kernel prefetches the next
+# The thirty-fifth session got a machine only at its end (every start refused for two and a half
+#   hours, ~1,300 s of the budget spent on refusals): on an H100, 93's rows bench and CPU-slice
+#   pair (0.283 s/token; the unpack stream beside it 0.307) and gpu_checks (all pass), at 1d58fba. Built on the CPU: the packed rows' CPU kernel prefetches the next
 #   row (int4 1 thread 2.08 -> 2.76 M tokens/s here), the planner weighs the unpack stream beside
-#   CPU slices. NEXT: call A carries .gguf_a and .whl and runs 93 (~4 min: the rows' rates on the
-#   host, the 512K int4 CPU-slice pair for issue 23's 0.25 s, SmolLM2's HiP prefill profile); call
+#   CPU slices. NEXT: call A carries .gguf_a and .whl and runs 93's last row (SmolLM2's HiP prefill
+#   profile; its first rows ran); call
 #   B at once carries .whl and .gguf_b and runs 89 (the embedded smoke: the store and LLM were
 #   split into modules since the last smoke); then 92 (1M through the CLI), 85, 86, 87, the 8B
 #   model's smoke (1's first row, then 64), 83, 80, 73, 69.
