@@ -409,6 +409,18 @@ case "$group" in
   done
   run 80 $py bench/gpu_checks.py
   ;;
+94)
+  # (~7 min) the thirty-sixth session's first call (call A, with the GGUF's first half): issue
+  # 19's two prefill gaps profiled. SmolLM2's HiP prefill at 16K (0.11-0.13x dense, target 0.5x;
+  # random weights), then one 15K-token prefill chunk at the end of 512K under `lean` (what auto
+  # runs past the trained length) and `fast`, each profiled: lean's prefill halved fast's at
+  # 160K through the CLI, and the CLI's whole-prompt 4,731 tok/s is under the bench's last-chunk
+  # 12.8K (fast). No GGUF.
+  run 150 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip;hip,hip_preset=long" --profile --name hip_small_prefill_profile_b
+  run 260 $py bench/hip_offload.py --contexts 512K --presets lean,fast --policy planned --no-dense --steps 2 \
+    --prefill-chunk 15360 --profile --name hip_offload_prefill_512k_lean_fast
+  ;;
 93)
   # (~4 min) the thirty-fifth session's first call: the native kernel's rates over packed rows
   # (the next row prefetched while a row's heads attend: 1 thread 2.08 -> 2.76 M tokens/s on the
