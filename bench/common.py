@@ -16,12 +16,29 @@ from typing import Any
 import torch
 
 
+def cpu_model() -> dict[str, Any]:
+    """The host CPU's model name and the vector extensions the native CPU kernels can use (from
+    /proc/cpuinfo; empty where there is none): CPU-attention rates differ between hosts."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {
+        k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines()[:40] if ":" in ln)
+    }
+    flags = set(fields.get("flags", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16")
+    name = fields.get("model name", "")
+    return {"cpu_model": name, "cpu_flags": [f for f in wanted if f in flags]} if name else {}
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        **cpu_model(),
     }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
