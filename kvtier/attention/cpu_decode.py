@@ -38,27 +38,11 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
-from kvtier.attention.row_formats import ROW_KINDS, native_row_format
+from kvtier.attention.row_formats import ROW_KINDS, RowCodec, native_row_format
 from kvtier.errors import ConfigError
-
-
-class RowCodec(Protocol):
-    """What `CpuDecoder.start_rows` needs of a packing codec (`kvtier.kv.hooks.KVCodec` has it):
-    rows of `group` tokens, their size, and their unpacking. A codec whose `row_layout` is
-    "kivi" (`kvtier.policies.quant.KiviCodec`) or "e4m3" (`Fp8Codec`) has rows the native kernel
-    reads in place."""
-
-    @property
-    def group(self) -> int: ...
-
-    def row_bytes(self, heads: int, head_dim: int) -> int: ...
-
-    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor: ...
-
 
 BACKENDS = ("auto", "native", "torch")
 TASK_BYTES = 1 << 20  # KV bytes per task (per KV head), about: enough to amortize a task's overhead

@@ -10,6 +10,8 @@ a codec is recognised by its `row_layout`, `group` and `bits`.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 KIVI_BITS = (2, 4, 8)  # packed rows the native kernel reads (KiviCodec, groups of KIVI_GROUP tokens)
@@ -35,6 +37,20 @@ def kivi_row_bytes(bits: int, heads: int, head_dim: int) -> int:
     runs = head_dim // KIVI_GROUP if head_dim % KIVI_GROUP == 0 else 1
     codes = 2 * KIVI_GROUP * heads * head_dim * bits // 8
     return codes + 2 * 2 * heads * head_dim + 2 * 2 * KIVI_GROUP * heads * runs
+
+
+class RowCodec(Protocol):
+    """What `CpuDecoder.start_rows` needs of a packing codec (`kvtier.kv.hooks.KVCodec` has it):
+    rows of `group` tokens, their size, and their unpacking. A codec whose `row_layout` is
+    "kivi" (`kvtier.policies.quant.KiviCodec`) or "e4m3" (`Fp8Codec`) has rows the native kernel
+    reads in place."""
+
+    @property
+    def group(self) -> int: ...
+
+    def row_bytes(self, heads: int, head_dim: int) -> int: ...
+
+    def unpack(self, rows: torch.Tensor, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor: ...
 
 
 class RowFormat:
