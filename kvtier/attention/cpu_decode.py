@@ -30,11 +30,11 @@ import ctypes
 import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from kvtier.attention.cpu_native import MAX_NATIVE_DIM, native_library, wide_vectors
+from kvtier.attention.cpu_tasks import TASK_BYTES, Task, plan_row_tasks, plan_tasks
 from kvtier.attention.row_formats import ROW_KINDS, RowCodec, native_row_format
 from kvtier.errors import ConfigError
 
@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "native", "torch")
-TASK_BYTES = 1 << 20  # KV bytes per task (per KV head), about: enough to amortize a task's overhead
 
 
 def default_threads() -> int:
@@ -68,41 +67,6 @@ def default_threads() -> int:
         return int(env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores - 1)
-
-
-@dataclass(frozen=True)
-class Task:
-    """One task of a start: `tokens` tokens from token `start` of extent `extent`, all KV heads."""
-
-    extent: int
-    start: int  # token offset in the extent
-    tokens: int
-
-
-def plan_tasks(extents: list[torch.Tensor], length: int) -> list[Task]:
-    """The tasks over tokens [0, length) of `extents`, in merge order. NOTE: they depend on the
-    shapes only (never on the thread count), which keeps results bitwise independent of it."""
-    e, _, g, d = extents[0].shape
-    step = max(64, TASK_BYTES // (2 * g * d * extents[0].element_size()))
-    return [
-        Task(i, a, min(a + step, end) - a)
-        for i in range(-(-length // e))
-        for end in (min(e, length - i * e),)  # tokens of extent i that are attended
-        for a in range(0, end, step)
-    ]
-
-
-def plan_row_tasks(extents: list[torch.Tensor], rows: int) -> list[Task]:
-    """The tasks over packed rows [0, rows) of row `extents` (each [R_e, row_bytes] uint8): as
-    `plan_tasks`, with rows for tokens (a Task's `start` and `tokens` then count rows)."""
-    e, row_bytes = extents[0].shape
-    step = max(2, TASK_BYTES // row_bytes)
-    return [
-        Task(i, a, min(a + step, end) - a)
-        for i in range(-(-rows // e))
-        for end in (min(e, rows - i * e),)
-        for a in range(0, end, step)
-    ]
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
