@@ -35,6 +35,7 @@ import torch
 
 from kvtier.attention.cpu_native import MAX_NATIVE_DIM, native_library, wide_vectors
 from kvtier.attention.cpu_tasks import TASK_BYTES, Task, plan_row_tasks, plan_tasks
+from kvtier.attention.cpu_torch import merge, run_torch_task
 from kvtier.attention.row_formats import ROW_KINDS, RowCodec, native_row_format
 from kvtier.errors import ConfigError
 
@@ -67,16 +68,6 @@ def default_threads() -> int:
         return int(env)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores - 1)
-
-
-def merge(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tasks' partial results out [P, G, r, D], lse [P, G, r] (float32) merged -> (out
-    [H_q, D], lse [H_q]), H_q = heads = G x r. The torch backend's merge. NOTE: PyTorch's sum
-    over P may split differently with its intra-op thread count; the native backend merges in
-    task order instead (`kvtier_merge`)."""
-    w = torch.softmax(lse, dim=0)  # [P, G, r]
-    merged = (out * w[..., None]).sum(0)  # [G, r, D]
-    return merged.reshape(heads, -1), torch.logsumexp(lse, dim=0).reshape(heads)
 
 
 def _check_into(into: tuple[torch.Tensor, torch.Tensor] | None, heads: int, head_dim: int) -> None:
@@ -200,7 +191,7 @@ class CpuDecoder:
             kind = int(extents[0].dtype == torch.bfloat16)
             return self._start_native(q, extents, tasks, row, kind, out, lse, ready, into)
         futures = [
-            self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready)
+            self._pool.submit(run_torch_task, q, extents[t.extent], t, out[n], lse[n], ready)
             for n, t in enumerate(tasks)
         ]
         return PendingDecode(futures, out, lse, hq, into=into)
@@ -243,7 +234,7 @@ class CpuDecoder:
             assert fmt is not None
             return self._start_native(q, extents, tasks, row_bytes, ROW_KINDS[fmt], out, lse, ready, into)
         futures = [
-            self._pool.submit(self._run_torch, q, extents[t.extent], t, out[n], lse[n], ready, codec)
+            self._pool.submit(run_torch_task, q, extents[t.extent], t, out[n], lse[n], ready, codec)
             for n, t in enumerate(tasks)
         ]
         return PendingDecode(futures, out, lse, hq, into=into)
@@ -322,34 +313,6 @@ class CpuDecoder:
             raise RuntimeError(f"native CPU attention (kernel {kind}) rejected G={g}, r={r}, D={d}")
         self.lib.kvtier_merge(p, g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in merged))
         del extents
-
-    def _run_torch(
-        self,
-        q: torch.Tensor,
-        ext: torch.Tensor,
-        t: Task,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        ready: torch.cuda.Event | None,
-        codec: RowCodec | None = None,
-    ) -> None:
-        """One task on PyTorch's CPU flash kernel: every KV head over t.tokens tokens of `ext`
-        (with `codec`: over t.tokens packed rows, unpacked into float32 first) -> out [G, r, D],
-        lse [G, r]."""
-        if ready is not None:
-            ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
-        g, r, d = out.shape
-        with torch.inference_mode():
-            if codec is None:
-                kv = ext[t.start : t.start + t.tokens]  # [n, 2, G, D]
-            else:
-                kv = codec.unpack(ext[t.start : t.start + t.tokens], g, d, torch.float32)
-            qs = q.reshape(g, r, d).to(kv.dtype)[None]  # [1, G, r, D]
-            k = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, G, n, D]
-            v = kv[:, 1].transpose(0, 1).unsqueeze(0)
-            res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs, k, v)
-            out.copy_(res[0][0])
-            lse.copy_(res[1][0])
 
     def close(self) -> None:
         """Stop the threads (after the tasks already started)."""
