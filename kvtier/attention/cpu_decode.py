@@ -22,6 +22,10 @@ kvtier's cache folder and called through ctypes) and "torch", PyTorch's CPU flas
 the same tasks (used when no compiler is found, or for fp16 and shapes the kernel does not
 take). The task split depends on the shapes only, so each backend gives bitwise the same
 result with any number of decoder threads (the native one with any PyTorch thread count too).
+
+This module holds the decoder; its parts live beside it and are re-exported here: the task split
+(`cpu_tasks`), building and loading the native kernel (`cpu_native`), the torch backend's task
+and merge (`cpu_torch`), and a started decode's handle (`cpu_pending`).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvtier.attention.cpu_native import MAX_NATIVE_DIM, native_library, wide_vectors
+from kvtier.attention.cpu_pending import PendingDecode
 from kvtier.attention.cpu_tasks import TASK_BYTES, Task, plan_row_tasks, plan_tasks
 from kvtier.attention.cpu_torch import merge, run_torch_task
 from kvtier.attention.row_formats import ROW_KINDS, RowCodec, native_row_format
@@ -85,44 +90,6 @@ def _check_into(into: tuple[torch.Tensor, torch.Tensor] | None, heads: int, head
             raise ValueError(
                 f"`into` needs contiguous float32 CPU tensors of shapes {(heads, head_dim)}, {(heads,)}"
             )
-
-
-class PendingDecode:
-    """CPU attention started by `CpuDecoder.start`; `result()` waits for it and merges."""
-
-    def __init__(
-        self,
-        futures: list[Future[None]],
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        heads: int,
-        merged: tuple[torch.Tensor, torch.Tensor] | None = None,
-        into: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        self._futures = futures
-        self._out = out  # [P, G, r, D] float32
-        self._lse = lse  # [P, G, r]
-        self._heads = heads
-        self._merged = merged  # written by the futures (native), else merged here
-        self._into = into  # where the torch backend's merge is copied (the native one writes it)
-
-    @property
-    def native(self) -> bool:
-        """Whether the native kernel runs it (else PyTorch's CPU kernels)."""
-        return self._merged is not None
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [H_q, D] float32, lse [H_q] float32), H_q = G x r, on the CPU."""
-        for f in self._futures:
-            f.result()
-        if self._merged is not None:
-            return self._merged
-        out, lse = merge(self._out, self._lse, self._heads)
-        if self._into is None:
-            return out, lse
-        self._into[0].copy_(out)
-        self._into[1].copy_(lse)
-        return self._into
 
 
 class CpuDecoder:
