@@ -1,6 +1,6 @@
 // Decode attention on the CPU: one query token, R query heads per KV head, over n tokens of
 // token-major KV ([tokens, 2, G, D]: a token's K heads, then its V heads). Single-threaded;
-// kvtier/attention/cpu_decode.py builds this file with cpu_pool.cpp at first use, which runs
+// kvtier/attention/cpu_native.py builds this file with cpu_pool.cpp at first use, which runs
 // the tasks of a slice on native threads.
 //
 // fp32 accumulation, an online softmax over blocks of BLK tokens. GCC/Clang vector extensions
