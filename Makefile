@@ -61,7 +61,8 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest
 
 # The packaging check (~20 s, docs/package_check.json): `python -m build` makes the sdist and, from it, the wheel (with this
-# venv's setuptools: --no-isolation downloads nothing); the wheel must carry the eval data files;
+# venv's setuptools: --no-isolation downloads nothing); the wheel must carry the eval data files
+# and the CPU attention kernel's C++ sources and headers (compiled at first use, from the wheel);
 # it is installed with --no-deps into a fresh venv whose dependencies come from this venv's
 # site-packages through a .pth file (paths a .pth adds come after the venv's own, so the wheel's
 # kvtier is the one imported, not the checkout's editable install). Run from outside the checkout
@@ -80,7 +81,7 @@ package-build: $(STAMP)
 	$(BIN)/python -m build --no-isolation --outdir $(PKG_DIR)/dist . > $(PKG_DIR)/build.log 2>&1 \
 		|| { tail -20 $(PKG_DIR)/build.log; exit 1; }
 	$(BIN)/python -m zipfile -l $(PKG_DIR)/dist/kvtier-*.whl > $(PKG_DIR)/wheel-files.txt
-	for f in kvtier/eval/data/*.txt; do \
+	for f in kvtier/eval/data/*.txt kvtier/attention/*.cpp kvtier/attention/*.h; do \
 		grep -q "^$$f " $(PKG_DIR)/wheel-files.txt || { echo "the wheel lacks $$f"; exit 1; }; \
 	done
 

@@ -20,6 +20,9 @@ from kvtier.attention.row_formats import ROW_KINDS
 
 MAX_NATIVE_DIM = 512  # the largest head dim the native kernel takes
 _SOURCES = tuple(Path(__file__).with_name(f) for f in ("cpu_decode.cpp", "cpu_pool.cpp"))
+# NOTE: the headers cpu_decode.cpp includes (one translation unit): hashed into the cache key
+# with the sources, so an edited header rebuilds the library, but never passed to the compiler.
+_HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 _FLAGS = ("-O3", "-march=native", "-funroll-loops", "-pthread", "-shared", "-fPIC")
 _KERNEL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
 _KERNEL_ARGS += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -39,7 +42,7 @@ def native_library() -> ctypes.CDLL | None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         return None
-    source = b"".join(f.read_bytes() for f in _SOURCES)
+    source = b"".join(f.read_bytes() for f in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(source + " ".join((cxx, *_FLAGS, os.uname().machine)).encode()).hexdigest()[:16]
     lib = _cache_dir() / "cpu_decode" / f"cpu_decode-{key}.so"
     if not lib.exists():
