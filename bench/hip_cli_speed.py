@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from bench.gpu_smoke import embedded_gguf, write_llama8b
+from bench.smoke_models import embedded_gguf, write_llama8b
 from kvtier.methods.spec import parse_choice
 from kvtier.units import parse_count
 

@@ -1,5 +1,5 @@
-"""What `bench/gpu_smoke.py` records: one `Check` per command or server step, and the runner
-that executes `kvtier` subprocesses and prints each result as it comes."""
+"""What `bench/gpu_smoke.py` records: one `Check` per command or server step, the runner that
+executes `kvtier` subprocesses and prints each result as it comes, and the table printed last."""
 
 from __future__ import annotations
 
@@ -110,3 +110,15 @@ def prose(n_words: int, seed: int) -> str:
             f"{words[2]}s, and {' '.join(words[3:10])}."
         )
     return " ".join(out)
+
+
+def table(checks: list[Check]) -> str:
+    """One line per check: model, name, ok, seconds, peak GPU GB, detail (names and details cut)."""
+    rows = [f"{'model':9s} {'check':32s} {'ok':4s} {'s':>6s} {'peak GB':>8s}  detail"]
+    for c in checks:
+        peak = "" if c.peak_gb is None else f"{c.peak_gb:.2f}"
+        rows.append(
+            f"{c.model:9s} {c.name[:32]:32s} {'ok' if c.ok else 'FAIL':4s} {c.seconds:6.1f} {peak:>8s}  "
+            f"{c.detail[:90]}"
+        )
+    return "\n".join(rows)

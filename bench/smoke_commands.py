@@ -1,0 +1,244 @@
+"""The one-shot commands `bench/gpu_smoke.py` checks: `generate` with each `--kv`, with and
+without `--gpu-memory`, each lossy flag, `--json`, a text prompt and stdin; `plan`; a small `eval`.
+Each is a `kvtier` subprocess run through `Smoke.cli` (`bench/smoke_checks.py`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from bench.smoke_checks import Check, Smoke
+from bench.smoke_serve import CAP, CAP_BYTES
+
+LOSSLESS = ("gpu", "layer", "head", "auto")
+LOSSY: dict[str, list[str]] = {
+    "hip": ["--attention", "hip"],
+    "hip-fast": ["--attention", "hip", "--hip-preset", "fast"],
+    "hip-lean": ["--attention", "hip", "--hip-preset", "lean"],
+    "hip+int4": ["--attention", "hip", "--kv-quant", "int4"],  # the pair that composes
+    "hip+int4 head": ["--attention", "hip", "--kv-quant", "int4", "--kv", "head"],  # packed fetches
+    "quest": ["--attention", "quest", "--kv-budget", "1024"],
+    "int8": ["--kv-quant", "int8"],
+    "int4": ["--kv-quant", "int4"],
+    "fp8": ["--kv-quant", "fp8"],
+    "window": ["--evict", "window", "--kv-budget", "1024"],
+    "streaming": ["--evict", "streaming", "--kv-budget", "1024"],
+    "h2o": ["--evict", "h2o", "--kv-budget", "1024"],
+    "snapkv": ["--evict", "snapkv", "--kv-budget", "1024"],
+    "heads50": ["--head-sparsity", "0.5"],
+}
+
+
+def generate_checks(
+    smoke: Smoke,
+    label: str,
+    model: list[str],
+    short: Path,
+    long: Path | None,
+    jobs: int = 1,
+    medium: Path | None = None,
+) -> None:
+    """Each --kv with and without the cap, each lossy flag under the cap, a long prompt under it;
+    `jobs` of them at once (each process's peak is its own torch counter, and capped ones cap
+    themselves, so they may share a large GPU: 4 x 24 GiB fit an H200). HiP's rows take the
+    `medium` prompt: on the short one (2,903 tokens) HiP drops nothing and runs lossless on CUDA
+    (`EngineConfig.exact_lossless`), which one row checks."""
+    base = ["generate", *model, "--prompt-file", str(short), "--max-new-tokens", "8", "--json"]
+    hip_args = None if medium is None else [*base[:-4], str(medium), *base[-3:]]
+    tokens: dict[str, list[int]] = {}
+    pool = ThreadPoolExecutor(max(1, jobs))
+    futures: list[Future[None]] = []
+
+    def gen(
+        name: str,
+        extra: list[str],
+        cap: bool,
+        prompt_args: list[str] | None = None,
+        exact: bool | None = None,
+    ) -> None:
+        futures.append(pool.submit(run_gen, name, extra, cap, prompt_args, exact))
+
+    def run_gen(
+        name: str, extra: list[str], cap: bool, prompt_args: list[str] | None, exact: bool | None
+    ) -> None:
+        """One generate command; `exact`: whether it must (True) or must not (False) have run a
+        lossy method lossless (`ran_lossless` in its plan)."""
+        args = (prompt_args or base) + extra + (["--gpu-memory", CAP] if cap else [])
+        check, data = smoke.cli(label, name, args, parse_json=True)
+        if check is None or data is None:
+            return
+        with smoke.lock:  # other checks' threads add and write the JSON meanwhile
+            peak = data["stats"]["peak_bytes"].get("gpu_total")
+            check.peak_gb = None if peak is None else round(peak / 1e9, 2)
+            plan = data["stats"]["plan"]
+            check.detail = (
+                f"{data['prompt_tokens']} tok, prefill {data['stats']['prefill_tokens_per_s']:.0f} tok/s, "
+                f"{plan.get('policy')} g{plan.get('group_size')} res {plan.get('resident_slices')} "
+                f"chunk {plan.get('chunk_size')}, {plan.get('method')}"
+            )
+            if exact is not None and ("ran_lossless" in plan) != exact:
+                check.ok = False
+                check.detail += f"; ran_lossless {'missing' if exact else 'present'}"
+            if cap and (peak is None or peak > CAP_BYTES):
+                check.ok = False
+                check.detail += f"; peak {peak} B over the {CAP} cap"
+            if name.startswith("kv=") and prompt_args is None:
+                tokens[name] = data["token_ids"]
+                agree()  # kept current: a run cut short still says whether the policies agreed
+        if smoke.on_add is not None:
+            with smoke.lock:
+                smoke.on_add()
+
+    def agree() -> None:
+        reference = tokens.get("kv=gpu")
+        differ = sorted(k for k, v in tokens.items() if v != reference)
+        smoke.agreement[label] = {
+            "policies": sorted(tokens),
+            "differ_from_kv=gpu": differ,
+            "tokens": reference,
+        }
+
+    def must_agree(name: str) -> bool:
+        """The tiered store's placements run the same kernels: their tokens must be equal. `auto`
+        runs a prompt that fits the GPU through the batch engine (paged kernels, CUDA graphs),
+        whose rounding differs; random bf16 weights leave near-ties everywhere (see the serve
+        checks), so only real weights assert that it equals the tiered `--kv gpu`."""
+        return label == "embedded" or not name.startswith("kv=auto")
+
+    for kv in LOSSLESS:
+        gen(f"kv={kv}", ["--kv", kv], cap=False)
+        gen(f"kv={kv} cap", ["--kv", kv], cap=True)
+    gen("kv=head group=1 cap", ["--kv", "head", "--head-group", "1"], cap=True)
+    gen("default (no --kv, no cap)", [], cap=False)
+    for name, flags in LOSSY.items():
+        hip = name.startswith("hip")
+        gen(
+            f"lossy {name} cap",
+            flags,
+            cap=True,
+            prompt_args=hip_args if hip else None,
+            exact=False if hip else None,
+        )
+    gen("lossy hip short cap: ran lossless", LOSSY["hip"], cap=True, exact=True)
+    if long is not None:
+        long_args = ["generate", *model, "--prompt-file", str(long), "--max-new-tokens", "4", "--json"]
+        gen("long prompt, auto, cap", [], cap=True, prompt_args=long_args)
+    for f in futures:
+        f.result()  # re-raises a check's own failure (not a failed command: that is a Check)
+    pool.shutdown()
+    agree()
+    reference = tokens.get("kv=gpu")
+    differ = smoke.agreement[label]["differ_from_kv=gpu"]
+    if not tokens:
+        return
+    failing = [d for d in differ if must_agree(d)]
+    smoke.add(
+        Check(
+            label,
+            "lossless policies agree",
+            [],
+            reference is not None and not failing,
+            0.0,
+            detail=f"{len(tokens)} runs, differ: {differ or 'none'}"
+            + ("" if failing == differ else " (batched auto on random weights: recorded, not asserted)"),
+        )
+    )
+    # The text path and stdin, as the README types them.
+    smoke.cli(
+        label,
+        "text prompt, stats line",
+        ["generate", *model, "--prompt", "The capital of France is", "--max-new-tokens", "16"],
+    )
+    smoke.cli(
+        label,
+        "--prompt-file - (stdin)",
+        [
+            "generate",
+            *model,
+            "--prompt-file",
+            "-",
+            "--max-new-tokens",
+            "4",
+            "--kv",
+            "head",
+            "--head-group",
+            "1",
+            "--gpu-memory",
+            CAP,
+        ],
+        stdin=short,
+    )
+
+
+def plan_checks(smoke: Smoke, label: str, model: list[str]) -> None:
+    smoke.cli(
+        label,
+        "plan 1M",
+        [
+            "plan",
+            *(model or ["--model", "llama-3-8b"]),
+            "--context",
+            "1M",
+            "--gpu-memory",
+            CAP,
+            "--host-memory",
+            "512GiB",
+        ],
+    )
+    smoke.cli(
+        label,
+        "plan --attention hip 512K",
+        [
+            "plan",
+            *(model or ["--model", "llama-3-8b"]),
+            "--context",
+            "512K",
+            "--gpu-memory",
+            CAP,
+            "--attention",
+            "hip",
+        ],
+    )
+
+
+def eval_checks(smoke: Smoke, label: str, model: list[str]) -> None:
+    out = smoke.workdir / f"eval_{label}.json"
+    smoke.cli(
+        label,
+        "eval niah 2k",
+        [
+            "eval",
+            "niah",
+            *model,
+            "--lengths",
+            "2k",
+            "--depths",
+            "25,75",
+            "--method",
+            "auto",
+            "--method",
+            "head,head_group=1",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+    )
+    smoke.cli(
+        label,
+        "eval passkey (README)",
+        [
+            "eval",
+            "passkey",
+            *model,
+            "--lengths",
+            "2k,4k",
+            "--samples",
+            "5",
+            "--method",
+            "gpu",
+            "--method",
+            "head,head_group=1",
+            "--no-progress",
+        ],
+        timeout=600,
+    )
