@@ -22,15 +22,9 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import argparse
-import cProfile
 import gc
-import io
-import pstats
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,133 +32,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import KV_FILLS, fill_store, median, write_results
-from bench.hip_decode_profile import STEP_KINDS, first_due, merged_kernels, run_profiled
-from kvtier.attention.interface import DenseKernel, SliceKernel
+from bench.common import KV_FILLS, fill_store, write_results
+from bench.hip_offload_plan import cache_bytes_estimate, codec_of, engine_plan, make_kernel, make_plan
+from bench.hip_offload_steps import decode, prefill_chunk
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
 from kvtier.model.llama import CausalLM
-from kvtier.planner.hardware import hardware_preset
-from kvtier.planner.placement import KVPlan, plan_kv
-from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
-from kvtier.sparse.rope_ext import table_bytes
+from kvtier.sparse import HIP_PRESETS
 from kvtier.units import parse_count, parse_size
-
-
-def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Wall time of fn() (GPU work included on CUDA) and its result."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t, out
-
-
-def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None = None) -> HipConfig:
-    """The preset's config; in smoke mode shrunk to the context (`HipConfig.scaled`).
-    `cache_tokens`: the GPU block cache of a streamed slice (None: a whole refresh interval)."""
-    base = HIP_PRESETS[preset]
-    if not smoke:
-        return replace(base, cache_tokens=cache_tokens)
-    return HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
-
-
-def make_kernel(
-    cfg: ModelConfig,
-    method: str,
-    context: int,
-    device: torch.device,
-    smoke: bool,
-    cache_tokens: int | None,
-    host_scoring: bool = False,
-) -> tuple[SliceKernel, bool]:
-    """("dense" | "hip-<preset>") -> the slice kernel and whether keys stay un-rotated;
-    `host_scoring`: `HipConfig.host_scoring` (stage-0 reruns on keys read from the host)."""
-    if method == "dense":
-        return DenseKernel(), False
-    hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
-    hip = replace(hip, host_scoring=host_scoring)
-    overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
-    return make_hip_kernel(cfg, device, "default", **overrides)
-
-
-def cache_bytes_estimate(
-    cfg: ModelConfig, method: str, context: int, smoke: bool, dtype_bytes: int, cache_tokens: int | None
-) -> int:
-    """GPU bytes of HiP's block caches and decode attention buffers (the same for any slicing
-    of a layer's KV heads: one selection per slice), and its RoPE table (0 for dense)."""
-    if method == "dense":
-        return 0
-    hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
-    token = 2 * cfg.head_dim * dtype_bytes
-    per_slice = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
-    rope = table_bytes(context + 4096, cfg.head_dim, dtype_bytes) if hip.extend else 0  # + prefill chunk
-    return cfg.num_layers * cfg.num_kv_heads * per_slice * token + rope
-
-
-def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: int) -> KVPlan:
-    """The `--policy` plan (`--head-group`): every slice streamed on the CPU smoke run, planned
-    under the cap, less HiP's `reserve` bytes, on the GPU."""
-    if args.smoke:
-        return KVPlan(
-            policy="layer" if args.policy == "layer" else "head",
-            group_size=cfg.num_kv_heads if args.policy == "layer" else 1,
-            resident_slices=0,
-            chunk_size=args.chunk or 256,
-            staging_buffers=2,
-            staging_tokens=total,
-        )
-    return plan_kv(
-        cfg,
-        total,
-        policy="auto" if args.policy == "planned" else args.policy,  # lossless: the engine's plan
-        gpu_budget=args.budget - reserve,
-        dtype_bytes=2,
-        chunk_size=args.chunk or None,
-        group_size=args.head_group,
-        hardware=hardware_preset("h200"),
-        codec=codec_of(args),
-    )
-
-
-def codec_of(args: argparse.Namespace) -> Any:
-    """`--kv-quant`'s codec (None: bf16 KV), fresh for each store."""
-    if args.kv_quant is None:
-        return None
-    from kvtier.methods.spec import parse_choice
-
-    return parse_choice(args.kv_quant).codec()
-
-
-def engine_plan(
-    cfg: ModelConfig, total: int, args: argparse.Namespace, method: str
-) -> tuple[KVPlan, int | None]:
-    """What `kvtier generate --attention hip --kv auto` plans (`kvtier.methods.plan_for`): slices
-    and block cache per slice, with the preset's budgets."""
-    from kvtier.methods import MethodChoice, PlanInputs, plan_for
-
-    inputs = PlanInputs(
-        cfg,
-        total,
-        hardware=hardware_preset("h200"),
-        dtype_bytes=2,
-        gpu_budget=args.budget,
-        kv="auto",
-        chunk_size=args.chunk or None,
-    )
-    choice = MethodChoice(
-        attention="hip",
-        hip_preset=method.removeprefix("hip-"),
-        kv_quant=args.kv_quant,
-        hip_host_keys=args.host_scoring,  # as the kernel: with host keys caches take the staging bytes
-    )
-    placed = plan_for(inputs, choice)
-    return placed.plan, placed.cache_tokens
 
 
 def run_method(
@@ -226,125 +104,6 @@ def run_method(
     finally:
         if store is not None:
             store.close()
-    return row
-
-
-def profiled_step(
-    model: CausalLM, store: TieredKVStore, token: torch.Tensor, dev: torch.device
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """One greedy decode step under cProfile and (on CUDA) torch.profiler: the next token, and
-    the step's profiled wall time, top kernels and cProfile lines."""
-    prof = cProfile.Profile()
-    kernels: list[Any] = []  # the step's torch.profiler window (CUDA only)
-    box: list[torch.Tensor] = []
-    cuda = dev.type == "cuda"
-    t = time.perf_counter()
-    store.begin_step(1)
-    run_profiled(lambda: box.append(model(token, store)), prof, kernels if cuda else None, cuda)
-    store.end_step()
-    wall = time.perf_counter() - t
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
-    return box[0][-1].argmax().view(1), {
-        "wall_s_profiled": round(wall, 4),
-        "kernels": merged_kernels(kernels, 20) if kernels else [],
-        "cprofile": [x for x in text.getvalue().splitlines() if x.strip()],
-    }
-
-
-def decode(
-    model: CausalLM,
-    store: TieredKVStore,
-    kernel: SliceKernel,
-    steps: int,
-    dev: torch.device,
-    profile: bool = False,
-) -> dict[str, Any]:
-    """`steps` greedy decode steps from a random token; times split into refresh/cached steps.
-    `profile` (HiP): one more refresh interval, its first step of each kind (the first stage it
-    reruns, or none) under cProfile and torch.profiler (`profiled_step`; `profiles` in the row)."""
-    hip = kernel if isinstance(kernel, HipKernel) else None
-    token = torch.tensor([1], device=dev)
-    h2d0 = store.account.h2d_bytes
-    times: list[float] = []
-    refresh: list[bool] = []
-    profiles: dict[str, Any] = {}
-    for i in range(steps + (hip.cfg.refresh[0] if profile and hip else 0)):
-        kind = STEP_KINDS[first_due(i, hip.cfg.refresh)] if hip else "stage0"
-        if i >= steps:  # one more refresh interval, a step of each kind profiled
-            assert hip is not None
-            if kind in profiles:
-                store.begin_step(1)
-                token = model(token, store)[-1].argmax().view(1)
-                store.end_step()
-                continue
-            token, profiles[kind] = profiled_step(model, store, token, dev)
-            profiles[kind]["step"] = i
-            continue
-        before = hip.stats.decode_recomputes[0] if hip else 0
-        store.begin_step(1)
-        dt, logits = timed(dev, lambda: model(token, store))
-        store.end_step()
-        token = logits[-1].argmax().view(1)
-        times.append(dt)
-        refresh.append(hip is None or hip.stats.decode_recomputes[0] > before)
-    ref_t = [t for t, r in zip(times, refresh, strict=True) if r]
-    cached_t = [t for t, r in zip(times, refresh, strict=True) if not r]
-    out: dict[str, Any] = {
-        "decode_s_per_token": statistics.fmean(times),
-        "decode_p50_s": median(times),
-        "refresh_steps": len(ref_t),
-        "refresh_step_s": statistics.fmean(ref_t) if ref_t else None,
-        "cached_step_s": statistics.fmean(cached_t) if cached_t else None,
-        "h2d_bytes_per_token": (store.account.h2d_bytes - h2d0) / max(1, steps),
-        "decode_steps_s": times,
-    }
-    if profiles:
-        out["profiles"] = profiles
-    if hip is not None:
-        out["hit_rate"] = hip.stats.hit_rate
-        out["cache"] = asdict(hip.stats.cache)
-        out["gpu_cache_bytes"] = hip.gpu_cache_bytes() + hip.attend_buffer_bytes()
-        # One stage-0 refresh per refresh[0] steps: the long-run mean whatever --steps covers.
-        r0 = hip.cfg.refresh[0]
-        if ref_t and cached_t:
-            out["amortized_s_per_token"] = (
-                statistics.fmean(ref_t) + (r0 - 1) * statistics.fmean(cached_t)
-            ) / r0
-    else:
-        out["amortized_s_per_token"] = statistics.fmean(times)
-    return out
-
-
-def prefill_chunk(
-    model: CausalLM, store: TieredKVStore, chunk: int, vocab: int, dev: torch.device, profile: bool
-) -> dict[str, Any]:
-    """Tokens/s of a prefill chunk of `chunk` tokens appended on top of the stored context: two
-    chunks run, the second is the row's rate (the first may compile Triton kernels for a slicing
-    the warm-up did not have). `profile`: the second under torch.profiler, its GPU kernel summary
-    added to the row."""
-    gen = torch.Generator(device=dev).manual_seed(1)
-    none = torch.empty(0, dtype=torch.long, device=dev)
-    rates, summary = [], None
-    for i in range(2):
-        ids = torch.randint(0, vocab, (chunk,), device=dev, generator=gen)
-        store.begin_step(chunk)
-        if profile and i == 1:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
-
-            from bench.prefill_profile import summarize
-
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                dt, _ = timed(dev, lambda: model(ids, store, logits_at=none, mlp_chunk=chunk))
-            summary = summarize(prof)
-        else:
-            dt, _ = timed(dev, lambda: model(ids, store, logits_at=none, mlp_chunk=chunk))
-        store.end_step()
-        rates.append(chunk / dt)
-    row: dict[str, Any] = {"prefill_chunk": chunk, "prefill_tok_s": rates[1], "first_chunk_tok_s": rates[0]}
-    if summary is not None:
-        row["profile"] = summary
     return row
 
 

@@ -1,0 +1,120 @@
+"""What one `bench/hip_offload.py` row runs over: the slice kernel of its method ("dense" or a
+HiP preset, shrunk to the context on the CPU smoke run), the GPU bytes HiP keeps beside the store,
+and the store's plan (`--policy`, or HiP's slices and block cache as the engine plans them)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+
+from kvtier.attention.interface import DenseKernel, SliceKernel
+from kvtier.config import ModelConfig
+from kvtier.planner.hardware import hardware_preset
+from kvtier.planner.placement import KVPlan, plan_kv
+from kvtier.sparse import HIP_PRESETS, HipConfig, make_hip_kernel
+from kvtier.sparse.rope_ext import table_bytes
+
+
+def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None = None) -> HipConfig:
+    """The preset's config; in smoke mode shrunk to the context (`HipConfig.scaled`).
+    `cache_tokens`: the GPU block cache of a streamed slice (None: a whole refresh interval)."""
+    base = HIP_PRESETS[preset]
+    if not smoke:
+        return replace(base, cache_tokens=cache_tokens)
+    return HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
+
+
+def make_kernel(
+    cfg: ModelConfig,
+    method: str,
+    context: int,
+    device: torch.device,
+    smoke: bool,
+    cache_tokens: int | None,
+    host_scoring: bool = False,
+) -> tuple[SliceKernel, bool]:
+    """("dense" | "hip-<preset>") -> the slice kernel and whether keys stay un-rotated;
+    `host_scoring`: `HipConfig.host_scoring` (stage-0 reruns on keys read from the host)."""
+    if method == "dense":
+        return DenseKernel(), False
+    hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
+    hip = replace(hip, host_scoring=host_scoring)
+    overrides = {f.name: getattr(hip, f.name) for f in fields(HipConfig)}
+    return make_hip_kernel(cfg, device, "default", **overrides)
+
+
+def cache_bytes_estimate(
+    cfg: ModelConfig, method: str, context: int, smoke: bool, dtype_bytes: int, cache_tokens: int | None
+) -> int:
+    """GPU bytes of HiP's block caches and decode attention buffers (the same for any slicing
+    of a layer's KV heads: one selection per slice), and its RoPE table (0 for dense)."""
+    if method == "dense":
+        return 0
+    hip = hip_config(method.removeprefix("hip-"), context, smoke, cache_tokens)
+    token = 2 * cfg.head_dim * dtype_bytes
+    per_slice = hip.offload_cache_tokens() + hip.decode_buffer_tokens()
+    rope = table_bytes(context + 4096, cfg.head_dim, dtype_bytes) if hip.extend else 0  # + prefill chunk
+    return cfg.num_layers * cfg.num_kv_heads * per_slice * token + rope
+
+
+def make_plan(cfg: ModelConfig, total: int, args: argparse.Namespace, reserve: int) -> KVPlan:
+    """The `--policy` plan (`--head-group`): every slice streamed on the CPU smoke run, planned
+    under the cap, less HiP's `reserve` bytes, on the GPU."""
+    if args.smoke:
+        return KVPlan(
+            policy="layer" if args.policy == "layer" else "head",
+            group_size=cfg.num_kv_heads if args.policy == "layer" else 1,
+            resident_slices=0,
+            chunk_size=args.chunk or 256,
+            staging_buffers=2,
+            staging_tokens=total,
+        )
+    return plan_kv(
+        cfg,
+        total,
+        policy="auto" if args.policy == "planned" else args.policy,  # lossless: the engine's plan
+        gpu_budget=args.budget - reserve,
+        dtype_bytes=2,
+        chunk_size=args.chunk or None,
+        group_size=args.head_group,
+        hardware=hardware_preset("h200"),
+        codec=codec_of(args),
+    )
+
+
+def codec_of(args: argparse.Namespace) -> Any:
+    """`--kv-quant`'s codec (None: bf16 KV), fresh for each store."""
+    if args.kv_quant is None:
+        return None
+    from kvtier.methods.spec import parse_choice
+
+    return parse_choice(args.kv_quant).codec()
+
+
+def engine_plan(
+    cfg: ModelConfig, total: int, args: argparse.Namespace, method: str
+) -> tuple[KVPlan, int | None]:
+    """What `kvtier generate --attention hip --kv auto` plans (`kvtier.methods.plan_for`): slices
+    and block cache per slice, with the preset's budgets."""
+    from kvtier.methods import MethodChoice, PlanInputs, plan_for
+
+    inputs = PlanInputs(
+        cfg,
+        total,
+        hardware=hardware_preset("h200"),
+        dtype_bytes=2,
+        gpu_budget=args.budget,
+        kv="auto",
+        chunk_size=args.chunk or None,
+    )
+    choice = MethodChoice(
+        attention="hip",
+        hip_preset=method.removeprefix("hip-"),
+        kv_quant=args.kv_quant,
+        hip_host_keys=args.host_scoring,  # as the kernel: with host keys caches take the staging bytes
+    )
+    placed = plan_for(inputs, choice)
+    return placed.plan, placed.cache_tokens
