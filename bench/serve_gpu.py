@@ -24,10 +24,8 @@ code on the CPU at small sizes (a check of the script, not a measurement).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -39,102 +37,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from bench.serve_loop import FIRST_STEPS, GcPauses, Stream, ms_p50, step_loop, sync
+from bench.serve_cases import CASES, SPECIAL, run_case, run_prefix
+from bench.serve_gpu_args import parser
 from bench.serve_mixed import run_mixed
-from kvtier.engine.batch.sequence import Delta
 from kvtier.engine.llm import LLM
-from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import ConfigError
 from kvtier.loading.resolve import read_model_config
 from kvtier.methods import parse_choice
 from kvtier.serve.engine import ServeConfig, ServeEngine
 from kvtier.serve.server import freeze_heap
-from kvtier.units import parse_count, parse_size
-
-# name -> (concurrent requests, prompt tokens, new tokens)
-CASES: dict[str, tuple[int, int, int]] = {
-    "c1": (1, 1024, 128),
-    "c1-32k": (1, 32768, 64),
-    "c16": (16, 1024, 128),
-    "c32": (32, 1024, 128),
-    "c64": (64, 1024, 128),
-    "c64-1k-out": (64, 1024, 1024),  # long outputs: per-step host work that grows with them shows
-}
-SPECIAL = ("mixed", "prefix")  # cases with their own driver (`serve_mixed.run_mixed`, `run_prefix`)
-
-
-def run_case(
-    engine: ServeEngine,
-    n: int,
-    prompt: int,
-    new: int,
-    vocab: int,
-    seed: int,
-    sampling: tuple[float, float] = (0.0, 1.0),
-) -> tuple[dict[str, Any], list[list[int]]]:
-    """Submit `n` requests at once, step until all finish: throughput and latencies (the
-    steady part: after every request has its first token), and each request's token ids."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(100, vocab, (prompt,), generator=gen).tolist() for _ in range(n)]
-    temperature, top_p = sampling  # (0, 1): greedy
-    params = [
-        SamplingParams(new, temperature=temperature, top_p=top_p, seed=seed * 1000 + i, ignore_eos=True)
-        for i in range(n)
-    ]
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    count = [0] * n
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    stamps: list[tuple[float, int]] = []  # (time, tokens) of every delta
-
-    def sink_for(i: int) -> Any:
-        def sink(d: Delta) -> None:
-            now = time.perf_counter()
-            if d.token_ids:
-                first.setdefault(i, now)
-                last[i] = now
-            count[i] += len(d.token_ids)
-            tokens[i].extend(d.token_ids)
-            stamps.append((now, len(d.token_ids)))
-
-        return sink
-
-    sync(engine)
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.submit(p, params[i], sink_for(i))
-    times: dict[str, list[Any]] = {"step": [], "tiered": []}
-    with GcPauses() as gcp:
-        steps, _ = step_loop(engine, times)
-    wall = time.perf_counter() - t0
-    ttft = [first[i] - t0 for i in range(n)]
-    tpot = [(last[i] - first[i]) / (count[i] - 1) for i in range(n) if count[i] > 1]
-    # Once every request has its first token: decode steps of the whole batch only.
-    all_started, end = max(first.values()), max(last.values())
-    steady = sum(k for t, k in stamps if t > all_started)
-    row: dict[str, Any] = {
-        "requests": n,
-        "prompt_tokens": prompt,
-        "new_tokens": new,
-        "generated_tokens": sum(count),
-        "wall_s": round(wall, 3),
-        "steps": steps,
-        "output_tokens_per_s": round(sum(count) / wall, 1),
-        "ttft_p50_s": round(statistics.median(ttft), 4),
-        "ttft_mean_s": round(statistics.fmean(ttft), 4),
-        "tpot_p50_ms": round(1e3 * statistics.median(tpot), 3),
-        "tpot_mean_ms": round(1e3 * statistics.fmean(tpot), 3),
-        "steady_decode_s": round(end - all_started, 3),
-        "steady_output_tokens_per_s": round(steady / (end - all_started), 1) if end > all_started else None,
-        # host ms of the first batch steps (prefill chunks, then the first decode steps)
-        "first_steps_ms": [round(1e3 * t, 1) for t in times["step"][:FIRST_STEPS]],
-        "gc": gcp.summary(),  # the interpreter's collections during the case (they stop the loop)
-        # the batch stream: each step's span, and the idle time between steps (host-bound)
-        "device_step_ms_p50": ms_p50(times.get("device_step", [])),
-        "device_idle_ms_p50": ms_p50(times.get("device_idle", [])),
-        "device_idle_s_total": round(sum(times.get("device_idle", [])), 3),
-    }
-    return row, tokens
+from kvtier.units import parse_size
 
 
 def embedded_tokenizer(folder: str | None = None) -> Any:
@@ -151,155 +63,8 @@ def embedded_tokenizer(folder: str | None = None) -> Any:
     return AutoTokenizer.from_pretrained(folder)
 
 
-def run_prefix(engine: ServeEngine, prefix_tokens: int, vocab: int) -> dict[str, Any]:
-    """TTFT of a request whose `prefix_tokens` prefix is cached in the device tier, then in the
-    host tier (after one other prompt as long as the pool pushed all of it out of the pool)."""
-    page = engine.store.page_size
-    if not prefix_tokens + 64 <= engine.pool_tokens < 3 * prefix_tokens:
-        raise SystemExit(
-            f"prefix: a pool of {engine.pool_tokens} tokens cannot show both tiers for a "
-            f"{prefix_tokens}-token prefix (it must hold the prefix and be under 3x it); give "
-            "--prefix-pool-tokens"
-        )
-    if engine.kv.host.num_slots * page < prefix_tokens:
-        raise SystemExit(
-            f"prefix: the host tier holds {engine.kv.host.num_slots} pages, fewer than the "
-            f"{prefix_tokens}-token prefix's; give --num-host-pages to kvtier's engine"
-        )
-    engine.kv.reset_prefix_cache()
-    gen = torch.Generator().manual_seed(11)
-    prefix = torch.randint(100, vocab, (prefix_tokens,), generator=gen).tolist()
-
-    def ttft(ids: list[int]) -> float:
-        s = Stream()
-        sync(engine)
-        t0 = time.perf_counter()
-        engine.submit(ids, SamplingParams(max_tokens=2, ignore_eos=True), s)
-        step_loop(engine)
-        return s.times[0] - t0
-
-    cold = ttft([*prefix, 7])
-    device_hit = ttft([*prefix, 8])
-    host_hits_before = engine.kv.stats.host_hits
-    # One prompt that needs the whole pool evicts every cached page, the prefix's to the host
-    # tier (two prefix-long prompts, as before, evicted more pages than the host tier holds).
-    ttft(torch.randint(100, vocab, (engine.pool_tokens - page - 2,), generator=gen).tolist())
-    host_hit = ttft([*prefix, 9])
-    return {
-        "prefix_tokens": prefix_tokens,
-        "pool_tokens": engine.pool_tokens,
-        "host_pages": engine.kv.host.num_slots,
-        "ttft_cold_s": round(cold, 4),
-        "ttft_device_hit_s": round(device_hit, 4),
-        "ttft_host_hit_s": round(host_hit, 4),
-        "host_hit_tokens": engine.kv.stats.host_hits - host_hits_before,  # of the prefix's full pages
-        "prefix_page_tokens": prefix_tokens // page * page,
-    }
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--model", default="llama-3.1-8b", help="preset or HF folder (default: Llama-3.1-8B shapes)"
-    )
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    ap.add_argument("--gpu-memory", default=None, help="the server's GPU budget (default: the whole GPU)")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument(
-        "--num-pages", type=int, default=None, help="the page pool (default: what the budget leaves)"
-    )
-    ap.add_argument("--no-graphs", action="store_true", help="decode steps eagerly (no CUDA graphs)")
-    ap.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up matmuls")
-    ap.add_argument(
-        "--tiered-lookahead-layers",
-        type=int,
-        default=ServeConfig.tiered_lookahead_layers,
-        help="how far a tiered run's launcher may run ahead of the device (0: unpaced)",
-    )
-    ap.add_argument(
-        "--tiered-share",
-        type=float,
-        default=ServeConfig.tiered_share,
-        help="share of the page pool tiered runs may borrow for their buffers (0: the reserve only)",
-    )
-    ap.add_argument(
-        "--offload-reserve",
-        default=None,
-        help="GPU memory kept for requests over stores of their own (as kvtier serve's; default: "
-        "a quarter of the pool's room, at most 4 GiB)",
-    )
-    ap.add_argument(
-        "--tiered-keep-tokens",
-        type=int,
-        default=ServeConfig.tiered_keep_tokens,
-        help="tokens per --max-num-seqs sequence the batch keeps before tiered runs may borrow pages",
-    )
-    ap.add_argument(
-        "--tiered-release-after-prefill",
-        action="store_true",
-        help="free the allocator's unused cached blocks once a tiered run's prefill ends",
-    )
-    ap.add_argument("--long-tokens", type=parse_count, default=256 * 1024, help="mixed: the long prompt")
-    ap.add_argument("--long-new-tokens", type=int, default=16, help="mixed: the long request's new tokens")
-    ap.add_argument(
-        "--long-method",
-        default=None,
-        help="mixed: a method the long request names, e.g. hip or quest,kv_budget=2k (default: lossless)",
-    )
-    ap.add_argument("--pcie-gbps", type=float, default=54.8, help="mixed: the host->GPU rate of the floor")
-    ap.add_argument(
-        "--mixed-timeout", type=float, default=240.0, help="mixed: seconds to wait for the long prefill"
-    )
-    ap.add_argument(
-        "--mixed-profile-steps",
-        default=None,
-        help="mixed: FIRST,LAST batch steps whose device ops are tabled (the shorts join at 0); "
-        "off by default, as the profiler slows the steps it records",
-    )
-    ap.add_argument(
-        "--switch-interval",
-        type=float,
-        default=None,
-        help="the interpreter's thread switch interval in seconds (sys.setswitchinterval; "
-        "Python's default 0.005): how long a thread may wait for the GIL the launcher holds",
-    )
-    ap.add_argument(
-        "--trace", action="store_true", help="mixed: those steps' Chrome trace to $OUT/<name>_trace.json.gz"
-    )
-    ap.add_argument("--prefix-tokens", type=parse_count, default=32 * 1024)
-    ap.add_argument(
-        "--prefix-pool-tokens",
-        type=parse_count,
-        default=None,
-        help="prefix: a page pool of its own (default: the main pool if it holds the prefix and is "
-        "under 3x it, else 2.5x --prefix-tokens)",
-    )
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a check of the script at small sizes")
-    ap.add_argument("--small", action="store_true", help="cases at 1/16 of their prompt and new tokens")
-    ap.add_argument(
-        "--tokenizer",
-        default="none",
-        help="a preset has no tokenizer, so no step decodes text; 'embedded' (or a folder holding "
-        "its tokenizer files) gives the engine SmolLM2's (ids past its vocabulary decode to "
-        "nothing), as a served HF folder would have one",
-    )
-    ap.add_argument(
-        "--decode-steps",
-        type=int,
-        default=ServeConfig.decode_steps,
-        help="decode tokens a decode-only batch step computes before reading them back",
-    )
-    ap.add_argument(
-        "--temperature", type=float, default=0.0, help="the c* cases' sampling (0: greedy, the default)"
-    )
-    ap.add_argument("--top-p", type=float, default=1.0, help="the c* cases' top_p (with --temperature)")
-    ap.add_argument(
-        "--no-freeze",
-        action="store_true",
-        help="leave the start-up heap to the garbage collector (kvtier serve freezes it)",
-    )
-    ap.add_argument("--name", default="serve_gpu")
+    ap = parser(__doc__.splitlines()[0])
     args = ap.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if args.switch_interval is not None:
