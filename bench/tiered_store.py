@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import gc
 import itertools
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,16 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, median, pinned_h2d_gbps, timed, write_results
 from bench.step_trace import traced_step
+from bench.tiered_hf import run_hf
+from bench.tiered_methods import kv_fill, method_choice, method_parts, method_reserve
+from bench.tiered_report import add_speedups, print_table
 from kvtier.errors import CapacityError
 from kvtier.kv.cpu_attend import measured_packed_rates
 from kvtier.kv.hooks import StoreOptions
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
-from kvtier.methods import MethodChoice, parse_choice, plan_for
 from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.hardware import Hardware, hardware_preset
-from kvtier.planner.inputs import PlanInputs
 from kvtier.planner.memory import (
     EXPERT_PLACES,
     activation_bytes,
@@ -60,7 +60,6 @@ from kvtier.planner.memory import (
     weight_bytes,
 )
 from kvtier.planner.placement import plan_kv
-from kvtier.policies.head_sparsity import HeadStreamingEvictor
 from kvtier.units import parse_count, parse_size
 
 DEV = torch.device("cuda")
@@ -75,50 +74,6 @@ def _hardware(cfg: Any, cpu: str, unpack_stream: bool = False) -> Hardware:
     if cpu == "auto" and torch.cuda.is_available():
         hw = dataclasses.replace(hw, cpu_packed_bw=measured_packed_rates(cfg.head_dim, cfg.q_per_kv))
     return dataclasses.replace(hw, unpack_bw=0.0) if unpack_stream else hw
-
-
-def method_choice(method: str) -> MethodChoice:
-    """A policy's "+METHOD" as a registry `MethodChoice` ('' = lossless): a kv_quant name
-    (`int4`), `quest<budget>p<page>` or `heads<percent>`, short for the specs
-    `quest,kv_budget=<budget>,quest_page=<page>` and `head_sparsity=<percent/100>`."""
-    quest = re.fullmatch(r"quest(\d+)p(\d+)", method)
-    heads = re.fullmatch(r"heads(\d+)", method)
-    if quest:
-        method = f"quest,kv_budget={quest[1]},quest_page={quest[2]}"
-    elif heads:
-        method = f"head_sparsity={int(heads[1]) / 100}"
-    return parse_choice(method)
-
-
-def kv_fill(kind: str, method: str) -> str:
-    """The fill of a row: `--kv-fill`, with "auto" structured for Quest (its pages are chosen by
-    the keys) and synthetic otherwise."""
-    if kind != "auto":
-        return kind
-    return "structured" if method_choice(method).attention == "quest" else "synthetic"
-
-
-def method_parts(cfg: Any, model: Any, method: str) -> dict[str, Any]:
-    """Store keyword arguments of a lossy method ('' = lossless), built by the registry. With
-    random weights head scores mean nothing: heads<N> classifies heads by seeded random scores
-    (the same costs) instead of a calibration prefill."""
-    choice = method_choice(method)
-    if choice.head_sparsity is not None:
-        scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, generator=torch.Generator().manual_seed(0))
-        return {"evictor": HeadStreamingEvictor(scores, choice.head_sparsity, sinks=64, recent=256)}
-    return choice.build(cfg, DEV, model, head_cache=None).store_kwargs()
-
-
-def method_reserve(cfg: Any, method: str, context: int, policy: str) -> int:
-    """GPU bytes a named method keeps beside the store's plan (`Placement.reserve_bytes`: Quest's
-    page bounds, HiP's caches), as `plan_for` counts them; 0 without a method. This bench plans
-    the store itself (`plan_kv`, so a row can force a policy and chunk), so its predicted peak
-    adds them here: Quest's 4.3 GB of bounds at 512K had been left out (-19% error)."""
-    if not method:
-        return 0
-    h200 = hardware_preset("h200")
-    inputs = PlanInputs(cfg, context, hardware=h200, dtype_bytes=2, gpu_budget=None, kv=policy)
-    return plan_for(inputs, method_choice(method)).reserve_bytes
 
 
 def run_policy(
@@ -258,67 +213,6 @@ def run_policy(
     return row
 
 
-def run_hf(model: Any, cfg: Any, contexts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """HF transformers on the same weights: its own layer-wise offload (`DynamicCache(offloading=True)`)
-    or, with `--hf-cache gpu`, its default cache on the GPU."""
-    import transformers
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from kvtier.loading.presets import PRESETS
-
-    hf_cfg = LlamaConfig(**{k: v for k, v in PRESETS["llama-3-8b"].items() if k != "model_type"})
-    hf_cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(hf_cfg)
-    hf.load_state_dict(model.state_dict(), assign=True, strict=False)
-    hf.model.rotary_emb = LlamaRotaryEmbedding(hf_cfg, device=DEV)
-    hf.eval()
-    rows = []
-    for context in contexts:
-        row: dict[str, Any] = {
-            "policy": "hf-offloaded" if args.hf_cache == "offloaded" else "hf-gpu",
-            "context": context,
-            "transformers": transformers.__version__,
-        }
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        ids = torch.randint(0, cfg.vocab_size, (1, context), device=DEV)
-        for mode, chunk in (("one forward", context), ("chunked", args.chunk_size or 8192)):
-            cache = DynamicCache(config=hf_cfg, offloading=args.hf_cache == "offloaded")
-            try:
-                with torch.inference_mode():
-
-                    def prefill() -> Any:
-                        out = None
-                        for s in range(0, context, chunk):
-                            out = hf(
-                                ids[:, s : s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
-                            )
-                        return out
-
-                    dt, out = timed(prefill)
-                    row["prefill_tok_s"], row["prefill_mode"] = context / dt, mode
-                    token = out.logits[:, -1:].argmax(-1)
-                    steps = []
-                    for _ in range(args.decode_steps):
-                        dt, out = timed(lambda: hf(token, past_key_values=cache, use_cache=True))
-                        token = out.logits[:, -1:].argmax(-1)
-                        steps.append(dt)
-                    row["decode_s_per_token"] = median(steps[1:] if len(steps) > 2 else steps)
-                    row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-                break
-            except torch.OutOfMemoryError as e:
-                row[f"oom_{mode}"] = str(e).splitlines()[0][:200]
-            finally:
-                cache = None
-                gc.collect()
-                torch.cuda.empty_cache()
-        rows.append(row)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="llama-3-8b", help="a preset (random weights)")
@@ -405,35 +299,14 @@ def main() -> None:
             )
     if args.hf:
         rows += run_hf(model, cfg, [c for c in contexts if c <= args.full_prefill_max], args)
-    lossless = {r["context"]: r.get("decode_s_per_token") for r in rows if r["policy"] == "head"}
-    for r in rows:
-        base = lossless.get(r["context"])
-        if base and r.get("decode_s_per_token") and "+" in r["policy"]:
-            r["decode_speedup_vs_head"] = base / r["decode_s_per_token"]
+    add_speedups(rows)
     head = {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw}
     if cfg.moe is not None:
         head["experts_on_host"] = cfg.moe.experts_on_host
         head["host_weight_bytes"] = host_weight_bytes(cfg, 2)
     path = write_results(args.name, {**head, "rows": rows})
     print(f"\npinned H2D {bw:.1f} GB/s; budget {args.budget / 1e9:.1f} GB; results: {path}")
-    print(
-        f"{'context':>8} {'policy':>13} {'peak GB':>8} {'plan GB':>8} {'prefill t/s':>11} "
-        f"{'decode s/t':>10} {'floor s':>8} {'x floor':>7} {'H2D GB/t':>8}"
-    )
-    for r in rows:
-        if "skipped" in r or "oom" in r:
-            print(
-                f"{r['context']:>8} {r['policy']:>13}   "
-                f"{('skipped: ' + r.get('skipped', r.get('oom', '')))[:90]}"
-            )
-            continue
-        print(
-            f"{r['context']:>8} {r['policy']:>13} {r.get('peak_gpu_bytes', 0) / 1e9:>8.2f} "
-            f"{r.get('predicted_gpu_bytes', 0) / 1e9:>8.2f} {r.get('prefill_tok_s', 0):>11.0f} "
-            f"{r.get('decode_s_per_token', 0):>10.4f} {r.get('pcie_floor_s', 0) or 0:>8.4f} "
-            f"{(r.get('decode_vs_floor') or 0):>7.2f} {r.get('h2d_bytes_per_token', 0) / 1e9:>8.2f}"
-            + (f"  {r['decode_speedup_vs_head']:.2f}x vs head" if "decode_speedup_vs_head" in r else "")
-        )
+    print_table(rows)
 
 
 if __name__ == "__main__":
