@@ -140,3 +140,27 @@ def test_softmax_head_score_is_a_softmax_over_live_chunks_then_the_max_over_rows
     for x in (view, flat):
         got = softmax_head_score(x.clone(), live, 0.125)  # it overwrites its input
         assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_head_score_equals_the_torch_head_score(device: str) -> None:
+    """`softmax_head_score_triton` on the bisection kernel's rows (a view [B, C, G, rows] of
+    [B, G, R_pad, C], padding rows left out; more chunks and rows than one tile holds) gives
+    `softmax_head_score`'s values on live chunks and -inf on dead ones, a block with no live
+    chunk included, and leaves its input as it was."""
+    from kvtier.sparse.prefill import softmax_head_score
+    from kvtier.sparse.triton_head_score import softmax_head_score_triton
+
+    gen = torch.Generator().manual_seed(11)
+    b, g, r, r_pad, c = 3, 2, 40, 64, 150
+    stored = (torch.randn(b, g, r_pad, c, generator=gen) * 5).to(device)  # [B, G, R_pad, C]
+    view = stored[:, :, :r].permute(0, 3, 1, 2)  # [B, C, G, rows]
+    live = torch.rand(b, c, generator=gen) > 0.3
+    live[2] = False  # a block with nothing left to score
+    live = live.to(device)
+    before = view.clone()
+    got = softmax_head_score_triton(view, live, 0.125)
+    ref = softmax_head_score(view.clone(), live, 0.125)
+    assert torch.equal(view, before)
+    assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)
+    assert bool((got[~live] == float("-inf")).all())

@@ -121,7 +121,11 @@ def prune_blocks(
         scores = bisect_chunks(
             qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
         )
-    if per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
+    if per_row and triton:  # the kernel's rows [B, C, G, rows]: two Triton passes, no temporaries
+        from kvtier.sparse.triton_head_score import softmax_head_score_triton
+
+        scores = softmax_head_score_triton(scores, lengths > 0, q.shape[-1] ** -0.5)
+    elif per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
         scores = softmax_head_score(scores, lengths > 0, q.shape[-1] ** -0.5)
     scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]

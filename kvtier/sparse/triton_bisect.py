@@ -81,6 +81,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     off_r,
     length,  # [BC] valid entries of the chunk
     first,
+    level,  # the bisection's level: the row maxima are read from the second on (PER_ROW)
     offs_ptr,  # [extents] int64 (EXTENTS only)
     extent_tokens,  # tokens an extent (BITS: rows)
     ring,
@@ -160,10 +161,10 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         sc_r = _dots(q, k_r, INTERPRET)
         best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
         best_r = tl.maximum(best_r, _row_max(sc_r, rmask))
-        if PER_ROW:
+        if PER_ROW:  # NOTE: level 0 writes every cell a reader reads, so the rows need no fill
             cells = row_base + g * R * C + rows[:, None] * C + cs[None, :]
             live = rmask[:, None] & cmask[None, :]
-            old = tl.load(cells, mask=live, other=float("-inf"))
+            old = tl.load(cells, mask=live & (level > 0), other=float("-inf"))
             tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=live)
     return best_l, best_r
 
@@ -178,7 +179,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     cos_ptr,  # [P, D] (unused unless ROTATE)
     sin_ptr,
     out_ptr,  # [B, C] float32
-    row_ptr,  # [B, G, R, C] float32, -inf on entry (PER_ROW only)
+    row_ptr,  # [B, G, R, C] float32 (PER_ROW only): written where rows < R_VALID, read nowhere else
     C,
     N,
     first,
@@ -216,13 +217,13 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     lo = tl.zeros_like(length)
     hi = length
     best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-    for _ in range(LEVELS):
+    for level in range(LEVELS):
         mid = lo + (hi - lo) // 2
         off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l, s_r = _probe_pair(
             q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
-            cmask, off_l, off_r, length, first, offs_ptr, extent_tokens, ring, stride_ks, stride_kg,
+            cmask, off_l, off_r, length, first, level, offs_ptr, extent_tokens, ring, stride_ks, stride_kg,
             head0, g_all, n_codes, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, ADDR,
             BITS, GROUP, INTERPRET, PER_ROW, BLOCK_C,
         )  # fmt: skip
@@ -273,7 +274,9 @@ def bisect_triton(
     out = torch.empty(bsz, c_count, dtype=torch.float32, device=q.device)
     row_best = out  # a placeholder pointer unless per_row
     if per_row:
-        row_best = torch.full((bsz, g, r_pad, c_count), float("-inf"), dtype=torch.float32, device=q.device)
+        row_best = torch.empty(
+            bsz, g, r_pad, c_count, dtype=torch.float32, device=q.device
+        )  # rows < `rows` written
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
     head0, g_all, n_codes, bits, group = 0, g, 0, 0, 1  # full-precision keys
