@@ -196,6 +196,12 @@
 #   B at once carries .whl and .gguf_b and runs 89 (the embedded smoke: the store and LLM were
 #   split into modules since the last smoke); then 92 (1M through the CLI), 85, 86, 87, the 8B
 #   model's smoke (1's first row, then 64), 83, 80, 73, 69.
+# The thirty-sixth got an H100 for one start after ~600 s of refused ones (ed334d1): 94's first
+#   row (SmolLM2's HiP prefill profiled: the softmax head score's torch passes ~200 ms and stage
+#   2's bisection 174 ms of 0.68 s; its 512K lean/fast prefill rows were cut by the limit), 89
+#   (the embedded smoke, 28/28 + 15/15) and gpu_checks twice (after the C++ split too). NEXT: 95
+#   (the head score in Triton), 96 (94's 512K rows alone), 92, 85, 86, 87, the 8B smoke, 83,
+#   80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -408,6 +414,21 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
   done
   run 80 $py bench/gpu_checks.py
+  ;;
+96)
+  # (~5 min, no GGUF) 94's 512K rows alone (--steps 0: prefill rows only): a 15K-token chunk at
+  # the end of 512K under lean and fast, profiled (issue 19's 512K prefill, 1.28-1.41x lossless
+  # through the CLI where the bench's last chunk under fast made 6.6x).
+  run 320 $py bench/hip_offload.py --contexts 512K --presets lean,fast --policy planned --no-dense --steps 0 \
+    --prefill-chunk 15360 --profile --name hip_offload_prefill_512k_lean_fast_b
+  ;;
+95)
+  # (~2 min, no GGUF) issue 19: SmolLM2's HiP prefill at 16K after the softmax head score moved
+  # into two Triton passes and the bisection's rows lost their -inf fill (lean 24,780 tok/s =
+  # 0.073x dense on an H100 before, hip_small_prefill_profile_b.json; the head score's torch
+  # passes were ~200 ms of its 0.68 s profiled prefill). Random weights.
+  run 170 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip" --profile --name hip_small_prefill_head_score
   ;;
 94)
   # (~7 min) the thirty-sixth session's first call (call A, with the GGUF's first half): issue

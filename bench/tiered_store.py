@@ -226,7 +226,11 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=4)
     ap.add_argument("--measure-chunks", type=int, default=1)
     ap.add_argument("--staging-buffers", type=int, default=0, help="override the plan's ping-pong depth")
-    ap.add_argument("--full-prefill-max", type=lambda s: parse_count(s), default=131072)
+    ap.add_argument(
+        "--full-prefill-max",
+        type=lambda s: 0 if s.strip() == "0" else parse_count(s),  # 0: no context prefills in full
+        default=131072,
+    )
     ap.add_argument("--hf", action="store_true", help="also run HF transformers on the same weights")
     ap.add_argument(
         "--hf-cache",
