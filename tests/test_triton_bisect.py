@@ -164,3 +164,44 @@ def test_triton_head_score_equals_the_torch_head_score(device: str) -> None:
     assert torch.equal(view, before)
     assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)
     assert bool((got[~live] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rows_in_tiles_score_as_the_torch_bisection(device: str, per_row: bool) -> None:
+    """192 (query, head) rows a KV head (64 queries x 3 heads, SmolLM2's last stage) run as 3
+    tiles of 64, not padded to 256: scores and every row's maximum equal `bisect_chunks`'s."""
+    from kvtier.sparse.triton_bisect import bisect_triton, row_tiles
+
+    assert row_tiles(192) == (192, 64)
+    assert row_tiles(256) == (256, 256)
+    assert row_tiles(48) == (64, 64)  # tiles of 16 would be slower than padding
+    gen = torch.Generator().manual_seed(7)
+    s, g, r, nq, chunk = 200, 2, 3, 64, 8
+    keys = torch.randn(s, g, D, generator=gen).to(device)  # [S, G, D]
+    q = torch.randn(2, nq, g * r, D, generator=gen).to(device)  # [B, Nq, H_q, D]
+    q_pos = torch.stack([torch.arange(130, 130 + nq), torch.arange(100, 100 + nq)]).to(device)
+    valid = torch.tensor([120, 75], device=device)
+    cand = _span(0, 120, valid)
+    c_count = -(-cand.shape[1] // chunk)
+    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
+    qr, limit = _scoring_queries(
+        q, q_pos, keys, -(-valid // chunk), c_count, mode="absolute", rotary=None, window=8
+    )
+    ref = bisect_chunks(
+        qr,
+        keys,
+        _chunks(cand, c_count, chunk),
+        lengths,
+        mode="absolute",
+        rotary=None,
+        limit=limit,
+        per_row=per_row,
+    )
+    got = bisect_triton(qr, keys, cand, 0, lengths, chunk, mode="absolute", tables=None, per_row=per_row)
+    live = lengths > 0
+    if per_row:
+        got = got.flatten(2)
+        assert got.shape == ref.shape == (2, c_count, nq * g * r)
+        got, ref = got.sort(dim=2).values, ref.sort(dim=2).values
+    assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-4)

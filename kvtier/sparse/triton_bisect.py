@@ -39,7 +39,8 @@ from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offse
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
-NUM_WARPS: int | None = None  # None: 8 with 128 rows or more, else 4 (bench/hip_kernels.py sweeps)
+NUM_WARPS: int | None = None  # None: 8 with tiles of 128 rows or more, else 4 (bench/hip_kernels.py sweeps)
+TILE_ROWS_MIN = 64  # row tiles at least this tall replace padding (`row_tiles`)
 
 
 @triton.jit
@@ -93,7 +94,9 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     R_VALID,
     C,
     G: tl.constexpr,
-    R: tl.constexpr,
+    R: tl.constexpr,  # rows a head holds in q and in the row maxima: TR * N_TILES
+    TR: tl.constexpr,  # rows a tile (a power of two)
+    N_TILES: tl.constexpr,
     D: tl.constexpr,
     CHUNK: tl.constexpr,
     MODE: tl.constexpr,
@@ -108,8 +111,10 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     BLOCK_C: tl.constexpr,
 ):
     """Both probes of a level: max over KV heads and rows of q . k(probe), [BC] float32 each.
-    One loop over the heads loads both probes' keys and the head's rows once. With PER_ROW each
-    row's max(left, right) also goes into the row maxima (this program owns its chunks' cells)."""
+    One loop over the heads loads both probes' keys once and the head's rows a tile of TR at a
+    time (N_TILES > 1 where the rows are not a power of two: 192 of SmolLM2's 64 queries x 3
+    heads in 3 tiles of 64, not 256 with 64 masked). With PER_ROW each row's max(left, right)
+    also goes into the row maxima (this program owns its chunks' cells)."""
     pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
     pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
     if ADDR:  # rows of a block cache's bank (or its overflow): offsets the caller computed
@@ -126,8 +131,6 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         row_r = row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
     kdt = q_base.dtype.element_ty  # the keys' dtype, as the queries'
     d = tl.arange(0, D)
-    rows = tl.arange(0, R)
-    rmask = rows < R_VALID
     best_l = tl.full((BLOCK_C,), float("-inf"), tl.float32)
     best_r = tl.full((BLOCK_C,), float("-inf"), tl.float32)
     c_l = best_l  # placeholders without ROTATE (Triton takes no chained assignment)
@@ -147,7 +150,6 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         c_l, s_l = rope_rows(cos_ptr, sin_ptr, rp_l, d, D)
         c_r, s_r = rope_rows(cos_ptr, sin_ptr, rp_r, d, D)
     for g in range(G):  # NOTE: not unrolled: 8 heads x 16 probes of unrolled dots took minutes to compile
-        q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
         if BITS > 0:
             h = head0 + g
@@ -157,15 +159,19 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         else:
             k_l = load_key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
             k_r = load_key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
-        sc_l = _dots(q, k_l, INTERPRET)  # [R, BC]
-        sc_r = _dots(q, k_r, INTERPRET)
-        best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
-        best_r = tl.maximum(best_r, _row_max(sc_r, rmask))
-        if PER_ROW:  # NOTE: level 0 writes every cell a reader reads, so the rows need no fill
-            cells = row_base + g * R * C + rows[:, None] * C + cs[None, :]
-            live = rmask[:, None] & cmask[None, :]
-            old = tl.load(cells, mask=live & (level > 0), other=float("-inf"))
-            tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=live)
+        for tile in range(N_TILES):
+            rows = tile * TR + tl.arange(0, TR)
+            rmask = rows < R_VALID
+            q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
+            sc_l = _dots(q, k_l, INTERPRET)  # [TR, BC]
+            sc_r = _dots(q, k_r, INTERPRET)
+            best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
+            best_r = tl.maximum(best_r, _row_max(sc_r, rmask))
+            if PER_ROW:  # NOTE: level 0 writes every cell a reader reads, so the rows need no fill
+                cells = row_base + g * R * C + rows[:, None] * C + cs[None, :]
+                live = rmask[:, None] & cmask[None, :]
+                old = tl.load(cells, mask=live & (level > 0), other=float("-inf"))
+                tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=live)
     return best_l, best_r
 
 
@@ -194,6 +200,8 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     R_VALID,
     G: tl.constexpr,
     R: tl.constexpr,
+    TR: tl.constexpr,
+    N_TILES: tl.constexpr,
     D: tl.constexpr,
     CHUNK: tl.constexpr,
     LEVELS: tl.constexpr,
@@ -224,14 +232,25 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         s_l, s_r = _probe_pair(
             q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
             cmask, off_l, off_r, length, first, level, offs_ptr, extent_tokens, ring, stride_ks, stride_kg,
-            head0, g_all, n_codes, R_VALID, C, G, R, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, ADDR,
-            BITS, GROUP, INTERPRET, PER_ROW, BLOCK_C,
+            head0, g_all, n_codes, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS,
+            ADDR, BITS, GROUP, INTERPRET, PER_ROW, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     tl.store(out_ptr + b * C + cs, best, mask=cmask)
+
+
+def row_tiles(rows: int) -> tuple[int, int]:
+    """(rows a head holds, rows a tile) for `rows` (query, head) rows of a KV head: whole tiles of
+    64 or more where they divide `rows` (192 = 3 x 64), else one tile of the next power of two
+    (at least 16, the smallest product tl.dot takes; smaller tiles would run slower products)."""
+    tile = rows & -rows  # the largest power of two dividing rows
+    if tile >= TILE_ROWS_MIN and tile != rows:
+        return rows, tile
+    pad = max(16, triton.next_power_of_2(rows))
+    return pad, pad
 
 
 def bisect_triton(
@@ -266,7 +285,7 @@ def bisect_triton(
     bsz, nq, g, r, d = q.shape
     c_count = lengths.shape[1]
     rows = nq * r
-    r_pad = max(16, triton.next_power_of_2(rows))
+    r_pad, tile_rows = row_tiles(rows)
     qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
     if r_pad != rows:
         qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
@@ -318,6 +337,8 @@ def bisect_triton(
         rows,
         G=g,
         R=r_pad,
+        TR=tile_rows,
+        N_TILES=r_pad // tile_rows,
         D=d,
         CHUNK=chunk,
         LEVELS=levels,
@@ -331,7 +352,7 @@ def bisect_triton(
         INTERPRET=interpret,
         PER_ROW=per_row,
         BLOCK_C=BLOCK_C,
-        num_warps=NUM_WARPS or (8 if r_pad >= 128 else 4),
+        num_warps=NUM_WARPS or (8 if tile_rows >= 128 else 4),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk
