@@ -23,6 +23,14 @@ def embedded_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return gguf_to_hf_folder(embedded_gguf_path(), cache_dir)
 
 
+@pytest.fixture
+def embedded(embedded_hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The CLI's conversion cache pointed at the session's converted embedded model:
+    `embedded_hf_dir` is `<cache root>/gguf/<stem>-<key>`, so the CLI finds it without converting."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(embedded_hf_dir.parents[1]))
+    return embedded_hf_dir
+
+
 @pytest.fixture(scope="module")
 def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     """A tiny random Llama with GQA (3 layers, 4 query heads, 2 KV heads, head dim 16), fp32."""

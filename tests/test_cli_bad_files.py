@@ -25,13 +25,6 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     refuse_model_loads(monkeypatch)
 
 
-@pytest.fixture
-def embedded(embedded_hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The CLI's conversion cache pointed at the session's converted embedded model."""
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(embedded_hf_dir.parents[1]))
-    return embedded_hf_dir
-
-
 # -- plan --model: GGUF files and files that are no model -------------------------------------
 
 

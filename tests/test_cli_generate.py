@@ -24,16 +24,6 @@ from tests.hf_reference import make_hf_model
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture
-def embedded(embedded_hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Point the CLI's conversion cache at the session's converted embedded model.
-
-    `embedded_hf_dir` is `<cache root>/gguf/<stem>-<key>`, so the CLI finds it without converting.
-    """
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(embedded_hf_dir.parents[1]))
-    return embedded_hf_dir
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (GQA) saved as an HF folder: config.json and safetensors, no tokenizer."""

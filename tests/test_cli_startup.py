@@ -27,13 +27,6 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def embedded(embedded_hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The CLI's conversion cache pointed at the session's converted embedded model."""
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(embedded_hf_dir.parents[1]))
-    return embedded_hf_dir
-
-
-@pytest.fixture
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
