@@ -199,9 +199,11 @@
 # The thirty-sixth got an H100 for one start after ~600 s of refused ones (ed334d1): 94's first
 #   row (SmolLM2's HiP prefill profiled: the softmax head score's torch passes ~200 ms and stage
 #   2's bisection 174 ms of 0.68 s; its 512K lean/fast prefill rows were cut by the limit), 89
-#   (the embedded smoke, 28/28 + 15/15) and gpu_checks twice (after the C++ split too). NEXT: 95
-#   (the head score in Triton), 96 (94's 512K rows alone), 92, 85, 86, 87, the 8B smoke, 83,
-#   80, 73, 69.
+#   (the embedded smoke, 28/28 + 15/15) and gpu_checks twice (after the C++ split too). Then, on
+#   the CPU, HiP's pruning kernels changed (the softmax head score in Triton, the bisection's
+#   rows written whole at level 0 and tiled where not a power of two). NEXT: call A with the
+#   GGUF's first half runs 95 (their speed), call B runs 89 (the smoke: GPU-facing code changed);
+#   then 96 (94's 512K rows alone), 92, 85, 86, 87, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
