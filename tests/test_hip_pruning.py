@@ -184,9 +184,10 @@ def test_rope_table_grows_in_bounded_steps_with_the_same_values(monkeypatch: pyt
 def test_prune_batches_are_sized_on_the_largest_stage() -> None:
     """`lean` at 512K (Llama-3.1-8B shapes, a layer slice of 8 KV heads): the last stage scores
     2,048 8-token chunks for each of a block's 64 x 32 (query, head) rows (stride 1), 4x the
-    first stage's rows. The batch bytes of a block cover that stage's softmax temporaries, so a
-    15K-token prefill chunk's 240 blocks are pruned ~20 at a time, not ~190 (3 GB: the H200 run
-    out of memory under 24 GiB, bench/results/hip_cli_speed_512k_hip.json)."""
+    first stage's rows. The batch bytes of a block cover that stage's softmax rows, so a 15K-token
+    prefill chunk's 240 blocks are pruned ~12 at a time (~20 while torch's head score took a
+    temporary of the rows' size), not ~190 (3 GB: the H200 ran out of memory under 24 GiB,
+    bench/results/hip_cli_speed_512k_hip.json)."""
     from kvtier.sparse import HIP_PRESETS
     from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 
@@ -195,18 +196,19 @@ def test_prune_batches_are_sized_on_the_largest_stage() -> None:
     at_512k = max(
         stage_prune_bytes(524288 - lean.sink, 64, 32, 8, 128, **kw, triton=True, head_score="softmax")
     )
-    last_stage_rows = 2 * 4 * (lean.budgets[1] // lean.chunk_sizes[2]) * 64 * 32  # [C, R] float32, x2
+    # [C, R] float32, which the Triton head score reads in place (torch's took a temporary too)
+    last_stage_rows = 4 * (lean.budgets[1] // lean.chunk_sizes[2]) * 64 * 32
     assert at_512k >= last_stage_rows
-    assert PRUNE_BATCH_BYTES // at_512k <= 8
+    assert PRUNE_BATCH_BYTES // at_512k <= 16
     # early in a prefill (32K keys) stage 0 has few chunks, but the later stages are as large
     at_32k = max(stage_prune_bytes(32768, 64, 32, 8, 128, **kw, triton=True, head_score="softmax"))
     assert at_32k >= last_stage_rows
     # the max head score keeps no rows: only the kept positions and the scores count
     plain = max(stage_prune_bytes(524288, 64, 32, 8, 128, **kw, triton=True, head_score="max"))
-    # at 160K the first stage needs a tenth of the last: batched alike, it pruned 7 blocks at a
+    # at 160K the first stage needs a seventh of the last: batched alike, it pruned 7 blocks at a
     # time where ~70 fit, and lean's prefill lost 30% (hip_cli_speed_160k_lean_fast_c.json)
     at_160k = stage_prune_bytes(163840 - lean.sink, 64, 32, 8, 128, **kw, triton=True, head_score="softmax")
-    assert 8 * at_160k[0] < at_160k[-1]
+    assert 6 * at_160k[0] < at_160k[-1]
     assert plain < last_stage_rows // 10
 
 

@@ -5,6 +5,19 @@ decode scoring product takes (`decode_scoring_bytes`)."""
 from __future__ import annotations
 
 PRUNE_BATCH_BYTES = 256 << 20  # temporaries of one batch of query blocks in one stage, about
+TILE_ROWS_MIN = 64  # row tiles of the pruning kernel at least this tall replace padding (`row_tiles`)
+
+
+def row_tiles(rows: int) -> tuple[int, int]:
+    """(rows a KV head holds, rows a tile) in the pruning kernel (`triton_bisect`) for `rows`
+    (query, head) rows of a KV head: whole tiles of 64 or more where they divide `rows` (192 =
+    3 x 64), else one tile of the next power of two (at least 16, the smallest product tl.dot
+    takes; smaller tiles would run slower products than the padding costs)."""
+    tile = rows & -rows  # the largest power of two dividing rows
+    if tile >= TILE_ROWS_MIN and tile != rows:
+        return rows, tile
+    pad = max(16, 1 << (rows - 1).bit_length())
+    return pad, pad
 
 
 def stage_prune_bytes(
@@ -23,16 +36,22 @@ def stage_prune_bytes(
     """GPU bytes one query block's pruning needs at once in each stage, over `middle` candidate
     tokens (past the sinks) of a slice: with torch the probe keys of every chunk in float32 and
     their scores; with Triton the kept positions (offsets, sum and where, int64) and the scores
-    and top-k; the "softmax" head score adds per-row maxima [C, R] float32 and one temporary of
-    their size. Each stage has its own chunk count and rows: a stride-1 last stage scores 4x the
-    rows of a stride-4 first one (`lean`'s last stage takes ~34 MB a block at 160K where its
-    first takes ~3 MB)."""
+    and top-k; the "softmax" head score adds per-row maxima [C, R] float32 (padded as the kernel
+    holds them, `row_tiles`) and the queries' copies, or with torch one temporary of their size.
+    Each stage has its own chunk count and rows: a stride-1 last stage scores 4x the rows of a
+    stride-4 first one (with Triton `lean`'s last stage takes ~21 MB a block at 160K on
+    Llama-3-8B's shapes, its first ~3 MB)."""
     sizes, n = [], max(1, middle)
     for c, k, stride in zip(chunk_sizes, budgets, strides, strict=True):
         c_count = -(-n // c)
         size = 3 * 8 * budgets[0] + 16 * c_count if triton else 3 * 4 * kv_heads * head_dim * c_count
-        if head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
-            size += 2 * 4 * c_count * -(-block_q // stride) * heads
+        rows = -(-block_q // stride) * heads  # (pooled query, head) rows of a block
+        if head_score == "softmax" and triton:  # the kernel's rows, read in place by the Triton
+            # head score, and the pooled, rotated and padded copies of the queries (float32 at most)
+            held, _ = row_tiles(rows // kv_heads)
+            size += 4 * c_count * held * kv_heads + 3 * 4 * held * kv_heads * head_dim
+        elif head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
+            size += 2 * 4 * c_count * rows
         sizes.append(size)
         n = min(n, k)
     return sizes

@@ -35,12 +35,12 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
+from kvtier.sparse.prune_memory import row_tiles
 from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offsets
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
 NUM_WARPS: int | None = None  # None: 8 with tiles of 128 rows or more, else 4 (bench/hip_kernels.py sweeps)
-TILE_ROWS_MIN = 64  # row tiles at least this tall replace padding (`row_tiles`)
 
 
 @triton.jit
@@ -240,17 +240,6 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         lo = tl.where(right, mid, lo)
         hi = tl.where(right, hi, mid)
     tl.store(out_ptr + b * C + cs, best, mask=cmask)
-
-
-def row_tiles(rows: int) -> tuple[int, int]:
-    """(rows a head holds, rows a tile) for `rows` (query, head) rows of a KV head: whole tiles of
-    64 or more where they divide `rows` (192 = 3 x 64), else one tile of the next power of two
-    (at least 16, the smallest product tl.dot takes; smaller tiles would run slower products)."""
-    tile = rows & -rows  # the largest power of two dividing rows
-    if tile >= TILE_ROWS_MIN and tile != rows:
-        return rows, tile
-    pad = max(16, triton.next_power_of_2(rows))
-    return pad, pad
 
 
 def bisect_triton(
