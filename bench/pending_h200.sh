@@ -427,7 +427,8 @@ case "$group" in
 95)
   # (~2 min, no GGUF) issue 19: SmolLM2's HiP prefill at 16K after the softmax head score moved
   # into two Triton passes, the bisection's rows lost their -inf fill and its 192 rows a KV
-  # head run as 3 tiles of 64 instead of 256 with 64 masked (lean 24,780 tok/s =
+  # head run as 3 tiles of 64 instead of 256 with 64 masked, and pruning batches of 45 blocks
+  # where ~27 ran (fewer launches; 12 at 512K where 8 ran) (lean 24,780 tok/s =
   # 0.073x dense on an H100 before, hip_small_prefill_profile_b.json; the head score's torch
   # passes were ~200 ms of its 0.68 s profiled prefill). Random weights.
   run 170 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
