@@ -126,6 +126,15 @@ def main() -> None:
         print(rows[-1], flush=True)
     triton_bisect.bisect_triton = current
     triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = 32, None
+    if hip.head_score == "softmax":  # the head score's torch passes against its Triton ones
+        from kvtier.sparse import prefill as prefill_module
+
+        prefill_module.TRITON_HEAD_SCORE = False
+        t = clock(prune, reps)
+        same = bool(torch.equal(prune()[0], ref_sel))
+        prefill_module.TRITON_HEAD_SCORE = True
+        rows.append({"kernel": "prune", "variant": "pair block_c=32, torch head score", "s": t, "same": same})
+        print(rows[-1], flush=True)
     if dev.type == "cuda":  # where one pruning goes, kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 

@@ -425,7 +425,7 @@ case "$group" in
     --prefill-chunk 15360 --profile --name hip_offload_prefill_512k_lean_fast_b
   ;;
 95)
-  # (~2 min, no GGUF) issue 19: SmolLM2's HiP prefill at 16K after the softmax head score moved
+  # (~4 min, no GGUF) issue 19: SmolLM2's HiP prefill at 16K after the softmax head score moved
   # into two Triton passes, the bisection's rows lost their -inf fill and its 192 rows a KV
   # head run as 3 tiles of 64 instead of 256 with 64 masked, and pruning batches of 45 blocks
   # where ~27 ran (fewer launches; 12 at 512K where 8 ran) (lean 24,780 tok/s =
@@ -433,6 +433,11 @@ case "$group" in
   # passes were ~200 ms of its 0.68 s profiled prefill). Random weights.
   run 170 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
     --methods "auto;hip" --profile --name hip_small_prefill_head_score
+  # the kernels alone at those shapes: the bisection before the row tiles (23f5b5e's file) beside
+  # this one, and the head score's torch passes beside its Triton ones
+  git show 23f5b5e:kvtier/sparse/triton_bisect.py > /tmp/old_bisect.py
+  run 200 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --old-bisect /tmp/old_bisect.py --name hip_kernels_smollm2_16k_lean
   ;;
 94)
   # (~7 min) the thirty-sixth session's first call (call A, with the GGUF's first half): issue

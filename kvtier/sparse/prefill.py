@@ -31,6 +31,10 @@ from kvtier.sparse.prefill_bisect import bisect_chunks
 from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 from kvtier.sparse.rope_ext import RopeTable, scoring_query_position
 
+# With Triton, the "softmax" head score runs as `triton_head_score`'s two passes; False: the torch
+# passes of `softmax_head_score` over the kernel's rows (bench/hip_kernels.py's A/B).
+TRITON_HEAD_SCORE = True
+
 
 def pool_blocks(
     q: torch.Tensor, q_pos: torch.Tensor, stride: int, ragged: bool = False
@@ -121,7 +125,7 @@ def prune_blocks(
         scores = bisect_chunks(
             qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
         )
-    if per_row and triton:  # the kernel's rows [B, C, G, rows]: two Triton passes, no temporaries
+    if per_row and triton and TRITON_HEAD_SCORE:  # the kernel's rows [B, C, G, rows]: two Triton passes
         from kvtier.sparse.triton_head_score import softmax_head_score_triton
 
         scores = softmax_head_score_triton(scores, lengths > 0, q.shape[-1] ** -0.5)
