@@ -73,9 +73,9 @@ def run_one(
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     if proc.returncode != 0:
-        row["error"] = (
-            proc.stderr.strip().splitlines()[-1][:1000] if proc.stderr.strip() else f"rc {proc.returncode}"
-        )
+        # the last 40 lines: a Triton compile error's message sits above its source excerpt
+        tail = "\n".join(proc.stderr.strip().splitlines()[-40:])[-4000:]
+        row["error"] = tail or f"rc {proc.returncode}"
         return row
     stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
     keep = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "prefill_tokens_per_s",

@@ -153,8 +153,9 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
         if BITS > 0:
             h = head0 + g
-            rot_l = ROTATE and MODE != 1
-            k_l = packed_key(k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, rot_l)
+            # NOTE: the flag inline: assigned to a local it stops being a constexpr, and the
+            # rotation's branch compiles (and fails) where ROTATE is off (1M, host int4 keys)
+            k_l = packed_key(k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, ROTATE and MODE != 1)
             k_r = packed_key(k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, n_codes, kdt, D, BITS, ROTATE)
         else:
             k_l = load_key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
