@@ -333,8 +333,8 @@ def test_cpu_bisection_in_tiles_equals_one_tile(
     c_count = -(-cand.shape[1] // chunk)
     lengths = (valid[:, None] - torch.arange(c_count)[None, :] * chunk).clamp(0, chunk)
     rope = RopeTable(Rotary(RopeConfig(), d, device=torch.device("cpu")))
-    qr, limit = prefill._scoring_queries(
-        q, q_pos, keys, -(-valid // chunk), c_count, mode=mode, rotary=rope, window=8
+    qr, limit = prefill.scoring_queries(
+        q, q_pos, keys, valid, chunk, c_count, mode=mode, rotary=rope, window=8
     )
     chunks = prefill._chunks(cand, c_count, chunk)
 

@@ -24,7 +24,7 @@ from kvtier.config import ModelConfig, RopeConfig  # noqa: E402
 from kvtier.model.llama import CausalLM  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
 from kvtier.sparse.opcount import OpCounter  # noqa: E402
-from kvtier.sparse.prefill import _scoring_queries  # noqa: E402
+from kvtier.sparse.prefill import scoring_queries  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
 from tests.hip_store import (  # noqa: E402
     DECODE,
@@ -64,9 +64,9 @@ def _stage0(
     c_count = -(-valid // chunk)
     lengths = (valid - torch.arange(c_count, device=dev)[None, :] * chunk).clamp(0, chunk)
     rope = RopeTable(Rotary(RopeConfig(), D, device=dev))
-    n_chunks = torch.tensor([c_count], device=dev)
     pos = torch.tensor([[s - 1]], device=dev)
-    qr, limit = _scoring_queries(q, pos, keys, n_chunks, c_count, mode=mode, rotary=rope, window=8)
+    n_valid = torch.tensor([valid], device=dev)
+    qr, limit = scoring_queries(q, pos, keys, n_valid, chunk, c_count, mode=mode, rotary=rope, window=8)
     return qr, lengths, rope.tables(limit, keys)
 
 

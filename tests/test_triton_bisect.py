@@ -16,7 +16,7 @@ pytestmark = NEEDS_TRITON
 
 from kvtier.config import RopeConfig  # noqa: E402
 from kvtier.model.rope import Rotary  # noqa: E402
-from kvtier.sparse.prefill import _chunks, _scoring_queries, _span, run_block_stages  # noqa: E402
+from kvtier.sparse.prefill import _chunks, _span, run_block_stages, scoring_queries  # noqa: E402
 from kvtier.sparse.prefill_bisect import bisect_chunks  # noqa: E402
 from kvtier.sparse.pruning import run_stages  # noqa: E402
 from kvtier.sparse.rope_ext import RopeTable  # noqa: E402
@@ -52,8 +52,7 @@ def test_kernel_scores_equal_the_torch_bisection(
     c_count = -(-cand.shape[1] // chunk)
     lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
     rope = RopeTable(Rotary(RopeConfig(), D, device=device)) if rotate else None
-    n_chunks = -(-valid // chunk)
-    qr, limit = _scoring_queries(q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rope, window=8)
+    qr, limit = scoring_queries(q, q_pos, keys, valid, chunk, c_count, mode=mode, rotary=rope, window=8)
     chunks = _chunks(cand, c_count, chunk)
     ref = bisect_chunks(qr, keys, chunks, lengths, mode=mode, rotary=rope, limit=limit, per_row=per_row)
     tables = rope.tables(limit, keys) if rope is not None else None
@@ -164,6 +163,9 @@ def test_triton_head_score_equals_the_torch_head_score(device: str) -> None:
     assert torch.equal(view, before)
     assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)
     assert bool((got[~live] == float("-inf")).all())
+    # the chunks' lengths as they are (int64, nonzero = live), as `prune_blocks` passes them
+    lengths = torch.where(live, torch.randint(1, 9, (b, c), generator=gen).to(device), 0)
+    assert torch.equal(softmax_head_score_triton(view, lengths, 0.125), got)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -185,9 +187,7 @@ def test_rows_in_tiles_score_as_the_torch_bisection(device: str, per_row: bool) 
     cand = _span(0, 120, valid)
     c_count = -(-cand.shape[1] // chunk)
     lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
-    qr, limit = _scoring_queries(
-        q, q_pos, keys, -(-valid // chunk), c_count, mode="absolute", rotary=None, window=8
-    )
+    qr, limit = scoring_queries(q, q_pos, keys, valid, chunk, c_count, mode="absolute", rotary=None, window=8)
     ref = bisect_chunks(
         qr,
         keys,

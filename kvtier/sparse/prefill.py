@@ -81,6 +81,7 @@ def prune_blocks(
     head_score: str = "max",
     addresses: torch.Tensor | None = None,
     length: int | None = None,
+    scoring: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
     keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
@@ -90,6 +91,8 @@ def prune_blocks(
     `head_score`: "max" or "softmax", as `pruning.chunk_scores`. `addresses` [B, N] (with
     `triton` and candidates): where each candidate's key is in keys (`bisect_triton`), keys then
     not indexed by position; `length`: the slice's length then (keys' rows otherwise).
+    `scoring`: `scoring_queries` of these blocks, when the caller rotated them once for all its
+    batches (each batch rotating its own took ~5 launches of ~25 a batch on CUDA).
 
     Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
     chunks)) and their counts [B]. No host sync.
@@ -105,10 +108,11 @@ def prune_blocks(
         return candidates, valid
     starts = torch.arange(c_count, device=dev) * chunk  # [C]
     lengths = (valid[:, None] - starts[None, :]).clamp(min=0, max=chunk)  # [B, C]
-    n_chunks = -(-valid // chunk)  # [B] each block's own chunk count (chunk-indexed RoPE)
-    qr, limit = _scoring_queries(
-        q, q_pos, keys, n_chunks, c_count, mode=mode, rotary=rotary, window=window, length=length
-    )
+    if scoring is None:
+        scoring = scoring_queries(
+            q, q_pos, keys, valid, chunk, c_count, mode=mode, rotary=rotary, window=window, length=length
+        )
+    qr, limit = scoring
     chunks = _chunks(candidates, c_count, chunk) if candidates is not None else None  # [B, C, c]
     per_row = head_score == "softmax"
     if triton:
@@ -128,10 +132,11 @@ def prune_blocks(
     if per_row and triton and TRITON_HEAD_SCORE:  # the kernel's rows [B, C, G, rows]: two Triton passes
         from kvtier.sparse.triton_head_score import softmax_head_score_triton
 
-        scores = softmax_head_score_triton(scores, lengths > 0, q.shape[-1] ** -0.5)
-    elif per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
-        scores = softmax_head_score(scores, lengths > 0, q.shape[-1] ** -0.5)
-    scores = torch.where(lengths > 0, scores, float("-inf"))
+        scores = softmax_head_score_triton(scores, lengths, q.shape[-1] ** -0.5)  # dead chunks -inf
+    else:
+        if per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
+            scores = softmax_head_score(scores, lengths > 0, q.shape[-1] ** -0.5)
+        scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
     # Chunks are consecutive runs of the sorted candidates and every -1 lies past the last valid
     # entry, so kept chunks in ascending order are already sorted with their padding last.
@@ -170,11 +175,12 @@ def _chunks(candidates: torch.Tensor, c_count: int, chunk: int) -> torch.Tensor:
     return cand.view(candidates.shape[0], c_count, chunk)
 
 
-def _scoring_queries(
+def scoring_queries(
     q: torch.Tensor,
     q_pos: torch.Tensor,
     keys: torch.Tensor | ExtentKeys,
-    n_chunks: torch.Tensor,
+    valid: torch.Tensor,
+    chunk: int,
     c_count: int,
     *,
     mode: str,
@@ -182,13 +188,17 @@ def _scoring_queries(
     window: int,
     length: int | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """q [B, Nq, H_q, D] rotated at the scoring positions of `mode` and split per KV head:
-    [B, Nq, G, r, D]; and a bound on every scoring position (queries and probes). `length`:
-    the slice's tokens, when keys' rows are not its positions."""
+    """Pooled queries q [B, Nq, H_q, D] at q_pos [B, Nq] rotated at the scoring positions of
+    `mode` and split per KV head: [B, Nq, G, r, D]; and a bound on every scoring position
+    (queries and probes) of a stage of `chunk`-token chunks, at most `c_count` of them, over
+    valid [B] candidates a block. `length`: the slice's tokens, when keys' rows are not its
+    positions. A block's rotation depends on its own candidates alone, so the queries of many
+    blocks may be rotated at once and split into batches after."""
     g = keys.shape[1]
     limit = (length or keys.shape[0]) + window + c_count + 2  # every scoring position is below it
     if rotary is not None:
         if mode == "chunk_indexed":  # per block: min(true position, its chunk count + window)
+            n_chunks = -(-valid // chunk)  # [B] each block's own chunk count
             at = torch.minimum(q_pos, (n_chunks + window)[:, None]).flatten()
         else:
             at = scoring_query_position(mode, q_pos.flatten(), window, c_count)
@@ -251,6 +261,11 @@ def run_block_stages(
         carried = 8 * n_blocks * (n_in + n_out if cand is not None else n_out)
         carried += pq.numel() * pq.element_size() if stride > 1 else 0
         step = max(1, (PRUNE_BATCH_BYTES - carried) // per_block)
+        scoring = None  # every block's queries rotated once, when some batch prunes
+        if step < n_blocks and -(-n_in // c) > k // c:
+            scoring = scoring_queries(
+                pq, pp, keys, valid, c, -(-n_in // c), mode=mode, rotary=rotary, window=window
+            )  # fmt: skip
         if step >= n_blocks:
             cand, valid = prune_blocks(
                 pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
@@ -262,10 +277,11 @@ def run_block_stages(
             for i in range(0, n_blocks, step):
                 sp = slice(i, i + step)
                 width = max(0, max(starts_all[sp]) - sink) if cand is None else n_in
+                batch = None if scoring is None else (scoring[0][sp], scoring[1])
                 sel, n_sel = prune_blocks(
                     pq[sp], pp[sp], keys, None if cand is None else cand[sp], valid[sp], c, k,
                     mode=mode, rotary=rotary, window=window, first=sink, width=width,
-                    triton=triton, head_score=head_score,
+                    triton=triton, head_score=head_score, scoring=batch,
                 )  # fmt: skip
                 out[sp, : sel.shape[1]] = sel
                 kept[sp] = n_sel

@@ -33,7 +33,7 @@ def bisect_chunks(
     per_row: bool = False,
 ) -> torch.Tensor:
     """`chunk_scores`'s bisection of chunks [B, C, c] (lengths [B, C]) for each block's rotated
-    queries q [B, Nq, G, r, D] (`_scoring_queries`).
+    queries q [B, Nq, G, r, D] (`prefill.scoring_queries`).
 
     Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
     max-pooled over the block's queries and heads; with `per_row`, that max per (query, head)

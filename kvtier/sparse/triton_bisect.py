@@ -40,7 +40,19 @@ from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offse
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
-NUM_WARPS: int | None = None  # None: 8 with tiles of 128 rows or more, else 4 (bench/hip_kernels.py sweeps)
+# None: `num_warps`'s choice by shape (bench/hip_kernels.py sweeps); an int forces it
+NUM_WARPS: int | None = None
+
+
+def num_warps(tile_rows: int, head_dim: int) -> int:
+    """Warps of a pruning program: 8 with row tiles of 128 or more; 2 for tiles of 64 rows of
+    64-wide heads (SmolLM2's 16K stage on an H100: 2.98 ms against 4 warps' 3.53 under `lean`,
+    2.36 against 2.80 under `long`, hip_kernels_smollm2_16k{_lean,}.json); else 4 (decode's
+    smaller tiles, unmeasured; Llama-3's 128-wide heads at 512K ran 14.4 ms with 2 warps against
+    11.7 with 4, hip_kernels.json)."""
+    if tile_rows >= 128:
+        return 8
+    return 2 if head_dim <= 64 and tile_rows == 64 else 4
 
 
 @triton.jit
@@ -155,7 +167,9 @@ def _probe_pair(  # type: ignore[no-untyped-def]
             h = head0 + g
             # NOTE: the flag inline: assigned to a local it stops being a constexpr, and the
             # rotation's branch compiles (and fails) where ROTATE is off (1M, host int4 keys)
-            k_l = packed_key(k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, ROTATE and MODE != 1)
+            k_l = packed_key(
+                k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, ROTATE and MODE != 1
+            )
             k_r = packed_key(k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, n_codes, kdt, D, BITS, ROTATE)
         else:
             k_l = load_key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
@@ -342,7 +356,7 @@ def bisect_triton(
         INTERPRET=interpret,
         PER_ROW=per_row,
         BLOCK_C=BLOCK_C,
-        num_warps=NUM_WARPS or (8 if tile_rows >= 128 else 4),
+        num_warps=NUM_WARPS or num_warps(tile_rows, d),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk

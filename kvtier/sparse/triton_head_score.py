@@ -109,12 +109,14 @@ def _chunk_score(  # type: ignore[no-untyped-def]
 
 def softmax_head_score_triton(rows: torch.Tensor, live: torch.Tensor, scale: float) -> torch.Tensor:
     """`prefill.softmax_head_score` of `bisect_triton`'s per-row maxima rows [B, C, G, R] (any
-    strides; its view of [B, G, R_pad, C]) with live [B, C] bool: [B, C] float32, -inf where a
-    chunk is dead (`softmax_head_score` gives nan or a value there, which its caller masks).
-    Reads `rows` twice and leaves it as it is. No host sync."""
+    strides; its view of [B, G, R_pad, C]) with live [B, C]: bool, or integers nonzero where a
+    chunk is live (the chunks' lengths, read as they are: no launch to compare them): [B, C]
+    float32, -inf where a chunk is dead (`softmax_head_score` gives nan or a value there, which
+    its caller masks). Reads `rows` twice and leaves it as it is. No host sync."""
     bsz, c_count, g, r = rows.shape
     n_rows = g * r
-    live8 = live.to(torch.int8).contiguous()
+    live8 = live.to(torch.int8) if live.dtype == torch.bool else live
+    live8 = live8.contiguous()
     lse = torch.empty(bsz, n_rows, dtype=torch.float32, device=rows.device)
     out = torch.empty(bsz, c_count, dtype=torch.float32, device=rows.device)
     strides = (rows.stride(0), rows.stride(1), rows.stride(2), rows.stride(3))
