@@ -184,9 +184,10 @@ def _probe_pair(  # type: ignore[no-untyped-def]
             best_r = tl.maximum(best_r, _row_max(sc_r, rmask))
             if PER_ROW:  # NOTE: level 0 writes every cell a reader reads, so the rows need no fill
                 cells = row_base + g * R * C + rows[:, None] * C + cs[None, :]
-                live = rmask[:, None] & cmask[None, :]
-                old = tl.load(cells, mask=live & (level > 0), other=float("-inf"))
-                tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=live)
+                # NOTE: not `live` (ADDR's [BC] mask): a loop may not reshape a variable it carries
+                owned = rmask[:, None] & cmask[None, :]
+                old = tl.load(cells, mask=owned & (level > 0), other=float("-inf"))
+                tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=owned)
     return best_l, best_r
 
 
