@@ -225,7 +225,9 @@ def own_stores(
             context = len(seq.prompt) + params.max_tokens
             inputs = llm.plan_inputs(context, method, params.max_tokens)
             placed = plan_for(replace(inputs, gpu_budget=share), method)
-            store, parts = llm.make_store(placed.plan, context, placed.cache_tokens, method)
+            store, parts = llm.make_store(
+                placed.plan, context, placed.cache_tokens, method, hip_prune_bytes=placed.prune_bytes
+            )
             made.append(store)
             if not store.all_on_device:
                 raise CapacityError("a store would stream")

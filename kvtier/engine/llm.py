@@ -358,13 +358,20 @@ class LLM:
         hip_cache_tokens: int | None = None,
         method: MethodChoice | None = None,
         memory: DeviceMemory | None = None,
+        hip_prune_bytes: int | None = None,
     ) -> tuple[TieredKVStore, PolicyParts]:
         """A fresh KV store for one sequence of `context` tokens, with `method`'s parts (default:
         this LLM's; `hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's;
-        `memory`: where its whole-capacity buffers live, None: the caching allocator)."""
+        `memory`: where its whole-capacity buffers live, None: the caching allocator;
+        `hip_prune_bytes`: HiP's prefill pruning batch as planned, `Placement.prune_bytes`)."""
         method = method or self.method
         parts = method.build(
-            self.model_config, self.device, self.loaded.model, hip_cache_tokens, context=context
+            self.model_config,
+            self.device,
+            self.loaded.model,
+            hip_cache_tokens,
+            context=context,
+            hip_prune_bytes=hip_prune_bytes,
         )
         store = TieredKVStore(
             self.model_config,

@@ -33,6 +33,8 @@ class StoreHost(Protocol):
         context: int,
         hip_cache_tokens: int | None = None,
         method: MethodChoice | None = None,
+        *,
+        hip_prune_bytes: int | None = None,
     ) -> tuple[TieredKVStore, PolicyParts]: ...
 
     def text_and_reason(self, tokens: list[int], params: SamplingParams) -> tuple[str, str]: ...
@@ -116,7 +118,9 @@ def plan_and_store(
     before any collective, and all run the smallest rank's prefill chunk."""
     if llm.parallel is None:
         placement = llm.placement(context, method, new_tokens)
-        store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method)
+        store, parts = llm.make_store(
+            placement.plan, context, placement.cache_tokens, method, hip_prune_bytes=placement.prune_bytes
+        )
         return placement.plan, store, parts
     with llm.parallel.agree("planning the request"):
         placement = llm.placement(context, method, new_tokens)
@@ -124,5 +128,7 @@ def plan_and_store(
     chunk = min(llm.parallel.all_gather_object(placement.plan.chunk_size))
     plan = replace(placement.plan, chunk_size=chunk)
     with llm.parallel.agree("allocating the KV store"):
-        store, parts = llm.make_store(plan, context, placement.cache_tokens, method)
+        store, parts = llm.make_store(
+            plan, context, placement.cache_tokens, method, hip_prune_bytes=placement.prune_bytes
+        )
     return plan, store, parts

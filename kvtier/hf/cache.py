@@ -174,7 +174,12 @@ class TieredCache(Cache):
                 "prompt; it is not available through kvtier.hf: use kvtier.LLM"
             )
         parts = self.method.build(
-            self.model_config, self.device, None, self.placement.cache_tokens, context=self.context
+            self.model_config,
+            self.device,
+            None,
+            self.placement.cache_tokens,
+            context=self.context,
+            hip_prune_bytes=self.placement.prune_bytes,
         )
         if not parts.rotate_keys:
             raise ConfigError(

@@ -133,15 +133,18 @@ class MethodChoice:
         hip_cache_tokens: int | None = None,
         head_cache: Path | None = DEFAULT_CACHE,
         context: int | None = None,
+        hip_prune_bytes: int | None = None,
     ) -> PolicyParts:
         """Fresh store parts for one request (`hip_cache_tokens`: HiP's block cache per
         offloaded slice, None: the preset's; `context`: its prompt plus output, which HiP's
-        `auto` preset is chosen by, as `plan_for` chose it); raises ConfigError on a budget
-        the model rejects."""
+        `auto` preset is chosen by, as `plan_for` chose it; `hip_prune_bytes`: the plan's
+        `Placement.prune_bytes`); raises ConfigError on a budget the model rejects."""
         chosen = self.selected()
         if not chosen:
             return PolicyParts()
-        ctx = BuildContext(cfg, device, model, self.options(), hip_cache_tokens, head_cache, context)
+        ctx = BuildContext(
+            cfg, device, model, self.options(), hip_cache_tokens, head_cache, context, hip_prune_bytes
+        )
         primary = _primary(chosen)
         parts = primary.build(ctx)
         for other in (e for e in chosen if e is not primary):  # a codec beside HiP

@@ -28,8 +28,8 @@ from kvtier.sparse import (
     make_hip_kernel,
     resolve_preset,
 )
-from kvtier.sparse.config import REFRESH_PRESETS
-from kvtier.sparse.planning import plan_hip
+from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
+from kvtier.sparse.planning import HipPlacement, plan_hip, whole_chunk_pruning
 
 
 def _preset(text: str) -> str:
@@ -88,18 +88,27 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
     the `auto` policy has no group given, with the largest block cache that fits."""
     preset = resolve_preset(str(options["hip_preset"]), inputs.cfg, inputs.context)
     config = hip_config(preset, options.get("hip_refresh"))
-    hip = plan_hip(
-        inputs.cfg,
-        inputs.context,
-        plan_with,
-        gpu_budget=inputs.gpu_budget,
-        preset=config,
-        dtype_bytes=inputs.dtype_bytes,
-        layers_first=inputs.kv == "auto" and inputs.head_group is None,
-        chunk_size=inputs.chunk_size,
-        hardware=inputs.hardware,
-        staging_idle_in_decode=host_keys(options, inputs.context) and inputs.staging_freed_in_decode,
-    )
+
+    def plan_at(config: HipConfig, chunk_size: int | None) -> HipPlacement:
+        return plan_hip(
+            inputs.cfg,
+            inputs.context,
+            plan_with,
+            gpu_budget=inputs.gpu_budget,
+            preset=config,
+            dtype_bytes=inputs.dtype_bytes,
+            layers_first=inputs.kv == "auto" and inputs.head_group is None,
+            chunk_size=chunk_size,
+            hardware=inputs.hardware,
+            staging_idle_in_decode=host_keys(options, inputs.context) and inputs.staging_freed_in_decode,
+        )
+
+    hip = plan_at(config, inputs.chunk_size)
+    if inputs.gpu_budget is not None:  # room left on a GPU that holds every slice: whole-chunk pruning
+        chunk = hip.plan.chunk_size
+        hip, config = whole_chunk_pruning(
+            inputs.cfg, inputs.context, hip, config, inputs.dtype_bytes, lambda c: plan_at(c, chunk)
+        )
     # What the kernel allocates from the store's memory when that is a server's lent pages
     # (`HipKernel.place_caches`): the RoPE table, then each slice's decode rows and, for one
     # attended through staging, its block cache, in slice order (the store places slices as
@@ -115,7 +124,9 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
         inputs.context,
         [s in streamed for s in range(plan.num_slices)],
     )
-    return Placement(plan, hip.cache_tokens, hip.reserve_bytes, method_buffers=buffers)
+    return Placement(
+        plan, hip.cache_tokens, hip.reserve_bytes, method_buffers=buffers, prune_bytes=config.prune_bytes
+    )
 
 
 def _exact_at(options: Mapping[str, Any], cfg: ModelConfig, context: int) -> bool:
@@ -140,6 +151,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         refresh=hip.refresh,
         host_scoring=on_host,
         probe_scoring=bool(ctx.options.get("hip_probes")),
+        prune_bytes=ctx.hip_prune_bytes,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:

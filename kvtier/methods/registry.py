@@ -75,6 +75,7 @@ class BuildContext:
     hip_cache_tokens: int | None = None  # HiP's block cache per offloaded slice (None: preset's)
     head_cache: Path | None = DEFAULT_CACHE  # where head-sparsity scores are cached
     context: int | None = None  # the request's prompt plus output, tokens (None: not known)
+    hip_prune_bytes: int | None = None  # HiP's prefill pruning batch (`Placement.prune_bytes`)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class Placement:
     # page bounds of each slice past its dense layers), in
     # the order it asks for them, after the store's own (`kvtier.kv.device_memory.region_buffers`).
     method_buffers: tuple[int, ...] = ()
+    # HiP: GPU bytes a prefill pruning batch may take (`HipConfig.prune_bytes`), when the plan
+    # reserved more than the default for it (None: the default)
+    prune_bytes: int | None = None
 
 
 PlanWith = Callable[[int | None, int | None, int | None], KVPlan]

@@ -225,7 +225,10 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
     def make() -> tuple[TieredKVStore, str]:
         region = None if first is None else engine.store.page_run(first, lent)
         memory = None if region is None else RegionMemory(region, spill=CachingMemory(engine.device))
-        store, parts = llm.make_store(placement.plan, context, placement.cache_tokens, method, memory=memory)
+        store, parts = llm.make_store(
+            placement.plan, context, placement.cache_tokens, method, memory=memory,
+            hip_prune_bytes=placement.prune_bytes,
+        )  # fmt: skip
         return store, parts.describe
 
     return placement.plan, make, first

@@ -179,8 +179,8 @@ def hip_phase_bytes(
     cache_tokens: int | None = None,
 ) -> tuple[int, int]:
     """`hip_gpu_bytes` by phase: (decode only: block caches and decode buffers; always: the RoPE
-    table and pruning temporaries, the larger of prefill's batch and a decode refresh's scoring
-    product). The kernel frees the decode bytes when a prefill step starts
+    table and pruning temporaries, the larger of prefill's batch (`HipConfig.prune_bytes`) and a
+    decode refresh's scoring product). The kernel frees the decode bytes when a prefill step starts
     (`HipKernel.begin_prefill`), so a prefill chunk's activations and the decode caches need not
     fit at once. `preset`: a HIP_PRESETS name or its config (`hip_config`)."""
     hip = replace(hip_config(preset), cache_tokens=cache_tokens, capacity=context or None)
@@ -188,7 +188,8 @@ def hip_phase_bytes(
     caches = cfg.num_layers * cfg.num_kv_heads * tokens * 2 * cfg.head_dim * dtype_bytes
     rope = table_bytes(context, cfg.head_dim, dtype_bytes) if context and hip.extend else 0
     vectors = min(SCORING_SLAB, context * cfg.num_kv_heads) if context else SCORING_SLAB
-    pruning = max(PRUNE_BATCH_BYTES, decode_scoring_bytes(vectors, cfg.head_dim, dtype_bytes))
+    batch = PRUNE_BATCH_BYTES if hip.prune_bytes is None else hip.prune_bytes
+    pruning = max(batch, decode_scoring_bytes(vectors, cfg.head_dim, dtype_bytes))
     return caches, rope + pruning
 
 

@@ -92,6 +92,12 @@ class HipConfig:
     # differs from the torch path's, so a near-tie may pick another chunk. Off until measured on
     # a GPU (speed and NIAH).
     probe_scoring: bool = False
+    # GPU bytes one batch of a prefill chunk's query blocks may take while a stage prunes them
+    # (`prefill.run_block_stages`), which HiP's plan reserves; None: `PRUNE_BATCH_BYTES`. The
+    # plan raises it to prune a whole chunk at once where the GPU holds every slice and has the
+    # room (`kvtier.methods.hip`): SmolLM2's 16K chunk pruned in six batches a stage otherwise,
+    # ~25 launches each, and its HiP prefill is bound by launches.
+    prune_bytes: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)
@@ -105,6 +111,8 @@ class HipConfig:
                 )
         if self.cache_tokens is not None and self.cache_tokens <= 0:
             raise ConfigError(f"hip cache_tokens must be positive, got {self.cache_tokens}")
+        if self.prune_bytes is not None and self.prune_bytes <= 0:
+            raise ConfigError(f"hip prune_bytes must be positive, got {self.prune_bytes}")
         for name in ("window", "block_q", "cache_block"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"hip {name} must be positive, got {getattr(self, name)}")

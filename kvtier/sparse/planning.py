@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, HostCapacityError
@@ -43,6 +43,7 @@ from kvtier.sparse import (
     hip_phase_bytes,
 )
 from kvtier.sparse.config import HipConfig
+from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, whole_chunk_prune_bytes
 
 # (group_size, gpu_budget, chunk_size) -> the store plan; None = the store planner's own choice.
 PlanWith = Callable[[int | None, int | None, int | None], KVPlan]
@@ -201,3 +202,43 @@ def plan_hip(
         f"(at least {least:.2f} GB) no slicing fits --gpu-memory {gpu_budget / 1e9:.2f} GB; use a "
         "larger --gpu-memory, a shorter context, or --attention dense"
     )
+
+
+def whole_chunk_pruning(
+    cfg: ModelConfig,
+    context: int,
+    placed: HipPlacement,
+    hip: HipConfig,
+    dtype_bytes: int,
+    plan_again: Callable[[HipConfig], HipPlacement],
+) -> tuple[HipPlacement, HipConfig]:
+    """`placed` planned again with `hip.prune_bytes` raised so that each prefill chunk's query
+    blocks are pruned in one batch a stage (`whole_chunk_prune_bytes` of a slice of the plan's
+    group), where the plan keeps every slice on the GPU and the new one does too with the same
+    slicing: the larger reservation then fits the budget. `plan_again(config)` plans with
+    `config` and the same chunk. Otherwise `placed` and `hip` as they were."""
+    plan = placed.plan
+    if plan.streamed_slices:
+        return placed, hip
+    group = plan.group_size
+    heads = group * (cfg.num_heads // cfg.num_kv_heads)
+    chunk = min(plan.chunk_size, context)
+    budgets = (*hip.budgets[:-1], max(hip.budgets[-1], hip.wide_budget if hip.wide_layers else 0))
+    need = whole_chunk_prune_bytes(
+        context, -(-chunk // hip.block_q), hip.block_q, heads, group, cfg.head_dim, dtype_bytes,
+        chunk_sizes=hip.chunk_sizes, budgets=budgets, strides=hip.query_strides, head_score=hip.head_score,
+    )  # fmt: skip
+    if need <= (PRUNE_BATCH_BYTES if hip.prune_bytes is None else hip.prune_bytes):
+        return placed, hip
+    roomier = replace(hip, prune_bytes=need)
+    try:
+        again = plan_again(roomier)
+    except CapacityError:
+        return placed, hip
+    if (
+        again.plan.streamed_slices
+        or again.plan.group_size != group
+        or again.plan.chunk_size != plan.chunk_size
+    ):
+        return placed, hip
+    return again, roomier

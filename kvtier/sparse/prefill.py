@@ -224,6 +224,7 @@ def run_block_stages(
     head_score: str = "max",
     ragged: bool = False,
     starts_host: list[int] | None = None,
+    batch_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
@@ -234,8 +235,8 @@ def run_block_stages(
 
     Chunks are scored by `bisect_triton` (`triton`; None: on CUDA when triton is installed) or
     by `bisect_chunks`'s torch operators. Stage by stage, blocks are pruned in batches whose
-    temporaries (`stage_prune_bytes`), with every block's candidates, stay near
-    `PRUNE_BATCH_BYTES`: with torch the probe keys of every chunk of every block, in float32, and
+    temporaries (`stage_prune_bytes`), with every block's candidates, stay near `batch_bytes`
+    (None: `PRUNE_BATCH_BYTES`): with torch the probe keys of every chunk of every block, in float32, and
     their scores (at 512K a layer slice of 8 KV heads takes ~25 MB per block, so 64 blocks at
     once took ~1.6 GB); with Triton only the kept positions (~0.8 MB a block). The "softmax"
     head score adds each chunk's per-row maxima and their softmax. Each stage has its own batch
@@ -260,7 +261,8 @@ def run_block_stages(
         # batches get the rest of the bound
         carried = 8 * n_blocks * (n_in + n_out if cand is not None else n_out)
         carried += pq.numel() * pq.element_size() if stride > 1 else 0
-        step = max(1, (PRUNE_BATCH_BYTES - carried) // per_block)
+        bound = PRUNE_BATCH_BYTES if batch_bytes is None else batch_bytes
+        step = max(1, (bound - carried) // per_block)
         scoring = None  # every block's queries rotated once, when some batch prunes
         if step < n_blocks and -(-n_in // c) > k // c:
             scoring = scoring_queries(
@@ -332,6 +334,7 @@ def prune_whole_blocks(
         head_score=cfg.head_score,
         ragged=pad > 0,
         starts_host=window_starts,
+        batch_bytes=cfg.prune_bytes,
     )
     ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
     sinks = torch.arange(cfg.sink, device=dev).expand(n, -1)

@@ -1,6 +1,7 @@
 """GPU memory of HiP's pruning: the bound on one batch of prefill query blocks
-(`PRUNE_BATCH_BYTES`, which HiP's plan counts), what one block takes in each stage, and what one
-decode scoring product takes (`decode_scoring_bytes`)."""
+(`PRUNE_BATCH_BYTES`, which HiP's plan counts), what one block takes in each stage, what a whole
+prefill chunk's blocks take at once (`whole_chunk_prune_bytes`), and what one decode scoring
+product takes (`decode_scoring_bytes`)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,38 @@ def decode_scoring_bytes(slab: int, head_dim: int, dtype_bytes: int = 2) -> int:
     `kvtier.sparse.pruning.SCORING_SLAB`): the rotated keys (in the model's dtype) and their
     float32 copy, plus each candidate's position and chunk index (int64, at most one a vector)."""
     return slab * ((dtype_bytes + 4) * head_dim + 16)
+
+
+def whole_chunk_prune_bytes(
+    middle: int,
+    blocks: int,
+    block_q: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    *,
+    chunk_sizes: tuple[int, ...],
+    budgets: tuple[int, ...],
+    strides: tuple[int, ...],
+    head_score: str,
+    triton: bool = True,
+) -> int:
+    """GPU bytes `prefill.run_block_stages` needs to prune `blocks` query blocks of a slice of
+    `kv_heads` KV heads (`heads` query heads) in one batch in every stage, over at most `middle`
+    candidates: the largest stage's bytes a block (`stage_prune_bytes`; `triton`: with the
+    Triton kernel, as on CUDA) times the blocks,
+    plus what the stage carries for all of them (candidates in and out, int64, and the pooled
+    queries where the stride pools them)."""
+    per_block = stage_prune_bytes(
+        middle, block_q, heads, kv_heads, head_dim,
+        chunk_sizes=chunk_sizes, budgets=budgets, strides=strides, triton=triton, head_score=head_score,
+    )  # fmt: skip
+    worst, n = 0, max(1, middle)
+    for size, c, k, stride in zip(per_block, chunk_sizes, budgets, strides, strict=True):
+        n_out = n if -(-n // c) <= k // c else k // c * c
+        carried = 8 * blocks * (n + n_out)
+        carried += blocks * -(-block_q // stride) * heads * head_dim * dtype_bytes if stride > 1 else 0
+        worst = max(worst, size * blocks + carried)
+        n = n_out
+    return worst
