@@ -204,6 +204,12 @@
 #   rows written whole at level 0 and tiled where not a power of two). NEXT: call A with the
 #   GGUF's first half runs 95 (their speed), call B runs 89 (the smoke: GPU-facing code changed);
 #   then 96 (94's 512K rows alone), 92, 85, 86, 87, the 8B smoke, 83, 80, 73, 69.
+# The thirty-seventh got an H100 at once (830eb89): 95 (lean 0.124x dense, now launch-bound),
+#   89 (28/28 + 15/15), 96, 92 (1M int4 + probes: the bisection failed to compile; fixed in
+#   d5f16d9, the rerun ran out of device time). Then, on the CPU, the pruning's launches cut
+#   (rotation hoisted, whole-chunk batches where the plan has room). NEXT: call A with the GGUF's
+#   first half runs 97 (SmolLM2's prefill after it), call B runs 98 (the smoke), then 99 (1M on
+#   the same machine: the prompt needs the GGUF), 85, 86, 87, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -416,6 +422,30 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
   done
   run 80 $py bench/gpu_checks.py
+  ;;
+97)
+  # (~2 min) the thirty-eighth session's call A (carry .gguf_a and .whl, copy the half first):
+  # issue 19's SmolLM2 prefill at 16K after the pruning's batches (a stage's queries rotated once
+  # for all batches; the head score reads the lengths; a resident plan with room prunes a whole
+  # chunk in one batch a stage: 62 operators a layer where 302 ran, CPU count with the kernels
+  # stubbed) and 2 warps for its 64-row tiles. At 830eb89 lean made 36,733 tok/s (0.124x dense,
+  # hip_small_prefill_head_score.json), bound by launches. Random weights. No GGUF.
+  run 110 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip" --profile --name hip_small_prefill_whole_chunk
+  ;;
+98)
+  # (~8 min) call B, at once after 97 (carry .gguf_b and .whl): the embedded smoke (GPU-facing
+  # code changed: the pruning's batches and warps, the plan's pruning bytes)
+  run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 250 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --out "$OUT/gpu_smoke_serve_embedded.json"
+  ;;
+99)
+  # (~9 min, on the machine 98 left the GGUF on: the prose prompt needs its tokenizer) issue 19's
+  # 1M decode through the CLI with int4 and probe scoring, which failed to compile at 830eb89
+  # (fixed in d5f16d9; tests/test_triton_compile.py compiles the kernels' variants on the CPU).
+  # The row took 251 s to reach its first decode step there.
+  run 570 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on --new-tokens 64 \
+    --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_c
   ;;
 96)
   # (~5 min, no GGUF) 94's 512K rows alone (--steps 0: prefill rows only): a 15K-token chunk at
