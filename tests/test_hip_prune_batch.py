@@ -51,14 +51,17 @@ def test_a_resident_plan_with_room_reserves_a_whole_chunk_of_pruning() -> None:
 
 
 def test_streamed_or_tight_plans_keep_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Llama-3-8B at 128K under 24 GiB streams slices: the default batch. Where the larger
-    reservation would not fit (here: asked for more than the card), the plan is the one
-    planned with the default, not a worse one."""
+    """Llama-3-8B at 128K under 24 GiB streams slices: the default batch. A whole chunk's
+    bytes past `WHOLE_CHUNK_PRUNE_MAX` reserve that much; where the larger reservation would not
+    fit (here: more than the card, the cap lifted), the plan is the one planned with the
+    default, not a worse one."""
     assert _placement("llama-3-8b", 131072, 24 * GIB).prune_bytes is None
     import kvtier.sparse.planning as planning
 
     before = _placement("smollm2-135m", 16384, 24 * GIB)
     monkeypatch.setattr(planning, "whole_chunk_prune_bytes", lambda *a, **k: 64 * GIB)
+    assert _placement("smollm2-135m", 16384, 24 * GIB).prune_bytes == planning.WHOLE_CHUNK_PRUNE_MAX
+    monkeypatch.setattr(planning, "WHOLE_CHUNK_PRUNE_MAX", 64 * GIB)
     after = _placement("smollm2-135m", 16384, 24 * GIB)
     assert after.prune_bytes is None
     assert after.plan == before.plan and after.reserve_bytes < before.reserve_bytes

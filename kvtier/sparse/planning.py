@@ -204,6 +204,12 @@ def plan_hip(
     )
 
 
+# The most `whole_chunk_pruning` reserves: past it a batch's kernels run long enough that the
+# launches one more batch costs are noise (SmolLM2's 16K chunk under `lean` takes 1.5 GB; Llama-3's
+# 16K chunk at 64K would take ~17 GB, 256 blocks of 8 heads x 256 rows x 8K chunks of maxima).
+WHOLE_CHUNK_PRUNE_MAX = 2 << 30
+
+
 def whole_chunk_pruning(
     cfg: ModelConfig,
     context: int,
@@ -214,9 +220,10 @@ def whole_chunk_pruning(
 ) -> tuple[HipPlacement, HipConfig]:
     """`placed` planned again with `hip.prune_bytes` raised so that each prefill chunk's query
     blocks are pruned in one batch a stage (`whole_chunk_prune_bytes` of a slice of the plan's
-    group), where the plan keeps every slice on the GPU and the new one does too with the same
-    slicing: the larger reservation then fits the budget. `plan_again(config)` plans with
-    `config` and the same chunk. Otherwise `placed` and `hip` as they were."""
+    group, at most `WHOLE_CHUNK_PRUNE_MAX`), where the plan keeps every slice on the GPU and the
+    new one does too with the same slicing: the larger reservation then fits the budget.
+    `plan_again(config)` plans with `config` and the same chunk. Otherwise `placed` and `hip` as
+    they were."""
     plan = placed.plan
     if plan.streamed_slices:
         return placed, hip
@@ -228,6 +235,7 @@ def whole_chunk_pruning(
         context, -(-chunk // hip.block_q), hip.block_q, heads, group, cfg.head_dim, dtype_bytes,
         chunk_sizes=hip.chunk_sizes, budgets=budgets, strides=hip.query_strides, head_score=hip.head_score,
     )  # fmt: skip
+    need = min(need, WHOLE_CHUNK_PRUNE_MAX)
     if need <= (PRUNE_BATCH_BYTES if hip.prune_bytes is None else hip.prune_bytes):
         return placed, hip
     roomier = replace(hip, prune_bytes=need)
