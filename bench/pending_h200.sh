@@ -209,7 +209,8 @@
 #   d5f16d9, the rerun ran out of device time). Then, on the CPU, the pruning's launches cut
 #   (rotation hoisted, whole-chunk batches where the plan has room). NEXT: call A with the GGUF's
 #   first half runs 97 (SmolLM2's prefill after it), call B runs 98 (the smoke), then 99 (1M on
-#   the same machine: the prompt needs the GGUF), 85, 86, 87, the 8B smoke, 83, 80, 73, 69.
+#   the same machine: the prompt needs the GGUF), 100 (512K's prefill steps through the CLI),
+#   85, 86, 87, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -446,6 +447,16 @@ case "$group" in
   # The row took 251 s to reach its first decode step there.
   run 570 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on --new-tokens 64 \
     --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_c
+  ;;
+100)
+  # (~6 min, on a machine with the GGUF: the prose prompt needs its tokenizer) issue 19's 512K
+  # prefill through the CLI (1.28-1.41x lossless; the bench's last 15K chunk alone ran 5,789
+  # tok/s under lean and 11,844 under fast, hip_offload_prefill_512k_lean_fast_b.json, while the
+  # CLI's whole prompt averaged ~4,700): each prefill step is now timed (stats.prefill_step_s),
+  # so the rows show whether the chunks ramp with the context as the bench predicts or cost
+  # more throughout.
+  run 340 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_preset=fast" --new-tokens 8 \
+    --timeout 160 --warmup-tokens 0 --name hip_cli_speed_512k_prefill_steps
   ;;
 96)
   # (~5 min, no GGUF) 94's 512K rows alone (--steps 0: prefill rows only): a 15K-token chunk at

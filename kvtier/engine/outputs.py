@@ -41,6 +41,11 @@ class GenerationStats:
     # "p50", "p90", "max" (a HiP refresh step stands out from the cached ones); empty when no
     # step was timed alone (one token, or the batch engine)
     decode_step_s: dict[str, float] = field(default_factory=dict)
+    # seconds of each prefill step (`runner.prefill_spans`: chunks, and HiP's last token alone),
+    # in order, timed on the device without a host sync between steps (CUDA events); where a
+    # long prompt's prefill goes (a chunk's cost grows with the context before it); empty when
+    # the prompt was not prefilled step by step here (the batch engine)
+    prefill_step_s: list[float] = field(default_factory=list)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -34,14 +34,44 @@ def prefill_spans(n: int, chunk_size: int, store: TieredKVStore) -> list[tuple[i
     return [*spans, (body, n)] if alone else spans
 
 
+class StepClock:
+    """Seconds of consecutive steps without a host sync between them: CUDA events recorded on
+    the current stream (read once the work is done), or the wall clock off CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[torch.cuda.Event | float] = []
+
+    def mark(self) -> None:
+        """The end of a step (the first mark: the start of the first)."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Each step's seconds (4 decimals). On CUDA, only once the marked work has finished."""
+        out = []
+        for a, b in itertools.pairwise(self._marks):
+            if isinstance(a, torch.cuda.Event) and isinstance(b, torch.cuda.Event):
+                out.append(round(a.elapsed_time(b) / 1e3, 4))
+            elif isinstance(a, float) and isinstance(b, float):
+                out.append(round(b - a, 4))
+        return out
+
+
 def prefill(
     model: CausalLM,
     store: TieredKVStore,
     ids: torch.Tensor,
     chunk_size: int,
     progress: bool = False,
+    clock: StepClock | None = None,
 ) -> torch.Tensor:
-    """Run prompt ids [N] in `prefill_spans`; returns the last position's logits [vocab]."""
+    """Run prompt ids [N] in `prefill_spans`; returns the last position's logits [vocab].
+    `clock`: marked before the first step and after each (no host sync)."""
     n = ids.shape[0]
     spans = prefill_spans(n, chunk_size, store)
     none = torch.empty(0, dtype=torch.long, device=ids.device)
@@ -55,6 +85,8 @@ def prefill(
         dynamic_ncols=True,
     )
     logits = torch.empty(0)
+    if clock is not None:
+        clock.mark()
     with bar:
         for s, e in spans:
             part = ids[s:e]
@@ -62,6 +94,8 @@ def prefill(
             store.begin_step(part.shape[0])
             logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
             store.end_step()
+            if clock is not None:
+                clock.mark()
             if progress:
                 _sync(ids.device)  # NOTE: only so the bar shows real progress
             bar.update(part.shape[0])
@@ -85,10 +119,12 @@ def generate_tokens(
     stats = GenerationStats(prompt_tokens=ids.shape[0])
     _sync(device)
     t0 = time.perf_counter()
-    logits = prefill(model, store, ids, chunk_size, progress)
+    clock = StepClock(device)
+    logits = prefill(model, store, ids, chunk_size, progress, clock)
     token = sampler(logits)
     out = [int(token)]  # host sync: ends the prefill timing honestly
     stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_step_s = clock.seconds()
     h2d_after_prefill = store.account.h2d_bytes
     t1 = time.perf_counter()
     ends = [t1]

@@ -1,0 +1,44 @@
+"""A request's stats time each prefill step (`GenerationStats.prefill_step_s`): where a long
+prompt's prefill goes, read without a host sync between steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.engine.runner import StepClock
+from tests.hf_reference import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama-gqa", folder)
+    return folder
+
+
+@pytest.mark.parametrize("attention", [None, "hip"])
+def test_every_prefill_step_is_timed(tiny: Path, attention: str | None) -> None:
+    """57 prompt tokens in chunks of 16: four steps (HiP: the last token alone, a fifth), each
+    timed, together no longer than the prefill."""
+    kw = {} if attention is None else {"attention": attention}
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, **kw)  # type: ignore[arg-type]
+    stats = llm.generate(list(range(3, 60)), SamplingParams(max_tokens=3, ignore_eos=True))[0].stats
+    assert len(stats.prefill_step_s) == (5 if attention else 4)
+    assert all(s >= 0 for s in stats.prefill_step_s)
+    assert 0 < sum(stats.prefill_step_s) <= stats.prefill_s
+    assert stats.to_dict()["prefill_step_s"] == stats.prefill_step_s
+
+
+def test_the_clock_times_consecutive_steps() -> None:
+    """Marks before the first step and after each give one duration a step, in order."""
+    clock = StepClock(torch.device("cpu"))
+    assert clock.seconds() == []
+    clock.mark()
+    for n in (1, 2):
+        torch.ones(n).sum()
+        clock.mark()
+    assert len(clock.seconds()) == 2
