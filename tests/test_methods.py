@@ -342,3 +342,34 @@ def test_hip_refresh_sets_the_decode_intervals_of_the_preset(tiny: Path) -> None
     assert every.stats.plan["method"].startswith("hip default, refresh always")
     # the tiny model's prompt is within every budget: any refresh attends every key, as dense does
     assert every.token_ids == llm.generate(ids, params, method="auto")[0].token_ids
+
+
+def test_hip_strides_reach_the_kernel_and_the_plan(tiny: Path) -> None:
+    """`hip,hip_strides=4/4/2`, `--hip-strides 4/4/2` and `LLM(hip_strides=...)` set the
+    kernel's query strides, say so in the description and size the plan's pruning bytes with
+    them; a malformed list, one that does not fit the preset's stages, and the option without
+    HiP are refused with what to give."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import method_spec, parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    choice = parse_choice("hip,hip_strides=4/4/2")
+    assert method_spec(choice) == "attention=hip,hip_strides=4/4/2"  # round-trips
+    parts = choice.build(cfg, cpu, None, context=4096)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.query_strides == (4, 4, 2) and parts.describe.endswith("query strides 4/4/2")
+    assert parse_choice("hip").build(cfg, cpu, None).kernel.cfg.query_strides == (4, 4, 1)  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="joined by '/'"):
+        parse_choice("hip,hip_strides=4/0/1")
+    with pytest.raises(ConfigError, match="one value per stage"):
+        parse_choice("hip,hip_strides=4/4").build(cfg, cpu, None)
+    with pytest.raises(ConfigError, match="--hip-strides applies only with"):
+        parse_choice("hip_strides=4/4/2")
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--attention", "hip", "--hip-strides", "4/4/2"]
+    )
+    assert method_kwargs(args)["hip_strides"] == "4/4/2"
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_strides="4/4/2")
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.stats.plan["method"].endswith("query strides 4/4/2")

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         args.hip_refresh,
         args.hip_host_keys,
         args.hip_probes,
+        args.hip_strides,
     )
     quest = quest_lines(req, args.attention, args.kv_budget, args.quest_page, args.kv_quant)
     evict = evict_lines(

@@ -82,15 +82,18 @@ def hip_lines(
     refresh: str | None = None,
     host_keys: bool | None = None,
     probes: bool = False,
+    strides: str | None = None,
 ) -> dict[str, Any] | None:
     """The plan under a sparse attention method with a planner hook (None for dense), over
     `kv_quant`'s packed KV when given (`refresh`: HiP's decode refresh intervals by name, None:
-    the preset's; `host_keys`: `--hip-host-keys`, None: auto; `probes`: `--hip-probes on`):
+    the preset's; `host_keys`: `--hip-host-keys`, None: auto; `probes`: `--hip-probes on`;
+    `strides`: `--hip-strides`, None: the preset's):
     slices, block cache per offloaded slice, the method's GPU bytes, host KV and its prefill
     chunk. A method it does not combine with is a ConfigError."""
     if attention != "hip":
-        for flag, given in (("--hip-host-keys", host_keys is not None), ("--hip-probes", probes)):
-            if given:
+        given = {"--hip-host-keys": host_keys is not None, "--hip-probes": probes, "--hip-strides": strides}
+        for flag, asked in given.items():
+            if asked:
                 raise ConfigError(f"{flag} applies only with --attention hip")
         return None
     choice = MethodChoice(
@@ -101,6 +104,7 @@ def hip_lines(
         hip_refresh=refresh,
         hip_host_keys=host_keys,
         hip_probes=probes,
+        hip_strides=strides,
         kv_quant=kv_quant,
         head_sparsity=head_sparsity,
     )
@@ -110,6 +114,9 @@ def hip_lines(
     return {
         "preset": resolved,
         "refresh": refresh,
+        "strides": strides,
+        # HiP's pruning batch where the plan raised it for a whole prefill chunk (None: 256 MiB)
+        "prune_mib": None if hip.prune_bytes is None else hip.prune_bytes >> 20,
         # HiP drops nothing up to this many tokens of prompt plus output (`HipConfig.exact_tokens`)
         "exact_tokens": hip_config(resolved, refresh).exact_tokens,
         "runs_lossless": choice.exact_at(req.cfg, req.context),
@@ -195,16 +202,19 @@ def format_hip(hip: dict[str, Any]) -> str:
     selection = "one selection per layer" if hip["per_layer"] else "one selection per slice"
     packed = f" over --kv-quant {hip['kv_quant']}" if hip["kv_quant"] else ""
     refresh = "" if hip["refresh"] is None else f", refresh {hip['refresh']}"
+    refresh += "" if hip.get("strides") is None else f", query strides {hip['strides']}"
     keys = ", stage 0 on host keys" if hip["host_keys"] else ""
     keys += (
         " read by probe" if hip["host_keys"] and hip["probes"] else ", probe scoring" if hip["probes"] else ""
     )
+    mib = hip.get("prune_mib")
+    prune = "" if mib is None else f" ({mib:,} MiB of it to prune a prefill chunk's blocks at once)"
     return (
         f"\nwith --attention hip ({hip['preset']}{refresh}{keys}){packed}: {hip['num_slices']} slices of "
         f"{hip['group_size']} KV heads ({selection}), "
         f"{hip['resident_slices']} resident; block cache per offloaded slice: "
         f"{'a whole refresh interval' if cache is None else f'{cache} tokens'}; prefill chunk "
-        f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB, GPU KV with staging "
+        f"{hip['chunk_size']:,}; HiP's GPU bytes {hip['hip_gpu_gb']:.2f} GB{prune}, GPU KV with staging "
         f"{hip['gpu_kv_with_staging_gb']:.2f} GB, host KV {hip['host_kv_gb']:.2f} GB; it drops "
         f"nothing up to {hip['exact_tokens']:,} tokens"
         + (": at this context it runs lossless (on CUDA; --exact-lossless)" if hip["runs_lossless"] else "")

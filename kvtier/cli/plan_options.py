@@ -183,6 +183,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
         help=OPTIONS["hip_host_keys"].help,
     )
     p.add_argument(
+        "--hip-strides", type=OPTIONS["hip_strides"].parse, default=None, help=OPTIONS["hip_strides"].help
+    )
+    p.add_argument(
         "--hip-probes",
         type=OPTIONS["hip_probes"].parse,
         default=False,

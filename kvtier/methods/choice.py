@@ -35,6 +35,7 @@ class MethodChoice:
     hip_refresh: str | None = None  # a REFRESH_PRESETS name (None: the preset's intervals)
     hip_host_keys: bool | None = None  # stage-0 reruns on host keys (`HipConfig.host_scoring`)
     hip_probes: bool | None = None  # stage 0 scores the bisection's probes (`HipConfig.probe_scoring`)
+    hip_strides: str | None = None  # queries pooled per score a stage, "4/4/2" (None: the preset's)
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None
@@ -60,10 +61,12 @@ class MethodChoice:
             raise ConfigError(f"--kv-budget must be a positive number of tokens, got {self.kv_budget}")
         if self.hip_refresh is not None:
             OPTIONS["hip_refresh"].parse(self.hip_refresh)  # raises on an unknown name
+        if self.hip_strides is not None:
+            OPTIONS["hip_strides"].parse(self.hip_strides)  # raises on a malformed list
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
         entry = self.entry
-        for key in ("kv_budget", "hip_refresh", "hip_host_keys", "hip_probes"):
+        for key in ("kv_budget", "hip_refresh", "hip_host_keys", "hip_probes", "hip_strides"):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]
                 raise ConfigError(f"{OPTIONS[key].flag} applies only with {', '.join(takers)}")

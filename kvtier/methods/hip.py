@@ -50,6 +50,30 @@ def _on_off(text: str) -> bool | None:
     return None if text == "auto" else text == "on"
 
 
+def _strides(text: str) -> str:
+    """`--hip-strides`: queries mean-pooled per score in each pruning stage, joined by '/'."""
+    try:
+        values = [int(v) for v in text.split("/")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(
+            f"--hip-strides takes a positive number of queries pooled per score for each pruning "
+            f"stage, joined by '/' (the presets' 4/4/1), got {text!r}"
+        )
+    return "/".join(map(str, values))
+
+
+def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
+    """The request's HipConfig: the preset with `--hip-refresh`'s intervals and `--hip-strides`'
+    query strides where given (ConfigError where the strides do not fit the preset's stages)."""
+    config = hip_config(preset, options.get("hip_refresh"))
+    strides = options.get("hip_strides")
+    if strides is not None:
+        config = replace(config, query_strides=tuple(int(v) for v in str(strides).split("/")))
+    return config
+
+
 def _probes(text: str) -> bool:
     if text not in ("on", "off"):
         raise ConfigError(f"--hip-probes takes on or off, got {text!r}")
@@ -87,7 +111,7 @@ def _plan(inputs: PlanInputs, options: Mapping[str, Any], plan_with: PlanWith) -
     """HiP's slicing and chunk search (`kvtier.sparse.planning.plan_hip`): whole layers first when
     the `auto` policy has no group given, with the largest block cache that fits."""
     preset = resolve_preset(str(options["hip_preset"]), inputs.cfg, inputs.context)
-    config = hip_config(preset, options.get("hip_refresh"))
+    config = _config(options, preset)
 
     def plan_at(config: HipConfig, chunk_size: int | None) -> HipPlacement:
         return plan_hip(
@@ -133,14 +157,14 @@ def _exact_at(options: Mapping[str, Any], cfg: ModelConfig, context: int) -> boo
     """Whether the preset a request of `context` tokens resolves to keeps every key there
     (`HipConfig.exact_tokens`: 3,328 tokens for `fast` and `lean`)."""
     preset = resolve_preset(str(options["hip_preset"]), cfg, context)
-    return context <= hip_config(preset, options.get("hip_refresh")).exact_tokens
+    return context <= _config(options, preset).exact_tokens
 
 
 def _build(ctx: BuildContext) -> PolicyParts:
     asked = str(ctx.options["hip_preset"])
     preset = resolve_preset(asked, ctx.cfg, ctx.context)
     refresh = ctx.options.get("hip_refresh")
-    hip = hip_config(preset, refresh)
+    hip = _config(ctx.options, preset)
     on_host = host_keys(ctx.options, ctx.context)
     kernel, unrotated = make_hip_kernel(
         ctx.cfg,
@@ -152,12 +176,15 @@ def _build(ctx: BuildContext) -> PolicyParts:
         host_scoring=on_host,
         probe_scoring=bool(ctx.options.get("hip_probes")),
         prune_bytes=ctx.hip_prune_bytes,
+        query_strides=hip.query_strides,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
         cache += " (a stopgap: steps fetch what it misses)"
     auto = f" ({AUTO_PRESET})" if asked == AUTO_PRESET else ""
     every = "" if refresh is None else f", refresh {refresh}"
+    strides = ctx.options.get("hip_strides")
+    every += "" if strides is None else f", query strides {strides}"
     keys = ", stage 0 on host keys" if on_host else ""
     keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
@@ -170,7 +197,7 @@ HIP = register(
         "attention",
         "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
         _build,
-        takes=("hip_preset", "hip_refresh", "hip_host_keys", "hip_probes"),
+        takes=("hip_preset", "hip_refresh", "hip_host_keys", "hip_probes", "hip_strides"),
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
@@ -200,6 +227,14 @@ HIP = register(
         "keys from host memory (half the bytes of streaming it whole) and the rest through the "
         "block cache; same output. auto (the default): on from 256K tokens without --kv-quant, "
         "or with it and --hip-probes on (H200: 1.56x streaming's decode rate at 512K, 0.85x at 128K)",
+    ),
+    Option(
+        "hip_strides",
+        "--hip-strides",
+        _strides,
+        "queries mean-pooled per score in each of HiP's pruning stages, joined by '/' (default: "
+        "the preset's, 4/4/1): pooling the last stage's queries (4/4/2) halves what it scores, a "
+        "lossy speed-up to measure on `kvtier eval` before use",
     ),
     Option(
         "hip_probes",
