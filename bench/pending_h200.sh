@@ -210,7 +210,7 @@
 #   (rotation hoisted, whole-chunk batches where the plan has room). NEXT: call A with the GGUF's
 #   first half runs 97 (SmolLM2's prefill after it), call B runs 98 (the smoke), then 99 (1M on
 #   the same machine: the prompt needs the GGUF), 100 (512K's prefill steps through the CLI),
-#   85, 86, 87, the 8B smoke, 83, 80, 73, 69.
+#   101 (--hip-strides 4/4/2: speed and NIAH), 85, 86, 87, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -447,6 +447,20 @@ case "$group" in
   # The row took 251 s to reach its first decode step there.
   run 570 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on --new-tokens 64 \
     --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_c
+  ;;
+101)
+  # (~7 min, GGUF) issue 19: lean with its last stage's queries pooled in pairs (--hip-strides
+  # 4/4/2 halves what the bisection scores, which bounds SmolLM2's 16K prefill once the launches
+  # are cut): its speed beside lean's on one start, then its NIAH grids beside the default's
+  # (prose 16K 30/33, 32K 29/33: niah_smollm2_cuda_prose_hip_auto_x3.json)
+  run 110 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip;hip,hip_strides=4/4/2" --name hip_small_prefill_strides
+  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 33000 --method hip,hip_strides=4/4/2 --no-progress \
+    --out "$OUT/niah_smollm2_cuda_prose_hip_strides_x3.json"
+  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack repeat --device cuda \
+    --max-model-len 33000 --method hip,hip_strides=4/4/2 --no-progress \
+    --out "$OUT/niah_smollm2_cuda_repeat_hip_strides_x3.json"
   ;;
 100)
   # (~6 min, on a machine with the GGUF: the prose prompt needs its tokenizer) issue 19's 512K
