@@ -80,7 +80,8 @@ def test_kernel_compiles_to_ttir_for_sm90(kernel: str, compiled: dict[str, list[
 
 
 def _launched_kernels() -> set[str]:
-    """Names of the @triton.jit functions that some kvtier module launches (`kernel[grid](...)`)."""
+    """Names of the @triton.jit functions that some kvtier module launches (`kernel[grid](...)`,
+    or through `kvtier.attention.fit_shared.launch`)."""
     jit: set[str] = set()
     launched: set[str] = set()
     for path in (ROOT / "kvtier").rglob("*.py"):
@@ -94,6 +95,14 @@ def _launched_kernels() -> set[str]:
                 and isinstance(node.func.value, ast.Name)
             ):
                 launched.add(node.func.value.id)
+            elif (  # `fit_shared.launch(kernel, grid, ...)`
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "launch"
+                and node.args
+                and isinstance(node.args[0], ast.Name)
+            ):
+                launched.add(node.args[0].id)
     return jit & launched
 
 

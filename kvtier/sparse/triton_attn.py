@@ -40,6 +40,7 @@ import os
 import torch
 import triton
 
+from kvtier.attention.fit_shared import launch
 from kvtier.sparse.rope_ext import RopeTable, attention_key_positions
 from kvtier.sparse.triton_attn_kernels import merge_splits, sparse_attn_fwd
 
@@ -156,7 +157,9 @@ def _launch(
     else:
         stride_kb, stride_ks, stride_kg = 0, k.stride(0), k.stride(1)
     cos, sin, n_pre = rope if rope is not None else (q, q, q_pos)  # placeholders when not rotating
-    sparse_attn_fwd[(grid_m, bsz * g, num_splits)](
+    launch(
+        sparse_attn_fwd,
+        (grid_m, bsz * g, num_splits),
         q,
         q_pos,
         k,

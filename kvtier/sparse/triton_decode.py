@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvtier.attention.fit_shared import launch
 from kvtier.sparse.triton_attn import _NO_SPLIT, _auto_splits, _interpreting, _tiles
 from kvtier.sparse.triton_attn_kernels import attend_tile, merge_splits
 
@@ -197,7 +198,8 @@ def attend_buffers_triton(
     block_m, block_n, warps, stages = _tiles(r, q.dtype, d)
     part = torch.empty((splits, bsz, h_q, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((splits, bsz, h_q), dtype=torch.float32, device=q.device)
-    buffers_attn_fwd[(triton.cdiv(r, block_m), bsz * g, splits)](
+    launch(
+        buffers_attn_fwd, (triton.cdiv(r, block_m), bsz * g, splits),
         q, base, meta_t, part, lse,
         q.stride(0), q.stride(1), stride_ks, stride_kg,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
