@@ -263,8 +263,14 @@ def run_block_stages(
         carried += pq.numel() * pq.element_size() if stride > 1 else 0
         bound = PRUNE_BATCH_BYTES if batch_bytes is None else batch_bytes
         step = max(1, (bound - carried) // per_block)
-        scoring = None  # every block's queries rotated once, when some batch prunes
-        if step < n_blocks and -(-n_in // c) > k // c:
+        # Several batches that prune: rotate every block's queries once, a copy the stage holds
+        # (counted in the bound), where it is small beside the bound: Llama-3's unpooled last
+        # stage at 512K would hold ~126 MB and halve the batches, costing more launches than
+        # the rotations save
+        scoring = None
+        rotated = pq.numel() * pq.element_size() if rotary is not None else 0
+        if step < n_blocks and -(-n_in // c) > k // c and rotated <= bound // 8:
+            step = max(1, (bound - carried - rotated) // per_block)
             scoring = scoring_queries(
                 pq, pp, keys, valid, c, -(-n_in // c), mode=mode, rotary=rotary, window=window
             )  # fmt: skip
