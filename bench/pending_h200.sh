@@ -428,7 +428,7 @@ case "$group" in
   # (~2 min) the thirty-eighth session's call A (carry .gguf_a and .whl, copy the half first):
   # issue 19's SmolLM2 prefill at 16K after the pruning's batches (a stage's queries rotated once
   # for all batches; the head score reads the lengths; a resident plan with room prunes a whole
-  # chunk in one batch a stage: 62 operators a layer where 302 ran, CPU count with the kernels
+  # chunk in one batch a stage: 59-63 operators a layer where 287-294 ran, bench/prefill_prune_ops.py,
   # stubbed) and 2 warps for its 64-row tiles. At 830eb89 lean made 36,733 tok/s (0.124x dense,
   # hip_small_prefill_head_score.json), bound by launches. Random weights. No GGUF.
   run 110 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
