@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.triton_compile_variants import KERNELS, variants
+from tests.triton_variants import KERNELS, variants
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_SHARDS = 4  # processes compiling at once (CI has 2 cores)

@@ -2,7 +2,7 @@
 shared memory a block) and report the shared memory each needs at its asked pipeline stages and
 at each fewer: what `kvtier.attention.fit_shared.launch` falls back through. Run by
 `tests/test_fit_shared.py` in a process with TRITON_INTERPRET unset (as
-`tests.triton_compile_variants`, whose variants and signatures it uses); no GPU needed.
+`tests.triton_compile_variants`, whose signatures it uses over `tests.triton_variants`); no GPU needed.
 
     python -m tests.triton_shared_fit sparse_attn_fwd buffers_attn_fwd
 
@@ -24,7 +24,7 @@ SM89_SHARED = 101_376  # bytes of shared memory a block may opt into on sm86/sm8
 def _largest(kernel: str) -> list[Any]:
     """The variants of `kernel` that ask for the most shared memory by their tile shapes: the
     widest heads, the float32 queries and the RoPE-in-kernel cases at the largest tiles."""
-    from tests.triton_compile_variants import variants
+    from tests.triton_variants import variants
 
     keep = []
     for v in variants([kernel]):
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from triton.compiler import ASTSource
     from triton.compiler import compile as triton_compile
 
-    from tests.triton_compile_variants import KERNELS, Compiler
+    from tests.triton_compile_variants import Compiler
+    from tests.triton_variants import KERNELS
 
     compiler = Compiler()
     compiler.target = GPUTarget("cuda", opts.capability, 32)
