@@ -211,6 +211,11 @@
 #   first half runs 97 (SmolLM2's prefill after it), call B runs 98 (the smoke), then 99 (1M on
 #   the same machine: the prompt needs the GGUF), 100 (512K's prefill steps through the CLI),
 #   101 (--hip-strides 4/4/2: speed and NIAH), 85, 86, 87, the 8B smoke, 83, 80, 73, 69.
+# The thirty-eighth got an H100 at once (e552b94): 97 (SmolLM2 lean 0.129x dense, now bound by the
+#   bisection, not launches), 98 (28/28 + 15/15), 99 (1M int4 + probes: 9.5 tok/s mean, p50 19.8),
+#   100 (512K prefill steps: the CLI's chunks match the bench's), 101 (4/4/2: 1.36x lean, NIAH
+#   61/66 + 66/66), 87 (probes' NIAH: the default's counts), and hip_offload at 48K profiled (the
+#   bisection 1.17 s of lean's 2.12 s chunk). NEXT: 85, 86, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
