@@ -183,6 +183,14 @@ def test_plan_hip_takes_the_widest_slices_that_hold_whole_slices(capsys: CapSys)
     assert _main(["plan", *small, "--gpu-memory", "18.5GB"]) == 2
     err = capsys.readouterr().err
     assert "weights 16.06 GB" in err and "--attention hip first takes" in err
+    # A --head-group too wide for whole slices: the message names it and the way out, and
+    # without it the planner takes the widest that fits (4 KV heads at 1M over int4).
+    wide = ["--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--context", "1M", "--gpu-memory", "24GiB",
+            "--host-memory", "120GiB", "--attention", "hip", "--kv-quant", "int4"]  # fmt: skip
+    assert _main(["plan", *wide, "--head-group", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "a slice of 8 KV heads take 8.59 GB" in err and "smaller --head-group" in err
+    assert _json(capsys, *wide)["hip"]["group_size"] == 4
     # Short of host memory, not GPU memory: the planner's host message, nothing about HiP's bytes.
     assert _main(["plan", *small, "--gpu-memory", "24GB", "--host-memory", "64GiB"]) == 2
     err = capsys.readouterr().err

@@ -168,7 +168,7 @@ def plan_hip(
         hw = hardware or DEFAULT_HARDWARE
         chunks = [hip_chunk_size(cfg, context, hw, hip_config(preset), dtype_bytes), None]
     error: CapacityError | None = None
-    planned = False  # some plan fitted, only not with whole slices
+    planned: KVPlan | None = None  # the last plan that fitted, only not with whole slices
     # NOTE: caches below the steps miss part of each step's final selection (fetched from the
     # host); they are tried only once no slicing fits with the steps, so no plan that fitted
     # before changes.
@@ -181,7 +181,7 @@ def plan_hip(
                     except CapacityError as e:
                         error = e  # the last: the largest budget tried
                         continue
-                    planned = True
+                    planned = plan
                     if plan.streamed_slices == 0:
                         return HipPlacement(plan, None, reserve(None))  # nothing offloaded: no block cache
                     if plan.staging_tokens >= plan.capacity_tokens:
@@ -196,6 +196,15 @@ def plan_hip(
         ) from None
     assert gpu_budget is not None  # without a GPU budget every plan holds whole slices
     finest = 2 * context * 2 * cfg.head_dim * dtype_bytes  # two staging buffers of one KV head
+    if not layers_first and planned is not None and planned.group_size > 1:  # the caller's slicing
+        g = planned.group_size
+        raise CapacityError(
+            f"--attention hip needs every offloaded slice whole in a staging buffer: at {context} "
+            f"tokens two buffers of a slice of {g} KV heads take {g * finest / 1e9:.2f} GB, which "
+            f"with HiP's block caches (at least {least:.2f} GB) does not fit --gpu-memory "
+            f"{gpu_budget / 1e9:.2f} GB; use a smaller --head-group, or leave it out (the "
+            "planner then takes the widest slices that fit)"
+        )
     raise CapacityError(
         f"--attention hip needs every offloaded slice whole in a staging buffer: at {context} tokens "
         f"two buffers of one KV head take {finest / 1e9:.2f} GB, and with HiP's block caches "
