@@ -215,7 +215,8 @@
 #   bisection, not launches), 98 (28/28 + 15/15), 99 (1M int4 + probes: 9.5 tok/s mean, p50 19.8),
 #   100 (512K prefill steps: the CLI's chunks match the bench's), 101 (4/4/2: 1.36x lean, NIAH
 #   61/66 + 66/66), 87 (probes' NIAH: the default's counts), and hip_offload at 48K profiled (the
-#   bisection 1.17 s of lean's 2.12 s chunk). NEXT: 85, 86, the 8B smoke, 83, 80, 73, 69.
+#   bisection 1.17 s of lean's 2.12 s chunk), then decode profiles of the 1M slicing at 512K (host-
+#   bound refresh steps). NEXT: 102 (Triton's launch cost), 85, 86, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -428,6 +429,13 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
   done
   run 80 $py bench/gpu_checks.py
+  ;;
+102)
+  # (~1 min, no GGUF) the thirty-eighth session's decode finding: lean's refresh steps are bound
+  # by host work, a dozen Triton launches a slice at ~60 us each under cProfile. Their plain host
+  # cost through Triton's dispatch and straight to the compiled kernel, beside a torch operator's
+  # (if the gap is large, a launch cache for the decode kernels is the cheap half of the fix)
+  run 60 $py bench/launch_overhead.py --name launch_overhead
   ;;
 97)
   # (~2 min) the thirty-eighth session's call A (carry .gguf_a and .whl, copy the half first):
