@@ -50,6 +50,7 @@ def main() -> None:
     from kvtier.loading.presets import preset_config
     from kvtier.model.rope import Rotary
     from kvtier.sparse import HIP_PRESETS, triton_attn, triton_bisect
+    from kvtier.sparse import prefill as prefill_module
     from kvtier.sparse.prefill import run_block_stages
     from kvtier.sparse.rope_ext import RopeTable
 
@@ -119,6 +120,7 @@ def main() -> None:
         module = old if name == "old" else triton_bisect
         module.BLOCK_C, module.NUM_WARPS = block_c, warps
         triton_bisect.bisect_triton = module.bisect_triton  # prune_blocks imports it at call time
+        prefill_module.FUSED_LSE = name != "old"  # an older file's kernel writes no logsumexp parts
         t = clock(prune, reps)
         same = bool(torch.equal(prune()[0], ref_sel))
         variant = f"{name} block_c={block_c} warps={warps}"
@@ -126,9 +128,15 @@ def main() -> None:
         print(rows[-1], flush=True)
     triton_bisect.bisect_triton = current
     triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = 32, None
-    if hip.head_score == "softmax":  # the head score's torch passes against its Triton ones
-        from kvtier.sparse import prefill as prefill_module
-
+    prefill_module.FUSED_LSE = True
+    if hip.head_score == "softmax":  # the head score's two Triton passes, and its torch passes
+        prefill_module.FUSED_LSE = False
+        t = clock(prune, reps)
+        same = bool(torch.equal(prune()[0], ref_sel))
+        prefill_module.FUSED_LSE = True
+        variant = "pair block_c=32, two-pass head score"
+        rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
+        print(rows[-1], flush=True)
         prefill_module.TRITON_HEAD_SCORE = False
         t = clock(prune, reps)
         same = bool(torch.equal(prune()[0], ref_sel))

@@ -216,7 +216,9 @@
 #   100 (512K prefill steps: the CLI's chunks match the bench's), 101 (4/4/2: 1.36x lean, NIAH
 #   61/66 + 66/66), 87 (probes' NIAH: the default's counts), and hip_offload at 48K profiled (the
 #   bisection 1.17 s of lean's 2.12 s chunk), then decode profiles of the 1M slicing at 512K (host-
-#   bound refresh steps). NEXT: 102 (Triton's launch cost), 85, 86, the 8B smoke, 83, 80, 73, 69.
+#   bound refresh steps). Then, on the CPU, the head score's logsumexp fused into the bisection.
+#   NEXT: 102 (Triton's launch cost) and 103 (the fused logsumexp) with the GGUF's first half as
+#   call A, 98 (the smoke) as call B; then 85, 86, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -429,6 +431,20 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
   done
   run 80 $py bench/gpu_checks.py
+  ;;
+103)
+  # (~5 min, no GGUF) issue 19's prefill after the bisection kernel writes each row's logsumexp
+  # in parts (the softmax head score reads the per-row maxima once, not twice; _row_lse took
+  # 0.13 s of lean's 2.12 s chunk at 48K on Llama-3's shapes and 32 ms of SmolLM2's 0.36 s 16K
+  # prefill): the kernels' A/B (hip_kernels' "two-pass head score" row), SmolLM2's 16K prefill,
+  # and the 48K chunk profiled as hip_offload_prefill_48k_lean_fast.json was. Then group 98 (the
+  # smoke: GPU-facing code changed).
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --name hip_kernels_smollm2_16k_lean_fused
+  run 90 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip" --profile --name hip_small_prefill_fused_lse
+  run 100 $py bench/hip_offload.py --contexts 48K --presets lean --policy planned --no-dense --steps 0 \
+    --prefill-chunk 16384 --profile --name hip_offload_prefill_48k_lean_fused
   ;;
 102)
   # (~1 min, no GGUF) the thirty-eighth session's decode finding: lean's refresh steps are bound

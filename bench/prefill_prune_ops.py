@@ -58,9 +58,17 @@ def _launch(name: str) -> None:
 
 def _bisect(q: torch.Tensor, keys: Any, candidates: Any, first: int, lengths: torch.Tensor, chunk: int,
             **kw: Any) -> torch.Tensor:  # fmt: skip
-    """`bisect_triton`'s outputs, random: [B, C], or with per_row the rows' view [B, C, G, rows]."""
+    """`bisect_triton`'s outputs, random: [B, C], or with per_row the rows' view [B, C, G, rows],
+    or with softmax_scale the head score [B, C] (its launches counted as the wrapper makes them)."""
     _launch("_bisect_kernel")
     bsz, nq, g, r, _ = q.shape
+    if kw.get("softmax_scale") is not None:
+        programs = -(-lengths.shape[1] // triton_head_score.BLOCK_CHUNKS)
+        parts = -(-lengths.shape[1] // triton_bisect.BLOCK_C)
+        if bsz * programs * g * nq * r * parts > triton_head_score.FOLD_PARTS_MAX:
+            _launch("_combine_lse")
+        _launch("_chunk_score")
+        return torch.rand(bsz, lengths.shape[1])
     if kw.get("per_row"):
         return torch.randn(bsz, g, nq * r, lengths.shape[1]).permute(0, 3, 1, 2)
     return torch.randn(bsz, lengths.shape[1])

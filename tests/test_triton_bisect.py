@@ -205,3 +205,47 @@ def test_rows_in_tiles_score_as_the_torch_bisection(device: str, per_row: bool) 
         assert got.shape == ref.shape == (2, c_count, nq * g * r)
         got, ref = got.sort(dim=2).values, ref.sort(dim=2).values
     assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fold", [True, False])
+def test_logsumexp_parts_give_the_two_pass_head_score(
+    device: str, fold: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bisect_triton(softmax_scale=...)`, whose kernel writes each row's logsumexp in parts at
+    its last level, gives what `softmax_head_score_triton` gives over its rows: chunks dead in
+    some blocks and not others, a block with none live, padded rows (40 a KV head in 64), more
+    chunks than one program holds; with the parts combined in the score pass (`fold`, decode's
+    case) or by `_combine_lse` first. Then `prune_blocks` keeps what it kept before."""
+    from kvtier.sparse import prefill, triton_head_score
+    from kvtier.sparse.triton_bisect import bisect_triton
+    from kvtier.sparse.triton_head_score import softmax_head_score_triton
+
+    monkeypatch.setattr(triton_head_score, "FOLD_PARTS_MAX", 1 << 30 if fold else 0)
+    gen = torch.Generator().manual_seed(5)
+    s, g, r, nq, chunk = 700, 2, 4, 10, 4
+    keys = torch.randn(s, g, D, generator=gen).to(device)
+    q = torch.randn(3, nq, g * r, D, generator=gen).to(device)
+    valid = torch.tensor([690, 300, 0], device=device)
+    q_pos = torch.stack([torch.arange(690, 690 + nq)] * 3).to(device)
+    c_count = -(-690 // chunk)  # 173: six programs of 32 chunks
+    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
+    qr, _ = scoring_queries(q, q_pos, keys, valid, chunk, c_count, mode="absolute", rotary=None, window=8)
+    scale = D**-0.5
+    rows = bisect_triton(qr, keys, None, 0, lengths, chunk, mode="absolute", tables=None, per_row=True)
+    ref = softmax_head_score_triton(rows, lengths, scale)
+    got = bisect_triton(
+        qr, keys, None, 0, lengths, chunk, mode="absolute", tables=None, per_row=True, softmax_scale=scale
+    )
+    live = lengths > 0
+    assert got.shape == ref.shape == (3, c_count)
+    assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-7)
+    assert bool((got[~live] == float("-inf")).all()) and bool((ref[~live] == float("-inf")).all())
+    kept = {}
+    for fused in (True, False):
+        monkeypatch.setattr(prefill, "FUSED_LSE", fused)
+        kept[fused] = prefill.prune_blocks(
+            q, q_pos, keys, None, valid, chunk, 64, mode="absolute", rotary=None, window=8, width=690,
+            triton=True, head_score="softmax",
+        )  # fmt: skip
+    assert torch.equal(kept[True][0], kept[False][0]) and torch.equal(kept[True][1], kept[False][1])

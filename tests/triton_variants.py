@@ -21,6 +21,7 @@ from tests.triton_variant_parts import ACT, HALF, ROOT, Ptr, Variant, _cases, _n
 from tests.triton_variants_sparse import (
     _bisect,
     _buffers_attn_fwd,
+    _combine_lse,
     _head_score,
     _merge_splits,
     _put_rows,
@@ -40,6 +41,7 @@ KERNELS: dict[str, str] = {
     "buffers_attn_fwd": "kvtier.sparse.triton_decode",
     "_row_lse": "kvtier.sparse.triton_head_score",
     "_chunk_score": "kvtier.sparse.triton_head_score",
+    "_combine_lse": "kvtier.sparse.triton_head_score",
     "sparse_attn_fwd": "kvtier.sparse.triton_attn_kernels",
     "merge_splits": "kvtier.sparse.triton_attn_kernels",
     "_unpack_kivi": "kvtier.policies.quant_triton",
@@ -185,6 +187,7 @@ BUILDERS: dict[str, Callable[[], Iterator[Variant]]] = {
     "buffers_attn_fwd": _buffers_attn_fwd,
     "_row_lse": lambda: _head_score("_row_lse"),
     "_chunk_score": lambda: _head_score("_chunk_score"),
+    "_combine_lse": _combine_lse,
     "sparse_attn_fwd": _sparse_attn_fwd,
     "merge_splits": _merge_splits,
     "_unpack_kivi": _unpack_kivi,

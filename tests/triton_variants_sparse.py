@@ -140,7 +140,28 @@ def _head_score(kernel: str) -> Iterator[Variant]:
             C=n_c, ROWS=g * rows, RPG=rows, stride_b=strides[0], stride_c=strides[1], stride_g=strides[2],
             stride_r=strides[3], scale=0.125, BR=64, BC=64,
         )  # fmt: skip
-        yield Variant(kernel, c, args)
+        if kernel != "_chunk_score":
+            yield Variant(kernel, c, args)
+            continue
+        # the rows' logsumexp read ([B, ROWS]) or combined from the bisection's parts
+        # ([B, G, R_pad, P]: 10 parts of 32 chunks)
+        for parts in (False, True):
+            more = dict(
+                m_ptr=Ptr("float32"), s_ptr=Ptr("float32"), P=10, part_b=g * r_pad * 10, part_g=r_pad * 10
+            )
+            if not parts:  # placeholders, as `softmax_head_score_triton` passes them
+                more.update(P=1, part_b=0, part_g=0)
+            yield Variant(kernel, {**c, "PARTS": parts}, {**args, **more, "PARTS": parts, "BP": 16})
+
+
+def _combine_lse() -> Iterator[Variant]:
+    # `softmax_head_score_parts` without the fold: parts [B, G, R_pad, P] of 1, 10 or 64 programs
+    for (g, rows, r_pad), parts in itertools.product(((8, 192, 192), (1, 9, 16)), (1, 10, 64)):
+        args = dict(
+            m_ptr=Ptr("float32"), s_ptr=Ptr("float32"), lse_ptr=Ptr("float32"), ROWS=g * rows, RPG=rows,
+            P=parts, part_b=g * r_pad * parts, part_g=r_pad * parts, BR=64, BP=16,
+        )  # fmt: skip
+        yield Variant("_combine_lse", dict(G=g, rows=rows, P=parts), args)
 
 
 # --- kvtier.sparse.triton_bisect ------------------------------------------------------------
@@ -168,6 +189,7 @@ def _bisect_variant(
     per_row: bool,
     g: int,
     rows: int,
+    lse: bool = False,
     dtype: str = "bfloat16",
     chunk: int = 64,
     d: int = 128,
@@ -197,28 +219,35 @@ def _bisect_variant(
     args = dict(
         q_ptr=Ptr(dtype), k_ptr=k_ptr, cand_ptr=Ptr("int64"), addr_ptr=Ptr("int64"), len_ptr=Ptr("int64"),
         cos_ptr=Ptr(dtype), sin_ptr=Ptr(dtype), out_ptr=Ptr("float32"), row_ptr=Ptr("float32"),
-        C=n_c, N=n_c * chunk, first=first, offs_ptr=Ptr("int64"), extent_tokens=extent_tokens, ring=ring,
+        lse_m_ptr=Ptr("float32"), lse_s_ptr=Ptr("float32"), scale=0.125 if lse else 1.0, C=n_c,
+        N=n_c * chunk, first=first, offs_ptr=Ptr("int64"), extent_tokens=extent_tokens, ring=ring,
         stride_ks=stride_ks, stride_kg=stride_kg, head0=head0, g_all=g_all, n_codes=n_codes, R_VALID=rows,
         G=g, R=r_pad, TR=tr, N_TILES=r_pad // tr, D=d, CHUNK=chunk,
         LEVELS=max(1, math.ceil(math.log2(chunk))), MODE=mode, ROTATE=rotate, ARANGE=arange,
-        EXTENTS=extents, ADDR=addr, BITS=bits, GROUP=group, INTERPRET=False, PER_ROW=per_row, BLOCK_C=32,
+        EXTENTS=extents, ADDR=addr, BITS=bits, GROUP=group, INTERPRET=False, PER_ROW=per_row, LSE=lse,
+        BLOCK_C=32,
     )  # fmt: skip
     return Variant("_bisect_kernel", case, args, dict(num_warps=8 if tr >= 128 else 4, num_stages=1))
 
 
 def _bisect() -> Iterator[Variant]:
     # every flag combination the wrapper passes, at G 1 and 8 and rows of one tile (64) or three
-    # (192 = 3 x 64)
-    for (bits, extents, addr, arange), rotate, mode, per_row, g, rows in itertools.product(
-        _BISECT_KEYS, (False, True), (0, 1, 2), (False, True), (1, 8), (64, 192)
+    # (192 = 3 x 64); the per-row maxima without and with their logsumexp parts (LSE)
+    for (bits, extents, addr, arange), rotate, mode, (per_row, lse), g, rows in itertools.product(
+        _BISECT_KEYS,
+        (False, True),
+        (0, 1, 2),
+        ((False, False), (True, False), (True, True)),
+        (1, 8),
+        (64, 192),
     ):
         case: dict[str, Any] = dict(
             BITS=bits, EXTENTS=extents, ADDR=addr, ARANGE=arange, ROTATE=rotate, MODE=mode, PER_ROW=per_row,
-            G=g, rows=rows,
+            LSE=lse, G=g, rows=rows,
         )  # fmt: skip
         yield _bisect_variant(
             case, bits=bits, extents=extents, addr=addr, arange=arange, rotate=rotate, mode=mode,
-            per_row=per_row, g=g, rows=rows,
+            per_row=per_row, g=g, rows=rows, lse=lse,
         )  # fmt: skip
     # a host slice's integers equal to 1 (constexprs in a real launch): one extent (ring), the
     # slice's KV head 1 of 8 or its only head (KIVI head0, g_all), first 1; other key widths and
@@ -243,5 +272,5 @@ def _bisect() -> Iterator[Variant]:
         case = dict(dtype=dtype, D=d, rows=rows, CHUNK=chunk, ROTATE=rotate, MODE=2, G=3)
         yield _bisect_variant(
             case, bits=0, extents=False, addr=False, arange=False, rotate=rotate, mode=2, per_row=True, g=3,
-            rows=rows, dtype=dtype, chunk=chunk, d=d,
+            rows=rows, lse=True, dtype=dtype, chunk=chunk, d=d,
         )  # fmt: skip

@@ -34,6 +34,10 @@ from kvtier.sparse.rope_ext import RopeTable, scoring_query_position
 # With Triton, the "softmax" head score runs as `triton_head_score`'s two passes; False: the torch
 # passes of `softmax_head_score` over the kernel's rows (bench/hip_kernels.py's A/B).
 TRITON_HEAD_SCORE = True
+# With it, the bisection kernel also writes each row's logsumexp over its chunks in parts, so
+# the head score reads the maxima once, not twice (`bisect_triton(softmax_scale=...)`); False:
+# the two passes over the rows (bench/hip_kernels.py's A/B).
+FUSED_LSE = True
 
 
 def pool_blocks(
@@ -115,6 +119,8 @@ def prune_blocks(
     qr, limit = scoring
     chunks = _chunks(candidates, c_count, chunk) if candidates is not None else None  # [B, C, c]
     per_row = head_score == "softmax"
+    scale = q.shape[-1] ** -0.5
+    fused = per_row and triton and TRITON_HEAD_SCORE and FUSED_LSE  # scores: the head score itself
     if triton:
         from kvtier.sparse.triton_bisect import bisect_triton
 
@@ -122,20 +128,22 @@ def prune_blocks(
         tables = rotary.tables(limit, like) if rotary is not None else None
         scores = bisect_triton(
             qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row,
-            addresses=addresses,
+            addresses=addresses, softmax_scale=scale if fused else None,
         )  # fmt: skip
     else:
         assert chunks is not None and isinstance(keys, torch.Tensor), "keys in place need the Triton kernel"
         scores = bisect_chunks(
             qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
         )
-    if per_row and triton and TRITON_HEAD_SCORE:  # the kernel's rows [B, C, G, rows]: two Triton passes
+    if fused:
+        pass  # dead chunks -inf already
+    elif per_row and triton and TRITON_HEAD_SCORE:  # the kernel's rows [B, C, G, rows]: two Triton passes
         from kvtier.sparse.triton_head_score import softmax_head_score_triton
 
-        scores = softmax_head_score_triton(scores, lengths, q.shape[-1] ** -0.5)  # dead chunks -inf
+        scores = softmax_head_score_triton(scores, lengths, scale)  # dead chunks -inf
     else:
         if per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
-            scores = softmax_head_score(scores, lengths > 0, q.shape[-1] ** -0.5)
+            scores = softmax_head_score(scores, lengths > 0, scale)
         scores = torch.where(lengths > 0, scores, float("-inf"))
     top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
     # Chunks are consecutive runs of the sorted candidates and every -1 lies past the last valid

@@ -6,6 +6,7 @@ product takes (`decode_scoring_bytes`)."""
 from __future__ import annotations
 
 PRUNE_BATCH_BYTES = 256 << 20  # temporaries of one batch of query blocks in one stage, about
+BISECT_BLOCK_C = 32  # chunks a program of the pruning kernel scores (`triton_bisect.BLOCK_C`)
 TILE_ROWS_MIN = 64  # row tiles of the pruning kernel at least this tall replace padding (`row_tiles`)
 
 
@@ -49,8 +50,10 @@ def stage_prune_bytes(
         rows = -(-block_q // stride) * heads  # (pooled query, head) rows of a block
         if head_score == "softmax" and triton:  # the kernel's rows, read in place by the Triton
             # head score, and the pooled, rotated and padded copies of the queries (float32 at most)
+            # and each row's logsumexp in two float32 parts a program of BISECT_BLOCK_C chunks
             held, _ = row_tiles(rows // kv_heads)
-            size += 4 * c_count * held * kv_heads + 3 * 4 * held * kv_heads * head_dim
+            parts = -(-c_count // BISECT_BLOCK_C)
+            size += 4 * (c_count + 2 * parts) * held * kv_heads + 3 * 4 * held * kv_heads * head_dim
         elif head_score == "softmax":  # the rows and logsumexp's one temporary (softmax_head_score)
             size += 2 * 4 * c_count * rows
         sizes.append(size)

@@ -35,11 +35,11 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
-from kvtier.sparse.prune_memory import row_tiles
+from kvtier.sparse.prune_memory import BISECT_BLOCK_C, row_tiles
 from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offsets
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
-BLOCK_C = 32  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
+BLOCK_C = BISECT_BLOCK_C  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
 # None: `num_warps`'s choice by shape (bench/hip_kernels.py sweeps); an int forces it
 NUM_WARPS: int | None = None
 
@@ -95,6 +95,12 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     length,  # [BC] valid entries of the chunk
     first,
     level,  # the bisection's level: the row maxima are read from the second on (PER_ROW)
+    last,  # whether it is the last level: the rows' logsumexp parts are written then (LSE)
+    lse_m_base,  # pointers: this block's logsumexp parts [G, R, P] (LSE only)
+    lse_s_base,
+    part,  # this program's part: its index along the chunks
+    P,
+    scale,
     offs_ptr,  # [extents] int64 (EXTENTS only)
     extent_tokens,  # tokens an extent (BITS: rows)
     ring,
@@ -120,13 +126,16 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
+    LSE: tl.constexpr,  # with PER_ROW: also each row's logsumexp over this program's live chunks
     BLOCK_C: tl.constexpr,
 ):
     """Both probes of a level: max over KV heads and rows of q . k(probe), [BC] float32 each.
     One loop over the heads loads both probes' keys once and the head's rows a tile of TR at a
     time (N_TILES > 1 where the rows are not a power of two: 192 of SmolLM2's 64 queries x 3
     heads in 3 tiles of 64, not 256 with 64 masked). With PER_ROW each row's max(left, right)
-    also goes into the row maxima (this program owns its chunks' cells)."""
+    also goes into the row maxima (this program owns its chunks' cells); with LSE, at the last
+    level (the cells final) each row's logsumexp over the program's live chunks of scale times
+    them, in two parts: the max m and the sum of exp(x - m) (`triton_head_score`)."""
     pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
     pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
     if ADDR:  # rows of a block cache's bank (or its overflow): offsets the caller computed
@@ -187,7 +196,18 @@ def _probe_pair(  # type: ignore[no-untyped-def]
                 # NOTE: not `live` (ADDR's [BC] mask): a loop may not reshape a variable it carries
                 owned = rmask[:, None] & cmask[None, :]
                 old = tl.load(cells, mask=owned & (level > 0), other=float("-inf"))
-                tl.store(cells, tl.maximum(old, tl.maximum(sc_l, sc_r)), mask=owned)
+                cell = tl.maximum(old, tl.maximum(sc_l, sc_r))
+                tl.store(cells, cell, mask=owned)
+                if LSE:  # noqa: SIM102 (a constexpr branch alone: off, the body is not compiled)
+                    if last:  # NOTE: `alive`, not `live` (a name the ADDR branch gives a [BC] mask)
+                        alive = cmask & (length > 0)
+                        y = tl.where(rmask[:, None] & alive[None, :], cell * scale, float("-inf"))
+                        m = tl.max(y, axis=1)  # [TR]
+                        safe = tl.where(m == float("-inf"), 0.0, m)
+                        sm = tl.sum(tl.exp(y - safe[:, None]), axis=1)
+                        at = (g * R + rows) * P + part
+                        tl.store(lse_m_base + at, m, mask=rmask)
+                        tl.store(lse_s_base + at, sm, mask=rmask)
     return best_l, best_r
 
 
@@ -202,6 +222,9 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     sin_ptr,
     out_ptr,  # [B, C] float32
     row_ptr,  # [B, G, R, C] float32 (PER_ROW only): written where rows < R_VALID, read nowhere else
+    lse_m_ptr,  # [B, G, R, P] float32 (LSE only): each row's logsumexp parts, P = programs along C
+    lse_s_ptr,
+    scale,  # the head score's scale (LSE only)
     C,
     N,
     first,
@@ -230,10 +253,13 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
+    LSE: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = tl.program_id(1)
+    n_parts = tl.num_programs(1)
+    cs = part * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cs < C
     length = tl.load(len_ptr + b * C + cs, mask=cmask, other=0)
     q_base = q_ptr + b * G * R * D
@@ -247,9 +273,10 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
         off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
         s_l, s_r = _probe_pair(
             q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
-            cmask, off_l, off_r, length, first, level, offs_ptr, extent_tokens, ring, stride_ks, stride_kg,
-            head0, g_all, n_codes, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS,
-            ADDR, BITS, GROUP, INTERPRET, PER_ROW, BLOCK_C,
+            cmask, off_l, off_r, length, first, level, level == LEVELS - 1, lse_m_ptr + b * G * R * n_parts,
+            lse_s_ptr + b * G * R * n_parts, part, n_parts, scale, offs_ptr, extent_tokens, ring, stride_ks,
+            stride_kg, head0, g_all, n_codes, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE, ROTATE, ARANGE,
+            EXTENTS, ADDR, BITS, GROUP, INTERPRET, PER_ROW, LSE, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -270,6 +297,7 @@ def bisect_triton(
     tables: tuple[torch.Tensor, torch.Tensor] | None,
     per_row: bool = False,
     addresses: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Chunk scores of a pruning stage, as `prefill._bisect` computes them.
 
@@ -284,8 +312,11 @@ def bisect_triton(
     rows as a view [B, C, G, Nq * r] (rows in another order, which the "softmax" head score's
     max over rows ignores). `addresses` [B, N] int64 (with `candidates`, keys a tensor): each
     candidate's key as an element offset from keys' first element, where keys are not at their
-    positions (the rows of a block cache's bank, or of its overflow, another allocation). No
-    host sync.
+    positions (the rows of a block cache's bank, or of its overflow, another allocation).
+    `softmax_scale` (with `per_row`): the "softmax" head score itself, [B, C] float32 with dead
+    chunks -inf, as `softmax_head_score_triton` of the rows gives it up to float rounding: the
+    kernel also writes each row's logsumexp in parts, so the head score reads the rows once
+    (`triton_head_score.softmax_head_score_parts`). No host sync.
     """
     bsz, nq, g, r, d = q.shape
     c_count = lengths.shape[1]
@@ -301,6 +332,11 @@ def bisect_triton(
         row_best = torch.empty(
             bsz, g, r_pad, c_count, dtype=torch.float32, device=q.device
         )  # rows < `rows` written
+    grid = (bsz, triton.cdiv(c_count, BLOCK_C))
+    lse_m = lse_s = out  # placeholder pointers unless softmax_scale
+    if softmax_scale is not None:
+        assert per_row, "the softmax head score needs the per-row maxima"
+        lse_m, lse_s = torch.empty(2, bsz, g, r_pad, grid[1], dtype=torch.float32, device=q.device)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
     head0, g_all, n_codes, bits, group = 0, g, 0, 0, 1  # full-precision keys
@@ -317,7 +353,6 @@ def bisect_triton(
     cos, sin = tables if tables is not None else (k_ptr, k_ptr)
     levels = max(1, math.ceil(math.log2(chunk)))
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    grid = (bsz, triton.cdiv(c_count, BLOCK_C))
     _bisect_kernel[grid](
         qr,
         k_ptr,
@@ -328,6 +363,9 @@ def bisect_triton(
         sin,
         out,
         row_best,
+        lse_m,
+        lse_s,
+        1.0 if softmax_scale is None else softmax_scale,
         c_count,
         cand.shape[1],
         first,
@@ -356,6 +394,7 @@ def bisect_triton(
         GROUP=group,
         INTERPRET=interpret,
         PER_ROW=per_row,
+        LSE=softmax_scale is not None,
         BLOCK_C=BLOCK_C,
         num_warps=NUM_WARPS or num_warps(tile_rows, d),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
@@ -363,5 +402,10 @@ def bisect_triton(
     if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk
         keys.on_read(bsz * c_count * 2 * levels * g * keys.probe_bytes)
     if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
-        return row_best[:, :, :rows].permute(0, 3, 1, 2)
+        view = row_best[:, :, :rows].permute(0, 3, 1, 2)
+        if softmax_scale is not None:
+            from kvtier.sparse.triton_head_score import softmax_head_score_parts
+
+            return softmax_head_score_parts(view, lengths, softmax_scale, lse_m, lse_s)
+        return view
     return out

@@ -14,6 +14,12 @@ Two reads of the maxima and nothing of their size written. The same values as
 `softmax_head_score` up to float rounding (its logsumexp subtracts a global maximum; pass 1 keeps
 a running one).
 
+`bisect_triton(softmax_scale=...)` saves pass 1's read: the bisection kernel, when it writes a
+row's final maxima for its BLOCK_C chunks, also writes their logsumexp in two parts (the max m
+and the sum s of exp(x - m)) per program, [B, G, R_pad, P] with P programs along the chunks.
+`softmax_head_score_parts` then combines each row's P parts (`_combine_lse`: one small pass, or
+inside pass 2 itself where it is small, as in decode: one launch fewer) and runs pass 2.
+
 Imports triton at module level; only `kvtier.sparse.prefill` imports this module, on CUDA (or
 CPU tensors under TRITON_INTERPRET=1).
 """
@@ -26,6 +32,11 @@ import triton.language as tl
 
 BLOCK_ROWS = 64  # rows a program (pass 1) or a tile (pass 2) holds
 BLOCK_CHUNKS = 64  # chunks a tile (pass 1) or a program (pass 2) holds
+BLOCK_PARTS = 16  # logsumexp parts a tile holds where they are combined
+# Pass 2 combines the rows' logsumexp parts itself (no `_combine_lse` launch) while all its
+# programs read at most this many parts together: decode's one query block (one query's rows,
+# ~64 parts at 2,048 chunks: ~64K), not a prefill batch (256 blocks of 2,048 rows: ~10^10).
+FOLD_PARTS_MAX = 1 << 20
 
 
 @triton.jit
@@ -77,11 +88,53 @@ def _row_lse(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _lse_of_parts(m_ptr, s_ptr, b, js, ROWS, RPG, P, part_b, part_g, BP: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Rows js's logsumexp [BR] from their P parts (max m, sum s of exp(x - m)) at
+    m_ptr/s_ptr[b * part_b + g * part_g + r * P + p] (flat row j = g * RPG + r); -inf for a row
+    whose parts are all empty (m -inf, s 0)."""
+    jmask = js < ROWS
+    row = b * part_b + (js // RPG).to(tl.int64) * part_g + (js % RPG).to(tl.int64) * P  # [BR]
+    m = tl.full(js.shape, float("-inf"), tl.float32)
+    s = tl.zeros(js.shape, tl.float32)
+    for p0 in range(0, P, BP):
+        ps = p0 + tl.arange(0, BP)
+        ok = jmask[:, None] & (ps < P)[None, :]
+        mp = tl.load(m_ptr + row[:, None] + ps[None, :], mask=ok, other=float("-inf"))
+        sp = tl.load(s_ptr + row[:, None] + ps[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(mp, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing live so far
+        s = s * tl.exp(m - safe) + tl.sum(sp * tl.exp(mp - safe[:, None]), axis=1)
+        m = m_new
+    return tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _combine_lse(  # type: ignore[no-untyped-def]
+    m_ptr,  # [B, G, R_pad, P] float32: each part's max
+    s_ptr,  # [B, G, R_pad, P] float32: each part's sum of exp(x - max)
+    lse_ptr,  # [B, ROWS] float32 out
+    ROWS,
+    RPG,
+    P,
+    part_b,
+    part_g,
+    BR: tl.constexpr,
+    BP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    js = tl.program_id(1) * BR + tl.arange(0, BR)
+    lse = _lse_of_parts(m_ptr, s_ptr, b, js, ROWS, RPG, P, part_b, part_g, BP)
+    tl.store(lse_ptr + b * ROWS + js, lse, mask=js < ROWS)
+
+
+@triton.jit
 def _chunk_score(  # type: ignore[no-untyped-def]
     x_ptr,
     live_ptr,
-    lse_ptr,
+    lse_ptr,  # [B, ROWS] (unless PARTS)
     out_ptr,  # [B, C] float32 out
+    m_ptr,  # the parts (PARTS only; placeholders otherwise)
+    s_ptr,
     C,
     ROWS,
     RPG,
@@ -90,8 +143,13 @@ def _chunk_score(  # type: ignore[no-untyped-def]
     stride_g,
     stride_r,
     scale,
+    P,
+    part_b,
+    part_g,
     BR: tl.constexpr,
     BC: tl.constexpr,
+    PARTS: tl.constexpr,  # each row's logsumexp combined here from its parts, not read
+    BP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -99,7 +157,11 @@ def _chunk_score(  # type: ignore[no-untyped-def]
     for j0 in range(0, ROWS, BR):
         js = j0 + tl.arange(0, BR)
         y = _tile(x_ptr, live_ptr, b, cs, js, C, ROWS, RPG, stride_b, stride_c, stride_g, stride_r, scale)
-        lse = tl.load(lse_ptr + b * ROWS + js, mask=js < ROWS, other=float("inf"))
+        if PARTS:
+            lse = _lse_of_parts(m_ptr, s_ptr, b, js, ROWS, RPG, P, part_b, part_g, BP)
+            lse = tl.where(js < ROWS, lse, float("inf"))
+        else:
+            lse = tl.load(lse_ptr + b * ROWS + js, mask=js < ROWS, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no live chunk: -inf, not nan
         best = tl.maximum(best, tl.max(y - lse[:, None], axis=0))
     cmask = cs < C
@@ -124,6 +186,38 @@ def softmax_head_score_triton(rows: torch.Tensor, live: torch.Tensor, scale: flo
         rows, live8, lse, c_count, n_rows, r, *strides, scale, BR=BLOCK_ROWS, BC=BLOCK_CHUNKS
     )
     _chunk_score[(bsz, triton.cdiv(c_count, BLOCK_CHUNKS))](
-        rows, live8, lse, out, c_count, n_rows, r, *strides, scale, BR=BLOCK_ROWS, BC=BLOCK_CHUNKS
-    )
+        rows, live8, lse, out, lse, lse, c_count, n_rows, r, *strides, scale, 1, 0, 0,
+        BR=BLOCK_ROWS, BC=BLOCK_CHUNKS, PARTS=False, BP=BLOCK_PARTS,
+    )  # fmt: skip
+    return out
+
+
+def softmax_head_score_parts(
+    rows: torch.Tensor, live: torch.Tensor, scale: float, m: torch.Tensor, s: torch.Tensor
+) -> torch.Tensor:
+    """`softmax_head_score_triton` of rows [B, C, G, R] (`bisect_triton`'s view of [B, G,
+    R_pad, C]) whose rows' logsumexp the bisection kernel wrote in parts m, s [B, G, R_pad, P]
+    (see the module doc): the same values up to float rounding, with one read of the maxima,
+    not two. Where each pass-2 program combining every row's parts reads less than a pass of
+    its own costs a launch (`FOLD_PARTS_MAX`: decode's single query block), it does; else
+    `_combine_lse` writes the rows' logsumexp first. No host sync."""
+    bsz, c_count, g, r = rows.shape
+    n_rows, parts = g * r, m.shape[-1]
+    assert m.shape == s.shape == (bsz, g, m.shape[2], parts) and m.is_contiguous() and s.is_contiguous()
+    live8 = live.to(torch.int8) if live.dtype == torch.bool else live
+    live8 = live8.contiguous()
+    out = torch.empty(bsz, c_count, dtype=torch.float32, device=rows.device)
+    strides = (rows.stride(0), rows.stride(1), rows.stride(2), rows.stride(3))
+    programs = triton.cdiv(c_count, BLOCK_CHUNKS)
+    fold = bsz * programs * n_rows * parts <= FOLD_PARTS_MAX
+    lse = out  # a placeholder pointer when folded
+    if not fold:
+        lse = torch.empty(bsz, n_rows, dtype=torch.float32, device=rows.device)
+        _combine_lse[(bsz, triton.cdiv(n_rows, BLOCK_ROWS))](
+            m, s, lse, n_rows, r, parts, m.stride(0), m.stride(1), BR=BLOCK_ROWS, BP=BLOCK_PARTS
+        )
+    _chunk_score[(bsz, programs)](
+        rows, live8, lse, out, m, s, c_count, n_rows, r, *strides, scale, parts, m.stride(0), m.stride(1),
+        BR=BLOCK_ROWS, BC=BLOCK_CHUNKS, PARTS=fold, BP=BLOCK_PARTS,
+    )  # fmt: skip
     return out
