@@ -43,6 +43,12 @@ def main() -> None:
     ap.add_argument("--old-bisect", default="", help="another triton_bisect.py to time against")
     ap.add_argument("--model", default="llama-3-8b", help="preset whose head shapes to use")
     ap.add_argument("--preset", default="fast", help="HiP preset (budgets, window, chunks)")
+    ap.add_argument(
+        "--head-score",
+        default=None,
+        choices=("max", "softmax"),
+        help="replace the preset's head score (lean with max: what its per-row maxima cost)",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="hip_kernels")
     args = ap.parse_args()
@@ -58,6 +64,8 @@ def main() -> None:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     cfg = preset_config(args.model)
     hip = HIP_PRESETS[args.preset]
+    if args.head_score is not None:
+        hip = replace(hip, head_score=args.head_score)
     r = cfg.num_heads // cfg.num_kv_heads
     past = 0 if args.context == "0" else parse_count(args.context)  # 0: a prompt's first chunk
     context, chunk, g, d = past, args.chunk, args.heads, cfg.head_dim

@@ -433,7 +433,7 @@ case "$group" in
   run 80 $py bench/gpu_checks.py
   ;;
 103)
-  # (~5 min, no GGUF) issue 19's prefill after the bisection kernel writes each row's logsumexp
+  # (~8 min, no GGUF) issue 19's prefill after the bisection kernel writes each row's logsumexp
   # in parts (the softmax head score reads the per-row maxima once, not twice; _row_lse took
   # 0.13 s of lean's 2.12 s chunk at 48K on Llama-3's shapes and 32 ms of SmolLM2's 0.36 s 16K
   # prefill): the kernels' A/B (hip_kernels' "two-pass head score" row), SmolLM2's 16K prefill,
@@ -441,6 +441,12 @@ case "$group" in
   # smoke: GPU-facing code changed).
   run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
     --name hip_kernels_smollm2_16k_lean_fused
+  # lean's chunks at 48K on Llama-3's shapes (8 KV heads a slice), with its softmax head score and
+  # with the max one: what the per-row maxima cost the bisection at the same chunking
+  for hs in softmax max; do
+    run 120 $py bench/hip_kernels.py --preset lean --context 48K --chunk 16384 --heads 8 --head-score $hs \
+      --name hip_kernels_lean_48k_$hs
+  done
   run 90 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
     --methods "auto;hip" --profile --name hip_small_prefill_fused_lse
   run 100 $py bench/hip_offload.py --contexts 48K --presets lean --policy planned --no-dense --steps 0 \
