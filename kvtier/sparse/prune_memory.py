@@ -1,7 +1,9 @@
 """GPU memory of HiP's pruning: the bound on one batch of prefill query blocks
 (`PRUNE_BATCH_BYTES`, which HiP's plan counts), what one block takes in each stage, what a whole
 prefill chunk's blocks take at once (`whole_chunk_prune_bytes`), and what one decode scoring
-product takes (`decode_scoring_bytes`)."""
+product takes (`decode_scoring_bytes`); and the pruning kernel's program shapes that memory
+depends on (`row_tiles`, `BISECT_BLOCK_C`) or that go with them (`num_warps`), kept here so the
+planner reads them without importing Triton."""
 
 from __future__ import annotations
 
@@ -20,6 +22,17 @@ def row_tiles(rows: int) -> tuple[int, int]:
         return rows, tile
     pad = max(16, 1 << (rows - 1).bit_length())
     return pad, pad
+
+
+def num_warps(tile_rows: int, head_dim: int) -> int:
+    """Warps of a pruning program: 8 with row tiles of 128 or more; 2 for tiles of 64 rows of
+    64-wide heads (SmolLM2's 16K stage on an H100: 2.98 ms against 4 warps' 3.53 under `lean`,
+    2.36 against 2.80 under `long`, hip_kernels_smollm2_16k{_lean,}.json); else 4 (decode's
+    smaller tiles, unmeasured; Llama-3's 128-wide heads at 512K ran 14.4 ms with 2 warps against
+    11.7 with 4, hip_kernels.json)."""
+    if tile_rows >= 128:
+        return 8
+    return 2 if head_dim <= 64 and tile_rows == 64 else 4
 
 
 def stage_prune_bytes(

@@ -35,24 +35,14 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
-from kvtier.sparse.prune_memory import BISECT_BLOCK_C, row_tiles
+from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps, row_tiles
+from kvtier.sparse.triton_head_score import softmax_head_score_parts, store_lse_part
 from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offsets
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = BISECT_BLOCK_C  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
 # None: `num_warps`'s choice by shape (bench/hip_kernels.py sweeps); an int forces it
 NUM_WARPS: int | None = None
-
-
-def num_warps(tile_rows: int, head_dim: int) -> int:
-    """Warps of a pruning program: 8 with row tiles of 128 or more; 2 for tiles of 64 rows of
-    64-wide heads (SmolLM2's 16K stage on an H100: 2.98 ms against 4 warps' 3.53 under `lean`,
-    2.36 against 2.80 under `long`, hip_kernels_smollm2_16k{_lean,}.json); else 4 (decode's
-    smaller tiles, unmeasured; Llama-3's 128-wide heads at 512K ran 14.4 ms with 2 warps against
-    11.7 with 4, hip_kernels.json)."""
-    if tile_rows >= 128:
-        return 8
-    return 2 if head_dim <= 64 and tile_rows == 64 else 4
 
 
 @triton.jit
@@ -201,13 +191,8 @@ def _probe_pair(  # type: ignore[no-untyped-def]
                 if LSE:  # noqa: SIM102 (a constexpr branch alone: off, the body is not compiled)
                     if last:  # NOTE: `alive`, not `live` (a name the ADDR branch gives a [BC] mask)
                         alive = cmask & (length > 0)
-                        y = tl.where(rmask[:, None] & alive[None, :], cell * scale, float("-inf"))
-                        m = tl.max(y, axis=1)  # [TR]
-                        safe = tl.where(m == float("-inf"), 0.0, m)
-                        sm = tl.sum(tl.exp(y - safe[:, None]), axis=1)
                         at = (g * R + rows) * P + part
-                        tl.store(lse_m_base + at, m, mask=rmask)
-                        tl.store(lse_s_base + at, sm, mask=rmask)
+                        store_lse_part(cell, scale, rmask, alive, lse_m_base + at, lse_s_base + at)
     return best_l, best_r
 
 
@@ -404,8 +389,6 @@ def bisect_triton(
     if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
         view = row_best[:, :, :rows].permute(0, 3, 1, 2)
         if softmax_scale is not None:
-            from kvtier.sparse.triton_head_score import softmax_head_score_parts
-
             return softmax_head_score_parts(view, lengths, softmax_scale, lse_m, lse_s)
         return view
     return out

@@ -20,8 +20,8 @@ and the sum s of exp(x - m)) per program, [B, G, R_pad, P] with P programs along
 `softmax_head_score_parts` then combines each row's P parts (`_combine_lse`: one small pass, or
 inside pass 2 itself where it is small, as in decode: one launch fewer) and runs pass 2.
 
-Imports triton at module level; only `kvtier.sparse.prefill` imports this module, on CUDA (or
-CPU tensors under TRITON_INTERPRET=1).
+Imports triton at module level; only `kvtier.sparse.prefill` and `kvtier.sparse.triton_bisect`
+import this module, on CUDA (or CPU tensors under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -85,6 +85,18 @@ def _row_lse(  # type: ignore[no-untyped-def]
         m = m_new
     lse = tl.where(s > 0, m + tl.log(tl.where(s > 0, s, 1.0)), float("-inf"))
     tl.store(lse_ptr + b * ROWS + js, lse, mask=js < ROWS)
+
+
+@triton.jit
+def store_lse_part(x, scale, rmask, live, m_at, s_at):  # type: ignore[no-untyped-def]
+    """One part of rows' logsumexp: over the live chunks of x [R, BC] (the rows' final maxima),
+    of scale * x, the max m [R] (-inf: none live) and the sum of exp(scale * x - m), stored at
+    m_at/s_at [R] where rmask."""
+    y = tl.where(rmask[:, None] & live[None, :], x * scale, float("-inf"))
+    m = tl.max(y, axis=1)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    tl.store(m_at, m, mask=rmask)
+    tl.store(s_at, tl.sum(tl.exp(y - safe[:, None]), axis=1), mask=rmask)
 
 
 @triton.jit
