@@ -232,6 +232,42 @@ def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
     assert in_place.stats.decode_recomputes[0] == len(w0) * SLICES
 
 
+@pytest.mark.parametrize("device", CPU)
+def test_a_layers_slices_rerun_their_stages_in_one_batch_as_one_by_one(
+    gqa: tuple[CausalLM, ModelConfig], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps that rerun stages 1 and 2 (not 0) of a layer's two slices, from caches that
+    cover a refresh interval, prune both slices in one batch (`CachedDecode._refresh_layer`:
+    a block a slice, each reading its keys by address in its own block cache) and attend both
+    in one go: the same logits, bitwise, as the slices one by one, with stage 0 read in place
+    from the host tier; every such step of every layer ran batched."""
+    from kvtier.sparse.cached_decode import CachedDecode
+
+    model, cfg = gqa
+    opts = {"probe_scoring": True, "host_scoring": True, "refresh": (REFRESH0, 3, 2)}
+    alone = kernel_for(cfg, **opts)
+    monkeypatch.setattr(alone, "attend_cached_layer", lambda *a: None)  # slice by slice, every step
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "head", alone)
+    batched = kernel_for(cfg, **opts)
+    calls: list[int] = []
+    refresh = CachedDecode._refresh_layer
+
+    def counted(self: CachedDecode, *args: object) -> torch.Tensor:
+        calls.append(args[-1])  # type: ignore[arg-type]
+        return refresh(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CachedDecode, "_refresh_layer", counted)
+    logits, tokens, _, _ = run(model, cfg, "head", batched)
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    assert batched.stats.decode_recomputes == alone.stats.decode_recomputes
+    # every rerun from stage 1 or 2 ran batched, a layer (two slices) at a time: a slice's
+    # stage-0 reruns also rerun 1 and 2, its stage-1 reruns also 2 (counts a slice)
+    rc = alone.stats.decode_recomputes
+    assert rc[1] > rc[0] and rc[2] > rc[1]
+    assert calls.count(1) * 2 == rc[1] - rc[0] and calls.count(2) * 2 == rc[2] - rc[1]
+
+
 @SUBPROCESS_ONLY
 def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting

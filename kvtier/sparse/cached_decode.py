@@ -25,9 +25,10 @@ import torch
 
 from kvtier.attention.interface import ExtentKeys, Fetch, SliceStep
 from kvtier.sparse.cache_blocks import fetch_blocks, needed_positions
-from kvtier.sparse.decode_buffer import KV, step_buffers
-from kvtier.sparse.gpu_cache import PositionedKV, block_ids
+from kvtier.sparse.decode_buffer import KV, DecodeState, attend_rebuilt, step_buffers
+from kvtier.sparse.gpu_cache import BlockCache, PositionedKV, block_ids, layer_key_addresses
 from kvtier.sparse.host_keys import HostKeys
+from kvtier.sparse.prefill import prune_blocks
 from kvtier.sparse.slice_caches import SliceCaches
 from kvtier.sparse.stage_pieces import StagePieces
 
@@ -124,20 +125,30 @@ class CachedDecode(SliceCaches, StagePieces):
         """
         n_stages = len(self.cfg.chunk_sizes)
         groups = kv_new.shape[2] // len(steps)
-        caches, states = [], []
+        caches, states, dues = [], [], set()
         for step in steps:
             cache = self._gpu.get((step.layer, step.group))
             if q.shape[0] != 1 or cache is None or self._stage0_due(step):
                 return None
+            # NOTE: a step that reruns a stage reads the cache: it passes only where the cache
+            # covers a refresh interval (`_append_only` is for steps that rerun nothing)
             if not (self._covers(cache, groups) or self._append_only(cache, step, groups)):
                 return None
             s = step.start
             for st in self._states(step, groups):
                 due = st.first_due(self.cfg.refresh, st.step + 1)
-                if due < n_stages or st.attn.end != s or st.position >= s or s < st.window_start:
+                dues.add(due)
+                if st.position >= s or s < st.window_start or (due == n_stages and st.attn.end != s):
                     return None
                 states.append(st)
             caches.append(cache)
+        if dues != {n_stages}:  # a rerun: of one stage in every slice, batched, or a slice at a time
+            first = dues.pop() if len(dues) == 1 else -1
+            # NOTE: batched only where each slice's stages are scored on their probes
+            # (`_probing`) with one selection a slice
+            if first <= 0 or self.cfg.per_head or not self._probing(q):
+                return None
+            return self._refresh_layer(q, kv_new, steps, caches, states, first)
         stats = self.stats.cache
         for i, (cache, step) in enumerate(zip(caches, steps, strict=True)):
             cache.append(step.start, kv_new[0, :, i * groups : (i + 1) * groups])
@@ -151,6 +162,76 @@ class CachedDecode(SliceCaches, StagePieces):
         qs = q[0].reshape(entries, -1, q.shape[-1])  # [E, H_q_e, D]
         out = step_buffers([st.attn for st in states], qs, rows, steps[0].start, self.rotary)
         return out.view(1, -1, q.shape[-1])
+
+    def _refresh_layer(
+        self,
+        q: torch.Tensor,
+        kv_new: torch.Tensor,
+        steps: list[SliceStep],
+        caches: list[BlockCache],
+        states: list[DecodeState],
+        first: int,
+    ) -> torch.Tensor:
+        """A decode step of a layer whose slices all rerun stages first.. (none stage 0), from
+        caches that cover a refresh interval: each stage scores every slice's candidates in one
+        `prune_blocks`, a block a slice (its keys by address in its own block cache; candidates
+        padded with -1 to the longest, each block's own count valid, as prefill batches its
+        query blocks), then each slice rebuilds its `AttendBuffer` and all are attended in one
+        launch. The same outputs as `attend_cached` slice by slice: a block's scores, top-k and
+        attention do not depend on the others', and chunks past a block's candidates are dead.
+        A stage's operators run once a layer, not once a slice; where a slice alone would strip
+        padding (a host sync each), the layer reads all counts in one."""
+        cfg, s, layer = self.cfg, steps[0].start, steps[0].layer
+        entries = len(states)  # one a slice (not `per_head`)
+        groups = kv_new.shape[2] // entries
+        views = []
+        for i, cache in enumerate(caches):
+            cache.append(s, kv_new[0, :, i * groups : (i + 1) * groups])
+            self.stats.cache.cached_steps += 1
+            self.stats.cache.appended += int(s % cache.block == 0)
+            views.append(PositionedKV.of(cache, cache.table(), s + 1))
+        qs = q[0].reshape(entries, 1, -1, q.shape[-1])  # [E, 1, H_q_e, D]
+        pos = torch.full((entries, 1), s, dtype=torch.long, device=q.device)
+        counts = [st.outputs[first - 1].numel() for st in states]
+        width = max(counts)
+        padded = min(counts) < width
+        pad = torch.nn.functional.pad
+        cand = torch.stack(
+            [
+                pad(st.outputs[first - 1], (0, width - n), value=-1)
+                for st, n in zip(states, counts, strict=True)
+            ]
+        )  # [E, width]
+        # NOTE: counts from the device's copy, not a host list (whose copy would wait for the queue)
+        valid = (cand >= 0).sum(dim=1) if padded else torch.full((entries,), width, device=q.device)
+        outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(first, len(cfg.chunk_sizes)):
+            m, chunk, budget = cand.shape[1], cfg.chunk_sizes[i], cfg.stage_budgets(layer)[i]
+            if -(-m // chunk) > budget // chunk:  # else every candidate is kept (`prune_stage`)
+                padded = padded or m % chunk != 0  # a partial chunk kept leaves -1s
+                keys, addresses = layer_key_addresses(views, cand)
+                cand, valid = prune_blocks(
+                    qs, pos, keys, cand, valid, chunk, budget, mode=cfg.scoring_rope(layer),
+                    rotary=self.rotary, window=cfg.window, triton=True, head_score=cfg.head_score,
+                    addresses=addresses, length=s + 1,
+                )  # fmt: skip
+            outs.append((cand, valid))
+        kept = torch.stack([n for _, n in outs]).tolist() if padded else None  # one sync a layer
+        end = s + 1
+        for e, (st, view) in enumerate(zip(states, views, strict=True)):
+            st.step += 1
+            st.outputs[first:] = [
+                c[e] if kept is None else c[e, : kept[j][e]] for j, (c, _) in enumerate(outs)
+            ]
+            st.computed_at[first:] = [st.step] * len(outs)
+            st.position = s
+            for i in range(first, len(cfg.chunk_sizes)):
+                self.stats.decode_recomputes[i] += 1
+            prefix = torch.cat((torch.arange(min(cfg.sink, end), device=q.device), st.outputs[-1]))
+            w0 = min(st.window_start, end)
+            st.attn.rebuild(view, prefix, w0, end, cfg.refresh[0] + 1, self.rotary, cfg.attention_rope)
+        qh = q[0].reshape(entries, -1, q.shape[-1])  # [E, H_q_e, D]
+        return attend_rebuilt([st.attn for st in states], qh, s, self.rotary).view(1, -1, q.shape[-1])
 
     def _stage0_due(self, step: SliceStep) -> bool:
         """Whether this decode step of a slice runs stage 0: its first (no decode state, or a

@@ -191,6 +191,24 @@ def step_buffers(
     return out
 
 
+def attend_rebuilt(
+    bufs: list[AttendBuffer], q: torch.Tensor, position: int, rotary: RopeTable | None
+) -> torch.Tensor:
+    """`AttendBuffer.attend` of several buffers at one `position` (a layer's decode queries
+    that rebuilt them): q [B, H_q, D] (buffer b's query heads, un-rotated when `rotary`).
+    Returns [B, H_q, D]: on CUDA one launch for all (`attend_buffers_triton`, whose output per
+    buffer does not depend on the others), else each buffer's own attention."""
+    if rotary is not None:
+        q = rotary.rotate_at(q.reshape(1, -1, q.shape[-1]), position).view_as(q)
+    if not (q.is_cuda and use_triton()):
+        return torch.cat([buf.attend(q[b : b + 1], position, None) for b, buf in enumerate(bufs)])
+    from kvtier.sparse.triton_decode import attend_buffers_triton
+
+    keys = [cast(torch.Tensor, buf.k) for buf in bufs]
+    values = [cast(torch.Tensor, buf.v) for buf in bufs]
+    return attend_buffers_triton(q, keys, values, [buf.length for buf in bufs])
+
+
 @dataclass
 class DecodeState:
     """Cached stage outputs of one (layer, group, head) during decode. Mutable."""

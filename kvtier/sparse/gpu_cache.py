@@ -325,6 +325,22 @@ class PositionedKV:
         return self.rows(index)
 
 
+def layer_key_addresses(
+    views: list[PositionedKV], positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`PositionedKV.key_addresses` of several slices' caches at once, for one pruning launch
+    over them: the first view's keys, and each view e's keys of positions[e] [E, n] as element
+    offsets from that tensor's first element (another slice's bank is another allocation, read
+    by address as an overflow is). The banks must share strides and dtype."""
+    keys, at = views[0].key_addresses(positions[0])
+    rows = [at]
+    for view, pos in zip(views[1:], positions[1:], strict=True):
+        other, a = view.key_addresses(pos)
+        assert other.stride() == keys.stride() and other.dtype == keys.dtype, "banks of one layout"
+        rows.append(a + (other.data_ptr() - keys.data_ptr()) // keys.element_size())
+    return keys, torch.stack(rows)
+
+
 def block_ids(positions: torch.Tensor, block: int) -> torch.Tensor:
     """Sorted unique blocks [m] holding positions [n]."""
     return torch.unique(torch.div(positions, block, rounding_mode="floor"))
