@@ -205,8 +205,9 @@ def main() -> None:
     ap.add_argument(
         "--slice-at-a-time",
         action="store_true",
-        help="serve steps that rerun nothing a slice at a time, as before the layer path "
-        "(HipKernel.attend_cached_layer declines): the A/B of serving a layer's slices at once",
+        help="serve every decode step a slice at a time, as before the layer path "
+        "(HipKernel.attend_cached_layer declines): the A/B of serving a layer's slices at once, "
+        "in steps that rerun nothing and, with --probe-scoring, in those that rerun stages 1..",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()

@@ -217,8 +217,10 @@
 #   61/66 + 66/66), 87 (probes' NIAH: the default's counts), and hip_offload at 48K profiled (the
 #   bisection 1.17 s of lean's 2.12 s chunk), then decode profiles of the 1M slicing at 512K (host-
 #   bound refresh steps). Then, on the CPU, the head score's logsumexp fused into the bisection.
-#   NEXT: 102 (Triton's launch cost) and 103 (the fused logsumexp) with the GGUF's first half as
-#   call A, 98 (the smoke) as call B; then 85, 86, the 8B smoke, 83, 80, 73, 69.
+#   Then a layer's slices rerun their stages in one batch (f0b7b1b). NEXT: 102 (Triton's launch
+#   cost), 104 (the batched reruns) and 103 (the fused logsumexp) with the GGUF's first half as
+#   call A, 98 (the smoke) as call B; then 99 (1M through the CLI again), 85, 86, the 8B smoke,
+#   83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -431,6 +433,18 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 $a --name "int4_512k_g1_cpu_ab${a:+_unpack}"
   done
   run 80 $py bench/gpu_checks.py
+  ;;
+104)
+  # (~2 min, no GGUF) the 1M plan's decode (lean, 4-head slices over int4, stage 0 on probes in
+  # place) after a layer's slices rerun stages 1.. in one batch (f0b7b1b; CPU counts: stage-1
+  # reruns 114 -> 85 operators a slice, stage-2 77 -> 62): the same command as this session's
+  # hip_decode_profile_lean_512k_int4_probes_g4_steps.json (stage-2 rerun ~21 ms, stage-1 ~30 ms
+  # a step of 4 layers), and slice by slice on the same start (--slice-at-a-time)
+  for a in "" "--slice-at-a-time"; do
+    run 60 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
+      --group 4 --head-dim 128 --steps 66 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
+      $a --name "hip_decode_profile_lean_512k_int4_probes_g4_layer${a:+_slices}"
+  done
   ;;
 103)
   # (~8 min, no GGUF) issue 19's prefill after the bisection kernel writes each row's logsumexp
