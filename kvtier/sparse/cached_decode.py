@@ -113,15 +113,17 @@ class CachedDecode(SliceCaches, StagePieces):
     def attend_cached_layer(
         self, q: torch.Tensor, kv_new: torch.Tensor, steps: list[SliceStep]
     ) -> torch.Tensor | None:
-        """A decode step of a layer whose slices are all cached, in one go when no slice reads
-        anything stored: q [1, H_q, D], kv_new [1, 2, H_kv, D], steps[i] of the i-th slice (equal
-        head groups, in order). Returns [1, H_q, D], or None (nothing done) when some slice's
-        step reruns a stage or looks blocks up: the store then calls `attend_cached` a slice
-        at a time.
+        """A decode step of a layer whose slices are all cached, in one go: q [1, H_q, D], kv_new
+        [1, 2, H_kv, D], steps[i] of the i-th slice (equal head groups, in order). Returns [1,
+        H_q, D], or None (nothing done) when a slice reruns stage 0 or looks blocks up, or the
+        slices rerun different stages, or a rerun is not scored on probes with one selection a
+        slice: the store then calls `attend_cached` a slice at a time.
 
-        Each slice appends the token to its block cache and each decode query to its
-        `AttendBuffer`; the queries are rotated, their rows written and all attended in one
-        launch each (`step_buffers`), with the outputs of `attend_cached` slice by slice.
+        When no slice reruns a stage, each appends the token to its block cache and each decode
+        query to its `AttendBuffer`; the queries are rotated, their rows written and all
+        attended in one launch each (`step_buffers`). When all rerun the same stages 1.., those
+        run in one batch (`_refresh_layer`). Either way the outputs of `attend_cached` slice by
+        slice.
         """
         n_stages = len(self.cfg.chunk_sizes)
         groups = kv_new.shape[2] // len(steps)
