@@ -11,12 +11,16 @@ from bench.smoke_checks import Check, Smoke
 from bench.smoke_serve import CAP, CAP_BYTES
 
 LOSSLESS = ("gpu", "layer", "head", "auto")
+PROBED = ["--hip-probes", "on", "--hip-refresh", "default"]  # stage 2 reruns at decode step 4
 LOSSY: dict[str, list[str]] = {
     "hip": ["--attention", "hip"],
     "hip-fast": ["--attention", "hip", "--hip-preset", "fast"],
     "hip-lean": ["--attention", "hip", "--hip-preset", "lean"],
     "hip+int4": ["--attention", "hip", "--kv-quant", "int4"],  # the pair that composes
     "hip+int4 head": ["--attention", "hip", "--kv-quant", "int4", "--kv", "head"],  # packed fetches
+    # offloaded slices scored on their probes, stage 2 rerun at the 4th decode step: a layer's
+    # slices rerun it in one batch (`CachedDecode._refresh_layer`, CUDA only)
+    "hip probes head": ["--attention", "hip", "--kv", "head", *PROBED],
     "quest": ["--attention", "quest", "--kv-budget", "1024"],
     "int8": ["--kv-quant", "int8"],
     "int4": ["--kv-quant", "int4"],
