@@ -485,7 +485,8 @@ case "$group" in
   ;;
 98)
   # (~8 min) call B, at once after 97 (carry .gguf_b and .whl): the embedded smoke (GPU-facing
-  # code changed: the pruning's batches and warps, the plan's pruning bytes)
+  # code changed: the pruning's batches and warps, the plan's pruning bytes; since e552b94 the
+  # fused logsumexp and the layer-batched stage reruns, which its "lossy hip probes head" row runs)
   run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
   run 250 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --out "$OUT/gpu_smoke_serve_embedded.json"
   ;;
