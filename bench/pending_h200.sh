@@ -217,10 +217,11 @@
 #   61/66 + 66/66), 87 (probes' NIAH: the default's counts), and hip_offload at 48K profiled (the
 #   bisection 1.17 s of lean's 2.12 s chunk), then decode profiles of the 1M slicing at 512K (host-
 #   bound refresh steps). Then, on the CPU, the head score's logsumexp fused into the bisection.
-#   Then a layer's slices rerun their stages in one batch (f0b7b1b). NEXT: 102 (Triton's launch
-#   cost), 104 (the batched reruns) and 103 (the fused logsumexp) with the GGUF's first half as
-#   call A, 98 (the smoke) as call B; then 99 (1M through the CLI again), 85, 86, the 8B smoke,
-#   83, 80, 73, 69.
+#   Then a layer's slices rerun their stages in one batch (f0b7b1b). NEXT: call A (the GGUF's
+#   first half) runs `bash bench/pending_h200.sh 102; bash bench/pending_h200.sh 104` (~3 min),
+#   call B (the second half) 98 (the smoke, ~8 min), then 103 (the fused logsumexp, ~8 min), 99
+#   (1M through the CLI again), 86 (probes beside the default at 512K: whether probes become
+#   the default), 85, the 8B smoke, 83, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
