@@ -144,8 +144,7 @@ def attention_key_positions(
 ) -> torch.Tensor:
     """Positions of a block's attended keys: `prefix` [P] (sinks + selected, sorted) then the
     window [window_start, window_end). Returns [P + window_end - window_start]."""
-    window = torch.arange(window_start, window_end, device=prefix.device)
-    if mode == "streaming":
-        packed = torch.arange(window_start - prefix.numel(), window_start, device=prefix.device)
-        return torch.cat((packed, window))
-    return torch.cat((prefix, window))
+    window_end = max(window_end, window_start)  # an empty window
+    if mode == "streaming":  # the prefix packed right before the window: one run (one launch)
+        return torch.arange(window_start - prefix.numel(), window_end, device=prefix.device)
+    return torch.cat((prefix, torch.arange(window_start, window_end, device=prefix.device)))
