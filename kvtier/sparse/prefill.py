@@ -135,13 +135,11 @@ def prune_blocks(
         scores = bisect_chunks(
             qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
         )
-    if fused:
-        pass  # dead chunks -inf already
-    elif per_row and triton and TRITON_HEAD_SCORE:  # the kernel's rows [B, C, G, rows]: two Triton passes
+    if per_row and triton and TRITON_HEAD_SCORE and not fused:  # the kernel's rows [B, C, G, rows]
         from kvtier.sparse.triton_head_score import softmax_head_score_triton
 
         scores = softmax_head_score_triton(scores, lengths, scale)  # dead chunks -inf
-    else:
+    elif not fused:  # (fused: the kernel's head score, dead chunks -inf already)
         if per_row:  # scores [B, C, rows...]: a softmax over each row's live chunks, then the max over rows
             scores = softmax_head_score(scores, lengths > 0, scale)
         scores = torch.where(lengths > 0, scores, float("-inf"))
