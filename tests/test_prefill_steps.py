@@ -23,13 +23,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("attention", [None, "hip"])
 def test_every_prefill_step_is_timed(tiny: Path, attention: str | None) -> None:
     """57 prompt tokens in chunks of 16: four steps (HiP: the last token alone, a fifth), each
-    timed, together no longer than the prefill."""
+    timed, together no longer than the prefill (each step is rounded to 4 decimals, so up to
+    0.5e-4 s a step over)."""
     kw = {} if attention is None else {"attention": attention}
     llm = LLM(str(tiny), device="cpu", chunk_size=16, **kw)  # type: ignore[arg-type]
     stats = llm.generate(list(range(3, 60)), SamplingParams(max_tokens=3, ignore_eos=True))[0].stats
     assert len(stats.prefill_step_s) == (5 if attention else 4)
     assert all(s >= 0 for s in stats.prefill_step_s)
-    assert 0 < sum(stats.prefill_step_s) <= stats.prefill_s
+    rounding = 0.5e-4 * len(stats.prefill_step_s)
+    assert 0 < sum(stats.prefill_step_s) <= stats.prefill_s + rounding
     assert stats.to_dict()["prefill_step_s"] == stats.prefill_step_s
 
 
