@@ -25,7 +25,8 @@ import torch
 
 from kvtier.attention.interface import ExtentKeys, Fetch, SliceStep
 from kvtier.sparse.cache_blocks import fetch_blocks, needed_positions
-from kvtier.sparse.decode_buffer import KV, DecodeState, attend_rebuilt, step_buffers
+from kvtier.sparse.decode_buffer import KV, DecodeState, attend_rebuilt, buffer_kernel, step_buffers
+from kvtier.sparse.decode_graph import LayerGraphs
 from kvtier.sparse.gpu_cache import BlockCache, PositionedKV, block_ids, layer_key_addresses
 from kvtier.sparse.host_keys import HostKeys
 from kvtier.sparse.prefill import prune_blocks
@@ -40,6 +41,7 @@ class CachedDecode(SliceCaches, StagePieces):
 
     # Of `HipKernel` (see its `__init__`); the others it uses are declared by its bases.
     _stage0: dict[tuple[int, int, int], torch.Tensor]  # stage 0 scored from host keys this step
+    _graphs: LayerGraphs | None  # cached layer steps as CUDA graphs (`kvtier.sparse.decode_graph`)
 
     # -- CachingSliceKernel -----------------------------------------------------------------
 
@@ -152,6 +154,16 @@ class CachedDecode(SliceCaches, StagePieces):
                 return None
             return self._refresh_layer(q, kv_new, steps, caches, states, first)
         stats = self.stats.cache
+        # One CUDA graph a layer, where `step_buffers` would run its Triton path
+        if self._graphs is not None and buffer_kernel(q):
+            bufs = [st.attn for st in states]
+            graphed = self._graphs.step(steps[0].layer, q, kv_new, caches, bufs, steps[0].start, self.rotary)
+            if graphed is not None:
+                stats.cached_steps += len(caches)  # none starts a block: nothing `appended`
+                for st in states:
+                    st.step += 1
+                    st.position = steps[0].start
+                return graphed.view(1, -1, q.shape[-1])
         for i, (cache, step) in enumerate(zip(caches, steps, strict=True)):
             cache.append(step.start, kv_new[0, :, i * groups : (i + 1) * groups])
             stats.cached_steps += 1

@@ -29,6 +29,12 @@ from kvtier.sparse.rope_ext import RopeTable, attention_key_positions
 KV = torch.Tensor | PositionedKV
 
 
+def buffer_kernel(q: torch.Tensor) -> bool:
+    """Whether decode queries like q attend their buffers with `attend_buffers_triton` (CUDA,
+    Triton importable) rather than torch's attention, one buffer at a time."""
+    return q.is_cuda and use_triton()
+
+
 class AttendBuffer:
     """Gathered (and rotated) keys and values of one decode query's attention; mutable.
 
@@ -126,7 +132,7 @@ class AttendBuffer:
         if rotary is not None:
             q = rotary.rotate_at(q, position)
         n = self.length
-        if q.is_cuda and use_triton():
+        if buffer_kernel(q):
             from kvtier.sparse.triton_decode import attend_buffers_triton
 
             return attend_buffers_triton(q, [self.k], [self.v], [n])
@@ -172,7 +178,7 @@ def step_buffers(
             torch.cat((q.reshape(1, bsz * h, -1), k.reshape(1, bsz * g, -1)), dim=1), position
         )
         q, k = both[0, : bsz * h].view_as(q), both[0, bsz * h :].view_as(k)
-    if not (q.is_cuda and use_triton()):
+    if not buffer_kernel(q):
         outs = []
         for b, buf in enumerate(bufs):
             buf._put(k[b : b + 1], v[b : b + 1], position)
@@ -200,7 +206,7 @@ def attend_rebuilt(
     buffer does not depend on the others), else each buffer's own attention."""
     if rotary is not None:
         q = rotary.rotate_at(q.reshape(1, -1, q.shape[-1]), position).view_as(q)
-    if not (q.is_cuda and use_triton()):
+    if not buffer_kernel(q):
         return torch.cat([buf.attend(q[b : b + 1], position, None) for b, buf in enumerate(bufs)])
     from kvtier.sparse.triton_decode import attend_buffers_triton
 

@@ -92,18 +92,24 @@ class BlockCache:
         self.used = torch.full((slots,), -1, dtype=torch.long, device=device)
         self.tick = 0
         self.end = 0  # tokens of the slice the cache is up to date with (0 = nothing cached)
-        self._tail: torch.Tensor | None = None  # [1] slot of the block of position end - 1
+        # [1] slot of the block of position end - 1, one tensor for the cache's life (a CUDA
+        # graph that appends reads it: `append_at`); `_has_tail` False: not in the bank.
+        self._tail = torch.zeros(1, dtype=torch.long, device=device)
+        self._has_tail = False
         self._tail_rows: torch.Tensor | None = None  # [block] its rows in the flat bank
         self._table: BlockTable | None = None  # every slot's block, sorted (see `table`)
 
     @property
     def tail(self) -> torch.Tensor | None:
-        """[1] the slot of the block of position end - 1 (None: not in the bank)."""
-        return self._tail
+        """[1] the slot of the block of position end - 1 (None: not in the bank). The same
+        tensor whenever there is one: setting a slot copies it in."""
+        return self._tail if self._has_tail else None
 
     @tail.setter
     def tail(self, slot: torch.Tensor | None) -> None:
-        self._tail, self._tail_rows = slot, None
+        if slot is not None:
+            self._tail.copy_(slot.reshape(1))
+        self._has_tail, self._tail_rows = slot is not None, None
 
     @property
     def slots(self) -> int:
@@ -230,7 +236,8 @@ class BlockCache:
         self.ids[m:] = -1
         self.used[:m] = torch.where(stale, -1, self.tick)
         self.used[m:] = -1
-        self.tail = torch.full((1,), tail, dtype=torch.long, device=self.ids.device)
+        self._tail.fill_(tail)
+        self._has_tail, self._tail_rows = True, None
 
     def append(self, position: int, row: torch.Tensor) -> None:
         """Store the token row [2, G, D] at `position` == `end` without a host sync; mutates.
@@ -255,6 +262,19 @@ class BlockCache:
         flat = self.bank.view(-1, *self.bank.shape[2:])
         at = position % b
         flat.index_copy_(0, self._tail_rows[at : at + 1], row[None])
+        self.end = position + 1
+
+    def append_at(self, position: torch.Tensor, row: torch.Tensor) -> None:
+        """`append`'s write of a position that does not start a block, the position [1] int64
+        read on the device (what a CUDA graph replays step after step: `decode_graph`). The
+        caller checks that `position` == `end`, that it does not start a block and that there is
+        a tail, and then moves `end` (`advance`)."""
+        flat = self.bank.view(-1, *self.bank.shape[2:])
+        flat.index_copy_(0, self._tail * self.block + position % self.block, row[None])
+
+    def advance(self, position: int) -> None:
+        """The host's half of `append_at` at `position` (== `end`, not a block's first)."""
+        assert position == self.end and position % self.block and self._has_tail, "append_at's position"
         self.end = position + 1
 
 

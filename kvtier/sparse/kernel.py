@@ -36,6 +36,7 @@ from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.cached_decode import CachedDecode
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
+from kvtier.sparse.decode_graph import LayerGraphs, graphs_enabled
 from kvtier.sparse.gpu_cache import BlockCache
 from kvtier.sparse.prefill import prune_whole_blocks
 from kvtier.sparse.rope_ext import RopeTable, table_positions
@@ -72,6 +73,8 @@ class HipKernel(CachedDecode):
         # its first decode step, and the gathered rows of each decode query kept in it.
         self._arenas: dict[tuple[int, int], RegionMemory] = {}
         self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Cached decode steps of a layer as CUDA graphs (`KVTIER_HIP_GRAPHS=1`, off until measured).
+        self._graphs = LayerGraphs() if graphs_enabled() else None
 
     @property
     def last_query_alone(self) -> bool:
@@ -125,6 +128,8 @@ class HipKernel(CachedDecode):
         return self._rows[key]
 
     def _drop_caches(self) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()
         if self._alloc is None:
             self._gpu.clear()
             return

@@ -91,6 +91,12 @@ class RopeTable:
         self._grow(position + 1, x)
         return Rotary.apply(x, self._cos[position : position + 1], self._sin[position : position + 1])
 
+    def rotate_at_index(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """`rotate_at` with the position [1] int64 read on the device, not the host (a CUDA graph
+        replays it at each step's position): the table must already cover it in x's dtype
+        (`tables`). Same values as `rotate_at`: the same rows, gathered instead of sliced."""
+        return Rotary.apply(x, self._cos.index_select(0, position), self._sin.index_select(0, position))
+
     def tables(self, limit: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos and sin rows [P, D] (P >= limit) in like's dtype, for kernels that rotate by
         position themselves. Valid until the table next grows."""

@@ -145,6 +145,32 @@ def entry_split(
     return triton.cdiv(max(rows, 1), per), per
 
 
+def buffers_meta(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], rows: list[int]
+) -> tuple[list[int], int]:
+    """META's values [B * 4] of decode queries q [B, H_q, D] over buffers keys[b], values[b]
+    [cap_b, G, D] (rows[b] rows each), and the launch's key splits: the host's half of
+    `attend_buffers_triton`. Raises ValueError on buffers the kernels cannot read."""
+    h_q, d = q.shape[1], q.shape[2]
+    g = keys[0].shape[-2]
+    if h_q % g:
+        raise ValueError(f"{h_q} query heads are not a multiple of {g} KV heads")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head dim {d} must be a power of two >= 16")
+    r = h_q // g
+    base = keys[0]
+    size = base.element_size()
+    meta: list[int] = []
+    splits = 1
+    for k, v, n in zip(keys, values, rows, strict=True):
+        if k.stride() != base.stride() or v.stride() != base.stride() or k.dtype != base.dtype:
+            raise ValueError("every buffer must be [cap, G, D] contiguous in one dtype")
+        s, per = entry_split(n, r, g, q.dtype, d, q.device)
+        splits = max(splits, s)
+        meta += [(k.data_ptr() - base.data_ptr()) // size, (v.data_ptr() - base.data_ptr()) // size, n, per]
+    return meta, splits
+
+
 def attend_buffers_triton(
     q: torch.Tensor,
     keys: list[torch.Tensor],
@@ -156,25 +182,25 @@ def attend_buffers_triton(
     (rows 0..rows[b]-1; contiguous, one dtype). With `new` = (keys, values) [B, G, D], entry
     b's are first written at row rows[b] - 1 (one launch for all). Returns [B, H_q, D] in q's
     dtype: two launches (attention, merge) plus one small host-to-device copy of META."""
-    bsz, h_q, d = q.shape
-    g = keys[0].shape[-2]
-    if h_q % g:
-        raise ValueError(f"{h_q} query heads are not a multiple of {g} KV heads")
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head dim {d} must be a power of two >= 16")
-    r = h_q // g
-    base = keys[0]
-    stride_ks, stride_kg = base.stride(0), base.stride(1)
-    size = base.element_size()
-    meta: list[int] = []
-    splits = 1
-    for k, v, n in zip(keys, values, rows, strict=True):
-        if k.stride() != base.stride() or v.stride() != base.stride() or k.dtype != base.dtype:
-            raise ValueError("every buffer must be [cap, G, D] contiguous in one dtype")
-        s, per = entry_split(n, r, g, q.dtype, d, q.device)
-        splits = max(splits, s)
-        meta += [(k.data_ptr() - base.data_ptr()) // size, (v.data_ptr() - base.data_ptr()) // size, n, per]
+    meta, splits = buffers_meta(q, keys, values, rows)
     meta_t = torch.tensor(meta, dtype=torch.int64).to(q.device, non_blocking=True)  # [B * 4]
+    return attend_buffers_meta(q, keys[0], meta_t, splits, new)
+
+
+def attend_buffers_meta(
+    q: torch.Tensor,
+    base: torch.Tensor,
+    meta_t: torch.Tensor,
+    splits: int,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The device's half of `attend_buffers_triton`: META already on the device, meta_t [B * 4]
+    int64 as `buffers_meta` gives it, `base` the first buffer's keys, `splits` its key splits.
+    Reads no host value of its inputs (a CUDA graph may replay it with new META)."""
+    bsz, h_q, d = q.shape
+    g = base.shape[-2]
+    r = h_q // g
+    stride_ks, stride_kg = base.stride(0), base.stride(1)
     if new is not None:
         nk, nv = new
         if nk.stride(-1) != 1 or nv.stride(-1) != 1:

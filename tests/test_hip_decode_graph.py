@@ -1,0 +1,104 @@
+"""`kvtier.sparse.decode_graph`: a layer's cached HiP decode step from static tensors, the body a
+CUDA graph replays (`KVTIER_HIP_GRAPHS=1`), against `step_buffers`'s Triton path it stands in for.
+
+Without CUDA the body runs eagerly on CPU tensors under Triton's interpreter (see
+tests/triton_interpreter.py); capture and replay themselves need a GPU (bench/gpu_checks.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
+
+CPU = [p for p in DEVICES if p.values[0] == "cpu"]
+
+pytestmark = NEEDS_TRITON
+
+from kvtier.config import ModelConfig  # noqa: E402
+from kvtier.model.llama import CausalLM  # noqa: E402
+from kvtier.sparse import cached_decode, decode_buffer  # noqa: E402
+from kvtier.sparse.gpu_cache import BlockCache  # noqa: E402
+from tests.hip_store import REFRESH0, TINY, assert_same, kernel_for, run  # noqa: E402
+
+
+@pytest.mark.parametrize("device", CPU)
+@pytest.mark.parametrize("probes", [False, True])
+def test_cached_layer_steps_through_the_graph_body_decode_as_before(
+    gqa: tuple[CausalLM, ModelConfig], device: str, probes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Head-wise streamed slices (two a layer), decode steps that rerun nothing: through the
+    graph body (position and META read from one device tensor, rows appended by a device
+    index) the logits are bitwise those of `step_buffers`'s Triton path, the caches and buffers
+    end where they did, and the body ran on every such step that did not start a cache block."""
+    for module in (decode_buffer, cached_decode):  # the Triton path on CPU tensors, both runs
+        monkeypatch.setattr(module, "buffer_kernel", lambda q: True)
+    model, cfg = gqa
+    opts: dict[str, object] = {"refresh": (REFRESH0, 3, 2)}
+    if probes:
+        opts |= {"probe_scoring": True, "host_scoring": True}
+    ref = kernel_for(cfg, **opts)
+    assert ref._graphs is None
+    fast: list[int] = []  # positions of the layer steps that ran `step_buffers`: rerun nothing
+    step_buffers = cached_decode.step_buffers
+
+    def counted(bufs: object, q: object, rows: object, position: int, rotary: object) -> torch.Tensor:
+        fast.append(position)
+        return step_buffers(bufs, q, rows, position, rotary)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cached_decode, "step_buffers", counted)
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "head", ref)
+    fast, ref_fast = [], fast
+    monkeypatch.setenv("KVTIER_HIP_GRAPHS", "1")
+    graphed = kernel_for(cfg, **opts)
+    assert graphed._graphs is not None
+    logits, tokens, _, _ = run(model, cfg, "head", graphed)
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    assert graphed.stats.cache == ref.stats.cache
+    assert graphed.stats.decode_recomputes == ref.stats.decode_recomputes
+    for key, st in graphed._cache.items():
+        mine, theirs = st.attn, ref._cache[key].attn
+        assert (mine.length, mine.end, mine.n_prefix) == (theirs.length, theirs.end, theirs.n_prefix)
+        assert mine.k is not None and theirs.k is not None
+        assert torch.equal(mine.k[: mine.length], theirs.k[: theirs.length])
+    for key, cache in graphed._gpu.items():
+        theirs = ref._gpu[key]
+        assert cache.end == theirs.end and torch.equal(cache.ids, theirs.ids)
+        for slot, block in enumerate(cache.ids.tolist()):  # every row of a position it holds
+            n = min(cache.block, cache.end - block * cache.block) if block >= 0 else 0
+            assert torch.equal(cache.bank[slot, :n], theirs.bank[slot, :n])
+    # every such step but those that start a cache block (of 4 tokens) ran the body
+    block = TINY["cache_block"]
+    assert graphed._graphs.eager == sum(1 for p in ref_fast if p % block) > 0  # type: ignore[operator]
+    assert fast == [p for p in ref_fast if p % block == 0]  # type: ignore[operator]
+    assert graphed._graphs.captures == 0  # CPU tensors: the body runs, nothing is captured
+
+
+def test_append_at_writes_the_row_append_writes() -> None:
+    """`BlockCache.append_at` (a device position) writes the row where `append` does, and the
+    tail stays one tensor however often a block starts."""
+    a, b = (BlockCache(4, 4, (2, 1, 8), torch.float32, torch.device("cpu")) for _ in range(2))
+    a.bank.zero_()
+    b.bank.zero_()
+    assert a.tail is None
+    rows = torch.randn(10, 2, 1, 8)
+    for p in range(10):
+        a.append(p, rows[p])
+        if p % 4:
+            b.append_at(torch.tensor([p]), rows[p])
+            b.advance(p)
+        else:
+            b.append(p, rows[p])
+    assert a.tail is a._tail and b.tail is b._tail  # one tensor for the cache's life
+    assert torch.equal(a.bank, b.bank) and a.end == b.end == 10
+    with pytest.raises(AssertionError):
+        b.advance(12)  # not the next position
+
+
+@SUBPROCESS_ONLY
+def test_cpu_cases_in_subprocess() -> None:
+    """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
+    other modules): run this file's CPU cases in a fresh interpreter-mode process."""
+    run_cpu_cases(__file__)
