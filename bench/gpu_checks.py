@@ -7,8 +7,9 @@ rounding), and the lower-right causal flash path against a reference.
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -24,14 +25,16 @@ from kvtier.loading.weights import build_empty, random_model, with_experts_on_ho
 from kvtier.model.moe import MoE
 from kvtier.planner.placement import KVPlan
 from kvtier.policies.quant import KiviCodec
+from kvtier.sparse import HIP_PRESETS, HipConfig, make_hip_kernel
 
 DEV = torch.device("cuda")
 
 
-def run(model, cfg, plan, ids, decode=6, feed=None, codec=None, unpack_stream=False):  # type: ignore[no-untyped-def]
+def run(model, cfg, plan, ids, decode=6, feed=None, codec=None, unpack_stream=False, kernel=None):  # type: ignore[no-untyped-def]
     """Logits of `ids` then `decode` greedy steps, and the argmax of each step. With `feed`
     (the reference's tokens) the steps decode those tokens instead of their own argmax, so the
-    logits compare like for like even where a near tie flips an argmax."""
+    logits compare like for like even where a near tie flips an argmax. `kernel`: a slice
+    kernel (HiP's), with the keys it needs (un-rotated where it rotates them itself)."""
     store = TieredKVStore(
         cfg,
         plan,
@@ -40,6 +43,7 @@ def run(model, cfg, plan, ids, decode=6, feed=None, codec=None, unpack_stream=Fa
         capacity=ids.shape[0] + decode,
         options=StoreOptions(block_size=64, extent_blocks=3, unpack_stream=unpack_stream),
         codec=codec,
+        **({} if kernel is None else {"kernel": kernel, "rotate_keys": not kernel.needs_unrotated_keys}),
     )
     logits, toks = [], []
     for s in range(0, ids.shape[0], plan.chunk_size):
@@ -92,6 +96,32 @@ def experts_on_host_check() -> dict[str, object]:
         "bitwise": bool(torch.equal(lg, ref)),
         "pinned": bool(slabs) and all(x.is_pinned() for x in slabs) if DEV.type == "cuda" else None,
     }
+
+
+def hip_graph_check(model, cfg, plan, ids) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """HiP decode of streamed slices with each layer's cached steps replayed as CUDA graphs
+    (`KVTIER_HIP_GRAPHS=1`, `kvtier.sparse.decode_graph`) against the same steps run operator by
+    operator: the budgets of `HipConfig.scaled` to the prompt (so it prunes), lean's refresh,
+    stage 0 streamed or (`probes`) read in place on its probes. Bitwise the same logits."""
+    hip = HipConfig.scaled(ids.shape[0], refresh=HIP_PRESETS["lean"].refresh)
+    out: dict[str, object] = {}
+    for name, extra in {
+        "hip-graphs": {},
+        "hip-graphs-probes": {"probe_scoring": True, "host_scoring": True},
+    }.items():
+        runs = []
+        for graphs in ("0", "1"):
+            os.environ["KVTIER_HIP_GRAPHS"] = graphs
+            fields_ = {f.name: getattr(hip, f.name) for f in fields(HipConfig)} | extra
+            kernel, _ = make_hip_kernel(cfg, DEV, "default", **fields_)
+            lg, t = run(model, cfg, plan, ids, decode=40, kernel=kernel)
+            graphs_ = kernel._graphs  # type: ignore[attr-defined]
+            counts = None if graphs_ is None else {"captures": graphs_.captures, "replays": graphs_.replays}
+            runs.append((lg, t, counts))
+        os.environ.pop("KVTIER_HIP_GRAPHS")
+        (base, bt, _), (lg, t, counts) = runs
+        out[name] = {"tokens_equal": t == bt, "bitwise": bool(torch.equal(lg, base)), **(counts or {})}
+    return out
 
 
 def main() -> None:
@@ -162,6 +192,7 @@ def main() -> None:
         lg, t = run(model, cfg, plan, ids, codec=int4, unpack_stream=True)
         results[name] = {"tokens_equal": t == bt, "bitwise": bool(torch.equal(lg, base))}
     results["moe-experts-on-host"] = experts_on_host_check()
+    results.update(hip_graph_check(model, cfg, p("head", 1, 0, 1536 + 40), ids))
     # lower-right causal flash path vs an fp32 reference
     q = torch.randn(300, 32, 128, device=DEV, dtype=torch.bfloat16)
     kv = torch.randn(2000, 2, 8, 128, device=DEV, dtype=torch.bfloat16)

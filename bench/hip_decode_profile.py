@@ -10,7 +10,8 @@ stage a step reruns (stage0/stage1/stage2/none) the torch operators (non-view at
 launches on a GPU) and the syncs (`OpCounter.syncs`: scalar reads, data-sized outputs, boolean
 masks; plus `tolist`). On the CPU every tensor is a host tensor, so index arithmetic that runs
 on host tensors on a GPU run (`PackedKV.read_runs_into`'s) counts as syncs there too.
-`--kv-quant int4` packs the host KV (the 1M plan's).
+`--kv-quant int4` packs the host KV (the 1M plan's). `--graphs` replays each layer's cached
+steps as one CUDA graph (`KVTIER_HIP_GRAPHS=1`).
 
 `--profile` prints the cProfile of the steps of `--profile-steps` (cached: no stage reruns;
 stage1/stage2: the steps whose first rerun stage is that one) and keeps its top lines in the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
@@ -209,8 +211,16 @@ def main() -> None:
         "(HipKernel.attend_cached_layer declines): the A/B of serving a layer's slices at once, "
         "in steps that rerun nothing and, with --probe-scoring, in those that rerun stages 1..",
     )
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="KVTIER_HIP_GRAPHS=1: a layer's cached steps replay one CUDA graph "
+        "(kvtier.sparse.decode_graph); the A/B of the steps that rerun nothing",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    if args.graphs:
+        os.environ["KVTIER_HIP_GRAPHS"] = "1"  # read when the kernel is made
     dev = torch.device(args.device)
     base = HIP_PRESETS[args.preset]
     if args.as_preset:
@@ -331,6 +341,9 @@ def main() -> None:
         per,
     )
     print(f"cache hit rate {kernel.stats.hit_rate:.3f}, decode recomputes {kernel.stats.decode_recomputes}")
+    if kernel._graphs is not None:
+        g = kernel._graphs
+        print(f"layer graphs: {g.captures} captures, {g.replays} replays, {g.eager} eager bodies")
     summary = {
         kind: {"steps": len(ts), "mean_s": round(sum(ts) / len(ts), 5), "max_s": round(max(ts), 5)}
         for kind, ts in sorted(by_stage.items())
@@ -343,6 +356,10 @@ def main() -> None:
             "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
             "host_scoring": hip.host_scoring,
             "probe_scoring": hip.probe_scoring, "layer_at_once": not args.slice_at_a_time,
+            "graphs": None if kernel._graphs is None else {
+                "captures": kernel._graphs.captures, "replays": kernel._graphs.replays,
+                "eager": kernel._graphs.eager,
+            },
         }  # fmt: skip
         info = {"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group}
         out = write_results(args.name, {

@@ -222,6 +222,11 @@
 #   call B (the second half) 98 (the smoke, ~8 min), then 103 (the fused logsumexp, ~8 min), 99
 #   (1M through the CLI again), 86 (probes beside the default at 512K: whether probes become
 #   the default), 85, the 8B smoke, 83, 80, 73, 69.
+# The thirty-ninth had no device time left (172 s). On the CPU: a layer's cached HiP decode step as
+#   one CUDA graph (04ca588, KVTIER_HIP_GRAPHS=1, off until measured). NEXT: as the thirty-
+#   eighth's NEXT, with 104 now also running --graphs and the CUDA checks (their hip-graphs rows),
+#   then 83 (issue 23's int4 at 512K with two heads a slice: simulated 0.217 s, asks 0.25) before
+#   103; after 99, 105 (1M through the CLI with the graphs).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -436,16 +441,26 @@ case "$group" in
   run 80 $py bench/gpu_checks.py
   ;;
 104)
-  # (~2 min, no GGUF) the 1M plan's decode (lean, 4-head slices over int4, stage 0 on probes in
+  # (~5 min, no GGUF) the 1M plan's decode (lean, 4-head slices over int4, stage 0 on probes in
   # place) after a layer's slices rerun stages 1.. in one batch (f0b7b1b; CPU counts: stage-1
   # reruns 114 -> 85 operators a slice, stage-2 77 -> 62): the same command as this session's
   # hip_decode_profile_lean_512k_int4_probes_g4_steps.json (stage-2 rerun ~21 ms, stage-1 ~30 ms
-  # a step of 4 layers), and slice by slice on the same start (--slice-at-a-time)
-  for a in "" "--slice-at-a-time"; do
+  # a step of 4 layers), slice by slice on the same start (--slice-at-a-time), and (the thirty-
+  # ninth session, 04ca588) each layer's cached steps replayed as one CUDA graph (--graphs: the
+  # "none" steps, 4.4 ms a step of 4 layers before). Then the CUDA checks: hip-graphs rows
+  # bitwise against the same steps op by op, with captures and replays counted.
+  for a in "" "--slice-at-a-time" "--graphs"; do
     run 60 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
       --group 4 --head-dim 128 --steps 66 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
-      $a --name "hip_decode_profile_lean_512k_int4_probes_g4_layer${a:+_slices}"
+      $a --name "hip_decode_profile_lean_512k_int4_probes_g4_layer${a:+_${a#--}}"
   done
+  run 120 $py bench/gpu_checks.py
+  ;;
+105)
+  # (~9 min, on the machine 98 left the GGUF on) 99 with each layer's cached decode steps replayed
+  # as one CUDA graph (KVTIER_HIP_GRAPHS=1; 99's row is the same command without it)
+  KVTIER_HIP_GRAPHS=1 run 570 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \
+    --new-tokens 64 --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs
   ;;
 103)
   # (~8 min, no GGUF) issue 19's prefill after the bisection kernel writes each row's logsumexp
