@@ -68,6 +68,8 @@ class StagedSlices:
         self.caching_memory = caching_memory  # the ring's buffers are the caching allocator's
         # Slices this step that the kernel serves from its own GPU cache (nothing streamed).
         self.cached: frozenset[int] = frozenset()
+        # The kernel's protocols, asked once (a protocol's isinstance costs 5-10 us a call)
+        self._caching = cast(CachingSliceKernel, kernel) if isinstance(kernel, CachingSliceKernel) else None
 
     def _schedule(self, length: int, n_new: int, cpu: frozenset[int]) -> list[Load]:
         """The loads of a step of `n_new` tokens after `length` stored, in the order the layers
@@ -76,8 +78,8 @@ class StagedSlices:
         s, cap = length, self.ring.tokens
         loads = []
         self.cached = frozenset()
-        kernel = self.kernel
-        if isinstance(kernel, CachingSliceKernel):
+        kernel = self._caching
+        if kernel is not None:
             lay = self.layout
             self.cached = frozenset(
                 sid
@@ -107,8 +109,7 @@ class StagedSlices:
         """Whether decode never loads a slice into the staging buffers (a caching kernel that
         serves every decode step itself) and their bytes would go back to the caching allocator,
         where the kernel's decode caches are allocated (not a region someone else owns)."""
-        kernel = self.kernel
-        caching = isinstance(kernel, CachingSliceKernel) and not kernel.decode_streams
+        caching = self._caching is not None and not self._caching.decode_streams
         return caching and self.caching_memory
 
     def _read_packed(

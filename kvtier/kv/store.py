@@ -153,6 +153,9 @@ class TieredKVStore:
         # `method_buffers` lists them after `region_buffers`), else from the caching allocator.
         if not isinstance(self.memory, CachingMemory) and isinstance(self.kernel, PlacesCaches):
             self.kernel.place_caches(self.memory.empty)
+        # Whether the kernel may serve a layer's cached slices at once, asked once: a protocol's
+        # isinstance checks its members (5-10 us), which every layer of every decode step paid.
+        self._layer_cached = isinstance(self.kernel, LayerCachedKernel)
         # New tokens of streamed slices to the host tier (`writes.defer`: a decode step's at the
         # next step's start, kvtier.kv.write_back).
         self.writes = HostWrites(self.hosts, self.streams, self.account, self.on_device)
@@ -293,7 +296,7 @@ class TieredKVStore:
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
         if self._cpu and self.cpu is not None and layer in self.cpu.layers:
             return self.cpu.attend_layer(layer, q, kv, self.length, self._attend_slice, self._write_back)
-        if q.shape[0] == 1 and isinstance(self.kernel, LayerCachedKernel) and self.staged is not None:
+        if q.shape[0] == 1 and self._layer_cached and self.staged is not None:
             decode = self._step_tokens == 1
             out = self.staged.attend_layer_cached(layer, q, kv, self.slice_length, self.length, decode)
             if out is not None:
