@@ -137,7 +137,9 @@ class LayerGraphs:
             _body(g, caches, bufs, rotary, splits)
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # NOTE: thread-local: a server's other threads (a host-tier allocation, say) may call
+        # CUDA while a request's layer captures, which the global mode would count against it
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.out = _body(g, caches, bufs, rotary, splits)
         self._pool = graph.pool()
         g.graph = graph
