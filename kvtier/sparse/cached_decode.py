@@ -27,9 +27,9 @@ from kvtier.attention.interface import ExtentKeys, Fetch, SliceStep
 from kvtier.sparse.cache_blocks import fetch_blocks, needed_positions
 from kvtier.sparse.decode_buffer import KV, DecodeState, attend_rebuilt, buffer_kernel, step_buffers
 from kvtier.sparse.decode_graph import LayerGraphs
-from kvtier.sparse.gpu_cache import BlockCache, PositionedKV, block_ids, layer_key_addresses
+from kvtier.sparse.gpu_cache import BlockCache, PositionedKV, block_ids
 from kvtier.sparse.host_keys import HostKeys
-from kvtier.sparse.prefill import prune_blocks
+from kvtier.sparse.layer_rerun import rerun_stages
 from kvtier.sparse.slice_caches import SliceCaches
 from kvtier.sparse.stage_pieces import StagePieces
 
@@ -218,18 +218,8 @@ class CachedDecode(SliceCaches, StagePieces):
         )  # [E, width]
         # NOTE: counts from the device's copy, not a host list (whose copy would wait for the queue)
         valid = (cand >= 0).sum(dim=1) if padded else torch.full((entries,), width, device=q.device)
-        outs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(first, len(cfg.chunk_sizes)):
-            m, chunk, budget = cand.shape[1], cfg.chunk_sizes[i], cfg.stage_budgets(layer)[i]
-            if -(-m // chunk) > budget // chunk:  # else every candidate is kept (`prune_stage`)
-                padded = padded or m % chunk != 0  # a partial chunk kept leaves -1s
-                keys, addresses = layer_key_addresses(views, cand)
-                cand, valid = prune_blocks(
-                    qs, pos, keys, cand, valid, chunk, budget, mode=cfg.scoring_rope(layer),
-                    rotary=self.rotary, window=cfg.window, triton=True, head_score=cfg.head_score,
-                    addresses=addresses, length=s + 1,
-                )  # fmt: skip
-            outs.append((cand, valid))
+        outs, partial = rerun_stages(cfg, layer, qs, pos, views, cand, valid, first, self.rotary, s + 1)
+        padded = padded or partial
         kept = torch.stack([n for _, n in outs]).tolist() if padded else None  # one sync a layer
         end = s + 1
         for e, (st, view) in enumerate(zip(states, views, strict=True)):

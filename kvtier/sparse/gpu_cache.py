@@ -98,6 +98,7 @@ class BlockCache:
         self._has_tail = False
         self._tail_rows: torch.Tensor | None = None  # [block] its rows in the flat bank
         self._table: BlockTable | None = None  # every slot's block, sorted (see `table`)
+        self._slot_table: BlockTable | None = None  # its tensors, made once
 
     @property
     def tail(self) -> torch.Tensor | None:
@@ -212,8 +213,14 @@ class BlockCache:
         """
         if self._table is None:
             order = torch.argsort(self.ids)  # [slots]
-            ones = torch.ones(self.slots, dtype=torch.bool, device=self.ids.device)
-            self._table = BlockTable(self.ids[order], order * self.block, ones, None, hits=0, stored=0)
+            t = self._slot_table
+            if t is None:  # NOTE: one set of tensors, rewritten: a CUDA graph reads them (`decode_graph`)
+                ones = torch.ones(self.slots, dtype=torch.bool, device=self.ids.device)
+                t = self._slot_table = BlockTable(self.ids[order], order * self.block, ones, None, 0, 0)
+            else:
+                t.blocks.copy_(self.ids[order])
+                torch.mul(order, self.block, out=t.base)
+            self._table = t
         return self._table
 
     def refill(self, blocks: torch.Tensor, load: Callable[[torch.Tensor], torch.Tensor], tail: int) -> None:
