@@ -7,6 +7,8 @@ tests/triton_interpreter.py); capture and replay themselves need a GPU (bench/gp
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 
@@ -25,13 +27,15 @@ from tests.hip_store import REFRESH0, TINY, assert_same, kernel_for, run  # noqa
 
 @pytest.mark.parametrize("device", CPU)
 @pytest.mark.parametrize("probes", [False, True])
-def test_cached_layer_steps_through_the_graph_body_decode_as_before(
+def test_layer_steps_through_the_graph_bodies_decode_as_before(
     gqa: tuple[CausalLM, ModelConfig], device: str, probes: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Head-wise streamed slices (two a layer), decode steps that rerun nothing: through the
-    graph body (position and META read from one device tensor, rows appended by a device
-    index) the logits are bitwise those of `step_buffers`'s Triton path, the caches and buffers
-    end where they did, and the body ran on every such step that did not start a cache block."""
+    """Head-wise streamed slices (two a layer): decode steps that rerun nothing and (with
+    probes) those that rerun a layer's stages 1.. in one batch, through the graphs' bodies
+    (position, window start and META read from one device tensor, rows appended by a device
+    index, the buffers' prefixes rewritten in place): the logits are bitwise those of the eager
+    steps (`step_buffers`'s Triton path, `_refresh_layer`), the caches and buffers end where
+    they did, and every step the bodies take ran through them."""
     for module in (decode_buffer, cached_decode):  # the Triton path on CPU tensors, both runs
         monkeypatch.setattr(module, "buffer_kernel", lambda q: True)
     model, cfg = gqa
@@ -48,8 +52,17 @@ def test_cached_layer_steps_through_the_graph_body_decode_as_before(
         return step_buffers(bufs, q, rows, position, rotary)  # type: ignore[arg-type]
 
     monkeypatch.setattr(cached_decode, "step_buffers", counted)
+    reruns: list[tuple[int, int]] = []  # (position, first stage) of the layer steps that rerun stages 1..
+    refresh = cached_decode.CachedDecode._refresh_layer
+
+    def counted_rerun(self: cached_decode.CachedDecode, *args: object) -> torch.Tensor:
+        reruns.append((args[2][0].start, args[-1]))  # type: ignore[index]
+        return refresh(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cached_decode.CachedDecode, "_refresh_layer", counted_rerun)
     ref_logits, ref_tokens, _, _ = run(model, cfg, "head", ref)
     fast, ref_fast = [], fast
+    ref_reruns, reruns = reruns, []
     monkeypatch.setenv("KVTIER_HIP_GRAPHS", "1")
     graphed = kernel_for(cfg, **opts)
     assert graphed._graphs is not None
@@ -69,10 +82,18 @@ def test_cached_layer_steps_through_the_graph_body_decode_as_before(
         for slot, block in enumerate(cache.ids.tolist()):  # every row of a position it holds
             n = min(cache.block, cache.end - block * cache.block) if block >= 0 else 0
             assert torch.equal(cache.bank[slot, :n], theirs.bank[slot, :n])
-    # every such step but those that start a cache block (of 4 tokens) ran the body
-    block = TINY["cache_block"]
-    assert graphed._graphs.eager == sum(1 for p in ref_fast if p % block) > 0  # type: ignore[operator]
-    assert fast == [p for p in ref_fast if p % block == 0]  # type: ignore[operator]
+    # every such step but those that start a cache block (of 4 tokens) ran a body: the cached
+    # steps' and, with probes (which rerun a layer's stages 1.. in one batch), the reruns'
+    block = cast(int, TINY["cache_block"])
+    steps = graphed._graphs.steps
+    assert steps[0] == sum(1 for p in ref_fast if p % block) > 0
+    assert fast == [p for p in ref_fast if p % block == 0]
+    # the same layer steps reran the same stages, through the graphs' bodies but where a block
+    # starts or the slices' selections differ in size (partial chunks of this tiny context)
+    assert reruns == ref_reruns and bool(ref_reruns) == probes
+    assert steps[1] + steps[2] <= sum(1 for p, _ in ref_reruns if p % block)
+    assert (steps[1] > 0 and steps[2] > 0) == probes
+    assert graphed._graphs.eager == sum(steps.values())
     assert graphed._graphs.captures == 0  # CPU tensors: the body runs, nothing is captured
 
 

@@ -196,6 +196,10 @@ class CachedDecode(SliceCaches, StagePieces):
         A stage's operators run once a layer, not once a slice; where a slice alone would strip
         padding (a host sync each), the layer reads all counts in one."""
         cfg, s, layer = self.cfg, steps[0].start, steps[0].layer
+        if self._graphs is not None and buffer_kernel(q):  # one CUDA graph a layer and stage
+            graphed = self._rerun_graphed(q, kv_new, layer, s, caches, states, first)
+            if graphed is not None:
+                return graphed
         entries = len(states)  # one a slice (not `per_head`)
         groups = kv_new.shape[2] // entries
         views = []
@@ -236,6 +240,38 @@ class CachedDecode(SliceCaches, StagePieces):
             st.attn.rebuild(view, prefix, w0, end, cfg.refresh[0] + 1, self.rotary, cfg.attention_rope)
         qh = q[0].reshape(entries, -1, q.shape[-1])  # [E, H_q_e, D]
         return attend_rebuilt([st.attn for st in states], qh, s, self.rotary).view(1, -1, q.shape[-1])
+
+    def _rerun_graphed(
+        self,
+        q: torch.Tensor,
+        kv_new: torch.Tensor,
+        layer: int,
+        s: int,
+        caches: list[BlockCache],
+        states: list[DecodeState],
+        first: int,
+    ) -> torch.Tensor | None:
+        """`_refresh_layer`'s step as the layer's CUDA graph (`LayerGraphs.rerun`), with the
+        decode states and stats moved on as it moves them; None where the graph declines."""
+        assert self._graphs is not None
+        w0 = min(states[0].window_start, s + 1)
+        if any(min(st.window_start, s + 1) != w0 for st in states):
+            return None
+        sels = [st.outputs[first - 1] for st in states]
+        bufs = [st.attn for st in states]
+        ran = self._graphs.rerun(layer, first, q, kv_new, caches, sels, w0, bufs, s, self.cfg, self.rotary)
+        if ran is None:
+            return None
+        out, outs = ran
+        self.stats.cache.cached_steps += len(caches)  # none starts a block: nothing `appended`
+        for e, st in enumerate(states):
+            st.step += 1
+            st.outputs[first:] = [c[e] for c, _ in outs]
+            st.computed_at[first:] = [st.step] * len(outs)
+            st.position = s
+            for i in range(first, len(self.cfg.chunk_sizes)):
+                self.stats.decode_recomputes[i] += 1
+        return out.view(1, -1, q.shape[-1])
 
     def _stage0_due(self, step: SliceStep) -> bool:
         """Whether this decode step of a slice runs stage 0: its first (no decode state, or a

@@ -92,6 +92,30 @@ class AttendBuffer:
         self.length = n
         self.end = end
 
+    def rewrite_prefix(
+        self,
+        kv: KV,
+        prefix: torch.Tensor,
+        window_start: torch.Tensor,
+        rotary: RopeTable | None,
+        mode: str,
+        limit: int,
+    ) -> None:
+        """`rebuild`'s prefix rows anew, the window rows kept: what a rerun of stages 1.. changes
+        (the window's start moves only when stage 0 reruns). prefix [P] (P == n_prefix) sorted
+        positions < window_start; window_start [1] on the device, read there (a CUDA graph
+        replays this: `kvtier.sparse.decode_graph`); `limit` bounds every position. The same
+        rows as `rebuild`'s, bit for bit. Host state unchanged."""
+        n = prefix.shape[0]
+        assert self.k is not None and self.v is not None and n == self.n_prefix, "the prefix keeps its size"
+        rows = cast(torch.Tensor, kv)[prefix]  # [P, 2, G, D]
+        k = rows[:, 0]
+        if rotary is not None:  # as `attention_key_positions`: packed before the window, or their own
+            at = window_start - n + torch.arange(n, device=prefix.device) if mode == "streaming" else prefix
+            k = rotary.rotate(k, at, limit=limit)
+        self.k[:n] = k
+        self.v[:n] = rows[:, 1]
+
     def append(self, row: torch.Tensor, position: int, rotary: RopeTable | None) -> None:
         """Add the token row [2, G, D] at `position` == `end` to the window. Mutates the buffer."""
         k = row[0:1]  # [1, G, D]

@@ -1,70 +1,88 @@
-"""A layer's cached HiP decode step replayed as one CUDA graph (opt-in: `KVTIER_HIP_GRAPHS=1`).
+"""A layer's HiP decode steps over streamed slices replayed as CUDA graphs (opt-in:
+`KVTIER_HIP_GRAPHS=1`), one a layer and kind of step.
 
-A decode step of a layer whose streamed slices all hold their selections (no stage reruns, no
-new cache block) runs the same operators every step (`CachedDecode.attend_cached_layer`): rotate
-the query and the new key at the step's position, append the token to each slice's block cache
-and to each decode query's `AttendBuffer`, attend every buffer (three Triton launches). On the
-GPU machine's host each operator costs ~30 us (bench/results/hip_decode_profile_lean_512k_int4_
-probes_g4_cprofile_cached.json: 125 operators in a 4.4 ms step of 8 slices), so a layer's ~12
-cost ~0.4 ms, where the GPU works a few microseconds. Here those operators read every value that
-changes between steps from one small device tensor, so one CUDA graph a layer, captured once,
-replays them; the host writes that tensor, copies the step's q and rows into the graph's inputs
-and launches it (four calls):
+Two kinds of step run the same operators every time:
+- **cached** (`CachedDecode.attend_cached_layer`, no stage due, no new cache block): rotate the
+  query and the new key at the step's position, append the token to each slice's block cache and
+  to each decode query's `AttendBuffer`, attend every buffer (three Triton launches);
+- **rerun of stages first..** (`CachedDecode._refresh_layer`, first 1 or 2, scored on probes):
+  the same, after the stages prune every slice in one batch (`layer_rerun.rerun_stages`) and
+  each buffer's prefix (sinks and selection) is gathered and rotated anew
+  (`AttendBuffer.rewrite_prefix`: the window rows stay, as the window's start does).
 
-    inputs  [1 + 4B] int64: the position, then META of the B buffers (`triton_decode.buffers_meta`)
-    body    new rows into each slice's block cache at tail * block + position % block;
+On the GPU machine's host each operator costs ~30 us (bench/results/hip_decode_profile_lean_
+512k_int4_probes_g4_cprofile_cached.json: 125 operators in a 4.4 ms step of 8 slices), so a
+cached layer's ~12 cost ~0.4 ms and a rerun's ~100 a few, where the GPU works microseconds.
+Here those operators read every value that changes between steps from one small device tensor,
+so a graph, captured once, replays them; the host writes that tensor, copies the step's q, rows
+(and a rerun's input selections) into the graph's inputs and launches it:
+
+    inputs  [2 + 4B] int64: the position, the window's start, then META of the B buffers
+            (`triton_decode.buffers_meta`)
+    cached  new rows into each slice's block cache at tail * block + position % block;
             q and the new keys rotated at inputs[0]; `attend_buffers_meta` (rows put, attended)
+    rerun   the new rows into the caches; the stages; each buffer's prefix rewritten; as cached
 
-A graph stays valid while what it baked in stays: the tensors it reads and writes (the banks and
-their tail slots, the buffers, the RoPE table), the launch's key splits and the shapes
-(`_signature`); a step whose signature differs captures again. The body computes what
-`step_buffers`'s CUDA path computes, operator for operator, so the outputs are bitwise the
-same. Where Triton runs on CPU tensors (its interpreter: the tests) the body runs eagerly.
+A graph stays valid while what it baked in stays: the tensors it reads and writes (the banks,
+their tail slots and slot tables, the buffers, the RoPE table), the launch's key splits and the
+shapes (`_signature`); a step whose signature differs captures again. The bodies compute what
+the eager steps compute, operator for operator, so the outputs are bitwise the same. Where
+Triton runs on CPU tensors (its interpreter: the tests) they run eagerly.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
+from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import AttendBuffer
-from kvtier.sparse.gpu_cache import BlockCache
+from kvtier.sparse.gpu_cache import BlockCache, PositionedKV
+from kvtier.sparse.layer_rerun import rerun_stages
 from kvtier.sparse.rope_ext import RopeTable
 
 
 def graphs_enabled() -> bool:
-    """Whether HiP kernels made now replay their cached decode steps as CUDA graphs
+    """Whether HiP kernels made now replay their decode steps over streamed slices as CUDA graphs
     (`KVTIER_HIP_GRAPHS=1`; off until measured on a GPU)."""
     return os.environ.get("KVTIER_HIP_GRAPHS", "0") not in ("", "0")
 
 
 @dataclass
-class _Layer:
-    """One layer's graph: its static inputs, its output and the signature it was made for."""
+class _Graph:
+    """One layer's graph of one kind: its static inputs, its output and its signature."""
 
     signature: tuple[Any, ...]
-    inputs: torch.Tensor  # [1 + 4B] int64: position, META
+    inputs: torch.Tensor  # [2 + 4B] int64: position, window start, META
     q: torch.Tensor  # [1, H_q, D] the step's query (un-rotated when the kernel rotates)
     kv: torch.Tensor  # [1, 2, H_kv, D] the step's new rows
+    cand: torch.Tensor | None = None  # [E, N] a rerun's input: the previous stage's selections
     graph: Any = None  # torch.cuda.CUDAGraph once captured (None: the body runs eagerly)
-    out: torch.Tensor | None = None  # the graph's output [B, H_q_b, D]
+    out: Any = None  # the graph's output (the body's return value)
+
+
+Stages = list[tuple[torch.Tensor, torch.Tensor]]  # per stage: kept [E, K], counts [E]
 
 
 class LayerGraphs:
-    """The cached decode steps of a kernel's layers, a CUDA graph each (see the module
-    docstring): recorded and replayed on CUDA, the same body run eagerly on CPU tensors."""
+    """The decode steps of a kernel's layers as CUDA graphs, a layer and kind each (see the
+    module docstring): recorded and replayed on CUDA, the same bodies run eagerly on CPU
+    tensors. Counts: `captures`, `replays`, `eager` (bodies run without a graph), and `steps`
+    by kind."""
 
     def __init__(self) -> None:
-        self._layers: dict[int, _Layer] = {}
-        self._pool: Any = None  # the graphs' shared memory pool (after the first capture)
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (layer, first stage rerun; 0: none)
         self.captures = self.replays = self.eager = 0
+        self.steps = Counter[int]()  # steps run through a body, by the first stage rerun (0: none)
 
     def clear(self) -> None:
         """Drop every graph (their caches and buffers are going away)."""
-        self._layers.clear()
+        self._graphs.clear()
 
     def step(
         self,
@@ -82,110 +100,247 @@ class LayerGraphs:
         (the graph's own output: valid until the layer's next step), having moved the caches'
         and buffers' host state on; None, having done nothing, where the step starts a cache
         block or a buffer is full (the caller then runs it as before)."""
-        if position % caches[0].block == 0 or any(c.tail is None or c.end != position for c in caches):
+        if not _appendable(caches, position):
             return None
         if any(b.k is None or b.length >= b.capacity or b.end != position for b in bufs):
             return None
-        from kvtier.sparse.triton_decode import buffers_meta  # NOTE: Triton only when used
-
-        d = q.shape[-1]
-        qs = q[0].reshape(len(bufs), -1, d)
-        keys = [cast(torch.Tensor, b.k) for b in bufs]
-        values = [cast(torch.Tensor, b.v) for b in bufs]
-        meta, splits = buffers_meta(qs, keys, values, [b.length + 1 for b in bufs])
+        meta, splits, keys = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(position + 1, q)
-        sig = _signature(q, kv_new, caches, keys, values, splits, tables)
-        g = self._layers.get(layer)
-        if g is None or g.signature != sig:
-            inputs = torch.empty(1 + len(meta), dtype=torch.int64, device=q.device)
-            g = _Layer(sig, inputs, torch.empty_like(q), torch.empty_like(kv_new))
-            self._layers[layer] = g
-        g.inputs.copy_(torch.tensor([position, *meta], dtype=torch.int64), non_blocking=True)
-        g.q.copy_(q)
-        g.kv.copy_(kv_new)
-        if not q.is_cuda:
-            out = _body(g, caches, bufs, rotary, splits)
-            self.eager += 1
-        else:
-            if g.graph is None:
-                self._record(g, caches, bufs, rotary, splits)
-            g.graph.replay()
-            self.replays += 1
-            out = cast(torch.Tensor, g.out)
+        sig = (0, *_signature(q, kv_new, caches, keys, splits, tables, False))
+        g = self._graph((layer, 0), sig, q, kv_new, len(meta))
+        g.inputs.copy_(torch.tensor([position, 0, *meta], dtype=torch.int64), non_blocking=True)
+        out = self._run(g, lambda: _cached_body(g, caches, bufs, rotary, splits))
+        self.steps[0] += 1
         for c in caches:
             c.advance(position)
         for b in bufs:
             b.length += 1
             b.end = position + 1
-        return out
+        return cast(torch.Tensor, out)
 
-    def _record(
+    def rerun(
         self,
-        g: _Layer,
+        layer: int,
+        first: int,
+        q: torch.Tensor,
+        kv_new: torch.Tensor,
         caches: list[BlockCache],
+        selections: list[torch.Tensor],
+        window_start: int,
         bufs: list[AttendBuffer],
+        position: int,
+        cfg: HipConfig,
         rotary: RopeTable | None,
-        splits: int,
-    ) -> None:
-        """Warm up on a side stream, then capture `_body` into g. The warm-up writes the step's
-        own rows where the replay writes them again (the same values), so it changes nothing a
-        later step reads; its output is dropped."""
+    ) -> tuple[torch.Tensor, Stages] | None:
+        """The decode step of `layer` at `position` that `_refresh_layer` would run: stages
+        first.. (1 or 2) of every slice, scored on probes; `selections` each slice's stage
+        first - 1 output, `window_start` their window's start (min(w0, position + 1)). Returns
+        the attention [B, H_q_b, D] and each stage's (kept, counts), the graph's own tensors
+        (valid until the layer's next rerun from `first`), having moved the caches' and
+        buffers' host state on (not the decode states'); None, having done nothing, where a
+        shape could change: slices of different counts, a partial chunk kept, the prefix
+        growing, a cache block starting, a buffer full."""
+        end = position + 1
+        width = selections[0].numel()
+        if not _appendable(caches, position) or end <= cfg.sink:
+            return None
+        if any(sel.numel() != width for sel in selections):
+            return None
+        kept, limit = width, end
+        for i in range(first, len(cfg.chunk_sizes)):
+            chunk, budget = cfg.chunk_sizes[i], cfg.stage_budgets(layer)[i]
+            c_count = -(-kept // chunk)
+            if c_count > budget // chunk:
+                if kept % chunk:
+                    return None
+                limit = max(limit, end + cfg.window + c_count + 2)  # `scoring_queries`' bound
+                kept = budget // chunk * chunk
+        prefix = cfg.sink + kept
+        rows = prefix + position - window_start  # a buffer's rows now: prefix, window [w0, position)
+        for b in bufs:
+            if (
+                b.k is None
+                or b.n_prefix != prefix
+                or b.end != position
+                or not b.length == rows < b.capacity - 1
+            ):
+                return None
+        meta, splits, keys = _meta(q, bufs)
+        tables = None if rotary is None else rotary.tables(limit, q)  # grown before, not inside
+        shape = (len(selections), width)
+        sig = (first, *_signature(q, kv_new, caches, keys, splits, tables, True), shape, prefix)
+        g = self._graph((layer, first), sig, q, kv_new, len(meta), shape)
+        g.inputs.copy_(torch.tensor([position, window_start, *meta], dtype=torch.int64), non_blocking=True)
+        torch.stack(selections, out=g.cand)
+        out = self._run(g, lambda: _rerun_body(g, caches, bufs, cfg, layer, first, rotary, splits, end))
+        self.steps[first] += 1
+        for c in caches:
+            c.advance(position)
+        for b in bufs:
+            b.length += 1
+            b.end = end
+        return cast(tuple[torch.Tensor, Stages], out)
+
+    def _graph(
+        self,
+        key: tuple[int, int],
+        sig: tuple[Any, ...],
+        q: torch.Tensor,
+        kv_new: torch.Tensor,
+        n_meta: int,
+        cand: tuple[int, int] | None = None,
+    ) -> _Graph:
+        """The graph of `key` made for `sig` (a new one, not yet recorded, where it differs),
+        with this step's q and rows in its inputs."""
+        g = self._graphs.get(key)
+        if g is None or g.signature != sig:
+            inputs = torch.empty(2 + n_meta, dtype=torch.int64, device=q.device)
+            sel = None if cand is None else torch.empty(cand, dtype=torch.long, device=q.device)
+            g = _Graph(sig, inputs, torch.empty_like(q), torch.empty_like(kv_new), sel)
+            self._graphs[key] = g
+        g.q.copy_(q)
+        g.kv.copy_(kv_new)
+        return g
+
+    def _run(self, g: _Graph, body: Callable[[], Any]) -> Any:
+        """body() eagerly (CPU tensors), or g's graph replayed (recorded first if new)."""
+        if not g.q.is_cuda:
+            self.eager += 1
+            return body()
+        if g.graph is None:
+            self._record(g, body)
+        g.graph.replay()
+        self.replays += 1
+        return g.out
+
+    def _record(self, g: _Graph, body: Callable[[], Any]) -> None:
+        """Warm up on a side stream, then capture body() into g. The warm-up writes what the
+        replay writes again (the same values from the same inputs), so it changes nothing a later
+        step reads; its output is dropped."""
         dev = g.q.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            _body(g, caches, bufs, rotary, splits)
+            body()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # NOTE: thread-local: a server's other threads (a host-tier allocation, say) may call
-        # CUDA while a request's layer captures, which the global mode would count against it
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            g.out = _body(g, caches, bufs, rotary, splits)
-        self._pool = graph.pool()
+        # CUDA while a request's layer captures, which the global mode would count against it.
+        # A pool of its own: a rerun's outputs outlive its replay (the decode states keep them),
+        # and a shared pool may hand them to another graph's temporaries (~2 MB a graph).
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            g.out = body()
         g.graph = graph
         self.captures += 1
+
+
+def _appendable(caches: list[BlockCache], position: int) -> bool:
+    """Whether every cache takes `position` by `append_at`: the next token, not a block's first."""
+    return position % caches[0].block != 0 and all(c.tail is not None and c.end == position for c in caches)
+
+
+def _meta(q: torch.Tensor, bufs: list[AttendBuffer]) -> tuple[list[int], int, list[torch.Tensor]]:
+    """META of the buffers with this step's row appended, the key splits, and their keys."""
+    from kvtier.sparse.triton_decode import buffers_meta  # NOTE: Triton only when used
+
+    keys = [cast(torch.Tensor, b.k) for b in bufs]
+    values = [cast(torch.Tensor, b.v) for b in bufs]
+    qs = q[0].reshape(len(bufs), -1, q.shape[-1])
+    meta, splits = buffers_meta(qs, keys, values, [b.length + 1 for b in bufs])
+    return meta, splits, [t for kv in zip(keys, values, strict=True) for t in kv]
 
 
 def _signature(
     q: torch.Tensor,
     kv_new: torch.Tensor,
     caches: list[BlockCache],
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    buffers: list[torch.Tensor],
     splits: int,
     tables: tuple[torch.Tensor, torch.Tensor] | None,
+    table: bool,
 ) -> tuple[Any, ...]:
-    """What a layer's graph baked in: shapes and dtypes, every tensor's address, the splits."""
+    """What a layer's graph baked in: shapes and dtypes, every tensor's address (`table`: the
+    caches' slot tables' too), the splits."""
     return (
         tuple(q.shape),
         q.dtype,
         tuple(kv_new.shape),
         splits,
-        tuple((c.bank.data_ptr(), cast(torch.Tensor, c.tail).data_ptr()) for c in caches),
-        tuple((k.data_ptr(), v.data_ptr()) for k, v in zip(keys, values, strict=True)),
+        tuple(_cache_tensors(c, table) for c in caches),
+        tuple(t.data_ptr() for t in buffers),
         None if tables is None else (tables[0].data_ptr(), tables[1].data_ptr()),
     )
 
 
-def _body(
-    g: _Layer, caches: list[BlockCache], bufs: list[AttendBuffer], rotary: RopeTable | None, splits: int
-) -> torch.Tensor:
-    """The step's device work from g's static tensors alone (what the graph records): as
-    `attend_cached_layer`'s appends and `step_buffers`'s CUDA path, positions read from
-    g.inputs. Returns [B, H_q_b, D]."""
-    from kvtier.sparse.triton_decode import attend_buffers_meta
+def _cache_tensors(cache: BlockCache, table: bool) -> tuple[int, ...]:
+    """A cache's tensors a body reads: its bank, its tail slot, and (`table`) its slot table's
+    (made here, in place, when stale: never inside a body)."""
+    ptrs = (cache.bank.data_ptr(), cast(torch.Tensor, cache.tail).data_ptr())
+    if not table:
+        return ptrs
+    t = cache.table()
+    return (*ptrs, t.blocks.data_ptr(), t.base.data_ptr())
 
-    pos = g.inputs[:1]  # [1]
-    e, d = len(bufs), g.q.shape[-1]
+
+def _append_rows(g: _Graph, caches: list[BlockCache], pos: torch.Tensor) -> None:
+    """Each slice's new rows into its block cache at pos [1] (`BlockCache.append_at`)."""
     groups = g.kv.shape[2] // len(caches)
     for i, cache in enumerate(caches):
         cache.append_at(pos, g.kv[0, :, i * groups : (i + 1) * groups])
+
+
+def _attend_new(g: _Graph, bufs: list[AttendBuffer], rotary: RopeTable | None, splits: int) -> torch.Tensor:
+    """`step_buffers`'s CUDA path from g's tensors: q and the new keys rotated at inputs[0], the
+    new rows put after each buffer's, every buffer attended. Returns [B, H_q_b, D]."""
+    from kvtier.sparse.triton_decode import attend_buffers_meta
+
+    e, d = len(bufs), g.q.shape[-1]
     qs = g.q[0].reshape(e, -1, d)  # [B, H_q_b, D]
     rows = g.kv[0].view(2, e, -1, d).transpose(0, 1)  # [B, 2, G_b, D]
     k, v = rows[:, 0], rows[:, 1]
     if rotary is not None:
         h, gb = qs.shape[1], k.shape[1]
         x = torch.cat((qs.reshape(1, e * h, -1), k.reshape(1, e * gb, -1)), dim=1)
-        both = rotary.rotate_at_index(x, pos)
+        both = rotary.rotate_at_index(x, g.inputs[:1])
         qs, k = both[0, : e * h].view_as(qs), both[0, e * h :].view_as(k)
-    return attend_buffers_meta(qs, cast(torch.Tensor, bufs[0].k), g.inputs[1:], splits, new=(k, v))
+    return attend_buffers_meta(qs, cast(torch.Tensor, bufs[0].k), g.inputs[2:], splits, new=(k, v))
+
+
+def _cached_body(
+    g: _Graph, caches: list[BlockCache], bufs: list[AttendBuffer], rotary: RopeTable | None, splits: int
+) -> torch.Tensor:
+    """A cached step's device work from g's tensors alone (what its graph records): as
+    `attend_cached_layer`'s appends and `step_buffers`'s CUDA path."""
+    _append_rows(g, caches, g.inputs[:1])
+    return _attend_new(g, bufs, rotary, splits)
+
+
+def _rerun_body(
+    g: _Graph,
+    caches: list[BlockCache],
+    bufs: list[AttendBuffer],
+    cfg: HipConfig,
+    layer: int,
+    first: int,
+    rotary: RopeTable | None,
+    splits: int,
+    length: int,
+) -> tuple[torch.Tensor, Stages]:
+    """A rerun's device work from g's tensors alone: as `_refresh_layer`'s appends and stages,
+    its buffers' prefixes as its rebuilds leave them (`rewrite_prefix`), the attention as a
+    cached step's. `length`: a bound on every position the step rotates at (the tables' size).
+    Returns the attention and each stage's (kept, counts)."""
+    pos = g.inputs[:1]
+    _append_rows(g, caches, pos)
+    views = [PositionedKV.of(c, c.table(), length) for c in caches]
+    cand = cast(torch.Tensor, g.cand)
+    e, d = cand.shape[0], g.q.shape[-1]
+    qs = g.q[0].reshape(e, 1, -1, d)  # [E, 1, H_q_e, D]
+    q_pos = pos.view(1, 1).expand(e, 1).contiguous()  # [E, 1]
+    valid = torch.full((e,), cand.shape[1], device=cand.device)
+    outs, _ = rerun_stages(cfg, layer, qs, q_pos, views, cand, valid, first, rotary, length)
+    sinks = torch.arange(cfg.sink, device=cand.device)
+    for i, (buf, view) in enumerate(zip(bufs, views, strict=True)):
+        prefix = torch.cat((sinks, outs[-1][0][i]))
+        buf.rewrite_prefix(view, prefix, g.inputs[1:2], rotary, cfg.attention_rope, length)
+    return _attend_new(g, bufs, rotary, splits), outs
