@@ -10,8 +10,9 @@ stage a step reruns (stage0/stage1/stage2/none) the torch operators (non-view at
 launches on a GPU) and the syncs (`OpCounter.syncs`: scalar reads, data-sized outputs, boolean
 masks; plus `tolist`). On the CPU every tensor is a host tensor, so index arithmetic that runs
 on host tensors on a GPU run (`PackedKV.read_runs_into`'s) counts as syncs there too.
-`--kv-quant int4` packs the host KV (the 1M plan's). `--graphs` replays each layer's cached
-steps as one CUDA graph (`KVTIER_HIP_GRAPHS=1`).
+`--kv-quant int4` packs the host KV (the 1M plan's). `--graphs` replays each layer's steps as
+CUDA graphs (`KVTIER_HIP_GRAPHS=1`): those that rerun nothing, and with `--probe-scoring` those
+that rerun stages 1..
 
 `--profile` prints the cProfile of the steps of `--profile-steps` (cached: no stage reruns;
 stage1/stage2: the steps whose first rerun stage is that one) and keeps its top lines in the
@@ -214,8 +215,8 @@ def main() -> None:
     ap.add_argument(
         "--graphs",
         action="store_true",
-        help="KVTIER_HIP_GRAPHS=1: a layer's cached steps replay one CUDA graph "
-        "(kvtier.sparse.decode_graph); the A/B of the steps that rerun nothing",
+        help="KVTIER_HIP_GRAPHS=1: a layer's steps replay CUDA graphs (kvtier.sparse.decode_graph): "
+        "those that rerun nothing and, with --probe-scoring, those that rerun stages 1..",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()

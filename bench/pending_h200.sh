@@ -222,8 +222,8 @@
 #   call B (the second half) 98 (the smoke, ~8 min), then 103 (the fused logsumexp, ~8 min), 99
 #   (1M through the CLI again), 86 (probes beside the default at 512K: whether probes become
 #   the default), 85, the 8B smoke, 83, 80, 73, 69.
-# The thirty-ninth had no device time left (172 s). On the CPU: a layer's cached HiP decode step as
-#   one CUDA graph (04ca588, KVTIER_HIP_GRAPHS=1, off until measured). NEXT: as the thirty-
+# The thirty-ninth had no device time left (172 s). On the CPU: a layer's HiP decode steps as CUDA
+#   graphs (04ca588 cached steps, bd7391d stage-1/2 reruns; KVTIER_HIP_GRAPHS=1, off until measured). NEXT: as the thirty-
 #   eighth's NEXT, with 104 now also running --graphs and the CUDA checks (their hip-graphs rows),
 #   then 83 (issue 23's int4 at 512K with two heads a slice: simulated 0.217 s, asks 0.25) before
 #   103; after 99, 105 (1M through the CLI with the graphs).
@@ -446,9 +446,9 @@ case "$group" in
   # reruns 114 -> 85 operators a slice, stage-2 77 -> 62): the same command as this session's
   # hip_decode_profile_lean_512k_int4_probes_g4_steps.json (stage-2 rerun ~21 ms, stage-1 ~30 ms
   # a step of 4 layers), slice by slice on the same start (--slice-at-a-time), and (the thirty-
-  # ninth session, 04ca588) each layer's cached steps replayed as one CUDA graph (--graphs: the
-  # "none" steps, 4.4 ms a step of 4 layers before). Then the CUDA checks: hip-graphs rows
-  # bitwise against the same steps op by op, with captures and replays counted.
+  # ninth session, 04ca588, bd7391d) each layer's steps replayed as CUDA graphs (--graphs: the
+  # "none" steps, 4.4 ms a step of 4 layers before, and the stage-1/2 reruns). Then the CUDA
+  # checks: hip-graphs rows bitwise against the same steps op by op, captures and replays counted.
   for a in "" "--slice-at-a-time" "--graphs"; do
     run 60 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
       --group 4 --head-dim 128 --steps 66 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
