@@ -21,6 +21,7 @@ pytestmark = NEEDS_TRITON
 from kvtier.config import ModelConfig  # noqa: E402
 from kvtier.model.llama import CausalLM  # noqa: E402
 from kvtier.sparse import cached_decode, decode_buffer  # noqa: E402
+from kvtier.sparse.decode_graph import LayerGraphs  # noqa: E402
 from kvtier.sparse.gpu_cache import BlockCache  # noqa: E402
 from tests.hip_store import REFRESH0, TINY, assert_same, kernel_for, run  # noqa: E402
 
@@ -116,6 +117,18 @@ def test_append_at_writes_the_row_append_writes() -> None:
     assert torch.equal(a.bank, b.bank) and a.end == b.end == 10
     with pytest.raises(AssertionError):
         b.advance(12)  # not the next position
+
+
+def test_a_layer_whose_graphs_keep_changing_runs_as_before() -> None:
+    """Graphs made 8 times for a layer and kind, replayed under 4 times each on average: that
+    layer's steps of that kind stop taking graphs (a capture costs more than it saves); others,
+    and a steady one, go on."""
+    graphs = LayerGraphs()
+    graphs._made[(3, 0)], graphs._used[(3, 0)] = 8, 31
+    graphs._made[(3, 2)], graphs._used[(3, 2)] = 8, 32
+    graphs._made[(4, 0)], graphs._used[(4, 0)] = 7, 0
+    assert graphs._unsteady((3, 0))
+    assert not graphs._unsteady((3, 2)) and not graphs._unsteady((4, 0)) and not graphs._unsteady((5, 1))
 
 
 @SUBPROCESS_ONLY

@@ -79,6 +79,8 @@ class LayerGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (layer, first stage rerun; 0: none)
         self.captures = self.replays = self.eager = 0
         self.steps = Counter[int]()  # steps run through a body, by the first stage rerun (0: none)
+        self._made = Counter[tuple[int, int]]()  # graphs made, a layer and kind
+        self._used = Counter[tuple[int, int]]()  # steps they ran
 
     def clear(self) -> None:
         """Drop every graph (their caches and buffers are going away)."""
@@ -100,7 +102,7 @@ class LayerGraphs:
         (the graph's own output: valid until the layer's next step), having moved the caches'
         and buffers' host state on; None, having done nothing, where the step starts a cache
         block or a buffer is full (the caller then runs it as before)."""
-        if not _appendable(caches, position):
+        if not _appendable(caches, position) or self._unsteady((layer, 0)):
             return None
         if any(b.k is None or b.length >= b.capacity or b.end != position for b in bufs):
             return None
@@ -111,6 +113,7 @@ class LayerGraphs:
         g.inputs.copy_(torch.tensor([position, 0, *meta], dtype=torch.int64), non_blocking=True)
         out = self._run(g, lambda: _cached_body(g, caches, bufs, rotary, splits))
         self.steps[0] += 1
+        self._used[(layer, 0)] += 1
         for c in caches:
             c.advance(position)
         for b in bufs:
@@ -142,7 +145,7 @@ class LayerGraphs:
         growing, a cache block starting, a buffer full."""
         end = position + 1
         width = selections[0].numel()
-        if not _appendable(caches, position) or end <= cfg.sink:
+        if not _appendable(caches, position) or end <= cfg.sink or self._unsteady((layer, first)):
             return None
         if any(sel.numel() != width for sel in selections):
             return None
@@ -174,6 +177,7 @@ class LayerGraphs:
         torch.stack(selections, out=g.cand)
         out = self._run(g, lambda: _rerun_body(g, caches, bufs, cfg, layer, first, rotary, splits, end))
         self.steps[first] += 1
+        self._used[(layer, first)] += 1
         for c in caches:
             c.advance(position)
         for b in bufs:
@@ -198,9 +202,16 @@ class LayerGraphs:
             sel = None if cand is None else torch.empty(cand, dtype=torch.long, device=q.device)
             g = _Graph(sig, inputs, torch.empty_like(q), torch.empty_like(kv_new), sel)
             self._graphs[key] = g
+            self._made[key] += 1
         g.q.copy_(q)
         g.kv.copy_(kv_new)
         return g
+
+    def _unsteady(self, key: tuple[int, int]) -> bool:
+        """Whether `key`'s graphs were made again so often that capturing costs more than it
+        saves (8 made, each replayed under 4 times on average): its steps then run as before."""
+        made = self._made[key]
+        return made >= 8 and self._used[key] < 4 * made
 
     def _run(self, g: _Graph, body: Callable[[], Any]) -> Any:
         """body() eagerly (CPU tensors), or g's graph replayed (recorded first if new)."""
