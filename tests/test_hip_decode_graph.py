@@ -7,7 +7,8 @@ tests/triton_interpreter.py); capture and replay themselves need a GPU (bench/gp
 
 from __future__ import annotations
 
-from typing import cast
+import sys
+from typing import Any, cast
 
 import pytest
 import torch
@@ -20,9 +21,10 @@ pytestmark = NEEDS_TRITON
 
 from kvtier.config import ModelConfig  # noqa: E402
 from kvtier.model.llama import CausalLM  # noqa: E402
-from kvtier.sparse import cached_decode, decode_buffer  # noqa: E402
+from kvtier.sparse import cached_decode, decode_buffer, decode_graph  # noqa: E402
 from kvtier.sparse.decode_graph import LayerGraphs  # noqa: E402
 from kvtier.sparse.gpu_cache import BlockCache  # noqa: E402
+from kvtier.sparse.opcount import OpCounter  # noqa: E402
 from tests.hip_store import REFRESH0, TINY, assert_same, kernel_for, run  # noqa: E402
 
 
@@ -67,7 +69,34 @@ def test_layer_steps_through_the_graph_bodies_decode_as_before(
     monkeypatch.setenv("KVTIER_HIP_GRAPHS", "1")
     graphed = kernel_for(cfg, **opts)
     assert graphed._graphs is not None
+    # what a capture records must not wait for the device: no body reads a value back
+    in_bodies: list[OpCounter] = []
+    read_back: list[str] = []  # `tolist` runs no aten operator on a CPU tensor: watched apart
+    for name in ("_cached_body", "_rerun_body"):
+        body = getattr(decode_graph, name)
+
+        def counted_body(*args: object, _body: Any = body) -> Any:
+            with OpCounter() as ops:
+                out = _body(*args)
+            in_bodies.append(ops)
+            return out
+
+        monkeypatch.setattr(decode_graph, name, counted_body)
+    tolist = torch.Tensor.tolist
+
+    def watched(t: torch.Tensor) -> Any:
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_name.endswith("_body"):
+            frame = frame.f_back  # type: ignore[assignment]
+        if frame is not None:
+            read_back.append(frame.f_code.co_name)
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", watched)
     logits, tokens, _, _ = run(model, cfg, "head", graphed)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert in_bodies and all(ops.sync_total == 0 and ops.total > 0 for ops in in_bodies)
+    assert not read_back
     assert tokens == ref_tokens
     assert_same(logits, ref_logits)
     assert graphed.stats.cache == ref.stats.cache
