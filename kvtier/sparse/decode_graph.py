@@ -53,6 +53,9 @@ def graphs_enabled() -> bool:
     return os.environ.get("KVTIER_HIP_GRAPHS", "0") not in ("", "0")
 
 
+Stages = list[tuple[torch.Tensor, torch.Tensor]]  # per stage: kept [E, K], counts [E]
+
+
 @dataclass
 class _Graph:
     """One layer's graph of one kind: its static inputs, its output and its signature."""
@@ -62,11 +65,9 @@ class _Graph:
     q: torch.Tensor  # [1, H_q, D] the step's query (un-rotated when the kernel rotates)
     kv: torch.Tensor  # [1, 2, H_kv, D] the step's new rows
     cand: torch.Tensor | None = None  # [E, N] a rerun's input: the previous stage's selections
+    kept: Stages | None = None  # a rerun's stage outputs, copied out of the graph's pool
     graph: Any = None  # torch.cuda.CUDAGraph once captured (None: the body runs eagerly)
     out: Any = None  # the graph's output (the body's return value)
-
-
-Stages = list[tuple[torch.Tensor, torch.Tensor]]  # per stage: kept [E, K], counts [E]
 
 
 class LayerGraphs:
@@ -77,6 +78,7 @@ class LayerGraphs:
 
     def __init__(self) -> None:
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (layer, first stage rerun; 0: none)
+        self._pool: Any = None  # the graphs' one memory pool (after the first capture)
         self.captures = self.replays = self.eager = 0
         self.steps = Counter[int]()  # steps run through a body, by the first stage rerun (0: none)
         self._made = Counter[tuple[int, int]]()  # graphs made, a layer and kind
@@ -149,7 +151,7 @@ class LayerGraphs:
             return None
         if any(sel.numel() != width for sel in selections):
             return None
-        kept, limit = width, end
+        kept, limit, sizes = width, end, []
         for i in range(first, len(cfg.chunk_sizes)):
             chunk, budget = cfg.chunk_sizes[i], cfg.stage_budgets(layer)[i]
             c_count = -(-kept // chunk)
@@ -158,6 +160,7 @@ class LayerGraphs:
                     return None
                 limit = max(limit, end + cfg.window + c_count + 2)  # `scoring_queries`' bound
                 kept = budget // chunk * chunk
+            sizes.append(kept)
         prefix = cfg.sink + kept
         rows = prefix + position - window_start  # a buffer's rows now: prefix, window [w0, position)
         for b in bufs:
@@ -173,6 +176,11 @@ class LayerGraphs:
         shape = (len(selections), width)
         sig = (first, *_signature(q, kv_new, caches, keys, splits, tables, True), shape, prefix)
         g = self._graph((layer, first), sig, q, kv_new, len(meta), shape)
+        if g.kept is None:  # NOTE: outside the graph's pool: the decode states keep them
+            e = len(selections)
+            g.kept = [
+                (q.new_empty((e, k), dtype=torch.long), q.new_empty(e, dtype=torch.long)) for k in sizes
+            ]
         g.inputs.copy_(torch.tensor([position, window_start, *meta], dtype=torch.int64), non_blocking=True)
         torch.stack(selections, out=g.cand)
         out = self._run(g, lambda: _rerun_body(g, caches, bufs, cfg, layer, first, rotary, splits, end))
@@ -237,10 +245,12 @@ class LayerGraphs:
         graph = torch.cuda.CUDAGraph()
         # NOTE: thread-local: a server's other threads (a host-tier allocation, say) may call
         # CUDA while a request's layer captures, which the global mode would count against it.
-        # A pool of its own: a rerun's outputs outlive its replay (the decode states keep them),
-        # and a shared pool may hand them to another graph's temporaries (~2 MB a graph).
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # One pool for all: another graph may reuse a graph's temporaries, and its outputs only
+        # live until the model reads them, before the next graph replays (a rerun's selections,
+        # which the decode states keep, are copied out of the pool: `_Graph.kept`).
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.out = body()
+        self._pool = graph.pool()
         g.graph = graph
         self.captures += 1
 
@@ -350,8 +360,12 @@ def _rerun_body(
     q_pos = pos.view(1, 1).expand(e, 1).contiguous()  # [E, 1]
     valid = torch.full((e,), cand.shape[1], device=cand.device)
     outs, _ = rerun_stages(cfg, layer, qs, q_pos, views, cand, valid, first, rotary, length)
+    kept = cast(Stages, g.kept)
+    for (k_to, n_to), (k, n) in zip(kept, outs, strict=True):
+        k_to.copy_(k)
+        n_to.copy_(n)
     sinks = torch.arange(cfg.sink, device=cand.device)
     for i, (buf, view) in enumerate(zip(bufs, views, strict=True)):
-        prefix = torch.cat((sinks, outs[-1][0][i]))
+        prefix = torch.cat((sinks, kept[-1][0][i]))
         buf.rewrite_prefix(view, prefix, g.inputs[1:2], rotary, cfg.attention_rope, length)
-    return _attend_new(g, bufs, rotary, splits), outs
+    return _attend_new(g, bufs, rotary, splits), kept
