@@ -4,6 +4,7 @@ executes `kvtier` subprocesses and prints each result as it comes, and the table
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import threading
@@ -65,9 +66,11 @@ class Smoke:
         timeout: float = 300,
         parse_json: bool = False,
         stdin: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> tuple[Check | None, Any]:
-        """Run `kvtier ARGS`; ok = exit 0 and no traceback (and JSON on stdout with parse_json).
-        A check `only` leaves out is not run: (None, None)."""
+        """Run `kvtier ARGS` (with `env` over this process's environment); ok = exit 0 and no
+        traceback (and JSON on stdout with parse_json). A check `only` leaves out is not run:
+        (None, None)."""
         if not self.wanted(name):
             return None, None
         argv = [*self.kvtier, *args]
@@ -75,7 +78,13 @@ class Smoke:
         try:
             text_in = None if stdin is None else stdin.read_text()
             p = subprocess.run(
-                argv, input=text_in, capture_output=True, text=True, timeout=timeout, cwd=self.workdir
+                argv,
+                input=text_in,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=self.workdir,
+                env=None if env is None else {**os.environ, **env},
             )
             rc, out, err = p.returncode, p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
@@ -90,7 +99,7 @@ class Smoke:
                 ok, detail = False, "stdout is not JSON"
         if not ok:
             detail = detail or last_line(err)
-        shown = ["kvtier", *args]
+        shown = [*(f"{k}={v}" for k, v in (env or {}).items()), "kvtier", *args]
         return self.add(Check(model, name, shown, ok, round(seconds, 2), rc, detail=detail)), data
 
 

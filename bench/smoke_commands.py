@@ -12,6 +12,9 @@ from bench.smoke_serve import CAP, CAP_BYTES
 
 LOSSLESS = ("gpu", "layer", "head", "auto")
 PROBED = ["--hip-probes", "on", "--hip-refresh", "default"]  # stage 2 reruns at decode step 4
+# The row that runs HiP's decode steps as CUDA graphs (KVTIER_HIP_GRAPHS=1) and the one its
+# tokens must equal, the same command without them
+GRAPHED = ("lossy hip probes head cap", "lossy hip probes head graphs cap")
 LOSSY: dict[str, list[str]] = {
     "hip": ["--attention", "hip"],
     "hip-fast": ["--attention", "hip", "--hip-preset", "fast"],
@@ -50,6 +53,7 @@ def generate_checks(
     base = ["generate", *model, "--prompt-file", str(short), "--max-new-tokens", "8", "--json"]
     hip_args = None if medium is None else [*base[:-4], str(medium), *base[-3:]]
     tokens: dict[str, list[int]] = {}
+    graphed: dict[str, list[int]] = {}  # GRAPHED's rows
     pool = ThreadPoolExecutor(max(1, jobs))
     futures: list[Future[None]] = []
 
@@ -59,16 +63,22 @@ def generate_checks(
         cap: bool,
         prompt_args: list[str] | None = None,
         exact: bool | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        futures.append(pool.submit(run_gen, name, extra, cap, prompt_args, exact))
+        futures.append(pool.submit(run_gen, name, extra, cap, prompt_args, exact, env))
 
     def run_gen(
-        name: str, extra: list[str], cap: bool, prompt_args: list[str] | None, exact: bool | None
+        name: str,
+        extra: list[str],
+        cap: bool,
+        prompt_args: list[str] | None,
+        exact: bool | None,
+        env: dict[str, str] | None,
     ) -> None:
         """One generate command; `exact`: whether it must (True) or must not (False) have run a
         lossy method lossless (`ran_lossless` in its plan)."""
         args = (prompt_args or base) + extra + (["--gpu-memory", CAP] if cap else [])
-        check, data = smoke.cli(label, name, args, parse_json=True)
+        check, data = smoke.cli(label, name, args, parse_json=True, env=env)
         if check is None or data is None:
             return
         with smoke.lock:  # other checks' threads add and write the JSON meanwhile
@@ -89,6 +99,8 @@ def generate_checks(
             if name.startswith("kv=") and prompt_args is None:
                 tokens[name] = data["token_ids"]
                 agree()  # kept current: a run cut short still says whether the policies agreed
+            if name in GRAPHED:
+                graphed[name] = data["token_ids"]
         if smoke.on_add is not None:
             with smoke.lock:
                 smoke.on_add()
@@ -124,12 +136,19 @@ def generate_checks(
             exact=False if hip else None,
         )
     gen("lossy hip short cap: ran lossless", LOSSY["hip"], cap=True, exact=True)
+    # HiP's decode steps as CUDA graphs (experimental), bitwise the steps op by op
+    graphs = {"KVTIER_HIP_GRAPHS": "1"}
+    gen(GRAPHED[1], LOSSY["hip probes head"], cap=True, prompt_args=hip_args, exact=False, env=graphs)
     if long is not None:
         long_args = ["generate", *model, "--prompt-file", str(long), "--max-new-tokens", "4", "--json"]
         gen("long prompt, auto, cap", [], cap=True, prompt_args=long_args)
     for f in futures:
         f.result()  # re-raises a check's own failure (not a failed command: that is a Check)
     pool.shutdown()
+    if len(graphed) == 2:
+        same = graphed[GRAPHED[0]] == graphed[GRAPHED[1]]
+        detail = "the same tokens" if same else f"{graphed[GRAPHED[1]]} vs {graphed[GRAPHED[0]]}"
+        smoke.add(Check(label, "hip graphs: tokens as op by op", [], same, 0.0, 0, detail=detail))
     agree()
     reference = tokens.get("kv=gpu")
     differ = smoke.agreement[label]["differ_from_kv=gpu"]

@@ -227,14 +227,8 @@ class CachedDecode(SliceCaches, StagePieces):
         kept = torch.stack([n for _, n in outs]).tolist() if padded else None  # one sync a layer
         end = s + 1
         for e, (st, view) in enumerate(zip(states, views, strict=True)):
-            st.step += 1
-            st.outputs[first:] = [
-                c[e] if kept is None else c[e, : kept[j][e]] for j, (c, _) in enumerate(outs)
-            ]
-            st.computed_at[first:] = [st.step] * len(outs)
-            st.position = s
-            for i in range(first, len(cfg.chunk_sizes)):
-                self.stats.decode_recomputes[i] += 1
+            sel = [c[e] if kept is None else c[e, : kept[j][e]] for j, (c, _) in enumerate(outs)]
+            self._reran(st, first, sel, s)
             prefix = torch.cat((torch.arange(min(cfg.sink, end), device=q.device), st.outputs[-1]))
             w0 = min(st.window_start, end)
             st.attn.rebuild(view, prefix, w0, end, cfg.refresh[0] + 1, self.rotary, cfg.attention_rope)
@@ -265,13 +259,17 @@ class CachedDecode(SliceCaches, StagePieces):
         out, outs = ran
         self.stats.cache.cached_steps += len(caches)  # none starts a block: nothing `appended`
         for e, st in enumerate(states):
-            st.step += 1
-            st.outputs[first:] = [c[e] for c, _ in outs]
-            st.computed_at[first:] = [st.step] * len(outs)
-            st.position = s
-            for i in range(first, len(self.cfg.chunk_sizes)):
-                self.stats.decode_recomputes[i] += 1
+            self._reran(st, first, [c[e] for c, _ in outs], s)
         return out.view(1, -1, q.shape[-1])
+
+    def _reran(self, st: DecodeState, first: int, selections: list[torch.Tensor], s: int) -> None:
+        """A decode state after its stages first.. reran at position s with these selections."""
+        st.step += 1
+        st.outputs[first:] = selections
+        st.computed_at[first:] = [st.step] * len(selections)
+        st.position = s
+        for i in range(first, len(self.cfg.chunk_sizes)):
+            self.stats.decode_recomputes[i] += 1
 
     def _stage0_due(self, step: SliceStep) -> bool:
         """Whether this decode step of a slice runs stage 0: its first (no decode state, or a
