@@ -225,6 +225,7 @@
 # The thirty-ninth had no device time left (172 s). On the CPU: a layer's HiP decode steps as CUDA
 #   graphs (04ca588 cached steps, bd7391d stage-1/2 reruns; KVTIER_HIP_GRAPHS=1, off until measured). NEXT: as the thirty-
 #   eighth's NEXT, with 104 now also running --graphs and the CUDA checks (their hip-graphs rows),
+#   98 (the smoke) a row with the graphs on through the CLI whose tokens must equal the row's without,
 #   then 83 (issue 23's int4 at 512K with two heads a slice: simulated 0.217 s, asks 0.25) before
 #   103; after 99, 105 (1M through the CLI with the graphs).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
