@@ -8,6 +8,7 @@ tests/triton_interpreter.py); capture and replay themselves need a GPU (bench/gp
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -125,6 +126,63 @@ def test_layer_steps_through_the_graph_bodies_decode_as_before(
     assert (steps[1] > 0 and steps[2] > 0) == probes
     assert graphed._graphs.eager == sum(steps.values())
     assert graphed._graphs.captures == 0  # CPU tensors: the body runs, nothing is captured
+
+
+class ReplayedBody:
+    """A CUDA graph's stand-in on the CPU: recording runs the body once (as the warm-up does)
+    and keeps it; a replay runs that same body again and writes its outputs into the recorded
+    ones. So every value the body took from the host when it was recorded stays as it was, as in
+    a real replay: a body that read a host value of its step would go stale here too."""
+
+    def __init__(self, body: Callable[[], Any]) -> None:
+        self.body = body
+        self.out = body()
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.body())
+
+
+def _copy_into(to: Any, new: Any) -> None:
+    if isinstance(to, torch.Tensor):
+        if to is not new:
+            to.copy_(new)
+    else:
+        for a, b in zip(to, new, strict=True):
+            _copy_into(a, b)
+
+
+class Recording:
+    """`decode_graph.Recorder` of `ReplayedBody`s."""
+
+    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
+        graph = ReplayedBody(body)
+        return graph, graph.out
+
+
+@pytest.mark.parametrize("device", CPU)
+def test_graphs_recorded_once_and_replayed_decode_as_before(
+    gqa: tuple[CausalLM, ModelConfig], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graphs replayed as a recording would (`ReplayedBody`: each body's host values those
+    of the step it was recorded at): the logits bitwise the eager ones, each layer's graph of a
+    kind recorded once (what it baked in stays put: banks, tail slots, slot tables, buffers, the
+    RoPE table) and replayed at every step that took it."""
+    for module in (decode_buffer, cached_decode):
+        monkeypatch.setattr(module, "buffer_kernel", lambda q: True)
+    model, cfg = gqa
+    opts: dict[str, object] = {"refresh": (REFRESH0, 3, 2), "probe_scoring": True, "host_scoring": True}
+    ref_logits, ref_tokens, _, _ = run(model, cfg, "head", kernel_for(cfg, **opts))
+    monkeypatch.setenv("KVTIER_HIP_GRAPHS", "1")
+    graphed = kernel_for(cfg, **opts)
+    graphs = cast(LayerGraphs, graphed._graphs)
+    graphs.recorder = Recording()
+    logits, tokens, _, _ = run(model, cfg, "head", graphed)
+    assert tokens == ref_tokens
+    assert_same(logits, ref_logits)
+    assert graphs.eager == 0 and graphs.replays == sum(graphs.steps.values())
+    assert graphs.steps[0] and graphs.steps[1] and graphs.steps[2]
+    # one recording a layer and kind (3 layers x cached, from stage 1, from stage 2), each replayed on
+    assert set(graphs._made.values()) == {1} and graphs.captures == len(graphs._made) == 9
 
 
 def test_append_at_writes_the_row_append_writes() -> None:

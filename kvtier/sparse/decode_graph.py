@@ -36,7 +36,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -76,9 +76,11 @@ class LayerGraphs:
     tensors. Counts: `captures`, `replays`, `eager` (bodies run without a graph), and `steps`
     by kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder | None = None) -> None:
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (layer, first stage rerun; 0: none)
-        self._pool: Any = None  # the graphs' one memory pool (after the first capture)
+        # How bodies become graphs: `recorder` (a test's stand-in), else CUDA's on CUDA tensors
+        self.recorder = recorder
+        self._cuda = CudaRecorder()
         self.captures = self.replays = self.eager = 0
         self.steps = Counter[int]()  # steps run through a body, by the first stage rerun (0: none)
         self._made = Counter[tuple[int, int]]()  # graphs made, a layer and kind
@@ -222,26 +224,42 @@ class LayerGraphs:
         return made >= 8 and self._used[key] < 4 * made
 
     def _run(self, g: _Graph, body: Callable[[], Any]) -> Any:
-        """body() eagerly (CPU tensors), or g's graph replayed (recorded first if new)."""
-        if not g.q.is_cuda:
+        """body() eagerly (CPU tensors, no recorder), or g's graph replayed (recorded first if
+        new)."""
+        recorder = self.recorder if self.recorder is not None else self._cuda if g.q.is_cuda else None
+        if recorder is None:
             self.eager += 1
             return body()
         if g.graph is None:
-            self._record(g, body)
+            g.graph, g.out = recorder.record(g.q.device, body)
+            self.captures += 1
         g.graph.replay()
         self.replays += 1
         return g.out
 
-    def _record(self, g: _Graph, body: Callable[[], Any]) -> None:
-        """Warm up on a side stream, then capture body() into g. The warm-up writes what the
-        replay writes again (the same values from the same inputs), so it changes nothing a later
-        step reads; its output is dropped."""
-        dev = g.q.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
+
+class Recorder(Protocol):
+    """Makes a body a graph: `record(device, body)` -> (graph, its output), the graph's
+    `replay()` running the body's work again on the tensors it recorded."""
+
+    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]: ...
+
+
+class CudaRecorder:
+    """`Recorder` of CUDA graphs, all in one memory pool."""
+
+    def __init__(self) -> None:
+        self._pool: Any = None  # the graphs' one memory pool (after the first capture)
+
+    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
+        """Warm up on a side stream, then capture body(). The warm-up writes what the replay
+        writes again (the same values from the same inputs), so it changes nothing a later step
+        reads; its output is dropped."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             body()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # NOTE: thread-local: a server's other threads (a host-tier allocation, say) may call
         # CUDA while a request's layer captures, which the global mode would count against it.
@@ -249,10 +267,9 @@ class LayerGraphs:
         # live until the model reads them, before the next graph replays (a rerun's selections,
         # which the decode states keep, are copied out of the pool: `_Graph.kept`).
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            g.out = body()
+            out = body()
         self._pool = graph.pool()
-        g.graph = graph
-        self.captures += 1
+        return graph, out
 
 
 def _appendable(caches: list[BlockCache], position: int) -> bool:
