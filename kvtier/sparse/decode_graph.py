@@ -110,9 +110,9 @@ class LayerGraphs:
             return None
         if any(b.k is None or b.length >= b.capacity or b.end != position for b in bufs):
             return None
-        meta, splits, keys = _meta(q, bufs)
+        meta, splits, tensors = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(position + 1, q)
-        sig = (0, *_signature(q, kv_new, caches, keys, splits, tables, False))
+        sig = (0, *_signature(q, kv_new, caches, tensors, splits, tables, False))
         g = self._graph((layer, 0), sig, q, kv_new, len(meta))
         g.inputs.copy_(torch.tensor([position, 0, *meta], dtype=torch.int64), non_blocking=True)
         out = self._run(g, lambda: _cached_body(g, caches, bufs, rotary, splits))
@@ -173,10 +173,10 @@ class LayerGraphs:
                 or not b.length == rows < b.capacity - 1
             ):
                 return None
-        meta, splits, keys = _meta(q, bufs)
+        meta, splits, tensors = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(limit, q)  # grown before, not inside
         shape = (len(selections), width)
-        sig = (first, *_signature(q, kv_new, caches, keys, splits, tables, True), shape, prefix)
+        sig = (first, *_signature(q, kv_new, caches, tensors, splits, tables, True), shape, prefix)
         g = self._graph((layer, first), sig, q, kv_new, len(meta), shape)
         if g.kept is None:  # NOTE: outside the graph's pool: the decode states keep them
             e = len(selections)
@@ -278,7 +278,8 @@ def _appendable(caches: list[BlockCache], position: int) -> bool:
 
 
 def _meta(q: torch.Tensor, bufs: list[AttendBuffer]) -> tuple[list[int], int, list[torch.Tensor]]:
-    """META of the buffers with this step's row appended, the key splits, and their keys."""
+    """META of the buffers with this step's row appended, the key splits, and the buffers' key
+    and value tensors."""
     from kvtier.sparse.triton_decode import buffers_meta  # NOTE: Triton only when used
 
     keys = [cast(torch.Tensor, b.k) for b in bufs]
