@@ -53,8 +53,8 @@ from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.methods.spec import parse_choice
 from kvtier.planner.placement import KVPlan
-from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, make_hip_kernel
-from kvtier.sparse.opcount import OpCounter
+from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, cached_decode, decode_buffer, make_hip_kernel
+from kvtier.sparse.opcount import OpCounter, unseen
 from kvtier.units import parse_count
 
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "unique")
@@ -167,6 +167,37 @@ def merged_kernels(profs: list[profile], top: int) -> list[dict[str, Any]]:
     return sorted(total.values(), key=lambda r: -r["device_ms"])[:top]
 
 
+class UncountedReplays:
+    """A `decode_graph.Recorder` for counting on the CPU: a replay runs the recorded body with
+    the operator count (any dispatch mode) switched off and counts one operator, as a CUDA graph
+    is one launch; recording runs it once, unseen too (a capture launches nothing)."""
+
+    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
+        graph = _Uncounted(body)
+        return graph, graph.out
+
+
+class _Uncounted:
+    def __init__(self, body: Callable[[], Any]) -> None:
+        self.body = body
+        with unseen():
+            self.out = body()
+
+    def replay(self) -> None:
+        with unseen("graph replay"):
+            _copy_into(self.out, self.body())
+
+
+def _copy_into(to: Any, new: Any) -> None:
+    """Outputs of a replay into the recorded ones (the same tensors, as a graph's)."""
+    if isinstance(to, torch.Tensor):
+        if to is not new:
+            to.copy_(new)
+    else:
+        for a, b in zip(to, new, strict=True):
+            _copy_into(a, b)
+
+
 STEP_KINDS = ("stage0", "stage1", "stage2", "none")
 
 
@@ -218,10 +249,29 @@ def main() -> None:
         help="KVTIER_HIP_GRAPHS=1: a layer's steps replay CUDA graphs (kvtier.sparse.decode_graph): "
         "those that rerun nothing and, with --probe-scoring, those that rerun stages 1..",
     )
+    ap.add_argument(
+        "--triton-buffers",
+        action="store_true",
+        help="on the CPU under TRITON_INTERPRET=1: decode buffers attended by their Triton kernels, "
+        "as on CUDA (else torch's attention a buffer at a time)",
+    )
+    ap.add_argument(
+        "--emulate-graphs",
+        action="store_true",
+        help="with --graphs and --triton-buffers: each graph's replay runs its body unseen by the "
+        "operator count, which counts it as one launch: the host operators a graphed step leaves",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     if args.graphs:
         os.environ["KVTIER_HIP_GRAPHS"] = "1"  # read when the kernel is made
+    if args.triton_buffers:
+        if args.device != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--triton-buffers: on the CPU, under TRITON_INTERPRET=1 (CUDA takes that path anyway)")
+        for module in (decode_buffer, cached_decode):
+            module.buffer_kernel = lambda q: True  # type: ignore[attr-defined]
+    if args.emulate_graphs and not (args.graphs and args.triton_buffers):
+        sys.exit("--emulate-graphs: with --graphs and --triton-buffers")
     dev = torch.device(args.device)
     base = HIP_PRESETS[args.preset]
     if args.as_preset:
@@ -235,6 +285,9 @@ def main() -> None:
     store, kernel = build(*shape, extra, hip, dev, args.group, args.kv_fill, args.kv_quant)
     if args.slice_at_a_time:
         kernel.attend_cached_layer = lambda *_: None  # type: ignore[method-assign]
+    if args.emulate_graphs:
+        assert kernel._graphs is not None
+        kernel._graphs.recorder = UncountedReplays()
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)
@@ -357,7 +410,9 @@ def main() -> None:
             "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
             "host_scoring": hip.host_scoring,
             "probe_scoring": hip.probe_scoring, "layer_at_once": not args.slice_at_a_time,
+            "triton_buffers": args.triton_buffers or dev.type == "cuda",
             "graphs": None if kernel._graphs is None else {
+                "emulated": args.emulate_graphs,
                 "captures": kernel._graphs.captures, "replays": kernel._graphs.replays,
                 "eager": kernel._graphs.eager,
             },

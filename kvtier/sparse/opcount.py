@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -73,21 +74,25 @@ class OpCounter(TorchDispatchMode):
     def __enter__(self) -> OpCounter:
         super().__enter__()
         self._unpatch = _count_interpreted_launches(self)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
         self._unpatch()
         super().__exit__(*exc)
 
     def launched(self, name: str) -> None:
-        """Count one launch of kernel `name` (not an aten operator)."""
+        """Count one launch of kernel `name` (not an aten operator), unless `unseen`."""
+        if _UNSEEN:
+            return
         self.counts[f"triton:{name}"] += 1
         if self.by_function is not None:
             self.by_function[_innermost_kvtier_frame()] += 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not func.is_view:
+        if not func.is_view and not _UNSEEN:
             name = str(func.overloadpacket.__name__)
             self.counts[name] += 1
             if _syncs(name, args, kwargs):
@@ -95,6 +100,27 @@ class OpCounter(TorchDispatchMode):
             if self.by_function is not None:
                 self.by_function[_innermost_kvtier_frame()] += 1
         return func(*args, **kwargs)
+
+
+_UNSEEN = 0  # depth of `unseen` blocks
+
+
+@contextmanager
+def unseen(launch: str | None = None) -> Iterator[None]:
+    """Run a block no active `OpCounter` counts, having counted it as the one launch `launch` (if
+    given): what a CUDA graph's replay runs (`bench/hip_decode_profile.py --emulate-graphs`)."""
+    global _UNSEEN
+    if launch is not None:
+        for counter in _ACTIVE:
+            counter.launched(launch)
+    _UNSEEN += 1
+    try:
+        yield
+    finally:
+        _UNSEEN -= 1
+
+
+_ACTIVE: list[OpCounter] = []  # the counters entered, innermost last
 
 
 def _count_interpreted_launches(counter: OpCounter) -> Callable[[], None]:
