@@ -1,5 +1,6 @@
 """A request's stats time each prefill step (`GenerationStats.prefill_step_s`): where a long
-prompt's prefill goes, read without a host sync between steps."""
+prompt's prefill goes, read without a host sync between steps; and they carry what its attention
+kernel counted (`GenerationStats.kernel`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ def test_the_clock_times_consecutive_steps() -> None:
         torch.ones(n).sum()
         clock.mark()
     assert len(clock.seconds()) == 2
+
+
+@pytest.mark.parametrize("graphs", ["0", "1"])
+def test_a_request_reports_what_its_kernel_counted(
+    tiny: Path, graphs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HiP's stats carry its counters (stage reruns per stage, the block caches' hit rate, and
+    with KVTIER_HIP_GRAPHS the decode graphs': none replay on the CPU); dense attention's none."""
+    monkeypatch.setenv("KVTIER_HIP_GRAPHS", graphs)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    hip = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip").generate(list(range(3, 60)), params)
+    counted = hip[0].stats.kernel
+    stages = counted["decode_recomputes"]
+    assert isinstance(stages, list) and len(stages) == 3 and min(stages) > 0
+    assert counted["cache_hit_rate"] == 1.0
+    assert ("decode_graphs" in counted) == (graphs == "1")
+    if graphs == "1":
+        assert counted["decode_graphs"] == {"captures": 0, "replays": 0, "steps": {}}
+    assert hip[0].stats.to_dict()["kernel"] == counted
+    dense = LLM(str(tiny), device="cpu", chunk_size=16).generate(list(range(3, 60)), params)
+    assert dense[0].stats.kernel == {}

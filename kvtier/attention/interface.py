@@ -209,6 +209,14 @@ class LayerCachedKernel(Protocol):
     ) -> torch.Tensor | None: ...
 
 
+@runtime_checkable
+class CountingKernel(Protocol):
+    """A slice kernel that reports run-time counters a request's stats carry (`counters()`: a
+    JSON-ready dict, read once the request has finished)."""
+
+    def counters(self) -> dict[str, object]: ...
+
+
 class DenseKernel:
     """Exact causal attention over all stored tokens, scored as the layer's spec says (window,
     soft-capping, scale): the lossless default."""

@@ -46,6 +46,9 @@ class GenerationStats:
     # long prompt's prefill goes (a chunk's cost grows with the context before it); empty when
     # the prompt was not prefilled step by step here (the batch engine)
     prefill_step_s: list[float] = field(default_factory=list)
+    # what the attention kernel counted (`CountingKernel`: HiP's stage reruns, cache hit rate,
+    # decode graphs); empty for kernels that count nothing
+    kernel: dict[str, object] = field(default_factory=dict)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.attention.interface import CountingKernel
 from kvtier.engine.outputs import RequestOutput, allocator_counts
 from kvtier.engine.prompts import Prompt, stopper
 from kvtier.engine.runner import generate_tokens
@@ -86,6 +87,8 @@ def generate_tiered(
             progress=progress and len(ids) > plan.chunk_size,
         )
         stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
+        if isinstance(store.kernel, CountingKernel):
+            stats.kernel = store.kernel.counters()
         if llm.device.type == "cuda":
             stats.peak_bytes["gpu_total"] = int(torch.cuda.max_memory_allocated(llm.device))
             after = allocator_counts(llm.device)

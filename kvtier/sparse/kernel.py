@@ -136,6 +136,19 @@ class HipKernel(CachedDecode):
         for cache in self._gpu.values():
             cache.invalidate()
 
+    def counters(self) -> dict[str, object]:
+        """`CountingKernel`: decode's stage reruns per stage, the block caches' hit rate, and with
+        `KVTIER_HIP_GRAPHS` the decode graphs' captures, replays and steps by kind."""
+        out: dict[str, object] = {
+            "decode_recomputes": list(self.stats.decode_recomputes),
+            "cache_hit_rate": round(self.stats.hit_rate, 4),
+        }
+        if self._graphs is not None:
+            g = self._graphs
+            kinds = {"cached" if k == 0 else f"from_stage{k}": n for k, n in sorted(g.steps.items())}
+            out["decode_graphs"] = {"captures": g.captures, "replays": g.replays, "steps": kinds}
+        return out
+
     def gpu_cache_bytes(self) -> int:
         """GPU bytes of the block caches of streamed slices (proportional to cache capacity)."""
         return sum(c.nbytes() for c in self._gpu.values())
