@@ -101,6 +101,11 @@ def generate_checks(
                 agree()  # kept current: a run cut short still says whether the policies agreed
             if name in GRAPHED:
                 graphed[name] = data["token_ids"]
+            if name == GRAPHED[1]:  # the graphs replayed (stats.kernel: `CountingKernel`)
+                graphs = data["stats"].get("kernel", {}).get("decode_graphs", {})
+                check.detail += f"; decode graphs {graphs}"
+                if not graphs.get("replays"):
+                    check.ok = False
         if smoke.on_add is not None:
             with smoke.lock:
                 smoke.on_add()
