@@ -102,9 +102,9 @@ def generate_checks(
             if name in GRAPHED:
                 graphed[name] = data["token_ids"]
             if name == GRAPHED[1]:  # the graphs replayed (stats.kernel: `CountingKernel`)
-                graphs = data["stats"].get("kernel", {}).get("decode_graphs", {})
-                check.detail += f"; decode graphs {graphs}"
-                if not graphs.get("replays"):
+                counted = data["stats"].get("kernel", {}).get("decode_graphs", {})
+                check.detail += f"; decode graphs {counted}"
+                if not counted.get("replays"):
                     check.ok = False
         if smoke.on_add is not None:
             with smoke.lock:
