@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvtier.attention.dense as dense
 from bench.common import write_results
-from bench.hip_decode_profile import SYNC_METHODS
+from bench.profiling import SYNC_METHODS
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.units import parse_count

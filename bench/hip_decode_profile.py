@@ -36,54 +36,25 @@ import pstats
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, write_results
-from bench.serve_loop import top_kernels
+from bench.profiling import count_syncs, merged_kernels, run_profiled
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.methods.spec import parse_choice
 from kvtier.planner.placement import KVPlan
 from kvtier.sparse import HIP_PRESETS, HipConfig, HipKernel, cached_decode, decode_buffer, make_hip_kernel
-from kvtier.sparse.opcount import OpCounter, unseen
+from kvtier.sparse.graph_recorders import ReplayRecorder
+from kvtier.sparse.opcount import OpCounter
 from kvtier.units import parse_count
-
-SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "unique")
-
-
-@contextmanager
-def count_syncs(counts: dict[str, int], methods: tuple[str, ...] = SYNC_METHODS) -> Iterator[None]:
-    """Count calls of tensor `methods` that force a host-device sync (on CUDA) while active."""
-    saved: dict[str, Any] = {}
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def inner(*a: Any, **k: Any) -> Any:
-            counts[name] = counts.get(name, 0) + 1
-            return fn(*a, **k)
-
-        return inner
-
-    for name in methods:
-        saved[name] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, wrap(name, saved[name]))
-    saved_unique = torch.unique
-    if "unique" in methods:
-        torch.unique = wrap("torch.unique", saved_unique)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-        torch.unique = saved_unique  # type: ignore[assignment]
 
 
 def build(
@@ -134,68 +105,6 @@ def step(store: TieredKVStore, layers: int, q: torch.Tensor, kv: torch.Tensor) -
     for layer in range(layers):
         store(layer, q, kv, kv)
     store.end_step()
-
-
-def run_profiled(
-    fn: Callable[[], None], prof: cProfile.Profile | None, kernel_profs: list[profile] | None, cuda: bool
-) -> None:
-    """fn under `prof` (cProfile) and, with `kernel_profs`, a torch.profiler window of its own
-    appended to it (with CUDA's activity and a sync when `cuda`)."""
-    if prof is not None:
-        prof.enable()
-    if kernel_profs is not None:
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as kp:
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-        kernel_profs.append(kp)
-    else:
-        fn()
-    if prof is not None:
-        prof.disable()
-
-
-def merged_kernels(profs: list[profile], top: int) -> list[dict[str, Any]]:
-    """`top_kernels` of several profiler windows, summed by kernel name (calls, device ms)."""
-    total: dict[str, dict[str, Any]] = {}
-    for p in profs:
-        for row in top_kernels(p, 10**6):
-            acc = total.setdefault(row["name"], {"name": row["name"], "calls": 0, "device_ms": 0.0})
-            acc["calls"] += row["calls"]
-            acc["device_ms"] = round(acc["device_ms"] + row["device_ms"], 3)
-    return sorted(total.values(), key=lambda r: -r["device_ms"])[:top]
-
-
-class UncountedReplays:
-    """A `decode_graph.Recorder` for counting on the CPU: a replay runs the recorded body with
-    the operator count (any dispatch mode) switched off and counts one operator, as a CUDA graph
-    is one launch; recording runs it once, unseen too (a capture launches nothing)."""
-
-    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
-        graph = _Uncounted(body)
-        return graph, graph.out
-
-
-class _Uncounted:
-    def __init__(self, body: Callable[[], Any]) -> None:
-        self.body = body
-        with unseen():
-            self.out = body()
-
-    def replay(self) -> None:
-        with unseen("graph replay"):
-            _copy_into(self.out, self.body())
-
-
-def _copy_into(to: Any, new: Any) -> None:
-    """Outputs of a replay into the recorded ones (the same tensors, as a graph's)."""
-    if isinstance(to, torch.Tensor):
-        if to is not new:
-            to.copy_(new)
-    else:
-        for a, b in zip(to, new, strict=True):
-            _copy_into(a, b)
 
 
 STEP_KINDS = ("stage0", "stage1", "stage2", "none")
@@ -262,7 +171,9 @@ def main() -> None:
         "operator count, which counts it as one launch: the host operators a graphed step leaves",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0, help="of the random queries and new rows")
     args = ap.parse_args()
+    torch.manual_seed(args.seed)  # which chunks the stages keep depends on the queries
     if args.graphs:
         os.environ["KVTIER_HIP_GRAPHS"] = "1"  # read when the kernel is made
     if args.triton_buffers:
@@ -287,7 +198,7 @@ def main() -> None:
         kernel.attend_cached_layer = lambda *_: None  # type: ignore[method-assign]
     if args.emulate_graphs:
         assert kernel._graphs is not None
-        kernel._graphs.recorder = UncountedReplays()
+        kernel._graphs.recorder = ReplayRecorder(unseen=True)
     dtype = store.layout.dtype
     q = torch.randn(1, 4 * args.kv_heads, args.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(1, args.kv_heads, args.head_dim, dtype=dtype, device=dev)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from bench.common import median
-from bench.hip_decode_profile import STEP_KINDS, first_due, merged_kernels, run_profiled
+from bench.hip_decode_profile import STEP_KINDS, first_due
+from bench.profiling import merged_kernels, run_profiled
 from kvtier.attention.interface import SliceKernel
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM

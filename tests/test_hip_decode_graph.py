@@ -8,7 +8,6 @@ tests/triton_interpreter.py); capture and replay themselves need a GPU (bench/gp
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -25,6 +24,7 @@ from kvtier.model.llama import CausalLM  # noqa: E402
 from kvtier.sparse import cached_decode, decode_buffer, decode_graph  # noqa: E402
 from kvtier.sparse.decode_graph import LayerGraphs  # noqa: E402
 from kvtier.sparse.gpu_cache import BlockCache  # noqa: E402
+from kvtier.sparse.graph_recorders import ReplayRecorder  # noqa: E402
 from kvtier.sparse.opcount import OpCounter  # noqa: E402
 from tests.hip_store import REFRESH0, TINY, assert_same, kernel_for, run  # noqa: E402
 
@@ -128,42 +128,11 @@ def test_layer_steps_through_the_graph_bodies_decode_as_before(
     assert graphed._graphs.captures == 0  # CPU tensors: the body runs, nothing is captured
 
 
-class ReplayedBody:
-    """A CUDA graph's stand-in on the CPU: recording runs the body once (as the warm-up does)
-    and keeps it; a replay runs that same body again and writes its outputs into the recorded
-    ones. So every value the body took from the host when it was recorded stays as it was, as in
-    a real replay: a body that read a host value of its step would go stale here too."""
-
-    def __init__(self, body: Callable[[], Any]) -> None:
-        self.body = body
-        self.out = body()
-
-    def replay(self) -> None:
-        _copy_into(self.out, self.body())
-
-
-def _copy_into(to: Any, new: Any) -> None:
-    if isinstance(to, torch.Tensor):
-        if to is not new:
-            to.copy_(new)
-    else:
-        for a, b in zip(to, new, strict=True):
-            _copy_into(a, b)
-
-
-class Recording:
-    """`decode_graph.Recorder` of `ReplayedBody`s."""
-
-    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
-        graph = ReplayedBody(body)
-        return graph, graph.out
-
-
 @pytest.mark.parametrize("device", CPU)
 def test_graphs_recorded_once_and_replayed_decode_as_before(
     gqa: tuple[CausalLM, ModelConfig], device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The graphs replayed as a recording would (`ReplayedBody`: each body's host values those
+    """The graphs replayed as a recording would (`ReplayRecorder`: each body's host values those
     of the step it was recorded at): the logits bitwise the eager ones, each layer's graph of a
     kind recorded once (what it baked in stays put: banks, tail slots, slot tables, buffers, the
     RoPE table) and replayed at every step that took it."""
@@ -175,7 +144,7 @@ def test_graphs_recorded_once_and_replayed_decode_as_before(
     monkeypatch.setenv("KVTIER_HIP_GRAPHS", "1")
     graphed = kernel_for(cfg, **opts)
     graphs = cast(LayerGraphs, graphed._graphs)
-    graphs.recorder = Recording()
+    graphs.recorder = ReplayRecorder()
     logits, tokens, _, _ = run(model, cfg, "head", graphed)
     assert tokens == ref_tokens
     assert_same(logits, ref_logits)

@@ -36,13 +36,14 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import AttendBuffer
 from kvtier.sparse.gpu_cache import BlockCache, PositionedKV
+from kvtier.sparse.graph_recorders import CudaRecorder, Recorder
 from kvtier.sparse.layer_rerun import rerun_stages
 from kvtier.sparse.rope_ext import RopeTable
 
@@ -236,40 +237,6 @@ class LayerGraphs:
         g.graph.replay()
         self.replays += 1
         return g.out
-
-
-class Recorder(Protocol):
-    """Makes a body a graph: `record(device, body)` -> (graph, its output), the graph's
-    `replay()` running the body's work again on the tensors it recorded."""
-
-    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]: ...
-
-
-class CudaRecorder:
-    """`Recorder` of CUDA graphs, all in one memory pool."""
-
-    def __init__(self) -> None:
-        self._pool: Any = None  # the graphs' one memory pool (after the first capture)
-
-    def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
-        """Warm up on a side stream, then capture body(). The warm-up writes what the replay
-        writes again (the same values from the same inputs), so it changes nothing a later step
-        reads; its output is dropped."""
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # NOTE: thread-local: a server's other threads (a host-tier allocation, say) may call
-        # CUDA while a request's layer captures, which the global mode would count against it.
-        # One pool for all: another graph may reuse a graph's temporaries, and its outputs only
-        # live until the model reads them, before the next graph replays (a rerun's selections,
-        # which the decode states keep, are copied out of the pool: `_Graph.kept`).
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = body()
-        self._pool = graph.pool()
-        return graph, out
 
 
 def _appendable(caches: list[BlockCache], position: int) -> bool:
