@@ -63,7 +63,7 @@ def run_one(
     cmd = [
         *exe, "generate", "--model", str(folder), "--prompt-file", str(prompt), "--json",
         "--gpu-memory", args.gpu_memory, "--max-new-tokens", str(args.new_tokens),
-        "--max-model-len", "2M", *method_flags(spec),
+        "--max-model-len", "2M", "--ignore-eos", *method_flags(spec),
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -22,8 +22,10 @@ LOSSY: dict[str, list[str]] = {
     "hip+int4": ["--attention", "hip", "--kv-quant", "int4"],  # the pair that composes
     "hip+int4 head": ["--attention", "hip", "--kv-quant", "int4", "--kv", "head"],  # packed fetches
     # offloaded slices scored on their probes, stage 2 rerun at the 4th decode step: a layer's
-    # slices rerun it in one batch (`CachedDecode._refresh_layer`, CUDA only)
-    "hip probes head": ["--attention", "hip", "--kv", "head", *PROBED],
+    # slices rerun it in one batch (`CachedDecode._refresh_layer`, CUDA only). --ignore-eos: on
+    # the medium prompt the model may answer EOS at once (it did at 7972508), and no decode step
+    # would run: the row and its graphs twin must run all 8
+    "hip probes head": ["--attention", "hip", "--kv", "head", *PROBED, "--ignore-eos"],
     "quest": ["--attention", "quest", "--kv-budget", "1024"],
     "int8": ["--kv-quant", "int8"],
     "int4": ["--kv-quant", "int4"],

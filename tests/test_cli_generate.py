@@ -83,6 +83,28 @@ def test_generate_json_on_the_embedded_model(embedded: Path, capsys: pytest.Capt
     assert stats["peak_bytes"]["host_kv"] == 0
 
 
+def test_ignore_eos_reaches_the_sampling_params(
+    embedded: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--ignore-eos` (benchmarks, the smoke's decode-step checks) is serve's `ignore_eos`: the
+    run generates every token asked for, past the end-of-sequence token."""
+    from kvtier.engine.llm import LLM
+
+    seen = []
+    generate = LLM.generate
+
+    def spy(self: LLM, prompt: Any, params: Any, **kw: Any) -> Any:
+        seen.append(params)
+        return generate(self, prompt, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    result = run_json(capsys, "--ignore-eos")
+    assert [p.ignore_eos for p in seen] == [True]
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 3
+    run_json(capsys)
+    assert [p.ignore_eos for p in seen] == [True, False]
+
+
 def test_head_wise_offload_gives_the_same_tokens(embedded: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reference = run_json(capsys)
     head = run_json(capsys, "--kv", "head", "--head-group", "1")

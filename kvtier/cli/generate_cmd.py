@@ -56,6 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="stop string (repeatable)",
     )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate all --max-new-tokens, past the end-of-sequence token (benchmarks)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     add_model_options(p)
     add_parallel_option(p)
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
     )
     check_before_loading(args)
     llm = LLM(**llm_kwargs(args))
