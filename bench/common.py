@@ -120,12 +120,19 @@ def link_rates(nbytes: int = 1 << 28) -> dict[str, float]:
     return {"h2d_gbps": round(h2d, 1), "host_read_gbps": round(host, 1), "launch_us": round(launch, 2)}
 
 
+def recorded_command() -> str:
+    """The command line that reproduces a result: kvtier's switches in the environment
+    (`KVTIER_*`, e.g. KVTIER_HIP_GRAPHS=1, which subprocesses inherit) before the argv."""
+    switches = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KVTIER_")]
+    return " ".join([*switches, *sys.argv])
+
+
 def write_results(name: str, results: dict[str, Any]) -> Path:
     out_dir = Path(os.environ.get("OUT", "bench/results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": recorded_command(),
         "machine": machine(),
         **results,
     }

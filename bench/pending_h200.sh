@@ -457,6 +457,25 @@ case "$group" in
   done
   run 120 $py bench/gpu_checks.py
   ;;
+106)
+  # (~4 min, GGUF: the prose prompt's tokenizer) issue 19 through the CLI, the fortieth
+  # session's decode graphs (KVTIER_HIP_GRAPHS=1; bench/results/hip_decode_profile_lean_512k_
+  # int4_probes_g4_layer_graphs.json: cached steps 2.38 -> 1.22 ms of 4 layers) at 128K with
+  # probe scoring, off and on alternating on one machine start (runs vary ~2x between starts)
+  for i in 1 2; do
+    for g in 0 1; do
+      KVTIER_HIP_GRAPHS=$g run 100 $py bench/hip_cli_speed.py --contexts 128K --methods "hip,hip_probes=on" \
+        --new-tokens 64 --timeout 90 --warmup-tokens 0 --name "hip_cli_speed_128k_graphs_${g}_run$i"
+    done
+  done
+  ;;
+107)
+  # (~7 min, GGUF) 106 at 512K, one run each (graphs on first: the second run has Triton's cache)
+  for g in 1 0; do
+    KVTIER_HIP_GRAPHS=$g run 280 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_probes=on" \
+      --new-tokens 64 --timeout 270 --warmup-tokens 0 --name "hip_cli_speed_512k_graphs_$g"
+  done
+  ;;
 105)
   # (~9 min, on the machine 98 left the GGUF on) 99 with each layer's cached decode steps replayed
   # as one CUDA graph (KVTIER_HIP_GRAPHS=1; 99's row is the same command without it)
