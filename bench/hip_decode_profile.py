@@ -174,8 +174,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="of the random queries and new rows")
     args = ap.parse_args()
     torch.manual_seed(args.seed)  # which chunks the stages keep depends on the queries
-    if args.graphs:
-        os.environ["KVTIER_HIP_GRAPHS"] = "1"  # read when the kernel is made
+    # read when the kernel is made; without --graphs op by op (on CUDA the default replays them)
+    os.environ["KVTIER_HIP_GRAPHS"] = "1" if args.graphs else "0"
     if args.triton_buffers:
         if args.device != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--triton-buffers: on the CPU, under TRITON_INTERPRET=1 (CUDA takes that path anyway)")

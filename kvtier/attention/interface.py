@@ -172,6 +172,15 @@ class PlacesCaches(Protocol):
 
 
 @runtime_checkable
+class ReplaysGraphs(Protocol):
+    """A slice kernel that may replay its decode steps as CUDA graphs on its own (HiP's,
+    `KVTIER_HIP_GRAPHS`): `allow_graphs(False)`, right after it is made, keeps the default
+    ("auto") from doing so where the caller has not measured it (a server's requests)."""
+
+    def allow_graphs(self, allowed: bool) -> None: ...
+
+
+@runtime_checkable
 class CachingSliceKernel(Protocol):
     """A slice kernel that keeps what it needs of a *streamed* slice on the GPU between steps.
 

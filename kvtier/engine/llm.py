@@ -6,6 +6,7 @@ import weakref
 
 import torch
 
+from kvtier.attention.interface import ReplaysGraphs
 from kvtier.engine.batched import generate_batched, runs_batched
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.load import fuse_llm_model, load_llm_model
@@ -361,11 +362,14 @@ class LLM:
         method: MethodChoice | None = None,
         memory: DeviceMemory | None = None,
         hip_prune_bytes: int | None = None,
+        graphs: bool = True,
     ) -> tuple[TieredKVStore, PolicyParts]:
         """A fresh KV store for one sequence of `context` tokens, with `method`'s parts (default:
         this LLM's; `hip_cache_tokens`: HiP's block cache per offloaded slice, None: the preset's;
         `memory`: where its whole-capacity buffers live, None: the caching allocator;
-        `hip_prune_bytes`: HiP's prefill pruning batch as planned, `Placement.prune_bytes`)."""
+        `hip_prune_bytes`: HiP's prefill pruning batch as planned, `Placement.prune_bytes`;
+        `graphs`: whether a kernel's default may replay decode steps as CUDA graphs,
+        `ReplaysGraphs`; a server's requests pass False until measured there)."""
         method = method or self.method
         parts = method.build(
             self.model_config,
@@ -375,6 +379,8 @@ class LLM:
             context=context,
             hip_prune_bytes=hip_prune_bytes,
         )
+        if not graphs and isinstance(parts.kernel, ReplaysGraphs):
+            parts.kernel.allow_graphs(False)
         store = TieredKVStore(
             self.model_config,
             plan,

@@ -227,7 +227,7 @@ def plan_store(engine: OffloadHost, seq: Sequence) -> tuple[KVPlan, StoreMaker, 
         memory = None if region is None else RegionMemory(region, spill=CachingMemory(engine.device))
         store, parts = llm.make_store(
             placement.plan, context, placement.cache_tokens, method, memory=memory,
-            hip_prune_bytes=placement.prune_bytes,
+            hip_prune_bytes=placement.prune_bytes, graphs=False,
         )  # fmt: skip
         return store, parts.describe
 

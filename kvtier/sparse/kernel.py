@@ -36,7 +36,7 @@ from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.cached_decode import CachedDecode
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
-from kvtier.sparse.decode_graph import LayerGraphs, graphs_enabled
+from kvtier.sparse.decode_graph import LayerGraphs, graphs_setting, graphs_wanted
 from kvtier.sparse.gpu_cache import BlockCache
 from kvtier.sparse.prefill import prune_whole_blocks
 from kvtier.sparse.rope_ext import RopeTable, table_positions
@@ -73,8 +73,10 @@ class HipKernel(CachedDecode):
         # its first decode step, and the gathered rows of each decode query kept in it.
         self._arenas: dict[tuple[int, int], RegionMemory] = {}
         self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Cached decode steps of a layer as CUDA graphs (`KVTIER_HIP_GRAPHS=1`, off until measured).
-        self._graphs = LayerGraphs() if graphs_enabled() else None
+        # Decode steps of a layer as CUDA graphs (`KVTIER_HIP_GRAPHS`, `graphs_wanted`)
+        self._graph_setting = graphs_setting()
+        wanted = graphs_wanted(self._graph_setting, torch.cuda.is_available(), placed=False)
+        self._graphs = LayerGraphs() if wanted else None
 
     @property
     def last_query_alone(self) -> bool:
@@ -111,8 +113,16 @@ class HipKernel(CachedDecode):
         at its first decode step each slice's arena of its decode queries' gathered rows and,
         streamed, its block cache's bank, as `kvtier.sparse.hip_method_buffers` lists them."""
         self._alloc = alloc
+        self.allow_graphs(False)  # "auto": their pool would lie outside the region (`graphs_wanted`)
         if self.rotary is not None and self.capacity is not None:
             self.rotary.place(alloc, table_positions(self.capacity))
+
+    def allow_graphs(self, allowed: bool) -> None:
+        """`ReplaysGraphs`: whether `KVTIER_HIP_GRAPHS=auto` (the default) may replay decode
+        steps as CUDA graphs; "on" and "off" stand. Call before the first decode step."""
+        placed = not allowed or self._alloc is not None
+        wanted = graphs_wanted(self._graph_setting, torch.cuda.is_available(), placed=placed)
+        self._graphs = (self._graphs or LayerGraphs()) if wanted else None
 
     def _placed_rows(
         self, key: tuple[int, int, int], new: torch.Tensor
@@ -138,7 +148,7 @@ class HipKernel(CachedDecode):
 
     def counters(self) -> dict[str, object]:
         """`CountingKernel`: decode's stage reruns per stage, the block caches' hit rate, and with
-        `KVTIER_HIP_GRAPHS` the decode graphs' captures, replays and steps by kind."""
+        decode graphs on (`graphs_wanted`) their captures, replays and steps by kind."""
         out: dict[str, object] = {
             "decode_recomputes": list(self.stats.decode_recomputes),
             "cache_hit_rate": round(self.stats.hit_rate, 4),
