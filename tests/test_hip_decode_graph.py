@@ -126,6 +126,12 @@ def test_layer_steps_through_the_graph_bodies_decode_as_before(
     assert (steps[1] > 0 and steps[2] > 0) == probes
     assert graphed._graphs.eager == sum(steps.values())
     assert graphed._graphs.captures == 0  # CPU tensors: the body runs, nothing is captured
+    # every layer step offered to the graphs ran a body or was declined, counted by why
+    declined = graphed._graphs.declined
+    assert sum(n for why, n in declined.items() if why.startswith("cached:")) == len(fast)
+    reran_eagerly = sum(n for why, n in declined.items() if why.startswith("stage"))
+    assert steps[1] + steps[2] + reran_eagerly == len(ref_reruns)
+    assert graphed.counters()["decode_graphs"].get("declined") == (dict(sorted(declined.items())) or None)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("device", CPU)

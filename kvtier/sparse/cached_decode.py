@@ -250,6 +250,7 @@ class CachedDecode(SliceCaches, StagePieces):
         assert self._graphs is not None
         w0 = min(states[0].window_start, s + 1)
         if any(min(st.window_start, s + 1) != w0 for st in states):
+            self._graphs.decline(f"stage{first}: window starts differ")
             return None
         sels = [st.outputs[first - 1] for st in states]
         bufs = [st.attn for st in states]

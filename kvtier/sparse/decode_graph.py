@@ -101,6 +101,7 @@ class LayerGraphs:
         self._cuda = CudaRecorder()
         self.captures = self.replays = self.eager = 0
         self.steps = Counter[int]()  # steps run through a body, by the first stage rerun (0: none)
+        self.declined = Counter[str]()  # steps left to run as before, by why (`decline`)
         self._made = Counter[tuple[int, int]]()  # graphs made, a layer and kind
         self._used = Counter[tuple[int, int]]()  # steps they ran
 
@@ -124,9 +125,14 @@ class LayerGraphs:
         (the graph's own output: valid until the layer's next step), having moved the caches'
         and buffers' host state on; None, having done nothing, where the step starts a cache
         block or a buffer is full (the caller then runs it as before)."""
-        if not _appendable(caches, position) or self._unsteady((layer, 0)):
+        if not _appendable(caches, position):
+            self.decline("cached: a cache block starts")
+            return None
+        if self._unsteady((layer, 0)):
+            self.decline("cached: unsteady")
             return None
         if any(b.k is None or b.length >= b.capacity or b.end != position for b in bufs):
+            self.decline("cached: a buffer full or behind")
             return None
         meta, splits, tensors = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(position + 1, q)
@@ -167,9 +173,15 @@ class LayerGraphs:
         growing, a cache block starting, a buffer full."""
         end = position + 1
         width = selections[0].numel()
-        if not _appendable(caches, position) or end <= cfg.sink or self._unsteady((layer, first)):
+        why = f"stage{first}"
+        if not _appendable(caches, position) or end <= cfg.sink:
+            self.decline(f"{why}: a cache block starts")
+            return None
+        if self._unsteady((layer, first)):
+            self.decline(f"{why}: unsteady")
             return None
         if any(sel.numel() != width for sel in selections):
+            self.decline(f"{why}: selections of different sizes")
             return None
         kept, limit, sizes = width, end, []
         for i in range(first, len(cfg.chunk_sizes)):
@@ -177,6 +189,7 @@ class LayerGraphs:
             c_count = -(-kept // chunk)
             if c_count > budget // chunk:
                 if kept % chunk:
+                    self.decline(f"{why}: a partial chunk kept")
                     return None
                 limit = max(limit, end + cfg.window + c_count + 2)  # `scoring_queries`' bound
                 kept = budget // chunk * chunk
@@ -190,6 +203,7 @@ class LayerGraphs:
                 or b.end != position
                 or not b.length == rows < b.capacity - 1
             ):
+                self.decline(f"{why}: a buffer's prefix or rows change")
                 return None
         meta, splits, tensors = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(limit, q)  # grown before, not inside
@@ -234,6 +248,10 @@ class LayerGraphs:
         g.q.copy_(q)
         g.kv.copy_(kv_new)
         return g
+
+    def decline(self, why: str) -> None:
+        """Count a step left to run as before, and why (`HipKernel.counters`)."""
+        self.declined[why] += 1
 
     def _unsteady(self, key: tuple[int, int]) -> bool:
         """Whether `key`'s graphs were made again so often that capturing costs more than it

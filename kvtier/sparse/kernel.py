@@ -156,7 +156,10 @@ class HipKernel(CachedDecode):
         if self._graphs is not None:
             g = self._graphs
             kinds = {"cached" if k == 0 else f"from_stage{k}": n for k, n in sorted(g.steps.items())}
-            out["decode_graphs"] = {"captures": g.captures, "replays": g.replays, "steps": kinds}
+            graphs: dict[str, object] = {"captures": g.captures, "replays": g.replays, "steps": kinds}
+            if g.declined:  # layer steps the graphs left to run op by op, by why
+                graphs["declined"] = dict(sorted(g.declined.items()))
+            out["decode_graphs"] = graphs
         return out
 
     def gpu_cache_bytes(self) -> int:
