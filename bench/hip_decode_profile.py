@@ -127,7 +127,13 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=1, help="KV heads per slice (--kv-heads: whole layers)")
     ap.add_argument("--cache-tokens", type=int, default=None, help="block cache per slice, tokens")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--profile-steps", default="cached", choices=("cached", "stage1", "stage2"))
+    ap.add_argument(
+        "--profile-steps",
+        default="cached",
+        choices=("cached", "stage0", "stage1", "stage2"),
+        help="which steps --profile/--kernels profile (stage0: its reruns after the first step, "
+        "which also compiles)",
+    )
     ap.add_argument("--kernels", action="store_true", help="device time per kernel (--profile-steps)")
     ap.add_argument("--as-preset", action="store_true", help="the preset's own budgets, not scaled")
     ap.add_argument("--kv-fill", default="synthetic", choices=KV_FILLS, help="benchmark KV (bench.common)")
@@ -212,13 +218,14 @@ def main() -> None:
     for i in range(args.steps):
         kind = STEP_KINDS[first_due(i, hip.refresh)]
         refresh = kind == "stage0"
-        profiled = args.profile and kind == args.profile_steps.replace("cached", "none")
+        chosen = kind == args.profile_steps.replace("cached", "none")
+        profiled = args.profile and chosen and (not refresh or i > 0)
         h2d, fetched = store.account.h2d_bytes, kernel.stats.cache.fetched_bytes
         t = time.perf_counter()
-        if refresh:
+        if refresh and not profiled:
             step(store, args.layers, q, kv)
         else:
-            with count_syncs(syncs):
+            with count_syncs(syncs if not refresh else {}):
                 if profiled:
                     run_profiled(
                         lambda: step(store, args.layers, q, kv),
@@ -264,7 +271,9 @@ def main() -> None:
     store.close()
     cached = len(times["cached"])
     profile_lines: list[str] = []
-    if args.profile:
+    if args.profile and prof.getstats() == []:
+        print(f"--profile: no {args.profile_steps} step to profile in {args.steps} steps")
+    elif args.profile:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
         profile_lines = [line for line in text.getvalue().splitlines() if line.strip()]
@@ -309,6 +318,7 @@ def main() -> None:
     if kernel._graphs is not None:
         g = kernel._graphs
         print(f"layer graphs: {g.captures} captures, {g.replays} replays, {g.eager} eager bodies")
+        print(f"layer steps declined: {dict(sorted(g.declined.items()))}")
     summary = {
         kind: {"steps": len(ts), "mean_s": round(sum(ts) / len(ts), 5), "max_s": round(max(ts), 5)}
         for kind, ts in sorted(by_stage.items())
@@ -325,7 +335,7 @@ def main() -> None:
             "graphs": None if kernel._graphs is None else {
                 "emulated": args.emulate_graphs,
                 "captures": kernel._graphs.captures, "replays": kernel._graphs.replays,
-                "eager": kernel._graphs.eager,
+                "eager": kernel._graphs.eager, "declined": dict(sorted(kernel._graphs.declined.items())),
             },
         }  # fmt: skip
         info = {"layers": args.layers, "kv_heads": args.kv_heads, "group": args.group}

@@ -457,6 +457,34 @@ case "$group" in
   done
   run 120 $py bench/gpu_checks.py
   ;;
+108)
+  # (~9 min, GGUF; the fortieth session's NEXT, call B after the GGUF's first half) the embedded
+  # smoke: HiP decode graphs are the default on CUDA since d81e837 (its graphs row runs the
+  # default, its reference KVTIER_HIP_GRAPHS=0), and the probes rows pass --ignore-eos
+  run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 250 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --out "$OUT/gpu_smoke_serve_embedded.json"
+  ;;
+109)
+  # (~5 min, no GGUF) issue 19's 1M decode is bound by its stage-0 steps (2 of 64 at ~0.8 s,
+  # the median step 21 ms with graphs: hip_cli_speed_1m_int4_probes_graphs.json). Where a
+  # stage-0 step goes at 512K (lean, 4-head slices over int4, probes): cProfile and the GPU's
+  # kernels of the stage-0 step at 32 (--profile-steps stage0), 4 layers; then the graphs'
+  # declines by why at 512K through the bench (its kernel's counters)
+  run 150 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
+    --group 4 --head-dim 128 --steps 34 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
+    --profile --kernels --profile-steps stage0 --name hip_decode_profile_lean_512k_int4_probes_g4_stage0
+  run 150 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
+    --group 4 --head-dim 128 --steps 66 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
+    --graphs --name hip_decode_profile_lean_512k_int4_probes_g4_graphs_declined
+  ;;
+110)
+  # (~9 min, GGUF) issue 19 through the CLI at 512K with graphs (now the default): stage 0 on
+  # probes beside the default's host keys, one start (86 with graphs); the declined counts
+  run 280 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_probes=on" --new-tokens 64 \
+    --timeout 270 --warmup-tokens 0 --name hip_cli_speed_512k_graphs_probes
+  run 260 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
+    --timeout 250 --warmup-tokens 0 --name hip_cli_speed_512k_graphs_default
+  ;;
 106)
   # (~4 min, GGUF: the prose prompt's tokenizer) issue 19 through the CLI, the fortieth
   # session's decode graphs (KVTIER_HIP_GRAPHS=1; bench/results/hip_decode_profile_lean_512k_
