@@ -76,6 +76,9 @@ def test_generate_json_on_the_embedded_model(embedded: Path, capsys: pytest.Capt
     if len(ids) > 1:  # each decode step timed: the slowest no longer than all of them
         steps = stats["decode_step_s"]
         assert 0 <= steps["min"] <= steps["p50"] <= steps["p90"] <= steps["max"] <= stats["decode_s"]
+        each = stats["decode_step_times_s"]  # every step in order, the summary's own
+        assert len(each) == len(ids) - 1 and (min(each), max(each)) == (steps["min"], steps["max"])
+        assert sum(each) <= stats["decode_s"] + 0.5e-4 * len(each)
     # auto on the CPU has no budget: the whole cache stays on the compute device
     assert stats["plan"]["policy"] == "auto"
     assert stats["plan"]["resident_slices"] == stats["plan"]["num_slices"] == 30
@@ -101,6 +104,7 @@ def test_ignore_eos_reaches_the_sampling_params(
     result = run_json(capsys, "--ignore-eos")
     assert [p.ignore_eos for p in seen] == [True]
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 3
+    assert len(result["stats"]["decode_step_times_s"]) == 2  # the tokens after the prefill's
     run_json(capsys)
     assert [p.ignore_eos for p in seen] == [True, False]
 

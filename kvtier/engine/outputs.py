@@ -41,6 +41,9 @@ class GenerationStats:
     # "p50", "p90", "max" (a HiP refresh step stands out from the cached ones); empty when no
     # step was timed alone (one token, or the batch engine)
     decode_step_s: dict[str, float] = field(default_factory=dict)
+    # each of those steps' seconds, in order (4 decimals): which steps are slow (HiP's reruns
+    # come every few steps: with `lean`'s 32/8/4 a stage-0 rerun at steps 0, 32, ...)
+    decode_step_times_s: list[float] = field(default_factory=list)
     # seconds of each prefill step (`runner.prefill_spans`: chunks, and HiP's last token alone),
     # in order, timed on the device without a host sync between steps (CUDA events); where a
     # long prompt's prefill goes (a chunk's cost grows with the context before it); empty when

@@ -137,7 +137,9 @@ def generate_tokens(
         ends.append(time.perf_counter())
     _sync(device)
     stats.decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
-    stats.decode_step_s = step_summary([b - a for a, b in itertools.pairwise(ends)])
+    steps = [b - a for a, b in itertools.pairwise(ends)]
+    stats.decode_step_s = step_summary(steps)
+    stats.decode_step_times_s = [round(t, 4) for t in steps]
     stats.generated_tokens = len(out)
     stats.h2d_bytes = store.account.h2d_bytes
     stats.d2h_bytes = store.account.d2h_bytes
