@@ -1,4 +1,5 @@
-"""Decode step times of `bench/hip_offload.py` runs, one line per (file, method), log scale: where
+"""Decode step times of `bench/hip_offload.py` runs (or `bench/hip_cli_speed.py`'s, whose rows
+keep `kvtier generate`'s `decode_step_times_s`), one line per (file, method), log scale: where
 HiP over offloaded KV spends a token, the steps that rerun a pruning stage against those that
 rerun none (a stage-0 refresh takes seconds at 1M where a step between refreshes takes ~0.09 s).
 
@@ -18,13 +19,18 @@ from pathlib import Path
 from typing import Any
 
 
+def _steps(row: dict[str, Any]) -> list[float]:
+    """A row's decode step seconds: the bench's `decode_steps_s` or the CLI's `decode_step_times_s`."""
+    return list(row.get("decode_steps_s") or row.get("decode_step_times_s") or [])
+
+
 def step_lines(paths: list[Path], method: str | None) -> list[tuple[str, list[float]]]:
     """(label, decode step seconds) of every row of `paths` that has step times (and is
     `method`, when given). Raises SystemExit naming a file that holds none."""
     lines = []
     for path in paths:
         data: dict[str, Any] = json.loads(path.read_text())
-        rows = [r for r in data.get("rows", []) if len(r.get("decode_steps_s", [])) > 2]
+        rows = [r for r in data.get("rows", []) if len(_steps(r)) > 2]
         rows = [r for r in rows if method is None or r.get("method") == method]
         if not rows:
             sys.exit(f"{path}: no row with decode step times" + (f" for method {method!r}" if method else ""))
@@ -32,7 +38,7 @@ def step_lines(paths: list[Path], method: str | None) -> list[tuple[str, list[fl
         for r in rows:
             amort = r.get("amortized_s_per_token")
             tail = f", {amort:.3f} s/token amortized" if isinstance(amort, float) else ""
-            lines.append((f"{r['method']} at {code}{tail}", [float(s) for s in r["decode_steps_s"]]))
+            lines.append((f"{r['method']} at {code}{tail}", [float(s) for s in _steps(r)]))
     return lines
 
 
