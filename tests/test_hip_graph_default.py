@@ -38,15 +38,15 @@ def test_a_bad_setting_says_what_to_use(monkeypatch: pytest.MonkeyPatch) -> None
         graphs_setting()
 
 
-def test_auto_is_on_cuda_unless_placed() -> None:
+def test_auto_is_on_cuda_where_allowed() -> None:
     table = {
-        (setting, cuda, placed): graphs_wanted(setting, cuda, placed)
+        (setting, cuda, allowed): graphs_wanted(setting, cuda, allowed)
         for setting in ("auto", "on", "off")
         for cuda in (False, True)
-        for placed in (False, True)
+        for allowed in (False, True)
     }
     assert [k for k, on in table.items() if on] == [
-        ("auto", True, False),
+        ("auto", True, True),
         ("on", False, False),
         ("on", False, True),
         ("on", True, False),

@@ -61,14 +61,15 @@ def graphs_setting() -> str:
     return setting
 
 
-def graphs_wanted(setting: str, cuda: bool, placed: bool) -> bool:
+def graphs_wanted(setting: str, cuda: bool, allowed: bool) -> bool:
     """Whether a HiP kernel replays its decode steps as CUDA graphs: "on" always (on CPU tensors
-    the bodies run eagerly), "off" never, "auto" on CUDA unless its decode memory is placed in a
-    region it was lent (`HipKernel.place_caches`: a server's pages), since the graphs' shared
-    pool (their temporaries, a few MB) lies outside that region. Measured on an H100 through
-    `kvtier generate` under 24 GiB: 512K 24.4 -> 31.1 tok/s on one machine start, bitwise the
-    same outputs (bench/results/hip_cli_speed_512k_graphs_{0,1}.json, gpu_checks_7972508.json)."""
-    return setting == "on" or (setting == "auto" and cuda and not placed)
+    the bodies run eagerly), "off" never, "auto" on CUDA where `allowed`: not where its decode
+    memory is placed in a region it was lent (`HipKernel.place_caches`: a server's pages; the
+    graphs' shared pool, their temporaries of a few MB, would lie outside it) or its caller
+    keeps them off (`ReplaysGraphs`). Measured on an H100 through `kvtier generate` under
+    24 GiB: 512K 24.4 -> 31.1 tok/s on one machine start, bitwise the same outputs
+    (bench/results/hip_cli_speed_512k_graphs_{0,1}.json, gpu_checks_7972508.json)."""
+    return setting == "on" or (setting == "auto" and cuda and allowed)
 
 
 Stages = list[tuple[torch.Tensor, torch.Tensor]]  # per stage: kept [E, K], counts [E]

@@ -75,8 +75,8 @@ class HipKernel(CachedDecode):
         self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Decode steps of a layer as CUDA graphs (`KVTIER_HIP_GRAPHS`, `graphs_wanted`)
         self._graph_setting = graphs_setting()
-        wanted = graphs_wanted(self._graph_setting, torch.cuda.is_available(), placed=False)
-        self._graphs = LayerGraphs() if wanted else None
+        self._graphs: LayerGraphs | None = None
+        self.allow_graphs(True)
 
     @property
     def last_query_alone(self) -> bool:
@@ -120,8 +120,8 @@ class HipKernel(CachedDecode):
     def allow_graphs(self, allowed: bool) -> None:
         """`ReplaysGraphs`: whether `KVTIER_HIP_GRAPHS=auto` (the default) may replay decode
         steps as CUDA graphs; "on" and "off" stand. Call before the first decode step."""
-        placed = not allowed or self._alloc is not None
-        wanted = graphs_wanted(self._graph_setting, torch.cuda.is_available(), placed=placed)
+        allowed = allowed and self._alloc is None  # placed memory stays placed
+        wanted = graphs_wanted(self._graph_setting, torch.cuda.is_available(), allowed)
         self._graphs = (self._graphs or LayerGraphs()) if wanted else None
 
     def _placed_rows(
