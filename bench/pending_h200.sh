@@ -228,6 +228,16 @@
 #   98 (the smoke) a row with the graphs on through the CLI whose tokens must equal the row's without,
 #   then 83 (issue 23's int4 at 512K with two heads a slice: simulated 0.217 s, asks 0.25) before
 #   103; after 99, 105 (1M through the CLI with the graphs).
+# The fortieth got an H100 at once (7972508): 102 (launch costs), 104 (graphs at 512K: cached
+#   steps 2.38 -> 1.22 ms of 4 layers, bitwise in gpu_checks), 98 (30/31: the graphs row made no
+#   graph, the model answered EOS at once; --ignore-eos since e389ac0), 83 (int4 512K auto 0.2646
+#   s/token), 103 (fused logsumexp: no gain at 16K/48K), then at 3f2c265 the smoke's generate part
+#   (31/31), 106 and 107 (graphs through the CLI: 512K 24.36 -> 31.06 tok/s), 105's command (1M:
+#   19.03 tok/s). Graphs are the default on CUDA since d81e837. NEXT: call A (the GGUF's first
+#   half) runs 109 (~5 min: where a stage-0 step goes; the graphs' declines), call B (the second
+#   half) 108 (the smoke: graphs now the default), then 110 (the CLI at 512K with graphs, probes
+#   beside the default), 105's 1M command again with its per-step times (decode_step_times_s:
+#   which steps make the mean 2.5x the median), 85, the 8B smoke, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
