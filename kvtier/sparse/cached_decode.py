@@ -159,7 +159,8 @@ class CachedDecode(SliceCaches, StagePieces):
             bufs = [st.attn for st in states]
             graphed = self._graphs.step(steps[0].layer, q, kv_new, caches, bufs, steps[0].start, self.rotary)
             if graphed is not None:
-                stats.cached_steps += len(caches)  # none starts a block: nothing `appended`
+                stats.cached_steps += len(caches)
+                stats.appended += len(caches) * int(steps[0].start % caches[0].block == 0)
                 for st in states:
                     st.step += 1
                     st.position = steps[0].start
@@ -258,7 +259,8 @@ class CachedDecode(SliceCaches, StagePieces):
         if ran is None:
             return None
         out, outs = ran
-        self.stats.cache.cached_steps += len(caches)  # none starts a block: nothing `appended`
+        self.stats.cache.cached_steps += len(caches)
+        self.stats.cache.appended += len(caches) * int(s % caches[0].block == 0)
         for e, st in enumerate(states):
             self._reran(st, first, [c[e] for c, _ in outs], s)
         return out.view(1, -1, q.shape[-1])

@@ -3,9 +3,10 @@ of step (`KVTIER_HIP_GRAPHS`: on by default on CUDA where the kernel's memory is
 `graphs_wanted`).
 
 Two kinds of step run the same operators every time:
-- **cached** (`CachedDecode.attend_cached_layer`, no stage due, no new cache block): rotate the
-  query and the new key at the step's position, append the token to each slice's block cache and
-  to each decode query's `AttendBuffer`, attend every buffer (three Triton launches);
+- **cached** (`CachedDecode.attend_cached_layer`, no stage due): rotate the query and the new
+  key at the step's position, append the token to each slice's block cache (a block it starts
+  taken on the host first, `BlockCache.start_block`) and to each decode query's `AttendBuffer`,
+  attend every buffer (three Triton launches);
 - **rerun of stages first..** (`CachedDecode._refresh_layer`, first 1 or 2, scored on probes):
   the same, after the stages prune every slice in one batch (`layer_rerun.rerun_stages`) and
   each buffer's prefix (sinks and selection) is gathered and rotated anew
@@ -124,10 +125,11 @@ class LayerGraphs:
         stage due, every cache covering the interval): q [1, H_q, D], kv_new [1, 2, H_kv, D];
         caches a slice each, bufs a decode query each (in slice order). Returns [B, H_q_b, D]
         (the graph's own output: valid until the layer's next step), having moved the caches'
-        and buffers' host state on; None, having done nothing, where the step starts a cache
-        block or a buffer is full (the caller then runs it as before)."""
+        and buffers' host state on (a step that starts a cache block starts it first, outside
+        the graph: `BlockCache.start_block`); None, having done nothing, where a cache is not
+        at the position or a buffer is full (the caller then runs it as before)."""
         if not _appendable(caches, position):
-            self.decline("cached: a cache block starts")
+            self.decline("cached: a cache not at the position")
             return None
         if self._unsteady((layer, 0)):
             self.decline("cached: unsteady")
@@ -137,6 +139,7 @@ class LayerGraphs:
             return None
         meta, splits, tensors = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(position + 1, q)
+        _start_blocks(caches, position)
         sig = (0, *_signature(q, kv_new, caches, tensors, splits, tables, False))
         g = self._graph((layer, 0), sig, q, kv_new, len(meta))
         g.inputs.copy_(torch.tensor([position, 0, *meta], dtype=torch.int64), non_blocking=True)
@@ -171,12 +174,15 @@ class LayerGraphs:
         (valid until the layer's next rerun from `first`), having moved the caches' and
         buffers' host state on (not the decode states'); None, having done nothing, where a
         shape could change: slices of different counts, a partial chunk kept, the prefix
-        growing, a cache block starting, a buffer full."""
+        growing, a buffer full."""
         end = position + 1
         width = selections[0].numel()
         why = f"stage{first}"
-        if not _appendable(caches, position) or end <= cfg.sink:
-            self.decline(f"{why}: a cache block starts")
+        if not _appendable(caches, position):
+            self.decline(f"{why}: a cache not at the position")
+            return None
+        if end <= cfg.sink:
+            self.decline(f"{why}: within the sinks")
             return None
         if self._unsteady((layer, first)):
             self.decline(f"{why}: unsteady")
@@ -208,6 +214,7 @@ class LayerGraphs:
                 return None
         meta, splits, tensors = _meta(q, bufs)
         tables = None if rotary is None else rotary.tables(limit, q)  # grown before, not inside
+        _start_blocks(caches, position)  # before `_signature` remakes stale slot tables
         shape = (len(selections), width)
         sig = (first, *_signature(q, kv_new, caches, tensors, splits, tables, True), shape, prefix)
         g = self._graph((layer, first), sig, q, kv_new, len(meta), shape)
@@ -276,8 +283,18 @@ class LayerGraphs:
 
 
 def _appendable(caches: list[BlockCache], position: int) -> bool:
-    """Whether every cache takes `position` by `append_at`: the next token, not a block's first."""
-    return position % caches[0].block != 0 and all(c.tail is not None and c.end == position for c in caches)
+    """Whether every cache takes `position` by `append_at`: the next token, in its tail block
+    or (`_start_blocks` first) one it starts."""
+    first = position % caches[0].block == 0
+    return all(c.end == position and (first or c.tail is not None) for c in caches)
+
+
+def _start_blocks(caches: list[BlockCache], position: int) -> None:
+    """Where `position` starts a block, each cache's `start_block` (what `append` does first):
+    on the host before a graph replays, since which slot it takes is the caches' state."""
+    if position % caches[0].block == 0:
+        for c in caches:
+            c.start_block(position)
 
 
 def _meta(q: torch.Tensor, bufs: list[AttendBuffer]) -> tuple[list[int], int, list[torch.Tensor]]:

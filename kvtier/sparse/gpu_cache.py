@@ -257,12 +257,7 @@ class BlockCache:
         assert position == self.end, "append writes the next token only"
         b = self.block
         if position % b == 0:
-            self.tick += 1
-            slot = torch.argmin(self.used, dim=0, keepdim=True)  # [1]
-            self.ids.index_fill_(0, slot, position // b)
-            self.used.index_fill_(0, slot, self.tick)
-            self.tail = slot
-            self._table = None
+            self.start_block(position)
         assert self.tail is not None, "the block of the last position must be in the bank to append"
         if self._tail_rows is None:  # NOTE: once a block: a step then launches one copy
             self._tail_rows = self.tail * b + torch.arange(b, device=self.tail.device)
@@ -271,17 +266,29 @@ class BlockCache:
         flat.index_copy_(0, self._tail_rows[at : at + 1], row[None])
         self.end = position + 1
 
+    def start_block(self, position: int) -> None:
+        """`append`'s bookkeeping at a position that starts a block, without a host sync: the
+        least-recently-used slot (ties: the lowest) takes the block and becomes the tail; the
+        slot table is stale until `table` remakes it (in place)."""
+        assert position == self.end and position % self.block == 0, "a block starts at the next token"
+        self.tick += 1
+        slot = torch.argmin(self.used, dim=0, keepdim=True)  # [1]
+        self.ids.index_fill_(0, slot, position // self.block)
+        self.used.index_fill_(0, slot, self.tick)
+        self.tail = slot
+        self._table = None
+
     def append_at(self, position: torch.Tensor, row: torch.Tensor) -> None:
-        """`append`'s write of a position that does not start a block, the position [1] int64
-        read on the device (what a CUDA graph replays step after step: `decode_graph`). The
-        caller checks that `position` == `end`, that it does not start a block and that there is
-        a tail, and then moves `end` (`advance`)."""
+        """`append`'s write, the position [1] int64 read on the device (what a CUDA graph
+        replays step after step: `decode_graph`). The caller checks that `position` == `end`
+        and that there is a tail (at a block's first position: `start_block` first), and then
+        moves `end` (`advance`)."""
         flat = self.bank.view(-1, *self.bank.shape[2:])
         flat.index_copy_(0, self._tail * self.block + position % self.block, row[None])
 
     def advance(self, position: int) -> None:
-        """The host's half of `append_at` at `position` (== `end`, not a block's first)."""
-        assert position == self.end and position % self.block and self._has_tail, "append_at's position"
+        """The host's half of `append_at` at `position` (== `end`, its block the tail)."""
+        assert position == self.end and self._has_tail, "append_at's position"
         self.end = position + 1
 
 
