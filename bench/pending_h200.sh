@@ -236,8 +236,8 @@
 #   19.03 tok/s). Graphs are the default on CUDA since d81e837. NEXT: call A (the GGUF's first
 #   half) runs 109 (~5 min: where a stage-0 step goes; the graphs' declines), call B (the second
 #   half) 108 (the smoke: graphs now the default), then 110 (the CLI at 512K with graphs, probes
-#   beside the default), 105's 1M command again with its per-step times (decode_step_times_s:
-#   which steps make the mean 2.5x the median), 85, the 8B smoke, 80, 73, 69.
+#   beside the default), 111 (1M over 161 tokens: steady state, per-step times, declines), 85,
+#   the 8B smoke, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -494,6 +494,13 @@ case "$group" in
     --timeout 270 --warmup-tokens 0 --name hip_cli_speed_512k_graphs_probes
   run 260 $py bench/hip_cli_speed.py --contexts 512K --methods "hip" --new-tokens 64 \
     --timeout 250 --warmup-tokens 0 --name hip_cli_speed_512k_graphs_default
+  ;;
+111)
+  # (~6 min, GGUF) issue 19's 1M decode in steady state: 161 new tokens hold 5 of lean's stage-0
+  # reruns in their 160 timed steps (the 64-token run held 1 in 63: 19.03 tok/s flatters a long
+  # answer), with every step's time (decode_step_times_s) and the graphs' declines by why
+  run 570 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \
+    --new-tokens 161 --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161
   ;;
 106)
   # (~4 min, GGUF: the prose prompt's tokenizer) issue 19 through the CLI, the fortieth
