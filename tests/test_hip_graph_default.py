@@ -13,7 +13,7 @@ import torch
 
 from kvtier import LLM
 from kvtier.errors import ConfigError
-from kvtier.sparse.decode_graph import graphs_setting, graphs_wanted
+from kvtier.sparse.graph_setting import graphs_setting, graphs_wanted
 from tests.hf_reference import make_hf_model
 from tests.hip_store import kernel_for, plan
 

@@ -36,8 +36,9 @@ from kvtier.sparse.block_sparse import attend_blocks
 from kvtier.sparse.cached_decode import CachedDecode
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
-from kvtier.sparse.decode_graph import LayerGraphs, graphs_setting, graphs_wanted
+from kvtier.sparse.decode_graph import LayerGraphs
 from kvtier.sparse.gpu_cache import BlockCache
+from kvtier.sparse.graph_setting import graphs_setting, graphs_wanted
 from kvtier.sparse.prefill import prune_whole_blocks
 from kvtier.sparse.rope_ext import RopeTable, table_positions
 from kvtier.sparse.stats import HipStats
