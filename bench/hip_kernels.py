@@ -85,6 +85,7 @@ def main() -> None:
         return run_block_stages(
             q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes, budgets=hip.budgets,
             strides=hip.query_strides, mode="relative", rotary=table, window=hip.window, triton=True,
+            head_score=hip.head_score,
         )  # fmt: skip
 
     sel, _ = prune()

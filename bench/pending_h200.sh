@@ -235,7 +235,8 @@
 #   (31/31), 106 and 107 (graphs through the CLI: 512K 24.36 -> 31.06 tok/s), 105's command (1M:
 #   19.03 tok/s). Graphs are the default on CUDA since d81e837. NEXT: call A (the GGUF's first
 #   half) runs 109 (~5 min: where a stage-0 step goes; the graphs' declines), call B (the second
-#   half) 108 (the smoke: graphs now the default), then 110 (the CLI at 512K with graphs, probes
+#   half) 108 (the smoke: graphs now the default), then 112 (103's kernel A/B, which timed the
+#   max head score throughout), 110 (the CLI at 512K with graphs, probes
 #   beside the default), 111 (1M over 161 tokens: steady state, per-step times, declines), 85,
 #   the 8B smoke, 80, 73, 69.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
@@ -501,6 +502,17 @@ case "$group" in
   # answer), with every step's time (decode_step_times_s) and the graphs' declines by why
   run 570 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \
     --new-tokens 161 --timeout 560 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161
+  ;;
+112)
+  # (~6 min, no GGUF) 103's kernel A/B again: hip_kernels.py's prune() had timed the max head
+  # score in every row (the preset's softmax one was never passed), so the fused logsumexp, the
+  # two-pass and torch head scores and what the per-row maxima cost were never compared
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --name hip_kernels_smollm2_16k_lean_softmax
+  for hs in softmax max; do
+    run 120 $py bench/hip_kernels.py --preset lean --context 48K --chunk 16384 --heads 8 --head-score $hs \
+      --name hip_kernels_lean_48k_${hs}_b
+  done
   ;;
 106)
   # (~4 min, GGUF: the prose prompt's tokenizer) issue 19 through the CLI, the fortieth
