@@ -268,6 +268,17 @@ layer_ab() {
       --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
   done
 }
+# lean's prefill kernels alone: SmolLM2's 16K chunk (named $1), then Llama-3's 16K chunk at 48K
+# (8 KV heads a slice) with the softmax and the max head score (hip_kernels_lean_48k_<score>$2):
+# what the per-row maxima cost the bisection at the same chunking
+lean_kernels() {
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --name "$1"
+  for hs in softmax max; do
+    run 120 $py bench/hip_kernels.py --preset lean --context 48K --chunk 16384 --heads 8 --head-score $hs \
+      --name "hip_kernels_lean_48k_$hs$2"
+  done
+}
 case "$group" in
 1)
   # the smoke's generate part, a model at a time: both in one 330 s run were cut after 49 of 54
@@ -507,12 +518,7 @@ case "$group" in
   # (~6 min, no GGUF) 103's kernel A/B again: hip_kernels.py's prune() had timed the max head
   # score in every row (the preset's softmax one was never passed), so the fused logsumexp, the
   # two-pass and torch head scores and what the per-row maxima cost were never compared
-  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
-    --name hip_kernels_smollm2_16k_lean_softmax
-  for hs in softmax max; do
-    run 120 $py bench/hip_kernels.py --preset lean --context 48K --chunk 16384 --heads 8 --head-score $hs \
-      --name hip_kernels_lean_48k_${hs}_b
-  done
+  lean_kernels hip_kernels_smollm2_16k_lean_softmax _b
   ;;
 106)
   # (~4 min, GGUF: the prose prompt's tokenizer) issue 19 through the CLI, the fortieth
@@ -546,14 +552,7 @@ case "$group" in
   # prefill): the kernels' A/B (hip_kernels' "two-pass head score" row), SmolLM2's 16K prefill,
   # and the 48K chunk profiled as hip_offload_prefill_48k_lean_fast.json was. Then group 98 (the
   # smoke: GPU-facing code changed).
-  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
-    --name hip_kernels_smollm2_16k_lean_fused
-  # lean's chunks at 48K on Llama-3's shapes (8 KV heads a slice), with its softmax head score and
-  # with the max one: what the per-row maxima cost the bisection at the same chunking
-  for hs in softmax max; do
-    run 120 $py bench/hip_kernels.py --preset lean --context 48K --chunk 16384 --heads 8 --head-score $hs \
-      --name hip_kernels_lean_48k_$hs
-  done
+  lean_kernels hip_kernels_smollm2_16k_lean_fused ""
   run 90 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
     --methods "auto;hip" --profile --name hip_small_prefill_fused_lse
   run 100 $py bench/hip_offload.py --contexts 48K --presets lean --policy planned --no-dense --steps 0 \
