@@ -176,12 +176,23 @@ def main() -> None:
         help="with --graphs and --triton-buffers: each graph's replay runs its body unseen by the "
         "operator count, which counts it as one launch: the host operators a graphed step leaves",
     )
+    ap.add_argument(
+        "--key-params",
+        default="first",
+        choices=("first", "per-probe"),
+        help="stage 0 in place over KIVI rows: the rows' key minima and steps copied to the GPU "
+        "first (the default) or read with every probe (triton_bisect.KEY_PARAMS_FIRST's A/B)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0, help="of the random queries and new rows")
     args = ap.parse_args()
     torch.manual_seed(args.seed)  # which chunks the stages keep depends on the queries
     # read when the kernel is made; without --graphs op by op (on CUDA the default replays them)
     os.environ["KVTIER_HIP_GRAPHS"] = "1" if args.graphs else "0"
+    if args.key_params != "first":  # (triton_bisect needs Triton: imported only here)
+        from kvtier.sparse import triton_bisect
+
+        triton_bisect.KEY_PARAMS_FIRST = False
     if args.triton_buffers:
         if args.device != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--triton-buffers: on the CPU, under TRITON_INTERPRET=1 (CUDA takes that path anyway)")
@@ -329,7 +340,7 @@ def main() -> None:
     if args.name:
         config = {
             "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
-            "host_scoring": hip.host_scoring,
+            "host_scoring": hip.host_scoring, "key_params": args.key_params,
             "probe_scoring": hip.probe_scoring, "layer_at_once": not args.slice_at_a_time,
             "triton_buffers": args.triton_buffers or dev.type == "cuda",
             "graphs": None if kernel._graphs is None else {

@@ -110,15 +110,20 @@ def test_keys_read_in_place_from_extents_score_as_the_same_keys_in_one_tensor(
 @pytest.mark.parametrize("bits", [4, 8, 2])
 @pytest.mark.parametrize("head", [None, 2])
 @pytest.mark.parametrize("mode", ["relative", "absolute"])
+@pytest.mark.parametrize("params_first", [True, False])
 def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
-    device: str, bits: int, head: int | None, mode: str
+    device: str, bits: int, head: int | None, mode: str, params_first: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over KIVI rows in separate extents (`ExtentKeys` with the codec's bits) the kernel unpacks
     each probe's key as the store's unpack does, so it scores bitwise what it scores over the
-    rows unpacked into one tensor; it reports each probe's codes and fp16 parameters."""
+    rows unpacked into one tensor. It reports the bytes it read: each probe's codes, and each
+    row's fp16 parameters once (copied first, `KEY_PARAMS_FIRST`) or each probe's again."""
     from kvtier.kv.host_gather import extent_offsets
     from kvtier.policies.quant import KiviCodec
+    from kvtier.sparse import triton_bisect
     from kvtier.sparse.triton_bisect import bisect_triton
+
+    monkeypatch.setattr(triton_bisect, "KEY_PARAMS_FIRST", params_first)
 
     codec = KiviCodec(bits=bits)
     s, g, rows_per, chunk, first = 320, 3, 3, 16, 4  # 10 rows in extents of 3
@@ -144,7 +149,11 @@ def test_keys_read_in_place_from_kivi_rows_score_as_the_rows_unpacked(
     ref = bisect_triton(qr, keys.contiguous(), None, first, lengths, chunk, mode=mode, tables=tables)
     got = bisect_triton(qr, in_place, None, first, lengths, chunk, mode=mode, tables=tables)
     assert torch.equal(got, ref)
-    assert read == [c_count * 2 * 4 * gq * (D * bits // 8 + 4 * D)]
+    probes = c_count * 2 * 4 * gq  # 4 levels of 16-token chunks
+    # the rows [first, first + 16 C) spans: 32 tokens a row
+    rows = (first + c_count * chunk - 1) // codec.group - first // codec.group + 1
+    params = rows * gq * 4 * D if params_first else probes * 4 * D
+    assert read == [probes * D * bits // 8 + params]
 
 
 @pytest.mark.parametrize("device", CPU)
@@ -224,10 +233,12 @@ def test_probes_read_in_place_from_an_int4_tier_decode_as_streaming_it(
     assert all(torch.allclose(a, b, atol=0.05) for a, b in zip(logits, ref_logits, strict=True))
     # Every stage-0 run (steps 0, 6, 12, 18 of each slice) read its probes in place from the
     # packed rows: two keys a level of each 8-token chunk of [sink, w0), a key its 4-bit codes
-    # and fp16 minima and steps (16 dims); nothing else of the rows.
+    # (16 dims), and the fp16 minima and steps of each 32-token row those chunks span, once;
+    # nothing else of the rows.
     chunk, levels, sink = TINY["chunk_sizes"][0], 3, TINY["sink"]  # type: ignore[index]
     w0 = [PROMPT + k - 40 + 1 for k in range(0, DECODE, REFRESH0)]
-    per_slice = [-(-(w - sink) // chunk) * 2 * levels * (16 * 4 // 8 + 4 * 16) for w in w0]  # type: ignore[operator]
+    chunks = [-(-(w - sink) // chunk) for w in w0]  # type: ignore[operator]
+    per_slice = [c * 2 * levels * 16 * 4 // 8 + ((sink + c * chunk - 1) // 32 + 1) * 4 * 16 for c in chunks]  # type: ignore[operator]
     assert sorted(read) == sorted((4, n) for n in per_slice * SLICES)
     assert in_place.stats.decode_recomputes[0] == len(w0) * SLICES
 

@@ -109,11 +109,16 @@ class ExtentKeys:
         return self.group * self.heads * self.head_dim * self.bits // 8
 
     @property
+    def code_bytes(self) -> int:
+        """KIVI: bytes of one key's codes of one KV head."""
+        return self.head_dim * self.bits // 8
+
+    @property
     def probe_bytes(self) -> int:
         """Bytes read for one key of one KV head: its elements, or its codes and fp16 minima
         and steps."""
         if self.bits:
-            return self.head_dim * self.bits // 8 + 2 * 2 * self.head_dim
+            return self.code_bytes + 2 * 2 * self.head_dim
         return self.head_dim * self.dtype.itemsize
 
     def of_head(self, head: int) -> ExtentKeys:

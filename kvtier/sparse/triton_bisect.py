@@ -37,12 +37,16 @@ import triton.language as tl
 from kvtier.attention.interface import ExtentKeys
 from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps, row_tiles
 from kvtier.sparse.triton_head_score import softmax_head_score_parts, store_lse_part
-from kvtier.sparse.triton_keys import load_key, packed_key, rope_rows, row_offsets
+from kvtier.sparse.triton_keys import key_params, load_key, packed_key, rope_rows, row_offsets
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = BISECT_BLOCK_C  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
 # None: `num_warps`'s choice by shape (bench/hip_kernels.py sweeps); an int forces it
 NUM_WARPS: int | None = None
+# Stage 0 over KIVI rows in place: copy the rows' key minima and steps to the GPU first
+# (`triton_keys.key_params`) where that reads fewer bytes than the probes would; False reads
+# them with every probe (bench/hip_decode_profile.py --key-params per-probe, its A/B)
+KEY_PARAMS_FIRST = True
 
 
 @triton.jit
@@ -99,6 +103,8 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     head0,  # BITS: the first KV head read, of g_all in a row
     g_all,
     n_codes,  # BITS: bytes of a row's key codes
+    prm_ptr,  # PARAMS: the rows' key minima and steps [rows, 2, G, D] fp16 (`key_params`)
+    row0,  # PARAMS: the packed row prm_ptr's first holds
     R_VALID,
     C,
     G: tl.constexpr,
@@ -114,6 +120,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     ADDR: tl.constexpr,  # keys at the element offsets addr_base gives, not at their positions
     BITS: tl.constexpr,  # 0: full-precision keys; else KIVI rows of GROUP tokens
     GROUP: tl.constexpr,
+    PARAMS: tl.constexpr,  # BITS: the key minima and steps read from prm_ptr, not the rows
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
     LSE: tl.constexpr,  # with PER_ROW: also each row's logsumexp over this program's live chunks
@@ -137,6 +144,14 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         row_r = row_offsets(pos_r // GROUP, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         t_l = pos_l % GROUP
         t_r = pos_r % GROUP
+        if PARAMS:  # head g's minima at [row - row0, 0, g], its steps G * D elements on
+            sp_l = prm_ptr + (pos_l // GROUP - row0) * (2 * G * D)
+            sp_r = prm_ptr + (pos_r // GROUP - row0) * (2 * G * D)
+            s_stride = G * D
+        else:  # after the row's key and value codes: [g_all, D] minima, then the steps
+            sp_l = (k_ptr + row_l + 2 * n_codes).to(tl.pointer_type(tl.float16))
+            sp_r = (k_ptr + row_r + 2 * n_codes).to(tl.pointer_type(tl.float16))
+            s_stride = g_all * D
     else:
         row_l = row_offsets(pos_l, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
         row_r = row_offsets(pos_r, offs_ptr, extent_tokens, ring, stride_ks, EXTENTS)
@@ -164,12 +179,16 @@ def _probe_pair(  # type: ignore[no-untyped-def]
         # relative: the left probe's rotation at 0 is the identity (cos 1, sin 0), so none
         if BITS > 0:
             h = head0 + g
+            sh = g if PARAMS else h
             # NOTE: the flag inline: assigned to a local it stops being a constexpr, and the
             # rotation's branch compiles (and fails) where ROTATE is off (1M, host int4 keys)
             k_l = packed_key(
-                k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, n_codes, kdt, D, BITS, ROTATE and MODE != 1
-            )
-            k_r = packed_key(k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, n_codes, kdt, D, BITS, ROTATE)
+                k_ptr, row_l, t_l, h, d, c_l, s_l, g_all, sp_l, sh, s_stride, kdt, D, BITS,
+                ROTATE and MODE != 1,
+            )  # fmt: skip
+            k_r = packed_key(
+                k_ptr, row_r, t_r, h, d, c_r, s_r, g_all, sp_r, sh, s_stride, kdt, D, BITS, ROTATE
+            )  # fmt: skip
         else:
             k_l = load_key(k_ptr + row_l[:, None] + g * stride_kg, d, c_l, s_l, D, ROTATE and MODE != 1)
             k_r = load_key(k_ptr + row_r[:, None] + g * stride_kg, d, c_r, s_r, D, ROTATE)
@@ -221,6 +240,8 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     head0,
     g_all,
     n_codes,
+    prm_ptr,  # [rows, 2, G, D] float16 (PARAMS only)
+    row0,
     R_VALID,
     G: tl.constexpr,
     R: tl.constexpr,
@@ -236,6 +257,7 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     ADDR: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    PARAMS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PER_ROW: tl.constexpr,
     LSE: tl.constexpr,
@@ -260,8 +282,8 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
             q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
             cmask, off_l, off_r, length, first, level, level == LEVELS - 1, lse_m_ptr + b * G * R * n_parts,
             lse_s_ptr + b * G * R * n_parts, part, n_parts, scale, offs_ptr, extent_tokens, ring, stride_ks,
-            stride_kg, head0, g_all, n_codes, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE, ROTATE, ARANGE,
-            EXTENTS, ADDR, BITS, GROUP, INTERPRET, PER_ROW, LSE, BLOCK_C,
+            stride_kg, head0, g_all, n_codes, prm_ptr, row0, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE,
+            ROTATE, ARANGE, EXTENTS, ADDR, BITS, GROUP, PARAMS, INTERPRET, PER_ROW, LSE, BLOCK_C,
         )  # fmt: skip
         right = s_r > s_l
         best = tl.maximum(best, tl.maximum(s_l, s_r))
@@ -324,11 +346,19 @@ def bisect_triton(
         lse_m, lse_s = torch.empty(2, bsz, g, r_pad, grid[1], dtype=torch.float32, device=q.device)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
+    levels = max(1, math.ceil(math.log2(chunk)))
     head0, g_all, n_codes, bits, group = 0, g, 0, 0, 1  # full-precision keys
+    params, row0, param_bytes = out, 0, None  # a placeholder pointer unless PARAMS
     if isinstance(keys, ExtentKeys) and keys.bits:  # KIVI rows: bytes, from the rows' first
         k_ptr, offs, extent_tokens, ring = keys.extents[0].view(-1), keys.offsets, keys.extent_rows, keys.ring
         stride_ks, stride_kg, head0, g_all = keys.row_bytes, 0, keys.head or 0, keys.heads
         n_codes, bits, group = keys.key_code_bytes, keys.bits, keys.group
+        if candidates is None and c_count and KEY_PARAMS_FIRST:  # stage 0: rows of [first, first + C * chunk)
+            row0 = first // group
+            n_rows = (first + c_count * chunk - 1) // group - row0 + 1
+            if n_rows <= bsz * c_count * 2 * levels:  # fewer rows than probes
+                params = key_params(keys, row0, n_rows)
+                param_bytes = params.numel() * params.element_size()
     elif isinstance(keys, ExtentKeys):
         k_ptr, offs = keys.extents[0].view(-1)[keys.first_element :], keys.offsets
         stride_ks, stride_kg, extent_tokens, ring = keys.row_elements, d, keys.extent_tokens, keys.ring
@@ -336,7 +366,6 @@ def bisect_triton(
         k_ptr, offs, extent_tokens, ring = keys, lengths, 1, 1
         stride_ks, stride_kg = keys.stride(0), keys.stride(1)
     cos, sin = tables if tables is not None else (k_ptr, k_ptr)
-    levels = max(1, math.ceil(math.log2(chunk)))
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     _bisect_kernel[grid](
         qr,
@@ -362,6 +391,8 @@ def bisect_triton(
         head0,
         g_all,
         n_codes,
+        params,
+        row0,
         rows,
         G=g,
         R=r_pad,
@@ -377,6 +408,7 @@ def bisect_triton(
         ADDR=addresses is not None,
         BITS=bits,
         GROUP=group,
+        PARAMS=param_bytes is not None,
         INTERPRET=interpret,
         PER_ROW=per_row,
         LSE=softmax_scale is not None,
@@ -385,7 +417,11 @@ def bisect_triton(
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk
-        keys.on_read(bsz * c_count * 2 * levels * g * keys.probe_bytes)
+        probes = bsz * c_count * 2 * levels * g
+        if param_bytes is None:
+            keys.on_read(probes * keys.probe_bytes)
+        else:  # the probes' codes, and each row's parameters once
+            keys.on_read(probes * keys.code_bytes + param_bytes)
     if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
         view = row_best[:, :, :rows].permute(0, 3, 1, 2)
         if softmax_scale is not None:

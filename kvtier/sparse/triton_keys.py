@@ -3,12 +3,22 @@ functions: by position in one tensor, in a host slice's extents (`ExtentKeys`: t
 KIVI rows, whose probe keys are unpacked here as `quant_triton._unpack_kivi` unpacks them), or at
 element offsets the caller computed (a block cache's bank and overflow); then rotated at its
 scoring position, rounded as `Rotary.apply` rounds.
+
+KIVI rows keep a key's fp16 minima and steps per (KV head, channel) for the row's `group`
+tokens: 4 bytes a channel against a 4-bit code's half byte, so read with each probe they were
+~89% of the bytes a stage-0 run moved over PCIe. `key_params` copies them to the GPU first, once
+a row, in whole runs (`_gather_key_params`), and the probes then read their codes alone there.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from kvtier.attention.interface import ExtentKeys
+
+PARAM_ROWS = 16  # packed rows a program of `_gather_key_params` copies
 
 
 @triton.jit
@@ -47,35 +57,83 @@ def load_key(k_rows, d, c, s, D: tl.constexpr, ROTATE: tl.constexpr):  # type: i
 
 
 @triton.jit
-def packed_vals(rows, base, t, h, dd, g_all, n_codes, D: tl.constexpr, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
+def packed_vals(rows, base, t, h, dd, g_all, sp, sh, s_stride, D: tl.constexpr, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
     """float32 keys [BC, D] of tokens t [BC] of KIVI rows starting base [BC] bytes from `rows`,
     KV head h, channels dd [D]: code * step + min, as `quant_triton._unpack_kivi` computes them
-    (codes in (token, head, channel) order, BITS to a byte from the low bits; then the keys'
-    fp16 minima and steps per (head, channel) after both code blocks)."""
+    (codes in (token, head, channel) order, BITS to a byte from the low bits). The fp16 minima
+    of head sh lie at sp [BC] (pointers), its steps s_stride elements on: after a row's two code
+    blocks (sh = h, s_stride = g_all * D), or in the copy `key_params` made."""
     per = 8 // BITS
     i = (t[:, None] * g_all + h) * D + dd[None, :]  # [BC, D] code index in the row
     b = tl.load(rows + base[:, None] + i // per).to(tl.int32)
     code = ((b >> ((i % per) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    sp = (rows + base[:, None] + 2 * n_codes).to(tl.pointer_type(tl.float16))
-    c = h * D + dd[None, :]
-    lo = tl.load(sp + c).to(tl.float32)
-    step = tl.load(sp + g_all * D + c).to(tl.float32)
+    c = sp[:, None] + sh * D + dd[None, :]
+    lo = tl.load(c).to(tl.float32)
+    step = tl.load(c + s_stride).to(tl.float32)
     return code * step + lo
 
 
 @triton.jit
 def packed_key(  # type: ignore[no-untyped-def]
-    rows, base, t, h, d, c, s, g_all, n_codes,
+    rows, base, t, h, d, c, s, g_all, sp, sh, s_stride,
     KDT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, ROTATE: tl.constexpr,
 ):  # fmt: skip
     """`load_key` of keys unpacked from KIVI rows (`packed_vals`), rounded to KDT as an unpacked
     slice holds them."""
-    k = packed_vals(rows, base, t, h, d, g_all, n_codes, D, BITS).to(KDT, fp_downcast_rounding="rtne")
+    k = packed_vals(rows, base, t, h, d, g_all, sp, sh, s_stride, D, BITS)
+    k = k.to(KDT, fp_downcast_rounding="rtne")
     if ROTATE:
         sign = tl.where(d < D // 2, -1.0, 1.0)
-        half = packed_vals(rows, base, t, h, (d + D // 2) % D, g_all, n_codes, D, BITS)
+        half = packed_vals(rows, base, t, h, (d + D // 2) % D, g_all, sp, sh, s_stride, D, BITS)
         ks = half.to(KDT, fp_downcast_rounding="rtne").to(tl.float32) * sign[None, :]
         a = (k.to(tl.float32) * c).to(KDT).to(tl.float32)
         b = (ks * s).to(KDT).to(tl.float32)
         k = (a + b).to(KDT)
     return k
+
+
+@triton.jit
+def _gather_key_params(  # type: ignore[no-untyped-def]
+    rows,  # uint8 pointer: the extents' first row
+    offs_ptr,  # [extents] int64 byte offsets of the extents from `rows`
+    extent_rows,
+    ring,
+    row_bytes,
+    n_codes,  # bytes of a row's key codes
+    head0,
+    g_all,
+    row0,
+    n_rows,
+    out,  # [n_rows, 2, G * D] float16
+    D: tl.constexpr,
+    GD: tl.constexpr,  # G * D
+    GD_P2: tl.constexpr,  # its next power of two
+    BLOCK_R: tl.constexpr,
+):
+    """The key minima and steps of heads head0 .. head0 + G - 1 in rows row0 .. row0 + n_rows - 1:
+    two runs of G * D fp16 a row, each contiguous where it lies."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    e = tl.arange(0, GD_P2)
+    mask = (r < n_rows)[:, None] & (e < GD)[None, :]
+    base = row_offsets(row0 + r.to(tl.int64), offs_ptr, extent_rows, ring, row_bytes, True)
+    src = (rows + base + 2 * n_codes).to(tl.pointer_type(tl.float16))[:, None] + head0 * D + e[None, :]
+    dst = out + r.to(tl.int64)[:, None] * (2 * GD) + e[None, :]
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    tl.store(dst + GD, tl.load(src + g_all * D, mask=mask), mask=mask)
+
+
+def key_params(keys: ExtentKeys, row0: int, n_rows: int) -> torch.Tensor:
+    """The key minima and steps of KIVI rows row0 .. row0 + n_rows - 1 of `keys` (its heads: one
+    with `head`, else all), copied onto keys.device in one launch: [n_rows, 2, G, D] float16
+    (minima, then steps). Asynchronous; rows past the stored ones read whatever their extent
+    holds (a caller masks them)."""
+    g = 1 if keys.head is not None else keys.heads
+    gd = g * keys.head_dim
+    out = torch.empty(n_rows, 2, g, keys.head_dim, dtype=torch.float16, device=keys.device)
+    if n_rows:
+        _gather_key_params[(triton.cdiv(n_rows, PARAM_ROWS),)](
+            keys.extents[0].view(-1), keys.offsets, keys.extent_rows, keys.ring, keys.row_bytes,
+            keys.key_code_bytes, keys.head or 0, keys.heads, row0, n_rows, out,
+            D=keys.head_dim, GD=gd, GD_P2=triton.next_power_of_2(gd), BLOCK_R=PARAM_ROWS,
+        )  # fmt: skip
+    return out
