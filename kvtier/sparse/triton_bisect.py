@@ -36,8 +36,16 @@ import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
 from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps, row_tiles
-from kvtier.sparse.triton_head_score import softmax_head_score_parts, store_lse_part
-from kvtier.sparse.triton_keys import key_params, load_key, packed_key, rope_rows, row_offsets
+from kvtier.sparse.triton_head_score import dots, row_max, softmax_head_score_parts, store_lse_part
+from kvtier.sparse.triton_keys import (
+    key_source,
+    load_key,
+    packed_key,
+    probe_pos,
+    rope_rows,
+    row_offsets,
+    stage0_params,
+)
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
 BLOCK_C = BISECT_BLOCK_C  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
@@ -47,30 +55,6 @@ NUM_WARPS: int | None = None
 # (`triton_keys.key_params`) where that reads fewer bytes than the probes would; False reads
 # them with every probe (bench/hip_decode_profile.py --key-params per-probe, its A/B)
 KEY_PARAMS_FIRST = True
-
-
-@triton.jit
-def _probe_pos(cand_base, cs, cmask, off, length, first, CHUNK: tl.constexpr, ARANGE: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Positions [BC] of the probes at offsets `off` of chunks `cs` (0 where there is none)."""
-    if ARANGE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-        pos = first + cs * CHUNK + off
-    else:
-        pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
-    return tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
-
-
-@triton.jit
-def _dots(q, k, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]
-    """q [R, D] . k [BC, D]^T: [R, BC] float32."""
-    if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
-        return tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
-    return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
-
-
-@triton.jit
-def _row_max(sc, rmask):  # type: ignore[no-untyped-def]
-    """max over valid rows of sc [R, BC]: [BC]."""
-    return tl.max(tl.where(rmask[:, None], sc, float("-inf")), axis=0)
 
 
 @triton.jit
@@ -133,8 +117,8 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     also goes into the row maxima (this program owns its chunks' cells); with LSE, at the last
     level (the cells final) each row's logsumexp over the program's live chunks of scale times
     them, in two parts: the max m and the sum of exp(x - m) (`triton_head_score`)."""
-    pos_l = _probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
-    pos_r = _probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
+    pos_l = probe_pos(cand_base, cs, cmask, off_l, length, first, CHUNK, ARANGE)
+    pos_r = probe_pos(cand_base, cs, cmask, off_r, length, first, CHUNK, ARANGE)
     if ADDR:  # rows of a block cache's bank (or its overflow): offsets the caller computed
         live = cmask & (length > 0)
         row_l = tl.load(addr_base + cs * CHUNK + off_l, mask=live, other=0).to(tl.int64)
@@ -196,10 +180,10 @@ def _probe_pair(  # type: ignore[no-untyped-def]
             rows = tile * TR + tl.arange(0, TR)
             rmask = rows < R_VALID
             q = tl.load(q_base + g * R * D + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
-            sc_l = _dots(q, k_l, INTERPRET)  # [TR, BC]
-            sc_r = _dots(q, k_r, INTERPRET)
-            best_l = tl.maximum(best_l, _row_max(sc_l, rmask))
-            best_r = tl.maximum(best_r, _row_max(sc_r, rmask))
+            sc_l = dots(q, k_l, INTERPRET)  # [TR, BC]
+            sc_r = dots(q, k_r, INTERPRET)
+            best_l = tl.maximum(best_l, row_max(sc_l, rmask))
+            best_r = tl.maximum(best_r, row_max(sc_r, rmask))
             if PER_ROW:  # NOTE: level 0 writes every cell a reader reads, so the rows need no fill
                 cells = row_base + g * R * C + rows[:, None] * C + cs[None, :]
                 # NOTE: not `live` (ADDR's [BC] mask): a loop may not reshape a variable it carries
@@ -347,29 +331,16 @@ def bisect_triton(
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
     levels = max(1, math.ceil(math.log2(chunk)))
-    head0, g_all, n_codes, bits, group = 0, g, 0, 0, 1  # full-precision keys
-    params, row0, param_bytes = out, 0, None  # a placeholder pointer unless PARAMS
-    if isinstance(keys, ExtentKeys) and keys.bits:  # KIVI rows: bytes, from the rows' first
-        k_ptr, offs, extent_tokens, ring = keys.extents[0].view(-1), keys.offsets, keys.extent_rows, keys.ring
-        stride_ks, stride_kg, head0, g_all = keys.row_bytes, 0, keys.head or 0, keys.heads
-        n_codes, bits, group = keys.key_code_bytes, keys.bits, keys.group
-        if candidates is None and c_count and KEY_PARAMS_FIRST:  # stage 0: rows of [first, first + C * chunk)
-            row0 = first // group
-            n_rows = (first + c_count * chunk - 1) // group - row0 + 1
-            if n_rows <= bsz * c_count * 2 * levels:  # fewer rows than probes
-                params = key_params(keys, row0, n_rows)
-                param_bytes = params.numel() * params.element_size()
-    elif isinstance(keys, ExtentKeys):
-        k_ptr, offs = keys.extents[0].view(-1)[keys.first_element :], keys.offsets
-        stride_ks, stride_kg, extent_tokens, ring = keys.row_elements, d, keys.extent_tokens, keys.ring
-    else:  # the offsets' pointer is a placeholder
-        k_ptr, offs, extent_tokens, ring = keys, lengths, 1, 1
-        stride_ks, stride_kg = keys.stride(0), keys.stride(1)
-    cos, sin = tables if tables is not None else (k_ptr, k_ptr)
+    src = key_source(keys, lengths)
+    probes = bsz * c_count * 2 * levels * g  # at most two a level and chunk
+    params, row0 = None, 0
+    if isinstance(keys, ExtentKeys) and candidates is None and KEY_PARAMS_FIRST:  # stage 0
+        params, row0 = stage0_params(keys, first, c_count * chunk, probes)
+    cos, sin = tables if tables is not None else (src.ptr, src.ptr)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     _bisect_kernel[grid](
         qr,
-        k_ptr,
+        src.ptr,
         cand,
         addr,
         lengths,
@@ -383,15 +354,8 @@ def bisect_triton(
         c_count,
         cand.shape[1],
         first,
-        offs,
-        extent_tokens,
-        ring,
-        stride_ks,
-        stride_kg,
-        head0,
-        g_all,
-        n_codes,
-        params,
+        *src[1:9],  # offsets .. n_codes
+        out if params is None else params,  # a placeholder pointer unless PARAMS
         row0,
         rows,
         G=g,
@@ -406,9 +370,9 @@ def bisect_triton(
         ARANGE=candidates is None,
         EXTENTS=isinstance(keys, ExtentKeys),
         ADDR=addresses is not None,
-        BITS=bits,
-        GROUP=group,
-        PARAMS=param_bytes is not None,
+        BITS=src.bits,
+        GROUP=src.group,
+        PARAMS=params is not None,
         INTERPRET=interpret,
         PER_ROW=per_row,
         LSE=softmax_scale is not None,
@@ -416,12 +380,11 @@ def bisect_triton(
         num_warps=NUM_WARPS or num_warps(tile_rows, d),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
-    if isinstance(keys, ExtentKeys) and keys.on_read is not None:  # at most two probes a level and chunk
-        probes = bsz * c_count * 2 * levels * g
-        if param_bytes is None:
+    if isinstance(keys, ExtentKeys) and keys.on_read is not None:
+        if params is None:
             keys.on_read(probes * keys.probe_bytes)
         else:  # the probes' codes, and each row's parameters once
-            keys.on_read(probes * keys.code_bytes + param_bytes)
+            keys.on_read(probes * keys.code_bytes + params.numel() * params.element_size())
     if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
         view = row_best[:, :, :rows].permute(0, 3, 1, 2)
         if softmax_scale is not None:

@@ -20,7 +20,8 @@ and the sum s of exp(x - m)) per program, [B, G, R_pad, P] with P programs along
 `softmax_head_score_parts` then combines each row's P parts (`_combine_lse`: one small pass, or
 inside pass 2 itself where it is small, as in decode: one launch fewer) and runs pass 2.
 
-Imports triton at module level; only `kvtier.sparse.prefill` and `kvtier.sparse.triton_bisect`
+Also the score's two small pieces the bisection kernel takes (`dots`, `row_max`). Imports triton
+at module level; only `kvtier.sparse.prefill` and `kvtier.sparse.triton_bisect`
 import this module, on CUDA (or CPU tensors under TRITON_INTERPRET=1).
 """
 
@@ -37,6 +38,20 @@ BLOCK_PARTS = 16  # logsumexp parts a tile holds where they are combined
 # programs read at most this many parts together: decode's one query block (one query's rows,
 # ~64 parts at 2,048 chunks: ~64K), not a prefill batch (256 blocks of 2,048 rows: ~10^10).
 FOLD_PARTS_MAX = 1 << 20
+
+
+@triton.jit
+def dots(q, k, INTERPRET: tl.constexpr):  # type: ignore[no-untyped-def]
+    """q [R, D] . k [BC, D]^T: [R, BC] float32."""
+    if INTERPRET:  # the interpreter's tl.dot is wrong for 16-bit operands
+        return tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
+    return tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+
+
+@triton.jit
+def row_max(sc, rmask):  # type: ignore[no-untyped-def]
+    """max over valid rows of sc [R, BC]: [BC]."""
+    return tl.max(tl.where(rmask[:, None], sc, float("-inf")), axis=0)
 
 
 @triton.jit

@@ -12,6 +12,8 @@ a row, in whole runs (`_gather_key_params`), and the probes then read their code
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,48 @@ import triton.language as tl
 from kvtier.attention.interface import ExtentKeys
 
 PARAM_ROWS = 16  # packed rows a program of `_gather_key_params` copies
+
+
+class KeySource(NamedTuple):
+    """Where a kernel reads keys, as `row_offsets` and `packed_key` take it."""
+
+    ptr: torch.Tensor  # the first key row's (KIVI: packed row's bytes)
+    offsets: torch.Tensor  # the extents' starts from ptr (a placeholder pointer for one tensor)
+    extent_tokens: int  # tokens an extent (KIVI: rows)
+    ring: int
+    stride_ks: int  # elements between token rows (KIVI: bytes between packed rows)
+    stride_kg: int  # elements between KV heads (KIVI: 0, unused)
+    head0: int  # KIVI: the first KV head read, of g_all in a row
+    g_all: int
+    n_codes: int  # KIVI: bytes of a row's key codes
+    bits: int  # 0: full-precision keys
+    group: int  # KIVI: tokens a packed row
+
+
+def key_source(keys: torch.Tensor | ExtentKeys, placeholder: torch.Tensor) -> KeySource:
+    """keys [S, G, D] (last dim contiguous), or a host slice's `ExtentKeys` (token rows, or KIVI
+    rows), as a kernel reads them; `placeholder` stands for the offsets of one tensor."""
+    if isinstance(keys, ExtentKeys) and keys.bits:  # KIVI rows: bytes, from the rows' first
+        return KeySource(
+            keys.extents[0].view(-1), keys.offsets, keys.extent_rows, keys.ring, keys.row_bytes, 0,
+            keys.head or 0, keys.heads, keys.key_code_bytes, keys.bits, keys.group,
+        )  # fmt: skip
+    if isinstance(keys, ExtentKeys):
+        return KeySource(
+            keys.extents[0].view(-1)[keys.first_element :], keys.offsets, keys.extent_tokens, keys.ring,
+            keys.row_elements, keys.head_dim, 0, keys.shape[1], 0, 0, 1,
+        )  # fmt: skip
+    return KeySource(keys, placeholder, 1, 1, keys.stride(0), keys.stride(1), 0, keys.shape[1], 0, 0, 1)
+
+
+@triton.jit
+def probe_pos(cand_base, cs, cmask, off, length, first, CHUNK: tl.constexpr, ARANGE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Positions [BC] of the probes at offsets `off` of chunks `cs` (0 where there is none)."""
+    if ARANGE:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        pos = first + cs * CHUNK + off
+    else:
+        pos = tl.load(cand_base + cs * CHUNK + off, mask=cmask, other=0)
+    return tl.where(cmask & (length > 0) & (pos >= 0), pos, 0).to(tl.int64)
 
 
 @triton.jit
@@ -137,3 +181,17 @@ def key_params(keys: ExtentKeys, row0: int, n_rows: int) -> torch.Tensor:
             D=keys.head_dim, GD=gd, GD_P2=triton.next_power_of_2(gd), BLOCK_R=PARAM_ROWS,
         )  # fmt: skip
     return out
+
+
+def stage0_params(keys: ExtentKeys, first: int, span: int, probes: int) -> tuple[torch.Tensor | None, int]:
+    """For stage 0 over positions [first, first + span) of KIVI rows read in place, probed
+    `probes` times (keys of one head): (`key_params` of the rows they span, the first row), where
+    those rows are fewer than the probes (each would read its row's); (None, 0) otherwise."""
+    if not keys.bits or span <= 0:
+        return None, 0
+    row0 = first // keys.group
+    n_rows = (first + span - 1) // keys.group - row0 + 1
+    heads = 1 if keys.head is not None else keys.heads
+    if n_rows * heads > probes:
+        return None, 0
+    return key_params(keys, row0, n_rows), row0
