@@ -503,13 +503,12 @@ case "$group" in
   # (~6 min, no GGUF) issue 19's stage-0 reruns over int4 in place: each probe read its row's
   # fp16 key minima and steps (512 B of a head's 576) over PCIe; now the rows' parameters are
   # copied to the GPU first, once a row (triton_keys.key_params). The A/B at 512K on one start
-  # (34 steps: stage 0 at steps 0 and 32), then group 109's profile and declines
+  # (34 steps: stage 0 at steps 0 and 32); group 109 (its profile) after, where it is owed
   for kp in per-probe first; do
     run 100 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
       --group 4 --head-dim 128 --steps 34 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
       --key-params $kp --name "hip_decode_profile_lean_512k_int4_probes_g4_params_$kp"
   done
-  bash "$0" 109
   ;;
 110)
   # (~9 min, GGUF) issue 19 through the CLI at 512K with graphs (now the default): stage 0 on

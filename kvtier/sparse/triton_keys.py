@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
+from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES
 
 PARAM_ROWS = 16  # packed rows a program of `_gather_key_params` copies
 
@@ -186,12 +187,14 @@ def key_params(keys: ExtentKeys, row0: int, n_rows: int) -> torch.Tensor:
 def stage0_params(keys: ExtentKeys, first: int, span: int, probes: int) -> tuple[torch.Tensor | None, int]:
     """For stage 0 over positions [first, first + span) of KIVI rows read in place, probed
     `probes` times (keys of one head): (`key_params` of the rows they span, the first row), where
-    those rows are fewer than the probes (each would read its row's); (None, 0) otherwise."""
+    those rows are fewer than the probes (each would read its row's) and their copy fits the
+    pruning temporaries the planner reserves (`PRUNE_BATCH_BYTES`: 64 MB at 1M tokens of 4 heads
+    of 128 dims in 32-token rows); (None, 0) otherwise."""
     if not keys.bits or span <= 0:
         return None, 0
     row0 = first // keys.group
     n_rows = (first + span - 1) // keys.group - row0 + 1
     heads = 1 if keys.head is not None else keys.heads
-    if n_rows * heads > probes:
+    if n_rows * heads > probes or n_rows * heads * keys.head_dim * 4 > PRUNE_BATCH_BYTES:
         return None, 0
     return key_params(keys, row0, n_rows), row0
