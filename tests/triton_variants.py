@@ -22,6 +22,7 @@ from tests.triton_variants_sparse import (
     _bisect,
     _buffers_attn_fwd,
     _combine_lse,
+    _gather_key_params,
     _head_score,
     _merge_splits,
     _put_rows,
@@ -48,6 +49,7 @@ KERNELS: dict[str, str] = {
     "_unpack_fp8": "kvtier.policies.quant_triton",
     "_gather_rows": "kvtier.kv.host_gather",
     "_bisect_kernel": "kvtier.sparse.triton_bisect",
+    "_gather_key_params": "kvtier.sparse.triton_keys",
 }
 
 
@@ -194,6 +196,7 @@ BUILDERS: dict[str, Callable[[], Iterator[Variant]]] = {
     "_unpack_fp8": _unpack_fp8,
     "_gather_rows": _gather_rows,
     "_bisect_kernel": _bisect,
+    "_gather_key_params": _gather_key_params,
 }
 
 

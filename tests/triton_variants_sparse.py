@@ -166,14 +166,16 @@ def _combine_lse() -> Iterator[Variant]:
 
 # --- kvtier.sparse.triton_bisect ------------------------------------------------------------
 
-# (BITS, EXTENTS, ADDR, ARANGE) that `bisect_triton` passes: keys a tensor, a host slice's
-# token rows (`ExtentKeys`) or its KIVI rows (BITS > 0, EXTENTS only); addresses only with
+# (BITS, EXTENTS, ADDR, ARANGE, PARAMS) that `bisect_triton` passes: keys a tensor, a host
+# slice's token rows (`ExtentKeys`) or its KIVI rows (BITS > 0, EXTENTS only; their key
+# parameters copied first, PARAMS, only with ARANGE: `stage0_params`); addresses only with
 # candidates (not ARANGE) and keys a tensor
 _BISECT_KEYS = (
-    *((0, False, False, arange) for arange in (False, True)),
-    *((0, True, False, arange) for arange in (False, True)),
-    *((4, True, False, arange) for arange in (False, True)),
-    (0, False, True, False),
+    *((0, False, False, arange, False) for arange in (False, True)),
+    *((0, True, False, arange, False) for arange in (False, True)),
+    *((4, True, False, arange, False) for arange in (False, True)),
+    (4, True, False, True, True),
+    (0, False, True, False, False),
 )
 
 
@@ -197,6 +199,7 @@ def _bisect_variant(
     head: int | None = None,
     heads: int | None = None,
     first: int = 4096,
+    params: bool = False,
 ) -> Variant:
     """One `bisect_triton` launch: its ints as the wrapper derives them. head/heads: the host
     slice's KV head read (None: all) and heads a row (None: g)."""
@@ -225,7 +228,8 @@ def _bisect_variant(
         G=g, R=r_pad, TR=tr, N_TILES=r_pad // tr, D=d, CHUNK=chunk,
         LEVELS=max(1, math.ceil(math.log2(chunk))), MODE=mode, ROTATE=rotate, ARANGE=arange,
         EXTENTS=extents, ADDR=addr, BITS=bits, GROUP=group, INTERPRET=False, PER_ROW=per_row, LSE=lse,
-        BLOCK_C=32,
+        BLOCK_C=32, prm_ptr=Ptr("float16") if params else Ptr("float32"),
+        row0=first // group if params else 0, PARAMS=params,
     )  # fmt: skip
     return Variant("_bisect_kernel", case, args, dict(num_warps=8 if tr >= 128 else 4, num_stages=1))
 
@@ -233,7 +237,7 @@ def _bisect_variant(
 def _bisect() -> Iterator[Variant]:
     # every flag combination the wrapper passes, at G 1 and 8 and rows of one tile (64) or three
     # (192 = 3 x 64); the per-row maxima without and with their logsumexp parts (LSE)
-    for (bits, extents, addr, arange), rotate, mode, (per_row, lse), g, rows in itertools.product(
+    for (bits, extents, addr, arange, params), rotate, mode, (per_row, lse), g, rows in itertools.product(
         _BISECT_KEYS,
         (False, True),
         (0, 1, 2),
@@ -242,12 +246,12 @@ def _bisect() -> Iterator[Variant]:
         (64, 192),
     ):
         case: dict[str, Any] = dict(
-            BITS=bits, EXTENTS=extents, ADDR=addr, ARANGE=arange, ROTATE=rotate, MODE=mode, PER_ROW=per_row,
-            LSE=lse, G=g, rows=rows,
+            BITS=bits, EXTENTS=extents, ADDR=addr, ARANGE=arange, PARAMS=params, ROTATE=rotate, MODE=mode,
+            PER_ROW=per_row, LSE=lse, G=g, rows=rows,
         )  # fmt: skip
         yield _bisect_variant(
             case, bits=bits, extents=extents, addr=addr, arange=arange, rotate=rotate, mode=mode,
-            per_row=per_row, g=g, rows=rows, lse=lse,
+            per_row=per_row, g=g, rows=rows, lse=lse, params=params,
         )  # fmt: skip
     # a host slice's integers equal to 1 (constexprs in a real launch): one extent (ring), the
     # slice's KV head 1 of 8 or its only head (KIVI head0, g_all), first 1; other key widths and
@@ -257,6 +261,8 @@ def _bisect() -> Iterator[Variant]:
         extra: list[dict[str, Any]] = [dict(ring=1), dict(first=1)]
         if bits:
             extra += [dict(head=1, heads=8), dict(heads=1), dict(ring=1, heads=1)]
+            extra += [dict(params=True, first=32), dict(params=True, head=1, heads=8)]
+            extra += [dict(params=True, heads=1)]
         for kw in extra:
             case = {"BITS": bits, "ROTATE": rotate, "MODE": mode, "G": 1, "rows": 64, **kw}
             yield _bisect_variant(case, **base, mode=mode, per_row=False, g=1, rows=64, **kw)
@@ -274,3 +280,19 @@ def _bisect() -> Iterator[Variant]:
             case, bits=0, extents=False, addr=False, arange=False, rotate=rotate, mode=2, per_row=True, g=3,
             rows=rows, lse=True, dtype=dtype, chunk=chunk, d=d,
         )  # fmt: skip
+
+
+def _gather_key_params() -> Iterator[Variant]:
+    # `triton_keys.key_params`: KIVI rows of 32 tokens, one head of 8 or all of G (8, 3 of
+    # SmolLM2's, or 1); a ring of one extent or several; row0 0 or not
+    for (g, heads, head0, d, bits), ring, row0 in itertools.product(
+        ((1, 8, 1, 128, 4), (8, 8, 0, 128, 4), (3, 3, 0, 64, 4), (1, 1, 0, 128, 2)), (1, 4), (0, 9)
+    ):
+        n_codes = 32 * heads * d * bits // 8
+        gd = g * d
+        args = dict(
+            rows=Ptr("uint8"), offs_ptr=Ptr("int64"), extent_rows=128, ring=ring,
+            row_bytes=2 * n_codes + 6 * heads * d * 2, n_codes=n_codes, head0=head0, g_all=heads, row0=row0,
+            n_rows=16385, out=Ptr("float16"), D=d, GD=gd, GD_P2=_p2(gd), BLOCK_R=16,
+        )  # fmt: skip
+        yield Variant("_gather_key_params", dict(G=g, heads=heads, D=d, ring=ring, row0=row0), args)
