@@ -280,13 +280,8 @@ class PackedTier:
             packed = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.rows[sid].read_runs_into(packed, row_spans)
             kv = self.codec.unpack(packed, lay.group_size, lay.head_dim, lay.dtype)  # [rows g, 2, G, D]
-            n = torch.tensor([p[2] for p in places])
-            offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-            to = torch.repeat_interleave(torch.tensor([p[0] for p in places]), n) + offset
-            src = torch.repeat_interleave(torch.tensor([p[1] for p in places]), n) + offset
-            dst.index_copy_(
-                0, to.to(self.device, non_blocking=True), kv[src.to(self.device, non_blocking=True)]
-            )
+            to, src = _run_rows(places, self.device)
+            dst.index_copy_(0, to, kv[src])
             moved += rows * self.row_bytes
         if tails:
             host.read_runs_into(dst, tails)
@@ -321,3 +316,17 @@ class PackedTier:
         self.rows.clear()
         for arena in self.arenas:
             arena.close()
+
+
+def _run_rows(places: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of (dst row, src row, tokens) runs, one entry a token: (to, src) [n] int64 on
+    `device`, built there from the runs alone (a refresh at 1M places ~126K tokens in ~450
+    runs: on the host that took ~2 ms a slice, and two pageable copies). No host sync."""
+    p = torch.tensor(places, dtype=torch.int64)  # [P, 3]
+    total = int(p[:, 2].sum())
+    if device.type == "cuda":
+        p = p.pin_memory().to(device, non_blocking=True)
+    n = p[:, 2]
+    run = torch.repeat_interleave(torch.arange(p.shape[0], device=device), n, output_size=total)
+    offset = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[run]
+    return p[run, 0] + offset, p[run, 1] + offset
