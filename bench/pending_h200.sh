@@ -510,6 +510,18 @@ case "$group" in
       --key-params $kp --name "hip_decode_profile_lean_512k_int4_probes_g4_params_$kp"
   done
   ;;
+114)
+  # (~2 min, no GGUF; the forty-first session's call A) the CUDA checks after the stage-0
+  # parameter copy (0d24fa2) and the block-cache refetch's runs built with tensor ops (its int4
+  # placement rows now built on the GPU): every row bitwise as before
+  run 150 $py bench/gpu_checks.py
+  ;;
+115)
+  # (~4.5 min, GGUF; call B right after 114) group 111 again after the refetch's host work was
+  # cut (~3 ms a slice of Python index work when a 1M stage-0 rerun turns the selection over)
+  run 330 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \
+    --new-tokens 161 --timeout 320 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_fetch
+  ;;
 110)
   # (~9 min, GGUF) issue 19 through the CLI at 512K with graphs (now the default): stage 0 on
   # probes beside the default's host keys, one start (86 with graphs); the declined counts
