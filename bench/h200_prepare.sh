@@ -2,7 +2,8 @@
 # Run HERE (the dev machine, after `make install`), before the first device call of a session:
 # fills the ignored folders that bench/h200_setup.sh reads on the GPU machine.
 #   .whl/      cp312 manylinux wheels of what the GPU image lacks (the serve extras, the openai
-#              client and its httpx2 stack, gguf), at the versions in .venv
+#              client and its httpx2 stack, gguf, pytest for the tests' CUDA cases), at the
+#              versions in .venv
 #   .gguf_a/   the embedded GGUF's first 50,000,000 bytes (carry it in one call, copy to /tmp/gg)
 #   .gguf_b/   the rest (carry it in the next call, made while the machine is still warm)
 # The two halves exist because one call carries at most 64 MiB.
@@ -12,7 +13,8 @@ py=.venv/bin/python
 mkdir -p .git/info .whl .gguf_a .gguf_b
 for p in /.whl/ /.gguf_a/ /.gguf_b/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
 pkgs="fastapi starlette pydantic pydantic_core typing-inspection annotated-types uvicorn openai jiter
-      gguf opentelemetry-api httpx2 httpcore2 truststore sniffio distro typing_extensions idna"
+      gguf opentelemetry-api httpx2 httpcore2 truststore sniffio distro typing_extensions idna
+      pytest pluggy iniconfig packaging pygments"
 for name in $pkgs; do
   version=$($py -m pip show "$name" 2>/dev/null | awk '/^Version:/{print $2}' || true)
   spec=$name${version:+==$version}

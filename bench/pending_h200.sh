@@ -239,6 +239,12 @@
 #   max head score throughout), 110 (the CLI at 512K with graphs, probes
 #   beside the default), 111 (1M over 161 tokens: steady state, per-step times, declines), 85,
 #   the 8B smoke, 80, 73, 69.
+# The forty-first lost 630 s of its 1,800 to refused starts; on one H100 start at 0d24fa2 it ran
+#   113 (the stage-0 parameter copy's A/B: counted H2D 603 -> 335 MB, time within noise), 108
+#   (the smoke, 31/31 + 15/15), 109 (the stage-0 step: host work and 4 syncs a slice) and 111
+#   (1M over 161 tokens: 17.86 tok/s). Then it cut the refetch's host work (GPU-facing, never run
+#   on a GPU). NEXT: 114 (the tests' CUDA cases of this session's changes, then gpu_checks) with
+#   the GGUF's first half, 115 (1M again, second half), then 112, 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -511,9 +517,13 @@ case "$group" in
   done
   ;;
 114)
-  # (~2 min, no GGUF; the forty-first session's call A) the CUDA checks after the stage-0
-  # parameter copy (0d24fa2) and the block-cache refetch's runs built with tensor ops (its int4
-  # placement rows now built on the GPU): every row bitwise as before
+  # (~3 min, no GGUF; owed since the forty-first session, whose device time ran out) the
+  # tests' CUDA cases of what changed there: stage 0 in place over KIVI rows with the rows'
+  # parameters copied first or read per probe (bitwise against the rows unpacked), the HiP
+  # refetch's runs (test_cache_blocks) and the int4 tier's placement rows built on the GPU
+  # (test_store, test_probe_scoring's int4 decode); then the CUDA checks
+  run 150 $py -m pytest -q -p no:cacheprovider tests/test_probe_scoring.py tests/test_cache_blocks.py \
+    tests/test_store.py -k "cuda or not cpu"
   run 150 $py bench/gpu_checks.py
   ;;
 115)
