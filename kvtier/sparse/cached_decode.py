@@ -88,7 +88,7 @@ class CachedDecode(SliceCaches, StagePieces):
             if cache.end != s:  # a new sequence, or the slice's first decode step
                 cache.clear()
                 cache.end = s  # nothing cached is stale: what the step reads is fetched
-            needed = self._refresh_from_host(q, step, fetch, groups)
+            needed, blocks = self._refresh_from_host(q, step, fetch, groups)
         elif self._covers(cache, groups) or self._append_only(cache, step, groups):
             cache.append(s, kv_new[0])
             st.cached_steps += 1
@@ -96,7 +96,8 @@ class CachedDecode(SliceCaches, StagePieces):
             return self._heads(q, PositionedKV.of(cache, cache.table(), s + 1), kv_new[0], step)
         else:
             needed = needed_positions(self.cfg, self._states(step, groups), s, kv_new.device)
-        blocks = block_ids(needed, b)
+            blocks = None
+        blocks = block_ids(needed, b) if blocks is None else blocks
         table = cache.ensure(blocks, lambda missing: fetch_blocks(missing, cache.block, s, fetch, kv_new, st))
         cache.write(table, s, kv_new[0])
         cache.end = s + 1
@@ -282,15 +283,18 @@ class CachedDecode(SliceCaches, StagePieces):
             return True
         return st.first_due(self.cfg.refresh, st.step + 1) == 0
 
-    def _refresh_from_host(self, q: torch.Tensor, step: SliceStep, fetch: Fetch, groups: int) -> torch.Tensor:
+    def _refresh_from_host(
+        self, q: torch.Tensor, step: SliceStep, fetch: Fetch, groups: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage 0 of a decode step, scored on keys read from the host tier (`HostKeys`), kept in
         `_stage0` for `_decode`; returns the positions the rest of the step reads (sinks, the
-        new stage-0 selection, the new window), for the block cache to provide.
+        new stage-0 selection, the new window), for the block cache to provide, and their
+        blocks where they are known without `unique` (a host sync): `_aligned_blocks`.
 
         Scores, slabs and the selection are those of stage 0 over the whole slice: the same
         keys in the same ranges (`ScoreFn.bisected` with `span`), so the outputs are too."""
         cfg, s, layer = self.cfg, step.start, step.layer
-        w0 = self._window_start(s)
+        w0 = self._decode_window_start(s)
         cand = self._middle(w0, q.device)
         pos = torch.full((1,), s, dtype=torch.long, device=q.device)
         heads = range(groups) if cfg.per_head else (-1,)
@@ -311,7 +315,21 @@ class CachedDecode(SliceCaches, StagePieces):
             self._stage0[(layer, step.group, h)] = out
             parts.append(out)
         parts.append(torch.arange(min(w0, s + 1), s + 1, device=q.device))  # w0 > s: all sinks
-        return torch.cat(parts)
+        blocks = self._aligned_blocks(parts[1], w0, s) if len(heads) == 1 else None
+        return torch.cat(parts), blocks
+
+    def _aligned_blocks(self, selected: torch.Tensor, w0: int, s: int) -> torch.Tensor | None:
+        """The sorted, distinct blocks of the sinks, stage 0's selection and the window [w0, s]
+        when `HipConfig.align_window` makes them known without `unique`: the selection is whole
+        chunks starting at sink + k * chunk_sizes[0], so with sinks and chunks whole blocks its
+        every `cache_block`-th entry is a block's first, and the window starts a block. None
+        otherwise."""
+        cfg, b = self.cfg, self.cfg.cache_block
+        if not cfg.align_window or cfg.sink % b or cfg.chunk_sizes[0] % b or not cfg.sink < w0 <= s:
+            return None
+        dev = selected.device
+        sinks, window = torch.arange(cfg.sink // b, device=dev), torch.arange(w0 // b, s // b + 1, device=dev)
+        return torch.cat((sinks, torch.div(selected[::b], b, rounding_mode="floor"), window))
 
     # -- provided by HipKernel (a stub that types the calls above) -------------------------
 

@@ -98,6 +98,13 @@ class HipConfig:
     # room (`kvtier.methods.hip`): SmolLM2's 16K chunk pruned in six batches a stage otherwise,
     # ~25 launches each, and its HiP prefill is bound by launches.
     prune_bytes: int | None = None
+    # Decode: the window starts at a stage-0 chunk boundary (sink + k * chunk_sizes[0], at or
+    # below where `window` tokens back would start it), so stage 0 scores whole chunks only and
+    # the window holds window .. window + chunk_sizes[0] - 1 tokens. Every slice's selection
+    # then has the same size (no partial chunk): no host sync trims one, and the layer's decode
+    # graphs never decline for sizes that differ. Lossy differently (a few more recent tokens
+    # attended): off until measured on a GPU (speed and NIAH).
+    align_window: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)
@@ -206,6 +213,8 @@ class HipConfig:
         chunks = self.budgets[0] // c0
         sinks = -(-self.sink // b)
         window = -(-(self.window + self.refresh[0]) // b) + 1
+        if self.align_window:  # up to c0 - 1 tokens more, in whole blocks
+            window += -(-(c0 - 1) // b)
         if self.capacity is not None:
             filled = -(-self.capacity // b)
             chunks, sinks, window = (
@@ -226,6 +235,7 @@ class HipConfig:
         the widest final selection, the window grown until stage 0 reruns, and one spare; never
         more than `capacity` tokens and the spare."""
         rows = self.sink + max(self.wide_budget, self.budgets[-1]) + self.window + self.refresh[0] + 1
+        rows += self.chunk_sizes[0] - 1 if self.align_window else 0
         return rows if self.capacity is None else min(rows, self.capacity + 1)
 
     def with_refresh(self, preset: str) -> HipConfig:

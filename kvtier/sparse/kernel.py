@@ -237,7 +237,7 @@ class HipKernel(CachedDecode):
         whole = isinstance(kv, torch.Tensor)
         assert first > 0 or scored is not None or whole, "stage 0 needs the whole slice or its keys"
         if st is None or first == 0:
-            w0 = self._window_start(step.start)
+            w0 = self._decode_window_start(step.start)
             cand = self._middle(w0, q.device)
         else:
             w0 = st.window_start

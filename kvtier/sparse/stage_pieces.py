@@ -38,6 +38,15 @@ class StagePieces:
         """w0 of a query block: the window covers [w0, query] for every query of the block."""
         return max(self.cfg.sink, first_query - self.cfg.window + 1)
 
+    def _decode_window_start(self, query: int) -> int:
+        """w0 of a decode query: `_window_start`, or with `HipConfig.align_window` that rounded
+        down to a stage-0 chunk boundary, so [sink, w0) is whole chunks."""
+        w0 = self._window_start(query)
+        if not self.cfg.align_window:
+            return w0
+        c0 = self.cfg.chunk_sizes[0]
+        return self.cfg.sink + (w0 - self.cfg.sink) // c0 * c0
+
     def _middle(self, w0: int, device: torch.device) -> torch.Tensor:
         """Stage-0 candidates: every key between the sinks and the window, [max(w0 - sink, 0)]."""
         return torch.arange(self.cfg.sink, w0, device=device)
