@@ -177,6 +177,12 @@ def main() -> None:
         "operator count, which counts it as one launch: the host operators a graphed step leaves",
     )
     ap.add_argument(
+        "--align-window",
+        action="store_true",
+        help="HipConfig.align_window: decode's window starts at a stage-0 chunk boundary (whole "
+        "chunks: selections of one size, no partial chunk's sync)",
+    )
+    ap.add_argument(
         "--key-params",
         default="first",
         choices=("first", "per-probe"),
@@ -206,7 +212,9 @@ def main() -> None:
         hip = replace(base, cache_tokens=args.cache_tokens)
     else:
         hip = HipConfig.scaled(args.context, refresh=base.refresh, cache_tokens=args.cache_tokens)
-    hip = replace(hip, host_scoring=args.host_scoring, probe_scoring=args.probe_scoring)
+    hip = replace(
+        hip, host_scoring=args.host_scoring, probe_scoring=args.probe_scoring, align_window=args.align_window
+    )
     # the op-counting interval and the prefill chunk run after the timed steps
     extra = args.steps + hip.refresh[0] + args.prefill_chunk
     shape = (args.layers, args.kv_heads, args.head_dim, args.context)
@@ -340,7 +348,7 @@ def main() -> None:
     if args.name:
         config = {
             "preset": args.preset, "as_preset": args.as_preset, "refresh": hip.refresh,
-            "host_scoring": hip.host_scoring, "key_params": args.key_params,
+            "host_scoring": hip.host_scoring, "key_params": args.key_params, "align_window": hip.align_window,
             "probe_scoring": hip.probe_scoring, "layer_at_once": not args.slice_at_a_time,
             "triton_buffers": args.triton_buffers or dev.type == "cuda",
             "graphs": None if kernel._graphs is None else {
