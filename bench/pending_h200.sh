@@ -244,7 +244,8 @@
 #   (the smoke, 31/31 + 15/15), 109 (the stage-0 step: host work and 4 syncs a slice) and 111
 #   (1M over 161 tokens: 17.86 tok/s). Then it cut the refetch's host work (GPU-facing, never run
 #   on a GPU). NEXT: 114 (the tests' CUDA cases of this session's changes, then gpu_checks) with
-#   the GGUF's first half, 115 (1M again, second half), then 112, 110, 85, the 8B smoke, 80, 73.
+#   the GGUF's first half, 115 (1M again, second half), 116 (--hip-align-window on: 1M beside
+#   115, and its NIAH), then 112, 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -531,6 +532,18 @@ case "$group" in
   # cut (~3 ms a slice of Python index work when a 1M stage-0 rerun turns the selection over)
   run 330 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \
     --new-tokens 161 --timeout 320 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_fetch
+  ;;
+116)
+  # (~9 min, GGUF) --hip-align-window on (HipConfig.align_window, off by default): decode's window
+  # at a stage-0 chunk boundary, so no partial chunk (CPU at 8K: no graph declines, a stage-0
+  # rerun 11 -> 8 syncs a slice). 1M over int4 through the CLI beside group 115's row (same
+  # command without it), then its NIAH on the embedded model (prose 16K/32K; the default's
+  # 30/33 and 29/33: niah_smollm2_cuda_prose_hip_auto_x3.json)
+  run 330 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_align_window=on \
+    --new-tokens 161 --timeout 320 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_align
+  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 33000 --method hip,hip_align_window=on --no-progress \
+    --out "$OUT/niah_smollm2_cuda_prose_hip_align_x3.json"
   ;;
 110)
   # (~9 min, GGUF) issue 19 through the CLI at 512K with graphs (now the default): stage 0 on

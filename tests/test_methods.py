@@ -373,3 +373,34 @@ def test_hip_strides_reach_the_kernel_and_the_plan(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_strides="4/4/2")
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.stats.plan["method"].endswith("query strides 4/4/2")
+
+
+def test_hip_align_window_reaches_the_kernel(tiny: Path) -> None:
+    """`hip,hip_align_window=on`, `--hip-align-window on` and `LLM(hip_align_window=True)` set
+    `HipConfig.align_window` and say so in the description; its decode buffers hold up to a
+    stage-0 chunk more; a value other than on/off and the option without HiP are refused."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import method_spec, parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    choice = parse_choice("hip,hip_align_window=on")
+    assert method_spec(choice) == "attention=hip,hip_align_window=on"  # round-trips
+    parts = choice.build(cfg, cpu, None, context=1 << 20)  # a context no budget caps
+    kernel: Any = parts.kernel
+    plain: Any = parse_choice("hip").build(cfg, cpu, None, context=1 << 20).kernel
+    assert kernel.cfg.align_window and not plain.cfg.align_window
+    assert "window at stage-0 chunks" in parts.describe
+    grown = kernel.cfg.decode_buffer_tokens() - plain.cfg.decode_buffer_tokens()
+    assert grown == kernel.cfg.chunk_sizes[0] - 1
+    with pytest.raises(ConfigError, match="--hip-align-window takes on or off"):
+        parse_choice("hip,hip_align_window=yes")
+    with pytest.raises(ConfigError, match="--hip-align-window applies only with"):
+        parse_choice("hip_align_window=on")
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--attention", "hip", "--hip-align-window", "on"]
+    )
+    assert method_kwargs(args)["hip_align_window"] is True
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_align_window=True)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.stats.plan["method"].endswith("window at stage-0 chunks")

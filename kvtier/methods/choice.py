@@ -36,6 +36,7 @@ class MethodChoice:
     hip_host_keys: bool | None = None  # stage-0 reruns on host keys (`HipConfig.host_scoring`)
     hip_probes: bool | None = None  # stage 0 scores the bisection's probes (`HipConfig.probe_scoring`)
     hip_strides: str | None = None  # queries pooled per score a stage, "4/4/2" (None: the preset's)
+    hip_align_window: bool | None = None  # the window at a stage-0 chunk (`HipConfig.align_window`)
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None
@@ -66,7 +67,8 @@ class MethodChoice:
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
         entry = self.entry
-        for key in ("kv_budget", "hip_refresh", "hip_host_keys", "hip_probes", "hip_strides"):
+        hip_keys = ("hip_refresh", "hip_host_keys", "hip_probes", "hip_strides", "hip_align_window")
+        for key in ("kv_budget", *hip_keys):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]
                 raise ConfigError(f"{OPTIONS[key].flag} applies only with {', '.join(takers)}")

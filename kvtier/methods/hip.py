@@ -71,12 +71,20 @@ def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
     strides = options.get("hip_strides")
     if strides is not None:
         config = replace(config, query_strides=tuple(int(v) for v in str(strides).split("/")))
+    if options.get("hip_align_window"):
+        config = replace(config, align_window=True)
     return config
 
 
 def _probes(text: str) -> bool:
     if text not in ("on", "off"):
         raise ConfigError(f"--hip-probes takes on or off, got {text!r}")
+    return text == "on"
+
+
+def _align(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ConfigError(f"--hip-align-window takes on or off, got {text!r}")
     return text == "on"
 
 
@@ -177,6 +185,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         probe_scoring=bool(ctx.options.get("hip_probes")),
         prune_bytes=ctx.hip_prune_bytes,
         query_strides=hip.query_strides,
+        align_window=hip.align_window,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
@@ -185,6 +194,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
     every = "" if refresh is None else f", refresh {refresh}"
     strides = ctx.options.get("hip_strides")
     every += "" if strides is None else f", query strides {strides}"
+    every += ", window at stage-0 chunks" if hip.align_window else ""
     keys = ", stage 0 on host keys" if on_host else ""
     keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
@@ -197,7 +207,7 @@ HIP = register(
         "attention",
         "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
         _build,
-        takes=("hip_preset", "hip_refresh", "hip_host_keys", "hip_probes", "hip_strides"),
+        takes=("hip_preset", "hip_refresh", "hip_host_keys", "hip_probes", "hip_strides", "hip_align_window"),
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
@@ -245,5 +255,15 @@ HIP = register(
         "from pinned host memory (full-precision or KIVI rows), ~1/16 of the keys at 256-token "
         "chunks. Scores sum in another order, so a near-tie may keep another chunk. off: the "
         "default, until measured on a GPU",
+    ),
+    Option(
+        "hip_align_window",
+        "--hip-align-window",
+        _align,
+        "on (experimental): decode's recent-token window starts at a stage-0 chunk boundary, so "
+        "stage 0 scores whole chunks and every selection of a stage has one size (fewer host "
+        "syncs; a layer's decode graphs never decline for sizes); up to a chunk (256 tokens) "
+        "more recent tokens attended, a different lossy output. off: the default, until its "
+        "speed and NIAH are measured on a GPU",
     ),
 )
