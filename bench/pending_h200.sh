@@ -275,6 +275,12 @@ layer_ab() {
       --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
   done
 }
+# the embedded model's CUDA NIAH grid at 16K and 32K, 11 depths x 3 samples: $1 haystack, $2 the
+# method spec, $3 the JSON's name under $OUT
+niah_cuda() {
+  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack "$1" --device cuda \
+    --max-model-len 33000 --method "$2" --no-progress --out "$OUT/$3.json"
+}
 # lean's prefill kernels alone: SmolLM2's 16K chunk (named $1), then Llama-3's 16K chunk at 48K
 # (8 KV heads a slice) with the softmax and the max head score (hip_kernels_lean_48k_<score>$2):
 # what the per-row maxima cost the bisection at the same chunking
@@ -541,9 +547,7 @@ case "$group" in
   # 30/33 and 29/33: niah_smollm2_cuda_prose_hip_auto_x3.json)
   run 330 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_align_window=on \
     --new-tokens 161 --timeout 320 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_align
-  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
-    --max-model-len 33000 --method hip,hip_align_window=on --no-progress \
-    --out "$OUT/niah_smollm2_cuda_prose_hip_align_x3.json"
+  niah_cuda prose hip,hip_align_window=on niah_smollm2_cuda_prose_hip_align_x3
   ;;
 110)
   # (~9 min, GGUF) issue 19 through the CLI at 512K with graphs (now the default): stage 0 on
@@ -643,12 +647,8 @@ case "$group" in
   # (prose 16K 30/33, 32K 29/33: niah_smollm2_cuda_prose_hip_auto_x3.json)
   run 110 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
     --methods "auto;hip;hip,hip_strides=4/4/2" --name hip_small_prefill_strides
-  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
-    --max-model-len 33000 --method hip,hip_strides=4/4/2 --no-progress \
-    --out "$OUT/niah_smollm2_cuda_prose_hip_strides_x3.json"
-  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack repeat --device cuda \
-    --max-model-len 33000 --method hip,hip_strides=4/4/2 --no-progress \
-    --out "$OUT/niah_smollm2_cuda_repeat_hip_strides_x3.json"
+  niah_cuda prose hip,hip_strides=4/4/2 niah_smollm2_cuda_prose_hip_strides_x3
+  niah_cuda repeat hip,hip_strides=4/4/2 niah_smollm2_cuda_repeat_hip_strides_x3
   ;;
 100)
   # (~6 min, on a machine with the GGUF: the prose prompt needs its tokenizer) issue 19's 512K
@@ -746,12 +746,8 @@ case "$group" in
   # path's): the CUDA NIAH grids the default passed (prose 16K 30/33, 32K 29/33:
   # niah_smollm2_cuda_prose_hip_auto_x3.json; repeat: niah_smollm2_cuda_32k_repeat_lean_x3.json).
   # GGUF.
-  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
-    --max-model-len 33000 --method hip,hip_probes=on --no-progress \
-    --out "$OUT/niah_smollm2_cuda_prose_hip_probes_x3.json"
-  run 160 kvtier eval niah --lengths 16k,32k --depths 0:100:10 --samples 3 --haystack repeat --device cuda \
-    --max-model-len 33000 --method hip,hip_probes=on --no-progress \
-    --out "$OUT/niah_smollm2_cuda_repeat_hip_probes_x3.json"
+  niah_cuda prose hip,hip_probes=on niah_smollm2_cuda_prose_hip_probes_x3
+  niah_cuda repeat hip,hip_probes=on niah_smollm2_cuda_repeat_hip_probes_x3
   ;;
 92)
   # issue 19's 1M target (20 tok/s) through the CLI: int4 with --hip-probes on, so auto takes host

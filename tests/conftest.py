@@ -42,3 +42,13 @@ def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     folder: Path = tmp_path_factory.mktemp("gqa")
     make_hf_model("llama-gqa", folder)
     return load_safetensors_folder(folder, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GQA Llama as an HF folder (`tests.hf_reference`), one per test module."""
+    from tests.hf_reference import make_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    make_hf_model("llama-gqa", folder)
+    return folder
