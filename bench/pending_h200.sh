@@ -239,7 +239,7 @@
 #   max head score throughout), 110 (the CLI at 512K with graphs, probes
 #   beside the default), 111 (1M over 161 tokens: steady state, per-step times, declines), 85,
 #   the 8B smoke, 80, 73, 69.
-# The forty-first lost 630 s of its 1,800 to refused starts; on one H100 start at 0d24fa2 it ran
+# The forty-first lost ~800 s of its 1,800 to refused starts; on one H100 start at 0d24fa2 it ran
 #   113 (the stage-0 parameter copy's A/B: counted H2D 603 -> 335 MB, time within noise), 108
 #   (the smoke, 31/31 + 15/15), 109 (the stage-0 step: host work and 4 syncs a slice) and 111
 #   (1M over 161 tokens: 17.86 tok/s). Then it cut the refetch's host work (GPU-facing, never run
