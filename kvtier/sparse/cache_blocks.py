@@ -140,7 +140,7 @@ def fetch_blocks(
     Rows at or past `stored` (not on the host yet) are zero; `like` [_, 2, G, D] gives row shape,
     dtype and device. Counts the bytes read in `stats.fetched_bytes`. Returns [k, block, 2, G, D].
     """
-    ids = missing.cpu()  # [k] the one sync (a refresh at 1M misses ~8K blocks in ~450 runs)
+    ids = missing.cpu()  # [k] the one sync (a 1M refresh that turns a slice's selection over: ~2K)
     k = ids.shape[0]
     out = torch.empty(k * block, *like.shape[1:], dtype=like.dtype, device=like.device)
     cut = torch.nonzero(ids[1:] != ids[:-1] + 1).flatten() + 1  # where a run of consecutive ids starts
