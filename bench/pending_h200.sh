@@ -549,6 +549,17 @@ case "$group" in
     --new-tokens 161 --timeout 320 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_align
   niah_cuda prose hip,hip_align_window=on niah_smollm2_cuda_prose_hip_align_x3
   ;;
+117)
+  # (~5 min, no GGUF) group 116's 1M run with --hip-align-window on had cheaper stage-0 reruns
+  # (0.61-0.85 s against 0.59-1.77 s) but a slower median step (38.9 against 23.4 ms), 276 graph
+  # captures against 96 and 32 "cached: a buffer full or behind" declines. The same A/B at 512K
+  # through the bench, with graphs, on one start, to see where the steady steps' time goes
+  for a in "" "--align-window"; do
+    run 140 $py bench/hip_decode_profile.py --as-preset --preset lean --context 512K --layers 4 --kv-heads 8 \
+      --group 4 --head-dim 128 --steps 98 --kv-fill structured --host-scoring --probe-scoring --kv-quant int4 \
+      --graphs $a --name "hip_decode_profile_lean_512k_int4_probes_g4_graphs${a:+_align}"
+  done
+  ;;
 110)
   # (~9 min, GGUF) issue 19 through the CLI at 512K with graphs (now the default): stage 0 on
   # probes beside the default's host keys, one start (86 with graphs); the declined counts
