@@ -57,7 +57,7 @@ def main() -> None:
     from kvtier.model.rope import Rotary
     from kvtier.sparse import HIP_PRESETS, triton_attn, triton_bisect
     from kvtier.sparse import prefill as prefill_module
-    from kvtier.sparse.prefill import run_block_stages
+    from kvtier.sparse.prefill import attended_prefix, run_block_stages
     from kvtier.sparse.rope_ext import RopeTable
 
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -89,7 +89,10 @@ def main() -> None:
         )  # fmt: skip
 
     sel, _ = prune()
-    prefix = torch.cat((torch.arange(hip.sink, device=dev).expand(b, -1), sel), dim=1)
+    # as prefill builds it: a block that ends among the sinks keeps only those before its end
+    # (unmasked, the first blocks of a prompt's chunk attended keys past their queries: NaN
+    # rows under the interpreter, an illegal memory access on the H100 in group 112)
+    prefix = attended_prefix(sel, hip.sink, pos[:, -1] + 1)
     # keys the attention reads, all blocks: prefix entries and window (causal halves aside)
     keys = int((prefix >= 0).sum()) + int((pos[:, -1] + 1 - w0.clamp(max=pos[:, -1] + 1)).sum())
     attend_flop = 4 * keys * hip.block_q * g * r * d

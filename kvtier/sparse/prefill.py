@@ -349,7 +349,15 @@ def prune_whole_blocks(
         batch_bytes=cfg.prune_bytes,
     )
     ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
-    sinks = torch.arange(cfg.sink, device=dev).expand(n, -1)
+    prefix = attended_prefix(sel, cfg.sink, ends)
+    return prefix, (prefix[:, : cfg.sink] >= 0).sum() + n_sel.sum()
+
+
+def attended_prefix(sel: torch.Tensor, sink: int, ends: torch.Tensor) -> torch.Tensor:
+    """Each block's attended prefix [n, sink + K]: its sinks, then its selection sel [n, K]
+    (-1 padded). A block that ends among the sinks (ends [n]: one past its last query) keeps
+    only those before its end, as `attend_blocks` requires of a prefix (every entry before the
+    block's window); such a block selects nothing, so valid entries still come first."""
+    sinks = torch.arange(sink, device=sel.device).expand(sel.shape[0], -1)
     sinks = torch.where(sinks < ends[:, None], sinks, -1)  # a block's sinks end with it
-    prefix = torch.cat((sinks, sel), dim=1)
-    return prefix, (sinks >= 0).sum() + n_sel.sum()
+    return torch.cat((sinks, sel), dim=1)
