@@ -246,6 +246,12 @@
 #   on a GPU). NEXT: 114 (the tests' CUDA cases of this session's changes, then gpu_checks) with
 #   the GGUF's first half, 115 (1M again, second half), 116 (--hip-align-window on: 1M beside
 #   115, and its NIAH), then 112, 110, 85, the 8B smoke, 80, 73.
+# The forty-second got an H100 at once (ffd1cd6): 114 (63 CUDA test cases, gpu_checks all equal),
+#   115 (1M: 16.14 tok/s; stage-0 reruns 0.59-1.77 s), 116 (align on: reruns steadier, every
+#   other step slower, 14.78 tok/s; NIAH 58/66 against 59/66), 108 (31/31 + 15/15), 117 (align's
+#   A/B at 512K: cached steps 1.3 -> 2.0 ms for 4 layers), 112 (its SmolLM2 row faulted: the bench's
+#   prefixes kept sinks past the first blocks' queries; fixed), then a refused start.
+#   NEXT: 112's SmolLM2 row (lean_kernels' first line), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
