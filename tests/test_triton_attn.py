@@ -114,6 +114,29 @@ def test_block_below_sinks(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_streaming_prefix_past_queries_stays_in_tables(device: str) -> None:
+    """A prefix that breaks the contract (every sink kept in a prompt's first block, keys past
+    its queries, as bench/hip_kernels.py once passed) must not read the RoPE tables below row 0:
+    on the H100 it faulted, under the interpreter it gave NaN rows. The output stays finite; the
+    in-contract prefix (sinks cut at the block's end, as prefill builds it) equals the reference."""
+    import kvtier.sparse.triton_attn as ta
+
+    tb, g, r, d, sink = 16, 1, 2, 64, 40
+    kv, qs = _case(device, 64, g, r, d, torch.float32, seed=7)
+    q = qs[:tb].view(1, tb, g * r, d)
+    q_pos = torch.arange(tb, device=device).view(1, tb)
+    w0 = torch.tensor([sink], device=device)  # clamped to the block's end inside
+    rope = _rope(d, device)
+    every_sink = torch.arange(sink, device=device).view(1, -1)
+    out = ta.attend_blocks_triton(q, q_pos, kv, every_sink, w0, rotary=rope, mode="streaming")
+    assert torch.isfinite(out).all()
+    cut = torch.where(every_sink < tb, every_sink, -1)  # as prefill builds it (attended_prefix)
+    out = ta.attend_blocks_triton(q, q_pos, kv, cut, w0, rotary=rope, mode="streaming")
+    ref = attend_block_reference(q[0], q_pos[0], kv, cut[0, :tb], tb, rotary=rope, mode="streaming")
+    _check(out[0], ref, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rotary", [None, "streaming"])
 def test_batched_blocks(device: str, dtype: torch.dtype, rotary: str | None) -> None:

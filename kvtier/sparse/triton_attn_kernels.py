@@ -55,7 +55,9 @@ def attend_tile(  # type: ignore[no-untyped-def]
         rp = kpos
         if STREAMING:  # sinks and selected packed right below the window
             rp = tl.where(is_pre, w0 - n_pre + j, kpos)
-        rp = tl.where(k_ok, rp, 0).to(tl.int64)
+        # clamped at 0: a prefix must lie below its window (so n_pre <= w0); one that does not
+        # (sinks past a block's queries) would read the tables below row 0 (a fault on CUDA)
+        rp = tl.where(k_ok, tl.maximum(rp, 0), 0).to(tl.int64)
         c = tl.load(cos_ptr + rp[:, None] * D + offs_d[None, :]).to(tl.float32)
         sn = tl.load(sin_ptr + rp[:, None] * D + offs_d[None, :]).to(tl.float32)
         sign = tl.where(offs_d < D // 2, -1.0, 1.0)
