@@ -44,6 +44,12 @@ class GenerationStats:
     # each of those steps' seconds, in order (4 decimals): which steps are slow (HiP's reruns
     # come every few steps: with `lean`'s 32/8/4 a stage-0 rerun at steps 0, 32, ...)
     decode_step_times_s: list[float] = field(default_factory=list)
+    # what else each of those steps did (`StepProbe`): its H2D bytes; the garbage collector's
+    # collections by generation over the decode, their seconds, and those >= 1 ms with their
+    # step; the CUDA allocator's cudaMalloc calls and retries over the decode (empty off CUDA)
+    decode_step_h2d_bytes: list[int] = field(default_factory=list)
+    decode_gc: dict[str, Any] = field(default_factory=dict)
+    decode_allocator: dict[str, int] = field(default_factory=dict)
     # seconds of each prefill step (`runner.prefill_spans`: chunks, and HiP's last token alone),
     # in order, timed on the device without a host sync between steps (CUDA events); where a
     # long prompt's prefill goes (a chunk's cost grows with the context before it); empty when

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from kvtier.engine.outputs import GenerationStats, step_summary
+from kvtier.engine.step_probe import StepProbe
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 
@@ -126,20 +127,28 @@ def generate_tokens(
     stats.prefill_s = time.perf_counter() - t0
     stats.prefill_step_s = clock.seconds()
     h2d_after_prefill = store.account.h2d_bytes
+    probe = StepProbe(store.account, device)
     t1 = time.perf_counter()
     ends = [t1]
-    while len(out) < max_tokens and not should_stop(out):
-        store.begin_step(1)
-        logits = model(token.view(1), store)[-1]
-        store.end_step()
-        token = sampler(logits)
-        out.append(int(token))  # host sync: ends the step
-        ends.append(time.perf_counter())
-    _sync(device)
+    try:
+        while len(out) < max_tokens and not should_stop(out):
+            store.begin_step(1)
+            logits = model(token.view(1), store)[-1]
+            store.end_step()
+            token = sampler(logits)
+            out.append(int(token))  # host sync: ends the step
+            ends.append(time.perf_counter())
+            probe.step()
+        _sync(device)
+    finally:
+        probe.close()
     stats.decode_s = time.perf_counter() - t1 if len(out) > 1 else 0.0
     steps = [b - a for a, b in itertools.pairwise(ends)]
     stats.decode_step_s = step_summary(steps)
     stats.decode_step_times_s = [round(t, 4) for t in steps]
+    stats.decode_step_h2d_bytes = probe.step_h2d_bytes
+    stats.decode_gc = probe.gc_summary()
+    stats.decode_allocator = probe.allocator
     stats.generated_tokens = len(out)
     stats.h2d_bytes = store.account.h2d_bytes
     stats.d2h_bytes = store.account.d2h_bytes
