@@ -123,6 +123,32 @@ def test_hip_refresh_sets_the_decode_intervals_of_the_preset(tiny: Path) -> None
     assert every.token_ids == llm.generate(ids, params, method="auto")[0].token_ids
 
 
+def test_hip_refresh_takes_explicit_intervals(tiny: Path) -> None:
+    """`--hip-refresh 64/8/4` (InfiniteHiP's SGLang takes any list too) sets each stage's
+    interval, from a spec, a flag and `LLM`; a shorter list repeats its last; zero, words and
+    empty parts are refused with both forms named."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    parts = parse_choice("hip,hip_preset=lean,hip_refresh=64/8/4").build(cfg, cpu, None)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.refresh == (64, 8, 4) and parts.describe == "hip lean, refresh 64/8/4"
+    short: Any = parse_choice("hip,hip_refresh=1").build(cfg, cpu, None).kernel
+    assert short.cfg.refresh == (1, 1, 1)
+    for bad in ("0/8/4", "64/x/4", "64//4", "sometimes"):
+        with pytest.raises(ConfigError, match=r"joined by '/', e\.g\. 64/8/4"):
+            parse_choice(f"hip,hip_refresh={bad}")
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--attention", "hip", "--hip-refresh", "64/8/4"]
+    )
+    assert method_kwargs(args)["hip_refresh"] == "64/8/4"
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_refresh="64/8/4")
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert "refresh 64/8/4" in out.stats.plan["method"]
+
+
 def test_hip_strides_reach_the_kernel_and_the_plan(tiny: Path) -> None:
     """`hip,hip_strides=4/4/2`, `--hip-strides 4/4/2` and `LLM(hip_strides=...)` set the
     kernel's query strides, say so in the description and size the plan's pruning bytes with

@@ -28,7 +28,7 @@ from kvtier.sparse import (
     make_hip_kernel,
     resolve_preset,
 )
-from kvtier.sparse.config import REFRESH_PRESETS, HipConfig
+from kvtier.sparse.config import REFRESH_PRESETS, HipConfig, refresh_intervals
 from kvtier.sparse.planning import HipPlacement, plan_hip, whole_chunk_pruning
 
 
@@ -39,9 +39,14 @@ def _preset(text: str) -> str:
 
 
 def _refresh(text: str) -> str:
-    if text not in REFRESH_PRESETS:
-        raise ConfigError(f"unknown --hip-refresh {text!r}; use one of {', '.join(REFRESH_PRESETS)}")
-    return text
+    try:
+        intervals = refresh_intervals(text)
+    except ConfigError:
+        raise ConfigError(
+            f"unknown --hip-refresh {text!r}; use one of {', '.join(REFRESH_PRESETS)} or decode "
+            "steps between reruns of each pruning stage joined by '/', e.g. 64/8/4"
+        ) from None
+    return text if text in REFRESH_PRESETS else "/".join(map(str, intervals))
 
 
 def _on_off(text: str) -> bool | None:
@@ -226,8 +231,10 @@ HIP = register(
         _refresh,
         "decode steps between reruns of HiP's pruning stages, by name: "
         + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in REFRESH_PRESETS.items())
-        + " (default: the preset's; stage 0 reads every key of an offloaded slice: default "
-        "reruns it every 16 steps, lean and fast every 32)",
+        + ", or as a list such as 64/8/4 (default: the preset's; stage 0 reads every key of an "
+        "offloaded slice: default reruns it every 16 steps, lean and fast every 32). Longer "
+        "intervals decode faster and follow the context less closely: measure with "
+        "bench/hip_decode_fidelity.py",
     ),
     Option(
         "hip_host_keys",

@@ -37,6 +37,20 @@ REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
 }
 
 
+def refresh_intervals(text: str) -> tuple[int, ...]:
+    """Decode refresh intervals from a REFRESH_PRESETS name or positive steps joined by '/'
+    (a stage each, "64/8/4"; a shorter list repeats its last). ConfigError otherwise."""
+    if text in REFRESH_PRESETS:
+        return REFRESH_PRESETS[text]
+    parts = text.split("/")
+    if all(p.isdigit() and int(p) > 0 for p in parts):
+        return tuple(int(p) for p in parts)
+    raise ConfigError(
+        f"unknown hip refresh {text!r}; use one of {', '.join(REFRESH_PRESETS)} or decode steps "
+        "between reruns of each pruning stage joined by '/', e.g. 64/8/4"
+    )
+
+
 @dataclass(frozen=True)
 class HipConfig:
     """InfiniteHiP pruning + block-sparse attention settings. Validated at construction.
@@ -239,10 +253,9 @@ class HipConfig:
         return rows if self.capacity is None else min(rows, self.capacity + 1)
 
     def with_refresh(self, preset: str) -> HipConfig:
-        """This config with the decode refresh intervals of a named preset."""
-        if preset not in REFRESH_PRESETS:
-            raise ConfigError(f"unknown hip refresh {preset!r}; use one of {', '.join(REFRESH_PRESETS)}")
-        ref = REFRESH_PRESETS[preset]
+        """This config with the decode refresh intervals of a named preset, or of an explicit
+        list such as "64/8/4" (`refresh_intervals`)."""
+        ref = refresh_intervals(preset)
         n = len(self.chunk_sizes)
         return replace(self, refresh=ref[:n] if len(ref) >= n else ref + (ref[-1],) * (n - len(ref)))
 
