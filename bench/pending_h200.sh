@@ -251,7 +251,7 @@
 #   other step slower, 14.78 tok/s; NIAH 58/66 against 59/66), 108 (31/31 + 15/15), 117 (align's
 #   A/B at 512K: cached steps 1.3 -> 2.0 ms for 4 layers), 112 (its SmolLM2 row faulted: the bench's
 #   prefixes kept sinks past the first blocks' queries; fixed), then a refused start.
-#   NEXT: 118/119 (1M with --hip-refresh flash, then the default, each step's bytes, GC pauses and
+#   NEXT: 118/119 (1M with --hip-refresh 64/8/4, then the default, each step's bytes, GC pauses and
 #   mallocs; GGUF), 112's SmolLM2 row (lean_kernels' first line), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
@@ -568,13 +568,15 @@ case "$group" in
   done
   ;;
 118)
-  # (~5 min, GGUF; call B after the first half) issue 19's 1M over int4 with InfiniteHiP's
-  # own SGLang refresh (--hip-refresh flash: stage 0 every 96 steps, not lean's 32), beside the
-  # default on the same start. Both rows now carry each step's H2D bytes, the collector's pauses
-  # and the allocator's cudaMallocs (StepProbe): which of them the slow stage-0 reruns (0.59-1.77 s
-  # on the same work, groups 111/115) line up with. Fidelity of the refresh: hip_decode_fidelity
-  run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_refresh=flash \
-    --new-tokens 161 --timeout 290 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_flash
+  # (~5 min, GGUF; call B after the first half) issue 19's 1M over int4 with stage 0 rerun every
+  # 64 decode steps, not lean's 32 (--hip-refresh 64/8/4; stages 1-2 as lean). On the CPU proxy
+  # (hip_decode_fidelity_cpu_copy7k_budgets8_refresh.json) 64/8/4 copied no worse than 32/8/4
+  # (0.574 and 0.519), where InfiniteHiP's flash 96/24/8 lost to lean at real budgets (0.769
+  # against 0.859, hip_decode_fidelity_cpu_copy7k.json). Both rows now carry each step's H2D
+  # bytes, the collector's pauses and the allocator's cudaMallocs (StepProbe): which of them the
+  # slow stage-0 reruns (0.59-1.77 s on the same work, groups 111/115) line up with
+  run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_refresh=64/8/4 \
+    --new-tokens 161 --timeout 290 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_refresh64
   ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns
