@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
@@ -33,15 +34,24 @@ def test_probe_counts_bytes_and_collections_by_step() -> None:
     assert probe.gc_summary()["collections"] == summary["collections"]
 
 
-def test_offloaded_request_reports_its_steps_bytes(tiny: Path) -> None:
-    """Head-wise offload on the CPU streams the host slices each decode step: the per-step
-    bytes are what the request's decode moved in all, one entry a step."""
-    llm = LLM(str(tiny), device="cpu", kv="head", head_group=1, chunk_size=8)
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offloaded_request_reports_its_steps_bytes(tiny: Path, device: str) -> None:
+    """Head-wise offload streams the host slices each decode step: the per-step bytes are what
+    the request's decode moved in all, one entry a step; on CUDA the allocator's counts too."""
+    llm = LLM(str(tiny), device=device, kv="head", head_group=1, chunk_size=8)
     out = llm.generate(list(range(1, 40)), SamplingParams(max_tokens=5, ignore_eos=True))[0]
     stats = out.stats
     assert len(stats.decode_step_h2d_bytes) == len(stats.decode_step_times_s) == 4
     assert sum(stats.decode_step_h2d_bytes) == stats.decode_h2d_bytes > 0
     assert min(stats.decode_step_h2d_bytes) > 0
     assert set(stats.to_dict()["decode_gc"]) == {"collections", "pause_s", "long_pauses"}
-    assert stats.decode_allocator == {}
+    if device == "cpu":
+        assert stats.decode_allocator == {}
+    else:
+        assert set(stats.decode_allocator) == {"cuda_mallocs", "alloc_retries"}
+        assert min(stats.decode_allocator.values()) >= 0
     assert not any(getattr(cb, "__self__", None).__class__ is StepProbe for cb in gc.callbacks)
