@@ -250,9 +250,10 @@
 #   115 (1M: 16.14 tok/s; stage-0 reruns 0.59-1.77 s), 116 (align on: reruns steadier, every
 #   other step slower, 14.78 tok/s; NIAH 58/66 against 59/66), 108 (31/31 + 15/15), 117 (align's
 #   A/B at 512K: cached steps 1.3 -> 2.0 ms for 4 layers), 112 (its SmolLM2 row faulted: the bench's
-#   prefixes kept sinks past the first blocks' queries; fixed), then a refused start.
-#   NEXT: 118/119 (1M with --hip-refresh 64/8/4, then the default, each step's bytes, GC pauses and
-#   mallocs; GGUF), 112's SmolLM2 row (lean_kernels' first line), 110, 85, the 8B smoke, 80, 73.
+#   prefixes kept sinks past the first blocks' queries; fixed), then a refused start, then at
+#   7976271 112's SmolLM2 row and the CUDA cases of test_step_probe/test_triton_attn.
+#   NEXT: 118, 119, 120 (1M with --hip-refresh 64/8/4, the default, 128/8/4; each step's bytes,
+#   GC pauses and mallocs; GGUF: 118 as call B), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -577,6 +578,12 @@ case "$group" in
   # slow stage-0 reruns (0.59-1.77 s on the same work, groups 111/115) line up with
   run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_refresh=64/8/4 \
     --new-tokens 161 --timeout 290 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_refresh64
+  ;;
+120)
+  # (~5 min, GGUF) as 118 with stage 0 every 128 steps (hip_decode_fidelity_cpu_copy7k_budgets8_stage0
+  # .json: 128/8/4 0.570 against lean's 0.519 on the CPU proxy): one stage-0 rerun in 160 steps
+  run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_refresh=128/8/4 \
+    --new-tokens 161 --timeout 290 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_refresh128
   ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns
