@@ -13,6 +13,8 @@ Texts (`--text`), from the essays bundled with the eval (`kvtier.eval.haystack.p
   the second copy; the continuation is the rest of it. Predicting it means reading the first
   copy `--copy-span` tokens back, far outside HiP's window: the selection has to follow the
   source as it moves a token a step.
+- `copy-entries`: the same with generated numbered entries (`bench.smoke_checks.prose`) as the
+  text, as long as `--copy-span` asks: a copy from past lean's 32K stage-0 budget needs > 64K.
 - `essays`: the essays themselves, continued where the prompt ends (local context dominates).
 
 `--budget-scale K` divides the presets' stage budgets by K (sinks, window and chunks kept), so
@@ -47,8 +49,16 @@ def texts(
     """The prompt ids [context] and the continuation ids [tokens] of a text kind."""
     from kvtier.eval.haystack import prose_text
 
-    ids = list(tokenizer(prose_text(), add_special_tokens=False)["input_ids"])
-    if kind == "copy":
+    if kind == "copy-entries":  # numbered entries, as many as the copy needs (~2.6 tokens a word)
+        from bench.smoke_checks import prose
+
+        text = prose(int(copy_span / 2.2) + 200, seed=3)
+    else:
+        text = prose_text()
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if kind.startswith("copy"):
+        if len(ids) < copy_span:
+            raise SystemExit(f"{kind}: {len(ids)} tokens of text, fewer than --copy-span")
         if not context < 2 * copy_span - tokens + 1 or context <= copy_span:
             raise SystemExit(f"--context must lie in ({copy_span}, {2 * copy_span - tokens}] for --text copy")
         ids = ids[:copy_span] * 2
@@ -125,19 +135,23 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--methods", default="auto;hip,hip_preset=lean;hip,hip_preset=lean,hip_refresh=flash",
                     help="';'-separated method specs; the first is the reference")  # fmt: skip
-    ap.add_argument("--text", choices=("copy", "essays"), default="copy")
+    ap.add_argument("--text", choices=("copy", "copy-entries", "essays"), default="copy")
     ap.add_argument("--context", type=int, default=7000)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--copy-span", type=int, default=3700)
     ap.add_argument("--bucket", type=int, default=32)
     ap.add_argument("--budget-scale", type=int, default=1)
     ap.add_argument("--gpu-memory", default=None)
+    ap.add_argument("--max-model-len", default=None, help="past the model's trained length (e.g. 80K)")
     ap.add_argument("--name", default="hip_decode_fidelity")
     args = ap.parse_args()
     from kvtier import LLM
 
     budgets = scale_budgets(args.budget_scale) if args.budget_scale > 1 else None
-    kw = {"device": args.device, "gpu_memory": args.gpu_memory}
+    from kvtier.units import parse_count
+
+    longest = None if args.max_model_len is None else parse_count(args.max_model_len)
+    kw = {"device": args.device, "gpu_memory": args.gpu_memory, "max_model_len": longest}
     llm = LLM(args.model, **{k: v for k, v in kw.items() if v is not None})
     prompt, cont = texts(llm.tokenizer, args.text, args.context, args.tokens, args.copy_span)
     rows = [run_method(llm, spec, prompt, cont) for spec in args.methods.split(";")]

@@ -253,7 +253,8 @@
 #   prefixes kept sinks past the first blocks' queries; fixed), then a refused start, then at
 #   7976271 112's SmolLM2 row and the CUDA cases of test_step_probe/test_triton_attn.
 #   NEXT: 118, 119, 120 (1M with --hip-refresh 64/8/4, the default, 128/8/4; each step's bytes,
-#   GC pauses and mallocs; GGUF: 118 as call B), 110, 85, the 8B smoke, 80, 73.
+#   GC pauses and mallocs; GGUF: 118 as call B), 121 (decode fidelity at 70K on CUDA), 110, 85,
+#   the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -584,6 +585,15 @@ case "$group" in
   # .json: 128/8/4 0.570 against lean's 0.519 on the CPU proxy): one stage-0 rerun in 160 steps
   run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on,hip_refresh=128/8/4 \
     --new-tokens 161 --timeout 290 --warmup-tokens 0 --name hip_cli_speed_1m_int4_probes_graphs_161_refresh128
+  ;;
+121)
+  # (~3 min, GGUF) issue 19: HiP's decode fidelity on the embedded model past its trained length,
+  # with lean's real budgets selecting in every stage: a 256-token copy of generated entries from
+  # ~36K tokens back at 70K (bench/hip_decode_fidelity.py), refresh intervals apart. On the CPU
+  # only a scaled-budget proxy could make stage 0 select (hip_decode_fidelity_cpu_copy7k_*.json)
+  run 170 $py bench/hip_decode_fidelity.py --device cuda --text copy-entries --context 70000 --copy-span 36000 \
+    --tokens 256 --max-model-len 80K --name hip_decode_fidelity_cuda_copy70k \
+    --methods "auto;hip;hip,hip_refresh=64/8/4;hip,hip_refresh=128/8/4;hip,hip_refresh=flash;hip,hip_refresh=always"
   ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns

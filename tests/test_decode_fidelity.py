@@ -24,6 +24,11 @@ def test_copy_text_continues_the_first_copy() -> None:
     assert cont == prompt[10:20]  # and goes on as the first did
 
 
+def test_copy_of_entries_is_as_long_as_asked() -> None:
+    prompt, cont = texts(CountingTokenizer(), "copy-entries", context=150, tokens=10, copy_span=100)
+    assert prompt[100:] == prompt[:50] and cont == prompt[50:60]
+
+
 def test_copy_text_rejects_a_context_outside_the_second_copy() -> None:
     with pytest.raises(SystemExit, match="--context must lie in"):
         texts(CountingTokenizer(), "copy", context=75, tokens=10, copy_span=40)
