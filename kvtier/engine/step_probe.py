@@ -23,8 +23,8 @@ GC_PAUSE_S = 1e-3  # collections at least this long are listed with their step
 
 class StepProbe:
     """Per decode step: H2D bytes (`account`'s counter) and garbage-collector pauses; over the
-    decode: the CUDA allocator's cudaMalloc calls and retries. `start` before the first step,
-    `step` after each, `close` at the end (also on error: it removes the gc callback)."""
+    decode: the CUDA allocator's cudaMalloc calls and retries. Made right before the first
+    step, `step` after each, `close` at the end (also on error: it removes the gc callback)."""
 
     def __init__(self, account: TierAccount, device: torch.device) -> None:
         self._account = account

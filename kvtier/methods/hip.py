@@ -39,13 +39,7 @@ def _preset(text: str) -> str:
 
 
 def _refresh(text: str) -> str:
-    try:
-        intervals = refresh_intervals(text)
-    except ConfigError:
-        raise ConfigError(
-            f"unknown --hip-refresh {text!r}; use one of {', '.join(REFRESH_PRESETS)} or decode "
-            "steps between reruns of each pruning stage joined by '/', e.g. 64/8/4"
-        ) from None
+    intervals = refresh_intervals(text, "--hip-refresh")
     return text if text in REFRESH_PRESETS else "/".join(map(str, intervals))
 
 

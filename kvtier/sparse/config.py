@@ -37,16 +37,17 @@ REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
 }
 
 
-def refresh_intervals(text: str) -> tuple[int, ...]:
+def refresh_intervals(text: str, what: str = "hip refresh") -> tuple[int, ...]:
     """Decode refresh intervals from a REFRESH_PRESETS name or positive steps joined by '/'
-    (a stage each, "64/8/4"; a shorter list repeats its last). ConfigError otherwise."""
+    (a stage each, "64/8/4"; a shorter list repeats its last). ConfigError otherwise, naming
+    the value as `what` (the CLI's flag)."""
     if text in REFRESH_PRESETS:
         return REFRESH_PRESETS[text]
     parts = text.split("/")
     if all(p.isdigit() and int(p) > 0 for p in parts):
         return tuple(int(p) for p in parts)
     raise ConfigError(
-        f"unknown hip refresh {text!r}; use one of {', '.join(REFRESH_PRESETS)} or decode steps "
+        f"unknown {what} {text!r}; use one of {', '.join(REFRESH_PRESETS)} or decode steps "
         "between reruns of each pruning stage joined by '/', e.g. 64/8/4"
     )
 
