@@ -59,8 +59,9 @@ def texts(
     if kind.startswith("copy"):
         if len(ids) < copy_span:
             raise SystemExit(f"{kind}: {len(ids)} tokens of text, fewer than --copy-span")
-        if not context < 2 * copy_span - tokens + 1 or context <= copy_span:
-            raise SystemExit(f"--context must lie in ({copy_span}, {2 * copy_span - tokens}] for --text copy")
+        last = 2 * copy_span - tokens
+        if not copy_span < context <= last:
+            raise SystemExit(f"--context must lie in ({copy_span}, {last}] for --text {kind}")
         ids = ids[:copy_span] * 2
     if context + tokens > len(ids):
         raise SystemExit(f"{kind}: {len(ids)} tokens of text, fewer than --context + --tokens")

@@ -120,6 +120,7 @@ def test_streaming_prefix_past_queries_stays_in_tables(device: str) -> None:
     on the H100 it faulted, under the interpreter it gave NaN rows. The output stays finite; the
     in-contract prefix (sinks cut at the block's end, as prefill builds it) equals the reference."""
     import kvtier.sparse.triton_attn as ta
+    from kvtier.sparse.prefill import attended_prefix
 
     tb, g, r, d, sink = 16, 1, 2, 64, 40
     kv, qs = _case(device, 64, g, r, d, torch.float32, seed=7)
@@ -130,7 +131,8 @@ def test_streaming_prefix_past_queries_stays_in_tables(device: str) -> None:
     every_sink = torch.arange(sink, device=device).view(1, -1)
     out = ta.attend_blocks_triton(q, q_pos, kv, every_sink, w0, rotary=rope, mode="streaming")
     assert torch.isfinite(out).all()
-    cut = torch.where(every_sink < tb, every_sink, -1)  # as prefill builds it (attended_prefix)
+    nothing_selected = torch.empty(1, 0, dtype=torch.long, device=device)
+    cut = attended_prefix(nothing_selected, sink, q_pos[:, -1] + 1)  # as prefill builds it
     out = ta.attend_blocks_triton(q, q_pos, kv, cut, w0, rotary=rope, mode="streaming")
     ref = attend_block_reference(q[0], q_pos[0], kv, cut[0, :tb], tb, rotary=rope, mode="streaming")
     _check(out[0], ref, torch.float32)
