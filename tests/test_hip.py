@@ -273,7 +273,7 @@ def test_presets_and_factory_options() -> None:
     lean = HIP_PRESETS["lean"]  # long's scores, finer chunks after the first stage, fewer keys
     assert lean.attended_tokens == 256 + 2048 + 1024 + 64 < long.attended_tokens
     sizes = {"chunk_sizes": (256, 16, 8), "budgets": (32768, 16384, 2048), "window": 1024}
-    want = replace(long, **sizes, refresh=(32, 8, 4))  # type: ignore[arg-type]
+    want = replace(long, **sizes, refresh=(128, 8, 4))  # type: ignore[arg-type]
     assert lean == want
     _, unrotated = make_hip_kernel(cfg, CPU, "default", extend=False)
     assert not unrotated

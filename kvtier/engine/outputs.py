@@ -42,7 +42,7 @@ class GenerationStats:
     # step was timed alone (one token, or the batch engine)
     decode_step_s: dict[str, float] = field(default_factory=dict)
     # each of those steps' seconds, in order (4 decimals): which steps are slow (HiP's reruns
-    # come every few steps: with `lean`'s 32/8/4 a stage-0 rerun at steps 0, 32, ...)
+    # come every few steps: with `lean`'s 128/8/4 a stage-0 rerun at steps 0, 128, ...)
     decode_step_times_s: list[float] = field(default_factory=list)
     # what else each of those steps did (`StepProbe`): its H2D bytes; the garbage collector's
     # collections by generation over the decode, their seconds, and those >= 1 ms with their

@@ -46,9 +46,10 @@ HIP_PRESETS: dict[str, HipConfig] = {
     # scores the paper's 256-token chunks: up to 32K its 32K budget keeps every candidate, so no
     # quality run ever depended on that chunk (tests/test_hip.py), and past it the 32-token
     # chunks it had cost half of Llama-3.1's prefill at 160K (hip_cli_speed_160k_lean_fast.json).
-    # Its decode reruns stage 0 every 32 steps and stages 1 and 2 every 8 and 4: the quality runs
-    # above ran 16/8/4, and answers of up to 17 tokens (every pass key, most NIAH answers) are
-    # the same with either: 16/8/4's first stage-0 rerun is the 17th decode step (18th token).
+    # Its decode reruns stage 0 every 128 steps and stages 1 and 2 every 8 and 4
+    # (REFRESH_PRESETS): the quality runs above ran 16/8/4, and answers of up to 17 tokens (every
+    # pass key, most NIAH answers) are the same with either: 16/8/4's first stage-0 rerun is the
+    # 17th decode step (18th token).
     "lean": replace(
         _LONG,
         chunk_sizes=(256, 16, 8),

@@ -26,11 +26,16 @@ HEAD_SCORE = ("max", "softmax")
 # Decode refresh intervals per stage (steps between recomputations of a stage's selection).
 REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
     "default": (16, 8, 4),  # paper, Appendix F
-    # `lean`'s: stage 0, the only stage that streams a whole offloaded slice (K and V of every
-    # token), half as often as the paper; stages 1 and 2 as the paper (bench/results/
+    # `lean`'s: stage 0, the only stage that reads a whole offloaded slice's keys, every 128
+    # steps; stages 1 and 2 as the paper, whose staleness does cost (bench/results/
     # hip_cli_speed_512k_hip_steps.json: `lean` with `fast`'s 32/16/8 decoded 2.5x `lean` with
-    # 16/8/4 at 512K, but changed 3 of 66 NIAH answers, two in a late digit)
-    "lean": (32, 8, 4),
+    # 16/8/4 at 512K, but changed 3 of 66 NIAH answers, two in a late digit). Stage 0 at 128
+    # rather than 32 steps: 1M over int4 on an H100 decoded 31.59 and 30.93 tok/s against 19.52
+    # (hip_cli_speed_1m_int4_probes_graphs_161_{refresh128,refresh128_run2,probe}.json); a
+    # 256-token copy from 36K tokens back at 70K, teacher-forced, scored 0.578 against 0.574
+    # next-token accuracy (hip_decode_fidelity_cuda_copy70k.json); prose NIAH 16K/32K the same
+    # 59 of 66 (niah_smollm2_cuda_prose_hip_refresh128_x3.json)
+    "lean": (128, 8, 4),
     "fast": (32, 16, 8),  # code default at fea42c7
     "flash": (96, 24, 8),  # used by every official SGLang launch example
     "always": (1, 1, 1),  # recompute every step (the paper's "AR" rows)
