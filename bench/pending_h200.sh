@@ -255,6 +255,10 @@
 #   NEXT: 118, 119, 120 (1M with --hip-refresh 64/8/4, the default, 128/8/4; each step's bytes,
 #   GC pauses and mallocs; GGUF: 118 as call B), 121 (decode fidelity at 70K on CUDA), 110, 85,
 #   the 8B smoke, 80, 73.
+# The forty-third (H200 refused; an H100 at 1dc2323) ran 118 (21.92 tok/s), 121 (70K copy: dense
+#   0.008, 32/8/4 0.574, 128/8/4 0.578), 120 (31.59), 119 (19.52), the prose NIAH at 128/8/4 and
+#   64/8/4 (59/66 each), 120 again (30.93) and 512K at 128/8/4 (36.24); `lean` is now 128/8/4.
+#   NEXT: 108 (the embedded smoke at the new interval), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
