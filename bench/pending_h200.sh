@@ -258,7 +258,8 @@
 # The forty-third (H200 refused; an H100 at 1dc2323) ran 118 (21.92 tok/s), 121 (70K copy: dense
 #   0.008, 32/8/4 0.574, 128/8/4 0.578), 120 (31.59), 119 (19.52), the prose NIAH at 128/8/4 and
 #   64/8/4 (59/66 each), 120 again (30.93) and 512K at 128/8/4 (36.24); `lean` is now 128/8/4.
-#   NEXT: 108 (the embedded smoke at the new interval), 110, 85, the 8B smoke, 80, 73.
+#   NEXT: 108 (the embedded smoke at the new interval), 122 (RULER and the prefill with pooled
+#   stage-2 queries), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -598,6 +599,17 @@ case "$group" in
   run 170 $py bench/hip_decode_fidelity.py --device cuda --text copy-entries --context 70000 --copy-span 36000 \
     --tokens 256 --max-model-len 80K --name hip_decode_fidelity_cuda_copy70k \
     --methods "auto;hip;hip,hip_refresh=64/8/4;hip,hip_refresh=128/8/4;hip,hip_refresh=flash;hip,hip_refresh=always"
+  ;;
+122)
+  # (~8 min, GGUF) issue 19's SmolLM2 16K prefill (0.129x dense; the target 0.5x): lean's last
+  # stage on pooled queries is the one lever measured (--hip-strides 4/4/2: 1.36x, NIAH prose
+  # 31/30 of 33 against 30/29, repeat 33/33), RULER never ran with it. RULER 16K as lean's row
+  # (ruler_smollm2_cuda_16k_lean_x10.json: 34.7), then the prefill with strides 4/4/2 and 4/4/4
+  # beside the default on one start: whether pooled stage-2 queries can become lean's own
+  run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_strides=4/4/2 \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_strides_x10.json"
+  run 220 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip;hip,hip_strides=4/4/2;hip,hip_strides=4/4/4" --name hip_small_prefill_strides_444
   ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns
