@@ -1,9 +1,8 @@
 """Triton kernel for a HiP pruning stage's chunk scores: `prefill._bisect` in one launch.
 
-`_bisect` runs each level of the bisection as ~10 torch operators over [B, C] chunks, with the
-probe keys gathered (and rotated) into float32 copies: at 512K, 64 query blocks of one layer
-took ~1.6 GB of temporaries and ~3,000 launches a slice. Here one program scores BLOCK_C chunks
-of one query block, walking the bisection in registers:
+`_bisect` runs each level as ~10 torch operators over float32 copies of the probe keys (at 512K
+~1.6 GB and ~3,000 launches a layer's slice). Here one program scores BLOCK_C chunks of one
+query block, walking the bisection in registers (a program whose chunks are all empty, none):
 
     for each level:                        lo = 0, hi = length of the chunk
         left  = chunk[(lo + mid) // 2]     mid = lo + (hi - lo) // 2
@@ -143,10 +142,7 @@ def _probe_pair(  # type: ignore[no-untyped-def]
     d = tl.arange(0, D)
     best_l = tl.full((BLOCK_C,), float("-inf"), tl.float32)
     best_r = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-    c_l = best_l  # placeholders without ROTATE (Triton takes no chained assignment)
-    s_l = best_l
-    c_r = best_l
-    s_r = best_l
+    c_l, s_l, c_r, s_r = best_l, best_l, best_l, best_l  # placeholders without ROTATE
     if ROTATE:
         if MODE == 1:  # relative: every left probe at position 0, every right one at 1
             rp_l = tl.zeros_like(pos_l)
@@ -258,21 +254,31 @@ def _bisect_kernel(  # type: ignore[no-untyped-def]
     lo = tl.zeros_like(length)
     hi = length
     best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-    for level in range(LEVELS):
-        mid = lo + (hi - lo) // 2
-        off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
-        off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
-        s_l, s_r = _probe_pair(
-            q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
-            cmask, off_l, off_r, length, first, level, level == LEVELS - 1, lse_m_ptr + b * G * R * n_parts,
-            lse_s_ptr + b * G * R * n_parts, part, n_parts, scale, offs_ptr, extent_tokens, ring, stride_ks,
-            stride_kg, head0, g_all, n_codes, prm_ptr, row0, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE,
-            ROTATE, ARANGE, EXTENTS, ADDR, BITS, GROUP, PARAMS, INTERPRET, PER_ROW, LSE, BLOCK_C,
-        )  # fmt: skip
-        right = s_r > s_l
-        best = tl.maximum(best, tl.maximum(s_l, s_r))
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
+    lse_m_base = lse_m_ptr + b * G * R * n_parts
+    lse_s_base = lse_s_ptr + b * G * R * n_parts
+    if tl.max(length, axis=0) > 0:  # else none (~half of SmolLM2's 16K causal grid under `lean`)
+        for level in range(LEVELS):
+            mid = lo + (hi - lo) // 2
+            off_l = tl.minimum((lo + mid) // 2, CHUNK - 1)
+            off_r = tl.minimum((mid + hi) // 2, CHUNK - 1)
+            s_l, s_r = _probe_pair(
+                q_base, row_ptr + b * G * R * C, k_ptr, cand_base, addr_ptr + b * N, cos_ptr, sin_ptr, cs,
+                cmask, off_l, off_r, length, first, level, level == LEVELS - 1, lse_m_base, lse_s_base, part,
+                n_parts, scale, offs_ptr, extent_tokens, ring, stride_ks, stride_kg, head0, g_all, n_codes,
+                prm_ptr, row0, R_VALID, C, G, R, TR, N_TILES, D, CHUNK, MODE, ROTATE, ARANGE, EXTENTS, ADDR,
+                BITS, GROUP, PARAMS, INTERPRET, PER_ROW, LSE, BLOCK_C,
+            )  # fmt: skip
+            right = s_r > s_l
+            best = tl.maximum(best, tl.maximum(s_l, s_r))
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+    elif LSE:  # its parts of each row's logsumexp, over no live chunk: max -inf, sum 0
+        for g in range(G):
+            for tile in range(N_TILES):
+                rows = tile * TR + tl.arange(0, TR)
+                at = (g * R + rows) * n_parts + part
+                none = tl.zeros((TR, BLOCK_C), tl.float32)
+                store_lse_part(none, scale, rows < R_VALID, length > 0, lse_m_base + at, lse_s_base + at)
     tl.store(out_ptr + b * C + cs, best, mask=cmask)
 
 
@@ -301,9 +307,10 @@ def bisect_triton(
     [P, D] covering every probe position of `mode`, or None (no rotation). Returns [B, C]
     float32 (empty chunks too: the caller masks them); with `per_row`, `_bisect(per_row=True)`'s
     rows as a view [B, C, G, Nq * r] (rows in another order, which the "softmax" head score's
-    max over rows ignores). `addresses` [B, N] int64 (with `candidates`, keys a tensor): each
-    candidate's key as an element offset from keys' first element, where keys are not at their
-    positions (the rows of a block cache's bank, or of its overflow, another allocation).
+    max over rows ignores; an empty chunk's rows are undefined, as its score: every reader masks
+    them). `addresses` [B, N] int64 (with `candidates`, keys a tensor): each candidate's key as
+    an element offset from keys' first element, where keys are not at their positions (the rows
+    of a block cache's bank, or of its overflow, another allocation).
     `softmax_scale` (with `per_row`): the "softmax" head score itself, [B, C] float32 with dead
     chunks -inf, as `softmax_head_score_triton` of the rows gives it up to float rounding: the
     kernel also writes each row's logsumexp in parts, so the head score reads the rows once

@@ -180,19 +180,20 @@ def _chunk_score(  # type: ignore[no-untyped-def]
 ):
     b = tl.program_id(0).to(tl.int64)
     cs = tl.program_id(1) * BC + tl.arange(0, BC)
-    best = tl.full((BC,), float("-inf"), tl.float32)
-    for j0 in range(0, ROWS, BR):
-        js = j0 + tl.arange(0, BR)
-        y = _tile(x_ptr, live_ptr, b, cs, js, C, ROWS, RPG, stride_b, stride_c, stride_g, stride_r, scale)
-        if PARTS:
-            lse = _lse_of_parts(m_ptr, s_ptr, b, js, ROWS, RPG, P, part_b, part_g, BP)
-            lse = tl.where(js < ROWS, lse, float("inf"))
-        else:
-            lse = tl.load(lse_ptr + b * ROWS + js, mask=js < ROWS, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no live chunk: -inf, not nan
-        best = tl.maximum(best, tl.max(y - lse[:, None], axis=0))
     cmask = cs < C
     live = tl.load(live_ptr + b * C + cs, mask=cmask, other=0) != 0
+    best = tl.full((BC,), float("-inf"), tl.float32)
+    if tl.max(live.to(tl.int32), axis=0) > 0:  # chunks all dead (as the bisection's skip): -inf
+        for j0 in range(0, ROWS, BR):
+            js = j0 + tl.arange(0, BR)
+            y = _tile(x_ptr, live_ptr, b, cs, js, C, ROWS, RPG, stride_b, stride_c, stride_g, stride_r, scale)
+            if PARTS:
+                lse = _lse_of_parts(m_ptr, s_ptr, b, js, ROWS, RPG, P, part_b, part_g, BP)
+                lse = tl.where(js < ROWS, lse, float("inf"))
+            else:
+                lse = tl.load(lse_ptr + b * ROWS + js, mask=js < ROWS, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)  # no live chunk: -inf, not nan
+            best = tl.maximum(best, tl.max(y - lse[:, None], axis=0))
     tl.store(out_ptr + b * C + cs, tl.where(live, tl.exp(best), float("-inf")), mask=cmask)
 
 
