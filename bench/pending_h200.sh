@@ -601,11 +601,16 @@ case "$group" in
     --methods "auto;hip;hip,hip_refresh=64/8/4;hip,hip_refresh=128/8/4;hip,hip_refresh=flash;hip,hip_refresh=always"
   ;;
 122)
-  # (~8 min, GGUF) issue 19's SmolLM2 16K prefill (0.129x dense; the target 0.5x): lean's last
+  # (~10 min, GGUF) issue 19's SmolLM2 16K prefill (0.129x dense; the target 0.5x): lean's last
   # stage on pooled queries is the one lever measured (--hip-strides 4/4/2: 1.36x, NIAH prose
   # 31/30 of 33 against 30/29, repeat 33/33), RULER never ran with it. RULER 16K as lean's row
   # (ruler_smollm2_cuda_16k_lean_x10.json: 34.7), then the prefill with strides 4/4/2 and 4/4/4
-  # beside the default on one start: whether pooled stage-2 queries can become lean's own
+  # beside the default on one start: whether pooled stage-2 queries can become lean's own. Both
+  # prefill rows and the kernels alone (against hip_kernels_smollm2_16k_lean_softmax.json: the
+  # bisection 5.15 ms of a 7.76 ms prune) time 0d86080's skip of programs with no live chunk
+  # (53% of that grid)
+  run 120 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --name hip_kernels_smollm2_16k_lean_skip
   run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_strides=4/4/2 \
     --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_strides_x10.json"
   run 220 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \

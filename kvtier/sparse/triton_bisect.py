@@ -2,7 +2,7 @@
 
 `_bisect` runs each level as ~10 torch operators over float32 copies of the probe keys (at 512K
 ~1.6 GB and ~3,000 launches a layer's slice). Here one program scores BLOCK_C chunks of one
-query block, walking the bisection in registers (a program whose chunks are all empty, none):
+query block, walking the bisection in registers (none where all its chunks are empty):
 
     for each level:                        lo = 0, hi = length of the chunk
         left  = chunk[(lo + mid) // 2]     mid = lo + (hi - lo) // 2
