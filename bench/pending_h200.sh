@@ -258,7 +258,7 @@
 # The forty-third (H200 refused; an H100 at 1dc2323) ran 118 (21.92 tok/s), 121 (70K copy: dense
 #   0.008, 32/8/4 0.574, 128/8/4 0.578), 120 (31.59), 119 (19.52), the prose NIAH at 128/8/4 and
 #   64/8/4 (59/66 each), 120 again (30.93) and 512K at 128/8/4 (36.24); `lean` is now 128/8/4.
-#   NEXT: 108 (the embedded smoke at the new interval), 122 (RULER and the prefill with pooled
+#   NEXT: 108 (the embedded smoke: the new interval, the empty-program skip), 122 (RULER, pooled
 #   stage-2 queries), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
