@@ -616,6 +616,16 @@ case "$group" in
   run 220 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
     --methods "auto;hip;hip,hip_strides=4/4/2;hip,hip_strides=4/4/4" --name hip_small_prefill_strides_444
   ;;
+123)
+  # (~5 min, no GGUF) issue 23: int4 at 512K, two KV heads a slice (auto's slicing: 0.2646
+  # s/token where the simulation said 0.217, cpu_attention_int4_512k_auto_slicing.json). Which
+  # side bounds the split step: the row's cpu_split (the CPU's busy seconds and rate, the host's
+  # wait for CPU results) at auto's count (32), then fewer and more CPU slices on one start
+  run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --name cpu_attention_int4_512k_g2_timers
+  run 200 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 20,44 --head-group 2 \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --name cpu_attention_int4_512k_g2_sweep
+  ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns
   run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \

@@ -76,6 +76,30 @@ def _hardware(cfg: Any, cpu: str, unpack_stream: bool = False) -> Hardware:
     return dataclasses.replace(hw, unpack_bw=0.0) if unpack_stream else hw
 
 
+def cpu_counters(store: Any) -> tuple[float, float]:
+    """(CPU busy seconds, host seconds waiting for CPU results) so far; zeros without CPU slices."""
+    if store.cpu is None:
+        return 0.0, 0.0
+    return store.cpu.decoder.busy_s, store.cpu.wait_s
+
+
+def cpu_split_row(store: Any, before: tuple[float, float], steps: int) -> dict[str, float]:
+    """Per decode step of the last `steps`: the CPU slices' bytes read, the seconds the CPU's
+    jobs ran and the host waited for them, and the CPU's attention rate while the link copies
+    (issue 23: which side bounds a split step)."""
+    busy, wait = (now - then for now, then in zip(cpu_counters(store), before, strict=True))
+    packed, length = store.packed, store.length
+    full = length * store.layout.token_bytes
+    read = sum(full if packed is None else packed.stored_bytes(sid, length) for sid in store.cpu.slices)
+    n = max(steps, 1)
+    return {
+        "cpu_bytes_per_token": read,
+        "cpu_busy_s_per_token": busy / n,
+        "host_wait_s_per_token": wait / n,
+        "cpu_gb_per_s_busy": read / (busy / n) / 1e9 if busy > 0 else 0.0,
+    }
+
+
 def run_policy(
     model: Any, cfg: Any, spec: str, context: int, args: argparse.Namespace, bw: float, cpu: str = "off"
 ) -> dict[str, Any]:
@@ -179,6 +203,7 @@ def run_policy(
             )
         token = logits[-1].argmax()
         h2d0 = store.account.h2d_bytes
+        cpu0 = cpu_counters(store)
         steps = []
         for _ in range(args.decode_steps):
             store.begin_step(1)
@@ -189,6 +214,8 @@ def run_policy(
         row["decode_s_per_token"] = median(steps[1:] if len(steps) > 2 else steps)
         row["decode_steps_s"] = steps
         row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
+        if store.cpu is not None:
+            row["cpu_split"] = cpu_split_row(store, cpu0, len(steps))
         if args.trace_step:
             row["trace_step"] = traced_step(store, model, token)
         row["host_kv_bytes"] = store.account.peak["host"]

@@ -118,6 +118,10 @@ def test_cpu_slices_give_the_same_tokens(
     ]
     loaded = sum(s * (streamed - (p.cpu_slices if n == 1 else 0)) for s, n in steps)
     assert store.account.h2d_bytes == loaded * token_bytes
+    # The split's timers (bench/tiered_store.py's cpu_split): the host waited for CPU results,
+    # and the native jobs ran, at some step
+    assert store.cpu.wait_s > 0
+    assert (store.cpu.decoder.busy_s > 0) == (backend == "native")
     store.close()
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,6 +110,9 @@ class CpuDecoder:
         if backend == "native" and self.lib is None:
             raise ConfigError("the native CPU attention kernel did not build: install a C++ compiler (g++)")
         self.backend = "native" if self.lib is not None else "torch"
+        # Seconds the native jobs ran (from their query's arrival to their merge), summed: with
+        # the bytes they read, the CPU's attention rate while the link copies (bench/tiered_store.py)
+        self.busy_s = 0.0
         self._free: weakref.finalize | None = None
         self._threads_for(os.getpid())
 
@@ -269,6 +273,7 @@ class CpuDecoder:
         assert self.lib is not None
         if ready is not None:
             ready.synchronize()  # NOTE: before q is read: it may still be in flight from the GPU
+        t0 = time.perf_counter()
         p, g, r, d = out.shape
         # NOTE: inference mode is per thread; the model's tensors (q, out) may be inference tensors.
         with torch.inference_mode():
@@ -279,6 +284,7 @@ class CpuDecoder:
         if self.lib.kvtier_pool_run(self._native_pool(), kind, *args) != 0:
             raise RuntimeError(f"native CPU attention (kernel {kind}) rejected G={g}, r={r}, D={d}")
         self.lib.kvtier_merge(p, g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in merged))
+        self.busy_s += time.perf_counter() - t0  # NOTE: the issuing thread runs one job at a time
         del extents
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 
 import torch
@@ -81,6 +82,7 @@ class CpuSlices:
         # A quantized host tier: a CPU slice's coded tokens are packed rows there, attended in
         # place (`CpuDecoder.start_rows`), and only its uncoded tail is in `hosts`.
         self.packed = packed
+        self.wait_s = 0.0  # seconds the host waited for CPU results, summed (bench/tiered_store.py)
 
     def begin_step(self, n_new: int) -> frozenset[int]:
         """The slices this step attends on the CPU (none unless it decodes one token)."""
@@ -128,8 +130,10 @@ class CpuSlices:
         new = kv[:, :, kv_heads]  # [1, 2, n * G, D]
         part = attend_self_lse(q[:, q_heads], new[:, 0], new[:, 1])  # [1, n * r, D], [1, n * r]
         if results is not None:
+            t0 = time.perf_counter()
             for started in pending:
                 started.result()
+            self.wait_s += time.perf_counter() - t0
             res = results.to(self.device, non_blocking=True)
             cpu_out = res[..., : r * d].reshape(-1, 1, n * r, d)
             cpu_lse = res[..., r * d :].reshape(-1, 1, n * r)
@@ -221,8 +225,6 @@ def hardware_for(
 
 def _best(fn: Callable[[], object], reps: int = 3) -> float:
     """The fastest of `reps` calls, seconds."""
-    import time
-
     times = []
     for _ in range(reps):
         t = time.perf_counter()
