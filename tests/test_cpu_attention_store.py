@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvtier.kv.cpu_attend as cpu_attend
+from bench.tiered_store import cpu_split_row
 from kvtier import LLM, SamplingParams
 from kvtier.attention.cpu_decode import CpuDecoder
 from kvtier.cli.main import main as cli_main
@@ -122,6 +123,9 @@ def test_cpu_slices_give_the_same_tokens(
     # and the native jobs ran, at some step
     assert store.cpu.wait_s > 0
     assert (store.cpu.decoder.busy_s > 0) == (backend == "native")
+    split = cpu_split_row(store, (0.0, 0.0), DECODE)
+    assert split["cpu_bytes_per_token"] == p.cpu_slices * store.length * token_bytes
+    assert split["host_wait_s_per_token"] == store.cpu.wait_s / DECODE
     store.close()
 
 
