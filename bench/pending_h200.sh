@@ -626,6 +626,20 @@ case "$group" in
   run 200 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 20,44 --head-group 2 \
     --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --name cpu_attention_int4_512k_g2_sweep
   ;;
+124)
+  # (~5 min, no GGUF) issue 23: where int4's split step at 512K goes (two KV heads a slice, 32 on
+  # the CPU: 0.262 s/token, the CPU's jobs 0.188 s of it, the simulation 0.216;
+  # cpu_attention_int4_512k_g2_timers.json). One step's CPU timeline (--trace-cpu: the query's
+  # way to the CPU, the jobs, the host between layers) and the link's (--trace-step); then the
+  # same with the unpacks off the link's stream, and with a third staging buffer (at 25 GiB,
+  # beside two there: a deeper prefetch while the host waits for the CPU)
+  ts() { run "$1" $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+    --full-prefill-max 1 --decode-steps 4 --trace-cpu "${@:2}"; }
+  ts 100 --gpu-memory 24GiB --trace-step --name int4_512k_g2_cpu32_timeline
+  ts 100 --gpu-memory 24GiB --unpack-stream --name int4_512k_g2_cpu32_timeline_unpack
+  ts 100 --gpu-memory 25GiB --name int4_512k_g2_cpu32_timeline_25g
+  ts 100 --gpu-memory 25GiB --staging-buffers 3 --name int4_512k_g2_cpu32_timeline_25g_b3
+  ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns
   run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \

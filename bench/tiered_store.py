@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, median, pinned_h2d_gbps, timed, write_results
+from bench.cpu_split_trace import cpu_counters, cpu_split_row, cpu_timeline
 from bench.step_trace import traced_step
 from bench.tiered_hf import run_hf
 from bench.tiered_methods import kv_fill, method_choice, method_parts, method_reserve
@@ -74,30 +75,6 @@ def _hardware(cfg: Any, cpu: str, unpack_stream: bool = False) -> Hardware:
     if cpu == "auto" and torch.cuda.is_available():
         hw = dataclasses.replace(hw, cpu_packed_bw=measured_packed_rates(cfg.head_dim, cfg.q_per_kv))
     return dataclasses.replace(hw, unpack_bw=0.0) if unpack_stream else hw
-
-
-def cpu_counters(store: Any) -> tuple[float, float]:
-    """(CPU busy seconds, host seconds waiting for CPU results) so far; zeros without CPU slices."""
-    if store.cpu is None:
-        return 0.0, 0.0
-    return store.cpu.decoder.busy_s, store.cpu.wait_s
-
-
-def cpu_split_row(store: Any, before: tuple[float, float], steps: int) -> dict[str, float]:
-    """Per decode step of the last `steps`: the CPU slices' bytes read, the seconds the CPU's
-    jobs ran and the host waited for them, and the CPU's attention rate while the link copies
-    (issue 23: which side bounds a split step)."""
-    busy, wait = (now - then for now, then in zip(cpu_counters(store), before, strict=True))
-    packed, length = store.packed, store.length
-    full = length * store.layout.token_bytes
-    read = sum(full if packed is None else packed.stored_bytes(sid, length) for sid in store.cpu.slices)
-    n = max(steps, 1)
-    return {
-        "cpu_bytes_per_token": read,
-        "cpu_busy_s_per_token": busy / n,
-        "host_wait_s_per_token": wait / n,
-        "cpu_gb_per_s_busy": read / (busy / n) / 1e9 if busy > 0 else 0.0,
-    }
 
 
 def run_policy(
@@ -218,6 +195,8 @@ def run_policy(
             row["cpu_split"] = cpu_split_row(store, cpu0, len(steps))
         if args.trace_step:
             row["trace_step"] = traced_step(store, model, token)
+        if args.trace_cpu and store.cpu is not None:
+            row["cpu_timeline"] = cpu_timeline(store, model, token)
         row["host_kv_bytes"] = store.account.peak["host"]
         # NOTE: every streamed slice over the link, as without CPU attention (the floor it beats)
         # NOTE: with a MoE model's routed experts on the host, a token also copies in its chosen
@@ -296,6 +275,12 @@ def main() -> None:
         action="store_true",
         help="as the library does by default: the plan chooses (KVPlan.unpack_scratches: two, "
         "unpacking off the link's stream, where its link model says that pays) and the store follows",
+    )
+    ap.add_argument(
+        "--trace-cpu",
+        action="store_true",
+        help="one more decode step with its CPU-attended layers timed: the CPU's jobs, the query's "
+        "way to them, the host's waits and its work between layers (bench/cpu_split_trace.py)",
     )
     ap.add_argument(
         "--trace-step",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvtier.kv.cpu_attend as cpu_attend
-from bench.tiered_store import cpu_split_row
+from bench.cpu_split_trace import cpu_split_row, cpu_timeline
 from kvtier import LLM, SamplingParams
 from kvtier.attention.cpu_decode import CpuDecoder
 from kvtier.cli.main import main as cli_main
@@ -126,6 +126,35 @@ def test_cpu_slices_give_the_same_tokens(
     split = cpu_split_row(store, (0.0, 0.0), DECODE)
     assert split["cpu_bytes_per_token"] == p.cpu_slices * store.length * token_bytes
     assert split["host_wait_s_per_token"] == store.cpu.wait_s / DECODE
+    store.close()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no c++: the native kernel's jobs are timed")
+def test_cpu_timeline_times_every_cpu_layer_of_a_step(
+    gqa_model: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/tiered_store.py --trace-cpu: one decode step's CPU layers, each part of the CPU's
+    chain non-negative where it must be, and the step's tracing switched off after it."""
+    dec = CpuDecoder(2, backend="native")
+    monkeypatch.setattr(cpu_attend, "shared_decoder", lambda: dec)
+    model, cfg = gqa_model
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    store = TieredKVStore(
+        cfg, plan(1, 1, 3), device=CPU, dtype=torch.float32, capacity=PROMPT + 2,
+        options=StoreOptions(block_size=5, extent_blocks=2),
+    )  # fmt: skip
+    logits, _ = drive(model, store, ids, CHUNK, 1)
+    assert store.cpu is not None
+    timeline = cpu_timeline(store, model, logits[-1][-1].argmax())
+    layers = {s // 2 for s in store.cpu.slices}  # one KV head a slice, two a layer
+    assert timeline["cpu_layers"] == len(layers)
+    per = timeline["per_layer_ms"]
+    assert all(len(v) == len(layers) for v in per.values())
+    for part in ("q_to_cpu", "cpu_busy", "wake", "host_enqueue", "host_wait"):
+        assert min(per[part]) >= 0, part
+    assert min(per["cpu_busy"]) > 0
+    assert timeline["sum_s"]["host_wait"] <= timeline["wall_s"]
+    assert store.cpu.trace is None and store.cpu.decoder.trace is None
     store.close()
 
 

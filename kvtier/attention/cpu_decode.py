@@ -113,6 +113,9 @@ class CpuDecoder:
         # Seconds the native jobs ran (from their query's arrival to their merge), summed: with
         # the bytes they read, the CPU's attention rate while the link copies (bench/tiered_store.py)
         self.busy_s = 0.0
+        # When a list: each native job's (start, end) perf_counter seconds, in the order started
+        # (bench/tiered_store.py --trace-cpu)
+        self.trace: list[tuple[float, float]] | None = None
         self._free: weakref.finalize | None = None
         self._threads_for(os.getpid())
 
@@ -284,7 +287,10 @@ class CpuDecoder:
         if self.lib.kvtier_pool_run(self._native_pool(), kind, *args) != 0:
             raise RuntimeError(f"native CPU attention (kernel {kind}) rejected G={g}, r={r}, D={d}")
         self.lib.kvtier_merge(p, g * r, d, out.data_ptr(), lse.data_ptr(), *(x.data_ptr() for x in merged))
-        self.busy_s += time.perf_counter() - t0  # NOTE: the issuing thread runs one job at a time
+        t1 = time.perf_counter()
+        self.busy_s += t1 - t0  # NOTE: the issuing thread runs one job at a time
+        if self.trace is not None:
+            self.trace.append((t0, t1))
         del extents
 
     def close(self) -> None:

@@ -83,6 +83,9 @@ class CpuSlices:
         # place (`CpuDecoder.start_rows`), and only its uncoded tail is in `hosts`.
         self.packed = packed
         self.wait_s = 0.0  # seconds the host waited for CPU results, summed (bench/tiered_store.py)
+        # When a list: each layer's (layer, CPU jobs, entry, wait start, wait end), perf_counter
+        # seconds (bench/tiered_store.py --trace-cpu; the jobs' own times: `decoder.trace`)
+        self.trace: list[tuple[int, int, float, float, float]] | None = None
 
     def begin_step(self, n_new: int) -> frozenset[int]:
         """The slices this step attends on the CPU (none unless it decodes one token)."""
@@ -106,6 +109,7 @@ class CpuSlices:
         CUDA) that crosses to the device in one asynchronous copy, and their new tokens' own
         attention and the merge run once over all their heads. NOTE: a copy from pageable memory
         would make the host wait for the device's queue every layer."""
+        entry = time.perf_counter()
         lay = self.layout
         on_cpu = self._groups[layer]
         n, r, d = len(on_cpu), lay.q_per_kv * lay.group_size, lay.head_dim
@@ -133,7 +137,10 @@ class CpuSlices:
             t0 = time.perf_counter()
             for started in pending:
                 started.result()
-            self.wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.wait_s += t1 - t0
+            if self.trace is not None:
+                self.trace.append((layer, len(pending), entry, t0, t1))
             res = results.to(self.device, non_blocking=True)
             cpu_out = res[..., : r * d].reshape(-1, 1, n * r, d)
             cpu_lse = res[..., r * d :].reshape(-1, 1, n * r)
