@@ -260,6 +260,13 @@
 #   64/8/4 (59/66 each), 120 again (30.93) and 512K at 128/8/4 (36.24); `lean` is now 128/8/4.
 #   NEXT: 108 (the embedded smoke: the new interval, the empty-program skip), 122 (RULER, pooled
 #   stage-2 queries), 110, 85, the 8B smoke, 80, 73.
+# The forty-fourth (four refused starts; an H100 at 96d3962, then an H200 at 1090b48) ran 122's
+#   kernels (prune 7.76 -> 5.70 ms) with the GGUF's first half, 108 (31/31 + 15/15), 123 (int4
+#   512K split timers: 0.2620 s/token, 20 and 44 CPU slices slower), 122's RULER (strides 4/4/2:
+#   33.2 vs 34.7) and prefill (lean 0.169x dense, strides 0.221x); on the H200 124 (--trace-cpu:
+#   a CPU-bound step is the CPU's jobs plus ~2.4 ms of handoff a layer) and auto with and without
+#   --unpack-planned (0.2950, 0.3762). NEXT: 110, 85, the 8B smoke, 80, 73; issue 23's handoff
+#   once something cuts it (time it with --trace-cpu beside the same start's baseline).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
