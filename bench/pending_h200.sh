@@ -647,6 +647,17 @@ case "$group" in
   ts 100 --gpu-memory 25GiB --name int4_512k_g2_cpu32_timeline_25g
   ts 100 --gpu-memory 25GiB --staging-buffers 3 --name int4_512k_g2_cpu32_timeline_25g_b3
   ;;
+125)
+  # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),
+  # one, two and four KV heads a slice on one start, each with auto's CPU count and its
+  # --trace-cpu timeline: which slicing the planner should take (its simulation, with the
+  # measured handoff or without, moves between one and two: cpu_attention.md "Not done")
+  for g in 1 2 4; do
+    run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto --head-group $g \
+      --unpack-planned --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu \
+      --name "int4_512k_planned_g${g}_timeline"
+  done
+  ;;
 119)
   # (~5 min, right after 118 on the same start) the default refresh with StepProbe's columns
   run 300 $py bench/hip_cli_speed.py --contexts 1M --methods hip,kv_quant=int4,hip_probes=on \
