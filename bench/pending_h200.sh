@@ -265,8 +265,8 @@
 #   512K split timers: 0.2620 s/token, 20 and 44 CPU slices slower), 122's RULER (strides 4/4/2:
 #   33.2 vs 34.7) and prefill (lean 0.169x dense, strides 0.221x); on the H200 124 (--trace-cpu:
 #   a CPU-bound step is the CPU's jobs plus ~2.4 ms of handoff a layer) and auto with and without
-#   --unpack-planned (0.2950, 0.3762). NEXT: 110, 85, the 8B smoke, 80, 73; issue 23's handoff
-#   once something cuts it (time it with --trace-cpu beside the same start's baseline).
+#   --unpack-planned (0.2950, 0.3762). NEXT: 126 (the CUDA checks and timelines after the
+#   handoff cut), 125 (int4's slicings), 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -646,6 +646,20 @@ case "$group" in
   ts 100 --gpu-memory 24GiB --unpack-stream --name int4_512k_g2_cpu32_timeline_unpack
   ts 100 --gpu-memory 25GiB --name int4_512k_g2_cpu32_timeline_25g
   ts 100 --gpu-memory 25GiB --staging-buffers 3 --name int4_512k_g2_cpu32_timeline_25g_b3
+  ;;
+126)
+  # (~5 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut
+  # (a layer's CPU parts merged in one pass, the CPU slices' write-backs queued before the wait:
+  # ~26 fewer operators after the wait a layer at three parts): the CUDA checks (their CPU rows
+  # and int4-cpu rows), then 124's two timelines again (the host between layers was 1.5-1.9 ms a
+  # layer, int4_512k_g2_cpu32_timeline_unpack.json) and auto's 512K int4 (0.2620 s/token on an
+  # H100 start, cpu_attention_int4_512k_g2_timers.json; compare on one machine kind)
+  run 100 $py bench/gpu_checks.py
+  run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+    --full-prefill-max 1 --decode-steps 4 --trace-cpu --gpu-memory 24GiB --unpack-stream \
+    --name int4_512k_g2_cpu32_timeline_unpack_cut
+  run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu --name cpu_attention_int4_512k_g2_timers_cut
   ;;
 125)
   # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),

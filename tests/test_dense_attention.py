@@ -47,6 +47,28 @@ def test_merge_of_blocks_equals_one_call() -> None:
     assert torch.allclose(acc[0].double(), reference(q, kv), atol=1e-5)
 
 
+def test_stacked_merge_equals_folded_merges() -> None:
+    """`merge_stacked` of four partials (one empty for some rows: lse -inf) gives what folding
+    `merge_into` gives, and one call over the whole keys."""
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(5, 6, 8, generator=g), torch.randn(13, 2, 2, 8, generator=g)
+    parts = [
+        dense.attend_prefix_lse(q, kv[:4]),
+        dense.attend_prefix_lse(q, kv[4:6]),
+        dense.attend_prefix_lse(q, kv[6:8]),
+        dense.attend_self_lse(q, kv[8:, 0], kv[8:, 1]),
+    ]
+    empty = (torch.zeros_like(parts[0][0]), torch.full_like(parts[0][1], float("-inf")))
+    acc = None
+    for part in parts:
+        acc = dense.merge_into(acc, part)
+    assert acc is not None
+    parts.insert(2, empty)
+    out, lse = dense.merge_stacked(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert torch.allclose(out, acc[0], atol=1e-6) and torch.allclose(lse, acc[1], atol=1e-6)
+    assert torch.allclose(out.double(), reference(q, kv), atol=1e-5)
+
+
 def _math_cudnn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -302,6 +302,16 @@ def merge_into(
     return out, lse
 
 
+def merge_stacked(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial results of disjoint key sets stacked on dim 0, out [P, T, H, D] float32 and lse
+    [P, T, H], merged in one pass: `merge_into` folded over them, up to rounding, in a fixed
+    handful of operators whatever P (a layer's CPU parts at decode, on its critical path). Every
+    (t, h) needs one partial with a finite lse."""
+    total = torch.logsumexp(lse, dim=0)  # [T, H]
+    weights = torch.exp(lse - total)  # [P, T, H]
+    return (out * weights[..., None]).sum(0), total
+
+
 def _sdpa_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

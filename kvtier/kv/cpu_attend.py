@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
-from kvtier.attention.dense import attend_self_lse, merge_into
+from kvtier.attention.dense import attend_self_lse, merge_stacked
 from kvtier.attention.row_formats import KIVI_GROUP, ROW_KINDS, RowFormat
 from kvtier.config import ModelConfig
 from kvtier.kv.host_slice import HostSlice
@@ -102,13 +102,15 @@ class CpuSlices:
     ) -> torch.Tensor:
         """Attention of one decode token at `layer` over `length` stored tokens: q [1, H_q, D]
         (rotated), kv [1, 2, H_kv, D] the token's own K/V. CPU slices start first, the others run
-        through the store's `attend_slice`, then the CPU results are merged and the CPU slices'
-        new tokens go to the host through `write_back`; returns [1, H_q, D].
+        through the store's `attend_slice`, the CPU slices' new tokens go to the host through
+        `write_back`, then the CPU results are merged; returns [1, H_q, D].
 
         The layer's CPU slices are merged together: their results land in one buffer (pinned on
         CUDA) that crosses to the device in one asynchronous copy, and their new tokens' own
-        attention and the merge run once over all their heads. NOTE: a copy from pageable memory
-        would make the host wait for the device's queue every layer."""
+        attention and the merge (`merge_stacked`: one pass over all parts) run once over all their
+        heads. What follows the wait is kept short: until the next layer's query reaches the CPU,
+        its threads are idle (`bench/tiered_store.py --trace-cpu`). NOTE: a copy from pageable
+        memory would make the host wait for the device's queue every layer."""
         entry = time.perf_counter()
         lay = self.layout
         on_cpu = self._groups[layer]
@@ -133,6 +135,11 @@ class CpuSlices:
         q_heads, kv_heads = self._heads(layer)
         new = kv[:, :, kv_heads]  # [1, 2, n * G, D]
         part = attend_self_lse(q[:, q_heads], new[:, 0], new[:, 1])  # [1, n * r, D], [1, n * r]
+        # The CPU slices' new tokens go to the host now, not after the merge: the copies need only
+        # kv, and the CPU reads none of them (its jobs read the tokens before position `length`)
+        after = self.streams.record()
+        for g in on_cpu:
+            write_back(lay.slice_index(layer, g), kv[:, :, lay.kv_heads(g)].contiguous(), after)
         if results is not None:
             t0 = time.perf_counter()
             for started in pending:
@@ -142,15 +149,14 @@ class CpuSlices:
             if self.trace is not None:
                 self.trace.append((layer, len(pending), entry, t0, t1))
             res = results.to(self.device, non_blocking=True)
-            cpu_out = res[..., : r * d].reshape(-1, 1, n * r, d)
+            cpu_out = res[..., : r * d].reshape(-1, 1, n * r, d)  # [parts, 1, n * r, D]
             cpu_lse = res[..., r * d :].reshape(-1, 1, n * r)
-            for p in range(res.shape[0]):
-                part = merge_into((cpu_out[p], cpu_lse[p]), part)
+            # NOTE: one merge of the new token's part and every CPU part (a packed slice's rows
+            # and its tail's pieces): from here to the next layer's query is the CPU's idle time
+            part = merge_stacked(torch.cat((part[0][None], cpu_out)), torch.cat((part[1][None], cpu_lse)))
         merged = part[0].to(q.dtype)
-        after = self.streams.record()
         for i, g in enumerate(on_cpu):
             outs[g] = merged[:, i * r : (i + 1) * r]
-            write_back(lay.slice_index(layer, g), kv[:, :, lay.kv_heads(g)].contiguous(), after)
         return torch.cat([outs[g] for g in range(lay.num_groups)], dim=1)
 
     def _heads(self, layer: int) -> tuple[slice | torch.Tensor, slice | torch.Tensor]:
