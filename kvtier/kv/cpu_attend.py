@@ -136,10 +136,12 @@ class CpuSlices:
         new = kv[:, :, kv_heads]  # [1, 2, n * G, D]
         part = attend_self_lse(q[:, q_heads], new[:, 0], new[:, 1])  # [1, n * r, D], [1, n * r]
         # The CPU slices' new tokens go to the host now, not after the merge: the copies need only
-        # kv, and the CPU reads none of them (its jobs read the tokens before position `length`)
+        # kv, and the CPU reads none of them (its jobs read the tokens before position `length`).
+        # NOTE: the event after the copies out of kv: a write-back reads them on another stream.
+        news = [(lay.slice_index(layer, g), kv[:, :, lay.kv_heads(g)].contiguous()) for g in on_cpu]
         after = self.streams.record()
-        for g in on_cpu:
-            write_back(lay.slice_index(layer, g), kv[:, :, lay.kv_heads(g)].contiguous(), after)
+        for sid, token in news:
+            write_back(sid, token, after)
         if results is not None:
             t0 = time.perf_counter()
             for started in pending:
