@@ -650,8 +650,8 @@ case "$group" in
 126)
   # (~5 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut
   # (a layer's CPU parts merged in one pass, the CPU slices' write-backs queued before the wait:
-  # ~26 fewer operators after the wait a layer at three parts): the CUDA checks (their CPU rows
-  # and int4-cpu rows), then 124's two timelines again (the host between layers was 1.5-1.9 ms a
+  # ~26 fewer operators after the wait a layer at three parts; bdf633b: the write-backs' event
+  # after the copies they read): the CUDA checks (their CPU rows and int4-cpu rows), then 124's two timelines again (the host between layers was 1.5-1.9 ms a
   # layer, int4_512k_g2_cpu32_timeline_unpack.json) and auto's 512K int4 (0.2620 s/token on an
   # H100 start, cpu_attention_int4_512k_g2_timers.json; compare on one machine kind)
   run 100 $py bench/gpu_checks.py
