@@ -158,6 +158,53 @@ def test_cpu_timeline_times_every_cpu_layer_of_a_step(
     store.close()
 
 
+def test_cpu_slices_write_back_tokens_made_before_their_event(
+    gqa_model: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a write-back copies a CPU slice's new token on the D2H stream after the event it is
+    given, so the token must exist by that event: every token handed to `write_back` was made
+    (or is a view made) before the event was recorded. Checked on the CPU by logging the order."""
+    model, cfg = gqa_model
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    store = TieredKVStore(
+        cfg, plan(1, 1, 3), device=CPU, dtype=torch.float32, capacity=PROMPT + DECODE,
+        options=StoreOptions(block_size=5, extent_blocks=2),
+    )  # fmt: skip
+    assert store.cpu is not None
+    log: list[tuple[str, object]] = []
+
+    class Recorded:  # the CPU slices' own events, logged in order
+        def record(self) -> object:
+            log.append(("event", ev := object()))
+            return ev
+
+    contiguous = torch.Tensor.contiguous
+
+    def made(self: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+        out = contiguous(self, *a, **k)
+        log.append(("made", out))
+        return out
+
+    writes: list[tuple[torch.Tensor, object]] = []
+    write_back = store._write_back
+
+    def logged(sid: int, new: torch.Tensor, after: object) -> None:
+        writes.append((new, after))
+        write_back(sid, new, None)  # NOTE: the real streams know no such event
+
+    store.cpu.streams = Recorded()  # type: ignore[assignment]
+    monkeypatch.setattr(store, "_write_back", logged)
+    monkeypatch.setattr(torch.Tensor, "contiguous", made)
+    drive(model, store, ids, CHUNK, DECODE)
+    monkeypatch.undo()
+    assert len(writes) == 3 * (DECODE + 1)  # every CPU slice, every one-token step (the last chunk too)
+    for new, after in writes:
+        at_event = next(i for i, (kind, x) in enumerate(log) if kind == "event" and x is after)
+        at_made = max(i for i, (kind, x) in enumerate(log) if kind == "made" and x is new)
+        assert at_made < at_event
+    store.close()
+
+
 def test_a_layers_cpu_slices_merge_together_adjacent_or_not(tmp_path: Path, backend: str) -> None:
     """Four KV heads a layer, slices of one: a layer's CPU slices are merged in one batch whether
     their groups are adjacent (every slice on the CPU) or not (a resident slice between them),
