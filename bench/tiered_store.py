@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, median, pinned_h2d_gbps, timed, write_results
 from bench.cpu_split_trace import cpu_counters, cpu_split_row, cpu_timeline
+from bench.hip_offload_steps import profiled_step
 from bench.step_trace import traced_step
 from bench.tiered_hf import run_hf
 from bench.tiered_methods import kv_fill, method_choice, method_parts, method_reserve
@@ -197,6 +198,8 @@ def run_policy(
             row["trace_step"] = traced_step(store, model, token)
         if args.trace_cpu and store.cpu is not None:
             row["cpu_timeline"] = cpu_timeline(store, model, token)
+        if args.profile_step:
+            row["profile_step"] = profiled_step(model, store, token.view(1), DEV)[1]
         row["host_kv_bytes"] = store.account.peak["host"]
         # NOTE: every streamed slice over the link, as without CPU attention (the floor it beats)
         # NOTE: with a MoE model's routed experts on the host, a token also copies in its chosen
@@ -275,6 +278,12 @@ def main() -> None:
         action="store_true",
         help="as the library does by default: the plan chooses (KVPlan.unpack_scratches: two, "
         "unpacking off the link's stream, where its link model says that pays) and the store follows",
+    )
+    ap.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="one more decode step under cProfile and torch.profiler: where the host's time goes "
+        "(with CPU slices, between a layer's CPU results and the next query: --trace-cpu)",
     )
     ap.add_argument(
         "--trace-cpu",
