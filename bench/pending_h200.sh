@@ -648,19 +648,23 @@ case "$group" in
   ts 100 --gpu-memory 25GiB --staging-buffers 3 --name int4_512k_g2_cpu32_timeline_25g_b3
   ;;
 126)
-  # (~5 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut
-  # (a layer's CPU parts merged in one pass, the CPU slices' write-backs queued before the wait:
-  # ~26 fewer operators after the wait a layer at three parts; bdf633b: the write-backs' event
-  # after the copies they read): the CUDA checks (their CPU rows and int4-cpu rows), then 124's two timelines again (the host between layers was 1.5-1.9 ms a
-  # layer, int4_512k_g2_cpu32_timeline_unpack.json) and auto's 512K int4 (0.2620 s/token on an
-  # H100 start, cpu_attention_int4_512k_g2_timers.json; compare on one machine kind); the first
-  # with a step under cProfile too (--profile-step: where the host's ~1.5 ms a layer goes)
+  # (~8 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut (a
+  # layer's CPU parts merged in one pass, the CPU slices' write-backs queued before the wait: ~26
+  # fewer operators after the wait a layer at three parts; bdf633b: the write-backs' event after
+  # the copies they read). The CUDA checks (their CPU and int4-cpu rows); 124's unpack-stream
+  # timeline again (the host between layers was 1.5-1.9 ms a layer on an H200,
+  # int4_512k_g2_cpu32_timeline_unpack.json), with one step under cProfile (--profile-step: where
+  # the rest goes); auto's 512K int4 (0.2620 s/token on an H100 start,
+  # cpu_attention_int4_512k_g2_timers.json: compare on one machine kind), unfused and fused
   run 100 $py bench/gpu_checks.py
   run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
     --full-prefill-max 1 --decode-steps 4 --trace-cpu --profile-step --gpu-memory 24GiB --unpack-stream \
     --name int4_512k_g2_cpu32_timeline_unpack_cut
-  run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
-    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu --name cpu_attention_int4_512k_g2_timers_cut
+  for f in "" "--fuse"; do  # --fuse: the fused projections LLM and the CLI run (4 GEMMs a layer, not 7)
+    run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu $f \
+      --name "cpu_attention_int4_512k_g2_timers_cut${f:+_fused}"
+  done
   ;;
 125)
   # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),

@@ -51,6 +51,7 @@ from kvtier.kv.hooks import StoreOptions
 from kvtier.kv.store import TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import random_model
+from kvtier.model.fuse import fuse_projections_
 from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.hardware import Hardware, hardware_preset
 from kvtier.planner.memory import (
@@ -297,6 +298,12 @@ def main() -> None:
         help="one more decode step under torch.profiler: its wall time, the link's busy time and "
         "copies, and each stream's kernel time (is the link idle, or slow?)",
     )
+    ap.add_argument(
+        "--fuse",
+        action="store_true",
+        help="q/k/v and gate/up as one matmul each, as LLM and the CLI run them (kvtier.model.fuse); "
+        "without it, the unfused model every earlier row of this bench ran",
+    )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
     args.budget = parse_size(args.gpu_memory)
@@ -306,6 +313,8 @@ def main() -> None:
     bw = pinned_h2d_gbps()
     cfg = place_experts(preset_config(args.model), args.budget, 2, args.experts)
     model = random_model(cfg, DEV, torch.bfloat16)
+    if args.fuse:
+        fuse_projections_(model)
     run_policy(model, cfg, "gpu", 8192, args, bw)  # warm-up: kernels, allocator, host threads
     rows = []
     for context in contexts:
