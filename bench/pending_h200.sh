@@ -648,7 +648,7 @@ case "$group" in
   ts 100 --gpu-memory 25GiB --staging-buffers 3 --name int4_512k_g2_cpu32_timeline_25g_b3
   ;;
 126)
-  # (~8 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut (a
+  # (~9 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut (a
   # layer's CPU parts merged in one pass, the CPU slices' write-backs queued before the wait: ~26
   # fewer operators after the wait a layer at three parts; bdf633b: the write-backs' event after
   # the copies they read). The CUDA checks (their CPU and int4-cpu rows); 124's unpack-stream
@@ -665,6 +665,8 @@ case "$group" in
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu $f \
       --name "cpu_attention_int4_512k_g2_timers_cut${f:+_fused}"
   done
+  # what a CUDA graph over a layer's dense work would take off that path (eager against replayed)
+  run 60 $py bench/layer_graph.py --model llama-3-8b --layers 8
   ;;
 125)
   # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),
