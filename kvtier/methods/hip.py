@@ -225,10 +225,9 @@ HIP = register(
         _refresh,
         "decode steps between reruns of HiP's pruning stages, by name: "
         + ", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in REFRESH_PRESETS.items())
-        + ", or as a list such as 64/8/4 (default: the preset's; stage 0 reads every key of an "
-        "offloaded slice: default reruns it every 16 steps, lean and fast every 32). Longer "
-        "intervals decode faster and follow the context less closely: measure with "
-        "bench/hip_decode_fidelity.py",
+        + ", or as a list such as 64/8/4 (default: the preset's; the first interval is stage 0's, "
+        "which reads every key of an offloaded slice). Longer intervals decode faster and follow "
+        "the context less closely: measure with bench/hip_decode_fidelity.py",
     ),
     Option(
         "hip_host_keys",
