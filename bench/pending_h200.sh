@@ -668,6 +668,34 @@ case "$group" in
   # what a CUDA graph over a layer's dense work would take off that path (eager against replayed)
   run 60 $py bench/layer_graph.py --model llama-3-8b --layers 8
   ;;
+127)
+  # (~6 min, no GGUF; first) issue 23: the stream, not the host, waits for the CPU slices'
+  # results (kvtier.kv.host_flag: the host's issuing off the CPU's path). The CUDA checks (their
+  # CPU and int4-cpu rows: lossless with the new handoff), then auto int4 512K with the host's
+  # wait (as every earlier row) and the stream's, on one start
+  run 110 $py bench/gpu_checks.py
+  for h in host gpu; do
+    run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu --cpu-handoff $h \
+      --name "cpu_attention_int4_512k_handoff_$h"
+  done
+  ;;
+128)
+  # (~7 min, no GGUF; right after 127) the stream's wait fused (as LLM runs), the g2/32-slice
+  # timeline with it, lossless bf16 512K with it (0.624 s in the README, host's wait), and the
+  # int4 slicings with the library's planned loads
+  run 120 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+    --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 5 --trace-cpu --cpu-handoff gpu --fuse \
+    --name cpu_attention_int4_512k_handoff_gpu_fused
+  run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+    --full-prefill-max 1 --decode-steps 4 --trace-cpu --gpu-memory 24GiB --cpu-handoff gpu \
+    --name int4_512k_g2_cpu32_timeline_handoff_gpu
+  for h in host gpu; do
+    run 150 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
+      --name "cpu_attention_512k_handoff_$h"
+  done
+  ;;
 125)
   # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),
   # one, two and four KV heads a slice on one start, each with auto's CPU count and its

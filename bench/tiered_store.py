@@ -139,7 +139,10 @@ def run_policy(
             device=DEV,
             dtype=torch.bfloat16,
             capacity=total,
-            options=StoreOptions(unpack_stream=None if args.unpack_planned else args.unpack_stream),
+            options=StoreOptions(
+                unpack_stream=None if args.unpack_planned else args.unpack_stream,
+                cpu_handoff=args.cpu_handoff,
+            ),
             **method_parts(cfg, model, method),
         )
         gen = torch.Generator(device=DEV).manual_seed(0)
@@ -195,6 +198,7 @@ def run_policy(
         row["h2d_bytes_per_token"] = (store.account.h2d_bytes - h2d0) / max(1, len(steps))
         if store.cpu is not None:
             row["cpu_split"] = cpu_split_row(store, cpu0, len(steps))
+            row["cpu_handoff"] = "gpu" if store.cpu.flag is not None else "host"
         if args.trace_step:
             row["trace_step"] = traced_step(store, model, token)
         if args.trace_cpu and store.cpu is not None:
@@ -303,6 +307,13 @@ def main() -> None:
         action="store_true",
         help="q/k/v and gate/up as one matmul each, as LLM and the CLI run them (kvtier.model.fuse); "
         "without it, the unfused model every earlier row of this bench ran",
+    )
+    ap.add_argument(
+        "--cpu-handoff",
+        choices=("auto", "gpu", "host"),
+        default="auto",
+        help="who waits for CPU slices' results: the CUDA stream (gpu; the host goes on issuing), the "
+        "main thread (host: every row before 2026-12-06), or the stream where the driver can (auto)",
     )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()

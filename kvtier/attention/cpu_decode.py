@@ -34,7 +34,8 @@ import ctypes
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -240,6 +241,13 @@ class CpuDecoder:
         job = (q, ptrs, [t.tokens for t in tasks], kind, out, lse, merged, ready, extents)
         return PendingDecode([self._issuer.submit(self._run_native, *job)], out, lse, hq, merged)
 
+    def signal(self, pending: list[PendingDecode], done: Callable[[], None]) -> Future[None]:
+        """Call `done()` once every start in `pending` has its result (merged into its `into`),
+        on the issuing thread after the native starts queued before this call; the returned
+        future holds the first start's error, if any. NOTE: `done` runs even then, so a stream
+        that waits for it (`kvtier.kv.host_flag`) never stalls."""
+        return self._issuer.submit(_results_then, pending, done)
+
     def attend(
         self, q: torch.Tensor, extents: list[torch.Tensor], length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,3 +307,12 @@ class CpuDecoder:
         self._pool.shutdown(wait=True)
         if self._free is not None:
             self._free()
+
+
+def _results_then(pending: list[PendingDecode], done: Callable[[], None]) -> None:
+    """Wait for every start's result, then `done()` (whatever happened)."""
+    try:
+        for p in pending:
+            p.result()
+    finally:
+        done()

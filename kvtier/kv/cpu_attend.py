@@ -16,7 +16,9 @@ and its full-precision tail, the values a load to the GPU would unpack.
 ```
 
 The CPU work of layer l overlaps the GPU's (and the link's) work of the same layer; the
-layer's output waits for both. Which slices: `kvtier.planner.cpu_split.cpu_slice_flags`.
+layer's output waits for both. On CUDA it is the stream that waits for the CPU, not the main
+thread (`kvtier.kv.host_flag`), so the host's issuing of what follows is off the CPU's path.
+Which slices: `kvtier.planner.cpu_split.cpu_slice_flags`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -32,6 +35,7 @@ from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
 from kvtier.attention.dense import attend_self_lse, merge_stacked
 from kvtier.attention.row_formats import KIVI_GROUP, ROW_KINDS, RowFormat
 from kvtier.config import ModelConfig
+from kvtier.kv.host_flag import HostFlag
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.packed import PackedTier
@@ -63,6 +67,7 @@ class CpuSlices:
         streams: Streams,
         decoder: CpuDecoder | None = None,
         packed: PackedTier | None = None,
+        handoff: str = "auto",
     ) -> None:
         on_device = packed.device_slices if packed is not None else frozenset()  # packed, on the GPU
         resident = [s not in hosts or s in on_device for s in range(layout.num_slices)]
@@ -86,10 +91,21 @@ class CpuSlices:
         # When a list: each layer's (layer, CPU jobs, entry, wait start, wait end), perf_counter
         # seconds (bench/tiered_store.py --trace-cpu; the jobs' own times: `decoder.trace`)
         self.trace: list[tuple[int, int, float, float, float]] | None = None
+        # The GPU's stream waits for the CPU's results (`kvtier.kv.host_flag`), else the host does
+        self.flag = HostFlag.make(device, handoff) if self.slices else None
+        self._ticket = 0  # the flag's value once the latest layer's CPU results are in
+        self._signals: list[Future[None]] = []  # the layers' signals since `end_step`
 
     def begin_step(self, n_new: int) -> frozenset[int]:
         """The slices this step attends on the CPU (none unless it decodes one token)."""
         return self.slices if n_new == 1 else frozenset()
+
+    def end_step(self) -> None:
+        """Wait for this step's CPU attention and raise its first error (with a `HostFlag` the
+        layers did not wait on the host)."""
+        signals, self._signals = self._signals, []
+        for f in signals:
+            f.result()
 
     def attend_layer(
         self,
@@ -144,8 +160,14 @@ class CpuSlices:
             write_back(sid, token, after)
         if results is not None:
             t0 = time.perf_counter()
-            for started in pending:
-                started.result()
+            if self.flag is not None:  # the stream waits, the host goes on issuing
+                self._ticket += 1
+                flag, ticket = self.flag, self._ticket
+                self._signals.append(self.decoder.signal(pending, lambda: flag.set(ticket)))
+                flag.gpu_wait(ticket)
+            else:
+                for started in pending:
+                    started.result()
             t1 = time.perf_counter()
             self.wait_s += t1 - t0
             if self.trace is not None:

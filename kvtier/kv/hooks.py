@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.kv.host_flag import HANDOFFS
 from kvtier.kv.layout import KVLayout
 from kvtier.planner.packed import PackedFormat
 
@@ -44,6 +45,14 @@ class StoreOptions:
     # copies (`kvtier.kv.packed.PackedTier.load_into`). False: all on the H2D stream, where the
     # link waits for them. None: as the plan says (`KVPlan.unpack_scratches`).
     unpack_stream: bool | None = None
+    # Who waits for CPU-attended slices' results at decode: "gpu", the CUDA stream (the host
+    # goes on issuing; `kvtier.kv.host_flag`), "host", the main thread, or "auto": the stream
+    # where the driver supports it, unless KVTIER_CPU_HANDOFF=host.
+    cpu_handoff: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cpu_handoff not in HANDOFFS:
+            raise ConfigError(f"cpu_handoff {self.cpu_handoff!r}: use one of {', '.join(HANDOFFS)}")
 
 
 @runtime_checkable

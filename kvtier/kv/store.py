@@ -189,7 +189,15 @@ class TieredKVStore:
             and (codec is None or self.packed is not None)
             and evictor is None
         ):
-            self.cpu = CpuSlices(lay, self.hosts, plan.cpu_slices, device, self.streams, packed=self.packed)
+            self.cpu = CpuSlices(
+                lay,
+                self.hosts,
+                plan.cpu_slices,
+                device,
+                self.streams,
+                packed=self.packed,
+                handoff=opts.cpu_handoff,
+            )
 
     # -- step protocol -------------------------------------------------------------------------
 
@@ -238,6 +246,8 @@ class TieredKVStore:
                     self._resize_slice(sid, self.layout.round_up(n + n_new))
 
     def end_step(self) -> None:
+        if self.cpu is not None:
+            self.cpu.end_step()  # NOTE: first: raises a CPU slice's error before the length moves
         n_new = self._step_tokens
         self.length += n_new
         self.position += n_new
