@@ -312,7 +312,8 @@ class CpuDecoder:
 def _results_then(pending: list[PendingDecode], done: Callable[[], None]) -> None:
     """Wait for every start's result, then `done()` (whatever happened)."""
     try:
-        for p in pending:
-            p.result()
+        with torch.inference_mode():  # NOTE: per thread; the torch backend's merge writes `into`
+            for p in pending:
+                p.result()
     finally:
         done()

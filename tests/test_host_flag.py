@@ -1,0 +1,156 @@
+"""The stream's wait for CPU slices' results (`kvtier.kv.host_flag`): the choices that turn it
+on, the decoder's signal after a layer's results (and after an error), and the store's protocol
+with a flag whose `gpu_wait` blocks the host as a CUDA stream would block: the same tokens, one
+ticket a CPU layer in order, and a CPU job's error raised at the step's end."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier.kv.cpu_attend as cpu_attend
+from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
+from kvtier.config import ModelConfig
+from kvtier.errors import ConfigError
+from kvtier.kv.host_flag import HostFlag
+from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.loading.weights import load_safetensors_folder
+from kvtier.model.llama import CausalLM
+from kvtier.planner.placement import KVPlan
+from tests.hf_reference import drive, make_hf_model
+
+CPU = torch.device("cpu")
+PROMPT, DECODE, CHUNK = 45, 5, 11
+
+
+class HostBlockingFlag:
+    """A stand-in for `HostFlag` on the CPU: `gpu_wait` blocks the caller until the counter
+    reaches the value, as the CUDA stream would block the work queued after it."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.waits: list[int] = []
+        self.sets: list[int] = []
+        self._changed = threading.Condition()
+
+    def set(self, value: int) -> None:
+        with self._changed:
+            self.value = value
+            self.sets.append(value)
+            self._changed.notify_all()
+
+    def gpu_wait(self, value: int) -> None:
+        self.waits.append(value)
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.value >= value, timeout=30), "never signalled"
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, ModelConfig]:
+    folder: Path = tmp_path_factory.mktemp("gqa-flag")
+    make_hf_model("llama-gqa", folder)  # 3 layers, 2 KV heads of 2 query heads, head dim 16
+    return load_safetensors_folder(folder, CPU, torch.float32)
+
+
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param("native", marks=pytest.mark.skipif(shutil.which("c++") is None, reason="no c++")),
+    ]
+)
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CpuDecoder:
+    dec = CpuDecoder(2, backend=request.param)
+    monkeypatch.setattr(cpu_attend, "shared_decoder", lambda: dec)
+    return dec
+
+
+def run(
+    model: CausalLM, cfg: ModelConfig, flag: HostBlockingFlag | None, decode: int = DECODE
+) -> tuple[list[int], TieredKVStore]:
+    """Greedy tokens with two of the six slices on the CPU; with `flag`, the store's CPU layers
+    hand off through it."""
+    plan = KVPlan("head", 1, 1, CHUNK, 2, 60, num_slices=6, cpu_slices=2)
+    store = TieredKVStore(cfg, plan, device=CPU, dtype=torch.float32, capacity=PROMPT + decode)
+    assert store.cpu is not None and store.cpu.flag is None  # no CUDA: the host waits
+    store.cpu.flag = flag  # type: ignore[assignment]
+    ids = torch.randint(0, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    _, tokens = drive(model, store, ids, CHUNK, decode)
+    return tokens, store
+
+
+def test_handoff_choices() -> None:
+    assert HostFlag.make(CPU) is None and HostFlag.make(CPU, "gpu") is None  # no stream to wait
+    with pytest.raises(ValueError, match="use one of auto, gpu, host"):
+        HostFlag.make(CPU, "stream")
+    with pytest.raises(ConfigError, match="cpu_handoff 'later'"):
+        StoreOptions(cpu_handoff="later")
+
+
+def test_signal_follows_the_results_and_errors(decoder: CpuDecoder) -> None:
+    ext = torch.randn(64, 2, 1, 16)
+    q = torch.randn(2, 16)
+    into = (torch.zeros(2, 16), torch.zeros(2))
+    pending = [decoder.start(q, [ext], 64, into=into)]
+    seen: list[torch.Tensor] = []
+    decoder.signal(pending, lambda: seen.append(into[0].clone())).result()
+    ref = decoder.attend(q, [ext], 64)[0]
+    assert len(seen) == 1 and torch.equal(seen[0], ref)  # done() saw the merged result
+    failed: Future[None] = Future()
+    failed.set_exception(RuntimeError("kernel rejected"))
+    calls: list[int] = []
+    broken = PendingDecode([failed], torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2), 2, into=into)
+    signal = decoder.signal([broken], lambda: calls.append(1))
+    with pytest.raises(RuntimeError, match="kernel rejected"):
+        signal.result()
+    assert calls == [1]  # done() ran all the same: a waiting stream goes on
+
+
+def test_a_stream_side_wait_gives_the_same_tokens(
+    gqa_model: tuple[CausalLM, ModelConfig], decoder: CpuDecoder
+) -> None:
+    ref, store = run(*gqa_model, None)
+    assert store.cpu is not None and store.cpu.wait_s > 0
+    store.close()
+    flag = HostBlockingFlag()
+    tokens, store = run(*gqa_model, flag)
+    assert tokens == ref
+    assert store.cpu is not None
+    layers = len(store.cpu.layers)
+    # One ticket per CPU layer of each one-token step (the last prompt chunk and every decode
+    # step), waited for in order, each set by its layer's signal once
+    steps = DECODE + (PROMPT % CHUNK == 1)
+    assert flag.waits == list(range(1, steps * layers + 1))
+    assert sorted(flag.sets) == flag.waits
+    assert not store.cpu._signals  # end_step collected them
+    store.close()
+
+
+def test_a_cpu_jobs_error_is_raised_at_the_steps_end(
+    gqa_model: tuple[CausalLM, ModelConfig], decoder: CpuDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flag = HostBlockingFlag()
+    _, store = run(*gqa_model, flag, decode=1)
+    model = gqa_model[0]
+
+    def failing(*args: object) -> PendingDecode:
+        f: Future[None] = Future()
+        f.set_exception(RuntimeError("native CPU attention (kernel 1) rejected G=1"))
+        return PendingDecode([f], torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2), 2, into=args[-1])  # type: ignore[arg-type]
+
+    assert store.cpu is not None
+    monkeypatch.setattr(store.cpu, "_start", failing)
+    length = store.length
+    store.begin_step(1)
+    start = time.perf_counter()
+    model(torch.tensor([1]), store)  # the "stream" is released although the jobs failed
+    assert time.perf_counter() - start < 30
+    with pytest.raises(RuntimeError, match="rejected G=1"):
+        store.end_step()
+    assert store.length == length  # the failed step did not count
+    store.close()
