@@ -11,7 +11,10 @@ A layer with CPU slices runs (`kvtier.kv.cpu_attend.CpuSlices.attend_layer`):
 so the CPU's chain a layer is its jobs plus `q_to_cpu` (from the host's entry to the first job's
 start: the GPU reaching the query, its copy, the issuing thread's wake), `wake` (the last job's
 end to the host's wait end) and `host_between` (the host from one layer's results to the next
-layer's entry: the merge, the rest of the layer, the next layer's projections).
+layer's entry: the merge, the rest of the layer, the next layer's projections). With the
+stream's wait (`--cpu-handoff gpu`, `kvtier.kv.host_flag`) the host does not wait, so these
+describe its issuing, off the chain; `cpu_gap` (one layer's last job's end to the next layer's
+first job's start: the CPU idle) is the handoff on the chain either way.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ def cpu_timeline(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
     finally:
         cpu.trace, cpu.decoder.trace = None, None
     parts: dict[str, list[float]] = {
-        k: [] for k in ("host_between", "q_to_cpu", "cpu_busy", "wake", "host_enqueue", "host_wait")
+        k: []
+        for k in ("host_between", "q_to_cpu", "cpu_busy", "wake", "host_enqueue", "host_wait", "cpu_gap")
     }
-    at, last_end = 0, None
+    at, last_end, last_job = 0, None, None
     for _layer, n, entry, wait0, wait1 in layers:
         mine = jobs[at : at + n]  # NOTE: one issuing thread runs the jobs in the order started
         at += n
@@ -79,7 +83,8 @@ def cpu_timeline(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
         parts["wake"].append(wait1 - end)
         parts["host_enqueue"].append(wait0 - entry)
         parts["host_wait"].append(wait1 - wait0)
-        last_end = wait1
+        parts["cpu_gap"].append(start - last_job if last_job is not None else 0.0)
+        last_end, last_job = wait1, end
     return {
         "wall_s": wall,
         "cpu_layers": len(layers),

@@ -150,9 +150,11 @@ def test_cpu_timeline_times_every_cpu_layer_of_a_step(
     assert timeline["cpu_layers"] == len(layers)
     per = timeline["per_layer_ms"]
     assert all(len(v) == len(layers) for v in per.values())
-    for part in ("q_to_cpu", "cpu_busy", "wake", "host_enqueue", "host_wait"):
+    for part in ("q_to_cpu", "cpu_busy", "wake", "host_enqueue", "host_wait", "cpu_gap"):
         assert min(per[part]) >= 0, part
     assert min(per["cpu_busy"]) > 0
+    # the CPU idles between layers at least while the host merges and runs the next projections
+    assert per["cpu_gap"][0] == 0 and min(per["cpu_gap"][1:]) > 0
     assert timeline["sum_s"]["host_wait"] <= timeline["wall_s"]
     assert store.cpu.trace is None and store.cpu.decoder.trace is None
     store.close()
