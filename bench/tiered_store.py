@@ -313,7 +313,7 @@ def main() -> None:
         choices=("auto", "gpu", "host"),
         default="auto",
         help="who waits for CPU slices' results: the CUDA stream (gpu; the host goes on issuing), the "
-        "main thread (host: every row before 2026-12-06), or the stream where the driver can (auto)",
+        "main thread (host: every row before 2026-12-06), or the library's default (auto: host)",
     )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()

@@ -16,8 +16,9 @@ and its full-precision tail, the values a load to the GPU would unpack.
 ```
 
 The CPU work of layer l overlaps the GPU's (and the link's) work of the same layer; the
-layer's output waits for both. On CUDA it is the stream that waits for the CPU, not the main
-thread (`kvtier.kv.host_flag`), so the host's issuing of what follows is off the CPU's path.
+layer's output waits for both. With `StoreOptions.cpu_handoff="gpu"` it is the CUDA stream that
+waits for the CPU, not the main thread (`kvtier.kv.host_flag`), so the host's issuing of what
+follows is off the CPU's path.
 Which slices: `kvtier.planner.cpu_split.cpu_slice_flags`.
 """
 

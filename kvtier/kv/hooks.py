@@ -46,8 +46,8 @@ class StoreOptions:
     # link waits for them. None: as the plan says (`KVPlan.unpack_scratches`).
     unpack_stream: bool | None = None
     # Who waits for CPU-attended slices' results at decode: "gpu", the CUDA stream (the host
-    # goes on issuing; `kvtier.kv.host_flag`), "host", the main thread, or "auto": the stream
-    # where the driver supports it, unless KVTIER_CPU_HANDOFF=host.
+    # goes on issuing; `kvtier.kv.host_flag`, opt-in: runs with it have hung), "host", the main
+    # thread, or "auto": the host unless KVTIER_CPU_HANDOFF=gpu.
     cpu_handoff: str = "auto"
 
     def __post_init__(self) -> None:
