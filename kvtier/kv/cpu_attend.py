@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -96,6 +97,7 @@ class CpuSlices:
         self.flag = HostFlag.make(device, handoff) if self.slices else None
         self._ticket = 0  # the flag's value once the latest layer's CPU results are in
         self._signals: list[Future[None]] = []  # the layers' signals since `end_step`
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # `_buffer`'s, per (use, layer)
 
     def begin_step(self, n_new: int) -> frozenset[int]:
         """The slices this step attends on the CPU (none unless it decodes one token)."""
@@ -135,13 +137,14 @@ class CpuSlices:
         pending: list[PendingDecode] = []
         results: torch.Tensor | None = None  # [parts, n, r * D + r]: each part's out, then its lse
         if length > 0:
-            q_host, ready = self._query_to_host(q[0], [self.hosts[lay.slice_index(layer, g)] for g in on_cpu])
+            hosts = [self.hosts[lay.slice_index(layer, g)] for g in on_cpu]
+            q_host, ready = self._query_to_host(layer, q[0], hosts)
             jobs = [
                 self._jobs(lay.slice_index(layer, g), q_host[lay.q_heads(g)], length, ready) for g in on_cpu
             ]
             parts = len(jobs[0])  # NOTE: the same for every slice: one length, layout and codec
             assert all(len(j) == parts for j in jobs)
-            results = torch.empty(parts, n, r * d + r, pin_memory=self.device.type == "cuda")
+            results = self._buffer(("results", layer), (parts, n, r * d + r), torch.float32)
             for i, slice_jobs in enumerate(jobs):
                 for p, job in enumerate(slice_jobs):
                     pending.append(job((results[p, i, : r * d].view(r, d), results[p, i, r * d :])))
@@ -233,8 +236,21 @@ class CpuSlices:
     ) -> PendingDecode:
         return self.decoder.start(q, extents, length, ready, into)
 
+    def _buffer(self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of `shape` kept per `key` for every step (pinned on CUDA), grown when a
+        step needs more. NOTE: reused, not allocated, each layer: a pinned allocation in the
+        loop is a `cudaHostAlloc` under the host allocator's lock, which the CPU threads also
+        take when they drop a pinned tensor (a deadlock once the stream waits for them). Reuse
+        is safe: a step's CPU jobs of a layer start after its query, queued after the copy of
+        the last step's results of the layer."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != dtype or buf.numel() < math.prod(shape):
+            buf = torch.empty(math.prod(shape), dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._buffers[key] = buf
+        return buf[: math.prod(shape)].view(shape)
+
     def _query_to_host(
-        self, q: torch.Tensor, hosts: list[HostSlice]
+        self, layer: int, q: torch.Tensor, hosts: list[HostSlice]
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """q [H_q, D] on the host, and the event the CPU tasks wait for: the copy, and the last
         write-back into the slices they read."""
@@ -243,7 +259,8 @@ class CpuSlices:
         # NOTE: the compute stream waits for the slices' last write-backs before the copy, so one
         # event covers both; a pinned destination keeps the copy asynchronous.
         self.streams.wait([h.last_write for h in hosts])
-        q_host = q.to("cpu", non_blocking=True)
+        q_host = self._buffer(("q", layer), tuple(q.shape), q.dtype)
+        q_host.copy_(q, non_blocking=True)
         return q_host, self.streams.record()
 
 
