@@ -696,6 +696,23 @@ case "$group" in
       --name "cpu_attention_512k_handoff_$h"
   done
   ;;
+129)
+  # (~9 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
+  # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers: the likely cause of
+  # 128's hangs was a pinned allocation in the loop). The CUDA checks with it on, then an A/B
+  # on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto at 512K both ways
+  KVTIER_CPU_HANDOFF=gpu run 110 $py bench/gpu_checks.py
+  for h in host gpu; do
+    run 110 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+      --full-prefill-max 1 --decode-steps 5 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h \
+      --name "int4_512k_g2_cpu32_handoff_$h"
+  done
+  for h in host gpu; do
+    run 140 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
+      --name "cpu_attention_512k_handoff_$h"
+  done
+  ;;
 125)
   # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),
   # one, two and four KV heads a slice on one start, each with auto's CPU count and its
