@@ -286,7 +286,7 @@
 set -u
 group=${1:-1}
 py=${PYTHON:-python}
-run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -14; }
+run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -"${RUN_TAIL:-14}"; }
 # issue 19's A/B of a layer's cached slices at once against a slice at a time (88, 90): $1
 # layers of 2-head slices at 128K, lean, host keys, each run under $2 seconds
 layer_ab() {
@@ -693,7 +693,7 @@ case "$group" in
   for h in host gpu; do
     run 150 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
-      --name "cpu_attention_512k_handoff_$h"
+      --watchdog 130 --name "cpu_attention_512k_handoff_$h"
   done
   ;;
 129)
@@ -701,16 +701,17 @@ case "$group" in
   # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers: the likely cause of
   # 128's hangs was a pinned allocation in the loop). The CUDA checks with it on, then an A/B
   # on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto at 512K both ways
+  RUN_TAIL=60  # a watchdog's stacks, should a run hang again
   KVTIER_CPU_HANDOFF=gpu run 110 $py bench/gpu_checks.py
   for h in host gpu; do
     run 110 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
       --full-prefill-max 1 --decode-steps 5 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h \
-      --name "int4_512k_g2_cpu32_handoff_$h"
+      --watchdog 100 --name "int4_512k_g2_cpu32_handoff_$h"
   done
   for h in host gpu; do
     run 140 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
       --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
-      --name "cpu_attention_512k_handoff_$h"
+      --watchdog 130 --name "cpu_attention_512k_handoff_$h"
   done
   ;;
 125)

@@ -45,6 +45,7 @@ from bench.step_trace import traced_step
 from bench.tiered_hf import run_hf
 from bench.tiered_methods import kv_fill, method_choice, method_parts, method_reserve
 from bench.tiered_report import add_speedups, print_table
+from bench.watchdog import arm as arm_watchdog
 from kvtier.errors import CapacityError
 from kvtier.kv.cpu_attend import measured_packed_rates
 from kvtier.kv.hooks import StoreOptions
@@ -315,8 +316,17 @@ def main() -> None:
         help="who waits for CPU slices' results: the CUDA stream (gpu; the host goes on issuing), the "
         "main thread (host: every row before 2026-12-06), or the library's default (auto: host)",
     )
+    ap.add_argument(
+        "--watchdog",
+        type=float,
+        default=0,
+        help="after this many seconds print every thread's stack and the CPU handoff's state, and "
+        "exit 3 (bench/watchdog.py: evidence from a hang; 0: off)",
+    )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
+    if args.watchdog > 0:
+        arm_watchdog(args.watchdog)
     args.budget = parse_size(args.gpu_memory)
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(args.budget / total)

@@ -6,6 +6,8 @@ ticket a CPU layer in order, and a CPU job's error raised at the step's end."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -154,3 +156,26 @@ def test_a_cpu_jobs_error_is_raised_at_the_steps_end(
         store.end_step()
     assert store.length == length  # the failed step did not count
     store.close()
+
+
+def test_the_bench_watchdog_leaves_stacks_and_handoff_states(tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        "from bench.watchdog import arm\n"
+        "from kvtier.kv.cpu_attend import CpuSlices\n"
+        "from kvtier.kv.layout import KVLayout\n"
+        "from kvtier.kv.streams import Streams\n"
+        "arm(0.5)\n"
+        "lay = KVLayout(2, 2, 16, 1, 1, 4, torch.float32)\n"
+        "cpu = CpuSlices(lay, {}, 0, torch.device('cpu'), Streams(torch.device('cpu')))\n"
+        "def stuck_here():\n"
+        "    time.sleep(30)\n"
+        "stuck_here()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "== watchdog: still running after 0.5 s" in done.stderr
+    assert "== handoff: ticket 0 flag None signals 0/0 done" in done.stderr
+    assert "stuck_here" in done.stderr  # the main thread's stack
