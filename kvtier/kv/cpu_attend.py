@@ -239,10 +239,12 @@ class CpuSlices:
     def _buffer(self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer of `shape` kept per `key` for every step (pinned on CUDA), grown when a
         step needs more. NOTE: reused, not allocated, each layer: a pinned allocation in the
-        loop is a `cudaHostAlloc` under the host allocator's lock, which the CPU threads also
-        take when they drop a pinned tensor (a deadlock once the stream waits for them). Reuse
-        is safe: a step's CPU jobs of a layer start after its query, queued after the copy of
-        the last step's results of the layer."""
+        loop may be a `cudaHostAlloc`, which CUDA lists among the calls that synchronize with
+        the device, made while the stream may be waiting for the CPU threads (whose own CUDA
+        calls, and event records when they drop a pinned tensor, would then queue behind it: a
+        suspected cause of hangs with the stream's wait, `kvtier.kv.host_flag`). Reuse is safe:
+        a step's CPU jobs of a layer start after its query, queued after the copy of the last
+        step's results of the layer."""
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != dtype or buf.numel() < math.prod(shape):
             buf = torch.empty(math.prod(shape), dtype=dtype, pin_memory=self.device.type == "cuda")
