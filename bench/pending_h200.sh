@@ -698,8 +698,8 @@ case "$group" in
   ;;
 129)
   # (~9 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
-  # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers: the likely cause of
-  # 128's hangs was a pinned allocation in the loop). The CUDA checks with it on, then an A/B
+  # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers) and the host's
+  # run-ahead bounded to one CPU layer: the two suspects of 128's hangs. The CUDA checks with it on, then an A/B
   # on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto at 512K both ways
   RUN_TAIL=60  # a watchdog's stacks, should a run hang again
   KVTIER_CPU_HANDOFF=gpu run 110 $py bench/gpu_checks.py

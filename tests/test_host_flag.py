@@ -150,11 +150,14 @@ def test_a_cpu_jobs_error_is_raised_at_the_steps_end(
     length = store.length
     store.begin_step(1)
     start = time.perf_counter()
-    model(torch.tensor([1]), store)  # the "stream" is released although the jobs failed
-    assert time.perf_counter() - start < 30
+    # raised at the next CPU layer (the host runs at most one ahead), else at the step's end;
+    # the "stream" was released although the jobs failed
     with pytest.raises(RuntimeError, match="rejected G=1"):
+        model(torch.tensor([1]), store)
         store.end_step()
+    assert time.perf_counter() - start < 30
     assert store.length == length  # the failed step did not count
+    assert not store.cpu._signals  # forgotten: the next step starts clean
     store.close()
 
 
@@ -179,3 +182,28 @@ def test_the_bench_watchdog_leaves_stacks_and_handoff_states(tmp_path: Path) -> 
     assert "== watchdog: still running after 0.5 s" in done.stderr
     assert "== handoff: ticket 0 flag None signals 0/0 done" in done.stderr
     assert "stuck_here" in done.stderr  # the main thread's stack
+
+
+class NonBlockingFlag(HostBlockingFlag):
+    """A stream that never waits: the host runs ahead as far as the store lets it."""
+
+    def gpu_wait(self, value: int) -> None:
+        self.waits.append(value)
+
+
+def test_the_host_runs_at_most_one_cpu_layer_ahead(
+    gqa_model: tuple[CausalLM, ModelConfig], decoder: CpuDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pending_after: list[int] = []
+    attend = cpu_attend.CpuSlices.attend_layer
+
+    def checked(self: cpu_attend.CpuSlices, *args: object) -> torch.Tensor:
+        out = attend(self, *args)  # type: ignore[arg-type]
+        pending_after.append(len(self._signals))
+        assert all(s.done() for s in self._signals[:-1])
+        return out
+
+    monkeypatch.setattr(cpu_attend.CpuSlices, "attend_layer", checked)
+    _, store = run(*gqa_model, NonBlockingFlag(), decode=3)
+    assert pending_after and max(pending_after) == 1  # each layer's own signal only
+    store.close()

@@ -106,9 +106,18 @@ class CpuSlices:
     def end_step(self) -> None:
         """Wait for this step's CPU attention and raise its first error (with a `HostFlag` the
         layers did not wait on the host)."""
-        signals, self._signals = self._signals, []
-        for f in signals:
-            f.result()
+        self._collect(keep=0)
+
+    def _collect(self, keep: int) -> None:
+        """Wait for all but the last `keep` layers' signals, oldest first, and forget them; on a
+        CPU job's error forget every signal (each still releases its stream) and raise it."""
+        while len(self._signals) > keep:
+            signal = self._signals.pop(0)
+            try:
+                signal.result()
+            except BaseException:
+                self._signals.clear()
+                raise
 
     def attend_layer(
         self,
@@ -169,6 +178,11 @@ class CpuSlices:
                 flag, ticket = self.flag, self._ticket
                 self._signals.append(self.decoder.signal(pending, lambda: flag.set(ticket)))
                 flag.gpu_wait(ticket)
+                # NOTE: at most one CPU layer ahead of the CPU. Everything the chain needs when
+                # the CPU finishes layer l - 1 is issued by now (up to this layer's wait), and
+                # the host's queue stays short: a launch into a full queue blocks, and one that
+                # blocks holding the GIL would stop the CPU threads too.
+                self._collect(keep=1)
             else:
                 for started in pending:
                     started.result()
