@@ -287,6 +287,15 @@ set -u
 group=${1:-1}
 py=${PYTHON:-python}
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v '^{' | tail -"${RUN_TAIL:-14}"; }
+# issue 23: lossless bf16 auto at 512K, the host waiting for CPU slices' results, then the
+# stream (StoreOptions.cpu_handoff), each run under $1 seconds (its watchdog 20 s before)
+lossless_handoff_pair() {
+  for h in host gpu; do
+    run "$1" $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
+      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
+      --watchdog $(($1 - 20)) --name "cpu_attention_512k_handoff_$h"
+  done
+}
 # issue 19's A/B of a layer's cached slices at once against a slice at a time (88, 90): $1
 # layers of 2-head slices at 128K, lean, host keys, each run under $2 seconds
 layer_ab() {
@@ -690,17 +699,14 @@ case "$group" in
   run 100 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
     --full-prefill-max 1 --decode-steps 4 --trace-cpu --gpu-memory 24GiB --cpu-handoff gpu \
     --name int4_512k_g2_cpu32_timeline_handoff_gpu
-  for h in host gpu; do
-    run 150 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
-      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
-      --watchdog 130 --name "cpu_attention_512k_handoff_$h"
-  done
+  lossless_handoff_pair 150
   ;;
 129)
   # (~9 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
   # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers) and the host's
-  # run-ahead bounded to one CPU layer: the two suspects of 128's hangs. The CUDA checks with it on, then an A/B
-  # on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto at 512K both ways
+  # run-ahead bounded to one CPU layer: the two suspects of 128's hangs. The CUDA checks with
+  # it on, then an A/B on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto
+  # at 512K both ways
   RUN_TAIL=60  # a watchdog's stacks, should a run hang again
   KVTIER_CPU_HANDOFF=gpu run 110 $py bench/gpu_checks.py
   for h in host gpu; do
@@ -708,11 +714,7 @@ case "$group" in
       --full-prefill-max 1 --decode-steps 5 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h \
       --watchdog 100 --name "int4_512k_g2_cpu32_handoff_$h"
   done
-  for h in host gpu; do
-    run 140 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto \
-      --full-prefill-max 1 --gpu-memory 24GiB --decode-steps 4 --cpu-handoff $h \
-      --watchdog 130 --name "cpu_attention_512k_handoff_$h"
-  done
+  lossless_handoff_pair 140
   ;;
 125)
   # (~3 min, no GGUF) issue 23: int4 at 512K, the library's default loads (--unpack-planned),

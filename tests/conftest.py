@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,20 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny")
     make_hf_model("llama-gqa", folder)
     return folder
+
+
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param("native", marks=pytest.mark.skipif(shutil.which("c++") is None, reason="no c++")),
+    ]
+)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each CPU attention backend in turn, as the decoder every store of the test shares
+    (`kvtier.kv.cpu_attend.shared_decoder`), with two threads."""
+    import kvtier.kv.cpu_attend as cpu_attend
+    from kvtier.attention.cpu_decode import CpuDecoder
+
+    dec = CpuDecoder(2, backend=request.param)
+    monkeypatch.setattr(cpu_attend, "shared_decoder", lambda: dec)
+    return str(request.param)

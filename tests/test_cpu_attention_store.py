@@ -46,18 +46,6 @@ def reference(gqa_model: tuple[CausalLM, ModelConfig]) -> tuple[list[torch.Tenso
     return logits, tokens
 
 
-@pytest.fixture(
-    params=[
-        "torch",
-        pytest.param("native", marks=pytest.mark.skipif(shutil.which("c++") is None, reason="no c++")),
-    ]
-)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    dec = CpuDecoder(2, backend=request.param)
-    monkeypatch.setattr(cpu_attend, "shared_decoder", lambda: dec)
-    return str(request.param)
-
-
 def run(
     model: CausalLM, cfg: ModelConfig, plan: KVPlan
 ) -> tuple[list[torch.Tensor], list[int], TieredKVStore]:

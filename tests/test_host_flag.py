@@ -5,7 +5,6 @@ ticket a CPU layer in order, and a CPU job's error raised at the step's end."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import threading
@@ -60,16 +59,10 @@ def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[CausalLM, Model
     return load_safetensors_folder(folder, CPU, torch.float32)
 
 
-@pytest.fixture(
-    params=[
-        "torch",
-        pytest.param("native", marks=pytest.mark.skipif(shutil.which("c++") is None, reason="no c++")),
-    ]
-)
-def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CpuDecoder:
-    dec = CpuDecoder(2, backend=request.param)
-    monkeypatch.setattr(cpu_attend, "shared_decoder", lambda: dec)
-    return dec
+@pytest.fixture
+def decoder(backend: str) -> CpuDecoder:
+    """The decoder of `backend` (conftest) every store of the test shares."""
+    return cpu_attend.shared_decoder()
 
 
 def run(
