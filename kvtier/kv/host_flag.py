@@ -5,19 +5,19 @@ results. Waiting for them on the host thread puts everything the host then issue
 the layer's dense work, the next layer's projections and query copy) on the CPU's critical
 path: ~1.5-1.9 ms a layer on the H200 machine, while the GPU itself needs ~0.2 ms of it
 (`bench/tiered_store.py --trace-cpu`). With a `HostFlag` the host instead queues a wait on the
-GPU's stream (the driver's `cuStreamWaitValue32`) and goes on issuing; the CPU's last job of the
-layer advances the counter, and the stream, already holding the layer's remaining work, runs
-it at once:
+GPU's stream (the driver's `cuStreamWaitValue32`) and goes on issuing, up to one CPU layer
+ahead (`CpuSlices`); the CPU's last job of the layer advances the counter, and the stream,
+already holding the layer's remaining work, runs it at once:
 
 ```
- host:   [issue layer l ... wait(l) results->GPU merge dense, issue layer l+1 ...]   (never blocks)
+ host:   [issue layer l ... wait(l) results->GPU merge dense, issue layer l+1 ...]
  CPU:    [wait q(l)][attend l .......][set(l)] [wait q(l+1)][attend l+1 ...]
  GPU:    [q(l)->host][GPU slices of l][wait(l)]......[merge, dense, q(l+1)->host][...]
 ```
 
-`HostFlag.make(device, "gpu")` (or `KVTIER_CPU_HANDOFF=gpu`) returns a flag; it returns None,
-and callers wait on the host as before, for "host", where the driver lacks stream memory
-operations, and for "auto": on an H100 the stream's wait ran 0.2586 s/token where the host's
+`HostFlag.make(device, "gpu")` (or `KVTIER_CPU_HANDOFF=gpu`) returns a flag, or raises where
+the driver's stream waits fail a self-test; it returns None, and callers wait on the host as
+before, off CUDA, for "host" and for "auto": on an H100 the stream's wait ran 0.2586 s/token where the host's
 ran ~0.26-0.29, but three of four runs with it on one machine start hung
 (bench/results/cpu_attention_int4_512k_handoff_gpu.json), so it stays opt-in until that is
 understood.
@@ -119,16 +119,22 @@ def _driver() -> _Driver | None:
         return None
 
 
+_tested: list[HostFlag] = []  # the self-tests' flags, alive for good (see `_stream_waits_work`)
+
+
 @functools.cache
 def _stream_waits_work(index: int, timeout_s: float = 2.0) -> bool:
     """Whether a stream of device `index` waits for a flag and goes on once the host sets it
-    (once per process, a few milliseconds). NOTE: the stream is a new one, so a driver that
-    ignored the wait, or never saw the store, cannot stall the caller's streams."""
+    (once per process, a few milliseconds). NOTE: on a new stream, so a driver that ignores the
+    wait stalls none of the caller's streams; one that never sees the store leaves that stream
+    waiting (the flag is kept, so its memory is never reused), and a device-wide synchronize
+    would then hang: `make` raises instead of handing out flags."""
     device = torch.device("cuda", index)
     driver = _driver()
     assert driver is not None
     try:
         flag = HostFlag(device, driver)
+        _tested.append(flag)
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
             flag.gpu_wait(1)
