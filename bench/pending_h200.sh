@@ -267,6 +267,12 @@
 #   a CPU-bound step is the CPU's jobs plus ~2.4 ms of handoff a layer) and auto with and without
 #   --unpack-planned (0.2950, 0.3762). NEXT: 126 (the CUDA checks and timelines after the
 #   handoff cut), 125 (int4's slicings), 110, 85, the 8B smoke, 80, 73.
+# The forty-fifth (nine refused or skipped calls; one H100 start at fdad1e2) ran 127 (the CUDA
+#   checks with the stream's wait for CPU results: every cpu row equal; int4 512K auto with it
+#   0.2586 s/token) and 128 (its three runs with the stream's wait hung; lossless host 0.6553).
+#   The stream's wait became opt-in; its two suspects were removed at 2c63cf0+. NEXT: 129 first
+#   (the CUDA checks with it, the A/B on one plan, under --watchdog), then the embedded smoke
+#   (the default path's CPU-slice buffers are now reused per layer), 125, 110, 85, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
