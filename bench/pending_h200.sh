@@ -708,7 +708,7 @@ case "$group" in
   lossless_handoff_pair 150
   ;;
 129)
-  # (~9 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
+  # (~10 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
   # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers) and the host's
   # run-ahead bounded to one CPU layer: the two suspects of 128's hangs. The CUDA checks with
   # it on, then an A/B on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto
@@ -720,6 +720,10 @@ case "$group" in
       --full-prefill-max 1 --decode-steps 5 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h \
       --watchdog 100 --name "int4_512k_g2_cpu32_handoff_$h"
   done
+  # the stream's step under the profiler: do the layers' result copies queue behind the link's?
+  run 110 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+    --full-prefill-max 1 --decode-steps 3 --trace-step --gpu-memory 24GiB --cpu-handoff gpu \
+    --watchdog 100 --name int4_512k_g2_cpu32_handoff_gpu_trace
   lossless_handoff_pair 140
   ;;
 125)
