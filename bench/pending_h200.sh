@@ -271,7 +271,7 @@
 #   checks with the stream's wait for CPU results: every cpu row equal; int4 512K auto with it
 #   0.2586 s/token) and 128 (its three runs with the stream's wait hung; lossless host 0.6553).
 #   The stream's wait became opt-in; its two suspects were removed at 2c63cf0+. NEXT: 129 first
-#   (the CUDA checks with it, the A/B on one plan, under --watchdog), then the embedded smoke
+#   (the CUDA checks with it, the A/B on one plan, under --watchdog), 130 (lossless), then the embedded smoke
 #   (the default path's CPU-slice buffers are now reused per layer), 125, 110, 85, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
@@ -708,11 +708,10 @@ case "$group" in
   lossless_handoff_pair 150
   ;;
 129)
-  # (~10 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
+  # (~8 min, no GGUF) issue 23: the stream's wait for CPU slices' results (opt-in,
   # StoreOptions.cpu_handoff="gpu") after c930068 (per-layer pinned buffers) and the host's
   # run-ahead bounded to one CPU layer: the two suspects of 128's hangs. The CUDA checks with
-  # it on, then an A/B on one plan (two KV heads a slice, 32 CPU slices) and lossless bf16 auto
-  # at 512K both ways
+  # it on, then an A/B on one plan (two KV heads a slice, 32 CPU slices) and a traced step
   RUN_TAIL=60  # a watchdog's stacks, should a run hang again
   KVTIER_CPU_HANDOFF=gpu run 110 $py bench/gpu_checks.py
   for h in host gpu; do
@@ -724,6 +723,11 @@ case "$group" in
   run 110 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
     --full-prefill-max 1 --decode-steps 3 --trace-step --gpu-memory 24GiB --cpu-handoff gpu \
     --watchdog 100 --name int4_512k_g2_cpu32_handoff_gpu_trace
+  ;;
+130)
+  # (~5 min, no GGUF; right after 129) lossless bf16 auto at 512K with the host's wait and the
+  # stream's (the README's 0.624 s ran with the host's, on an H200 start)
+  RUN_TAIL=60
   lossless_handoff_pair 140
   ;;
 125)
