@@ -14,6 +14,21 @@ from typing import Any
 
 import torch
 
+SMALL = 1 << 20  # bytes: an H2D copy this small is not a KV load
+
+
+def small_copy_queueing(small: list[tuple[float, float]], big: list[tuple[float, float]]) -> dict[str, Any]:
+    """Whether small H2D copies (spans, seconds) wait for the big ones: how many start within
+    10 us of a big copy's end (queued behind it on a copy engine), and how many start while one
+    is running (another engine took them)."""
+    after = sum(any(0 <= a - e <= 10e-6 for _, e in big) for a, _ in small)
+    during = sum(any(s < a < e for s, e in big) for a, _ in small)
+    return {
+        "small_h2d_copies": len(small),
+        "small_h2d_right_after_big": after,
+        "small_h2d_during_big": during,
+    }
+
 
 def traced_step(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
     """One decode step under torch.profiler (CUDA activity): its wall seconds; the host-to-device
@@ -34,6 +49,8 @@ def traced_step(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
     copies: list[tuple[float, float]] = []
+    big: list[tuple[float, float]] = []  # H2D copies of SMALL bytes or more (KV loads)
+    small: list[tuple[float, float]] = []  # the others (e.g. a layer's CPU results)
     kernels: dict[str, list[tuple[float, float]]] = {}
     copy_bytes = 0
     for ev in trace.get("traceEvents", []):
@@ -44,6 +61,7 @@ def traced_step(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
         if cat == "gpu_memcpy" and "HtoD" in ev.get("name", ""):
             copies.append(span)
             copy_bytes += int(args.get("bytes", 0))
+            (small if int(args.get("bytes", 0)) < SMALL else big).append(span)
         elif cat == "kernel":
             kernels.setdefault(f"stream {args.get('stream', '?')}", []).append(span)
 
@@ -66,6 +84,7 @@ def traced_step(store: Any, model: Any, token: torch.Tensor) -> dict[str, Any]:
         "h2d_gaps_ms_top": [round(g * 1e3, 3) for g in gaps[:10]],
         "h2d_gaps_over_50us": sum(g > 50e-6 for g in gaps),
         "h2d_gap_s_over_50us": sum(g for g in gaps if g > 50e-6),
+        **small_copy_queueing(small, big),
         "kernel_busy_s_by_stream": {k: busy(v) for k, v in kernels.items()},
         "kernel_count_by_stream": {k: len(v) for k, v in kernels.items()},
         "top_cuda_ops": [

@@ -200,3 +200,14 @@ def test_the_host_runs_at_most_one_cpu_layer_ahead(
     _, store = run(*gqa_model, NonBlockingFlag(), decode=3)
     assert pending_after and max(pending_after) == 1  # each layer's own signal only
     store.close()
+
+
+def test_step_trace_tells_queued_small_copies_from_parallel_ones() -> None:
+    from bench.step_trace import small_copy_queueing
+
+    big = [(0.0, 1e-3), (1e-3, 2e-3)]  # two KV loads back to back, 1 ms each
+    small = [(1.004e-3, 1.006e-3), (0.5e-3, 0.502e-3), (5e-3, 5.001e-3)]
+    got = small_copy_queueing(small, big)
+    # the first starts 4 us after a load ends, while the next load runs (counted both ways),
+    # the second during a load (another engine), the third with no load near (neither)
+    assert got == {"small_h2d_copies": 3, "small_h2d_right_after_big": 1, "small_h2d_during_big": 2}
