@@ -98,6 +98,7 @@ class CpuSlices:
         self._ticket = 0  # the flag's value once the latest layer's CPU results are in
         self._signals: list[Future[None]] = []  # the layers' signals since `end_step`
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # `_buffer`'s, per (use, layer)
+        self._last_layer = max(self.layers, default=-1)
 
     def begin_step(self, n_new: int) -> frozenset[int]:
         """The slices this step attends on the CPU (none unless it decodes one token)."""
@@ -181,8 +182,10 @@ class CpuSlices:
                 # NOTE: at most one CPU layer ahead of the CPU. Everything the chain needs when
                 # the CPU finishes layer l - 1 is issued by now (up to this layer's wait), and
                 # the host's queue stays short: a launch into a full queue blocks, and one that
-                # blocks holding the GIL would stop the CPU threads too.
-                self._collect(keep=1)
+                # blocks holding the GIL would stop the CPU threads too. After the step's last
+                # CPU layer the host waits for it all, so nothing the caller does next (a
+                # sync, a token's read) waits on the CPU's threads (~0.3 ms of issuing a step).
+                self._collect(keep=0 if layer == self._last_layer else 1)
             else:
                 for started in pending:
                     started.result()
