@@ -663,7 +663,9 @@ case "$group" in
   ts 100 --gpu-memory 25GiB --staging-buffers 3 --name int4_512k_g2_cpu32_timeline_25g_b3
   ;;
 126)
-  # (~9 min, no GGUF; first, before 125) issue 23 after the forty-fourth session's handoff cut (a
+  # SUPERSEDED by 127-130 (the forty-fifth session ran its CUDA checks and int4 timelines there);
+  # only its last line, bench/layer_graph.py, has not run: worth a call only if the host's wait
+  # stays the default. (~9 min, no GGUF) issue 23 after the forty-fourth session's handoff cut (a
   # layer's CPU parts merged in one pass, the CPU slices' write-backs queued before the wait: ~26
   # fewer operators after the wait a layer at three parts; bdf633b: the write-backs' event after
   # the copies they read). The CUDA checks (their CPU and int4-cpu rows); 124's unpack-stream

@@ -3,7 +3,8 @@
 The KV of a streamed slice already lives in host memory (`[E, 2, G, D]` extents); for one
 decode token the CPU can attend it where it is instead of copying it over PCIe. All query heads
 of a KV head read its keys once (GQA), accumulation is fp32, and the result is (out, lse) per
-query head, to merge exactly with other partial results (`kvtier.attention.dense.merge_into`).
+query head, to merge exactly with other partial results (`kvtier.attention.dense.merge_into`,
+or `merge_stacked` for many at once, as the store merges a layer's CPU parts).
 
 ```
  extents:  [e0: tokens 0..E) [e1: E..2E) [e2: 2E..length)
