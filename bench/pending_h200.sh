@@ -715,11 +715,14 @@ case "$group" in
   # run-ahead bounded to one CPU layer: the two suspects of 128's hangs. The CUDA checks with
   # it on, then an A/B on one plan (two KV heads a slice, 32 CPU slices) and a traced step
   RUN_TAIL=60  # a watchdog's stacks, should a run hang again
-  KVTIER_CPU_HANDOFF=gpu run 110 $py bench/gpu_checks.py
-  for h in host gpu; do
+  # Since 2026-12-07 also the results read in place by the merge (--cpu-results mapped,
+  # kvtier.kv.mapped: no H2D copy to queue behind the link's loads); the checks run with both on
+  KVTIER_CPU_HANDOFF=gpu KVTIER_CPU_RESULTS=mapped run 110 $py bench/gpu_checks.py
+  for hr in host:copy gpu:copy gpu:mapped; do
+    h=${hr%:*} r=${hr#*:}
     run 110 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
-      --full-prefill-max 1 --decode-steps 5 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h \
-      --watchdog 100 --name "int4_512k_g2_cpu32_handoff_$h"
+      --full-prefill-max 1 --decode-steps 5 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h --cpu-results $r \
+      --watchdog 100 --name "int4_512k_g2_cpu32_handoff_${h}_$r"
   done
   # the stream's step under the profiler: do the layers' result copies queue behind the link's?
   run 110 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \

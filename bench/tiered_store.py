@@ -143,6 +143,7 @@ def run_policy(
             options=StoreOptions(
                 unpack_stream=None if args.unpack_planned else args.unpack_stream,
                 cpu_handoff=args.cpu_handoff,
+                cpu_results=args.cpu_results,
             ),
             **method_parts(cfg, model, method),
         )
@@ -200,6 +201,7 @@ def run_policy(
         if store.cpu is not None:
             row["cpu_split"] = cpu_split_row(store, cpu0, len(steps))
             row["cpu_handoff"] = "gpu" if store.cpu.flag is not None else "host"
+            row["cpu_results"] = store.cpu.results
         if args.trace_step:
             row["trace_step"] = traced_step(store, model, token)
         if args.trace_cpu and store.cpu is not None:
@@ -315,6 +317,14 @@ def main() -> None:
         default="auto",
         help="who waits for CPU slices' results: the CUDA stream (gpu; the host goes on issuing), the "
         "main thread (host: every row before 2026-12-06), or the library's default (auto: host)",
+    )
+    ap.add_argument(
+        "--cpu-results",
+        choices=("auto", "copy", "mapped"),
+        default="auto",
+        help="how CPU slices' results reach the merge: an H2D copy (copy: every row before "
+        "2026-12-07), read in place from pinned memory by the merge's kernels (mapped), or the "
+        "library's default (auto: copy)",
     )
     ap.add_argument(
         "--watchdog",

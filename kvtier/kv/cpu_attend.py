@@ -40,6 +40,7 @@ from kvtier.config import ModelConfig
 from kvtier.kv.host_flag import HostFlag
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
+from kvtier.kv.mapped import device_view, results_mode
 from kvtier.kv.packed import PackedTier
 from kvtier.kv.streams import Streams
 from kvtier.planner.cpu_split import cpu_slice_flags
@@ -70,6 +71,7 @@ class CpuSlices:
         decoder: CpuDecoder | None = None,
         packed: PackedTier | None = None,
         handoff: str = "auto",
+        results: str = "auto",
     ) -> None:
         on_device = packed.device_slices if packed is not None else frozenset()  # packed, on the GPU
         resident = [s not in hosts or s in on_device for s in range(layout.num_slices)]
@@ -98,6 +100,9 @@ class CpuSlices:
         self._ticket = 0  # the flag's value once the latest layer's CPU results are in
         self._signals: list[Future[None]] = []  # the layers' signals since `end_step`
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # `_buffer`'s, per (use, layer)
+        # "mapped": the merge reads each layer's results in place (`kvtier.kv.mapped`), else a copy
+        self.results = results_mode(results, device)
+        self._views: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (address, shape) -> view
         self._last_layer = max(self.layers, default=-1)
 
     def begin_step(self, n_new: int) -> frozenset[int]:
@@ -193,7 +198,7 @@ class CpuSlices:
             self.wait_s += t1 - t0
             if self.trace is not None:
                 self.trace.append((layer, len(pending), entry, t0, t1))
-            res = results.to(self.device, non_blocking=True)
+            res = self._on_device(results)
             cpu_out = res[..., : r * d].reshape(-1, 1, n * r, d)  # [parts, 1, n * r, D]
             cpu_lse = res[..., r * d :].reshape(-1, 1, n * r)
             # NOTE: one merge of the new token's part and every CPU part (a packed slice's rows
@@ -253,6 +258,16 @@ class CpuSlices:
     ) -> PendingDecode:
         return self.decoder.start(q, extents, length, ready, into)
 
+    def _on_device(self, results: torch.Tensor) -> torch.Tensor:
+        """A layer's results buffer as the merge reads it: copied (asynchronously), or mapped."""
+        if self.results != "mapped":
+            return results.to(self.device, non_blocking=True)
+        key = (results.data_ptr(), tuple(results.shape))
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = device_view(results, self.device)
+        return view
+
     def _buffer(self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer of `shape` kept per `key` for every step (pinned on CUDA), grown when a
         step needs more. NOTE: reused, not allocated, each layer: a pinned allocation in the
@@ -266,6 +281,7 @@ class CpuSlices:
         if buf is None or buf.dtype != dtype or buf.numel() < math.prod(shape):
             buf = torch.empty(math.prod(shape), dtype=dtype, pin_memory=self.device.type == "cuda")
             self._buffers[key] = buf
+            self._views.clear()  # NOTE: a view may be of the buffer this one replaces
         return buf[: math.prod(shape)].view(shape)
 
     def _query_to_host(

@@ -25,6 +25,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.kv.host_flag import HANDOFFS
 from kvtier.kv.layout import KVLayout
+from kvtier.kv.mapped import RESULTS
 from kvtier.planner.packed import PackedFormat
 
 
@@ -49,10 +50,16 @@ class StoreOptions:
     # goes on issuing; `kvtier.kv.host_flag`, opt-in: runs with it have hung), "host", the main
     # thread, or "auto": the host unless KVTIER_CPU_HANDOFF=gpu.
     cpu_handoff: str = "auto"
+    # How CPU-attended slices' results reach the merge on CUDA: "copy" (an H2D copy, on the copy
+    # engines beside the link's loads), "mapped" (the merge's kernels read the pinned buffer in
+    # place, `kvtier.kv.mapped`), or "auto": copy unless KVTIER_CPU_RESULTS=mapped.
+    cpu_results: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cpu_handoff not in HANDOFFS:
             raise ConfigError(f"cpu_handoff {self.cpu_handoff!r}: use one of {', '.join(HANDOFFS)}")
+        if self.cpu_results not in RESULTS:
+            raise ConfigError(f"cpu_results {self.cpu_results!r}: use one of {', '.join(RESULTS)}")
 
 
 @runtime_checkable

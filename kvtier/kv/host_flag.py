@@ -119,6 +119,15 @@ def _driver() -> _Driver | None:
         return None
 
 
+def driver_pointer(host: int) -> int:
+    """The device address of pinned host memory at `host` (its own address where CUDA maps host
+    and device into one address space)."""
+    driver = _driver()
+    if driver is None:
+        raise RuntimeError("libcuda's cuMemHostGetDevicePointer is not available here")
+    return driver.device_pointer(host)
+
+
 _tested: list[HostFlag] = []  # the self-tests' flags, alive for good (see `_stream_waits_work`)
 
 

@@ -197,6 +197,7 @@ class TieredKVStore:
                 self.streams,
                 packed=self.packed,
                 handoff=opts.cpu_handoff,
+                results=opts.cpu_results,
             )
 
     # -- step protocol -------------------------------------------------------------------------
