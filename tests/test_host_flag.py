@@ -20,6 +20,7 @@ from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
 from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
 from kvtier.kv.host_flag import HostFlag
+from kvtier.kv.mapped import device_view, results_mode
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.weights import load_safetensors_folder
 from kvtier.model.llama import CausalLM
@@ -213,3 +214,40 @@ def test_step_trace_tells_queued_small_copies_from_parallel_ones() -> None:
     # the first starts 4 us after a load ends, while the next load runs (counted both ways),
     # the second during a load (another engine), the third with no load near (neither)
     assert got == {"small_h2d_copies": 3, "small_h2d_right_after_big": 1, "small_h2d_during_big": 2}
+
+
+def test_results_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = torch.device("cuda", 0)
+    assert results_mode("auto", cuda) == "copy" and results_mode("mapped", cuda) == "mapped"
+    assert results_mode("mapped", CPU) == "copy"  # the merge already runs where the results are
+    monkeypatch.setenv("KVTIER_CPU_RESULTS", "mapped")
+    assert results_mode("auto", cuda) == "mapped" and results_mode("copy", cuda) == "copy"
+    monkeypatch.setenv("KVTIER_CPU_RESULTS", "zero-copy")
+    with pytest.raises(ConfigError, match="CPU results 'zero-copy'"):
+        results_mode("auto", cuda)
+    with pytest.raises(ConfigError, match="cpu_results 'pinned'"):
+        StoreOptions(cpu_results="pinned")
+    with pytest.raises(ValueError, match="pinned, contiguous"):
+        device_view(torch.zeros(4), cuda)
+
+
+def test_mapped_results_give_the_same_tokens_with_one_view_a_buffer(
+    gqa_model: tuple[CausalLM, ModelConfig], decoder: CpuDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge reads each layer's results through a view made once per buffer (a stand-in
+    view on the CPU: the buffer itself), and the tokens are the copy's."""
+    ref, store = run(*gqa_model, None)
+    store.close()
+    made: list[int] = []
+
+    def view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        made.append(host.data_ptr())
+        return host
+
+    monkeypatch.setattr(cpu_attend, "device_view", view)
+    monkeypatch.setattr(cpu_attend, "results_mode", lambda choice, device: "mapped")
+    tokens, store = run(*gqa_model, HostBlockingFlag())
+    assert tokens == ref
+    assert store.cpu is not None and store.cpu.results == "mapped"
+    assert len(made) == len(set(made)) == len(store.cpu.layers)  # one view a layer, kept
+    store.close()

@@ -279,9 +279,10 @@ class CpuSlices:
         step's results of the layer."""
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != dtype or buf.numel() < math.prod(shape):
+            if buf is not None:  # NOTE: its views go with it (a view starts where its buffer does)
+                self._views = {k: v for k, v in self._views.items() if k[0] != buf.data_ptr()}
             buf = torch.empty(math.prod(shape), dtype=dtype, pin_memory=self.device.type == "cuda")
             self._buffers[key] = buf
-            self._views.clear()  # NOTE: a view may be of the buffer this one replaces
         return buf[: math.prod(shape)].view(shape)
 
     def _query_to_host(
