@@ -120,6 +120,54 @@ def link_rates(nbytes: int = 1 << 28) -> dict[str, float]:
     return {"h2d_gbps": round(h2d, 1), "host_read_gbps": round(host, 1), "launch_us": round(launch, 2)}
 
 
+def beside_h2d(fn: Callable[[], Any], nbytes: int, seconds: float = 2.0) -> dict[str, float]:
+    """`fn` (which reads `nbytes` of host memory a call) run for `seconds` while a second thread
+    keeps 1 GiB pinned H2D copies running, as a decode step's link does: both rates, GB/s,
+    over the same interval, and each alone (CUDA). What DMA beside it costs a CPU kernel."""
+    import threading
+
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    stop = threading.Event()
+    copied = [0]
+
+    def copier() -> None:
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                dst.copy_(src, non_blocking=True)
+                stream.synchronize()
+                copied[0] += src.numel()
+
+    def loop() -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            n += 1
+        return n * nbytes / (time.perf_counter() - t0) / 1e9
+
+    alone = loop()
+    t = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    h2d_alone = src.numel() / (time.perf_counter() - t) / 1e9
+    th = threading.Thread(target=copier)
+    th.start()
+    time.sleep(0.2)
+    c0, t0 = copied[0], time.perf_counter()
+    beside = loop()
+    h2d = (copied[0] - c0) / (time.perf_counter() - t0) / 1e9
+    stop.set()
+    th.join()
+    return {
+        "alone_gb_s": round(alone, 2),
+        "h2d_alone_gb_s": round(h2d_alone, 2),
+        "beside_h2d_gb_s": round(beside, 2),
+        "h2d_beside_gb_s": round(h2d, 2),
+        "combined_gb_s": round(beside + h2d, 2),
+    }
+
+
 def recorded_command() -> str:
     """The command line that reproduces a result: kvtier's switches in the environment
     (`KVTIER_*`, e.g. KVTIER_HIP_GRAPHS=1, which subprocesses inherit) before the argv."""

@@ -16,6 +16,7 @@ targets `bf16-narrow` and `kivi4-narrow` are those on the 8-float paths
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import write_results
+from bench.common import beside_h2d, write_results
 from kvtier.attention.cpu_decode import CpuDecoder, wide_vectors
 from kvtier.policies.quant import Fp8Codec, KiviCodec
 
@@ -43,6 +44,12 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--bits", default="4,8,2", help="KIVI code widths, comma-separated")
     ap.add_argument("--no-fp8", action="store_true", help="leave out FP8 rows (Fp8Codec)")
+    ap.add_argument(
+        "--combined",
+        action="store_true",
+        help="CUDA: also each case at the last --threads count while pinned H2D copies run "
+        "(a decode step's link beside the CPU's slices), both rates",
+    )
     args = ap.parse_args()
     g, d, r, n = args.kv_heads, 128, 4, args.tokens
     load_before = os.getloadavg()
@@ -96,11 +103,24 @@ def main() -> None:
             }
             results.append(row)
             print(row, flush=True)
+    combined: dict[str, dict[str, float]] = {}
+    if args.combined:
+        dec = CpuDecoder(threads, backend="native")
+        for name, (codec, exts, units, nbytes) in cases.items():
+            wide_vectors(not name.endswith("-narrow"))
+            if codec is None:
+                fn = functools.partial(dec.attend, q, exts, units)
+            else:
+                fn = lambda c=codec, e=exts, u=units: dec.start_rows(q, c, e, u, g, d).result()  # noqa: E731
+            combined[name] = {"threads": threads, **beside_h2d(fn, nbytes)}
+            print(name, combined[name], flush=True)
+        dec.close()
     out = {
         "load_average_before_after": [load_before, os.getloadavg()],
         "shapes": {"tokens": n, "kv_heads": g, "head_dim": d, "q_per_kv": r, "kivi_group": 32},
         "data": "synthetic: Gaussian KV with a per-channel offset, random query",
         "results": results,
+        "beside_h2d": combined,
     }
     print(write_results(args.name, out))
 

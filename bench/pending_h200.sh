@@ -729,6 +729,21 @@ case "$group" in
     --full-prefill-max 1 --decode-steps 3 --trace-step --gpu-memory 24GiB --cpu-handoff gpu \
     --watchdog 100 --name int4_512k_g2_cpu32_handoff_gpu_trace
   ;;
+131)
+  # (~5 min, no GGUF) issue 23 after 129 (000f6c1): with the results mapped the CPU idled 19 ms
+  # a step between its layers (64 copied) but its jobs took 228 ms (191): does the int4 kernel
+  # slow down beside the link's DMA (its rate alone and beside pinned H2D copies), and does
+  # mapped beat copy over more steps (two runs each, interleaved, 12 steps)?
+  run 100 $py bench/cpu_attention_rows.py --tokens 524288 --kv-heads 2 --threads 15 --bits 4 --no-fp8 \
+    --reps 3 --combined --name cpu_attention_rows_int4_beside_h2d
+  for i in 1 2; do
+    for r in copy mapped; do
+      run 75 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+        --full-prefill-max 1 --decode-steps 12 --trace-cpu --gpu-memory 24GiB --cpu-handoff gpu --cpu-results $r \
+        --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_$i"
+    done
+  done
+  ;;
 130)
   # (~5 min, no GGUF; right after 129) lossless bf16 auto at 512K with the host's wait and the
   # stream's (the README's 0.624 s ran with the host's, on an H200 start)
