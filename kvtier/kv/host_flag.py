@@ -19,8 +19,10 @@ already holding the layer's remaining work, runs it at once:
 the driver's stream waits fail a self-test; it returns None, and callers wait on the host as
 before, off CUDA, for "host" and for "auto": on an H100 the stream's wait ran 0.2586 s/token where the host's
 ran ~0.26-0.29, but three of four runs with it on one machine start hung
-(bench/results/cpu_attention_int4_512k_handoff_gpu.json), so it stays opt-in until that is
-understood.
+(bench/results/cpu_attention_int4_512k_handoff_gpu.json). With their two suspects removed
+(pinned allocations in the loop, an unbounded run-ahead) nine runs on another start did not hang
+and the stream's wait ran 0.2685 against the host's 0.2811 on one plan, within a run's
+step-to-step spread (..._handoff_{gpu,host}_copy.json): opt-in until an A/B separates them.
 """
 
 from __future__ import annotations
