@@ -157,6 +157,22 @@ void attend_row4_wide(Head<F32S, R>& hd, const HeadOfRow& at, int D) {
       for (int h = 0; h < R; ++h) hd.part[h][i + u] = lo8(p[u][h]) + hi8(p[u][h]);
   }
   hd.weights(KIVI_GROUP, C, bias);
+  // Each (run k, head h, token j)'s weight times its step, w[k][h][j] = s[h][j] * step, made 16
+  // at a time before the values' loop, which then takes each as a multiply-add's broadcast
+  // operand: a scalar multiply and a broadcast fewer per (token, head, run), the same products.
+  alignas(64) float vt[MAX_DV / 4][KIVI_GROUP];  // [run, token]: the steps, then the mins
+  alignas(64) float w[MAX_DV / 4][R][KIVI_GROUP];
+  for (int r = 0; r < Q; ++r)
+    for (int j = 0; j < KIVI_GROUP; ++j) vt[r][j] = at.vs[at.run(j, 32 * r)];
+  for (int r = 0; r < Q; ++r)
+    for (int h = 0; h < R; ++h)
+      for (int j = 0; j < KIVI_GROUP; j += 16) {
+        v16f sj, tj;
+        memcpy(&sj, &hd.s[h][j], 64);
+        memcpy(&tj, &vt[r][j], 64);
+        const v16f x = sj * tj;
+        memcpy(&w[r][h][j], &x, 64);
+      }
   for (int k = 0; k < Q; ++k) {
     const int c = 4 * k;
     v16f a[R], b[R];
@@ -167,11 +183,9 @@ void attend_row4_wide(Head<F32S, R>& hd, const HeadOfRow& at, int D) {
     for (int j = 0; j < KIVI_GROUP; ++j) {
       v16f va, vb;
       nibble_chunks16(at.values(j) + 16 * k, va, vb);
-      const float step = at.vs[at.run(j, 32 * k)];
       for (int h = 0; h < R; ++h) {
-        const float w = hd.s[h][j] * step;
-        a[h] += w * va;
-        b[h] += w * vb;
+        a[h] += w[k][h][j] * va;
+        b[h] += w[k][h][j] * vb;
       }
     }
     for (int h = 0; h < R; ++h) {
@@ -183,7 +197,6 @@ void attend_row4_wide(Head<F32S, R>& hd, const HeadOfRow& at, int D) {
   }
   // The values' mins: p . min of each run, the row's mins gathered by run once for all R heads
   // (attend_row reads them strided, once per query head; ~13% of this path's time here).
-  alignas(64) float vt[MAX_DV / 4][KIVI_GROUP];  // [run, token]
   for (int r = 0; r < at.nc; ++r)
     for (int j = 0; j < KIVI_GROUP; ++j) vt[r][j] = at.vlo[at.run(j, r * at.cg)];
   for (int h = 0; h < R; ++h) {
