@@ -273,6 +273,11 @@
 #   The stream's wait became opt-in; its two suspects were removed at 2c63cf0+. NEXT: 129 first
 #   (the CUDA checks with it, the A/B on one plan, under --watchdog), 130 (lossless), then the embedded smoke
 #   (the default path's CPU-slice buffers are now reused per layer), 125, 110, 85, 80, 73.
+# The forty-sixth (one H100 start at 000f6c1; then refusals) ran 129 (no hangs; host 0.2811,
+#   stream 0.2685, stream + mapped results 0.2780 on one plan, inside a run's spread), 130, the
+#   embedded smoke (31/31, 15/15), 125 and a CPU-count sweep. Since: the int4 CPU kernel ~1.1x per
+#   thread (51d0e43). NEXT: 131 (~7 min: the int4 kernel beside H2D copies; copy vs mapped over 12
+#   steps, twice; 14 CPU threads), then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -730,7 +735,7 @@ case "$group" in
     --watchdog 100 --name int4_512k_g2_cpu32_handoff_gpu_trace
   ;;
 131)
-  # (~5 min, no GGUF) issue 23 after 129 (000f6c1): with the results mapped the CPU idled 19 ms
+  # (~7 min, no GGUF) issue 23 after 129 (000f6c1): with the results mapped the CPU idled 19 ms
   # a step between its layers (64 copied) but its jobs took 228 ms (191): does the int4 kernel
   # slow down beside the link's DMA (its rate alone and beside pinned H2D copies), and does
   # mapped beat copy over more steps (two runs each, interleaved, 12 steps)?
@@ -742,6 +747,13 @@ case "$group" in
         --full-prefill-max 1 --decode-steps 12 --trace-cpu --gpu-memory 24GiB --cpu-handoff gpu --cpu-results $r \
         --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_$i"
     done
+  done
+  # 129's host issued a layer in ~6.3 ms, busy all step beside 15 CPU threads on 16 cores: one
+  # CPU thread fewer leaves the issuing thread a core of its own
+  for r in copy mapped; do
+    KVTIER_CPU_ATTENTION_THREADS=14 run 75 $py bench/tiered_store.py --contexts 512K --policies auto+int4 \
+      --cpu-attention 32 --head-group 2 --full-prefill-max 1 --decode-steps 12 --trace-cpu --gpu-memory 24GiB \
+      --cpu-handoff gpu --cpu-results $r --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_t14"
   done
   ;;
 130)
