@@ -276,8 +276,10 @@
 # The forty-sixth (one H100 start at 000f6c1; then refusals) ran 129 (no hangs; host 0.2811,
 #   stream 0.2685, stream + mapped results 0.2780 on one plan, inside a run's spread), 130, the
 #   embedded smoke (31/31, 15/15), 125 and a CPU-count sweep. Since: the int4 CPU kernel ~1.1x per
-#   thread (51d0e43). NEXT: 131 (~7 min: the int4 kernel beside H2D copies; copy vs mapped over 12
-#   steps, twice; 14 CPU threads), then 110, 85, the 8B smoke, 80, 73.
+#   thread (51d0e43), and a packed slice's loads copy runs of adjacent 16 MiB extents up to
+#   64 MiB at once (a quarter of the host's copies; GPU-facing, unrun: 131 starts with the CUDA
+#   checks). NEXT: 131 (~8 min: the checks; the int4 kernel beside H2D copies; copy vs mapped over
+#   12 steps, twice; 14 CPU threads), the embedded smoke, then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -739,6 +741,7 @@ case "$group" in
   # a step between its layers (64 copied) but its jobs took 228 ms (191): does the int4 kernel
   # slow down beside the link's DMA (its rate alone and beside pinned H2D copies), and does
   # mapped beat copy over more steps (two runs each, interleaved, 12 steps)?
+  run 110 $py bench/gpu_checks.py  # since 131 was written: runs of extents read in one copy
   run 100 $py bench/cpu_attention_rows.py --tokens 524288 --kv-heads 2 --threads 15 --bits 4 --no-fp8 \
     --reps 3 --combined --name cpu_attention_rows_int4_beside_h2d
   for i in 1 2; do

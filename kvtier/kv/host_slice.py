@@ -11,6 +11,12 @@ from kvtier.attention.interface import ExtentKeys
 from kvtier.kv.streams import Event
 from kvtier.kv.tiers import HostArena
 
+# A read copies a run of memory-adjacent extents in pieces of at most this many bytes. A packed
+# slice reserves its rows' 16 MiB extents in one go (`kvtier.kv.packed`), consecutive rows of a
+# slab, so its loads take a quarter of the copies (the host issues each: ~20 per layer at 512K),
+# none larger than the lossless tier's 64 MiB extents, whose copies this leaves as they were.
+MERGED_READ_BYTES = 64 << 20
+
 
 class HostSlice:
     """Tokens of one slice in host memory, `[tokens, 2, group_size, head_dim]` split into extents
@@ -58,9 +64,34 @@ class HostSlice:
             self.extents[e][off : off + n].copy_(src[at : at + n], non_blocking=True)
 
     def read_into(self, dst: torch.Tensor, start: int, end: int) -> None:
-        """Copy tokens [start, end) into dst[: end - start]. Asynchronous on CUDA."""
+        """Copy tokens [start, end) into dst[: end - start], one copy per run of memory-adjacent
+        extents (`runs`). Asynchronous on CUDA."""
+        for src, at, n in self.runs(start, end):
+            dst[at : at + n].copy_(src, non_blocking=True)
+
+    def runs(
+        self, start: int, end: int, limit: int = MERGED_READ_BYTES
+    ) -> list[tuple[torch.Tensor, int, int]]:
+        """(source view, offset in range, tokens) covering tokens [start, end): `_pieces`, with
+        a piece that starts where the previous one ends in memory (its extent the next row of the
+        same slab) joined to it while the view stays within `limit` bytes."""
+        out: list[tuple[torch.Tensor, int, int]] = []
         for e, off, at, n in self._pieces(start, end):
-            dst[at : at + n].copy_(self.extents[e][off : off + n], non_blocking=True)
+            piece = self.extents[e][off : off + n]
+            if out:
+                src, at0, n0 = out[-1]
+                row = src.stride(0) * src.element_size()
+                if (
+                    (n0 + n) * row <= limit
+                    and piece.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+                    and piece.data_ptr() == src.data_ptr() + n0 * row
+                    and piece.stride() == src.stride()
+                ):
+                    joined = src.as_strided((n0 + n, *src.shape[1:]), src.stride(), src.storage_offset())
+                    out[-1] = (joined, at0, n0 + n)
+                    continue
+            out.append((piece, at, n))
+        return out
 
     def read_runs_into(self, dst: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
         """Copy tokens [start, end) of each (start, end, at) span into dst[at : at + end - start]
