@@ -300,9 +300,9 @@ def test_loads_unpacked_on_their_own_stream_give_the_same_logits(
 ) -> None:
     """`StoreOptions.unpack_stream`: a streamed slice's rows are copied on the H2D stream into
     alternating scratches and unpacked on the unpack stream; a slice packed on the device is
-    unpacked there from its rows, extent by extent (3-row extents here), with nothing on the
-    H2D stream. The same logits bit for bit and the same bytes moved as the loads unpacked on
-    the H2D stream."""
+    unpacked there from its rows, a run of adjacent extents at a time (3-row extents here),
+    with nothing on the H2D stream. The same logits bit for bit and the same bytes moved as the
+    loads unpacked on the H2D stream."""
     import contextlib
 
     import kvtier.planner.packed as packed_sizes

@@ -231,9 +231,9 @@ class PackedTier:
             free = [*free, streams.record()]
         with streams.on_unpack():
             streams.wait(free)
-            if on_device:  # unpacked where they lie: one unpack per extent of rows
+            if on_device:  # unpacked where they lie: one unpack per run of adjacent extents
                 at = 0
-                for piece in self.rows[sid].views(r0, r1):
+                for piece, _, _ in self.rows[sid].runs(r0, r1):
                     n = min(piece.shape[0] * g, c - start - at)
                     self._unpack(piece, dst[at : at + n])
                     at += n
