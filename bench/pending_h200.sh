@@ -737,7 +737,7 @@ case "$group" in
     --watchdog 100 --name int4_512k_g2_cpu32_handoff_gpu_trace
   ;;
 131)
-  # (~7 min, no GGUF) issue 23 after 129 (000f6c1): with the results mapped the CPU idled 19 ms
+  # (~8 min, no GGUF) issue 23 after 129 (000f6c1): with the results mapped the CPU idled 19 ms
   # a step between its layers (64 copied) but its jobs took 228 ms (191): does the int4 kernel
   # slow down beside the link's DMA (its rate alone and beside pinned H2D copies), and does
   # mapped beat copy over more steps (two runs each, interleaved, 12 steps)?
