@@ -140,7 +140,8 @@ class CpuSlices:
         `write_back`, then the CPU results are merged; returns [1, H_q, D].
 
         The layer's CPU slices are merged together: their results land in one buffer (pinned on
-        CUDA) that crosses to the device in one asynchronous copy, and their new tokens' own
+        CUDA) that crosses to the device in one asynchronous copy, or that the merge reads in
+        place with `cpu_results="mapped"` (`kvtier.kv.mapped`), and their new tokens' own
         attention and the merge (`merge_stacked`: one pass over all parts) run once over all their
         heads. What follows the wait is kept short: until the next layer's query reaches the CPU,
         its threads are idle (`bench/tiered_store.py --trace-cpu`). NOTE: a copy from pageable

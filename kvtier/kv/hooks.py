@@ -47,7 +47,8 @@ class StoreOptions:
     # link waits for them. None: as the plan says (`KVPlan.unpack_scratches`).
     unpack_stream: bool | None = None
     # Who waits for CPU-attended slices' results at decode: "gpu", the CUDA stream (the host
-    # goes on issuing; `kvtier.kv.host_flag`, opt-in: runs with it have hung), "host", the main
+    # goes on issuing; `kvtier.kv.host_flag`, opt-in: early runs hung, and it is not yet
+    # measured apart from the host's wait), "host", the main
     # thread, or "auto": the host unless KVTIER_CPU_HANDOFF=gpu.
     cpu_handoff: str = "auto"
     # How CPU-attended slices' results reach the merge on CUDA: "copy" (an H2D copy, on the copy
