@@ -182,7 +182,9 @@ struct Head {
       for (int j = 8; j < BLK; j += 8) sum += load(&s[h][j]);
       l[h] = l[h] * scale + hsum(sum);
       m[h] = mx;
-      for (int c = 0; c < C; ++c) acc[h][c] *= scale;
+      // NOTE: a block below the running maximum scales by exp(0) = 1: nothing to multiply
+      if (scale != 1.0f)
+        for (int c = 0; c < C; ++c) acc[h][c] *= scale;
     }
   }
 
