@@ -759,6 +759,17 @@ case "$group" in
       --cpu-handoff gpu --cpu-results $r --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_t14"
   done
   ;;
+132)
+  # (~7 min, GGUF: call B right after 131, which carries its first half) the embedded smoke
+  # (GPU-facing code changed since it last ran: host-tier reads of coalesced runs), then one
+  # int4 512K step under cProfile and the profiler: where the host's ~4.5 ms a layer of issuing
+  # goes (129's host was busy all step)
+  run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 150 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --out "$OUT/gpu_smoke_serve_embedded.json"
+  run 90 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
+    --full-prefill-max 1 --decode-steps 3 --profile-step --gpu-memory 24GiB --cpu-handoff gpu \
+    --watchdog 80 --name int4_512k_g2_cpu32_gpu_profile_step
+  ;;
 130)
   # (~5 min, no GGUF; right after 129) lossless bf16 auto at 512K with the host's wait and the
   # stream's (the README's 0.624 s ran with the host's, on an H200 start)
