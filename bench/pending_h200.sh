@@ -744,7 +744,7 @@ case "$group" in
   run 110 $py bench/gpu_checks.py  # since 131 was written: runs of extents read in one copy
   run 100 $py bench/cpu_attention_rows.py --tokens 524288 --kv-heads 2 --threads 15 --bits 4 --no-fp8 \
     --reps 3 --combined --name cpu_attention_rows_int4_beside_h2d
-  for i in 1 2; do
+  for i in $(seq 1 "${ROUNDS:-2}"); do  # ROUNDS=1: one round, where device time is short
     for r in copy mapped; do
       run 75 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention 32 --head-group 2 \
         --full-prefill-max 1 --decode-steps 12 --trace-cpu --gpu-memory 24GiB --cpu-handoff gpu --cpu-results $r \
