@@ -314,17 +314,18 @@ def main() -> None:
     ap.add_argument(
         "--cpu-handoff",
         choices=("auto", "gpu", "host"),
-        default="auto",
+        default="host",
         help="who waits for CPU slices' results: the CUDA stream (gpu; the host goes on issuing), the "
-        "main thread (host: every row before 2026-12-06), or the library's default (auto: host)",
+        "main thread (host: this bench's default, so earlier rows' commands keep their meaning), or "
+        "the library's default (auto: the stream since 2026-12-07, where the driver's waits work)",
     )
     ap.add_argument(
         "--cpu-results",
         choices=("auto", "copy", "mapped"),
-        default="auto",
-        help="how CPU slices' results reach the merge: an H2D copy (copy: every row before "
-        "2026-12-07), read in place from pinned memory by the merge's kernels (mapped), or the "
-        "library's default (auto: copy)",
+        default="copy",
+        help="how CPU slices' results reach the merge: an H2D copy (copy: this bench's default, as "
+        "every row before 2026-12-07 ran), read in place from pinned memory by the merge's kernels "
+        "(mapped), or the library's default (auto: mapped since 2026-12-07)",
     )
     ap.add_argument(
         "--watchdog",

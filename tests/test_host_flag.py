@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import kvtier.kv.cpu_attend as cpu_attend
+import kvtier.kv.host_flag as host_flag
+import kvtier.kv.mapped as mapped
 from kvtier.attention.cpu_decode import CpuDecoder, PendingDecode
 from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
@@ -80,10 +82,22 @@ def run(
     return tokens, store
 
 
-def test_handoff_choices() -> None:
+def test_handoff_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     assert HostFlag.make(CPU) is None and HostFlag.make(CPU, "gpu") is None  # no stream to wait
     with pytest.raises(ValueError, match="use one of auto, gpu, host"):
         HostFlag.make(CPU, "stream")
+    # On CUDA "auto" is the stream's wait, but where the driver's stream waits are missing (or
+    # fail their self-test) it falls back to the host's; "gpu" asked for them and raises
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(host_flag, "_driver", lambda: None)
+    assert HostFlag.make(cuda) is None and HostFlag.make(cuda, "host") is None
+    with pytest.raises(RuntimeError, match="stream waits"):
+        HostFlag.make(cuda, "gpu")
+    monkeypatch.setenv("KVTIER_CPU_HANDOFF", "gpu")  # the variable speaks for "auto"
+    with pytest.raises(RuntimeError, match="stream waits"):
+        HostFlag.make(cuda)
+    monkeypatch.setenv("KVTIER_CPU_HANDOFF", "host")
+    assert HostFlag.make(cuda) is None
     with pytest.raises(ConfigError, match="cpu_handoff 'later'"):
         StoreOptions(cpu_handoff="later")
 
@@ -218,10 +232,16 @@ def test_step_trace_tells_queued_small_copies_from_parallel_ones() -> None:
 
 def test_results_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(mapped, "driver_available", lambda: True)
+    assert results_mode("auto", cuda) == "mapped" and results_mode("copy", cuda) == "copy"
+    monkeypatch.setattr(mapped, "driver_available", lambda: False)  # no libcuda: copied
     assert results_mode("auto", cuda) == "copy" and results_mode("mapped", cuda) == "mapped"
     assert results_mode("mapped", CPU) == "copy"  # the merge already runs where the results are
     monkeypatch.setenv("KVTIER_CPU_RESULTS", "mapped")
     assert results_mode("auto", cuda) == "mapped" and results_mode("copy", cuda) == "copy"
+    monkeypatch.setenv("KVTIER_CPU_RESULTS", "copy")
+    monkeypatch.setattr(mapped, "driver_available", lambda: True)
+    assert results_mode("auto", cuda) == "copy"
     monkeypatch.setenv("KVTIER_CPU_RESULTS", "zero-copy")
     with pytest.raises(ConfigError, match="CPU results 'zero-copy'"):
         results_mode("auto", cuda)

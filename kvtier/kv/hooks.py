@@ -47,13 +47,13 @@ class StoreOptions:
     # link waits for them. None: as the plan says (`KVPlan.unpack_scratches`).
     unpack_stream: bool | None = None
     # Who waits for CPU-attended slices' results at decode: "gpu", the CUDA stream (the host
-    # goes on issuing; `kvtier.kv.host_flag`, opt-in: early runs hung, and it is not yet
-    # measured apart from the host's wait), "host", the main
-    # thread, or "auto": the host unless KVTIER_CPU_HANDOFF=gpu.
+    # goes on issuing; `kvtier.kv.host_flag`), "host", the main thread, or "auto" (KVTIER_CPU_HANDOFF,
+    # else the stream where the driver's stream waits pass a self-test, else the host).
     cpu_handoff: str = "auto"
     # How CPU-attended slices' results reach the merge on CUDA: "copy" (an H2D copy, on the copy
     # engines beside the link's loads), "mapped" (the merge's kernels read the pinned buffer in
-    # place, `kvtier.kv.mapped`), or "auto": copy unless KVTIER_CPU_RESULTS=mapped.
+    # place, `kvtier.kv.mapped`), or "auto" (KVTIER_CPU_RESULTS, else mapped where libcuda's
+    # calls are there).
     cpu_results: str = "auto"
 
     def __post_init__(self) -> None:

@@ -15,14 +15,14 @@ already holding the layer's remaining work, runs it at once:
  GPU:    [q(l)->host][GPU slices of l][wait(l)]......[merge, dense, q(l+1)->host][...]
 ```
 
-`HostFlag.make(device, "gpu")` (or `KVTIER_CPU_HANDOFF=gpu`) returns a flag, or raises where
-the driver's stream waits fail a self-test; it returns None, and callers wait on the host as
-before, off CUDA, for "host" and for "auto": on an H100 the stream's wait ran 0.2586 s/token where the host's
-ran ~0.26-0.29, but three of four runs with it on one machine start hung
-(bench/results/cpu_attention_int4_512k_handoff_gpu.json). With their two suspects removed
-(pinned allocations in the loop, an unbounded run-ahead) nine runs on another start did not hang
-and the stream's wait ran 0.2685 against the host's 0.2811 on one plan, within a run's
-step-to-step spread (..._handoff_{gpu,host}_copy.json): opt-in until an A/B separates them.
+`HostFlag.make(device)` returns a flag on CUDA, the default since the forty-seventh session:
+with the merge reading the results in place (`kvtier.kv.mapped`) int4 KV at 512K decoded at
+0.2389-0.2446 s/token on one H100 start against 0.2572-0.2618 with the host's wait's usual
+copy, three rounds interleaved (bench/results/int4_512k_g2_cpu32_gpu_*_12steps_*.json), and
+none of 21 runs with it hung after its two suspects were removed (pinned allocations in the
+loop, an unbounded run-ahead; three of four early runs had hung). "host" (or
+`KVTIER_CPU_HANDOFF=host`) keeps the host's wait; "auto" falls back to it, and "gpu" raises,
+where the driver's stream waits fail a self-test.
 """
 
 from __future__ import annotations
@@ -53,16 +53,18 @@ class HostFlag:
 
     @classmethod
     def make(cls, device: torch.device, handoff: str = "auto") -> HostFlag | None:
-        """A flag for `device` where `handoff` (else, for "auto", `KVTIER_CPU_HANDOFF`) is "gpu";
-        None for "host" and "auto", off CUDA, and where the driver's stream waits fail the
-        self-test (`_stream_waits_work`; an error when "gpu" was asked for)."""
+        """A flag for `device` on CUDA unless `handoff` (else, for "auto", `KVTIER_CPU_HANDOFF`)
+        is "host"; None off CUDA, and for "auto" where the driver's stream waits fail the
+        self-test (`_stream_waits_work`), where "gpu" raises."""
         choice = handoff if handoff != "auto" else os.environ.get("KVTIER_CPU_HANDOFF", "auto")
         if choice not in HANDOFFS:
             raise ValueError(f"CPU handoff {choice!r}: use one of {', '.join(HANDOFFS)}")
-        if device.type != "cuda" or choice != "gpu":
+        if device.type != "cuda" or choice == "host":
             return None
         driver = _driver()
         if driver is None or not _stream_waits_work(device.index or 0):
+            if choice == "auto":
+                return None
             raise RuntimeError("this CUDA driver's stream waits (cuStreamWaitValue32) do not work here")
         return cls(device, driver)
 
@@ -119,6 +121,11 @@ def _driver() -> _Driver | None:
         return _Driver(ctypes.CDLL("libcuda.so.1"))
     except (OSError, AttributeError):
         return None
+
+
+def driver_available() -> bool:
+    """Whether libcuda's calls a flag and a mapped view need are there (`_driver`)."""
+    return _driver() is not None
 
 
 def driver_pointer(host: int) -> int:
