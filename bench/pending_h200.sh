@@ -759,6 +759,14 @@ case "$group" in
       --cpu-handoff gpu --cpu-results $r --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_t14"
   done
   ;;
+133)
+  # (~5 min, GGUF: the two-call setup first) the forty-seventh session's NEXT: the embedded
+  # smoke's generate part with its new row (kv=head cpu-attention=8: the CLI's --cpu-attention
+  # on CUDA with the stream's wait and mapped results, the defaults since 2026-12-07), then the
+  # CUDA checks with those defaults (no KVTIER_CPU_* set)
+  run 220 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 110 $py bench/gpu_checks.py
+  ;;
 132)
   # (~7 min, GGUF: call B right after 131, which carries its first half) the embedded smoke
   # (GPU-facing code changed since it last ran: host-tier reads of coalesced runs), then one

@@ -132,6 +132,10 @@ def generate_checks(
         gen(f"kv={kv}", ["--kv", kv], cap=False)
         gen(f"kv={kv} cap", ["--kv", kv], cap=True)
     gen("kv=head group=1 cap", ["--kv", "head", "--head-group", "1"], cap=True)
+    # README: `--cpu-attention auto|N`; a count, since `auto` gives a small model's CPU nothing.
+    # Lossless, so its tokens join the agreement; on CUDA with the library's defaults since
+    # 2026-12-07 (the stream waits for the CPU, the merge reads its results in place)
+    gen("kv=head cpu-attention=8 cap", ["--kv", "head", "--cpu-attention", "8"], cap=True)
     gen("default (no --kv, no cap)", [], cap=False)
     for name, flags in LOSSY.items():
         hip = name.startswith("hip")
