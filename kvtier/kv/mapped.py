@@ -30,9 +30,11 @@ def results_mode(choice: str, device: torch.device) -> str:
     mode = choice if choice != "auto" else os.environ.get("KVTIER_CPU_RESULTS", "auto")
     if mode not in RESULTS:
         raise ConfigError(f"CPU results {mode!r}: use copy or mapped (or auto)")
+    if device.type != "cuda":
+        return "copy"
     if mode == "auto":
         mode = "mapped" if driver_available() else "copy"
-    return mode if device.type == "cuda" else "copy"
+    return mode
 
 
 class _Interface:
