@@ -280,6 +280,15 @@
 #   64 MiB at once (a quarter of the host's copies; GPU-facing, unrun: 131 starts with the CUDA
 #   checks). NEXT: 131 (~8 min: the checks; the int4 kernel beside H2D copies; copy vs mapped over
 #   12 steps, twice; 14 CPU threads), the embedded smoke, then 110, 85, the 8B smoke, 80, 73.
+# The forty-seventh (six refused or skipped calls; one H100 start at b215fec) ran 131 (ROUNDS=1:
+#   checks pass; the int4 kernel keeps 27.5 GB/s beside the link; mapped 0.2446 vs copy 0.2618;
+#   14 threads slower), 132 (embedded smoke 31/31, 15/15; a cProfile'd int4 step: 271 H2D copies
+#   where 129 had 692), two more copy/mapped rounds (mapped 0.2389, 0.2401; copy 0.2592, 0.2572),
+#   auto's CPU count with both (0.2427) and lossless 512K with both (0.6497). The stream's wait
+#   and mapped results became the library's defaults on CUDA (this script's tiered_store rows
+#   keep --cpu-handoff host --cpu-results copy unless they say otherwise). NEXT: 133 (the GGUF's
+#   two-call setup first: the smoke's new --cpu-attention row with the new defaults, the CUDA
+#   checks with them), then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
