@@ -773,7 +773,8 @@ case "$group" in
   # smoke's generate part with its new row (kv=head cpu-attention=8: the CLI's --cpu-attention
   # on CUDA with the stream's wait and mapped results, the defaults since 2026-12-07), then the
   # CUDA checks with those defaults (no KVTIER_CPU_* set)
-  run 260 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4  # 198 s at b215fec, a row more since --out "$OUT/gpu_smoke_generate_embedded.json"
+  # under 260 s: the part took 198 s at b215fec, and it has a row more since
+  run 260 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
   run 110 $py bench/gpu_checks.py
   ;;
 132)
