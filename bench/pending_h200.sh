@@ -288,7 +288,8 @@
 #   and mapped results became the library's defaults on CUDA (this script's tiered_store rows
 #   keep --cpu-handoff host --cpu-results copy unless they say otherwise). NEXT: 133 (the GGUF's
 #   two-call setup first: the smoke's new --cpu-attention row with the new defaults, the CUDA
-#   checks with them), then 110, 85, the 8B smoke, 80, 73.
+#   checks with them), 134 (on an H200 if one comes: the new defaults against the old), then
+#   110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -767,6 +768,22 @@ case "$group" in
       --cpu-attention 32 --head-group 2 --full-prefill-max 1 --decode-steps 12 --trace-cpu --gpu-memory 24GiB \
       --cpu-handoff gpu --cpu-results $r --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_t14"
   done
+  ;;
+134)
+  # (~7 min, no GGUF; best on an H200, whose earlier starts attended a third slower on the CPU)
+  # issue 23's defaults since 2026-12-07 against the host's wait and a copy, int4 at 512K with
+  # the planner's own plan (two rounds, interleaved), then lossless auto at 512K with the defaults
+  for i in 1 2; do
+    for hr in auto:auto host:copy; do
+      h=${hr%:*} r=${hr#*:}
+      run 90 $py bench/tiered_store.py --contexts 512K --policies auto+int4 --cpu-attention auto \
+        --full-prefill-max 1 --decode-steps 12 --trace-cpu --gpu-memory 24GiB --cpu-handoff $h \
+        --cpu-results $r --watchdog 85 --name "int4_512k_auto_${h}_${r}_12steps_$i"
+    done
+  done
+  run 150 $py bench/tiered_store.py --contexts 512K --policies auto --cpu-attention auto --full-prefill-max 1 \
+    --gpu-memory 24GiB --decode-steps 4 --cpu-handoff auto --cpu-results auto --watchdog 140 \
+    --name cpu_attention_512k_defaults
   ;;
 133)
   # (~5 min, GGUF: the two-call setup first) the forty-seventh session's NEXT: the embedded
