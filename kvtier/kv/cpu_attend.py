@@ -16,9 +16,10 @@ and its full-precision tail, the values a load to the GPU would unpack.
 ```
 
 The CPU work of layer l overlaps the GPU's (and the link's) work of the same layer; the
-layer's output waits for both. With `StoreOptions.cpu_handoff="gpu"` it is the CUDA stream that
-waits for the CPU, not the main thread (`kvtier.kv.host_flag`), so the host's issuing of what
-follows is off the CPU's path.
+layer's output waits for both. On CUDA (`StoreOptions.cpu_handoff`, "auto" by default) it is the
+CUDA stream that waits for the CPU, not the main thread (`kvtier.kv.host_flag`), so the host's
+issuing of what follows is off the CPU's path, and the merge reads the CPU's results in place
+(`kvtier.kv.mapped`).
 Which slices: `kvtier.planner.cpu_split.cpu_slice_flags`.
 """
 
@@ -276,8 +277,8 @@ class CpuSlices:
         the device, made while the stream may be waiting for the CPU threads (whose own CUDA
         calls, and event records when they drop a pinned tensor, would then queue behind it: a
         suspected cause of hangs with the stream's wait, `kvtier.kv.host_flag`). Reuse is safe:
-        a step's CPU jobs of a layer start after its query, queued after the copy of the last
-        step's results of the layer."""
+        a step's CPU jobs of a layer start after its query, which the stream copies after the
+        last step's copy (or mapped read, in the merge) of the layer's results."""
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != dtype or buf.numel() < math.prod(shape):
             if buf is not None:  # NOTE: its views go with it (a view starts where its buffer does)
