@@ -10,6 +10,7 @@ keys, for several launch configurations, and checks every variant selects and at
     python bench/hip_kernels.py                      # on the H200; table last, JSON under $OUT
     python bench/hip_kernels.py --old-bisect F.py    # also time another bisect module (A/B)
     python bench/hip_kernels.py --smoke              # CPU interpreter, tiny shapes (checks the script)
+    python bench/hip_kernels.py --exact-chunk 8      # also the fine stages scored on every key
 
 Slice-level times x 64 slices = the chunk's kernel time (e.g. 0.72 s of bisection for a 16K
 chunk at 512K before the paired probes).
@@ -49,6 +50,13 @@ def main() -> None:
         choices=("max", "softmax"),
         help="replace the preset's head score (lean with max: what its per-row maxima cost)",
     )
+    ap.add_argument(
+        "--exact-chunk",
+        type=int,
+        default=0,
+        help="also time the pruning with HipConfig.exact_chunk=N (stages of chunks <= N scored "
+        "on every key) and how much of the bisection's selection it keeps",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="hip_kernels")
     args = ap.parse_args()
@@ -81,11 +89,11 @@ def main() -> None:
     w0 = (pos[:, 0] - hip.window + 1).clamp(min=hip.sink)
     table = RopeTable(Rotary(cfg.rope, d, dev))
 
-    def prune() -> tuple[torch.Tensor, torch.Tensor]:
+    def prune(exact_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return run_block_stages(
             q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes, budgets=hip.budgets,
             strides=hip.query_strides, mode="relative", rotary=table, window=hip.window, triton=True,
-            head_score=hip.head_score,
+            head_score=hip.head_score, exact_chunk=exact_chunk,
         )  # fmt: skip
 
     sel, _ = prune()
@@ -155,15 +163,30 @@ def main() -> None:
         prefill_module.TRITON_HEAD_SCORE = True
         rows.append({"kernel": "prune", "variant": "pair block_c=32, torch head score", "s": t, "same": same})
         print(rows[-1], flush=True)
-    if dev.type == "cuda":  # where one pruning goes, kernel by kernel
+    if args.exact_chunk:  # fine stages on every key: its time, and the share of the selection kept
+        t = clock(lambda: prune(args.exact_chunk), reps)
+        ex_sel, _ = prune(args.exact_chunk)
+        same = [
+            len(set(a[a >= 0].tolist()) & set(e[e >= 0].tolist()))
+            for a, e in zip(ref_sel, ex_sel, strict=True)
+        ]
+        shared = sum(same) / max(1, int((ref_sel >= 0).sum()))
+        variant = f"pair block_c=32, exact_chunk={args.exact_chunk}"
+        rows.append(
+            {"kernel": "prune", "variant": variant, "s": t, "same": shared == 1.0, "shared": round(shared, 4)}
+        )
+        print(rows[-1], flush=True)
+    for exact in sorted({0, args.exact_chunk}) if dev.type == "cuda" else ():  # kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            prune()
+            prune(exact)
             torch.cuda.synchronize()
         top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
         ms = {e.key[:80]: e.device_time_total / 1e3 for e in top}
-        rows.append({"kernel": "prune profile", "top_kernels_ms": ms})
+        rows.append(
+            {"kernel": "prune profile" + (f" exact_chunk={exact}" if exact else ""), "top_kernels_ms": ms}
+        )
         print(rows[-1], flush=True)
     ref_out = attend()
     tiles = [None, (128, 32, 4, 3), (128, 32, 8, 3), (128, 16, 4, 3), (128, 32, 4, 2), (256, 32, 8, 2)]

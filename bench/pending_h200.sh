@@ -769,6 +769,31 @@ case "$group" in
       --cpu-handoff gpu --cpu-results $r --watchdog 70 --name "int4_512k_g2_cpu32_gpu_${r}_12steps_t14"
   done
   ;;
+135)
+  # (~4 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with issue 23's new
+  # defaults (stream's wait, mapped results), then issue 19's exact fine-chunk scoring
+  # (HipConfig.exact_chunk, `kvtier.sparse.triton_chunk_max`) on SmolLM2's 16K chunk beside
+  # the bisection (hip_kernels_smollm2_16k_lean_skip.json: prune 5.70 ms, bisection 2.96)
+  run 130 $py bench/gpu_checks.py
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact
+  ;;
+136)
+  # (~8 min, GGUF: call B) issue 19: SmolLM2's 16K HiP prefill with lean's 8-token stage scored
+  # on every key (--hip-exact 8), beside lean and dense on one start, then its NIAH grids
+  # (lean: prose 31/33 at 16K, 29/33 at 32K; repeat 33/33, 33/33)
+  run 170 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip;hip,hip_exact=8;hip,hip_exact=8,hip_strides=4/4/2" --name hip_small_prefill_exact
+  niah_cuda prose hip,hip_exact=8 niah_smollm2_cuda_prose_hip_exact_x3
+  niah_cuda repeat hip,hip_exact=8 niah_smollm2_cuda_repeat_hip_exact_x3
+  ;;
+137)
+  # (~8 min, GGUF: call C) the embedded smoke's generate part with issue 23's new defaults and
+  # its --cpu-attention row (133's), then RULER 16K with --hip-exact 8 (lean: 34.7)
+  run 260 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8 \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_x10.json"
+  ;;
 134)
   # (~7 min, no GGUF; best on an H200, whose earlier starts attended a third slower on the CPU)
   # issue 23's defaults since 2026-12-07 against the host's wait and a copy, int4 at 512K with

@@ -209,3 +209,31 @@ def test_hip_align_window_reaches_the_kernel(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_align_window=True)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.stats.plan["method"].endswith("window at stage-0 chunks")
+
+
+def test_hip_exact_reaches_the_kernel(tiny: Path) -> None:
+    """`hip,hip_exact=8`, `--hip-exact 8` and `LLM(hip_exact=8)` set `HipConfig.exact_chunk` and
+    say so in the description; `off` is 0; a size that is no power of two up to 64, or the
+    option without HiP, is refused."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import method_spec, parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    choice = parse_choice("hip,hip_exact=8")
+    assert method_spec(choice) == "attention=hip,hip_exact=8"  # round-trips
+    parts = choice.build(cfg, cpu, None, context=1 << 20)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.exact_chunk == 8 and "scored on every key" in parts.describe
+    off: Any = parse_choice("hip,hip_exact=off").build(cfg, cpu, None, context=1 << 20).kernel
+    assert off.cfg.exact_chunk == 0
+    for bad in ("12", "128", "yes"):
+        with pytest.raises(ConfigError, match="--hip-exact takes off or a chunk size"):
+            parse_choice(f"hip,hip_exact={bad}")
+    with pytest.raises(ConfigError, match="--hip-exact applies only with"):
+        parse_choice("hip_exact=8")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--attention", "hip", "--hip-exact", "8"])
+    assert method_kwargs(args)["hip_exact"] == 8
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_exact=8)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.stats.plan["method"].endswith("scored on every key")

@@ -37,6 +37,9 @@ class MethodChoice:
     hip_probes: bool | None = None  # stage 0 scores the bisection's probes (`HipConfig.probe_scoring`)
     hip_strides: str | None = None  # queries pooled per score a stage, "4/4/2" (None: the preset's)
     hip_align_window: bool | None = None  # the window at a stage-0 chunk (`HipConfig.align_window`)
+    hip_exact: int | None = (
+        None  # prefill stages of chunks up to N tokens on every key (`HipConfig.exact_chunk`)
+    )
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None
@@ -67,7 +70,14 @@ class MethodChoice:
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
         entry = self.entry
-        hip_keys = ("hip_refresh", "hip_host_keys", "hip_probes", "hip_strides", "hip_align_window")
+        hip_keys = (
+            "hip_refresh",
+            "hip_host_keys",
+            "hip_probes",
+            "hip_strides",
+            "hip_align_window",
+            "hip_exact",
+        )
         for key in ("kv_budget", *hip_keys):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]

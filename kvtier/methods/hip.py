@@ -28,7 +28,7 @@ from kvtier.sparse import (
     make_hip_kernel,
     resolve_preset,
 )
-from kvtier.sparse.config import REFRESH_PRESETS, HipConfig, refresh_intervals
+from kvtier.sparse.config import EXACT_CHUNK_MAX, REFRESH_PRESETS, HipConfig, refresh_intervals
 from kvtier.sparse.planning import HipPlacement, plan_hip, whole_chunk_pruning
 
 
@@ -63,15 +63,30 @@ def _strides(text: str) -> str:
     return "/".join(map(str, values))
 
 
+def _exact(text: str) -> int:
+    """`--hip-exact`: 0 or off, or the largest chunk (tokens, a power of two) scored on every key."""
+    value = 0 if text == "off" else int(text) if text.isdigit() else -1
+    if value < 0 or value > EXACT_CHUNK_MAX or value & (value - 1):
+        raise ConfigError(
+            f"--hip-exact takes off or a chunk size in tokens, a power of two up to {EXACT_CHUNK_MAX} "
+            f"(8: lean's last stage), got {text!r}"
+        )
+    return value
+
+
 def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
-    """The request's HipConfig: the preset with `--hip-refresh`'s intervals and `--hip-strides`'
-    query strides where given (ConfigError where the strides do not fit the preset's stages)."""
+    """The request's HipConfig: the preset with `--hip-refresh`'s intervals, `--hip-strides`'
+    query strides and `--hip-exact`'s chunk where given (ConfigError where the strides do not
+    fit the preset's stages)."""
     config = hip_config(preset, options.get("hip_refresh"))
     strides = options.get("hip_strides")
     if strides is not None:
         config = replace(config, query_strides=tuple(int(v) for v in str(strides).split("/")))
     if options.get("hip_align_window"):
         config = replace(config, align_window=True)
+    exact = options.get("hip_exact")
+    if exact is not None:
+        config = replace(config, exact_chunk=int(exact))
     return config
 
 
@@ -185,6 +200,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         prune_bytes=ctx.hip_prune_bytes,
         query_strides=hip.query_strides,
         align_window=hip.align_window,
+        exact_chunk=hip.exact_chunk,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
@@ -194,6 +210,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
     strides = ctx.options.get("hip_strides")
     every += "" if strides is None else f", query strides {strides}"
     every += ", window at stage-0 chunks" if hip.align_window else ""
+    every += f", chunks of up to {hip.exact_chunk} tokens scored on every key" if hip.exact_chunk else ""
     keys = ", stage 0 on host keys" if on_host else ""
     keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
@@ -206,7 +223,15 @@ HIP = register(
         "attention",
         "InfiniteHiP-style sparse attention (chunk pruning + block-sparse attention), extends context",
         _build,
-        takes=("hip_preset", "hip_refresh", "hip_host_keys", "hip_probes", "hip_strides", "hip_align_window"),
+        takes=(
+            "hip_preset",
+            "hip_refresh",
+            "hip_host_keys",
+            "hip_probes",
+            "hip_strides",
+            "hip_align_window",
+            "hip_exact",
+        ),
         plan=_plan,
         composes_with=("kv_quant",),
         borrows_pages=True,  # block caches, decode buffers, RoPE table: its reserve_bytes
@@ -265,5 +290,14 @@ HIP = register(
         "syncs; a layer's decode graphs never decline for sizes); up to a chunk (256 tokens) "
         "more recent tokens attended, a different lossy output. off: the default, until its "
         "speed and NIAH are measured on a GPU",
+    ),
+    Option(
+        "hip_exact",
+        "--hip-exact",
+        _exact,
+        "N (experimental): HiP's prefill scores the pruning stages of chunks of up to N tokens "
+        "(8: lean's last stage) on every key of a chunk, one tensor-core product a tile, instead "
+        "of the bisection's probes; each chunk's true maximum, so another selection. off: the "
+        "default, until its speed and NIAH are measured on a GPU",
     ),
 )

@@ -22,6 +22,9 @@ from kvtier.errors import ConfigError
 PRUNING_ROPE = ("relative", "chunk_indexed", "absolute")
 ATTENTION_ROPE = ("streaming", "absolute")
 HEAD_SCORE = ("max", "softmax")
+# `HipConfig.exact_chunk`'s largest value: a tile of the exact scoring kernel holds whole chunks
+# of 64 candidates (`kvtier.sparse.triton_chunk_max`)
+EXACT_CHUNK_MAX = 64
 
 # Decode refresh intervals per stage (steps between recomputations of a stage's selection).
 REFRESH_PRESETS: dict[str, tuple[int, ...]] = {
@@ -125,6 +128,12 @@ class HipConfig:
     # graphs never decline for sizes that differ. Lossy differently (a few more recent tokens
     # attended): off until measured on a GPU (speed and NIAH).
     align_window: bool = False
+    # Prefill: stages of chunks of at most this many tokens score every key of a chunk (its
+    # true maximum, one tensor-core product a tile: `kvtier.sparse.triton_chunk_max`), not
+    # the bisection's probes, ~6 of an 8-token chunk's keys read in dependent steps. 0: every
+    # stage bisects (the paper's). A power of two up to EXACT_CHUNK_MAX. Decode keeps the
+    # bisection.
+    exact_chunk: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)
@@ -169,6 +178,13 @@ class HipConfig:
             raise ConfigError(
                 f"hip wide_budget ({self.wide_budget}) must be a multiple of the last chunk size "
                 f"({last}) and at least the final budget ({self.budgets[-1]})"
+            )
+        if self.exact_chunk and (
+            self.exact_chunk > EXACT_CHUNK_MAX or self.exact_chunk & (self.exact_chunk - 1)
+        ):
+            raise ConfigError(
+                f"hip exact_chunk must be 0 (off) or a power of two up to {EXACT_CHUNK_MAX}, "
+                f"got {self.exact_chunk}"
             )
         if self.pruning_rope not in PRUNING_ROPE:
             raise ConfigError(f"hip pruning_rope {self.pruning_rope!r}: use one of {', '.join(PRUNING_ROPE)}")

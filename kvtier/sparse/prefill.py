@@ -26,7 +26,7 @@ import torch
 
 from kvtier.attention.interface import ExtentKeys
 from kvtier.sparse.block_sparse import use_triton
-from kvtier.sparse.config import HipConfig
+from kvtier.sparse.config import EXACT_CHUNK_MAX, HipConfig
 from kvtier.sparse.prefill_bisect import bisect_chunks
 from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 from kvtier.sparse.rope_ext import RopeTable, scoring_query_position
@@ -86,6 +86,7 @@ def prune_blocks(
     addresses: torch.Tensor | None = None,
     length: int | None = None,
     scoring: tuple[torch.Tensor, int] | None = None,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
     keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
@@ -97,6 +98,9 @@ def prune_blocks(
     not indexed by position; `length`: the slice's length then (keys' rows otherwise).
     `scoring`: `scoring_queries` of these blocks, when the caller rotated them once for all its
     batches (each batch rotating its own took ~5 launches of ~25 a batch on CUDA).
+    `exact`: score every key of each chunk, not the bisection's probes (`triton_chunk_max`,
+    or `bisect_chunks(exact=True)` without Triton), where the keys are one tensor indexed by
+    position and chunks are a power of two up to `EXACT_CHUNK_MAX` tokens (else the bisection).
 
     Returns the kept positions [B, K] (sorted, -1 padded; K = min(budget, N rounded up to whole
     chunks)) and their counts [B]. No host sync.
@@ -121,19 +125,29 @@ def prune_blocks(
     per_row = head_score == "softmax"
     scale = q.shape[-1] ** -0.5
     fused = per_row and triton and TRITON_HEAD_SCORE and FUSED_LSE  # scores: the head score itself
+    exact = exact and isinstance(keys, torch.Tensor) and addresses is None and chunk <= EXACT_CHUNK_MAX
+    exact = exact and chunk & (chunk - 1) == 0
     if triton:
         from kvtier.sparse.triton_bisect import bisect_triton
+        from kvtier.sparse.triton_chunk_max import chunk_max_triton
 
         like = q if isinstance(keys, ExtentKeys) else keys  # the table's dtype and device
         tables = rotary.tables(limit, like) if rotary is not None else None
-        scores = bisect_triton(
-            qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row,
-            addresses=addresses, softmax_scale=scale if fused else None,
-        )  # fmt: skip
+        if exact:
+            assert isinstance(keys, torch.Tensor)
+            scores = chunk_max_triton(
+                qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row,
+                softmax_scale=scale if fused else None,
+            )  # fmt: skip
+        else:
+            scores = bisect_triton(
+                qr, keys, candidates, first, lengths, chunk, mode=mode, tables=tables, per_row=per_row,
+                addresses=addresses, softmax_scale=scale if fused else None,
+            )  # fmt: skip
     else:
         assert chunks is not None and isinstance(keys, torch.Tensor), "keys in place need the Triton kernel"
         scores = bisect_chunks(
-            qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row
+            qr, keys, chunks, lengths, mode=mode, rotary=rotary, limit=limit, per_row=per_row, exact=exact
         )
     if per_row and triton and TRITON_HEAD_SCORE and not fused:  # the kernel's rows [B, C, G, rows]
         from kvtier.sparse.triton_head_score import softmax_head_score_triton
@@ -231,11 +245,14 @@ def run_block_stages(
     ragged: bool = False,
     starts_host: list[int] | None = None,
     batch_bytes: int | None = None,
+    exact_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
     block may end early (q_pos -1 past its last query; see `pool_blocks`). `starts_host`: the
     window starts as host ints, if the caller has them (else read back: one sync).
+    `exact_chunk`: stages of chunks of at most this many tokens score every key of a chunk
+    (`prune_blocks(exact=True)`; `HipConfig.exact_chunk`).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
@@ -283,7 +300,7 @@ def run_block_stages(
         if step >= n_blocks:
             cand, valid = prune_blocks(
                 pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
-                first=sink, width=n_in, triton=triton, head_score=head_score,
+                first=sink, width=n_in, triton=triton, head_score=head_score, exact=c <= exact_chunk,
             )  # fmt: skip
         else:
             out = torch.full((n_blocks, n_out), -1, dtype=torch.long, device=q.device)
@@ -295,7 +312,7 @@ def run_block_stages(
                 sel, n_sel = prune_blocks(
                     pq[sp], pp[sp], keys, None if cand is None else cand[sp], valid[sp], c, k,
                     mode=mode, rotary=rotary, window=window, first=sink, width=width,
-                    triton=triton, head_score=head_score, scoring=batch,
+                    triton=triton, head_score=head_score, scoring=batch, exact=c <= exact_chunk,
                 )  # fmt: skip
                 out[sp, : sel.shape[1]] = sel
                 kept[sp] = n_sel
@@ -347,6 +364,7 @@ def prune_whole_blocks(
         ragged=pad > 0,
         starts_host=window_starts,
         batch_bytes=cfg.prune_bytes,
+        exact_chunk=cfg.exact_chunk,
     )
     ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
     prefix = attended_prefix(sel, cfg.sink, ends)

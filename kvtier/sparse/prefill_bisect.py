@@ -31,9 +31,12 @@ def bisect_chunks(
     rotary: RopeTable | None,
     limit: int,
     per_row: bool = False,
+    exact: bool = False,
 ) -> torch.Tensor:
     """`chunk_scores`'s bisection of chunks [B, C, c] (lengths [B, C]) for each block's rotated
-    queries q [B, Nq, G, r, D] (`prefill.scoring_queries`).
+    queries q [B, Nq, G, r, D] (`prefill.scoring_queries`); with `exact`, every key of a chunk
+    scored instead of the bisection's probes (`triton_chunk_max`'s reference: relative mode
+    rotates every key at the left probe's position 0, chunk-indexed at the chunk's index).
 
     Returns [B, C] float32: per chunk, the max over the bisection path of the probes' q.k,
     max-pooled over the block's queries and heads; with `per_row`, that max per (query, head)
@@ -43,7 +46,7 @@ def bisect_chunks(
     bsz, c_count, _ = chunks.shape
     rows = q.shape[1] * q.shape[2] * q.shape[3]
     blocks = min(bsz, CPU_TILE_BLOCKS)
-    width = max(1, CPU_TILE_BYTES // (blocks * rows * 4))
+    width = max(1, CPU_TILE_BYTES // (blocks * rows * 4 * (chunks.shape[2] if exact else 1)))
     if q.is_cuda or (blocks == bsz and width >= c_count):
         blocks, width = bsz, c_count
     tiles = [
@@ -58,6 +61,7 @@ def bisect_chunks(
                 rotary=rotary,
                 limit=limit,
                 per_row=per_row,
+                exact=exact,
             )
             for a in range(0, c_count, width)
         ]
@@ -79,6 +83,7 @@ def _tile(
     rotary: RopeTable | None,
     limit: int,
     per_row: bool,
+    exact: bool = False,
 ) -> torch.Tensor:
     """`bisect_chunks` of chunks [B, C', c] that are chunks `offset` .. `offset` + C' - 1 of each
     block (their index places chunk-indexed probes)."""
@@ -86,6 +91,10 @@ def _tile(
     g, d = keys.shape[1], keys.shape[2]
     qf = q.float()  # [B, Nq, G, r, D]
     index = (torch.arange(c_count, device=chunks.device) + offset).expand(bsz, c_count)  # [B, C']
+    if exact:
+        return _exact_tile(
+            qf, keys, chunks, lengths, index, mode=mode, rotary=rotary, limit=limit, per_row=per_row
+        )
 
     def probe(offset: torch.Tensor, side: int) -> torch.Tensor:
         pos = chunks.gather(2, offset[:, :, None]).squeeze(2)  # [B, C]; -1 in empty chunks
@@ -125,3 +134,34 @@ def _tile(
         hi = torch.where(go_right, hi, mid)
     assert best is not None
     return best
+
+
+def _exact_tile(
+    qf: torch.Tensor,
+    keys: torch.Tensor,
+    chunks: torch.Tensor,
+    lengths: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    mode: str,
+    rotary: RopeTable | None,
+    limit: int,
+    per_row: bool,
+) -> torch.Tensor:
+    """`_tile` with every key of each chunk scored: chunks [B, C', c] at their indices index
+    [B, C'], queries qf [B, Nq, G, r, D] float32. [B, C'] (or [B, C', R] rows in (g, n, r)
+    order, as `_tile`'s); an empty chunk scores -inf."""
+    bsz, c_count, c = chunks.shape
+    g, d = keys.shape[1], keys.shape[2]
+    pos = chunks.clamp(min=0).flatten()  # [B * C' * c]
+    k = keys[pos]  # [B * C' * c, G, D]
+    if rotary is not None and mode == "chunk_indexed":
+        k = rotary.rotate(k, index[:, :, None].expand(-1, -1, c).flatten(), limit)
+    elif rotary is not None and mode == "absolute":
+        k = rotary.rotate(k, pos, limit)
+    # relative: every key at the left probe's position 0, the identity
+    s = torch.einsum("bngrd,bcjgd->bcgnrj", qf, k.view(bsz, c_count, c, g, d).float())
+    live = torch.arange(c, device=chunks.device) < lengths[:, :, None]  # [B, C', c]
+    s = s.masked_fill(~live[:, :, None, None, None, :], float("-inf")).amax(dim=-1)  # [B, C', G, Nq, r]
+    rows = s.flatten(2)
+    return rows if per_row else rows.amax(dim=2)
