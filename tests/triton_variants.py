@@ -21,6 +21,7 @@ from tests.triton_variant_parts import ACT, HALF, ROOT, Ptr, Variant, _cases, _n
 from tests.triton_variants_sparse import (
     _bisect,
     _buffers_attn_fwd,
+    _chunk_max,
     _combine_lse,
     _gather_key_params,
     _head_score,
@@ -49,6 +50,7 @@ KERNELS: dict[str, str] = {
     "_unpack_fp8": "kvtier.policies.quant_triton",
     "_gather_rows": "kvtier.kv.host_gather",
     "_bisect_kernel": "kvtier.sparse.triton_bisect",
+    "_chunk_max_kernel": "kvtier.sparse.triton_chunk_max",
     "_gather_key_params": "kvtier.sparse.triton_keys",
 }
 
@@ -196,6 +198,7 @@ BUILDERS: dict[str, Callable[[], Iterator[Variant]]] = {
     "_unpack_fp8": _unpack_fp8,
     "_gather_rows": _gather_rows,
     "_bisect_kernel": _bisect,
+    "_chunk_max_kernel": _chunk_max,
     "_gather_key_params": _gather_key_params,
 }
 

@@ -1,6 +1,7 @@
 """The variants of HiP's Triton kernels (`kvtier.sparse`): the decode buffers' attention, the
-block-sparse attention and its split merge, the softmax head score's two passes and the pruning
-bisection, as their wrappers launch them (`tests.triton_variants` lists every kernel)."""
+block-sparse attention and its split merge, the softmax head score's two passes, the pruning
+bisection and the exact fine-chunk scoring, as their wrappers launch them
+(`tests.triton_variants` lists every kernel)."""
 
 from __future__ import annotations
 
@@ -296,3 +297,66 @@ def _gather_key_params() -> Iterator[Variant]:
             n_rows=16385, out=Ptr("float16"), D=d, GD=gd, GD_P2=_p2(gd), BLOCK_R=16,
         )  # fmt: skip
         yield Variant("_gather_key_params", dict(G=g, heads=heads, D=d, ring=ring, row0=row0), args)
+
+
+def _chunk_max_variant(
+    case: dict[str, Any],
+    *,
+    arange: bool,
+    rotate: bool,
+    mode: int,
+    per_row: bool,
+    lse: bool,
+    g: int,
+    rows: int,
+    chunk: int,
+    d: int = 64,
+    dtype: str = "bfloat16",
+) -> Variant:
+    """One `chunk_max_triton` launch: its ints as the wrapper derives them."""
+    tile = rows & -rows  # `prune_memory.row_tiles`
+    r_pad, tr = (rows, tile) if tile >= 64 and tile != rows else (max(16, _p2(rows)), max(16, _p2(rows)))
+    n_c = 300
+    args = dict(
+        q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), cand_ptr=Ptr("int64"), len_ptr=Ptr("int64"), cos_ptr=Ptr(dtype),
+        sin_ptr=Ptr(dtype), out_ptr=Ptr("float32"), row_ptr=Ptr("float32"), lse_m_ptr=Ptr("float32"),
+        lse_s_ptr=Ptr("float32"), scale=0.125 if lse else 1.0, C=n_c, N=n_c * chunk, first=4096,
+        stride_ks=2 * g * d, stride_kg=d, R_VALID=rows, G=g, R=r_pad, TR=tr, N_TILES=r_pad // tr, D=d,
+        CHUNK=chunk, TILE=64, MODE=mode, ROTATE=rotate, ARANGE=arange, INTERPRET=False, PER_ROW=per_row,
+        LSE=lse, BLOCK_C=max(32, 64 // chunk),
+    )  # fmt: skip
+    return Variant("_chunk_max_kernel", case, args, dict(num_warps=8 if tr >= 128 else 4, num_stages=1))
+
+
+def _chunk_max() -> Iterator[Variant]:
+    # every flag the wrapper passes, at SmolLM2's shapes (3 KV heads, 192 rows in 3 tiles, D 64)
+    # and chunks of 8 and 16; then other heads, rows, widths, dtypes and the extreme chunks
+    for arange, rotate, mode, (per_row, lse), chunk in itertools.product(
+        (False, True), (False, True), (0, 1, 2), ((False, False), (True, False), (True, True)), (8, 16)
+    ):
+        case: dict[str, Any] = dict(
+            ARANGE=arange, ROTATE=rotate, MODE=mode, PER_ROW=per_row, LSE=lse, CHUNK=chunk, G=3, rows=192
+        )
+        yield _chunk_max_variant(
+            case,
+            arange=arange,
+            rotate=rotate,
+            mode=mode,
+            per_row=per_row,
+            lse=lse,
+            g=3,
+            rows=192,
+            chunk=chunk,
+        )
+    for g, rows, d, dtype, chunk in (
+        (8, 64, 128, "bfloat16", 8),
+        (1, 256, 128, "float16", 1),
+        (4, 9, 64, "float32", 64),
+        (2, 32, 128, "bfloat16", 32),
+    ):
+        for mode in (0, 1, 2):
+            case = dict(G=g, rows=rows, D=d, dtype=dtype, CHUNK=chunk, MODE=mode)
+            yield _chunk_max_variant(
+                case, arange=False, rotate=True, mode=mode, per_row=True, lse=True, g=g, rows=rows,
+                chunk=chunk, d=d, dtype=dtype,
+            )  # fmt: skip
