@@ -770,11 +770,9 @@ case "$group" in
   done
   ;;
 135)
-  # (~4 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with issue 23's new
-  # defaults (stream's wait, mapped results), then issue 19's exact fine-chunk scoring
+  # (~3 min, no GGUF: call A, with the GGUF's first half) issue 19's exact fine-chunk scoring
   # (HipConfig.exact_chunk, `kvtier.sparse.triton_chunk_max`) on SmolLM2's 16K chunk beside
   # the bisection (hip_kernels_smollm2_16k_lean_skip.json: prune 5.70 ms, bisection 2.96)
-  run 130 $py bench/gpu_checks.py
   run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
     --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact
   ;;
@@ -788,9 +786,11 @@ case "$group" in
   niah_cuda repeat hip,hip_exact=8 niah_smollm2_cuda_repeat_hip_exact_x3
   ;;
 137)
-  # (~8 min, GGUF: call C) the embedded smoke's generate part with issue 23's new defaults and
-  # its --cpu-attention row (133's), then RULER 16K with --hip-exact 8 (lean: 34.7)
+  # (~10 min, GGUF: call C) the embedded smoke's generate part with issue 23's new defaults and
+  # its --cpu-attention row (133's), the CUDA checks with those defaults, then RULER 16K with
+  # --hip-exact 8 (lean: 34.7)
   run 260 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 --out "$OUT/gpu_smoke_generate_embedded.json"
+  run 130 $py bench/gpu_checks.py
   run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8 \
     --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_x10.json"
   ;;
