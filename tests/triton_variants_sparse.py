@@ -29,6 +29,8 @@ def _put_rows() -> Iterator[Variant]:
 def _attn_tiles(rows: int, dtype: str, d: int) -> tuple[int, int, int, int]:
     """`kvtier.sparse.triton_attn._tiles` (its TILES override unset)."""
     if dtype != "float32" and d <= 128 and rows >= 128:
+        if d <= 64 and rows <= 256:
+            return (256, 64, 8, 2)
         return (256, 32, 8, 3) if rows >= 256 else (128, 32, 4, 2)
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     return block_m, 32 if dtype == "float32" or d > 128 else 64, 4, 3

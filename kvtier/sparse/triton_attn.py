@@ -75,6 +75,11 @@ def _tiles(rows: int, dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
     if dtype != torch.float32 and d <= 128 and rows >= 128:
         # prefill blocks (64 queries x r heads): one program gathers and rotates a key tile for
         # 128-256 rows; 2.5x faster than 64-row programs at 512K (bench/hip_kernels.py)
+        if d <= 64 and rows <= 256:
+            # small heads (SmolLM2's 192 rows of 64 dims): one 256-row program and 64-key tiles,
+            # 1.68-1.79 ms a 16K chunk's layer against 1.73-2.24 on four H100 starts
+            # (bench/results/hip_kernels_smollm2_16k_lean*.json, their "tiles" rows)
+            return (256, 64, 8, 2)
         return (256, 32, 8, 3) if rows >= 256 else (128, 32, 4, 2)
     block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     block_n = 32 if dtype == torch.float32 or d > 128 else 64
