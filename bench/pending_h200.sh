@@ -290,6 +290,11 @@
 #   two-call setup first: the smoke's new --cpu-attention row with the new defaults, the CUDA
 #   checks with them), 134 (on an H200 if one comes: the new defaults against the old), then
 #   110, 85, the 8B smoke, 80, 73.
+# The forty-eighth (every start refused: ~1,500 s of device time went on refusals) built issue
+#   19's exact fine-chunk scoring (--hip-exact 8) and 64-key attention tiles for 64-dim heads.
+#   NEXT: 135 (no GGUF: the kernels; carry the GGUF's first half with it), 136 (its prefill and
+#   NIAH), 137 (the smoke's generate part and the CUDA checks with issue 23's defaults, RULER with
+#   --hip-exact 8), 134, then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
