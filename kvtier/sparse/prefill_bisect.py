@@ -47,7 +47,7 @@ def bisect_chunks(
     rows = q.shape[1] * q.shape[2] * q.shape[3]
     blocks = min(bsz, CPU_TILE_BLOCKS)
     width = max(1, CPU_TILE_BYTES // (blocks * rows * 4 * (chunks.shape[2] if exact else 1)))
-    if q.is_cuda or (blocks == bsz and width >= c_count):
+    if (q.is_cuda and not exact) or (blocks == bsz and width >= c_count):  # exact: c x the bytes, tiled
         blocks, width = bsz, c_count
     tiles = [
         [
