@@ -173,7 +173,8 @@ def test_triton_head_score_equals_the_torch_head_score(device: str) -> None:
 def test_rows_in_tiles_score_as_the_torch_bisection(device: str, per_row: bool) -> None:
     """192 (query, head) rows a KV head (64 queries x 3 heads, SmolLM2's last stage) run as 3
     tiles of 64, not padded to 256: scores and every row's maximum equal `bisect_chunks`'s."""
-    from kvtier.sparse.triton_bisect import bisect_triton, row_tiles
+    from kvtier.sparse.prune_memory import row_tiles
+    from kvtier.sparse.triton_bisect import bisect_triton
 
     assert row_tiles(192) == (192, 64)
     assert row_tiles(256) == (256, 256)

@@ -70,14 +70,8 @@ class MethodChoice:
         if self.head_sparsity is not None and not 0.0 < self.head_sparsity < 1.0:
             raise ConfigError(f"--head-sparsity must be in (0, 1), got {self.head_sparsity}")
         entry = self.entry
-        hip_keys = (
-            "hip_refresh",
-            "hip_host_keys",
-            "hip_probes",
-            "hip_strides",
-            "hip_align_window",
-            "hip_exact",
-        )
+        # HiP's options but its preset (whose "auto" default is never None)
+        hip_keys = tuple(k for k in REGISTRY["hip"].takes if k != "hip_preset")
         for key in ("kv_budget", *hip_keys):
             if getattr(self, key) is not None and (entry is None or key not in entry.takes):
                 takers = [self._flag(e) for e in REGISTRY.values() if key in e.takes]

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
-from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps, row_tiles
-from kvtier.sparse.triton_head_score import dots, row_max, softmax_head_score_parts, store_lse_part
+from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps
+from kvtier.sparse.triton_head_score import ScoreLaunch, dots, row_max, store_lse_part
 from kvtier.sparse.triton_keys import (
     key_source,
     load_key,
@@ -316,25 +316,10 @@ def bisect_triton(
     kernel also writes each row's logsumexp in parts, so the head score reads the rows once
     (`triton_head_score.softmax_head_score_parts`). No host sync.
     """
-    bsz, nq, g, r, d = q.shape
+    bsz, _, g, _, d = q.shape
     c_count = lengths.shape[1]
-    rows = nq * r
-    r_pad, tile_rows = row_tiles(rows)
-    qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
-    if r_pad != rows:
-        qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
-    qr = qr.contiguous()
-    out = torch.empty(bsz, c_count, dtype=torch.float32, device=q.device)
-    row_best = out  # a placeholder pointer unless per_row
-    if per_row:
-        row_best = torch.empty(
-            bsz, g, r_pad, c_count, dtype=torch.float32, device=q.device
-        )  # rows < `rows` written
-    grid = (bsz, triton.cdiv(c_count, BLOCK_C))
-    lse_m = lse_s = out  # placeholder pointers unless softmax_scale
-    if softmax_scale is not None:
-        assert per_row, "the softmax head score needs the per-row maxima"
-        lse_m, lse_s = torch.empty(2, bsz, g, r_pad, grid[1], dtype=torch.float32, device=q.device)
+    launch = ScoreLaunch.make(q, c_count, BLOCK_C, per_row, softmax_scale)
+    out = launch.out
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
     levels = max(1, math.ceil(math.log2(chunk)))
@@ -345,8 +330,8 @@ def bisect_triton(
         params, row0 = stage0_params(keys, first, c_count * chunk, probes)
     cos, sin = tables if tables is not None else (src.ptr, src.ptr)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    _bisect_kernel[grid](
-        qr,
+    _bisect_kernel[launch.grid](
+        launch.qr,
         src.ptr,
         cand,
         addr,
@@ -354,9 +339,9 @@ def bisect_triton(
         cos,
         sin,
         out,
-        row_best,
-        lse_m,
-        lse_s,
+        launch.row_best,
+        launch.lse_m,
+        launch.lse_s,
         1.0 if softmax_scale is None else softmax_scale,
         c_count,
         cand.shape[1],
@@ -364,11 +349,9 @@ def bisect_triton(
         *src[1:9],  # offsets .. n_codes
         out if params is None else params,  # a placeholder pointer unless PARAMS
         row0,
-        rows,
+        launch.rows,
         G=g,
-        R=r_pad,
-        TR=tile_rows,
-        N_TILES=r_pad // tile_rows,
+        **launch.row_args,
         D=d,
         CHUNK=chunk,
         LEVELS=levels,
@@ -384,7 +367,7 @@ def bisect_triton(
         PER_ROW=per_row,
         LSE=softmax_scale is not None,
         BLOCK_C=BLOCK_C,
-        num_warps=NUM_WARPS or num_warps(tile_rows, d),
+        num_warps=NUM_WARPS or num_warps(launch.tile_rows, d),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
     if isinstance(keys, ExtentKeys) and keys.on_read is not None:
@@ -392,9 +375,4 @@ def bisect_triton(
             keys.on_read(probes * keys.probe_bytes)
         else:  # the probes' codes, and each row's parameters once
             keys.on_read(probes * keys.code_bytes + params.numel() * params.element_size())
-    if per_row:  # [B, G, R, C] -> a view [B, C, G, rows] (C stays contiguous: no copy)
-        view = row_best[:, :, :rows].permute(0, 3, 1, 2)
-        if softmax_scale is not None:
-            return softmax_head_score_parts(view, lengths, softmax_scale, lse_m, lse_s)
-        return view
-    return out
+    return launch.result(lengths, per_row, softmax_scale)

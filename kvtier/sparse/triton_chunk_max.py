@@ -33,9 +33,9 @@ import triton
 import triton.language as tl
 
 from kvtier.sparse.config import EXACT_CHUNK_MAX
-from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps, row_tiles
+from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps
 from kvtier.sparse.triton_bisect import MODES
-from kvtier.sparse.triton_head_score import dots, row_max, softmax_head_score_parts
+from kvtier.sparse.triton_head_score import ScoreLaunch, dots, row_max
 from kvtier.sparse.triton_keys import load_key, rope_rows
 
 # Candidates a tile scores at once: whole chunks (of up to EXACT_CHUNK_MAX tokens)
@@ -168,48 +168,32 @@ def chunk_max_triton(
     rows' maxima as a view [B, C, G, Nq * r], or with `softmax_scale` the "softmax" head
     score), each chunk scored by its maximum over all its keys. No host sync."""
     assert chunk <= TILE_N and chunk & (chunk - 1) == 0, f"chunk_max_triton: chunks of {chunk} tokens"
-    bsz, nq, g, r, d = q.shape
+    g, d = q.shape[2], q.shape[4]
     c_count = lengths.shape[1]
-    rows = nq * r
-    r_pad, tile_rows = row_tiles(rows)
-    qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
-    if r_pad != rows:
-        qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
-    qr = qr.contiguous()
     block_c = max(BISECT_BLOCK_C, TILE_N // chunk)
-    out = torch.empty(bsz, c_count, dtype=torch.float32, device=q.device)
-    row_best = out  # a placeholder pointer unless per_row
-    if per_row:
-        row_best = torch.empty(bsz, g, r_pad, c_count, dtype=torch.float32, device=q.device)
-    grid = (bsz, triton.cdiv(c_count, block_c))
-    lse_m = lse_s = out  # placeholder pointers unless softmax_scale
-    if softmax_scale is not None:
-        assert per_row, "the softmax head score needs the per-row maxima"
-        lse_m, lse_s = torch.empty(2, bsz, g, r_pad, grid[1], dtype=torch.float32, device=q.device)
+    launch = ScoreLaunch.make(q, c_count, block_c, per_row, softmax_scale)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     cos, sin = tables if tables is not None else (keys, keys)
-    _chunk_max_kernel[grid](
-        qr,
+    _chunk_max_kernel[launch.grid](
+        launch.qr,
         keys,
         cand,
         lengths,
         cos,
         sin,
-        out,
-        row_best,
-        lse_m,
-        lse_s,
+        launch.out,
+        launch.row_best,
+        launch.lse_m,
+        launch.lse_s,
         1.0 if softmax_scale is None else softmax_scale,
         c_count,
         cand.shape[1],
         first,
         keys.stride(0),
         keys.stride(1),
-        rows,
+        launch.rows,
         G=g,
-        R=r_pad,
-        TR=tile_rows,
-        N_TILES=r_pad // tile_rows,
+        **launch.row_args,
         D=d,
         CHUNK=chunk,
         TILE=TILE_N,
@@ -220,12 +204,7 @@ def chunk_max_triton(
         PER_ROW=per_row,
         LSE=softmax_scale is not None,
         BLOCK_C=block_c,
-        num_warps=num_warps(tile_rows, d),
+        num_warps=num_warps(launch.tile_rows, d),
         num_stages=1,
     )
-    if per_row:  # [B, G, R, C] -> a view [B, C, G, rows]
-        view = row_best[:, :, :rows].permute(0, 3, 1, 2)
-        if softmax_scale is not None:
-            return softmax_head_score_parts(view, lengths, softmax_scale, lse_m, lse_s)
-        return view
-    return out
+    return launch.result(lengths, per_row, softmax_scale)

@@ -27,9 +27,13 @@ import this module, on CUDA (or CPU tensors under TRITON_INTERPRET=1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from kvtier.sparse.prune_memory import row_tiles
 
 BLOCK_ROWS = 64  # rows a program (pass 1) or a tile (pass 2) holds
 BLOCK_CHUNKS = 64  # chunks a tile (pass 1) or a program (pass 2) holds
@@ -249,3 +253,59 @@ def softmax_head_score_parts(
         BR=BLOCK_ROWS, BC=BLOCK_CHUNKS, PARTS=fold, BP=BLOCK_PARTS,
     )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class ScoreLaunch:
+    """What a chunk-scoring kernel (`triton_bisect`, `triton_chunk_max`) is launched with:
+    the queries as [B, G, R_pad, D] (a KV head's rows padded to whole tiles), its outputs
+    (scores [B, C]; the per-row maxima [B, G, R_pad, C] with `per_row`; the logsumexp parts
+    [B, G, R_pad, P] with a softmax scale; placeholders pointing at `out` otherwise), the grid
+    (B, P programs of `block_c` chunks) and the rows' sizes."""
+
+    qr: torch.Tensor
+    out: torch.Tensor
+    row_best: torch.Tensor
+    lse_m: torch.Tensor
+    lse_s: torch.Tensor
+    grid: tuple[int, int]
+    rows: int
+    r_pad: int
+    tile_rows: int
+
+    @staticmethod
+    def make(
+        q: torch.Tensor, c_count: int, block_c: int, per_row: bool, softmax_scale: float | None
+    ) -> ScoreLaunch:
+        """For pooled queries q [B, Nq, G, r, D] scoring `c_count` chunks a block."""
+        bsz, nq, g, r, d = q.shape
+        rows = nq * r
+        r_pad, tile_rows = row_tiles(rows)
+        qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
+        if r_pad != rows:
+            qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
+        out = torch.empty(bsz, c_count, dtype=torch.float32, device=q.device)
+        row_best = out  # a placeholder pointer unless per_row; rows < `rows` written
+        if per_row:
+            row_best = torch.empty(bsz, g, r_pad, c_count, dtype=torch.float32, device=q.device)
+        grid = (bsz, triton.cdiv(c_count, block_c))
+        lse_m = lse_s = out  # placeholder pointers unless softmax_scale
+        if softmax_scale is not None:
+            assert per_row, "the softmax head score needs the per-row maxima"
+            lse_m, lse_s = torch.empty(2, bsz, g, r_pad, grid[1], dtype=torch.float32, device=q.device)
+        return ScoreLaunch(qr.contiguous(), out, row_best, lse_m, lse_s, grid, rows, r_pad, tile_rows)
+
+    @property
+    def row_args(self) -> dict[str, int]:
+        """The kernels' constexprs of the rows: R (a KV head's, padded), TR (a tile's), N_TILES."""
+        return {"R": self.r_pad, "TR": self.tile_rows, "N_TILES": self.r_pad // self.tile_rows}
+
+    def result(self, lengths: torch.Tensor, per_row: bool, softmax_scale: float | None) -> torch.Tensor:
+        """The launch's scores [B, C]; with `per_row` the rows as a view [B, C, G, rows] (C
+        stays contiguous: no copy), or with `softmax_scale` the "softmax" head score of them."""
+        if not per_row:
+            return self.out
+        view = self.row_best[:, :, : self.rows].permute(0, 3, 1, 2)
+        if softmax_scale is not None:
+            return softmax_head_score_parts(view, lengths, softmax_scale, self.lse_m, self.lse_s)
+        return view
