@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import fields
 
 import torch
 
@@ -110,23 +111,10 @@ class LLM:
             single_batched=single_batched,
             exact_lossless=exact_lossless,
         )
-        # The default method of this LLM's requests; `generate(..., method=)` picks another.
-        self.method = MethodChoice(
-            kv=kv,
-            head_group=head_group,
-            attention=attention,
-            hip_preset=hip_preset,
-            hip_refresh=hip_refresh,
-            hip_host_keys=hip_host_keys,
-            hip_probes=hip_probes,
-            hip_strides=hip_strides,
-            hip_align_window=hip_align_window,
-            hip_exact=hip_exact,
-            kv_quant=kv_quant,
-            evict=evict,
-            kv_budget=kv_budget,
-            head_sparsity=head_sparsity,
-        )
+        # The default method of this LLM's requests (its arguments named as MethodChoice's
+        # fields); `generate(..., method=)` picks another.
+        chosen = {f.name: options[f.name] for f in fields(MethodChoice) if f.name in options}
+        self.method = MethodChoice(**chosen)
         self.device = self.config.torch_device()
         # The rank group (None: one process), the workers this process started (ranks 1..N-1),
         # and whether the ranks are pipeline stages (else tensor-parallel shards).
