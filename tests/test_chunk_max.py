@@ -10,38 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.config import RopeConfig
-from kvtier.errors import ConfigError
-from kvtier.model.rope import Rotary
-from kvtier.sparse.config import HipConfig
-from kvtier.sparse.prefill import _chunks, _span, prune_blocks, run_block_stages, scoring_queries
-from kvtier.sparse.prefill_bisect import bisect_chunks
-from kvtier.sparse.rope_ext import RopeTable
+from tests.prune_cases import D, prune_case
 from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
 
-D = 32
 MODES = ["relative", "chunk_indexed", "absolute"]
 
-
-def _case(device: str, span: bool, chunk: int, rotate: bool, mode: str, nq: int = 4):
-    """Blocks with different candidate counts (a partial last chunk, empty chunks), their
-    scoring queries and chunk grid."""
-    gen = torch.Generator().manual_seed(5)
-    s, g, r, first = 300, 2, 3, 4
-    keys = torch.randn(s, g, D, generator=gen).to(device)  # [S, G, D]
-    q = torch.randn(3, nq, g * r, D, generator=gen).to(device)  # [B, Nq, H_q, D]
-    q_pos = torch.stack([torch.arange(p, p + nq) for p in (280, 200, 60)]).to(device)
-    valid = torch.tensor([270, 190, 37], device=device)  # [B]
-    if span:
-        cand = _span(first, 270, valid)
-    else:  # sorted distinct positions, a different set per block
-        rows = [torch.randperm(s, generator=gen)[: int(v)].sort().values for v in valid.tolist()]
-        cand = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1).to(device)
-    c_count = -(-cand.shape[1] // chunk)
-    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
-    rope = RopeTable(Rotary(RopeConfig(), D, device=device)) if rotate else None
-    qr, limit = scoring_queries(q, q_pos, keys, valid, chunk, c_count, mode=mode, rotary=rope, window=8)
-    return keys, cand, lengths, rope, qr, limit, first
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.sparse.config import HipConfig  # noqa: E402
+from kvtier.sparse.prefill import _chunks, prune_blocks, run_block_stages, scoring_queries  # noqa: E402
+from kvtier.sparse.prefill_bisect import bisect_chunks  # noqa: E402
 
 
 def _brute(qr, keys, cand, lengths, chunk, mode, rope, limit):
@@ -71,7 +48,7 @@ def test_torch_exact_scores_are_each_chunks_maximum(rotate: bool, mode: str) -> 
     rotated at the chunk's index, at their positions, or not at all in relative mode), and
     without `per_row` the maximum over rows; the bisection's scores never exceed them."""
     chunk = 8
-    keys, cand, lengths, rope, qr, limit, _ = _case("cpu", False, chunk, rotate, mode)
+    keys, cand, lengths, rope, qr, limit, _ = prune_case("cpu", False, chunk, rotate, mode)
     chunks = _chunks(cand, lengths.shape[1], chunk)
     kw = {"mode": mode, "rotary": rope, "limit": limit}
     rows = bisect_chunks(qr, keys, chunks, lengths, per_row=True, exact=True, **kw)
@@ -101,7 +78,7 @@ def test_kernel_equals_the_torch_exact_scores(
     range or a candidate list, over more chunks than one program holds."""
     from kvtier.sparse.triton_chunk_max import chunk_max_triton
 
-    keys, cand, lengths, rope, qr, limit, first = _case(device, span, chunk, True, mode)
+    keys, cand, lengths, rope, qr, limit, first = prune_case(device, span, chunk, True, mode)
     ref = bisect_chunks(
         qr, keys, _chunks(cand, lengths.shape[1], chunk), lengths, mode=mode, rotary=rope, limit=limit,
         per_row=per_row, exact=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.prune_cases import prune_case
 from tests.triton_interpreter import DEVICES, NEEDS_TRITON, SUBPROCESS_ONLY, run_cpu_cases
 
 pytestmark = NEEDS_TRITON
@@ -38,21 +39,9 @@ def test_kernel_scores_equal_the_torch_bisection(
     row's maximum (the kernel's rows come in another order: compared sorted)."""
     from kvtier.sparse.triton_bisect import bisect_triton
 
-    gen = torch.Generator().manual_seed(5)
-    s, g, r, nq, chunk, first = 300, 2, 3, 4, 16, 4
-    keys = torch.randn(s, g, D, generator=gen).to(device)  # [S, G, D]
-    q = torch.randn(3, nq, g * r, D, generator=gen).to(device)  # [B, Nq, H_q, D]
-    q_pos = torch.tensor([[280, 281, 282, 283], [200, 201, 202, 203], [60, 61, 62, 63]], device=device)
-    valid = torch.tensor([270, 190, 37], device=device)  # [B]
-    if span:
-        cand = _span(first, 270, valid)
-    else:  # sorted distinct positions, a different set per block
-        rows = [torch.randperm(s, generator=gen)[: int(v)].sort().values for v in valid.tolist()]
-        cand = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1).to(device)
-    c_count = -(-cand.shape[1] // chunk)
-    lengths = (valid[:, None] - torch.arange(c_count, device=device)[None, :] * chunk).clamp(0, chunk)
-    rope = RopeTable(Rotary(RopeConfig(), D, device=device)) if rotate else None
-    qr, limit = scoring_queries(q, q_pos, keys, valid, chunk, c_count, mode=mode, rotary=rope, window=8)
+    chunk, nq, g, r = 16, 4, 2, 3
+    keys, cand, lengths, rope, qr, limit, first = prune_case(device, span, chunk, rotate, mode)
+    c_count = lengths.shape[1]
     chunks = _chunks(cand, c_count, chunk)
     ref = bisect_chunks(qr, keys, chunks, lengths, mode=mode, rotary=rope, limit=limit, per_row=per_row)
     tables = rope.tables(limit, keys) if rope is not None else None

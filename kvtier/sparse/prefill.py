@@ -125,8 +125,8 @@ def prune_blocks(
     per_row = head_score == "softmax"
     scale = q.shape[-1] ** -0.5
     fused = per_row and triton and TRITON_HEAD_SCORE and FUSED_LSE  # scores: the head score itself
-    exact = exact and isinstance(keys, torch.Tensor) and addresses is None and chunk <= EXACT_CHUNK_MAX
-    exact = exact and chunk & (chunk - 1) == 0
+    fine = chunk <= EXACT_CHUNK_MAX and chunk & (chunk - 1) == 0  # whole chunks in a 64-key tile
+    exact = exact and fine and isinstance(keys, torch.Tensor) and addresses is None
     if triton:
         from kvtier.sparse.triton_bisect import bisect_triton
         from kvtier.sparse.triton_chunk_max import chunk_max_triton
