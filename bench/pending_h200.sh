@@ -799,6 +799,14 @@ case "$group" in
   run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8 \
     --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_x10.json"
   ;;
+138)
+  # (~9 min, GGUF: the prose prompt needs its tokenizer) issue 19's 512K prefill through the CLI
+  # with lean's fine stages scored on every key: --hip-exact 8 (stage 2) and 16 (stages 1 and
+  # 2) beside lean on one start (lean 5,195-5,709 tok/s, its chunks 1.9 s at the start of the
+  # context where stage 2 bisects the whole chunk, 2.7 s at 512K: hip_cli_speed_512k_prefill_steps.json)
+  run 560 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_exact=8;hip,hip_exact=16" \
+    --new-tokens 8 --timeout 170 --warmup-tokens 0 --name hip_cli_speed_512k_exact
+  ;;
 134)
   # (~7 min, no GGUF; best on an H200, whose earlier starts attended a third slower on the CPU)
   # issue 23's defaults since 2026-12-07 against the host's wait and a copy, int4 at 512K with

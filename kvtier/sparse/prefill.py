@@ -278,6 +278,9 @@ def run_block_stages(
     valid = (window_starts - sink).clamp(min=0)
     cand: torch.Tensor | None = None  # [B, n_in] after stage 0, -1 padded
     for c, k, stride, per_block in zip(chunk_sizes, budgets, strides, stage_bytes, strict=True):
+        if -(-n_in // c) <= k // c:  # every block keeps all it has (lean's first two stages
+            cand = _span(sink, n_in, valid) if cand is None else cand  # up to 16K): no launches
+            continue
         pq, pp = pool_blocks(q, q_pos, stride, ragged)  # [B, Tb/stride, H_q, D], [B, Tb/stride]
         n_out = n_in if -(-n_in // c) <= k // c else k // c * c  # the widest any batch returns
         # every block's candidates (in and out) and pooled queries live through the stage: the
