@@ -1,6 +1,7 @@
 """GPU correctness checks (CI has no GPU): policies bitwise-equal on CUDA kernels, the
 sequence-block path within rounding, CPU-attended slices at decode (same tokens, logits within
-rounding), and the lower-right causal flash path against a reference.
+rounding), the prefill by layer against the chunk order, and the lower-right causal flash path
+against a reference.
 
     python bench/gpu_checks.py
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import write_results
 from kvtier.attention.dense import attend
 from kvtier.config import ModelConfig
+from kvtier.engine.runner import prefill_run
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import build_empty, random_model, with_experts_on_host
@@ -124,6 +126,43 @@ def hip_graph_check(model, cfg, plan, ids) -> dict[str, object]:  # type: ignore
     return out
 
 
+def layer_order_check(model, cfg, plans, ids) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The prefill by layer (`kvtier.engine.layer_prefill`: its hidden states through pinned
+    memory on two copy streams) against the chunk order, then 6 greedy steps: bitwise the same
+    logits, dense and HiP (`HipConfig.scaled`, so it prunes), and the H2D bytes of each."""
+    out: dict[str, object] = {}
+    for name, (plan, hip) in plans.items():
+        runs = []
+        for by_layer in (False, True):
+            extra = {}
+            if hip:
+                scaled = HipConfig.scaled(ids.shape[0])
+                kernel, _ = make_hip_kernel(
+                    cfg, DEV, "default", **{f.name: getattr(scaled, f.name) for f in fields(HipConfig)}
+                )
+                extra = {"kernel": kernel, "rotate_keys": not kernel.needs_unrotated_keys}
+            store = TieredKVStore(
+                cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=ids.shape[0] + 6,
+                options=StoreOptions(block_size=64, extent_blocks=3), **extra,
+            )  # fmt: skip
+            last, layered = prefill_run(model, store, ids, plan.chunk_size, by_layer=by_layer)
+            prefill_h2d = store.account.h2d_bytes
+            logits = [last]
+            for _ in range(6):
+                store.begin_step(1)
+                logits.append(model(logits[-1].argmax().view(1), store)[-1])
+                store.end_step()
+            store.close()
+            runs.append((torch.stack(logits), layered, prefill_h2d))
+        (base, _, base_h2d), (lg, layered, h2d) = runs
+        out[name] = {
+            "ran_by_layer": layered,
+            "bitwise": bool(torch.equal(lg, base)),
+            "prefill_h2d_bytes": {"chunk": base_h2d, "layer": h2d},
+        }
+    return out
+
+
 def main() -> None:
     cfg = ModelConfig(
         vocab_size=1000,
@@ -193,6 +232,13 @@ def main() -> None:
         results[name] = {"tokens_equal": t == bt, "bitwise": bool(torch.equal(lg, base))}
     results["moe-experts-on-host"] = experts_on_host_check()
     results.update(hip_graph_check(model, cfg, p("head", 1, 0, 1536 + 40), ids))
+    by_layer = {
+        "by-layer-layer": (p("layer", 4, 0, 1536), False),
+        "by-layer-head-g2": (p("head", 2, 0, 1536), False),
+        "by-layer-auto-g1-r7": (p("auto", 1, 7, 1536, 4), False),
+        "by-layer-hip-head-g2": (p("head", 2, 0, 1536), True),
+    }
+    results.update(layer_order_check(model, cfg, by_layer, ids))
     # lower-right causal flash path vs an fp32 reference
     q = torch.randn(300, 32, 128, device=DEV, dtype=torch.bfloat16)
     kv = torch.randn(2000, 2, 8, 128, device=DEV, dtype=torch.bfloat16)

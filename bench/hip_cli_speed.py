@@ -37,15 +37,15 @@ from kvtier.units import parse_count
 TOKENS_PER_WORD = 2.6  # prose() with SmolLM2's tokenizer: 38K words made ~98K tokens
 
 
-PLAN_KEYS = ("chunk_size",)  # plan options a spec may carry besides the method's own
+PLAN_KEYS = ("chunk_size", "prefill_order")  # run options a spec may carry besides the method's own
 
 
 MODEL = "llama-3.1-8b shapes, random bf16 weights"
 
 
 def method_flags(spec: str) -> list[str]:
-    """`kvtier generate` flags of a method spec ("auto", "hip", "hip,hip_preset=fast", and plan
-    options such as "hip,chunk_size=16384")."""
+    """`kvtier generate` flags of a method spec ("auto", "hip", "hip,hip_preset=fast", and run
+    options such as "hip,chunk_size=16384" or "hip,prefill_order=layer")."""
     name, _, rest = spec.partition(",")
     items = [item.partition("=") for item in filter(None, rest.split(","))]
     method = [f"{k}={v}" for k, _, v in items if k not in PLAN_KEYS]
@@ -81,7 +81,7 @@ def run_one(
     keep = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "prefill_tokens_per_s",
             "decode_tokens_per_s", "decode_step_s", "decode_step_times_s", "decode_h2d_bytes", "peak_bytes",
             "gpu_allocator", "prefill_step_s", "kernel", "decode_step_h2d_bytes", "decode_gc",
-            "decode_allocator")  # fmt: skip
+            "decode_allocator", "prefill_order", "h2d_bytes")  # fmt: skip
     row.update({k: stats.get(k) for k in keep})
     row["plan"] = {k: stats["plan"].get(k) for k in ("policy", "group_size", "chunk_size", "method")}
     return row

@@ -807,6 +807,36 @@ case "$group" in
   run 560 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_exact=8;hip,hip_exact=16" \
     --new-tokens 8 --timeout 170 --warmup-tokens 0 --name hip_cli_speed_512k_exact
   ;;
+141)
+  # (~5 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with the prefill by
+  # layer (`--prefill-order layer`: its hidden states through pinned memory on two copy streams,
+  # bitwise against the chunk order, dense and HiP), then 135 (the exact fine-chunk kernel)
+  run 150 $py bench/gpu_checks.py
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact
+  ;;
+142)
+  # (~9 min, GGUF: call B) issue 19's 512K prefill through the CLI on one start: lean as it is
+  # (5,195-5,709 tok/s), with its last stage scored exactly, and with that and the chunks taken
+  # layer by layer (no chunk streams the prefix: ~1.1 TB of H2D less over the prompt)
+  run 570 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip;hip,hip_exact=8;hip,hip_exact=8,prefill_order=layer" \
+    --new-tokens 8 --timeout 175 --warmup-tokens 0 --name hip_cli_speed_512k_exact_by_layer
+  ;;
+143)
+  # (~9 min, GGUF) 142 for `fast` and lossless: fast + exact 32 by layer, fast by layer, and
+  # lossless `auto` by layer (3,692 tok/s chunk by chunk: hip_cli_speed_512k.json)
+  run 570 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_exact=32,prefill_order=layer;hip,hip_preset=fast,prefill_order=layer;auto,prefill_order=layer" \
+    --new-tokens 8 --timeout 180 --warmup-tokens 0 --name hip_cli_speed_512k_fast_by_layer
+  ;;
+139)
+  # (~8 min, GGUF) 138 for `fast` (chunks 256/32/8, budgets 32K/8K/2K): its chunks took 0.95 s
+  # at the start of 512K and 1.48 s at its end (hip_cli_speed_512k_prefill_steps.json), where
+  # streaming the slice's KV alone takes ~1.26 s; --hip-exact 32 scores stages 1 and 2 exactly
+  run 500 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_preset=fast;hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=32" \
+    --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact
+  ;;
 134)
   # (~7 min, no GGUF; best on an H200, whose earlier starts attended a third slower on the CPU)
   # issue 23's defaults since 2026-12-07 against the host's wait and a copy, int4 at 512K with

@@ -123,6 +123,23 @@ def test_head_wise_offload_gives_the_same_tokens(embedded: Path, capsys: pytest.
     assert head["stats"]["h2d_bytes"] > 0
 
 
+def test_prefill_by_layer_gives_the_same_tokens_and_loads_less(
+    embedded: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prefill-order layer` over streamed slices: the chunks go through each layer in turn
+    (the stats say so), the tokens are the chunk order's, and no chunk loads the prompt's KV."""
+    args = ("--kv", "layer", "--chunk-size", "2")  # 5 prompt tokens: 2 + 2 by layer, then 1
+    chunked = run_json(capsys, *args)
+    layered = run_json(capsys, *args, "--prefill-order", "layer")
+    assert (chunked["stats"]["prefill_order"], layered["stats"]["prefill_order"]) == ("chunk", "layer")
+    assert layered["token_ids"] == chunked["token_ids"]
+    assert layered["stats"]["h2d_bytes"] < chunked["stats"]["h2d_bytes"]
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--prefill-order", "diagonal"])
+    assert exc.value.code == 2
+    assert "--prefill-order: invalid choice" in capsys.readouterr().err
+
+
 def test_text_output_and_stats_line(embedded: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["generate", "--prompt", PROMPT, "--max-new-tokens", "2", "--device", "cpu"])
     out, err = capsys.readouterr()

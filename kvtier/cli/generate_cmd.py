@@ -18,6 +18,7 @@ from kvtier.cli.options import (
     llm_kwargs,
     text_type,
 )
+from kvtier.engine.config import PREFILL_ORDERS
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import PromptError
@@ -62,6 +63,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="generate all --max-new-tokens, past the end-of-sequence token (benchmarks)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    p.add_argument(
+        "--prefill-order",
+        choices=PREFILL_ORDERS,
+        default="chunk",
+        help="chunk (default): each prompt chunk through every layer; layer: the chunks through "
+        "each layer in turn where the KV streams from host memory, so no chunk loads the stored "
+        "prompt again (long prompts under a small --gpu-memory)",
+    )
     add_model_options(p)
     add_parallel_option(p)
     add_method_options(p)

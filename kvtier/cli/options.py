@@ -292,6 +292,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_attention": args.cpu_attention,
         "experts": args.experts,
         "exact_lossless": EXACT_LOSSLESS[getattr(args, "exact_lossless", "auto")],
+        "prefill_order": getattr(args, "prefill_order", "chunk"),
         "tensor_parallel": getattr(args, "tensor_parallel", None),
         "pipeline_parallel": getattr(args, "pipeline_parallel", None),
         **method_kwargs(args),

@@ -14,6 +14,12 @@ from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.memory import EXPERT_PLACES
 from kvtier.units import parse_size
 
+# How a prompt of several chunks is prefilled (`kvtier.engine.runner.prefill`): "chunk", each
+# chunk through every layer; "layer", the chunks through each layer in turn where the store
+# streams slices it can hold a layer of (`kvtier.engine.layer_prefill`: no stored prefix is
+# loaded again for each chunk).
+PREFILL_ORDERS = ("chunk", "layer")
+
 _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
@@ -46,6 +52,7 @@ class EngineConfig:
     # `MethodChoice.exact_at`) runs lossless instead, on those faster paths, and says so in its
     # stats; None: on CUDA. (On the CPU the tests and evals run HiP's own path at short lengths.)
     exact_lossless: bool | None = None
+    prefill_order: str = "chunk"  # PREFILL_ORDERS
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -55,6 +62,10 @@ class EngineConfig:
         if self.block_size < 1:
             raise ConfigError(f"block size must be at least 1, got {self.block_size}")
         object.__setattr__(self, "cpu_attention", parse_mode(self.cpu_attention))
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ConfigError(
+                f"--prefill-order {self.prefill_order!r}: use one of {', '.join(PREFILL_ORDERS)}"
+            )
         if self.experts not in EXPERT_PLACES:
             raise ConfigError(f"--experts {self.experts!r}: use one of {', '.join(EXPERT_PLACES)}")
 

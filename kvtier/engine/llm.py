@@ -48,7 +48,10 @@ class LLM:
     with a lossless method and `kv="auto"` runs through the batch engine, its decode steps
     replayed as CUDA graphs, when its KV fits the device; None: on CUDA), `exact_lossless` (a
     request whose lossy method drops nothing at its length, such as HiP under 3,328 tokens with
-    `fast`, runs lossless and says so in `stats.plan["ran_lossless"]`; None: on CUDA). The placement
+    `fast`, runs lossless and says so in `stats.plan["ran_lossless"]`; None: on CUDA),
+    `prefill_order` ("chunk", the default; "layer": a long prompt's chunks through each layer
+    in turn where its KV streams, so no chunk loads the stored prefix again; one process only;
+    `stats.prefill_order` says which ran). The placement
     (`kv`, `head_group`) and the opt-in lossy options make this LLM's default `MethodChoice`;
     `generate(..., method="head,head_group=1")` runs one request with another on the same weights.
 
@@ -91,6 +94,7 @@ class LLM:
         experts: str = "auto",
         single_batched: bool | None = None,
         exact_lossless: bool | None = None,
+        prefill_order: str = "chunk",
         tensor_parallel: int | None = None,
         pipeline_parallel: int | None = None,
     ) -> None:
@@ -110,6 +114,7 @@ class LLM:
             experts=experts,
             single_batched=single_batched,
             exact_lossless=exact_lossless,
+            prefill_order=prefill_order,
         )
         # The default method of this LLM's requests (its arguments named as MethodChoice's
         # fields); `generate(..., method=)` picks another.

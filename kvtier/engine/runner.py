@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from kvtier.engine.layer_prefill import prefill_by_layer
 from kvtier.engine.outputs import GenerationStats, step_summary
 from kvtier.engine.step_probe import StepProbe
 from kvtier.kv.store import TieredKVStore
@@ -70,11 +71,30 @@ def prefill(
     chunk_size: int,
     progress: bool = False,
     clock: StepClock | None = None,
+    by_layer: bool = False,
 ) -> torch.Tensor:
     """Run prompt ids [N] in `prefill_spans`; returns the last position's logits [vocab].
-    `clock`: marked before the first step and after each (no host sync)."""
+    `clock`: marked before the first step and after each (no host sync). `by_layer`: the
+    chunks of more than one token run as one step taken layer by layer where the store can
+    (`kvtier.engine.layer_prefill`; the clock then marks each layer), a last token alone after
+    them as usual (`prefill_run` also says whether they did)."""
+    return prefill_run(model, store, ids, chunk_size, progress, clock, by_layer)[0]
+
+
+def prefill_run(
+    model: CausalLM,
+    store: TieredKVStore,
+    ids: torch.Tensor,
+    chunk_size: int,
+    progress: bool = False,
+    clock: StepClock | None = None,
+    by_layer: bool = False,
+) -> tuple[torch.Tensor, bool]:
+    """`prefill`, and whether its chunks ran layer by layer."""
     n = ids.shape[0]
     spans = prefill_spans(n, chunk_size, store)
+    multi = len(spans) - (spans[-1][1] - spans[-1][0] == 1)  # the leading chunks of 2+ tokens
+    layered = by_layer and multi > 1 and store.layer_pass_fits(spans[multi - 1][1])
     none = torch.empty(0, dtype=torch.long, device=ids.device)
     bar = tqdm(
         total=n,
@@ -89,6 +109,20 @@ def prefill(
     if clock is not None:
         clock.mark()
     with bar:
+        if layered:
+
+            def layer_done() -> None:
+                if clock is not None:
+                    clock.mark()
+                if progress:
+                    _sync(ids.device)  # NOTE: only so the bar shows real progress
+
+            out = prefill_by_layer(
+                model, store, ids, spans[:multi], chunk_size, logits=multi == len(spans),
+                progress=bar.update, layer_done=layer_done,
+            )  # fmt: skip
+            logits = torch.empty(0) if out is None else out
+            spans = spans[multi:]
         for s, e in spans:
             part = ids[s:e]
             last = e == n
@@ -100,7 +134,7 @@ def prefill(
             if progress:
                 _sync(ids.device)  # NOTE: only so the bar shows real progress
             bar.update(part.shape[0])
-    return logits[-1]
+    return logits[-1], layered
 
 
 def generate_tokens(
@@ -112,16 +146,18 @@ def generate_tokens(
     chunk_size: int,
     should_stop: Callable[[list[int]], bool],
     progress: bool = False,
+    by_layer: bool = False,
 ) -> tuple[list[int], GenerationStats]:
     """Prefill `ids` then decode up to `max_tokens` tokens until `should_stop(tokens)`;
     `sampler` (a `Sampler`, or one whose token all tensor-parallel ranks share) picks each token
-    from the logits [vocab]."""
+    from the logits [vocab]. `by_layer`: as `prefill`'s (`stats.prefill_order` says which ran)."""
     device = ids.device
     stats = GenerationStats(prompt_tokens=ids.shape[0])
     _sync(device)
     t0 = time.perf_counter()
     clock = StepClock(device)
-    logits = prefill(model, store, ids, chunk_size, progress, clock)
+    logits, layered = prefill_run(model, store, ids, chunk_size, progress, clock, by_layer)
+    stats.prefill_order = "layer" if layered else "chunk"
     token = sampler(logits)
     out = [int(token)]  # host sync: ends the prefill timing honestly
     stats.prefill_s = time.perf_counter() - t0

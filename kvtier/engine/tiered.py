@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtier.attention.interface import CountingKernel
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import RequestOutput, allocator_counts
 from kvtier.engine.prompts import Prompt, stopper
 from kvtier.engine.runner import generate_tokens
@@ -48,6 +49,7 @@ class TieredHost(StoreHost, Protocol):
     loaded: LoadedModel
     tokenizer: Any
     parallel: RankGroup | None
+    config: EngineConfig
     pipeline: bool  # ranks are pipeline stages (else tensor-parallel shards)
     collectives_started: bool  # set here once the model runs: an error may then strand a rank
 
@@ -85,6 +87,7 @@ def generate_tiered(
             plan.chunk_size,
             stopper(params, llm.loaded.eos_token_ids, llm.tokenizer),
             progress=progress and len(ids) > plan.chunk_size,
+            by_layer=llm.config.prefill_order == "layer" and llm.parallel is None,
         )
         stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
         if isinstance(store.kernel, CountingKernel):

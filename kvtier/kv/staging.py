@@ -135,6 +135,29 @@ class StagingRing:
         self._free_after[loaded.buffer] = after
         self._fill()
 
+    def hold(self, n: int) -> list[tuple[int, torch.Tensor]]:
+        """The first `n` buffers (index, buffer [tokens, 2, G, D]) for the caller's own use
+        outside any schedule, until `release_held` (a layer-by-layer prefill keeps a layer's
+        slices in them: `kvtier.kv.layer_pass`), the current stream ordered after their last
+        readers. Made again first if given back."""
+        if n > len(self._free_after):
+            raise ValueError(f"{n} buffers asked of a staging ring of {len(self._free_after)}")
+        if not self.buffers:
+            self.buffers = self._make()
+            self.account.alloc(GPU, self.nbytes)
+        for b in range(n):
+            self.streams.wait(self._free_after[b])
+        return [(b, self.buffers[b]) for b in range(n)]
+
+    def release_held(self, b: int, after: list[Event | None]) -> None:
+        """Buffer `b` of `hold` is the ring's again once the `after` events complete."""
+        self._free_after[b] = after
+
+    @property
+    def slots(self) -> int:
+        """How many buffers the ring has (also while given back)."""
+        return len(self._free_after)
+
     def give_back(self) -> None:
         """Free the buffers while no step loads anything (decode served from a kernel's own
         cache), once every copy and read of them is done; `start` makes them again. Only for

@@ -7,7 +7,8 @@ slices are which, how large a group is and how large the staging buffers are is 
 store. Every policy is lossless; with the same kernels the logits are bitwise equal.
 
 Per step the engine calls `begin_step(n)`, runs the model (which calls the store once per
-layer), then `end_step()`.
+layer), then `end_step()`. A prefill step may also run layer by layer (`begin_step(n,
+by_layer=True)`, then `pass_chunk` before each chunk of each layer: `kvtier.kv.layer_pass`).
 
 Two optional hooks let lossy policies (`kvtier.policies`) act on the stored tokens; with neither
 set the store behaves exactly as before:
@@ -48,10 +49,12 @@ from kvtier.attention.spec import layer_attention
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.kv.buffers import allocate_buffers
+from kvtier.kv.coding import code_tokens
 from kvtier.kv.cpu_attend import CpuSlices
 from kvtier.kv.device_memory import CachingMemory, DeviceMemory
 from kvtier.kv.hooks import Evictor, KVCodec, RoundTripCodec, StoreOptions, packing_codec
 from kvtier.kv.host_slice import HostSlice
+from kvtier.kv.layer_pass import LayerPass, pass_fits
 from kvtier.kv.layout import KVLayout
 from kvtier.kv.resident import compact, reallocate
 from kvtier.kv.staged_attend import StagedSlices
@@ -104,6 +107,8 @@ class TieredKVStore:
         self.position = 0  # absolute position of the next token (> length once tokens are evicted)
         self._step_tokens = 0
         self._cos = self._sin = torch.empty(0)
+        self._pass: LayerPass | None = None  # a layer-by-layer prefill step's streamed slices
+        self._offset = 0  # its current chunk's first token, counted from the step's first
         self._capacity = lay.round_up(max(capacity, 1))
         packer = packing_codec(codec)  # NOTE: raises ConfigError for an object that is not a codec
         if codec is not None and evictor is not None:
@@ -182,33 +187,26 @@ class TieredKVStore:
         self.cpu: CpuSlices | None = None
         self._cpu: frozenset[int] = frozenset()  # slices this step attends on the CPU
         plain = not self._windowed and all(a.plain for a in self.attn)  # the CPU kernel's attention
-        if (
-            plan.cpu_slices
-            and plain
-            and type(self.kernel) is DenseKernel
-            and (codec is None or self.packed is not None)
-            and evictor is None
-        ):
+        plain = plain and type(self.kernel) is DenseKernel and evictor is None
+        if plan.cpu_slices and plain and (codec is None or self.packed is not None):
             self.cpu = CpuSlices(
-                lay,
-                self.hosts,
-                plan.cpu_slices,
-                device,
-                self.streams,
-                packed=self.packed,
-                handoff=opts.cpu_handoff,
-                results=opts.cpu_results,
-            )
+                lay, self.hosts, plan.cpu_slices, device, self.streams, packed=self.packed,
+                handoff=opts.cpu_handoff, results=opts.cpu_results,
+            )  # fmt: skip
 
     # -- step protocol -------------------------------------------------------------------------
 
-    def begin_step(self, n_new: int) -> None:
-        """Prepare a step that appends `n_new` tokens at positions length .. length + n_new - 1."""
+    def begin_step(self, n_new: int, by_layer: bool = False) -> None:
+        """Prepare a step that appends `n_new` tokens at positions length .. length + n_new - 1.
+        `by_layer` (where `layer_pass_fits`): the step's layers take its chunks one after
+        another, each announced by `pass_chunk`."""
+        if by_layer and not self.layer_pass_fits(n_new):
+            raise ConfigError("this store cannot run the step layer by layer: ask layer_pass_fits first")
         self.writes.flush()  # NOTE: before this step's loads and CPU reads of the host slices
         lay = self.layout
         end = self.length + n_new
-        positions = torch.arange(self.position, self.position + n_new, device=self.device)
-        self._cos, self._sin = self.rotary.cos_sin(positions, lay.dtype)
+        if not by_layer:  # (a pass's chunks set their own)
+            self.pass_chunk(0, n_new)
         self._step_tokens = n_new
         if n_new > 1 and isinstance(self.kernel, PrefillAwareKernel):
             self.kernel.begin_prefill()  # before the chunk's activations exist
@@ -233,8 +231,30 @@ class TieredKVStore:
             self.packed.reserve(lay.round_up(end))
         if self.cpu is not None:
             self._cpu = self.cpu.begin_step(n_new)
-        if self.staged is not None:
+        if by_layer:
+            assert self.ring is not None
+            self._pass = LayerPass(
+                self.ring, self.hosts, lay, self.kernel,
+                streams=self.streams, account=self.account, writes=self.writes, stored=self.length,
+            )  # fmt: skip
+        elif self.staged is not None:
             self.staged.start(self.length, n_new, self._cpu)
+
+    def layer_pass_fits(self, n_new: int) -> bool:
+        """Whether a step of n_new tokens may run layer by layer (`kvtier.kv.layer_pass`): some
+        slices stream, each fits a staging buffer whole, and nothing acts on a step's layers
+        together (CPU-attended or windowed slices, a codec, an evictor)."""
+        plain = self.cpu is None and self.codec is None and self.evictor is None and not self._windowed
+        if not plain or n_new < 2 or self.ring is None:
+            return False
+        return pass_fits(self.ring, self.hosts, self.layout, self.kernel, self.attn, self.length, n_new)
+
+    def pass_chunk(self, start: int, end: int) -> None:
+        """The store's next calls attend tokens [start, end) of the step (counted from its first
+        token): each layer's, chunk after chunk, in a layer-by-layer step."""
+        positions = torch.arange(self.position + start, self.position + end, device=self.device)
+        self._cos, self._sin = self.rotary.cos_sin(positions, self.layout.dtype)
+        self._offset = start
 
     def _fit_windows(self, n_new: int) -> None:
         """Make room for `n_new` tokens in every windowed slice: drop what is past its window
@@ -247,6 +267,9 @@ class TieredKVStore:
                     self._resize_slice(sid, self.layout.round_up(n + n_new))
 
     def end_step(self) -> None:
+        if self._pass is not None:
+            self._pass.close()
+            self._pass, self._offset = None, 0
         if self.cpu is not None:
             self.cpu.end_step()  # NOTE: first: raises a CPU slice's error before the length moves
         n_new = self._step_tokens
@@ -255,35 +278,19 @@ class TieredKVStore:
         self._step_tokens = 0
         for sid in range(len(self.slice_length)):
             self.slice_length[sid] += n_new
-        if self.codec is not None:
+        if self.codec is not None and (upto := self.codec.frozen_tokens(self.length)) > self._coded:
             self.writes.flush()
-            self._encode(self.codec, self.codec.frozen_tokens(self.length))
+            code_tokens(
+                self.codec, self._coded, upto, layout=self.layout, resident=self.resident, hosts=self.hosts,
+                packed=self.packed, streams=self.streams, account=self.account,
+            )  # fmt: skip
+            self._coded = upto
         if self.evictor is not None:
             for sid in sorted(self._evictable):
                 keep = self.evictor.keep(sid, self.slice_length[sid], n_new)
                 if keep is not None:
                     self._compact(sid, keep)
             self.length = max(self.slice_length)
-
-    def _encode(self, codec: RoundTripCodec, upto: int) -> None:
-        """Store tokens [coded, upto) of every slice coded (quantize -> dequantize in place)."""
-        a = self._coded
-        if upto <= a:
-            return
-        for buf in self.resident.values():
-            buf[a:upto] = codec.roundtrip(buf[a:upto])
-        if self.packed is not None:
-            to_gpu, to_host = self.packed.encode(self.hosts, upto, self.streams)
-            self.account.h2d_bytes += to_gpu
-            self.account.d2h_bytes += to_host
-        elif self.hosts:
-            self.streams.synchronize()  # NOTE: the step's write-backs must land before we rewrite
-            lay = self.layout
-            tmp = torch.empty(upto - a, 2, lay.group_size, lay.head_dim, dtype=lay.dtype)
-            for host in self.hosts.values():
-                host.read_into(tmp, a, upto)
-                host.write(a, codec.roundtrip(tmp))
-        self._coded = upto
 
     def _compact(self, sid: int, keep: torch.Tensor) -> None:
         """Keep tokens `keep` [G, K] (ascending per KV head) of resident slice `sid`, in order
@@ -307,7 +314,7 @@ class TieredKVStore:
         kv = torch.stack((k, v), dim=1)  # [T, 2, H_kv, D]
         if self._cpu and self.cpu is not None and layer in self.cpu.layers:
             return self.cpu.attend_layer(layer, q, kv, self.length, self._attend_slice, self._write_back)
-        if q.shape[0] == 1 and self._layer_cached and self.staged is not None:
+        if q.shape[0] == 1 and self._layer_cached and self.staged is not None and self._pass is None:
             decode = self._step_tokens == 1
             out = self.staged.attend_layer_cached(layer, q, kv, self.slice_length, self.length, decode)
             if out is not None:
@@ -323,12 +330,14 @@ class TieredKVStore:
     def _attend_slice(self, layer: int, group: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
         """Append the step's kv_new [T, 2, G, D] to slice (layer, group) and attend q [T, H_q_g, D]."""
         sid = self.layout.slice_index(layer, group)
-        s, t = self.slice_length[sid], q.shape[0]
+        s, t = self.slice_length[sid] + self._offset, q.shape[0]
         step = SliceStep(layer, group, s, self.attn[layer])
         if sid in self.resident:
             buf = self.resident[sid]
             buf[s : s + t] = kv_new
             return self.kernel(q, buf[: s + t], step)
+        if self._pass is not None:
+            return self._pass.attend(sid, step, q, kv_new)
         assert self.staged is not None
         return self.staged.attend(sid, step, q, kv_new, self.length, decode=self._step_tokens == 1)
 

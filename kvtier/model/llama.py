@@ -87,21 +87,25 @@ class CausalLM(nn.Module):
         Returns float32 logits [N, vocab] for the token indices `logits_at` (default: only the
         last token, so a long prefill never materializes [T, vocab]).
         """
-        x = self._embed(input_ids)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, i, attention, mlp_chunk)
-        return self._logits(x, input_ids, logits_at)
+        return self.logits(x, logits_at)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    # The pieces of `forward`, for a runner that takes the layers in another order (a prefill
+    # run layer by layer: `kvtier.engine.layer_prefill`).
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream [T, hidden] of tokens input_ids [T] before the first layer."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.config.family == "gemma2":
             # NOTE: Gemma scales by sqrt(hidden) rounded to the weights' dtype first (as HF).
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x
 
-    def _logits(
-        self, x: torch.Tensor, input_ids: torch.Tensor, logits_at: torch.Tensor | None
-    ) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [N, vocab] of the residual stream x [T, hidden] after the last layer,
+        at the indices `logits_at` (None: the last token only)."""
         # NOTE: the last token by a slice: a tensor made from a host value would be a copy that
         # waits on CUDA for the step's queued layers before the head is issued
         h = self.model.norm(x[-1:] if logits_at is None else x[logits_at])  # [N, hidden]

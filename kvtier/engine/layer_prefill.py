@@ -1,0 +1,106 @@
+"""A prompt's prefill run layer by layer: every chunk through layer 0, then every chunk through
+layer 1, and so on, so a streamed slice's KV stays on the GPU for all of its layer's chunks
+(`kvtier.kv.layer_pass`) and only the chunks' hidden states move between layers.
+
+The residual stream of the chunks waits between layers in pinned host memory on CUDA (8 KB a
+token for Llama-3-8B: 4 GiB at 512K, where its KV would send ~1.1 TB over the prefill chunk by
+chunk); a chunk's next input is copied in on a stream of its own while the one before it
+computes, and each output copied out on another. Off CUDA it is one tensor in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvtier.kv.store import TieredKVStore
+from kvtier.model.llama import CausalLM
+
+
+class _Hidden:
+    """The chunks' residual stream between layers: [n, hidden] on the host (pinned on CUDA),
+    read into `device` one step ahead on a copy stream and written back on another."""
+
+    def __init__(self, n: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.rows = torch.empty(n, width, dtype=dtype, pin_memory=self.cuda)  # [n, hidden]
+        self._in = torch.cuda.Stream(device) if self.cuda else None
+        self._out = torch.cuda.Stream(device) if self.cuda else None
+        self._written: dict[int, torch.cuda.Event] = {}  # chunk start -> its rows written back
+        self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # start -> (input, ready)
+
+    def prefetch(self, s: int, e: int) -> None:
+        """Start reading rows [s, e) into the device, once their last write-back is done."""
+        if s in self._ahead:
+            return
+        if self._in is None:
+            self._ahead[s] = (self.rows[s:e], None)
+            return
+        with torch.cuda.stream(self._in):
+            if s in self._written:
+                self._in.wait_event(self._written[s])
+            x = self.rows[s:e].to(self.device, non_blocking=True)
+            self._ahead[s] = (x, self._in.record_event())
+
+    def read(self, s: int, e: int) -> torch.Tensor:
+        """Rows [s, e) on the device, for the current stream."""
+        self.prefetch(s, e)
+        x, ready = self._ahead.pop(s)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            x.record_stream(torch.cuda.current_stream(self.device))
+        return x
+
+    def write(self, s: int, x: torch.Tensor) -> None:
+        """Rows [s, s + len(x)) from the device, after the current stream's work so far."""
+        if self._out is None:
+            self.rows[s : s + x.shape[0]] = x
+            return
+        self._out.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._out):
+            self.rows[s : s + x.shape[0]].copy_(x, non_blocking=True)
+            x.record_stream(self._out)
+            self._written[s] = self._out.record_event()
+
+
+@torch.inference_mode()
+def prefill_by_layer(
+    model: CausalLM,
+    store: TieredKVStore,
+    ids: torch.Tensor,
+    spans: list[tuple[int, int]],
+    chunk_size: int,
+    *,
+    logits: bool,
+    progress: Callable[[float], object] | None = None,
+    layer_done: Callable[[], None] | None = None,
+) -> torch.Tensor | None:
+    """Run tokens ids[spans[0][0] : spans[-1][1]] (consecutive chunks [start, end), at least
+    two) through the model as one store step taken layer by layer (`TieredKVStore.begin_step(n,
+    by_layer=True)`: the caller checked `layer_pass_fits`). Returns the last token's logits
+    [1, vocab] when `logits`, else None. `progress(tokens)`: after each (layer, chunk), its
+    tokens over the layer count (a progress bar's share); `layer_done()`: after each layer."""
+    first, n = spans[0][0], spans[-1][1]
+    layers = model.model.layers
+    store.begin_step(n - first, by_layer=True)
+    hidden = _Hidden(n - first, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
+    out = None
+    order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
+    for k, (i, s, e) in enumerate(order):
+        x = model.embed(ids[s:e]) if i == 0 else hidden.read(s - first, e - first)
+        if k + 1 < len(order) and order[k + 1][0] > 0 and order[k + 1][1] != s:
+            hidden.prefetch(order[k + 1][1] - first, order[k + 1][2] - first)  # while this one computes
+        store.pass_chunk(s - first, e - first)
+        x = layers[i](x, i, store, chunk_size)
+        if i + 1 < len(layers):
+            hidden.write(s - first, x)
+        elif logits and e == n:
+            out = model.logits(x)
+        if progress is not None:
+            progress((e - s) / len(layers))
+        if layer_done is not None and e == n:
+            layer_done()
+    store.end_step()
+    return out
