@@ -128,7 +128,7 @@ def test_prefill_by_layer_gives_the_same_tokens_and_loads_less(
 ) -> None:
     """`--prefill-order layer` over streamed slices: the chunks go through each layer in turn
     (the stats say so), the tokens are the chunk order's, and no chunk loads the prompt's KV."""
-    args = ("--kv", "layer", "--chunk-size", "2")  # 5 prompt tokens: 2 + 2 by layer, then 1
+    args = ("--kv", "layer", "--chunk-size", "2")  # 5 prompt tokens: chunks of 2, 2 and 1
     chunked = run_json(capsys, *args)
     layered = run_json(capsys, *args, "--prefill-order", "layer")
     assert (chunked["stats"]["prefill_order"], layered["stats"]["prefill_order"]) == ("chunk", "layer")

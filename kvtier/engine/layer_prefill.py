@@ -73,20 +73,19 @@ def prefill_by_layer(
     spans: list[tuple[int, int]],
     chunk_size: int,
     *,
-    logits: bool,
     progress: Callable[[float], object] | None = None,
     layer_done: Callable[[], None] | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Run tokens ids[spans[0][0] : spans[-1][1]] (consecutive chunks [start, end), at least
     two) through the model as one store step taken layer by layer (`TieredKVStore.begin_step(n,
     by_layer=True)`: the caller checked `layer_pass_fits`). Returns the last token's logits
-    [1, vocab] when `logits`, else None. `progress(tokens)`: after each (layer, chunk), its
-    tokens over the layer count (a progress bar's share); `layer_done()`: after each layer."""
+    [1, vocab]. `progress(tokens)`: after each (layer, chunk), its tokens over the layer count
+    (a progress bar's share); `layer_done()`: after each layer."""
     first, n = spans[0][0], spans[-1][1]
     layers = model.model.layers
     store.begin_step(n - first, by_layer=True)
     hidden = _Hidden(n - first, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
-    out = None
+    out = torch.empty(0)
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
         x = model.embed(ids[s:e]) if i == 0 else hidden.read(s - first, e - first)
@@ -96,7 +95,7 @@ def prefill_by_layer(
         x = layers[i](x, i, store, chunk_size)
         if i + 1 < len(layers):
             hidden.write(s - first, x)
-        elif logits and e == n:
+        elif e == n:
             out = model.logits(x)
         if progress is not None:
             progress((e - s) / len(layers))

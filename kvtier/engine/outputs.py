@@ -56,8 +56,7 @@ class GenerationStats:
     # the prompt was not prefilled step by step here (the batch engine)
     prefill_step_s: list[float] = field(default_factory=list)
     # "chunk": each chunk through every layer; "layer": the chunks through each layer in turn
-    # (`kvtier.engine.layer_prefill`), `prefill_step_s` then holding each layer's seconds (and
-    # a last token's step alone after them)
+    # (`kvtier.engine.layer_prefill`), `prefill_step_s` then holding each layer's seconds
     prefill_order: str = "chunk"
     # what the attention kernel counted (`CountingKernel`: HiP's stage reruns, cache hit rate,
     # decode graphs); empty for kernels that count nothing

@@ -75,9 +75,9 @@ def prefill(
 ) -> torch.Tensor:
     """Run prompt ids [N] in `prefill_spans`; returns the last position's logits [vocab].
     `clock`: marked before the first step and after each (no host sync). `by_layer`: the
-    chunks of more than one token run as one step taken layer by layer where the store can
-    (`kvtier.engine.layer_prefill`; the clock then marks each layer), a last token alone after
-    them as usual (`prefill_run` also says whether they did)."""
+    chunks run as one step taken layer by layer where the store can
+    (`kvtier.engine.layer_prefill`; the clock then marks each layer; a last token alone is the
+    last chunk of each layer); `prefill_run` also says whether they did."""
     return prefill_run(model, store, ids, chunk_size, progress, clock, by_layer)[0]
 
 
@@ -93,8 +93,7 @@ def prefill_run(
     """`prefill`, and whether its chunks ran layer by layer."""
     n = ids.shape[0]
     spans = prefill_spans(n, chunk_size, store)
-    multi = len(spans) - (spans[-1][1] - spans[-1][0] == 1)  # the leading chunks of 2+ tokens
-    layered = by_layer and multi > 1 and store.layer_pass_fits(spans[multi - 1][1])
+    layered = by_layer and len(spans) > 1 and store.layer_pass_fits(n)
     none = torch.empty(0, dtype=torch.long, device=ids.device)
     bar = tqdm(
         total=n,
@@ -117,12 +116,10 @@ def prefill_run(
                 if progress:
                     _sync(ids.device)  # NOTE: only so the bar shows real progress
 
-            out = prefill_by_layer(
-                model, store, ids, spans[:multi], chunk_size, logits=multi == len(spans),
-                progress=bar.update, layer_done=layer_done,
-            )  # fmt: skip
-            logits = torch.empty(0) if out is None else out
-            spans = spans[multi:]
+            logits = prefill_by_layer(
+                model, store, ids, spans, chunk_size, progress=bar.update, layer_done=layer_done
+            )
+            spans = []
         for s, e in spans:
             part = ids[s:e]
             last = e == n
