@@ -80,6 +80,7 @@ class LayerPass:
         self.ring, self.hosts, self.layout, self.kernel = ring, hosts, layout, kernel
         self.streams, self.account, self.writes, self.stored = streams, account, writes, stored
         self._layer: int | None = None
+        self._layers_held = 0
         self._held: dict[int, tuple[int, torch.Tensor]] = {}  # slice -> (buffer index, buffer)
         self._written: dict[int, Event | None] = {}  # buffer index -> its last write-back
 
@@ -97,10 +98,14 @@ class LayerPass:
         return out
 
     def _hold(self, layer: int) -> None:
-        """Give the last layer's buffers back and hold this layer's slices, prefix loaded."""
+        """Give the last layer's buffers back and hold this layer's slices, prefix loaded: in the
+        other half of the ring where it has room for two layers, so the layer need not wait for
+        the last one's write-backs out of the same buffers."""
         self.close()
         sids = streamed_of_layer(self.layout, self.hosts, layer)
-        for sid, (b, buf) in zip(sids, self.ring.hold(len(sids)), strict=True):
+        first = len(sids) * (self._layers_held % 2) if 2 * len(sids) <= self.ring.slots else 0
+        self._layers_held += 1
+        for sid, (b, buf) in zip(sids, self.ring.hold(len(sids), first), strict=True):
             if self.stored:  # the prefix stored before the step, once for all the layer's chunks
                 host = self.hosts[sid]
                 with self.streams.on_h2d():

@@ -135,19 +135,21 @@ class StagingRing:
         self._free_after[loaded.buffer] = after
         self._fill()
 
-    def hold(self, n: int) -> list[tuple[int, torch.Tensor]]:
-        """The first `n` buffers (index, buffer [tokens, 2, G, D]) for the caller's own use
-        outside any schedule, until `release_held` (a layer-by-layer prefill keeps a layer's
+    def hold(self, n: int, first: int = 0) -> list[tuple[int, torch.Tensor]]:
+        """Buffers first .. first + n - 1 (index, buffer [tokens, 2, G, D]) for the caller's own
+        use outside any schedule, until `release_held` (a layer-by-layer prefill keeps a layer's
         slices in them: `kvtier.kv.layer_pass`), the current stream ordered after their last
         readers. Made again first if given back."""
-        if n > len(self._free_after):
-            raise ValueError(f"{n} buffers asked of a staging ring of {len(self._free_after)}")
+        if first + n > len(self._free_after):
+            raise ValueError(
+                f"buffers {first}..{first + n - 1} asked of a staging ring of {len(self._free_after)}"
+            )
         if not self.buffers:
             self.buffers = self._make()
             self.account.alloc(GPU, self.nbytes)
-        for b in range(n):
+        for b in range(first, first + n):
             self.streams.wait(self._free_after[b])
-        return [(b, self.buffers[b]) for b in range(n)]
+        return [(b, self.buffers[b]) for b in range(first, first + n)]
 
     def release_held(self, b: int, after: list[Event | None]) -> None:
         """Buffer `b` of `hold` is the ring's again once the `after` events complete."""
