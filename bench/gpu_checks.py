@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import write_results
 from kvtier.attention.dense import attend
 from kvtier.config import ModelConfig
-from kvtier.engine.runner import prefill_run
+from kvtier.engine.runner import prefill
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading.presets import preset_config
 from kvtier.loading.weights import build_empty, random_model, with_experts_on_host
@@ -145,7 +145,7 @@ def layer_order_check(model, cfg, plans, ids) -> dict[str, object]:  # type: ign
                 cfg, plan, device=DEV, dtype=torch.bfloat16, capacity=ids.shape[0] + 6,
                 options=StoreOptions(block_size=64, extent_blocks=3), **extra,
             )  # fmt: skip
-            last, layered = prefill_run(model, store, ids, plan.chunk_size, by_layer=by_layer)
+            last, layered = prefill(model, store, ids, plan.chunk_size, by_layer=by_layer)
             prefill_h2d = store.account.h2d_bytes
             logits = [last]
             for _ in range(6):

@@ -91,7 +91,7 @@ def run_method(llm: Any, spec: str, prompt: list[int], cont: list[int]) -> dict[
     try:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = prefill(model, store, torch.tensor(prompt, device=dev), plan.chunk_size)
+            logits = prefill(model, store, torch.tensor(prompt, device=dev), plan.chunk_size).logits
             prefill_s = time.perf_counter() - t0
             for i, true in enumerate(tqdm(cont, desc=spec, leave=False, file=sys.stderr)):
                 lp = torch.log_softmax(logits.float(), dim=-1)

@@ -81,7 +81,7 @@ def generate(
     )
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = prefill(model, store, ids, chunk)[None]
+        logits = prefill(model, store, ids, chunk).logits[None]
         t1 = time.perf_counter()
         out: list[int] = []
         for _ in range(n):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.config import ModelConfig
-from kvtier.engine.runner import prefill_run
+from kvtier.engine.runner import prefill
 from kvtier.errors import ConfigError
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.model.llama import CausalLM
@@ -49,7 +49,7 @@ def generate(
 ) -> tuple[list[torch.Tensor], bool]:
     """Prefill (chunk or layer order) then greedy decode: every step's logits, and whether the
     prefill ran by layer."""
-    last, layered = prefill_run(model, store, ids, chunk, by_layer=by_layer)
+    last, layered = prefill(model, store, ids, chunk, by_layer=by_layer)
     logits = [last]
     for _ in range(DECODE):
         store.begin_step(1)
@@ -88,13 +88,13 @@ def test_a_fresh_prompt_loads_nothing_and_a_stored_prefix_once_a_layer(
     plan = kv_plan("head", 1)
     ids = prompt(cfg)
     store = make_store(cfg, plan)
-    prefill_run(model, store, ids[:20], CHUNK, by_layer=True)
+    prefill(model, store, ids[:20], CHUNK, by_layer=True)
     assert store.account.h2d_bytes == 0
     # a second part after 20 stored tokens: each streamed slice's 20 tokens, once
     ref_store = make_store(cfg, plan)
-    ref_logits, _ = prefill_run(model, ref_store, ids[:20], CHUNK)
-    ref_logits, _ = prefill_run(model, ref_store, ids[20:], CHUNK)
-    logits, layered = prefill_run(model, store, ids[20:], CHUNK, by_layer=True)
+    ref_logits, _ = prefill(model, ref_store, ids[:20], CHUNK)
+    ref_logits, _ = prefill(model, ref_store, ids[20:], CHUNK)
+    logits, layered = prefill(model, store, ids[20:], CHUNK, by_layer=True)
     assert layered and torch.equal(logits, ref_logits)
     token = 2 * cfg.head_dim * 4  # K and V of one head, float32
     assert store.account.h2d_bytes == 20 * token * len(store.hosts)
@@ -127,10 +127,10 @@ def test_where_the_store_cannot_the_prefill_keeps_the_chunk_order(gqa: tuple[Cau
     }
     for why, store in cases.items():
         assert not store.layer_pass_fits(PROMPT), why
-        _, layered = prefill_run(model, store, ids, CHUNK, by_layer=True)
+        _, layered = prefill(model, store, ids, CHUNK, by_layer=True)
         assert not layered, why
     # one chunk: nothing to gain
-    assert not prefill_run(model, make_store(cfg, kv_plan("layer", 2)), ids[:CHUNK], CHUNK, by_layer=True)[1]
+    assert not prefill(model, make_store(cfg, kv_plan("layer", 2)), ids[:CHUNK], CHUNK, by_layer=True)[1]
 
 
 def test_a_layer_step_the_store_cannot_take_is_refused_before_anything_moves(

@@ -6,6 +6,7 @@ import itertools
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -64,6 +65,14 @@ class StepClock:
         return out
 
 
+class Prefilled(NamedTuple):
+    """What `prefill` returns: the last position's logits [vocab], and whether the chunks ran
+    layer by layer."""
+
+    logits: torch.Tensor
+    by_layer: bool
+
+
 def prefill(
     model: CausalLM,
     store: TieredKVStore,
@@ -72,25 +81,11 @@ def prefill(
     progress: bool = False,
     clock: StepClock | None = None,
     by_layer: bool = False,
-) -> torch.Tensor:
-    """Run prompt ids [N] in `prefill_spans`; returns the last position's logits [vocab].
-    `clock`: marked before the first step and after each (no host sync). `by_layer`: the
-    chunks run as one step taken layer by layer where the store can
-    (`kvtier.engine.layer_prefill`; the clock then marks each layer; a last token alone is the
-    last chunk of each layer); `prefill_run` also says whether they did."""
-    return prefill_run(model, store, ids, chunk_size, progress, clock, by_layer)[0]
-
-
-def prefill_run(
-    model: CausalLM,
-    store: TieredKVStore,
-    ids: torch.Tensor,
-    chunk_size: int,
-    progress: bool = False,
-    clock: StepClock | None = None,
-    by_layer: bool = False,
-) -> tuple[torch.Tensor, bool]:
-    """`prefill`, and whether its chunks ran layer by layer."""
+) -> Prefilled:
+    """Run prompt ids [N] in `prefill_spans`. `clock`: marked before the first step and after
+    each (no host sync). `by_layer`: the chunks run as one step taken layer by layer where the
+    store can (`kvtier.engine.layer_prefill`; the clock then marks each layer; a last token
+    alone is the last chunk of each layer)."""
     n = ids.shape[0]
     spans = prefill_spans(n, chunk_size, store)
     layered = by_layer and len(spans) > 1 and store.layer_pass_fits(n)
@@ -131,7 +126,7 @@ def prefill_run(
             if progress:
                 _sync(ids.device)  # NOTE: only so the bar shows real progress
             bar.update(part.shape[0])
-    return logits[-1], layered
+    return Prefilled(logits[-1], layered)
 
 
 def generate_tokens(
@@ -153,7 +148,7 @@ def generate_tokens(
     _sync(device)
     t0 = time.perf_counter()
     clock = StepClock(device)
-    logits, layered = prefill_run(model, store, ids, chunk_size, progress, clock, by_layer)
+    logits, layered = prefill(model, store, ids, chunk_size, progress, clock, by_layer)
     stats.prefill_order = "layer" if layered else "chunk"
     token = sampler(logits)
     out = [int(token)]  # host sync: ends the prefill timing honestly

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.attention.interface import CachingSliceKernel, SliceKernel, SliceStep
-from kvtier.attention.spec import LayerAttention
+from kvtier.attention.interface import CachingSliceKernel, SliceStep
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout
-from kvtier.kv.staging import StagingRing
-from kvtier.kv.streams import Event, Streams
-from kvtier.kv.tiers import TierAccount
-from kvtier.kv.write_back import HostWrites
+from kvtier.kv.staged_attend import StagedSlices
+from kvtier.kv.streams import Event
 
 
 def streamed_of_layer(layout: KVLayout, hosts: dict[int, HostSlice], layer: int) -> list[int]:
@@ -35,19 +32,12 @@ def streamed_of_layer(layout: KVLayout, hosts: dict[int, HostSlice], layer: int)
     return [sid for g in range(layout.num_groups) if (sid := layout.slice_index(layer, g)) in hosts]
 
 
-def pass_fits(
-    ring: StagingRing,
-    hosts: dict[int, HostSlice],
-    layout: KVLayout,
-    kernel: SliceKernel,
-    attn: tuple[LayerAttention, ...],
-    stored: int,
-    n_new: int,
-) -> bool:
-    """Whether a step of `n_new` tokens after `stored` can run layer by layer over these
+def pass_fits(staged: StagedSlices, stored: int, n_new: int) -> bool:
+    """Whether a step of `n_new` tokens after `stored` can run layer by layer over a store's
     streamed slices: each fits a staging buffer whole, a layer's fit the ring at once, and a
     caching kernel wants them whole for this step (asked as the step's schedule would ask it,
     `CachingSliceKernel.needs_slice`, which also records them as streamed)."""
+    ring, hosts, layout, kernel, attn = staged.ring, staged.hosts, staged.layout, staged.kernel, staged.attn
     if not hosts or stored + n_new > ring.tokens:
         return False
     if max(len(streamed_of_layer(layout, hosts, layer)) for layer in range(layout.num_layers)) > ring.slots:
@@ -60,25 +50,20 @@ def pass_fits(
 
 
 class LayerPass:
-    """The streamed slices' attention during one layer-by-layer prefill step of a store that
-    held `stored` tokens before it: a layer's slices are held in the ring's buffers from its
-    first chunk to its last (their prefix loaded once), each chunk's new tokens appended and
-    written back to the host tier at their position."""
+    """The streamed slices' attention (`staged`'s, a store's) during one layer-by-layer prefill
+    step of a store that held `stored` tokens before it: a layer's slices are held in the
+    ring's buffers from its first chunk to its last (their prefix loaded once), each chunk's
+    new tokens appended and written back to the host tier at their position."""
 
-    def __init__(
-        self,
-        ring: StagingRing,
-        hosts: dict[int, HostSlice],
-        layout: KVLayout,
-        kernel: SliceKernel,
-        *,
-        streams: Streams,
-        account: TierAccount,
-        writes: HostWrites,
-        stored: int,
-    ) -> None:
-        self.ring, self.hosts, self.layout, self.kernel = ring, hosts, layout, kernel
-        self.streams, self.account, self.writes, self.stored = streams, account, writes, stored
+    def __init__(self, staged: StagedSlices, stored: int) -> None:
+        self.ring, self.hosts, self.layout, self.kernel = (
+            staged.ring,
+            staged.hosts,
+            staged.layout,
+            staged.kernel,
+        )
+        self.streams, self.account, self.writes = staged.streams, staged.account, staged.writes
+        self.stored = stored
         self._layer: int | None = None
         self._layers_held = 0
         self._held: dict[int, tuple[int, torch.Tensor]] = {}  # slice -> (buffer index, buffer)

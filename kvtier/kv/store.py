@@ -232,11 +232,8 @@ class TieredKVStore:
         if self.cpu is not None:
             self._cpu = self.cpu.begin_step(n_new)
         if by_layer:
-            assert self.ring is not None
-            self._pass = LayerPass(
-                self.ring, self.hosts, lay, self.kernel,
-                streams=self.streams, account=self.account, writes=self.writes, stored=self.length,
-            )  # fmt: skip
+            assert self.staged is not None
+            self._pass = LayerPass(self.staged, self.length)
         elif self.staged is not None:
             self.staged.start(self.length, n_new, self._cpu)
 
@@ -245,9 +242,7 @@ class TieredKVStore:
         slices stream, each fits a staging buffer whole, and nothing acts on a step's layers
         together (CPU-attended or windowed slices, a codec, an evictor)."""
         plain = self.cpu is None and self.codec is None and self.evictor is None and not self._windowed
-        if not plain or n_new < 2 or self.ring is None:
-            return False
-        return pass_fits(self.ring, self.hosts, self.layout, self.kernel, self.attn, self.length, n_new)
+        return plain and n_new > 1 and self.staged is not None and pass_fits(self.staged, self.length, n_new)
 
     def pass_chunk(self, start: int, end: int) -> None:
         """The store's next calls attend tokens [start, end) of the step (counted from its first
