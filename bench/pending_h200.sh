@@ -295,6 +295,11 @@
 #   NEXT: 135 (no GGUF: the kernels; carry the GGUF's first half with it), 136 (its prefill and
 #   NIAH), 137 (the smoke's generate part and the CUDA checks with issue 23's defaults, RULER with
 #   --hip-exact 8), 134, then 110, 85, the 8B smoke, 80, 73.
+# The forty-ninth (every start refused again) built the prefill by layer (--prefill-order layer:
+#   no chunk re-streams the stored prompt) for issue 19's 512K prefill. NEXT: 141 (call A, with
+#   the GGUF's first half: gpu_checks' by-layer rows, the exact kernel), 142 (call B: 512K
+#   through the CLI, lean / + exact 8 / + by layer), 143 (fast and lossless by layer), 136, 137:
+#   if by layer wins and its checks are bitwise, make it the default where the store can.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
