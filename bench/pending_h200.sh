@@ -812,6 +812,15 @@ case "$group" in
   run 560 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_exact=8;hip,hip_exact=16" \
     --new-tokens 8 --timeout 170 --warmup-tokens 0 --name hip_cli_speed_512k_exact
   ;;
+144)
+  # (~6 min, no GGUF: one call where the GGUF's two-call setup does not fit the device time
+  # left) the CUDA checks with the prefill by layer's rows, then its first GPU A/B: lossless
+  # 128K under 24 GiB prefilled in full through the runner, chunk and layer order, `auto` and
+  # `layer` placements
+  run 170 $py bench/gpu_checks.py
+  run 330 $py bench/tiered_store.py --contexts 128K --policies auto,layer --full-prefill-max 128K \
+    --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  ;;
 141)
   # (~5 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with the prefill by
   # layer (`--prefill-order layer`: its hidden states through pinned memory on two copy streams,

@@ -46,6 +46,7 @@ from bench.tiered_hf import run_hf
 from bench.tiered_methods import kv_fill, method_choice, method_parts, method_reserve
 from bench.tiered_report import add_speedups, print_table
 from bench.watchdog import arm as arm_watchdog
+from kvtier.engine.runner import prefill as runner_prefill
 from kvtier.errors import CapacityError
 from kvtier.kv.cpu_attend import measured_packed_rates
 from kvtier.kv.hooks import StoreOptions
@@ -81,7 +82,14 @@ def _hardware(cfg: Any, cpu: str, unpack_stream: bool = False) -> Hardware:
 
 
 def run_policy(
-    model: Any, cfg: Any, spec: str, context: int, args: argparse.Namespace, bw: float, cpu: str = "off"
+    model: Any,
+    cfg: Any,
+    spec: str,
+    context: int,
+    args: argparse.Namespace,
+    bw: float,
+    cpu: str = "off",
+    order: str | None = None,
 ) -> dict[str, Any]:
     # spec: POLICY[+METHOD][@CHUNK], e.g. "head+int4" or "head@8192" (a fixed prefill chunk).
     spec_chunk = spec.partition("@")
@@ -156,6 +164,10 @@ def run_policy(
             none = torch.empty(0, dtype=torch.long, device=DEV)
 
             def prefill() -> torch.Tensor:
+                if order is not None:  # through the runner, as `kvtier generate` runs it
+                    done = runner_prefill(model, store, ids, chunk, by_layer=order == "layer")
+                    row["prefill_order"] = "layer" if done.by_layer else "chunk"
+                    return done.logits.view(1, -1)
                 logits = torch.empty(0)
                 for s in range(0, context, chunk):
                     part = ids[s : s + chunk]
@@ -334,6 +346,12 @@ def main() -> None:
         help="after this many seconds print every thread's stack and the CPU handoff's state, and "
         "exit 3 (bench/watchdog.py: evidence from a hang; 0: off)",
     )
+    ap.add_argument(
+        "--prefill-orders",
+        default=None,
+        help="full prefills through kvtier's runner in each of these orders (chunk, layer: "
+        "`--prefill-order`), a row each; default: the chunks in a loop of this script's own",
+    )
     ap.add_argument("--name", default="tiered_store")
     args = ap.parse_args()
     if args.watchdog > 0:
@@ -350,8 +368,11 @@ def main() -> None:
     run_policy(model, cfg, "gpu", 8192, args, bw)  # warm-up: kernels, allocator, host threads
     rows = []
     for context in contexts:
-        for policy, cpu in itertools.product(args.policies.split(","), args.cpu_attention.split(",")):
-            row = run_policy(model, cfg, policy, context, args, bw, cpu)
+        orders = args.prefill_orders.split(",") if args.prefill_orders else [None]
+        for policy, cpu, order in itertools.product(
+            args.policies.split(","), args.cpu_attention.split(","), orders
+        ):
+            row = run_policy(model, cfg, policy, context, args, bw, cpu, order)
             rows.append(row)
             # Rewritten after every row, so a run cut short by a time limit keeps what it measured.
             write_results(args.name, {"gpu_budget_bytes": args.budget, "pinned_h2d_gbps": bw, "rows": rows})
