@@ -815,10 +815,9 @@ case "$group" in
 144)
   # (~6 min, no GGUF: one call where the GGUF's two-call setup does not fit the device time
   # left) the CUDA checks with the prefill by layer's rows, then its first GPU A/B: lossless
-  # 128K under 24 GiB prefilled in full through the runner, chunk and layer order, `auto` and
-  # `layer` placements
+  # `auto` at 128K under 24 GiB prefilled in full through the runner, chunk and layer order
   run 170 $py bench/gpu_checks.py
-  run 330 $py bench/tiered_store.py --contexts 128K --policies auto,layer --full-prefill-max 128K \
+  run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
   ;;
 141)
