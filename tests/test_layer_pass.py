@@ -11,11 +11,12 @@ import torch
 from kvtier.config import ModelConfig
 from kvtier.engine.runner import prefill
 from kvtier.errors import ConfigError
-from kvtier.kv.store import StoreOptions, TieredKVStore
+from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
+from kvtier.policies import PolicyParts
 from kvtier.policies.quant import KiviCodec
-from tests import hip_store
+from tests import hip_store, policy_store
 
 CPU = torch.device("cpu")
 PROMPT, DECODE, CHUNK = 45, 6, 11
@@ -32,16 +33,9 @@ def kv_plan(policy: str, group: int, resident: int = 0, buffers: int = 2, stagin
     )
 
 
-def make_store(cfg: ModelConfig, plan: KVPlan, **kw: object) -> TieredKVStore:
-    return TieredKVStore(
-        cfg,
-        plan,
-        device=CPU,
-        dtype=torch.float32,
-        capacity=PROMPT + DECODE,
-        options=StoreOptions(block_size=5, extent_blocks=2),
-        **kw,  # type: ignore[arg-type]
-    )
+def make_store(cfg: ModelConfig, plan: KVPlan, codec: KiviCodec | None = None) -> TieredKVStore:
+    """A float32 CPU store of PROMPT + DECODE tokens (`tests.policy_store`'s), with `codec`."""
+    return policy_store.make_store(cfg, plan, PolicyParts(codec=codec), capacity=PROMPT + DECODE)
 
 
 def generate(
@@ -123,7 +117,7 @@ def test_where_the_store_cannot_the_prefill_keeps_the_chunk_order(gqa: tuple[Cau
         "resident": make_store(cfg, kv_plan("gpu", 2, resident=3, buffers=0, staging=0)),
         "a layer's slices outnumber the buffers": make_store(cfg, kv_plan("head", 1, buffers=1)),
         "sequence blocks": make_store(cfg, kv_plan("layer", 2, staging=30)),
-        "a codec": make_store(cfg, kv_plan("layer", 2), codec=KiviCodec(bits=8, group=5, residual=5)),
+        "a codec": make_store(cfg, kv_plan("layer", 2), codec=KiviCodec(bits=8, group=8, residual=8)),
     }
     for why, store in cases.items():
         assert not store.layer_pass_fits(PROMPT), why
