@@ -299,7 +299,8 @@
 #   no chunk re-streams the stored prompt) for issue 19's 512K prefill. NEXT: 141 (call A, with
 #   the GGUF's first half: gpu_checks' by-layer rows, the exact kernel), 142 (call B: 512K
 #   through the CLI, lean / + exact 8 / + by layer), 143 (fast and lossless by layer), 136, 137:
-#   if by layer wins and its checks are bitwise, make it the default where the store can.
+#   if by layer wins and its checks are bitwise, make it the default where the store can. With
+#   too little device time for the GGUF's two calls, 144 alone (the checks and a 128K A/B).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
