@@ -134,6 +134,12 @@ def test_prefill_by_layer_gives_the_same_tokens_and_loads_less(
     assert (chunked["stats"]["prefill_order"], layered["stats"]["prefill_order"]) == ("chunk", "layer")
     assert layered["token_ids"] == chunked["token_ids"]
     assert layered["stats"]["h2d_bytes"] < chunked["stats"]["h2d_bytes"]
+    # the stats line says which order ran, and why not by layer where it could not
+    cases = (((), "; prefill by layer; peak"), (("--kv", "gpu"), "; prefill by chunk (by layer needs"))
+    for extra, said in cases:
+        rc = main(["generate", "--prompt", PROMPT, "--max-new-tokens", "2", "--device", "cpu", *args, *extra,
+                   "--prefill-order", "layer"])  # fmt: skip
+        assert rc == 0 and said in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--prompt", "hi", "--prefill-order", "diagonal"])
     assert exc.value.code == 2

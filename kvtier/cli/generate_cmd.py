@@ -108,6 +108,19 @@ def plan_note(plan: dict[str, object]) -> str:
     return placed + exact
 
 
+def order_note(asked: str, ran: str) -> str:
+    """The stats line's word on `--prefill-order layer`: that it ran, or why the chunks did not
+    (the store must stream a layer's slices whole into its staging buffers)."""
+    if asked != "layer":
+        return ""
+    if ran == "layer":
+        return "; prefill by layer"
+    return (
+        "; prefill by chunk (by layer needs two chunks or more and KV streamed from host memory, "
+        "one layer's fitting the staging buffers whole: docs/methods.md)"
+    )
+
+
 def tp_note(plan: dict[str, object]) -> str:
     """' per rank of N' for a run over N ranks' stats line (they are rank 0's), else ''."""
     ranks = plan.get("tensor_parallel") or plan.get("pipeline_parallel")
@@ -146,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s; "
         f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s{spread}; {plan_note(s.plan)}"
+        f"{order_note(args.prefill_order, s.prefill_order)}"
         f"{tp_note(s.plan)}; peak {peaks}]",
         file=sys.stderr,
     )
