@@ -114,18 +114,18 @@ def prefill(
             logits = prefill_by_layer(
                 model, store, ids, spans, chunk_size, progress=bar.update, layer_done=layer_done
             )
-            spans = []
-        for s, e in spans:
-            part = ids[s:e]
-            last = e == n
-            store.begin_step(part.shape[0])
-            logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
-            store.end_step()
-            if clock is not None:
-                clock.mark()
-            if progress:
-                _sync(ids.device)  # NOTE: only so the bar shows real progress
-            bar.update(part.shape[0])
+        else:
+            for s, e in spans:
+                part = ids[s:e]
+                last = e == n
+                store.begin_step(part.shape[0])
+                logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
+                store.end_step()
+                if clock is not None:
+                    clock.mark()
+                if progress:
+                    _sync(ids.device)  # NOTE: only so the bar shows real progress
+                bar.update(part.shape[0])
     return Prefilled(logits[-1], layered)
 
 
