@@ -76,25 +76,26 @@ def prefill_by_layer(
     progress: Callable[[float], object] | None = None,
     layer_done: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """Run tokens ids[spans[0][0] : spans[-1][1]] (consecutive chunks [start, end), at least
+    """Run the prompt ids [N] (`spans`: consecutive chunks [start, end) from 0 to N, at least
     two) through the model as one store step taken layer by layer (`TieredKVStore.begin_step(n,
     by_layer=True)`: the caller checked `layer_pass_fits`). Returns the last token's logits
     [1, vocab]. `progress(tokens)`: after each (layer, chunk), its tokens over the layer count
     (a progress bar's share); `layer_done()`: after each layer."""
-    first, n = spans[0][0], spans[-1][1]
+    n = spans[-1][1]
+    assert spans[0][0] == 0 and n == ids.shape[0], "the whole prompt, from its first token"
     layers = model.model.layers
-    store.begin_step(n - first, by_layer=True)
-    hidden = _Hidden(n - first, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
+    store.begin_step(n, by_layer=True)
+    hidden = _Hidden(n, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
     out = torch.empty(0)
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
-        x = model.embed(ids[s:e]) if i == 0 else hidden.read(s - first, e - first)
+        x = model.embed(ids[s:e]) if i == 0 else hidden.read(s, e)
         if k + 1 < len(order) and order[k + 1][0] > 0 and order[k + 1][1] != s:
-            hidden.prefetch(order[k + 1][1] - first, order[k + 1][2] - first)  # while this one computes
-        store.pass_chunk(s - first, e - first)
+            hidden.prefetch(*order[k + 1][1:])  # the next chunk's input, while this one computes
+        store.pass_chunk(s, e)
         x = layers[i](x, i, store, chunk_size)
         if i + 1 < len(layers):
-            hidden.write(s - first, x)
+            hidden.write(s, x)
         elif e == n:
             out = model.logits(x)
         if progress is not None:

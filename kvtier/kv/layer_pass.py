@@ -56,16 +56,15 @@ class LayerPass:
     new tokens appended and written back to the host tier at their position."""
 
     def __init__(self, staged: StagedSlices, stored: int) -> None:
-        self.ring, self.hosts, self.layout, self.kernel = (
-            staged.ring,
-            staged.hosts,
-            staged.layout,
+        self.ring, self.hosts, self.layout = staged.ring, staged.hosts, staged.layout
+        self.kernel, self.streams, self.account, self.writes = (
             staged.kernel,
+            staged.streams,
+            staged.account,
+            staged.writes,
         )
-        self.streams, self.account, self.writes = staged.streams, staged.account, staged.writes
         self.stored = stored
         self._layer: int | None = None
-        self._layers_held = 0
         self._held: dict[int, tuple[int, torch.Tensor]] = {}  # slice -> (buffer index, buffer)
         self._written: dict[int, Event | None] = {}  # buffer index -> its last write-back
 
@@ -88,8 +87,7 @@ class LayerPass:
         the last one's write-backs out of the same buffers."""
         self.close()
         sids = streamed_of_layer(self.layout, self.hosts, layer)
-        first = len(sids) * (self._layers_held % 2) if 2 * len(sids) <= self.ring.slots else 0
-        self._layers_held += 1
+        first = len(sids) * (layer % 2) if 2 * len(sids) <= self.ring.slots else 0
         for sid, (b, buf) in zip(sids, self.ring.hold(len(sids), first), strict=True):
             if self.stored:  # the prefix stored before the step, once for all the layer's chunks
                 host = self.hosts[sid]
