@@ -821,6 +821,22 @@ case "$group" in
   run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
   ;;
+145)
+  # (~6 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks with the prefill by
+  # layer's rows (bitwise against the chunk order, dense and HiP), then its first GPU A/B:
+  # lossless `auto` at 128K under 24 GiB prefilled in full through the runner, chunk and layer
+  run 160 $py bench/gpu_checks.py
+  run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
+    --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  ;;
+146)
+  # (~9.5 min, GGUF: call B) issue 19's 512K prefill through the CLI by layer, with the last
+  # stages scored exactly: lean (+ exact 8), fast (+ exact 32), then lossless `auto` by layer
+  # on the same start, the ratio's base (chunk by chunk: 3,692 tok/s, H200, hip_cli_speed_512k.json)
+  run 585 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_exact=8,prefill_order=layer;hip,hip_preset=fast,hip_exact=32,prefill_order=layer;auto,prefill_order=layer" \
+    --new-tokens 8 --timeout 260 --warmup-tokens 0 --name hip_cli_speed_512k_exact_by_layer
+  ;;
 141)
   # (~5 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with the prefill by
   # layer (`--prefill-order layer`: its hidden states through pinned memory on two copy streams,
