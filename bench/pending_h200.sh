@@ -822,20 +822,24 @@ case "$group" in
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
   ;;
 145)
-  # (~6 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks with the prefill by
-  # layer's rows (bitwise against the chunk order, dense and HiP), then its first GPU A/B:
-  # lossless `auto` at 128K under 24 GiB prefilled in full through the runner, chunk and layer
-  run 160 $py bench/gpu_checks.py
-  run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
-    --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks with the prefill
+  # by layer's rows (bitwise against the chunk order, dense and HiP)
+  run 170 $py bench/gpu_checks.py
   ;;
 146)
-  # (~9.5 min, GGUF: call B) issue 19's 512K prefill through the CLI by layer, with the last
-  # stages scored exactly: lean (+ exact 8), fast (+ exact 32), then lossless `auto` by layer
-  # on the same start, the ratio's base (chunk by chunk: 3,692 tok/s, H200, hip_cli_speed_512k.json)
-  run 585 $py bench/hip_cli_speed.py --contexts 512K \
-    --methods "hip,hip_exact=8,prefill_order=layer;hip,hip_preset=fast,hip_exact=32,prefill_order=layer;auto,prefill_order=layer" \
-    --new-tokens 8 --timeout 260 --warmup-tokens 0 --name hip_cli_speed_512k_exact_by_layer
+  # (~6 min, GGUF: call B) issue 19's 512K prefill through the CLI by layer, with the last
+  # stages scored exactly: lean + exact 8, fast + exact 32 (chunk by chunk: lean 5,195-5,709,
+  # fast 11,682 tok/s on an H100, hip_cli_speed_512k_prefill_steps.json; lossless `auto`
+  # 3,692 on an H200, hip_cli_speed_512k.json)
+  run 380 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_exact=8,prefill_order=layer;hip,hip_preset=fast,hip_exact=32,prefill_order=layer" \
+    --new-tokens 8 --timeout 185 --warmup-tokens 0 --name hip_cli_speed_512k_exact_by_layer
+  ;;
+147)
+  # (~4.5 min, GGUF: after 146, on the same start) the ratio's base on the same card: lossless
+  # `auto` at 512K through the CLI by layer (chunk by chunk 3,692 tok/s, H200)
+  run 270 $py bench/hip_cli_speed.py --contexts 512K --methods "auto,prefill_order=layer" \
+    --new-tokens 4 --timeout 260 --warmup-tokens 0 --name hip_cli_speed_512k_auto_by_layer
   ;;
 141)
   # (~5 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with the prefill by
