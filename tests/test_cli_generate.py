@@ -155,6 +155,10 @@ def test_text_output_and_stats_line(embedded: Path, capsys: pytest.CaptureFixtur
     assert "Traceback" not in err
     if "2 new" in err:  # one decode step, timed: its time is every percentile's
         assert re.search(r"step p50 ([\d.]+) ms, max \1 ms", err), err
+    # one new token comes from the prefill alone: no decode speed to state
+    rc = main(["generate", "--prompt", PROMPT, "--max-new-tokens", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "1 new, no decode step;" in err and "tok/s;" in err.split("new,")[0], err
 
 
 def test_stats_line_names_the_batch_engines_pool() -> None:

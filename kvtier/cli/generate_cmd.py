@@ -156,9 +156,13 @@ def run(args: argparse.Namespace) -> int:
     peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.peak_bytes.items())
     steps = s.decode_step_s
     spread = f" (step p50 {steps['p50'] * 1e3:.1f} ms, max {steps['max'] * 1e3:.1f} ms)" if steps else ""
+    # the first new token comes from the prefill: one new token leaves no decode step to time
+    decode = "no decode step"
+    if s.generated_tokens > 1:
+        decode = f"decode {s.decode_tokens_per_s:.2f} tok/s{spread}"
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s; "
-        f"{s.generated_tokens} new, decode {s.decode_tokens_per_s:.2f} tok/s{spread}; {plan_note(s.plan)}"
+        f"{s.generated_tokens} new, {decode}; {plan_note(s.plan)}"
         f"{order_note(args.prefill_order, s.prefill_order)}"
         f"{tp_note(s.plan)}; peak {peaks}]",
         file=sys.stderr,
