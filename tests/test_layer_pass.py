@@ -16,6 +16,7 @@ from kvtier.model.llama import CausalLM
 from kvtier.planner.placement import KVPlan
 from kvtier.policies import PolicyParts
 from kvtier.policies.quant import KiviCodec
+from kvtier.sparse import HipKernel
 from tests import hip_store, policy_store
 
 CPU = torch.device("cpu")
@@ -94,20 +95,38 @@ def test_a_fresh_prompt_loads_nothing_and_a_stored_prefix_once_a_layer(
     assert store.account.h2d_bytes == 20 * token * len(store.hosts)
 
 
+def count_decode_state(store: TieredKVStore, kernel: HipKernel, held: list[int]) -> None:
+    """Append the kernel's decode state bytes to `held` as each of the store's chunks starts."""
+    chunk = store.pass_chunk
+
+    def spy(start: int, end: int) -> None:
+        held.append(kernel.attend_buffer_bytes() + kernel.gpu_cache_bytes())
+        chunk(start, end)
+
+    store.pass_chunk = spy  # type: ignore[method-assign]
+
+
 def test_hip_prefill_by_layer_is_bitwise(gqa: tuple[CausalLM, ModelConfig]) -> None:
     """HiP prunes each chunk's blocks over the whole slice in either order (the prompt's last
-    token alone after the pass), and decodes the same tokens after it."""
+    token alone after the pass), and decodes the same tokens after it. No layer's decode state
+    (made at the last token) exists while the pass runs: HiP's plan counts it in place of a
+    chunk's activations, not beside them."""
     model, cfg = gqa
     ids = prompt(cfg, hip_store.PROMPT, seed=7)
-    outs = []
+    outs, held = [], []
     for by_layer in (False, True):
         kernel = hip_store.kernel_for(cfg)
         store = hip_store.make_store(cfg, "head", kernel)
+        if by_layer:
+            count_decode_state(store, kernel, held)
         outs.append(generate(model, store, ids, by_layer, chunk=hip_store.CHUNK))
     (ref, ref_layered), (got, layered) = outs
     assert (ref_layered, layered) == (False, True)
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)
+    # the pass's (layer, chunk)s and the last token's step, then the decode steps
+    assert len(held) > cfg.num_layers * 2 + DECODE
+    assert not any(held[:-DECODE]) and all(held[-DECODE:]), held
 
 
 def test_where_the_store_cannot_the_prefill_keeps_the_chunk_order(gqa: tuple[CausalLM, ModelConfig]) -> None:

@@ -84,11 +84,17 @@ def prefill(
 ) -> Prefilled:
     """Run prompt ids [N] in `prefill_spans`. `clock`: marked before the first step and after
     each (no host sync). `by_layer`: the chunks run as one step taken layer by layer where the
-    store can (`kvtier.engine.layer_prefill`; the clock then marks each layer; a last token
-    alone is the last chunk of each layer)."""
+    store can (`kvtier.engine.layer_prefill`; the clock then marks each layer), a last token
+    alone (HiP's) as a step of its own after it."""
     n = ids.shape[0]
     spans = prefill_spans(n, chunk_size, store)
-    layered = by_layer and len(spans) > 1 and store.layer_pass_fits(n)
+    # NOTE: a last token alone stays out of the pass: HiP makes a layer's decode caches at it,
+    # which its plan counts in place of a chunk's activations, never beside them. Inside the
+    # pass, layers 0..i's caches sat beside layer i + 1's 15K-token chunks and took Llama-3-8B
+    # at 512K past 24 GiB (OOM at layer 6 on an H100); out of it, its slices load once more.
+    passed = spans[:-1] if spans[-1][1] - spans[-1][0] == 1 else spans
+    layered = by_layer and len(passed) > 1 and store.layer_pass_fits(passed[-1][1])
+    rest = spans[len(passed) :] if layered else spans
     none = torch.empty(0, dtype=torch.long, device=ids.device)
     bar = tqdm(
         total=n,
@@ -102,30 +108,27 @@ def prefill(
     logits = torch.empty(0)
     if clock is not None:
         clock.mark()
+
+    def done() -> None:
+        if clock is not None:
+            clock.mark()
+        if progress:
+            _sync(ids.device)  # NOTE: only so the bar shows real progress
+
     with bar:
         if layered:
-
-            def layer_done() -> None:
-                if clock is not None:
-                    clock.mark()
-                if progress:
-                    _sync(ids.device)  # NOTE: only so the bar shows real progress
-
+            m = passed[-1][1]
             logits = prefill_by_layer(
-                model, store, ids, spans, chunk_size, progress=bar.update, layer_done=layer_done
+                model, store, ids[:m], passed, chunk_size, progress=bar.update, layer_done=done
             )
-        else:
-            for s, e in spans:
-                part = ids[s:e]
-                last = e == n
-                store.begin_step(part.shape[0])
-                logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
-                store.end_step()
-                if clock is not None:
-                    clock.mark()
-                if progress:
-                    _sync(ids.device)  # NOTE: only so the bar shows real progress
-                bar.update(part.shape[0])
+        for s, e in rest:
+            part = ids[s:e]
+            last = e == n
+            store.begin_step(part.shape[0])
+            logits = model(part, store, logits_at=None if last else none, mlp_chunk=chunk_size)
+            store.end_step()
+            done()
+            bar.update(part.shape[0])
     return Prefilled(logits[-1], layered)
 
 
