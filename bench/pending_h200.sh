@@ -301,6 +301,12 @@
 #   through the CLI, lean / + exact 8 / + by layer), 143 (fast and lossless by layer), 136, 137:
 #   if by layer wins and its checks are bitwise, make it the default where the store can. With
 #   too little device time for the GGUF's two calls, 144 alone (the checks and a 128K A/B).
+# The fiftieth ran 145 (the checks: by layer bitwise), 146 (512K by layer: out of memory with the
+#   last token inside the pass, fixed; then lean+exact 8 5,094 and fast+exact 32 8,641 tok/s), a
+#   fast chunk/layer A/B (13,176 vs 11,148: HiP's 512K prefill is compute-bound) and 136's
+#   prefill and NIAH lines (exact 8: 0.235x dense at lean's NIAH counts). NEXT: 145 then 148
+#   (the exact prefill's profile, RULER and pass key with it, decode after a layer-order
+#   prefill), 137's smoke and checks, 147, 134, then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -820,6 +826,20 @@ case "$group" in
   run 170 $py bench/gpu_checks.py
   run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  ;;
+148)
+  # (~9 min, GGUF: call B after 145) the fiftieth session's NEXT for issue 19: where SmolLM2's 16K
+  # prefill goes with --hip-exact 8 (0.235x dense, hip_small_prefill_exact.json), RULER 16K and
+  # the pass key with it (lean: 34.7; 10/10 at 16K and 32K), then the first decode steps after a
+  # prefill by layer over 64 tokens (7 steps after it: one slow first step, 0.75-1.4 s)
+  run 90 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 1 --new-tokens 8 \
+    --methods "auto;hip,hip_exact=8" --profile --name hip_small_prefill_exact_profile
+  run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8 \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_x10.json"
+  run 110 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
+    --method hip,hip_exact=8 --no-progress --out "$OUT/passkey_smollm2_cuda_hip_exact_x10.json"
+  run 150 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_preset=fast,prefill_order=layer" \
+    --new-tokens 64 --timeout 140 --warmup-tokens 0 --name hip_cli_speed_512k_fast_by_layer_decode
   ;;
 145)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks with the prefill
