@@ -38,10 +38,15 @@ class _Hidden:
         if self._in is None:
             self._ahead[s] = (self.rows[s:e], None)
             return
+        # NOTE: allocated on the current stream, which reads it: memory allocated on the copy
+        # stream stays in that stream's pool of the caching allocator, out of reach of the
+        # compute stream's allocations under a tight --gpu-memory
+        x = torch.empty(e - s, self.rows.shape[1], dtype=self.rows.dtype, device=self.device)
+        self._in.wait_stream(torch.cuda.current_stream(self.device))  # x's block's last users
         with torch.cuda.stream(self._in):
             if s in self._written:
                 self._in.wait_event(self._written[s])
-            x = self.rows[s:e].to(self.device, non_blocking=True)
+            x.copy_(self.rows[s:e], non_blocking=True)
             self._ahead[s] = (x, self._in.record_event())
 
     def read(self, s: int, e: int) -> torch.Tensor:
@@ -50,7 +55,6 @@ class _Hidden:
         x, ready = self._ahead.pop(s)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-            x.record_stream(torch.cuda.current_stream(self.device))
         return x
 
     def write(self, s: int, x: torch.Tensor) -> None:
