@@ -33,7 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import KV_FILLS, fill_store, write_results
-from bench.hip_offload_plan import cache_bytes_estimate, codec_of, engine_plan, make_kernel, make_plan
+from bench.hip_offload_plan import (
+    cache_bytes_estimate,
+    codec_of,
+    engine_plan,
+    make_kernel,
+    make_plan,
+    preset_spec,
+)
 from bench.hip_offload_steps import decode, prefill_chunk
 from kvtier.config import ModelConfig
 from kvtier.errors import CapacityError
@@ -141,7 +148,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="128K,512K")
     ap.add_argument(
-        "--presets", default="fast,flash", help='HiP presets (kvtier.sparse.HIP_PRESETS); "": none'
+        "--presets",
+        default="fast,flash",
+        help='HiP presets (kvtier.sparse.HIP_PRESETS), each with options after "+" '
+        '("fast+strides=16/4/1+exact=8"); "": none',
     )
     ap.add_argument(
         "--steps", type=int, default=None, help="HiP decode steps (default: 2 x smallest refresh[0] + 2)"
@@ -213,7 +223,7 @@ def main() -> None:
     if args.steps is None:
         # two stage-0 refreshes of the fastest preset (64 cached steps): keeps 128K + 512K of
         # dense, fast and flash within ~5 minutes on an H200 now that cached steps do not sync
-        args.steps = 2 * min((HIP_PRESETS[p].refresh[0] for p in presets), default=16) + 2
+        args.steps = 2 * min((HIP_PRESETS[preset_spec(p)[0]].refresh[0] for p in presets), default=16) + 2
         if args.smoke:
             args.steps = min(args.steps, 40)
     contexts = [parse_count(c) for c in args.contexts.split(",")]

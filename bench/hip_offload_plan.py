@@ -18,13 +18,35 @@ from kvtier.sparse import HIP_PRESETS, HipConfig, make_hip_kernel
 from kvtier.sparse.rope_ext import table_bytes
 
 
+def preset_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """A `--presets` entry, a preset name with options after '+' ("fast+strides=16/4/1+exact=8"),
+    as the name and its `MethodChoice` options (`hip_strides`, `hip_exact`)."""
+    name, *options = spec.split("+")
+    known = {"strides": "hip_strides", "exact": "hip_exact"}
+    out: dict[str, Any] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in known or not value:
+            raise SystemExit(f"--presets {spec!r}: options are strides=A/B/C and exact=N, got {option!r}")
+        out[known[key]] = int(value) if key == "exact" else value
+    if name not in HIP_PRESETS:
+        raise SystemExit(f"--presets {spec!r}: unknown preset {name!r}; use one of {', '.join(HIP_PRESETS)}")
+    return name, out
+
+
 def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None = None) -> HipConfig:
-    """The preset's config; in smoke mode shrunk to the context (`HipConfig.scaled`).
-    `cache_tokens`: the GPU block cache of a streamed slice (None: a whole refresh interval)."""
-    base = HIP_PRESETS[preset]
+    """The config of `preset` (a `preset_spec`); in smoke mode shrunk to the context
+    (`HipConfig.scaled`). `cache_tokens`: the GPU block cache of a streamed slice (None: a
+    whole refresh interval)."""
+    name, options = preset_spec(preset)
+    base = HIP_PRESETS[name]
+    if "hip_strides" in options:
+        base = replace(base, query_strides=tuple(int(v) for v in options["hip_strides"].split("/")))
+    base = replace(base, exact_chunk=options.get("hip_exact", base.exact_chunk))
     if not smoke:
         return replace(base, cache_tokens=cache_tokens)
-    return HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
+    scaled = HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
+    return replace(scaled, exact_chunk=base.exact_chunk)
 
 
 def make_kernel(
@@ -110,9 +132,11 @@ def engine_plan(
         kv="auto",
         chunk_size=args.chunk or None,
     )
+    name, options = preset_spec(method.removeprefix("hip-"))
     choice = MethodChoice(
         attention="hip",
-        hip_preset=method.removeprefix("hip-"),
+        hip_preset=name,
+        **options,
         kv_quant=args.kv_quant,
         hip_host_keys=args.host_scoring,  # as the kernel: with host keys caches take the staging bytes
     )

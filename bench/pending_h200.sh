@@ -306,7 +306,7 @@
 #   fast chunk/layer A/B (13,176 vs 11,148: HiP's 512K prefill is compute-bound) and 136's
 #   prefill and NIAH lines (exact 8: 0.235x dense at lean's NIAH counts). NEXT: 145 then 148
 #   (the exact prefill's profile, RULER and pass key with it, decode after a layer-order
-#   prefill), 137's smoke and checks, 147, 134, then 110, 85, the 8B smoke, 80, 73.
+#   prefill), 149 (no GGUF: stage 0's query strides at 512K), 137's smoke and checks, 147, 134, then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -826,6 +826,15 @@ case "$group" in
   run 170 $py bench/gpu_checks.py
   run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  ;;
+149)
+  # (~5 min, no GGUF) issue 19 at 512K: HiP's prefill there is compute-bound (13,176 tok/s for
+  # `fast` chunk by chunk, by layer no faster: hip_cli_speed_512k_fast_order_ab.json), its
+  # bisection 60% of a chunk, most of it stage 0 over all 512K keys with 16 pooled queries a
+  # block. One 16K chunk at the end of 512K (structured KV, the engine's plan) with stage 0's
+  # queries pooled 16 and 64 a score
+  run 300 $py bench/hip_offload.py --contexts 512K --presets "fast,fast+strides=16/4/1,fast+strides=64/4/1" \
+    --policy planned --no-dense --steps 0 --prefill-chunk 16384 --name hip_offload_prefill_512k_fast_strides
   ;;
 148)
   # (~9 min, GGUF: call B after 145) the fiftieth session's NEXT for issue 19: where SmolLM2's 16K
