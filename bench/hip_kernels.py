@@ -89,10 +89,12 @@ def main() -> None:
     w0 = (pos[:, 0] - hip.window + 1).clamp(min=hip.sink)
     table = RopeTable(Rotary(cfg.rope, d, dev))
 
-    def prune(exact_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def prune(exact_chunk: int = 0, stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pruning of every block: all stages, or the first `stages` of them."""
+        n = len(hip.chunk_sizes) if stages is None else stages
         return run_block_stages(
-            q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes, budgets=hip.budgets,
-            strides=hip.query_strides, mode="relative", rotary=table, window=hip.window, triton=True,
+            q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes[:n], budgets=hip.budgets[:n],
+            strides=hip.query_strides[:n], mode="relative", rotary=table, window=hip.window, triton=True,
             head_score=hip.head_score, exact_chunk=exact_chunk,
         )  # fmt: skip
 
@@ -163,6 +165,13 @@ def main() -> None:
         prefill_module.TRITON_HEAD_SCORE = True
         rows.append({"kernel": "prune", "variant": "pair block_c=32, torch head score", "s": t, "same": same})
         print(rows[-1], flush=True)
+    # each stage's share: the first n stages timed, for each n (a stage's time is the difference)
+    upto = [clock(lambda n=n: prune(stages=n), reps) for n in range(1, len(hip.chunk_sizes) + 1)]
+    stage_s = [round(t - p, 6) for t, p in zip(upto, [0.0, *upto[:-1]], strict=True)]
+    rows.append(
+        {"kernel": "prune stages", "variant": "pair block_c=32", "first_n_stages_s": upto, "stage_s": stage_s}
+    )
+    print(rows[-1], flush=True)
     if args.exact_chunk:  # fine stages on every key: its time, and the share of the selection kept
         t = clock(lambda: prune(args.exact_chunk), reps)
         ex_sel, _ = prune(args.exact_chunk)
