@@ -306,7 +306,8 @@
 #   fast chunk/layer A/B (13,176 vs 11,148: HiP's 512K prefill is compute-bound) and 136's
 #   prefill and NIAH lines (exact 8: 0.235x dense at lean's NIAH counts). NEXT: 145 then 148
 #   (the exact prefill's profile, RULER and pass key with it, decode after a layer-order
-#   prefill), 149 (no GGUF: stage 0's query strides at 512K), 137's smoke and checks, 147, 134, then 110, 85, the 8B smoke, 80, 73.
+#   prefill), 147 (lossless at 512K on the same card), 149 (no GGUF: stage 0's query strides and
+#   each stage's share at 512K), 137's smoke and checks, 134, then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -868,10 +869,12 @@ case "$group" in
     --new-tokens 8 --timeout 185 --warmup-tokens 0 --name hip_cli_speed_512k_exact_by_layer
   ;;
 147)
-  # (~4.5 min, GGUF: after 146, on the same start) the ratio's base on the same card: lossless
-  # `auto` at 512K through the CLI by layer (chunk by chunk 3,692 tok/s, H200)
-  run 270 $py bench/hip_cli_speed.py --contexts 512K --methods "auto,prefill_order=layer" \
-    --new-tokens 4 --timeout 260 --warmup-tokens 0 --name hip_cli_speed_512k_auto_by_layer
+  # (~4.5 min, GGUF: after 146 or 148, on the same start) the ratio's base on the card the HiP
+  # runs got: lossless `auto` at 512K through the CLI as users run it, chunk by chunk (3,692
+  # tok/s on an H200, hip_cli_speed_512k.json; HiP `fast` 13,176 on an H100,
+  # hip_cli_speed_512k_fast_order_ab.json). By layer gained HiP nothing there (compute-bound).
+  run 270 $py bench/hip_cli_speed.py --contexts 512K --methods "auto" \
+    --new-tokens 4 --timeout 260 --warmup-tokens 0 --name hip_cli_speed_512k_auto_base
   ;;
 141)
   # (~5 min, no GGUF: call A, with the GGUF's first half) the CUDA checks with the prefill by
