@@ -829,13 +829,17 @@ case "$group" in
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
   ;;
 149)
-  # (~7.5 min, no GGUF) issue 19 at 512K: HiP's prefill there is compute-bound (13,176 tok/s for
+  # (~10 min, no GGUF) issue 19 at 512K: HiP's prefill there is compute-bound (13,176 tok/s for
   # `fast` chunk by chunk, by layer no faster: hip_cli_speed_512k_fast_order_ab.json), its
   # bisection 60% of a chunk, most of it stage 0 over all 512K keys with 16 pooled queries a
   # block. One 16K chunk at the end of 512K (structured KV, the engine's plan) with stage 0's
   # queries pooled 16 and 64 a score
   run 300 $py bench/hip_offload.py --contexts 512K --presets "fast,fast+strides=16/4/1,fast+strides=64/4/1" \
     --policy planned --no-dense --steps 0 --prefill-chunk 16384 --name hip_offload_prefill_512k_fast_strides
+  # `lean` (what `auto` runs past the trained length): its last stage's queries pooled in pairs
+  # (NIAH 16K/32K 31, 30 of 33 against its 30, 29; RULER 16K 33.2 against 34.7) and scored exactly
+  run 240 $py bench/hip_offload.py --contexts 512K --presets "lean,lean+strides=4/4/2,lean+exact=8" \
+    --policy planned --no-dense --steps 0 --prefill-chunk 15360 --name hip_offload_prefill_512k_lean_strides
   # each stage's share of `fast`'s pruning of one 16K chunk at 512K, a layer slice of 8 KV heads
   run 150 $py bench/hip_kernels.py --preset fast --context 512K --chunk 16384 --heads 8 \
     --name hip_kernels_512k_fast_stages
