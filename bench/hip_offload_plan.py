@@ -19,16 +19,19 @@ from kvtier.sparse.rope_ext import table_bytes
 
 
 def preset_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """A `--presets` entry, a preset name with options after '+' ("fast+strides=16/4/1+exact=8"),
-    as the name and its `MethodChoice` options (`hip_strides`, `hip_exact`)."""
+    """A `--presets` entry, a preset name with options after '+' ("fast+strides=16/4/1+exact=8",
+    "fast+stage0=256"), as the name and its options: `MethodChoice`'s (`hip_strides`,
+    `hip_exact`) and `HipConfig.stage0_block_q`, which no request takes yet."""
     name, *options = spec.split("+")
-    known = {"strides": "hip_strides", "exact": "hip_exact"}
+    known = {"strides": "hip_strides", "exact": "hip_exact", "stage0": "stage0_block_q"}
     out: dict[str, Any] = {}
     for option in options:
         key, _, value = option.partition("=")
         if key not in known or not value:
-            raise SystemExit(f"--presets {spec!r}: options are strides=A/B/C and exact=N, got {option!r}")
-        out[known[key]] = int(value) if key == "exact" else value
+            raise SystemExit(
+                f"--presets {spec!r}: options are strides=A/B/C, exact=N and stage0=N, got {option!r}"
+            )
+        out[known[key]] = value if key == "strides" else int(value)
     if name not in HIP_PRESETS:
         raise SystemExit(f"--presets {spec!r}: unknown preset {name!r}; use one of {', '.join(HIP_PRESETS)}")
     return name, out
@@ -43,10 +46,11 @@ def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None 
     if "hip_strides" in options:
         base = replace(base, query_strides=tuple(int(v) for v in options["hip_strides"].split("/")))
     base = replace(base, exact_chunk=options.get("hip_exact", base.exact_chunk))
+    base = replace(base, stage0_block_q=options.get("stage0_block_q", base.stage0_block_q))
     if not smoke:
         return replace(base, cache_tokens=cache_tokens)
     scaled = HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
-    return replace(scaled, exact_chunk=base.exact_chunk)
+    return replace(scaled, exact_chunk=base.exact_chunk, stage0_block_q=base.stage0_block_q)
 
 
 def make_kernel(
@@ -136,7 +140,7 @@ def engine_plan(
     choice = MethodChoice(
         attention="hip",
         hip_preset=name,
-        **options,
+        **{k: v for k, v in options.items() if k.startswith("hip_")},  # (stage 0's group: not planned)
         kv_quant=args.kv_quant,
         hip_host_keys=args.host_scoring,  # as the kernel: with host keys caches take the staging bytes
     )

@@ -306,8 +306,8 @@
 #   fast chunk/layer A/B (13,176 vs 11,148: HiP's 512K prefill is compute-bound) and 136's
 #   prefill and NIAH lines (exact 8: 0.235x dense at lean's NIAH counts). NEXT: 145 then 148
 #   (the exact prefill's profile, RULER and pass key with it, decode after a layer-order
-#   prefill), 147 (lossless at 512K on the same card), 149 (no GGUF: stage 0's query strides and
-#   each stage's share at 512K), 137's smoke and checks, 134, then 110, 85, the 8B smoke, 80, 73.
+#   prefill), 147 (lossless at 512K on the same card), 149 and 150 (no GGUF: stage 0's query
+#   strides and groups, each stage's share at 512K), 137's smoke and checks, 134, then 110, 85, the 8B smoke, 80, 73.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -829,20 +829,25 @@ case "$group" in
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
   ;;
 149)
-  # (~10 min, no GGUF) issue 19 at 512K: HiP's prefill there is compute-bound (13,176 tok/s for
-  # `fast` chunk by chunk, by layer no faster: hip_cli_speed_512k_fast_order_ab.json), its
-  # bisection 60% of a chunk, most of it stage 0 over all 512K keys with 16 pooled queries a
-  # block. One 16K chunk at the end of 512K (structured KV, the engine's plan) with stage 0's
-  # queries pooled 16 and 64 a score
-  run 300 $py bench/hip_offload.py --contexts 512K --presets "fast,fast+strides=16/4/1,fast+strides=64/4/1" \
+  # (~8.5 min, no GGUF; 150 is its lean half) issue 19 at 512K: HiP's prefill there is
+  # compute-bound (13,176 tok/s for `fast` chunk by chunk, by layer no faster:
+  # hip_cli_speed_512k_fast_order_ab.json), its bisection ~60% of a chunk; stage 0 alone reads
+  # every key, 16 pooled queries a block (each stage's share: hip_kernels below). One 16K chunk at
+  # the end of 512K (structured KV, the engine's plan) with stage 0's queries pooled 16 and 64 a
+  # score, and stage 0 once per 256 queries (4 blocks: `HipConfig.stage0_block_q`, hip-attention's
+  # per-stage query block), which cuts stage 0's key reads 4x where pooling cuts only its rows
+  run 360 $py bench/hip_offload.py --contexts 512K --presets "fast,fast+strides=16/4/1,fast+strides=64/4/1,fast+stage0=256" \
     --policy planned --no-dense --steps 0 --prefill-chunk 16384 --name hip_offload_prefill_512k_fast_strides
-  # `lean` (what `auto` runs past the trained length): its last stage's queries pooled in pairs
-  # (NIAH 16K/32K 31, 30 of 33 against its 30, 29; RULER 16K 33.2 against 34.7) and scored exactly
-  run 240 $py bench/hip_offload.py --contexts 512K --presets "lean,lean+strides=4/4/2,lean+exact=8" \
-    --policy planned --no-dense --steps 0 --prefill-chunk 15360 --name hip_offload_prefill_512k_lean_strides
   # each stage's share of `fast`'s pruning of one 16K chunk at 512K, a layer slice of 8 KV heads
   run 150 $py bench/hip_kernels.py --preset fast --context 512K --chunk 16384 --heads 8 \
     --name hip_kernels_512k_fast_stages
+  ;;
+150)
+  # (~5 min, no GGUF: 149's other half)
+  # `lean` (what `auto` runs past the trained length): its last stage's queries pooled in pairs
+  # (NIAH 16K/32K 31, 30 of 33 against its 30, 29; RULER 16K 33.2 against 34.7) and scored exactly
+  run 300 $py bench/hip_offload.py --contexts 512K --presets "lean,lean+strides=4/4/2,lean+exact=8,lean+stage0=256" \
+    --policy planned --no-dense --steps 0 --prefill-chunk 15360 --name hip_offload_prefill_512k_lean_strides
   ;;
 148)
   # (~9 min, GGUF: call B after 145) the fiftieth session's NEXT for issue 19: where SmolLM2's 16K

@@ -113,3 +113,86 @@ def test_the_whole_chunk_bytes_prune_every_block_in_one_batch(monkeypatch: pytes
         else:
             assert len(calls) > 3 and max(calls) < 12
     assert torch.equal(selections[0][0], selections[1][0]) and torch.equal(selections[0][1], selections[1][1])
+
+
+def test_a_stage0_group_prunes_stage_0_once_for_its_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_block_stages(stage0_group=4)`: stage 0 prunes each group of 4 blocks as one, with
+    their pooled queries together and the first block's candidates, and each block takes the
+    group's result (a single stage: the same selection for the 4); later stages run per block.
+    One block a group is the per-block pruning."""
+    from kvtier.sparse import prefill
+
+    calls: list[tuple[int, int]] = []
+    real = prefill.prune_blocks
+
+    def counted(q: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((q.shape[0], q.shape[1]))  # blocks, pooled queries a block
+        return real(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefill, "prune_blocks", counted)
+    gen = torch.Generator().manual_seed(4)
+    d, bq, sink, window, s, heads, g = 16, 8, 4, 16, 600, 4, 2
+    q = torch.randn(12 * bq, heads, d, generator=gen).view(-1, bq, heads, d)
+    start = s - 12 * bq
+    pos = torch.arange(start, s).view(-1, bq)
+    keys = torch.randn(s, g, d, generator=gen)
+    starts = torch.tensor([max(sink, start + b - window + 1) for b in range(0, 12 * bq, bq)])
+    rope = RopeTable(Rotary(RopeConfig(), d))
+
+    def prune(group: int, n_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.clear()
+        return prefill.run_block_stages(
+            q, pos, keys, sink, starts, chunk_sizes=(32, 8, 2)[:n_stages], budgets=(256, 64, 16)[:n_stages],
+            strides=(4, 4, 1)[:n_stages], mode="relative", rotary=rope, window=window, head_score="softmax",
+            triton=False, stage0_group=group,
+        )  # fmt: skip
+
+    sel, n = prune(4, n_stages=1)
+    assert calls == [(3, 8)]  # 3 groups of 4 blocks' 2 pooled queries
+    for first in range(0, 12, 4):
+        assert all(torch.equal(sel[first], sel[b]) for b in range(first, first + 4))
+        assert (sel[first][: int(n[first])] < int(starts[first])).all()  # the first block's candidates
+    ref, ref_n = prefill.run_block_stages(  # the same as one block holding the group's queries
+        q[:4].reshape(1, 4 * bq, heads, d), pos[:4].reshape(1, -1), keys, sink, starts[:1],
+        chunk_sizes=(32,), budgets=(256,), strides=(4,), mode="relative", rotary=rope, window=window,
+        head_score="softmax", triton=False,
+    )  # fmt: skip
+    assert torch.equal(sel[0, : ref.shape[1]], ref[0]) and int(n[0]) == int(ref_n[0])
+    prune(4)
+    assert calls == [(3, 8), (12, 2), (12, 8)]  # stage 0 by group; stages 1 and 2 per block
+    assert torch.equal(prune(1)[0], prefill.run_block_stages(
+        q, pos, keys, sink, starts, chunk_sizes=(32, 8, 2), budgets=(256, 64, 16), strides=(4, 4, 1),
+        mode="relative", rotary=rope, window=window, head_score="softmax", triton=False,
+    )[0])  # fmt: skip
+
+
+def test_stage0_block_q_is_validated_and_reaches_the_pruning() -> None:
+    """0 or a multiple of block_q; `prune_whole_blocks` groups block_q-query blocks by it."""
+    from kvtier.errors import ConfigError
+    from kvtier.sparse import prefill
+    from kvtier.sparse.config import HipConfig
+
+    assert HipConfig(stage0_block_q=256).stage0_block_q == 256
+    for bad in (-64, 96, 100):
+        with pytest.raises(ConfigError, match="stage0_block_q"):
+            HipConfig(stage0_block_q=bad)
+    seen: list[int] = []
+    real = prefill.run_block_stages
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(int(kwargs["stage0_group"]))  # type: ignore[call-overload]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    cfg = HipConfig.scaled(512)
+    d, g = 16, 2
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(512, g, d, generator=gen)
+    q = torch.randn(4 * cfg.block_q, 2 * g, d, generator=gen)
+    start = 512 - q.shape[0]
+    w0 = [max(cfg.sink, start + b - cfg.window + 1) for b in range(0, q.shape[0], cfg.block_q)]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(prefill, "run_block_stages", spy)
+        for block in (0, 4 * cfg.block_q):
+            c = HipConfig.scaled(512, stage0_block_q=block)
+            prefill.prune_whole_blocks(q, start, keys, w0, c, 5, RopeTable(Rotary(RopeConfig(), d)))
+    assert seen == [1, 4]

@@ -134,6 +134,14 @@ class HipConfig:
     # stage bisects (the paper's). A power of two up to EXACT_CHUNK_MAX. Decode keeps the
     # bisection.
     exact_chunk: int = 0
+    # Prefill: consecutive queries that share stage 0's selection, a multiple of `block_q` (0:
+    # `block_q`, each block its own, the paper's setting). hip-attention's stages each take a
+    # query block size (`ScanStage.stage_block_size_q`); a wider first one runs stage 0, whose
+    # work grows with the context, once per group of blocks, and the later stages per block on
+    # the group's candidates. The group's candidates end where its first block's do, so a later
+    # block's last few hundred middle tokens before its window are never candidates. Lossy
+    # differently; not exposed to requests until timed on a GPU (bench/hip_offload.py).
+    stage0_block_q: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)
@@ -173,6 +181,10 @@ class HipConfig:
             raise ConfigError(f"hip query_strides {self.query_strides} must divide block_q {self.block_q}")
         if max(self.query_strides) > self.block_q:
             raise ConfigError(f"hip query_strides {self.query_strides} exceed block_q {self.block_q}")
+        if self.stage0_block_q < 0 or self.stage0_block_q % self.block_q:
+            raise ConfigError(
+                f"hip stage0_block_q must be 0 or a multiple of block_q ({self.block_q}), got {self.stage0_block_q}"
+            )
         last = self.chunk_sizes[-1]
         if self.wide_budget % last or self.wide_budget < self.budgets[-1]:
             raise ConfigError(

@@ -246,13 +246,16 @@ def run_block_stages(
     starts_host: list[int] | None = None,
     batch_bytes: int | None = None,
     exact_chunk: int = 0,
+    stage0_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
     block may end early (q_pos -1 past its last query; see `pool_blocks`). `starts_host`: the
     window starts as host ints, if the caller has them (else read back: one sync).
     `exact_chunk`: stages of chunks of at most this many tokens score every key of a chunk
-    (`prune_blocks(exact=True)`; `HipConfig.exact_chunk`).
+    (`prune_blocks(exact=True)`; `HipConfig.exact_chunk`). `stage0_group`: consecutive blocks
+    whose pooled queries prune stage 0 together, over the first one's candidates, each of them
+    taking its result (B a multiple of it, no ragged block; else one block a group).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
@@ -282,44 +285,50 @@ def run_block_stages(
             cand = _span(sink, n_in, valid) if cand is None else cand  # up to 16K): no launches
             continue
         pq, pp = pool_blocks(q, q_pos, stride, ragged)  # [B, Tb/stride, H_q, D], [B, Tb/stride]
+        # stage 0 once per group of blocks (`HipConfig.stage0_block_q`), over its first's candidates
+        group = stage0_group if cand is None and not ragged and n_blocks % stage0_group == 0 else 1
+        blocks, v, starts = n_blocks // group, valid[::group], starts_all[::group]
+        pq, pp = pq.reshape(blocks, -1, *pq.shape[2:]), pp.reshape(blocks, -1)
         n_out = n_in if -(-n_in // c) <= k // c else k // c * c  # the widest any batch returns
         # every block's candidates (in and out) and pooled queries live through the stage: the
         # batches get the rest of the bound
-        carried = 8 * n_blocks * (n_in + n_out if cand is not None else n_out)
+        carried = 8 * blocks * (n_in + n_out if cand is not None else n_out)
         carried += pq.numel() * pq.element_size() if stride > 1 else 0
         bound = PRUNE_BATCH_BYTES if batch_bytes is None else batch_bytes
-        step = max(1, (bound - carried) // per_block)
+        step = max(1, (bound - carried) // (per_block * group))
         # Several batches that prune: rotate every block's queries once, a copy the stage holds
         # (counted in the bound), where it is small beside the bound: Llama-3's unpooled last
         # stage at 512K would hold ~126 MB and halve the batches, costing more launches than
         # the rotations save
         scoring = None
         rotated = pq.numel() * pq.element_size() if rotary is not None else 0
-        if step < n_blocks and -(-n_in // c) > k // c and rotated <= bound // 8:
-            step = max(1, (bound - carried - rotated) // per_block)
+        if step < blocks and -(-n_in // c) > k // c and rotated <= bound // 8:
+            step = max(1, (bound - carried - rotated) // (per_block * group))
             scoring = scoring_queries(
-                pq, pp, keys, valid, c, -(-n_in // c), mode=mode, rotary=rotary, window=window
+                pq, pp, keys, v, c, -(-n_in // c), mode=mode, rotary=rotary, window=window
             )  # fmt: skip
-        if step >= n_blocks:
+        if step >= blocks:
             cand, valid = prune_blocks(
-                pq, pp, keys, cand, valid, c, k, mode=mode, rotary=rotary, window=window,
+                pq, pp, keys, cand, v, c, k, mode=mode, rotary=rotary, window=window,
                 first=sink, width=n_in, triton=triton, head_score=head_score, exact=c <= exact_chunk,
             )  # fmt: skip
         else:
-            out = torch.full((n_blocks, n_out), -1, dtype=torch.long, device=q.device)
-            kept = torch.empty_like(valid)
-            for i in range(0, n_blocks, step):
+            out = torch.full((blocks, n_out), -1, dtype=torch.long, device=q.device)
+            kept = torch.empty_like(v)
+            for i in range(0, blocks, step):
                 sp = slice(i, i + step)
-                width = max(0, max(starts_all[sp]) - sink) if cand is None else n_in
+                width = max(0, max(starts[sp]) - sink) if cand is None else n_in
                 batch = None if scoring is None else (scoring[0][sp], scoring[1])
                 sel, n_sel = prune_blocks(
-                    pq[sp], pp[sp], keys, None if cand is None else cand[sp], valid[sp], c, k,
+                    pq[sp], pp[sp], keys, None if cand is None else cand[sp], v[sp], c, k,
                     mode=mode, rotary=rotary, window=window, first=sink, width=width,
                     triton=triton, head_score=head_score, scoring=batch, exact=c <= exact_chunk,
                 )  # fmt: skip
                 out[sp, : sel.shape[1]] = sel
                 kept[sp] = n_sel
             cand, valid = out, kept
+        if group > 1:  # each block of a group takes its selection
+            cand, valid = cand.repeat_interleave(group, 0), valid.repeat_interleave(group, 0)
         n_in = cand.shape[1]
     assert cand is not None
     return cand, valid
@@ -368,6 +377,7 @@ def prune_whole_blocks(
         starts_host=window_starts,
         batch_bytes=cfg.prune_bytes,
         exact_chunk=cfg.exact_chunk,
+        stage0_group=max(1, cfg.stage0_block_q // bq),
     )
     ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
     prefix = attended_prefix(sel, cfg.sink, ends)
