@@ -183,7 +183,8 @@ class HipConfig:
             raise ConfigError(f"hip query_strides {self.query_strides} exceed block_q {self.block_q}")
         if self.stage0_block_q < 0 or self.stage0_block_q % self.block_q:
             raise ConfigError(
-                f"hip stage0_block_q must be 0 or a multiple of block_q ({self.block_q}), got {self.stage0_block_q}"
+                f"hip stage0_block_q must be 0 or a multiple of block_q ({self.block_q}), "
+                f"got {self.stage0_block_q}"
             )
         last = self.chunk_sizes[-1]
         if self.wide_budget % last or self.wide_budget < self.budgets[-1]:
