@@ -89,14 +89,24 @@ def main() -> None:
     w0 = (pos[:, 0] - hip.window + 1).clamp(min=hip.sink)
     table = RopeTable(Rotary(cfg.rope, d, dev))
 
-    def prune(exact_chunk: int = 0, stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pruning of every block: all stages, or the first `stages` of them."""
+    def prune(
+        exact_chunk: int = 0, stages: int | None = None, group: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pruning of every block: all stages, or the first `stages` of them; stage 0 per
+        `group` blocks (`HipConfig.stage0_block_q`)."""
         n = len(hip.chunk_sizes) if stages is None else stages
         return run_block_stages(
             q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes[:n], budgets=hip.budgets[:n],
             strides=hip.query_strides[:n], mode="relative", rotary=table, window=hip.window, triton=True,
-            head_score=hip.head_score, exact_chunk=exact_chunk,
+            head_score=hip.head_score, exact_chunk=exact_chunk, stage0_group=group,
         )  # fmt: skip
+
+    def shared(sel: torch.Tensor) -> float:
+        """The share of the reference selection's keys that `sel` keeps too."""
+        same = [
+            len(set(a[a >= 0].tolist()) & set(e[e >= 0].tolist())) for a, e in zip(ref_sel, sel, strict=True)
+        ]
+        return round(sum(same) / max(1, int((ref_sel >= 0).sum())), 4)
 
     sel, _ = prune()
     # as prefill builds it: a block that ends among the sinks keeps only those before its end
@@ -172,17 +182,24 @@ def main() -> None:
         {"kernel": "prune stages", "variant": "pair block_c=32", "first_n_stages_s": upto, "stage_s": stage_s}
     )
     print(rows[-1], flush=True)
-    if args.exact_chunk:  # fine stages on every key: its time, and the share of the selection kept
-        t = clock(lambda: prune(args.exact_chunk), reps)
-        ex_sel, _ = prune(args.exact_chunk)
-        same = [
-            len(set(a[a >= 0].tolist()) & set(e[e >= 0].tolist()))
-            for a, e in zip(ref_sel, ex_sel, strict=True)
-        ]
-        shared = sum(same) / max(1, int((ref_sel >= 0).sum()))
-        variant = f"pair block_c=32, exact_chunk={args.exact_chunk}"
+    # fine stages on every key, and stage 0 once per group of blocks: each one's time and the
+    # share of the selection it keeps
+    changed = (
+        [(f"exact_chunk={args.exact_chunk}", {"exact_chunk": args.exact_chunk})] if args.exact_chunk else []
+    )
+    group = next(g for g in (4, 2, 1) if b % g == 0)  # 4 (2 on the smoke run's 2 blocks)
+    changed += [(f"stage 0 per {group} blocks", {"group": group})] if group > 1 else []
+    for what, kw in changed:
+        t = clock(lambda kw=kw: prune(**kw), reps)
+        kept = shared(prune(**kw)[0])
         rows.append(
-            {"kernel": "prune", "variant": variant, "s": t, "same": shared == 1.0, "shared": round(shared, 4)}
+            {
+                "kernel": "prune",
+                "variant": f"pair block_c=32, {what}",
+                "s": t,
+                "same": kept == 1.0,
+                "shared": kept,
+            }
         )
         print(rows[-1], flush=True)
     for exact in sorted({0, args.exact_chunk}) if dev.type == "cuda" else ():  # kernel by kernel
