@@ -20,10 +20,10 @@ from kvtier.sparse.rope_ext import table_bytes
 
 def preset_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """A `--presets` entry, a preset name with options after '+' ("fast+strides=16/4/1+exact=8",
-    "fast+stage0=256"), as the name and its options: `MethodChoice`'s (`hip_strides`,
-    `hip_exact`) and `HipConfig.stage0_block_q`, which no request takes yet."""
+    "fast+stage0=256"), as the name and its options, named as `MethodChoice`'s (`hip_strides`,
+    `hip_exact`, `hip_stage0`)."""
     name, *options = spec.split("+")
-    known = {"strides": "hip_strides", "exact": "hip_exact", "stage0": "stage0_block_q"}
+    known = {"strides": "hip_strides", "exact": "hip_exact", "stage0": "hip_stage0"}
     out: dict[str, Any] = {}
     for option in options:
         key, _, value = option.partition("=")
@@ -46,7 +46,7 @@ def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None 
     if "hip_strides" in options:
         base = replace(base, query_strides=tuple(int(v) for v in options["hip_strides"].split("/")))
     base = replace(base, exact_chunk=options.get("hip_exact", base.exact_chunk))
-    base = replace(base, stage0_block_q=options.get("stage0_block_q", base.stage0_block_q))
+    base = replace(base, stage0_block_q=options.get("hip_stage0", base.stage0_block_q))
     if not smoke:
         return replace(base, cache_tokens=cache_tokens)
     scaled = HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)

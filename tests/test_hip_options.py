@@ -237,3 +237,32 @@ def test_hip_exact_reaches_the_kernel(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_exact=8)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.stats.plan["method"].endswith("scored on every key")
+
+
+def test_hip_stage0_reaches_the_kernel(tiny: Path) -> None:
+    """`hip,hip_stage0=256`, `--hip-stage0 256` and `LLM(hip_stage0=256)` set
+    `HipConfig.stage0_block_q` and say so in the description; `off` is 0; a size that is no
+    multiple of the query block, or the option without HiP, is refused."""
+    from kvtier.cli.main import build_parser
+    from kvtier.cli.options import method_kwargs
+    from kvtier.methods.spec import method_spec, parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    choice = parse_choice("hip,hip_stage0=256")
+    assert method_spec(choice) == "attention=hip,hip_stage0=256"  # round-trips
+    parts = choice.build(cfg, cpu, None, context=1 << 20)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.stage0_block_q == 256 and "stage 0 once per 256 queries" in parts.describe
+    off: Any = parse_choice("hip,hip_stage0=off").build(cfg, cpu, None, context=1 << 20).kernel
+    assert off.cfg.stage0_block_q == 0
+    for bad in ("100", "-64", "yes"):
+        with pytest.raises(ConfigError, match="--hip-stage0 takes off or a number of queries"):
+            parse_choice(f"hip,hip_stage0={bad}")
+    with pytest.raises(ConfigError, match="--hip-stage0 applies only with"):
+        parse_choice("hip_stage0=256")
+    argv = ["generate", "--prompt", "x", "--attention", "hip", "--hip-stage0", "256"]
+    args = build_parser().parse_args(argv)
+    assert method_kwargs(args)["hip_stage0"] == 256
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_stage0=256)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.stats.plan["method"].endswith("stage 0 once per 256 queries")

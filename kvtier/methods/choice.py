@@ -40,6 +40,7 @@ class MethodChoice:
     hip_exact: int | None = (
         None  # prefill stages of chunks up to N tokens on every key (`HipConfig.exact_chunk`)
     )
+    hip_stage0: int | None = None  # prefill queries sharing stage 0 (`HipConfig.stage0_block_q`)
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None

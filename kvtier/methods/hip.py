@@ -74,10 +74,21 @@ def _exact(text: str) -> int:
     return value
 
 
+def _stage0(text: str) -> int:
+    """`--hip-stage0`: 0 or off, or the queries (a positive multiple of 64) that share stage 0."""
+    value = 0 if text == "off" else int(text) if text.isdigit() else -1
+    if value < 0 or value % 64:
+        raise ConfigError(
+            f"--hip-stage0 takes off or a number of queries, a multiple of 64 (HiP's query block), "
+            f"such as 256 (stage 0 once per 4 blocks), got {text!r}"
+        )
+    return value
+
+
 def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
     """The request's HipConfig: the preset with `--hip-refresh`'s intervals, `--hip-strides`'
-    query strides and `--hip-exact`'s chunk where given (ConfigError where the strides do not
-    fit the preset's stages)."""
+    query strides, `--hip-exact`'s chunk and `--hip-stage0`'s group where given (ConfigError
+    where the strides do not fit the preset's stages)."""
     config = hip_config(preset, options.get("hip_refresh"))
     strides = options.get("hip_strides")
     if strides is not None:
@@ -87,6 +98,9 @@ def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
     exact = options.get("hip_exact")
     if exact is not None:
         config = replace(config, exact_chunk=int(exact))
+    stage0 = options.get("hip_stage0")
+    if stage0 is not None:
+        config = replace(config, stage0_block_q=int(stage0))
     return config
 
 
@@ -201,6 +215,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         query_strides=hip.query_strides,
         align_window=hip.align_window,
         exact_chunk=hip.exact_chunk,
+        stage0_block_q=hip.stage0_block_q,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
@@ -211,6 +226,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
     every += "" if strides is None else f", query strides {strides}"
     every += ", window at stage-0 chunks" if hip.align_window else ""
     every += f", chunks of up to {hip.exact_chunk} tokens scored on every key" if hip.exact_chunk else ""
+    every += f", stage 0 once per {hip.stage0_block_q} queries" if hip.stage0_block_q else ""
     keys = ", stage 0 on host keys" if on_host else ""
     keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
@@ -231,6 +247,7 @@ HIP = register(
             "hip_strides",
             "hip_align_window",
             "hip_exact",
+            "hip_stage0",
         ),
         plan=_plan,
         composes_with=("kv_quant",),
@@ -299,5 +316,15 @@ HIP = register(
         "(8: lean's last stage) on every key of a chunk, one tensor-core product a tile, instead "
         "of the bisection's probes; each chunk's true maximum, so another selection. off: the "
         "default, until its speed and NIAH are measured on a GPU",
+    ),
+    Option(
+        "hip_stage0",
+        "--hip-stage0",
+        _stage0,
+        "N (experimental): HiP's prefill runs its first pruning stage, whose key reads grow with "
+        "the context, once per N queries (a multiple of 64; 256: once per 4 query blocks), the "
+        "later stages per block; a block past a group's first never takes the last few hundred "
+        "tokens before its window as candidates, so another selection. off: the default, until "
+        "its speed and NIAH are measured on a GPU",
     ),
 )
