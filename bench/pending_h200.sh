@@ -308,6 +308,10 @@
 #   (the exact prefill's profile, RULER and pass key with it, decode after a layer-order
 #   prefill), 147 (lossless at 512K on the same card), 149 and 150 (no GGUF: stage 0's query
 #   strides and groups, each stage's share at 512K), 137's smoke and checks, 134, then 110, 85, the 8B smoke, 80, 73.
+# The fifty-first exposed stage-0 groups to requests (--hip-stage0). NEXT: 151 (call A, with the
+#   GGUF's first half), 152 (call B: SmolLM2 16K with stage-0 groups, exact 8's RULER and pass
+#   key), 153 (512K fast with stage-0 groups), 147 (lossless 512K on the same card), 149's
+#   kernel row, 137's smoke, 148's decode after a layer-order prefill, then as the fiftieth's.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -827,6 +831,34 @@ case "$group" in
   run 170 $py bench/gpu_checks.py
   run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  ;;
+151)
+  # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
+  # hidden states now allocated on the compute stream; stage-0 groups)
+  run 170 $py bench/gpu_checks.py
+  ;;
+152)
+  # (~9.5 min, GGUF: call B after 151) issue 19 on SmolLM2 at 16K: --hip-stage0 256 (stage 0
+  # once per 4 query blocks) beside --hip-exact 8 alone (0.235x dense) and with 4/4/2 (0.258x),
+  # the NIAH of the fastest mix, then RULER 16K and the pass key with exact 8 (lean: 34.7;
+  # 10/10 at 16K and 32K)
+  run 140 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip,hip_exact=8;hip,hip_exact=8,hip_stage0=256;hip,hip_exact=8,hip_strides=4/4/2,hip_stage0=256" \
+    --name hip_small_prefill_stage0
+  niah_cuda prose hip,hip_exact=8,hip_stage0=256 niah_smollm2_cuda_prose_hip_exact_stage0_x3
+  run 190 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8 \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_x10.json"
+  run 100 kvtier eval passkey --lengths 16k,32k --samples 10 --device cuda --max-model-len 33000 \
+    --method hip,hip_exact=8 --no-progress --out "$OUT/passkey_smollm2_cuda_hip_exact_x10.json"
+  ;;
+153)
+  # (~6 min, GGUF: the prose prompt's tokenizer; after 152 on the same start) issue 19's 512K
+  # prefill through the CLI: fast (13,176 tok/s, hip_cli_speed_512k_fast_order_ab.json) beside
+  # fast with stage 0 once per 256 queries (4x fewer stage-0 key reads; the prefill there is
+  # compute-bound, ~60% of it bisection)
+  run 360 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_stage0=256;hip,hip_preset=fast" \
+    --new-tokens 8 --timeout 175 --warmup-tokens 0 --name hip_cli_speed_512k_fast_stage0
   ;;
 149)
   # (~8.5 min, no GGUF; 150 is its lean half) issue 19 at 512K: HiP's prefill there is
