@@ -78,3 +78,23 @@ def test_the_largest_attention_configs_fit_a_4090_with_fewer_stages() -> None:
     assert any(r["kernel"] == "sparse_attn_fwd" for r in over), "the fallback is no longer needed on sm89"
     for r in rows:
         assert min(r["shared"].values()) <= SM89_SHARED, f"{r['kernel']} {r['variant']}: {r['shared']}"
+
+
+def test_the_pruning_kernel_tallest_rows_fit_a_4090() -> None:
+    """Compiled for sm89 (no GPU needed): the pruning kernel's tallest rows, a stage-0 group of
+    1,024 queries pooled 4 with 4 heads a KV head (`--hip-stage0 1024` on Llama-3's shapes),
+    float32 queries of 128- and 256-wide heads, run in tiles whose queries fit a 4090's shared
+    memory. One tile of them asked 272 KiB of an H100's 227 and failed
+    (bench/results/hip_cli_speed_512k_fast_stage0_more.json)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from tests.triton_shared_fit import SM89_SHARED
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "tests.triton_shared_fit", "_bisect_kernel"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert {r["variant"].split()[1] for r in rows} == {"D=128", "D=256"}
+    for r in rows:
+        assert max(r["shared"].values()) <= SM89_SHARED, f"{r['variant']}: {r['shared']}"

@@ -32,6 +32,8 @@ def _largest(kernel: str) -> list[Any]:
         if kernel == "sparse_attn_fwd":
             wanted = case.get("ROTATE") and not case.get("SPLIT") and not case.get("STREAMING")
             wanted = wanted and case.get("PER_BLOCK_WINDOW") and case.get("D") == 128
+        elif kernel == "_bisect_kernel":  # the tallest rows (tiles within TILE_QUERY_BYTES)
+            wanted = case.get("rows") == 1024
         else:  # buffers_attn_fwd: float32 queries of 256-wide heads (Gemma-2's) hold the most
             wanted = case.get("D") == 256 and case.get("dtype") == "float32"
         if wanted:

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+from kvtier.sparse.prune_memory import row_tiles
 from tests.triton_variant_parts import ACT, Ptr, Variant, _cases, _p2, _strides
 
 # --- kvtier.sparse.triton_decode ------------------------------------------------------------
@@ -207,8 +208,7 @@ def _bisect_variant(
     """One `bisect_triton` launch: its ints as the wrapper derives them. head/heads: the host
     slice's KV head read (None: all) and heads a row (None: g)."""
     heads = heads if heads is not None else g
-    tile = rows & -rows  # `prune_memory.row_tiles`
-    r_pad, tr = (rows, tile) if tile >= 64 and tile != rows else (max(16, _p2(rows)), max(16, _p2(rows)))
+    r_pad, tr = row_tiles(rows, d * (4 if dtype == "float32" else 2))
     n_c = 300
     if bits:  # KIVI rows of 32 tokens: byte offsets; the wrapper reads head `head` of `heads`
         group = 32
@@ -283,6 +283,14 @@ def _bisect() -> Iterator[Variant]:
             case, bits=0, extents=False, addr=False, arange=False, rotate=rotate, mode=2, per_row=True, g=3,
             rows=rows, lse=True, dtype=dtype, chunk=chunk, d=d,
         )  # fmt: skip
+    # the tallest rows: a stage-0 group of 1,024 queries pooled 4 with 4 heads a KV head (tiles within
+    # `prune_memory.TILE_QUERY_BYTES`), float32 queries of 128- and 256-wide heads, rotated in the kernel
+    for d in (128, 256):
+        case = dict(dtype="float32", D=d, rows=1024, ROTATE=True, MODE=0, G=8, PER_ROW=True, LSE=True)
+        yield _bisect_variant(
+            case, bits=0, extents=False, addr=False, arange=True, rotate=True, mode=0, per_row=True, g=8,
+            rows=1024, lse=True, dtype="float32", d=d,
+        )  # fmt: skip
 
 
 def _gather_key_params() -> Iterator[Variant]:
@@ -316,8 +324,7 @@ def _chunk_max_variant(
     dtype: str = "bfloat16",
 ) -> Variant:
     """One `chunk_max_triton` launch: its ints as the wrapper derives them."""
-    tile = rows & -rows  # `prune_memory.row_tiles`
-    r_pad, tr = (rows, tile) if tile >= 64 and tile != rows else (max(16, _p2(rows)), max(16, _p2(rows)))
+    r_pad, tr = row_tiles(rows, d * (4 if dtype == "float32" else 2))
     n_c = 300
     args = dict(
         q_ptr=Ptr(dtype), k_ptr=Ptr(dtype), cand_ptr=Ptr("int64"), len_ptr=Ptr("int64"), cos_ptr=Ptr(dtype),

@@ -10,18 +10,26 @@ from __future__ import annotations
 PRUNE_BATCH_BYTES = 256 << 20  # temporaries of one batch of query blocks in one stage, about
 BISECT_BLOCK_C = 32  # chunks a program of the pruning kernel scores (`triton_bisect.BLOCK_C`)
 TILE_ROWS_MIN = 64  # row tiles of the pruning kernel at least this tall replace padding (`row_tiles`)
+# The most a row tile's queries take: they sit in shared memory. One tile of 1,024 bfloat16 rows
+# of 128-wide heads (stage 0 once per 1,024 queries of Llama-3's 4 heads a KV head, pooled 4)
+# asked 272 KiB of an H100's 227 and failed (hip_cli_speed_512k_fast_stage0_more.json); 64 KiB
+# is 256 such rows and leaves the keys room on a 4090's 99 KiB
+TILE_QUERY_BYTES = 64 << 10
 
 
-def row_tiles(rows: int) -> tuple[int, int]:
+def row_tiles(rows: int, row_bytes: int = 256) -> tuple[int, int]:
     """(rows a KV head holds, rows a tile) in the pruning kernel (`triton_bisect`) for `rows`
     (query, head) rows of a KV head: whole tiles of 64 or more where they divide `rows` (192 =
-    3 x 64), else one tile of the next power of two (at least 16, the smallest product tl.dot
-    takes; smaller tiles would run slower products than the padding costs)."""
+    3 x 64), else the next power of two (at least 16, the smallest product tl.dot takes; smaller
+    tiles would run slower products than the padding costs); a tile's queries, `row_bytes` a
+    row (head_dim x element size), within TILE_QUERY_BYTES (1,024 bfloat16 rows of 128-wide
+    heads: 4 tiles of 256)."""
+    most = max(16, 1 << ((TILE_QUERY_BYTES // row_bytes).bit_length() - 1))  # a power of two
     tile = rows & -rows  # the largest power of two dividing rows
     if tile >= TILE_ROWS_MIN and tile != rows:
-        return rows, tile
+        return rows, min(tile, most)
     pad = max(16, 1 << (rows - 1).bit_length())
-    return pad, pad
+    return pad, min(pad, most)
 
 
 def num_warps(tile_rows: int, head_dim: int) -> int:

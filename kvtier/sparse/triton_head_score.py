@@ -280,7 +280,7 @@ class ScoreLaunch:
         """For pooled queries q [B, Nq, G, r, D] scoring `c_count` chunks a block."""
         bsz, nq, g, r, d = q.shape
         rows = nq * r
-        r_pad, tile_rows = row_tiles(rows)
+        r_pad, tile_rows = row_tiles(rows, d * q.element_size())
         qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
         if r_pad != rows:
             qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
