@@ -314,8 +314,9 @@ HIP = register(
         _exact,
         "N (experimental): HiP's prefill scores the pruning stages of chunks of up to N tokens "
         "(8: lean's last stage) on every key of a chunk, one tensor-core product a tile, instead "
-        "of the bisection's probes; each chunk's true maximum, so another selection. off: the "
-        "default, until its speed and NIAH are measured on a GPU",
+        "of the bisection's probes; each chunk's true maximum, so another selection (H100, "
+        "SmolLM2 16K: 1.27x lean's prefill, RULER 35.5 against 34.7). off: the default, until "
+        "its 512K speed is measured chunk by chunk",
     ),
     Option(
         "hip_stage0",
@@ -324,7 +325,7 @@ HIP = register(
         "N (experimental): HiP's prefill runs its first pruning stage, whose key reads grow with "
         "the context, once per N queries (a multiple of 64; 256: once per 4 query blocks), the "
         "later stages per block; a block past a group's first never takes the last few hundred "
-        "tokens before its window as candidates, so another selection. off: the default, until "
-        "its speed and NIAH are measured on a GPU",
+        "tokens before its window as candidates, so another selection (H100, 512K: fast 1.07x). "
+        "off: the default, until RULER runs with it",
     ),
 )
