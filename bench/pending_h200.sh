@@ -312,6 +312,11 @@
 #   GGUF's first half), 152 (call B: SmolLM2 16K with stage-0 groups, exact 8's RULER and pass
 #   key), 153 (512K fast with stage-0 groups), 147 (lossless 512K on the same card), 149's
 #   kernel row, 137's smoke, 148's decode after a layer-order prefill, then as the fiftieth's.
+#   It ran 151, 152, 153, 147, 149's kernel row, 153 reversed, the embedded smoke's generate part
+#   (32/32) at 92af773: exact 8's RULER 35.5 (lean 34.7), stage-0 groups 1.07x for fast at 512K
+#   (3.73x lossless on one start), none at 16K. NEXT: 151 (call A), 154 (call B: RULER with
+#   stage-0 groups, the exact prefill's profile, decode after a layer-order prefill), 155 (lean at
+#   512K with and without exact 8), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -831,6 +836,24 @@ case "$group" in
   run 170 $py bench/gpu_checks.py
   run 220 $py bench/tiered_store.py --contexts 128K --policies auto --full-prefill-max 128K \
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
+  ;;
+154)
+  # (~8 min, GGUF: call B after 151) issue 19: what keeps --hip-exact 8 and --hip-stage0 256 off
+  # by default. RULER 16K with stage-0 groups (exact 8 alone: 35.5, lean 34.7), then where
+  # SmolLM2's 16K prefill goes with exact 8 (0.216-0.235x dense), profiled
+  run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8,hip_stage0=256 \
+    --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_stage0_x10.json"
+  run 90 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 1 --new-tokens 8 \
+    --methods "auto;hip,hip_exact=8" --profile --name hip_small_prefill_exact_profile
+  run 150 $py bench/hip_cli_speed.py --contexts 512K --methods "hip,hip_preset=fast,prefill_order=layer" \
+    --new-tokens 64 --timeout 140 --warmup-tokens 0 --name hip_cli_speed_512k_fast_by_layer_decode
+  ;;
+155)
+  # (~7 min, GGUF for the prompt's tokenizer; after 154 on the same start) lean at 512K chunk by
+  # chunk with and without --hip-exact 8 (lean alone 5,195-5,709 tok/s on earlier starts; by
+  # layer with exact 8 5,094): whether exact 8 can become lean's default
+  run 400 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_exact=8" \
+    --new-tokens 8 --timeout 190 --warmup-tokens 0 --name hip_cli_speed_512k_lean_exact_ab
   ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
