@@ -211,58 +211,43 @@ def test_hip_align_window_reaches_the_kernel(tiny: Path) -> None:
     assert out.stats.plan["method"].endswith("window at stage-0 chunks")
 
 
-def test_hip_exact_reaches_the_kernel(tiny: Path) -> None:
-    """`hip,hip_exact=8`, `--hip-exact 8` and `LLM(hip_exact=8)` set `HipConfig.exact_chunk` and
-    say so in the description; `off` is 0; a size that is no power of two up to 64, or the
-    option without HiP, is refused."""
+# (option, value, HipConfig field, the description's words, refused values, the refusal)
+_PREFILL_OPTIONS = [
+    ("hip_exact", 8, "exact_chunk", "chunks of up to 8 tokens scored on every key", ("12", "128", "yes"),
+     "takes off or a chunk size"),
+    ("hip_stage0", 256, "stage0_block_q", "stage 0 once per 256 queries", ("100", "-64", "yes"),
+     "takes off or a number of queries"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("option", "value", "field", "words", "bad", "refusal"), _PREFILL_OPTIONS)
+def test_hip_prefill_option_reaches_the_kernel(
+    tiny: Path, option: str, value: int, field: str, words: str, bad: tuple[str, ...], refusal: str
+) -> None:
+    """`hip,<option>=N`, its flag and `LLM(<option>=N)` set the HipConfig field and say so in
+    the description; `off` is 0; a value the kernel cannot take (--hip-exact: no power of two
+    up to 64; --hip-stage0: no multiple of the query block), or the option without HiP, is
+    refused."""
     from kvtier.cli.main import build_parser
     from kvtier.cli.options import method_kwargs
     from kvtier.methods.spec import method_spec, parse_choice
 
+    flag = "--" + option.replace("_", "-")
     cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
-    choice = parse_choice("hip,hip_exact=8")
-    assert method_spec(choice) == "attention=hip,hip_exact=8"  # round-trips
+    choice = parse_choice(f"hip,{option}={value}")
+    assert method_spec(choice) == f"attention=hip,{option}={value}"  # round-trips
     parts = choice.build(cfg, cpu, None, context=1 << 20)
     kernel: Any = parts.kernel
-    assert kernel.cfg.exact_chunk == 8 and "scored on every key" in parts.describe
-    off: Any = parse_choice("hip,hip_exact=off").build(cfg, cpu, None, context=1 << 20).kernel
-    assert off.cfg.exact_chunk == 0
-    for bad in ("12", "128", "yes"):
-        with pytest.raises(ConfigError, match="--hip-exact takes off or a chunk size"):
-            parse_choice(f"hip,hip_exact={bad}")
-    with pytest.raises(ConfigError, match="--hip-exact applies only with"):
-        parse_choice("hip_exact=8")
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--attention", "hip", "--hip-exact", "8"])
-    assert method_kwargs(args)["hip_exact"] == 8
-    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_exact=8)
+    assert getattr(kernel.cfg, field) == value and words in parts.describe
+    off: Any = parse_choice(f"hip,{option}=off").build(cfg, cpu, None, context=1 << 20).kernel
+    assert getattr(off.cfg, field) == 0
+    for text in bad:
+        with pytest.raises(ConfigError, match=f"{flag} {refusal}"):
+            parse_choice(f"hip,{option}={text}")
+    with pytest.raises(ConfigError, match=f"{flag} applies only with"):
+        parse_choice(f"{option}={value}")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--attention", "hip", flag, str(value)])
+    assert method_kwargs(args)[option] == value
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", **{option: value})
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
-    assert out.stats.plan["method"].endswith("scored on every key")
-
-
-def test_hip_stage0_reaches_the_kernel(tiny: Path) -> None:
-    """`hip,hip_stage0=256`, `--hip-stage0 256` and `LLM(hip_stage0=256)` set
-    `HipConfig.stage0_block_q` and say so in the description; `off` is 0; a size that is no
-    multiple of the query block, or the option without HiP, is refused."""
-    from kvtier.cli.main import build_parser
-    from kvtier.cli.options import method_kwargs
-    from kvtier.methods.spec import method_spec, parse_choice
-
-    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
-    choice = parse_choice("hip,hip_stage0=256")
-    assert method_spec(choice) == "attention=hip,hip_stage0=256"  # round-trips
-    parts = choice.build(cfg, cpu, None, context=1 << 20)
-    kernel: Any = parts.kernel
-    assert kernel.cfg.stage0_block_q == 256 and "stage 0 once per 256 queries" in parts.describe
-    off: Any = parse_choice("hip,hip_stage0=off").build(cfg, cpu, None, context=1 << 20).kernel
-    assert off.cfg.stage0_block_q == 0
-    for bad in ("100", "-64", "yes"):
-        with pytest.raises(ConfigError, match="--hip-stage0 takes off or a number of queries"):
-            parse_choice(f"hip,hip_stage0={bad}")
-    with pytest.raises(ConfigError, match="--hip-stage0 applies only with"):
-        parse_choice("hip_stage0=256")
-    argv = ["generate", "--prompt", "x", "--attention", "hip", "--hip-stage0", "256"]
-    args = build_parser().parse_args(argv)
-    assert method_kwargs(args)["hip_stage0"] == 256
-    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_stage0=256)
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
-    assert out.stats.plan["method"].endswith("stage 0 once per 256 queries")
+    assert out.stats.plan["method"].endswith(words)
