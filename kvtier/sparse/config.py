@@ -140,7 +140,7 @@ class HipConfig:
     # work grows with the context, once per group of blocks, and the later stages per block on
     # the group's candidates. The group's candidates end where its first block's do, so a later
     # block's last few hundred middle tokens before its window are never candidates. Lossy
-    # differently; a request's `--hip-stage0` (experimental, off until timed on a GPU).
+    # differently; a request's `--hip-stage0` (experimental; off until RULER runs with it).
     stage0_block_q: int = 0
 
     def __post_init__(self) -> None:
