@@ -158,12 +158,16 @@ def test_triton_head_score_equals_the_torch_head_score(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("per_row", "r", "nq"), [(False, 3, 64), (True, 3, 64), (True, 4, 256)])
-def test_rows_in_tiles_score_as_the_torch_bisection(device: str, per_row: bool, r: int, nq: int) -> None:
+@pytest.mark.parametrize(
+    ("per_row", "r", "nq", "d"), [(False, 3, 64, D), (True, 3, 64, D), (True, 4, 256, 128)]
+)
+def test_rows_in_tiles_score_as_the_torch_bisection(
+    device: str, per_row: bool, r: int, nq: int, d: int
+) -> None:
     """192 (query, head) rows a KV head (64 queries x 3 heads, SmolLM2's last stage) run as 3
     tiles of 64, not padded to 256; 1,024 (a stage-0 group of 1,024 queries pooled 4, 4 heads)
-    as 4 tiles of 256, not one that overflows shared memory: scores and every row's maximum
-    equal `bisect_chunks`'s."""
+    of 128-wide float32 heads as 8 tiles of 128, not one that overflows shared memory: scores
+    and every row's maximum equal `bisect_chunks`'s."""
     from kvtier.sparse.prune_memory import row_tiles
     from kvtier.sparse.triton_bisect import bisect_triton
 
@@ -175,8 +179,8 @@ def test_rows_in_tiles_score_as_the_torch_bisection(device: str, per_row: bool, 
     assert row_tiles(1024, 4 * 256) == (1024, 64) and row_tiles(192, 2 * 64) == (192, 64)
     gen = torch.Generator().manual_seed(7)
     s, g, chunk = 200, 2, 8
-    keys = torch.randn(s, g, D, generator=gen).to(device)  # [S, G, D]
-    q = torch.randn(2, nq, g * r, D, generator=gen).to(device)  # [B, Nq, H_q, D]
+    keys = torch.randn(s, g, d, generator=gen).to(device)  # [S, G, D]
+    q = torch.randn(2, nq, g * r, d, generator=gen).to(device)  # [B, Nq, H_q, D]
     q_pos = torch.stack([torch.arange(130, 130 + nq), torch.arange(100, 100 + nq)]).to(device)
     valid = torch.tensor([120, 75], device=device)
     cand = _span(0, 120, valid)
