@@ -316,7 +316,8 @@
 #   (32/32) at 92af773: exact 8's RULER 35.5 (lean 34.7), stage-0 groups 1.07x for fast at 512K
 #   (3.73x lossless on one start), none at 16K. NEXT: 151 (call A), 154 (call B: RULER with
 #   stage-0 groups, the exact prefill's profile, decode after a layer-order prefill), 155 (lean at
-#   512K with and without exact 8), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
+#   512K with and without exact 8), the embedded smoke's generate part (the row tiles changed
+#   after its 92af773 run), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -857,8 +858,11 @@ case "$group" in
   ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
-  # hidden states now allocated on the compute stream; stage-0 groups)
+  # hidden states now allocated on the compute stream; stage-0 groups), then the pruning kernel's
+  # row tiles capped at 64 KiB of queries on CUDA (--hip-stage0 1024's one 1,024-row tile had
+  # overflowed shared memory: hip_cli_speed_512k_fast_stage0_more.json)
   run 170 $py bench/gpu_checks.py
+  run 100 $py -m pytest -q -p no:cacheprovider tests/test_triton_bisect.py -k tiles
   ;;
 152)
   # (~9.5 min, GGUF: call B after 151) issue 19 on SmolLM2 at 16K: --hip-stage0 256 (stage 0
