@@ -10,6 +10,11 @@ generate, then `--repeats` timed ones; the JSON keeps each run's stats and the m
     python bench/hip_small_prefill.py --lengths 4K,16K,32K --methods auto,hip,hip_preset=long
     python bench/hip_small_prefill.py --device cpu --lengths 1K --repeats 1   # a quick check
 
+With `--gpu-memory` the runs take the tiered store's chunked prefill, as `kvtier generate
+--gpu-memory` does (an 8B model's early 16K chunks, profiled beside lossless `auto`'s:
+`--model llama-3-8b --lengths 48K --gpu-memory 24GiB --methods "auto;hip,hip_preset=fast"
+--repeats 1 --profile`).
+
 Results: $OUT/hip_small_prefill.json (else bench/results/).
 """
 
@@ -106,6 +111,11 @@ def main() -> None:
         help="default: the embedded SmolLM2; a preset such as smollm2-135m (random weights, random "
         "prompt ids: the same shapes without the GGUF)",
     )
+    ap.add_argument(
+        "--gpu-memory",
+        default=None,
+        help="the GPU budget, as kvtier generate's flag (default: none, where `auto` runs the batch engine)",
+    )
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
@@ -115,7 +125,12 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [parse_count(x, "--lengths") for x in args.lengths.split(",")]
     methods = [m for m in args.methods.split(";") if m]
-    llm = LLM(args.model, device=args.device, max_model_len=max(lengths) + args.new_tokens + 64)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        max_model_len=max(lengths) + args.new_tokens + 64,
+        gpu_memory=args.gpu_memory,
+    )
     cases = []
     for length in lengths:
         ids = prompt_ids(llm, length)
@@ -137,6 +152,7 @@ def main() -> None:
             "model": llm.name,
             "device": str(llm.device),
             "dtype": str(llm.dtype),
+            "gpu_memory": args.gpu_memory,
             "note": "prompts: the eval's prose haystack cut to length (real text, no question); "
             "seeded random token ids for a preset without a tokenizer",
             "cases": cases,

@@ -316,7 +316,8 @@
 #   (32/32) at 92af773: exact 8's RULER 35.5 (lean 34.7), stage-0 groups 1.07x for fast at 512K
 #   (3.73x lossless on one start), none at 16K. NEXT: 151 (call A), 154 (call B: RULER with
 #   stage-0 groups, the exact prefill's profile, decode after a layer-order prefill), 155 (lean at
-#   512K with and without exact 8), the embedded smoke's generate part (the row tiles changed
+#   512K with and without exact 8), 156 (an early chunk's time above the matmuls, profiled),
+#   the embedded smoke's generate part (the row tiles changed
 #   after its 92af773 run), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
@@ -855,6 +856,14 @@ case "$group" in
   # layer with exact 8 5,094): whether exact 8 can become lean's default
   run 400 $py bench/hip_cli_speed.py --contexts 512K --methods "hip;hip,hip_exact=8" \
     --new-tokens 8 --timeout 190 --warmup-tokens 0 --name hip_cli_speed_512k_lean_exact_ab
+  ;;
+156)
+  # (~4 min, no GGUF) issue 19's 512K ratio: a 16K chunk early in the context takes ~0.85 s for
+  # both HiP and lossless (~52 us a token; the matmuls' bound is ~20), so ~0.83 s a chunk does
+  # not grow with the context and 5x needs it cut. Profiled through LLM's tiered prefill under
+  # 24 GiB at 64K, lossless and fast: the top kernels and the GPU's idle time
+  run 220 $py bench/hip_small_prefill.py --model llama-3-8b --lengths 64K --gpu-memory 24GiB --new-tokens 2 \
+    --repeats 1 --methods "auto;hip,hip_preset=fast" --profile --name prefill_profile_llama8b_64k_24gib
   ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
