@@ -840,9 +840,13 @@ case "$group" in
     --gpu-memory 24GiB --decode-steps 2 --prefill-orders chunk,layer --name prefill_order_128k
   ;;
 154)
-  # (~8 min, GGUF: call B after 151) issue 19: what keeps --hip-exact 8 and --hip-stage0 256 off
+  # (~9.5 min, GGUF: call B after 151) issue 19: what keeps --hip-exact 8 and --hip-stage0 256 off
   # by default. RULER 16K with stage-0 groups (exact 8 alone: 35.5, lean 34.7), then where
   # SmolLM2's 16K prefill goes with exact 8 (0.216-0.235x dense), profiled
+  # the stage after stages that kept everything reads its candidates by position (the span
+  # unmaterialized: lean's 8-token stage at 16K); lean 67,473, exact 8 84,173-85,499 before
+  run 100 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 2 --new-tokens 8 \
+    --methods "auto;hip;hip,hip_exact=8" --name hip_small_prefill_span
   run 200 kvtier eval ruler --lengths 16k --samples 10 --seed 0 --device cuda --method hip,hip_exact=8,hip_stage0=256 \
     --no-progress --out "$OUT/ruler_smollm2_cuda_16k_lean_exact_stage0_x10.json"
   run 90 $py bench/hip_small_prefill.py --model smollm2-135m --lengths 16K --repeats 1 --new-tokens 8 \

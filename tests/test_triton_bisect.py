@@ -7,6 +7,8 @@ subprocess re-runs the CPU cases when triton was imported earlier by another tes
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -57,7 +59,9 @@ def test_kernel_scores_equal_the_torch_bisection(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("s", [400, 150])  # 150: some blocks keep every chunk they have
+# 150: some blocks keep every chunk they have; 110: every block keeps all it has in stage 0, so
+# stage 1 reads its candidates by position (lean's 8-token stage at 16K)
+@pytest.mark.parametrize("s", [400, 150, 110])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("head_score", ["max", "softmax"])
 def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
@@ -104,6 +108,40 @@ def test_blocks_scored_by_the_kernel_select_what_each_block_selects_alone(
         assert int(n[b]) == alone.numel()
         assert torch.equal(sel[b, : int(n[b])].cpu(), alone)
         assert bool((sel[b, int(n[b]) :] == -1).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stage_after_stages_that_kept_everything_reads_candidates_by_position(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """Where stage 0 keeps all every block has (lean's first stages up to 16K), the stage that
+    prunes first gets no candidate list: the kernel computes each probe's position (ARANGE)
+    instead of loading it before the key; where stage 0 prunes, stage 1 gets its list."""
+    import kvtier.sparse.triton_bisect as tb
+
+    seen: list[bool] = []
+    real = tb.bisect_triton
+
+    def spy(qr: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor | None, *a: Any, **kw: Any) -> Any:
+        seen.append(candidates is None)
+        return real(qr, keys, candidates, *a, **kw)
+
+    monkeypatch.setattr(tb, "bisect_triton", spy)
+    gen = torch.Generator().manual_seed(5)
+    bq, sink, window = 8, 4, 16
+    for s, expect in ((110, [True, False]), (400, [True, False, False])):
+        keys = torch.randn(s, 2, D, generator=gen)
+        q = torch.randn(6 * bq, 4, D, generator=gen)
+        start = s - q.shape[0]
+        starts = [max(sink, start + b - window + 1) for b in range(0, q.shape[0], bq)]
+        seen.clear()
+        run_block_stages(
+            q.view(-1, bq, 4, D).to(device), torch.arange(start, s).view(-1, bq).to(device), keys.to(device),
+            sink, torch.tensor(starts, device=device),
+            chunk_sizes=(32, 8, 2), budgets=(96, 32, 16), strides=(4, 4, 1), mode="relative", rotary=None,
+            window=window, triton=True,
+        )  # fmt: skip
+        assert seen == expect, (s, seen)
 
 
 @SUBPROCESS_ONLY

@@ -90,7 +90,8 @@ def prune_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pruning stage of B query blocks: q [B, Nq, H_q, D] pooled queries at q_pos [B, Nq],
     keys [S, G, D], candidates [B, N] (sorted, -1 padded) with valid [B] entries each, or None:
-    block b's candidates are first .. first + valid[b] - 1 (stage 0), N = `width`.
+    block b's candidates are first .. first + valid[b] - 1 (stage 0, or a stage after stages that
+    kept all they had), N = `width`.
     `triton`: score chunks with `bisect_triton` (CUDA, or CPU tensors under TRITON_INTERPRET=1),
     which alone reads keys in place from host memory (`ExtentKeys`, stage 0: `candidates` None).
     `head_score`: "max" or "softmax", as `pruning.chunk_scores`. `addresses` [B, N] (with
@@ -279,14 +280,18 @@ def run_block_stages(
     starts_all = starts_host if starts_host is not None else window_starts.tolist()  # NOTE: else a sync
     n_in = max(0, max(starts_all) - sink)  # stage 0's candidates: [sink, window_starts[b])
     valid = (window_starts - sink).clamp(min=0)
-    cand: torch.Tensor | None = None  # [B, n_in] after stage 0, -1 padded
-    for c, k, stride, per_block in zip(chunk_sizes, budgets, strides, stage_bytes, strict=True):
+    # [B, n_in] after a stage that pruned, -1 padded; None while every stage so far kept all it
+    # had: block b's positions sink .. sink + valid[b] - 1, which the next stage's kernel reads by
+    # position (no candidate list to load before each key: lean's 8-token stage at 16K)
+    cand: torch.Tensor | None = None
+    for stage, (c, k, stride, per_block) in enumerate(
+        zip(chunk_sizes, budgets, strides, stage_bytes, strict=True)
+    ):
         if -(-n_in // c) <= k // c:  # every block keeps all it has (lean's first two stages
-            cand = _span(sink, n_in, valid) if cand is None else cand  # up to 16K): no launches
-            continue
+            continue  # up to 16K): no launches
         pq, pp = pool_blocks(q, q_pos, stride, ragged)  # [B, Tb/stride, H_q, D], [B, Tb/stride]
         # stage 0 once per group of blocks (`HipConfig.stage0_block_q`), over its first's candidates
-        group = stage0_group if cand is None and not ragged and n_blocks % stage0_group == 0 else 1
+        group = stage0_group if stage == 0 and not ragged and n_blocks % stage0_group == 0 else 1
         blocks, v, starts = n_blocks // group, valid[::group], starts_all[::group]
         pq, pp = pq.reshape(blocks, -1, *pq.shape[2:]), pp.reshape(blocks, -1)
         n_out = n_in if -(-n_in // c) <= k // c else k // c * c  # the widest any batch returns
@@ -330,8 +335,7 @@ def run_block_stages(
         if group > 1:  # each block of a group takes its selection
             cand, valid = cand.repeat_interleave(group, 0), valid.repeat_interleave(group, 0)
         n_in = cand.shape[1]
-    assert cand is not None
-    return cand, valid
+    return (_span(sink, n_in, valid) if cand is None else cand), valid
 
 
 def prune_whole_blocks(
