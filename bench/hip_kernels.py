@@ -202,6 +202,18 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
+    if args.exact_chunk and dev.type == "cuda":  # the exact kernel's chunks a program
+        from kvtier.sparse import triton_chunk_max
+
+        ref_exact = prune(args.exact_chunk)[0]
+        for block_c in (64, 128, 256):
+            triton_chunk_max.BLOCK_C = block_c
+            t = clock(lambda: prune(args.exact_chunk), reps)
+            same = bool(torch.equal(prune(args.exact_chunk)[0], ref_exact))
+            variant = f"pair block_c=32, exact_chunk={args.exact_chunk} with {block_c} chunks a program"
+            rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
+            print(rows[-1], flush=True)
+        triton_chunk_max.BLOCK_C = 32
     for exact in sorted({0, args.exact_chunk}) if dev.type == "cuda" else ():  # kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 

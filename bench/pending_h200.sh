@@ -862,12 +862,16 @@ case "$group" in
     --new-tokens 8 --timeout 190 --warmup-tokens 0 --name hip_cli_speed_512k_lean_exact_ab
   ;;
 156)
-  # (~4 min, no GGUF) issue 19's 512K ratio: a 16K chunk early in the context takes ~0.85 s for
+  # (~6.5 min, no GGUF) issue 19's 512K ratio: a 16K chunk early in the context takes ~0.85 s for
   # both HiP and lossless (~52 us a token; the matmuls' bound is ~20), so ~0.83 s a chunk does
   # not grow with the context and 5x needs it cut. Profiled through LLM's tiered prefill under
   # 24 GiB at 64K, lossless and fast: the top kernels and the GPU's idle time
   run 220 $py bench/hip_small_prefill.py --model llama-3-8b --lengths 64K --gpu-memory 24GiB --new-tokens 2 \
     --repeats 1 --methods "auto;hip,hip_preset=fast" --profile --name prefill_profile_llama8b_64k_24gib
+  # SmolLM2's 16K lean pruning with exact 8: the exact kernel's chunks a program (32, its
+  # default, against 64/128/256: a program reloads its block's queries for every 256 candidates)
+  run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact_block_c
   ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's

@@ -40,6 +40,7 @@ from kvtier.sparse.triton_keys import load_key, rope_rows
 
 # Candidates a tile scores at once: whole chunks (of up to EXACT_CHUNK_MAX tokens)
 TILE_N = EXACT_CHUNK_MAX
+BLOCK_C = BISECT_BLOCK_C  # chunks per program at least (a module setting: bench/hip_kernels.py sweeps it)
 
 
 @triton.jit
@@ -170,7 +171,7 @@ def chunk_max_triton(
     assert chunk <= TILE_N and chunk & (chunk - 1) == 0, f"chunk_max_triton: chunks of {chunk} tokens"
     g, d = q.shape[2], q.shape[4]
     c_count = lengths.shape[1]
-    block_c = max(BISECT_BLOCK_C, TILE_N // chunk)
+    block_c = max(BLOCK_C, TILE_N // chunk)
     launch = ScoreLaunch.make(q, c_count, block_c, per_row, softmax_scale)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     cos, sin = tables if tables is not None else (keys, keys)
