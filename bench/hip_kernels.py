@@ -206,14 +206,15 @@ def main() -> None:
         from kvtier.sparse import triton_chunk_max
 
         ref_exact = prune(args.exact_chunk)[0]
-        for block_c in (64, 128, 256):
-            triton_chunk_max.BLOCK_C = block_c
+        for whole, block_c in ((False, 64), (False, 128), (False, 256), (True, 32), (True, 64), (True, 128)):
+            triton_chunk_max.BLOCK_C, triton_chunk_max.WHOLE_ROWS = block_c, whole
             t = clock(lambda: prune(args.exact_chunk), reps)
             same = bool(torch.equal(prune(args.exact_chunk)[0], ref_exact))
             variant = f"pair block_c=32, exact_chunk={args.exact_chunk} with {block_c} chunks a program"
+            variant += ", a head's rows in one tile" if whole else ""
             rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
             print(rows[-1], flush=True)
-        triton_chunk_max.BLOCK_C = 32
+        triton_chunk_max.BLOCK_C, triton_chunk_max.WHOLE_ROWS = 32, False
     for exact in sorted({0, args.exact_chunk}) if dev.type == "cuda" else ():  # kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 

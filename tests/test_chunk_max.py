@@ -97,12 +97,19 @@ def test_kernel_equals_the_torch_exact_scores(
 
 @NEEDS_TRITON
 @pytest.mark.parametrize("device", DEVICES)
-def test_kernel_head_score_and_padded_rows(device: str) -> None:
-    """192 rows a KV head (64 queries x 3 heads, three tiles of 64) and the fused "softmax" head
-    score: the kernel's logsumexp parts give the head score its rows give, and `prune_blocks`
-    with and without Triton keeps the same positions."""
+@pytest.mark.parametrize("whole_rows", [False, True])
+def test_kernel_head_score_and_padded_rows(
+    device: str, whole_rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """192 rows a KV head (64 queries x 3 heads: three tiles of 64, or with `WHOLE_ROWS` one
+    padded tile of 256) and the fused "softmax" head score: the kernel's logsumexp parts give
+    the head score its rows give, and `prune_blocks` with and without Triton keeps the same
+    positions."""
+    from kvtier.sparse import triton_chunk_max
     from kvtier.sparse.triton_chunk_max import chunk_max_triton
     from kvtier.sparse.triton_head_score import softmax_head_score_triton
+
+    monkeypatch.setattr(triton_chunk_max, "WHOLE_ROWS", whole_rows)
 
     gen = torch.Generator().manual_seed(7)
     s, g, r, nq, chunk = 700, 2, 3, 64, 8

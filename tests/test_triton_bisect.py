@@ -215,6 +215,7 @@ def test_rows_in_tiles_score_as_the_torch_bisection(
     assert row_tiles(1024) == (1024, 256) and row_tiles(1536) == (1536, 256)  # bfloat16, D 128
     assert row_tiles(600) == (1024, 256)  # padded to a power of two, then tiled
     assert row_tiles(1024, 4 * 256) == (1024, 64) and row_tiles(192, 2 * 64) == (192, 64)
+    assert row_tiles(192, whole=True) == (256, 256) and row_tiles(1024, whole=True) == (1024, 256)
     gen = torch.Generator().manual_seed(7)
     s, g, chunk = 200, 2, 8
     keys = torch.randn(s, g, d, generator=gen).to(device)  # [S, G, D]

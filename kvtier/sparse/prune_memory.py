@@ -17,16 +17,17 @@ TILE_ROWS_MIN = 64  # row tiles of the pruning kernel at least this tall replace
 TILE_QUERY_BYTES = 64 << 10
 
 
-def row_tiles(rows: int, row_bytes: int = 256) -> tuple[int, int]:
+def row_tiles(rows: int, row_bytes: int = 256, whole: bool = False) -> tuple[int, int]:
     """(rows a KV head holds, rows a tile) in the pruning kernel (`triton_bisect`) for `rows`
     (query, head) rows of a KV head: whole tiles of 64 or more where they divide `rows` (192 =
     3 x 64), else the next power of two (at least 16, the smallest product tl.dot takes; smaller
     tiles would run slower products than the padding costs); a tile's queries, `row_bytes` a
     row (head_dim x element size), within TILE_QUERY_BYTES (1,024 bfloat16 rows of 128-wide
-    heads: 4 tiles of 256)."""
+    heads: 4 tiles of 256). `whole`: padded to the next power of two, as one tile where it fits
+    (192 -> one of 256: a kernel that loads its keys once a tile reads them once)."""
     most = max(16, 1 << ((TILE_QUERY_BYTES // row_bytes).bit_length() - 1))  # a power of two
     tile = rows & -rows  # the largest power of two dividing rows
-    if tile >= TILE_ROWS_MIN and tile != rows:
+    if tile >= TILE_ROWS_MIN and tile != rows and not whole:
         return rows, min(tile, most)
     pad = max(16, 1 << (rows - 1).bit_length())
     return pad, min(pad, most)

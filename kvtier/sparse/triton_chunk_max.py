@@ -41,6 +41,10 @@ from kvtier.sparse.triton_keys import load_key, rope_rows
 # Candidates a tile scores at once: whole chunks (of up to EXACT_CHUNK_MAX tokens)
 TILE_N = EXACT_CHUNK_MAX
 BLOCK_C = BISECT_BLOCK_C  # chunks per program at least (a module setting: bench/hip_kernels.py sweeps it)
+# A KV head's rows as one padded tile (192 -> 256) rather than tiles of 64: the kernel loads each
+# candidate's key once a row tile, so 3 tiles read the keys 3 times (a module setting, off until
+# bench/hip_kernels.py has timed it on a GPU)
+WHOLE_ROWS = False
 
 
 @triton.jit
@@ -172,7 +176,7 @@ def chunk_max_triton(
     g, d = q.shape[2], q.shape[4]
     c_count = lengths.shape[1]
     block_c = max(BLOCK_C, TILE_N // chunk)
-    launch = ScoreLaunch.make(q, c_count, block_c, per_row, softmax_scale)
+    launch = ScoreLaunch.make(q, c_count, block_c, per_row, softmax_scale, WHOLE_ROWS)
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     cos, sin = tables if tables is not None else (keys, keys)
     _chunk_max_kernel[launch.grid](

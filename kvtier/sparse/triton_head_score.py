@@ -275,12 +275,18 @@ class ScoreLaunch:
 
     @staticmethod
     def make(
-        q: torch.Tensor, c_count: int, block_c: int, per_row: bool, softmax_scale: float | None
+        q: torch.Tensor,
+        c_count: int,
+        block_c: int,
+        per_row: bool,
+        softmax_scale: float | None,
+        whole_rows: bool = False,
     ) -> ScoreLaunch:
-        """For pooled queries q [B, Nq, G, r, D] scoring `c_count` chunks a block."""
+        """For pooled queries q [B, Nq, G, r, D] scoring `c_count` chunks a block; `whole_rows`:
+        a KV head's rows padded to one tile where they fit (`row_tiles(whole=True)`)."""
         bsz, nq, g, r, d = q.shape
         rows = nq * r
-        r_pad, tile_rows = row_tiles(rows, d * q.element_size())
+        r_pad, tile_rows = row_tiles(rows, d * q.element_size(), whole_rows)
         qr = q.permute(0, 2, 1, 3, 4).reshape(bsz, g, rows, d)  # [B, G, Nq r, D]
         if r_pad != rows:
             qr = torch.nn.functional.pad(qr, (0, 0, 0, r_pad - rows))
