@@ -316,7 +316,8 @@
 #   (32/32) at 92af773: exact 8's RULER 35.5 (lean 34.7), stage-0 groups 1.07x for fast at 512K
 #   (3.73x lossless on one start), none at 16K. NEXT: 151 (call A), 154 (call B: RULER with
 #   stage-0 groups, the exact prefill's profile, decode after a layer-order prefill), 155 (lean at
-#   512K with and without exact 8), 156 (an early chunk's time above the matmuls, profiled),
+#   512K with and without exact 8), 157 (fast with its 8-token stage exact at 512K), 156 (an
+#   early chunk's time above the matmuls, profiled; the exact kernel's sweep),
 #   the embedded smoke's generate part (the row tiles changed
 #   after its 92af773 run), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
@@ -872,6 +873,15 @@ case "$group" in
   # default, against 64/128/256: a program reloads its block's queries for every 256 candidates)
   run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
     --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact_block_c
+  ;;
+157)
+  # (~5 min, GGUF for the prompt's tokenizer) issue 19's 512K prefill: fast's 8-token stage (7.2
+  # of its 25.3 ms pruning a layer, 8,192 candidates of 256 rows) scored exactly (exact 32 made
+  # stages 1 and 2 slower: hip_cli_speed_512k_exact_by_layer.json), alone and with stage-0 groups
+  # (fast 13,118, with groups 14,049 tok/s: hip_cli_speed_512k_fast_stage0_rev.json)
+  run 290 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
+    --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
