@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -192,7 +193,10 @@ def main() -> None:
     folder = gguf_to_hf_folder(embedded_gguf_path())
     model, cfg = load_safetensors_folder(folder, CPU, torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    rows: list[dict[str, object]] = json.loads(args.out.read_text())["rows"] if args.append else []
+    before = json.loads(args.out.read_text()) if args.append else {}
+    rows: list[dict[str, object]] = before.get("rows", [])
+    # every command whose rows the file holds, this one last
+    commands = [*before.get("commands", []), " ".join(["bench/policy_quality.py", *sys.argv[1:]])]
     for sample in [s for s in SAMPLES if s.name in args.samples]:
         for length in args.lengths:
             ctx, question = build_prompt(tok, sample, length)
@@ -281,7 +285,8 @@ def main() -> None:
                 print(f"  {name:18s} {row['correct']!s:5s} {text!r}", flush=True)
                 store.close()
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "rows": rows}, indent=1))
+            result = {"commands": commands, "model": "SmolLM2-135M-Instruct", "rows": rows}
+            args.out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

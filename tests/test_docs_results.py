@@ -1,4 +1,5 @@
-"""Every results JSON the README and docs/ cite exists: a number's source can be opened.
+"""Every results JSON the README and docs/ cite exists and records how it was made: a number's
+source can be opened and rerun.
 
 A cited name is a backticked token ending in `.json`: a bare name is a file of bench/results/,
 a path is from the repository's root. `{a,b}` stands for both names, `*` for at least one.
@@ -54,3 +55,16 @@ def test_every_cited_results_file_exists() -> None:
     absent = [f"{p.relative_to(ROOT)}: {n}" for p in pages for n in cited(p.read_text()) if missing(n)]
     assert not absent, "cited results files that do not exist:\n" + "\n".join(absent)
     assert sum(len(cited(p.read_text())) for p in pages) > 500  # the rules still find the citations
+
+
+def test_every_cited_results_file_records_its_command() -> None:
+    """Each cited JSON holds the command that made it (`command`, `commands`, or `kvtier ...`
+    commands as keys, as docs/multi_gpu_plans.json's plans)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    names = {n for p in pages for n in cited(p.read_text()) if "*" not in n and not missing(n)}
+    silent = []
+    for name in sorted(names):
+        text = ((ROOT if "/" in name else RESULTS) / name).read_text()
+        if not any(mark in text for mark in ('"command', '"kvtier ')):
+            silent.append(name)
+    assert not silent, "cited results files without the command that made them:\n" + "\n".join(silent)
