@@ -20,16 +20,18 @@ from kvtier.sparse.rope_ext import table_bytes
 
 def preset_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """A `--presets` entry, a preset name with options after '+' ("fast+strides=16/4/1+exact=8",
-    "fast+stage0=256"), as the name and its options, named as `MethodChoice`'s (`hip_strides`,
-    `hip_exact`, `hip_stage0`)."""
+    "fast+stage0=256", "fast+landmarks=1"), as the name and its options, named as
+    `MethodChoice`'s (`hip_strides`, `hip_exact`, `hip_stage0`, `hip_landmarks`)."""
     name, *options = spec.split("+")
     known = {"strides": "hip_strides", "exact": "hip_exact", "stage0": "hip_stage0"}
+    known["landmarks"] = "hip_landmarks"
     out: dict[str, Any] = {}
     for option in options:
         key, _, value = option.partition("=")
         if key not in known or not value:
             raise SystemExit(
-                f"--presets {spec!r}: options are strides=A/B/C, exact=N and stage0=N, got {option!r}"
+                f"--presets {spec!r}: options are strides=A/B/C, exact=N, stage0=N and landmarks=1, "
+                f"got {option!r}"
             )
         out[known[key]] = value if key == "strides" else int(value)
     if name not in HIP_PRESETS:
@@ -47,10 +49,16 @@ def hip_config(preset: str, context: int, smoke: bool, cache_tokens: int | None 
         base = replace(base, query_strides=tuple(int(v) for v in options["hip_strides"].split("/")))
     base = replace(base, exact_chunk=options.get("hip_exact", base.exact_chunk))
     base = replace(base, stage0_block_q=options.get("hip_stage0", base.stage0_block_q))
+    base = replace(base, stage0_landmarks=bool(options.get("hip_landmarks", base.stage0_landmarks)))
     if not smoke:
         return replace(base, cache_tokens=cache_tokens)
     scaled = HipConfig.scaled(context, refresh=base.refresh, cache_block=8, cache_tokens=cache_tokens)
-    return replace(scaled, exact_chunk=base.exact_chunk, stage0_block_q=base.stage0_block_q)
+    return replace(
+        scaled,
+        exact_chunk=base.exact_chunk,
+        stage0_block_q=base.stage0_block_q,
+        stage0_landmarks=base.stage0_landmarks,
+    )
 
 
 def make_kernel(

@@ -85,6 +85,12 @@ def _stage0(text: str) -> int:
     return value
 
 
+def _landmarks(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ConfigError(f"--hip-landmarks takes on or off, got {text!r}")
+    return text == "on"
+
+
 def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
     """The request's HipConfig: the preset with `--hip-refresh`'s intervals, `--hip-strides`'
     query strides, `--hip-exact`'s chunk and `--hip-stage0`'s group where given (ConfigError
@@ -101,6 +107,8 @@ def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
     stage0 = options.get("hip_stage0")
     if stage0 is not None:
         config = replace(config, stage0_block_q=int(stage0))
+    if options.get("hip_landmarks"):
+        config = replace(config, stage0_landmarks=True)
     return config
 
 
@@ -216,6 +224,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         align_window=hip.align_window,
         exact_chunk=hip.exact_chunk,
         stage0_block_q=hip.stage0_block_q,
+        stage0_landmarks=hip.stage0_landmarks,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
@@ -227,6 +236,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
     every += ", window at stage-0 chunks" if hip.align_window else ""
     every += f", chunks of up to {hip.exact_chunk} tokens scored on every key" if hip.exact_chunk else ""
     every += f", stage 0 once per {hip.stage0_block_q} queries" if hip.stage0_block_q else ""
+    every += ", stage 0 on landmark keys" if hip.stage0_landmarks else ""
     keys = ", stage 0 on host keys" if on_host else ""
     keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
@@ -248,6 +258,7 @@ HIP = register(
             "hip_align_window",
             "hip_exact",
             "hip_stage0",
+            "hip_landmarks",
         ),
         plan=_plan,
         composes_with=("kv_quant",),
@@ -327,5 +338,14 @@ HIP = register(
         "later stages per block; a block past a group's first never takes the last few hundred "
         "tokens before its window as candidates, so another selection (H100, 512K: fast 1.07x). "
         "off: the default, until RULER runs with it",
+    ),
+    Option(
+        "hip_landmarks",
+        "--hip-landmarks",
+        _landmarks,
+        "on (experimental): HiP's prefill scores its first pruning stage on one landmark key a "
+        "chunk, the key the next 512 queries attended most when its chunk was prefilled "
+        "(hip-attention's later scan stage), in one dense product instead of a bisection per "
+        "query block; another selection. off: the default, until timed and scored on a GPU",
     ),
 )

@@ -142,6 +142,11 @@ class HipConfig:
     # block's last few hundred middle tokens before its window are never candidates. Lossy
     # differently; a request's `--hip-stage0` (experimental; off until RULER runs with it).
     stage0_block_q: int = 0
+    # Prefill: stage 0 scores each chunk by one landmark key, the key its next 512 queries
+    # attended most when its prefill chunk ran (`kvtier.sparse.landmarks`, hip-attention's
+    # later scan stage), in one dense product, not by bisection. Lossy differently; a request's
+    # `--hip-landmarks on` (experimental; off until timed and scored on a GPU).
+    stage0_landmarks: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)

@@ -39,6 +39,7 @@ from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
 from kvtier.sparse.decode_graph import LayerGraphs
 from kvtier.sparse.gpu_cache import BlockCache
 from kvtier.sparse.graph_setting import graphs_setting, graphs_wanted
+from kvtier.sparse.landmarks import Landmarks, key_scores
 from kvtier.sparse.prefill import prune_whole_blocks
 from kvtier.sparse.rope_ext import RopeTable, table_positions
 from kvtier.sparse.stats import HipStats
@@ -62,6 +63,7 @@ class HipKernel(CachedDecode):
         self.rotary = RopeTable(rotary) if cfg.extend and rotary is not None else None
         self.stats = HipStats(decode_recomputes=[0] * len(cfg.chunk_sizes))
         self._cache: dict[tuple[int, int, int], DecodeState] = {}
+        self._landmarks: dict[tuple[int, int, int], Landmarks] = {}  # `cfg.stage0_landmarks`' per slice
         self._gpu: dict[tuple[int, int], BlockCache] = {}  # (layer, group) -> block cache
         self._streamed: set[tuple[int, int]] = set()  # slices the store streams (asked about)
         self._cover_tokens: dict[int, int] = {}  # heads -> tokens a refresh interval reads
@@ -199,9 +201,9 @@ class HipKernel(CachedDecode):
         if t == 1:
             return self._decode(q, kv, new, step, key)
         assert isinstance(kv, torch.Tensor), "prefill needs the whole slice"
-        return self._prefill(q, kv, step)
+        return self._prefill(q, kv, step, head)
 
-    def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, kv: torch.Tensor, step: SliceStep, head: int) -> torch.Tensor:
         """Every block of `block_q` queries of q [T, H_q, D] pruned from scratch, all blocks of
         the chunk in one batch (`prune_whole_blocks`: a short last block and blocks among the
         sinks too), then one attention over all blocks."""
@@ -209,7 +211,14 @@ class HipKernel(CachedDecode):
         bq = cfg.block_q
         starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
         ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
-        prefix, held = prune_whole_blocks(q, step.start, kv[:, 0], starts, cfg, step.layer, self.rotary)
+        marks = None
+        if cfg.stage0_landmarks:  # this chunk's keys scored, then stage 0 on every chunk's best
+            sl = (step.layer, step.group, head)
+            lm = self._landmarks.setdefault(sl, Landmarks(cfg.sink, cfg.chunk_sizes[0]))
+            lm.update(key_scores(q, kv[step.start : step.start + t, 0], step.start, self.rotary), step.start)
+            marks = lm.where  # None while every key so far is a sink: stage 0 has no candidates
+        keys = kv[:, 0]
+        prefix, held = prune_whole_blocks(q, step.start, keys, starts, cfg, step.layer, self.rotary, marks)
         self.stats.count_keys(held)
         self.stats.prefill_blocks += len(starts)
         self.stats.count_keys(sum(max(0, e - w) for e, w in zip(ends, starts, strict=True)))

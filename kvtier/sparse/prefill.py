@@ -26,7 +26,9 @@ import torch
 
 from kvtier.attention.interface import ExtentKeys
 from kvtier.sparse.block_sparse import use_triton
+from kvtier.sparse.chunk_layout import _chunks, _span, kept_chunks, softmax_head_score
 from kvtier.sparse.config import EXACT_CHUNK_MAX, HipConfig
+from kvtier.sparse.landmarks import landmark_stage
 from kvtier.sparse.prefill_bisect import bisect_chunks
 from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 from kvtier.sparse.rope_ext import RopeTable, scoring_query_position
@@ -162,38 +164,9 @@ def prune_blocks(
     # Chunks are consecutive runs of the sorted candidates and every -1 lies past the last valid
     # entry, so kept chunks in ascending order are already sorted with their padding last.
     if chunks is None:  # stage 0: chunk j holds first + j * chunk + [0, chunk)
-        kept = first + top[:, :, None] * chunk + torch.arange(chunk, device=dev)  # [B, keep, c]
-        kept = torch.where(kept < first + valid[:, None, None], kept, -1).flatten(1)
-    else:
-        kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
+        return kept_chunks(top, first, chunk, valid)
+    kept = chunks.gather(1, top[:, :, None].expand(-1, -1, chunk)).flatten(1)  # [B, keep * c]
     return kept, (kept >= 0).sum(dim=1)
-
-
-def softmax_head_score(rows: torch.Tensor, live: torch.Tensor, scale: float) -> torch.Tensor:
-    """The "softmax" head score from per-row chunk maxima rows [B, C, ...rows] (any strides: the
-    Triton kernel's keep C contiguous): per row, a softmax over the block's live chunks (live
-    [B, C]) of the scaled maxima, then the max over rows -> [B, C] (nan where a block has no
-    live chunk; the caller masks those). Taken as max_r exp(x - logsumexp_c x), so no softmax
-    output is written and both reductions run over the tensor as it lies (on CUDA a softmax
-    along a strided dim took ~2 ms a layer of SmolLM2 at 16K). Overwrites `rows` (the pruning
-    kernel's temporary): at most one more tensor of its size lives at once, inside logsumexp."""
-    shape = (*live.shape, *([1] * (rows.dim() - 2)))
-    logits = rows.mul_(scale).masked_fill_(~live.view(shape), float("-inf"))
-    lse = torch.logsumexp(logits, dim=1, keepdim=True)
-    return logits.sub_(lse).amax(dim=tuple(range(2, rows.dim()))).exp()
-
-
-def _span(first: int, n: int, valid: torch.Tensor) -> torch.Tensor:
-    """Candidates [B, n]: block b's positions first .. first + valid[b] - 1, then -1."""
-    pos = torch.arange(first, first + n, device=valid.device)
-    return torch.where(torch.arange(n, device=valid.device)[None, :] < valid[:, None], pos, -1)
-
-
-def _chunks(candidates: torch.Tensor, c_count: int, chunk: int) -> torch.Tensor:
-    """candidates [B, N] padded with -1 to [B, C, chunk]."""
-    pad = c_count * chunk - candidates.shape[1]
-    cand = torch.nn.functional.pad(candidates, (0, pad), value=-1) if pad else candidates
-    return cand.view(candidates.shape[0], c_count, chunk)
 
 
 def scoring_queries(
@@ -248,6 +221,7 @@ def run_block_stages(
     batch_bytes: int | None = None,
     exact_chunk: int = 0,
     stage0_group: int = 1,
+    landmarks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every stage for B query blocks q [B, Tb, H_q, D] at q_pos [B, Tb] over keys [S, G, D]
     of a whole slice; block b's stage-0 candidates are [sink, window_starts[b]). `ragged`: a
@@ -257,6 +231,7 @@ def run_block_stages(
     (`prune_blocks(exact=True)`; `HipConfig.exact_chunk`). `stage0_group`: consecutive blocks
     whose pooled queries prune stage 0 together, over the first one's candidates, each of them
     taking its result (B a multiple of it, no ragged block; else one block a group).
+    `landmarks` [C, G]: stage 0 scores each chunk by its landmark key (`kvtier.sparse.landmarks`).
 
     Returns the final selection [B, K] (sorted, -1 padded) and its counts [B].
 
@@ -312,7 +287,14 @@ def run_block_stages(
             scoring = scoring_queries(
                 pq, pp, keys, v, c, -(-n_in // c), mode=mode, rotary=rotary, window=window
             )  # fmt: skip
-        if step >= blocks:
+        if stage == 0 and landmarks is not None:
+            c_n = -(-n_in // c)
+            qr, lim = scoring_queries(pq, pp, keys, v, c, c_n, mode=mode, rotary=rotary, window=window)
+            cand, valid = landmark_stage(
+                qr, keys, landmarks, v, c, k, c_count=c_n, first=sink, mode=mode, rotary=rotary, limit=lim,
+                head_score=head_score,
+            )  # fmt: skip
+        elif step >= blocks:
             cand, valid = prune_blocks(
                 pq, pp, keys, cand, v, c, k, mode=mode, rotary=rotary, window=window,
                 first=sink, width=n_in, triton=triton, head_score=head_score, exact=c <= exact_chunk,
@@ -346,6 +328,7 @@ def prune_whole_blocks(
     cfg: HipConfig,
     layer: int,
     rotary: RopeTable | None,
+    landmarks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`run_block_stages` with `cfg`'s stages for every query block of a prefill chunk q [T, H_q, D]
     whose first query is at `start`, over a slice's keys [S, G, D]; window_starts: each block's
@@ -382,6 +365,7 @@ def prune_whole_blocks(
         batch_bytes=cfg.prune_bytes,
         exact_chunk=cfg.exact_chunk,
         stage0_group=max(1, cfg.stage0_block_q // bq),
+        landmarks=landmarks,
     )
     ends = torch.clamp(start + (torch.arange(n, device=dev) + 1) * bq, max=start + t)  # [n]
     prefix = attended_prefix(sel, cfg.sink, ends)

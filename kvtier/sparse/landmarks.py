@@ -1,0 +1,157 @@
+"""Stage 0 of HiP's prefill pruning scored on one landmark key a chunk, not by bisection.
+
+The bisection probes ~2 keys a level of every stage-0 chunk for every query block (8 levels
+of 256-token chunks), dependent loads whose dot products grow with the context: at 512K stage 0
+is 56% of `fast`'s pruning (bench/results/hip_kernels_512k_fast_stages.json). hip-attention's
+later code instead gives each key a query-independent score once, when its chunk is
+prefilled, the mean of its dot products with the next `WINDOW` queries (how much its neighbours
+attend it), and keeps each chunk's best-scored key as the chunk's landmark; stage 0 then scores
+a chunk by its landmark alone, one key a chunk in one dense product:
+
+    score[t]      = mean over queries i in [t, t + WINDOW) of the chunk, heads h of the group: q_i,h . k_t
+    landmark[j]   = argmax over chunk j's keys of score             (per KV head)
+    stage0[b, j]  = head score over block b's pooled rows of q_r . rot(k[landmark[j]])
+
+`Landmarks` keeps, per slice, each stage-0 chunk's best score and its position, merged chunk by
+chunk of the prefill (a stage-0 chunk split by a prefill chunk takes the better of its parts).
+Keys scored near a prefill chunk's end see fewer queries, as in hip-attention. Decode keeps the
+bisection. Lossy differently from the bisection: `HipConfig.stage0_landmarks` chooses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.sparse.chunk_layout import kept_chunks, softmax_head_score
+from kvtier.sparse.rope_ext import RopeTable
+
+WINDOW = 512  # queries after a key whose attention scores it (hip-attention's landmark chunk)
+KEY_BLOCK = 128  # keys scored at once against their window's queries
+# float32 products one batch of key blocks (or of query blocks) may hold; the batch's queries and
+# masked sums take about as much again (inside HiP's pruning reserve, which is free before stage 0)
+SCORE_BYTES = 64 << 20
+
+
+def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable | None) -> torch.Tensor:
+    """Each key's landmark score [T, G], float32: the mean of q_i . k_t over the chunk's queries
+    i in [t, t + WINDOW) and the query heads of its KV head, for a prefill chunk's queries
+    q [T, H_q, D] and keys k [T, G, D] at positions start .. start + T - 1, both rotated there
+    (`rotary`; None: as given)."""
+    t, hq, d = q.shape
+    g = k.shape[1]
+    if rotary is not None:
+        pos = torch.arange(start, start + t, device=q.device)
+        q, k = rotary.rotate(q, pos), rotary.rotate(k, pos)
+    qg = q.view(t, g, hq // g, d)  # [T, G, r, D], in float32 a batch at a time
+    span = KEY_BLOCK + WINDOW  # queries a key block reads: its own and a window past its last key
+    per_block = 4 * hq * KEY_BLOCK * span
+    step = max(1, SCORE_BYTES // per_block) * KEY_BLOCK
+    out = torch.empty(t, g, dtype=torch.float32, device=q.device)
+    offs_k = torch.arange(KEY_BLOCK, device=q.device)
+    offs_q = torch.arange(span, device=q.device)
+    for s0 in range(0, t, step):
+        n = min(step, t - s0)
+        nb = -(-n // KEY_BLOCK)
+        kb = torch.zeros(nb * KEY_BLOCK, g, d, device=q.device)
+        kb[:n] = k[s0 : s0 + n]
+        kb = kb.view(nb, KEY_BLOCK, g, d)  # [NB, Bk, G, D]
+        qi = s0 + torch.arange(nb, device=q.device)[:, None] * KEY_BLOCK + offs_q  # [NB, span]
+        qb = qg[qi.clamp(max=t - 1)].float()  # [NB, span, G, r, D]
+        prod = torch.einsum("nigrd,nkgd->ngkir", qb, kb)  # [NB, G, Bk, span, r]
+        lag = offs_q[None, :] - offs_k[:, None]  # [Bk, span]: query index minus key index
+        seen = (lag >= 0) & (lag < WINDOW)
+        seen = seen[None] & (qi[:, None, :] < t)  # [NB, Bk, span]
+        sums = (prod.sum(-1) * seen[:, None]).sum(-1)  # [NB, G, Bk]
+        counts = seen.sum(-1).clamp(min=1) * (hq // g)  # [NB, Bk]
+        out[s0 : s0 + n] = (sums / counts[:, None]).permute(0, 2, 1).reshape(-1, g)[:n]
+    return out
+
+
+class Landmarks:
+    """One slice's stage-0 landmarks: chunk j = positions sink + j * chunk .. + chunk - 1, its
+    best key score [C, G] and that key's position [C, G]."""
+
+    def __init__(self, sink: int, chunk: int) -> None:
+        self.sink, self.chunk = sink, chunk
+        self.best: torch.Tensor | None = None  # [C, G] float32
+        self.where: torch.Tensor | None = None  # [C, G] int64
+
+    def update(self, scores: torch.Tensor, start: int) -> None:
+        """Merge the key scores [T, G] of positions start .. start + T - 1 (`key_scores`). A
+        chunk from `start` on is replaced (a new sequence, or one prefilled again from there);
+        one that `start` splits keeps its earlier keys and takes the better."""
+        t, g = scores.shape
+        first = max(start, self.sink)
+        if first >= start + t:
+            return
+        scores = scores[first - start :]
+        j0, off = divmod(first - self.sink, self.chunk)
+        n = -(-(off + scores.shape[0]) // self.chunk)
+        grid = torch.full((n * self.chunk, g), float("-inf"), device=scores.device)
+        grid[off : off + scores.shape[0]] = scores
+        best, arg = grid.view(n, self.chunk, g).max(dim=1)  # [n, G]
+        where = self.sink + (j0 + torch.arange(n, device=scores.device))[:, None] * self.chunk + arg
+        keep = j0 + (1 if off else 0)  # chunks before `first` stay
+        if self.best is None or self.where is None or self.best.shape[0] < keep:
+            assert off == 0 or self.best is not None, "a chunk split by a prefill chunk needs its start"
+            self.best, self.where = best, where
+            return
+        if off:  # the split chunk: the better of its two parts
+            better = best[0] > self.best[j0]
+            best[0] = torch.where(better, best[0], self.best[j0])
+            where[0] = torch.where(better, where[0], self.where[j0])
+        self.best = torch.cat((self.best[:j0], best))
+        self.where = torch.cat((self.where[:j0], where))
+
+    def positions(self) -> torch.Tensor:
+        """Each chunk's landmark position [C, G] (a key of its KV head)."""
+        assert self.where is not None, "no prefill chunk scored yet"
+        return self.where
+
+
+def landmark_stage(
+    qr: torch.Tensor,
+    keys: torch.Tensor,
+    where: torch.Tensor,
+    valid: torch.Tensor,
+    chunk: int,
+    budget: int,
+    *,
+    c_count: int,
+    first: int,
+    mode: str,
+    rotary: RopeTable | None,
+    limit: int,
+    head_score: str = "max",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 0 of B query blocks over their candidates first .. first + valid[b] - 1, each chunk
+    scored by its landmark key: qr [B, Nq, G, r, D] rotated as `scoring_queries` rotates them
+    for `mode`, keys [S, G, D], where [C, G] each chunk's landmark (`Landmarks.positions`, C at
+    least `c_count`, the widest block's chunks). The landmarks are rotated as the bisection's probes: at
+    their chunk's index (chunk_indexed), their positions (absolute), or not at all (relative).
+
+    Returns the kept positions [B, K] (sorted, -1 padded) and their counts [B], as
+    `prune_blocks` does for stage 0."""
+    bsz, nq, g, r, d = qr.shape
+    keep = budget // chunk
+    lk = keys[where[:c_count], torch.arange(g, device=keys.device)]  # [C, G, D]
+    if rotary is not None and mode != "relative":
+        at = where[:c_count] if mode == "absolute" else torch.arange(c_count, device=keys.device)[:, None]
+        at = at.expand(-1, g).reshape(-1)
+        lk = rotary.rotate(lk.reshape(-1, 1, d), at, limit=limit).view(c_count, g, d)
+    lengths = (valid[:, None] - torch.arange(c_count, device=valid.device)[None, :] * chunk).clamp(0, chunk)
+    live = lengths > 0  # [B, C]
+    step = max(1, SCORE_BYTES // max(1, 4 * c_count * g * nq * r))
+    scores = torch.empty(bsz, c_count, dtype=torch.float32, device=qr.device)
+    for b0 in range(0, bsz, step):
+        rows = torch.einsum("bngrd,cgd->bcgnr", qr[b0 : b0 + step].float(), lk.float()).flatten(2)
+        if head_score == "softmax":  # [B, C, rows]: a softmax over live chunks, then the max over rows
+            part = softmax_head_score(rows, live[b0 : b0 + step], d**-0.5)
+        else:
+            part = rows.amax(dim=2)
+        scores[b0 : b0 + step] = torch.where(live[b0 : b0 + step], part, float("-inf"))
+    if c_count <= keep:
+        top = torch.arange(c_count, device=qr.device).expand(bsz, -1)
+    else:
+        top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
+    return kept_chunks(top, first, chunk, valid)

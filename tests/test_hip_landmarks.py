@@ -1,0 +1,151 @@
+"""Stage 0 of HiP's prefill on landmark keys (`kvtier.sparse.landmarks`): each key's score is
+the mean attention its next queries give it, each stage-0 chunk keeps its best-scored key, and
+stage 0 scores a chunk by that key alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.config import ModelConfig, RopeConfig
+from kvtier.engine.llm import LLM
+from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import ConfigError
+from kvtier.model.llama import CausalLM
+from kvtier.model.rope import Rotary
+from kvtier.sparse import landmarks
+from kvtier.sparse.landmarks import Landmarks, key_scores, landmark_stage
+from kvtier.sparse.rope_ext import RopeTable
+from tests.hip_store import assert_same, kernel_for, run
+from tests.tiny_llm import PROMPT
+
+D = 16
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_key_scores_are_the_mean_attention_of_the_next_window_of_queries(
+    rotate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 8 keys against a window of 16 queries (37 keys: a short last block, windows
+    cut by the chunk's end) give each key the mean of q_i . k_t over i in [t, t + 16) and the
+    two query heads of its KV head, with both rotated at their positions."""
+    monkeypatch.setattr(landmarks, "WINDOW", 16)
+    monkeypatch.setattr(landmarks, "KEY_BLOCK", 8)
+    monkeypatch.setattr(landmarks, "SCORE_BYTES", 3 * 4 * 4 * 8 * 24)  # 3 key blocks a batch
+    gen = torch.Generator().manual_seed(1)
+    t, g, r, start = 37, 2, 2, 50
+    q = torch.randn(t, g * r, D, generator=gen)
+    k = torch.randn(t, g, D, generator=gen)
+    rope = RopeTable(Rotary(RopeConfig(), D)) if rotate else None
+    got = key_scores(q, k, start, rope)
+    if rope is not None:
+        pos = torch.arange(start, start + t)
+        q, k = rope.rotate(q, pos), rope.rotate(k, pos)
+    want = torch.empty(t, g)
+    for j in range(t):
+        qs = q[j : min(t, j + 16)].view(-1, g, r, D)  # [n, G, r, D]
+        want[j] = torch.einsum("ngrd,gd->g", qs, k[j]) / (qs.shape[0] * r)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_landmarks_merge_prefill_chunks_as_one_and_restart_with_a_new_sequence() -> None:
+    """Three prefill chunks whose ends split stage-0 chunks give each chunk the best key and
+    its position that one update of the whole prompt gives; a prompt from position 0 replaces
+    them."""
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.randn(100, 2, generator=gen)
+    whole = Landmarks(sink=4, chunk=8)
+    whole.update(scores, 0)
+    parts = Landmarks(sink=4, chunk=8)
+    for a, b in ((0, 13), (13, 50), (50, 100)):
+        parts.update(scores[a:b], a)
+    assert parts.best is not None and whole.best is not None
+    assert torch.equal(parts.best, whole.best) and torch.equal(parts.positions(), whole.positions())
+    assert parts.positions().shape == (12, 2)  # 96 tokens past the sinks, 8 a chunk
+    pos = parts.positions()
+    assert bool(((pos - 4) // 8 == torch.arange(12)[:, None]).all())  # each in its own chunk
+    assert torch.equal(pos[3], 4 + 24 + scores[28:36].argmax(dim=0))
+    parts.update(torch.randn(20, 2, generator=gen), 0)
+    assert parts.positions().shape == (2, 2)
+
+
+def test_landmark_stage_keeps_the_chunks_whose_landmarks_the_queries_match() -> None:
+    """Each block keeps the chunks whose landmark keys score highest against its pooled rows
+    (the "max" head score), as a direct top-k of those scores, and never past its candidates."""
+    gen = torch.Generator().manual_seed(3)
+    b, nq, g, r, chunk, first = 3, 4, 2, 2, 8, 4
+    keys = torch.randn(200, g, D, generator=gen) * 0.1
+    qr = torch.randn(b, nq, g, r, D, generator=gen)
+    valid = torch.tensor([160, 120, 90])
+    where = first + torch.arange(20)[:, None] * chunk + torch.randint(0, chunk, (20, g), generator=gen)
+    planted = [2, 9, 17]  # block i's queries match chunk planted[i]'s landmark, if a candidate
+    for i, j in enumerate(planted):
+        keys[where[j], torch.arange(g)] = qr[i].mean(dim=(0, 2)) * 5
+    kept, n = landmark_stage(
+        qr, keys, where, valid, chunk, 4 * chunk, c_count=20, first=first, mode="relative", rotary=None,
+        limit=0,
+    )  # fmt: skip
+    rows = torch.einsum("bngrd,cgd->bcgnr", qr, keys[where, torch.arange(g)]).flatten(2).amax(dim=2)
+    for i in range(b):
+        live = torch.arange(20) * chunk < valid[i]
+        top = torch.topk(torch.where(live, rows[i], float("-inf")), 4).indices.sort().values
+        want = (first + top[:, None] * chunk + torch.arange(chunk)).flatten()
+        want = want[want < first + valid[i]]
+        assert torch.equal(kept[i, : int(n[i])], want)
+    assert int(kept[0].ge(first + planted[0] * chunk).sum()) > 0
+    assert planted[0] in ((kept[0][kept[0] >= 0] - first) // chunk).tolist()
+    assert planted[1] in ((kept[1][kept[1] >= 0] - first) // chunk).tolist()
+    assert int(kept[2].max()) < first + 90  # block 2's candidates end before chunk 17
+
+
+def test_store_run_with_landmarks_prunes_on_them_and_slicing_changes_nothing(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunked prefill with stage 0 on landmarks (budgets that prune 120 tokens) scores every
+    prefill chunk's keys, runs the landmark stage and decodes; resident and streamed slices give
+    the same logits."""
+    model, cfg = gqa
+    calls: list[int] = []
+    real = landmarks.landmark_stage
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    from kvtier.sparse import prefill
+
+    monkeypatch.setattr(prefill, "landmark_stage", spy)
+    outs = []
+    for policy in ("gpu", "head"):
+        kernel = kernel_for(cfg, stage0_landmarks=True)
+        logits, _, _, _ = run(model, cfg, policy, kernel)
+        assert all(torch.isfinite(x).all() for x in logits)
+        assert len(kernel._landmarks) == cfg.num_layers * cfg.num_kv_heads
+        outs.append(logits)
+    assert calls, "the landmark stage never ran"
+    assert_same(outs[0], outs[1])
+    plain, _, _, _ = run(model, cfg, "gpu", kernel_for(cfg))
+    assert any(not torch.equal(a, b) for a, b in zip(plain, outs[0], strict=True))  # another selection
+
+
+def test_hip_landmarks_option(tiny: Path) -> None:
+    """`hip,hip_landmarks=on` and `LLM(hip_landmarks=True)` set `HipConfig.stage0_landmarks` and
+    say so in the description; a value other than on/off, or the option without HiP, is refused."""
+    from kvtier.methods.spec import parse_choice
+
+    cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
+    parts = parse_choice("hip,hip_landmarks=on").build(cfg, cpu, None, context=1 << 20)
+    kernel: Any = parts.kernel
+    assert kernel.cfg.stage0_landmarks and "stage 0 on landmark keys" in parts.describe
+    off: Any = parse_choice("hip,hip_landmarks=off").build(cfg, cpu, None, context=1 << 20).kernel
+    assert not off.cfg.stage0_landmarks
+    with pytest.raises(ConfigError, match="--hip-landmarks takes on or off"):
+        parse_choice("hip,hip_landmarks=yes")
+    with pytest.raises(ConfigError, match="--hip-landmarks applies only with"):
+        parse_choice("hip_landmarks=on")
+    llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_landmarks=True)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert out.stats.plan["method"].endswith("stage 0 on landmark keys")
