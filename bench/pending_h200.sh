@@ -316,7 +316,8 @@
 #   (32/32) at 92af773: exact 8's RULER 35.5 (lean 34.7), stage-0 groups 1.07x for fast at 512K
 #   (3.73x lossless on one start), none at 16K. NEXT: 151 (call A), 154 (call B: RULER with
 #   stage-0 groups, the exact prefill's profile, decode after a layer-order prefill), 155 (lean at
-#   512K with and without exact 8), 157 (fast with its 8-token stage exact at 512K), 156 (an
+#   512K with and without exact 8), 158 (stage 0 on landmark keys, --hip-landmarks: 512K
+#   and NIAH; the likeliest lever for 512K's 5x), 157 (fast with its 8-token stage exact), 156 (an
 #   early chunk's time above the matmuls, profiled; the exact kernel's sweep),
 #   the embedded smoke's generate part (the row tiles changed
 #   after its 92af773 run), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
@@ -873,6 +874,16 @@ case "$group" in
   # default, against 64/128/256: a program reloads its block's queries for every 256 candidates)
   run 150 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
     --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact_block_c
+  ;;
+158)
+  # (~9 min, GGUF: the prose prompt's tokenizer and the NIAH grid) issue 19: stage 0 on landmark
+  # keys (--hip-landmarks on: one key a chunk in a dense product, not a bisection per query
+  # block). 512K through the CLI beside fast (13,118 tok/s, 3.49x lossless' 3,766 on one H100
+  # start); then its NIAH on the embedded model (lean: prose 59 of 66)
+  run 330 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on" \
+    --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks
+  niah_cuda prose hip,hip_landmarks=on niah_smollm2_cuda_prose_hip_landmarks_x3
   ;;
 157)
   # (~5 min, GGUF for the prompt's tokenizer) issue 19's 512K prefill: fast's 8-token stage (7.2
