@@ -876,14 +876,18 @@ case "$group" in
     --exact-chunk 8 --name hip_kernels_smollm2_16k_lean_exact_block_c
   ;;
 158)
-  # (~9 min, GGUF: the prose prompt's tokenizer and the NIAH grid) issue 19: stage 0 on landmark
+  # (~9.5 min, GGUF: the prose prompt's tokenizer and the NIAH grid) issue 19: stage 0 on landmark
   # keys (--hip-landmarks on: one key a chunk in a dense product, not a bisection per query
   # block). 512K through the CLI beside fast (13,118 tok/s, 3.49x lossless' 3,766 on one H100
-  # start); then its NIAH on the embedded model (lean: prose 59 of 66)
+  # start); then NIAH on the embedded model at 64K, where stage 0 prunes (up to ~33K its 32K
+  # budget keeps everything, so the 16K/32K grids never reach the landmark stage), lean with
+  # and without landmarks on the same grid
   run 330 $py bench/hip_cli_speed.py --contexts 512K \
     --methods "hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on" \
     --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks
-  niah_cuda prose hip,hip_landmarks=on niah_smollm2_cuda_prose_hip_landmarks_x3
+  run 220 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 66000 --method hip --method hip,hip_landmarks=on --no-progress \
+    --out "$OUT/niah_smollm2_cuda_prose_64k_hip_landmarks_x3.json"
   ;;
 157)
   # (~5 min, GGUF for the prompt's tokenizer) issue 19's 512K prefill: fast's 8-token stage (7.2
