@@ -54,7 +54,8 @@ def test_key_scores_are_the_mean_attention_of_the_next_window_of_queries(
 def test_landmarks_merge_prefill_chunks_as_one_and_restart_with_a_new_sequence() -> None:
     """Three prefill chunks whose ends split stage-0 chunks give each chunk the best key and
     its position that one update of the whole prompt gives; a prompt from position 0 replaces
-    them."""
+    them; a prefill after unscored chunks (a cached prefix, decoded tokens) drops them until a
+    prompt from the sinks comes."""
     gen = torch.Generator().manual_seed(2)
     scores = torch.randn(100, 2, generator=gen)
     whole = Landmarks(sink=4, chunk=8)
@@ -62,14 +63,20 @@ def test_landmarks_merge_prefill_chunks_as_one_and_restart_with_a_new_sequence()
     parts = Landmarks(sink=4, chunk=8)
     for a, b in ((0, 13), (13, 50), (50, 100)):
         parts.update(scores[a:b], a)
-    assert parts.best is not None and whole.best is not None
-    assert torch.equal(parts.best, whole.best) and torch.equal(parts.positions(), whole.positions())
-    assert parts.positions().shape == (12, 2)  # 96 tokens past the sinks, 8 a chunk
     pos = parts.positions()
+    assert parts.best is not None and whole.best is not None and pos is not None
+    assert torch.equal(parts.best, whole.best) and torch.equal(pos, whole.positions())
+    assert pos.shape == (12, 2)  # 96 tokens past the sinks, 8 a chunk
     assert bool(((pos - 4) // 8 == torch.arange(12)[:, None]).all())  # each in its own chunk
     assert torch.equal(pos[3], 4 + 24 + scores[28:36].argmax(dim=0))
     parts.update(torch.randn(20, 2, generator=gen), 0)
-    assert parts.positions().shape == (2, 2)
+    assert (p := parts.positions()) is not None and p.shape == (2, 2)
+    parts.update(torch.randn(10, 2, generator=gen), 60)  # chunks 2-6 never scored: a gap
+    assert parts.positions() is None
+    parts.update(torch.randn(10, 2, generator=gen), 70)  # still no landmarks for them
+    assert parts.positions() is None
+    parts.update(torch.randn(30, 2, generator=gen), 0)  # a prompt from the sinks scores them again
+    assert (p := parts.positions()) is not None and p.shape == (4, 2)
 
 
 def test_landmark_stage_keeps_the_chunks_whose_landmarks_the_queries_match() -> None:

@@ -216,7 +216,7 @@ class HipKernel(CachedDecode):
             sl = (step.layer, step.group, head)
             lm = self._landmarks.setdefault(sl, Landmarks(cfg.sink, cfg.chunk_sizes[0]))
             lm.update(key_scores(q, kv[step.start : step.start + t, 0], step.start, self.rotary), step.start)
-            marks = lm.where  # None while every key so far is a sink: stage 0 has no candidates
+            marks = lm.positions()  # None: no landmarks for some chunk (stage 0 bisects)
         keys = kv[:, 0]
         prefix, held = prune_whole_blocks(q, step.start, keys, starts, cfg, step.layer, self.rotary, marks)
         self.stats.count_keys(held)

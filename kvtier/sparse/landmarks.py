@@ -79,21 +79,26 @@ class Landmarks:
     def update(self, scores: torch.Tensor, start: int) -> None:
         """Merge the key scores [T, G] of positions start .. start + T - 1 (`key_scores`). A
         chunk from `start` on is replaced (a new sequence, or one prefilled again from there);
-        one that `start` splits keeps its earlier keys and takes the better."""
+        one that `start` splits keeps its earlier keys and takes the better. Where the chunks
+        before `start` were never scored (a prompt whose prefix came from a cache, or tokens
+        decoded since), the landmarks are dropped until a prompt from the sinks scores them."""
         t, g = scores.shape
         first = max(start, self.sink)
         if first >= start + t:
             return
         scores = scores[first - start :]
         j0, off = divmod(first - self.sink, self.chunk)
+        keep = j0 + (1 if off else 0)  # chunks before `first` stay
+        held = 0 if self.best is None else self.best.shape[0]
+        if held < keep:  # a gap: no landmarks for its chunks
+            self.best = self.where = None
+            return
         n = -(-(off + scores.shape[0]) // self.chunk)
         grid = torch.full((n * self.chunk, g), float("-inf"), device=scores.device)
         grid[off : off + scores.shape[0]] = scores
         best, arg = grid.view(n, self.chunk, g).max(dim=1)  # [n, G]
         where = self.sink + (j0 + torch.arange(n, device=scores.device))[:, None] * self.chunk + arg
-        keep = j0 + (1 if off else 0)  # chunks before `first` stay
-        if self.best is None or self.where is None or self.best.shape[0] < keep:
-            assert off == 0 or self.best is not None, "a chunk split by a prefill chunk needs its start"
+        if self.best is None or self.where is None:  # from the sinks on: nothing to keep
             self.best, self.where = best, where
             return
         if off:  # the split chunk: the better of its two parts
@@ -103,9 +108,9 @@ class Landmarks:
         self.best = torch.cat((self.best[:j0], best))
         self.where = torch.cat((self.where[:j0], where))
 
-    def positions(self) -> torch.Tensor:
-        """Each chunk's landmark position [C, G] (a key of its KV head)."""
-        assert self.where is not None, "no prefill chunk scored yet"
+    def positions(self) -> torch.Tensor | None:
+        """Each chunk's landmark position [C, G] (a key of its KV head), or None where no prompt
+        from the sinks has scored them (stage 0 then bisects)."""
         return self.where
 
 
