@@ -34,7 +34,7 @@ def test_key_scores_are_the_mean_attention_of_the_next_window_of_queries(
     two query heads of its KV head, with both rotated at their positions."""
     monkeypatch.setattr(landmarks, "WINDOW", 16)
     monkeypatch.setattr(landmarks, "KEY_BLOCK", 8)
-    monkeypatch.setattr(landmarks, "SCORE_BYTES", 3 * 4 * 4 * 8 * 24)  # 3 key blocks a batch
+    monkeypatch.setattr(landmarks, "SCORE_BYTES", 3 * (24 * 4 * D * 4 + 4 * 2 * 24 * (D + 8)))  # 3 blocks
     gen = torch.Generator().manual_seed(1)
     t, g, r, start = 37, 2, 2, 50
     q = torch.randn(t, g * r, D, generator=gen)

@@ -42,9 +42,12 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable |
     if rotary is not None:
         pos = torch.arange(start, start + t, device=q.device)
         q, k = rotary.rotate(q, pos), rotary.rotate(k, pos)
-    qg = q.view(t, g, hq // g, d)  # [T, G, r, D], in float32 a batch at a time
+    r = hq // g
+    qg = q.view(t, g, r, d)  # [T, G, r, D]
     span = KEY_BLOCK + WINDOW  # queries a key block reads: its own and a window past its last key
-    per_block = 4 * hq * KEY_BLOCK * span
+    # a key block's gathered queries, their sums over a KV head's r heads (float32; the mean over
+    # heads of q_h . k is (sum_h q_h) . k / r) and its products
+    per_block = span * hq * d * q.element_size() + 4 * g * span * (d + KEY_BLOCK)
     step = max(1, SCORE_BYTES // per_block) * KEY_BLOCK
     out = torch.empty(t, g, dtype=torch.float32, device=q.device)
     offs_k = torch.arange(KEY_BLOCK, device=q.device)
@@ -56,13 +59,13 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable |
         kb[:n] = k[s0 : s0 + n]
         kb = kb.view(nb, KEY_BLOCK, g, d)  # [NB, Bk, G, D]
         qi = s0 + torch.arange(nb, device=q.device)[:, None] * KEY_BLOCK + offs_q  # [NB, span]
-        qb = qg[qi.clamp(max=t - 1)].float()  # [NB, span, G, r, D]
-        prod = torch.einsum("nigrd,nkgd->ngkir", qb, kb)  # [NB, G, Bk, span, r]
+        qb = qg[qi.clamp(max=t - 1)].sum(dim=3, dtype=torch.float32)  # [NB, span, G, D]
+        prod = torch.einsum("nigd,nkgd->ngki", qb, kb)  # [NB, G, Bk, span]
         lag = offs_q[None, :] - offs_k[:, None]  # [Bk, span]: query index minus key index
         seen = (lag >= 0) & (lag < WINDOW)
         seen = seen[None] & (qi[:, None, :] < t)  # [NB, Bk, span]
-        sums = (prod.sum(-1) * seen[:, None]).sum(-1)  # [NB, G, Bk]
-        counts = seen.sum(-1).clamp(min=1) * (hq // g)  # [NB, Bk]
+        sums = (prod * seen[:, None]).sum(-1)  # [NB, G, Bk]
+        counts = seen.sum(-1).clamp(min=1) * r  # [NB, Bk]
         out[s0 : s0 + n] = (sums / counts[:, None]).permute(0, 2, 1).reshape(-1, g)[:n]
     return out
 
