@@ -134,6 +134,10 @@ def test_store_run_with_landmarks_prunes_on_them_and_slicing_changes_nothing(
         outs.append(logits)
     assert calls, "the landmark stage never ran"
     assert_same(outs[0], outs[1])
+    # a kernel told its request holds 34 tokens (32 past the sinks: stage 0 would keep them all)
+    short = kernel_for(cfg, stage0_landmarks=True, capacity=34)
+    run(model, cfg, "gpu", short)
+    assert not short._landmarks  # no key scored for a request stage 0 never prunes
     plain, _, _, _ = run(model, cfg, "gpu", kernel_for(cfg))
     assert any(not torch.equal(a, b) for a, b in zip(plain, outs[0], strict=True))  # another selection
 

@@ -212,7 +212,10 @@ class HipKernel(CachedDecode):
         starts = [self._window_start(step.start + b) for b in range(0, t, bq)]
         ends = [min(step.start + b + bq, step.start + t) for b in range(0, t, bq)]
         marks = None
-        if cfg.stage0_landmarks:  # this chunk's keys scored, then stage 0 on every chunk's best
+        # this chunk's keys scored, then stage 0 on every chunk's best; not for a request too short
+        # for stage 0 to prune (its candidates, past the sinks, within the stage's budget)
+        pruned = cfg.capacity is None or cfg.capacity - cfg.sink > cfg.stage_budgets(step.layer)[0]
+        if cfg.stage0_landmarks and pruned:
             sl = (step.layer, step.group, head)
             lm = self._landmarks.setdefault(sl, Landmarks(cfg.sink, cfg.chunk_sizes[0]))
             lm.update(key_scores(q, kv[step.start : step.start + t, 0], step.start, self.rotary), step.start)
