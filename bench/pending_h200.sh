@@ -898,6 +898,16 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+159)
+  # (~6 min, no GGUF: call A, carrying the GGUF's first half) the pruning kernels on CUDA after the
+  # row tiles (64 KiB of queries a tile), the implicit span (a stage after stages that kept
+  # everything reads its candidates by position) and the exact kernel's settings; then issue 19's
+  # landmark stage 0 at 512K in the tiered prefill beside fast (landmarks first: it pays Triton's
+  # first compile), profiled: whether it cuts stage 0's 13.9 of fast's 25.3 ms a layer
+  run 200 $py -m pytest -q -p no:cacheprovider tests/test_triton_bisect.py tests/test_chunk_max.py
+  run 330 $py bench/hip_offload.py --contexts 512K --presets "fast+landmarks=1,fast" --policy planned \
+    --no-dense --steps 0 --profile --name hip_offload_prefill_512k_fast_landmarks
+  ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
   # hidden states now allocated on the compute stream; stage-0 groups), then the pruning kernel's
