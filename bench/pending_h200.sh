@@ -903,10 +903,14 @@ case "$group" in
   # row tiles (64 KiB of queries a tile), the implicit span (a stage after stages that kept
   # everything reads its candidates by position) and the exact kernel's settings; then issue 19's
   # landmark stage 0 at 512K in the tiered prefill beside fast (landmarks first: it pays Triton's
-  # first compile), profiled: whether it cuts stage 0's 13.9 of fast's 25.3 ms a layer
-  run 200 $py -m pytest -q -p no:cacheprovider tests/test_triton_bisect.py tests/test_chunk_max.py
-  run 330 $py bench/hip_offload.py --contexts 512K --presets "fast+landmarks=1,fast" --policy planned \
-    --no-dense --steps 0 --profile --name hip_offload_prefill_512k_fast_landmarks
+  # first compile): whether it cuts stage 0's 13.9 of fast's 25.3 ms a layer; then 156's profile of
+  # a 64K prefill under 24 GiB (lossless and fast: ~52 us a token early in both, twice the matmuls'
+  # bound) if the call's time allows
+  run 120 $py -m pytest -q -p no:cacheprovider tests/test_triton_bisect.py tests/test_chunk_max.py
+  run 270 $py bench/hip_offload.py --contexts 512K --presets "fast+landmarks=1,fast" --policy planned \
+    --no-dense --steps 0 --name hip_offload_prefill_512k_fast_landmarks
+  run 160 $py bench/hip_small_prefill.py --model llama-3-8b --lengths 64K --gpu-memory 24GiB --new-tokens 2 \
+    --repeats 1 --methods "auto;hip,hip_preset=fast" --profile --name prefill_profile_llama8b_64k_24gib
   ;;
 151)
   # (~3 min, no GGUF: call A, carrying the GGUF's first half) the CUDA checks (the layer pass's
