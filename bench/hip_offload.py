@@ -205,6 +205,10 @@ def main() -> None:
     )
     ap.add_argument("--name", default="hip_offload")
     args = ap.parse_args()
+    if args.steps == 0 and not args.prefill_chunk:
+        # NOTE: --steps 0 drops the decode rows; without a prefill row the run timed nothing (a
+        # device call once spent its warm-ups and printed an empty table)
+        ap.error("--steps 0 times prefill rows only: pass --prefill-chunk (e.g. 16384), or steps > 0")
     if args.smoke:
         args.device, args.dtype = torch.device("cpu"), torch.float32
         args.contexts = "1K,2K" if args.contexts == ap.get_default("contexts") else args.contexts

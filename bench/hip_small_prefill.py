@@ -35,6 +35,7 @@ from bench.common import write_results
 from kvtier.engine.llm import LLM
 from kvtier.engine.prompts import Prompt
 from kvtier.engine.sampling import SamplingParams
+from kvtier.errors import CapacityError
 from kvtier.eval.haystack import prose_text
 from kvtier.units import parse_count
 
@@ -135,15 +136,26 @@ def main() -> None:
     for length in lengths:
         ids = prompt_ids(llm, length)
         for method in methods:
-            case = run_case(llm, ids, method, args.new_tokens, args.repeats, args.profile)
+            # what earlier cases left allocated: a request's store and caches are freed when it
+            # ends, so anything here is held across requests (a 64K `fast` under 24 GiB ran out of
+            # memory after `auto` in one process, 2026-12-07)
+            held = torch.cuda.memory_allocated(llm.device) if llm.device.type == "cuda" else 0
+            try:
+                case = run_case(llm, ids, method, args.new_tokens, args.repeats, args.profile)
+            except CapacityError as e:  # recorded, and the other cases still run
+                print(f"{length:>7} {method:<24} failed: {e}", flush=True)
+                cases.append({"method": method, "prompt_tokens": length, "error": str(e), "held_bytes": held})
+                continue
+            case["held_bytes"] = held
             cases.append(case)
             print(
                 f"{length:>7} {method:<24} prefill {case['prefill_tokens_per_s']:>9.0f} tok/s  "
                 f"decode {case['decode_tokens_per_s']:>7.1f} tok/s  plan {case['plan']}",
                 flush=True,
             )
-    dense = {c["prompt_tokens"]: c["prefill_tokens_per_s"] for c in cases if c["method"] == "auto"}
-    for c in cases:
+    timed = [c for c in cases if "error" not in c]
+    dense = {c["prompt_tokens"]: c["prefill_tokens_per_s"] for c in timed if c["method"] == "auto"}
+    for c in timed:
         if c["prompt_tokens"] in dense:
             c["prefill_vs_auto"] = round(c["prefill_tokens_per_s"] / dense[c["prompt_tokens"]], 3)
     path = write_results(
