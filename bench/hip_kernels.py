@@ -57,6 +57,12 @@ def main() -> None:
         help="also time the pruning with HipConfig.exact_chunk=N (stages of chunks <= N scored "
         "on every key) and how much of the bisection's selection it keeps",
     )
+    ap.add_argument(
+        "--landmarks",
+        action="store_true",
+        help="also time stage 0 on landmark keys (HipConfig.stage0_landmarks; random landmarks: "
+        "its speed, not its selection), its stages, the chunk's landmark key scores, and profile them",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="hip_kernels")
     args = ap.parse_args()
@@ -90,15 +96,15 @@ def main() -> None:
     table = RopeTable(Rotary(cfg.rope, d, dev))
 
     def prune(
-        exact_chunk: int = 0, stages: int | None = None, group: int = 1
+        exact_chunk: int = 0, stages: int | None = None, group: int = 1, landmarks: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The pruning of every block: all stages, or the first `stages` of them; stage 0 per
-        `group` blocks (`HipConfig.stage0_block_q`)."""
+        `group` blocks (`HipConfig.stage0_block_q`) or on `landmarks` [C, G]."""
         n = len(hip.chunk_sizes) if stages is None else stages
         return run_block_stages(
             q, pos, kv[:, 0], hip.sink, w0, chunk_sizes=hip.chunk_sizes[:n], budgets=hip.budgets[:n],
             strides=hip.query_strides[:n], mode="relative", rotary=table, window=hip.window, triton=True,
-            head_score=hip.head_score, exact_chunk=exact_chunk, stage0_group=group,
+            head_score=hip.head_score, exact_chunk=exact_chunk, stage0_group=group, landmarks=landmarks,
         )  # fmt: skip
 
     def shared(sel: torch.Tensor) -> float:
@@ -202,6 +208,8 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
+    if args.landmarks:
+        landmark_rows(rows, prune, clock, reps, q, kv, table, hip, context, dev)
     if args.exact_chunk and dev.type == "cuda":  # the exact kernel's chunks a program
         from kvtier.sparse import triton_chunk_max
 
@@ -257,6 +265,72 @@ def main() -> None:
             continue
         check = row.get("same", row.get("max_abs_diff"))
         print(f"{row['kernel']:>7} {row['variant']:>40} {row['s'] * 1e3:9.2f} {row['s'] * 64:12.3f}  {check}")
+
+
+def landmark_rows(
+    rows: list[dict[str, Any]],
+    prune: Any,
+    clock: Any,
+    reps: int,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table: Any,
+    hip: Any,
+    context: int,
+    dev: torch.device,
+) -> None:
+    """Rows for stage 0 on landmark keys (`kvtier.sparse.landmarks`): the pruning with a random
+    landmark in every stage-0 chunk of the context (its cost; which chunks it keeps is the
+    quality runs' question), its stages one by one, the chunk's key scores (`key_scores`, what
+    each prefill chunk adds), and on CUDA the kernels of both."""
+    from kvtier.sparse.landmarks import key_scores
+
+    s, g = kv.shape[0], kv.shape[2]
+    c0 = hip.chunk_sizes[0]
+    n_chunks = -(-(s - hip.sink) // c0)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    offs = torch.randint(0, c0, (n_chunks, g), device=dev, generator=gen)
+    marks = (hip.sink + torch.arange(n_chunks, device=dev)[:, None] * c0 + offs).clamp(max=s - 1)
+    t = clock(lambda: prune(landmarks=marks), reps)
+    rows.append({"kernel": "prune", "variant": "pair block_c=32, stage 0 on landmarks", "s": t})
+    print(rows[-1], flush=True)
+    upto = [
+        clock(lambda n=n: prune(stages=n, landmarks=marks), reps) for n in range(1, len(hip.chunk_sizes) + 1)
+    ]
+    stage_s = [round(t - p, 6) for t, p in zip(upto, [0.0, *upto[:-1]], strict=True)]
+    rows.append(
+        {
+            "kernel": "prune stages",
+            "variant": "stage 0 on landmarks",
+            "first_n_stages_s": upto,
+            "stage_s": stage_s,
+        }
+    )
+    print(rows[-1], flush=True)
+    qs = q.reshape(-1, q.shape[2], q.shape[3])  # [T, H_q, D]: the chunk's queries
+    keys = kv[context:, 0]  # [T, G, D]
+    t = clock(lambda: key_scores(qs, keys, context, table), reps)
+    rows.append({"kernel": "landmark key scores", "variant": f"{qs.shape[0]} queries", "s": t})
+    print(rows[-1], flush=True)
+    if dev.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    for what, fn in (
+        ("prune on landmarks", lambda: prune(landmarks=marks)),
+        ("key scores", lambda: key_scores(qs, keys, context, table)),
+    ):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        top = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]
+        rows.append(
+            {
+                "kernel": f"{what} profile",
+                "top_kernels_ms": {e.key[:80]: e.device_time_total / 1e3 for e in top},
+            }
+        )
+        print(rows[-1], flush=True)
 
 
 if __name__ == "__main__":

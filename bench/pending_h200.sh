@@ -898,6 +898,18 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+160)
+  # (~7 min, no GGUF) the fifty-second session's NEXT for issue 19: why stage 0 on landmark keys
+  # made fast's 512K prefill slower through the CLI (11,911 against 12,733 tok/s:
+  # hip_cli_speed_512k_fast_landmarks.json) where it should replace the bisection's 13.9 of 25.3
+  # ms a layer. One 16K chunk at 512K, a layer's 8 KV heads: the pruning on landmarks, stage by
+  # stage, the chunk's key scores, and both profiled; then the tiered prefill of the whole 512K
+  # with and without landmarks, profiled (landmarks first: it pays Triton's first compile)
+  run 150 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
+    --name hip_kernels_512k_fast_landmarks
+  run 260 $py bench/hip_offload.py --contexts 512K --presets "fast+landmarks=1,fast" --policy planned \
+    --no-dense --steps 0 --prefill-chunk 16384 --profile --name hip_offload_prefill_512k_fast_landmarks
+  ;;
 159)
   # (~6 min, no GGUF: call A, carrying the GGUF's first half) the pruning kernels on CUDA after the
   # row tiles (64 KiB of queries a tile), the implicit span (a stage after stages that kept
