@@ -29,12 +29,11 @@ D = 16
 def test_key_scores_are_the_mean_attention_of_the_next_window_of_queries(
     rotate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Blocks of 8 keys against a window of 16 queries (37 keys: a short last block, windows
-    cut by the chunk's end) give each key the mean of q_i . k_t over i in [t, t + 16) and the
-    two query heads of its KV head, with both rotated at their positions."""
+    """Slabs of 8 keys against a window of 16 queries (37 keys: a short last slab, windows cut
+    by the chunk's end) give each key the mean of q_i . k_t over i in [t, t + 16) and the two
+    query heads of its KV head, with both rotated at their positions."""
     monkeypatch.setattr(landmarks, "WINDOW", 16)
-    monkeypatch.setattr(landmarks, "KEY_BLOCK", 8)
-    monkeypatch.setattr(landmarks, "SCORE_BYTES", 3 * (24 * 4 * D * 4 + 4 * 2 * 24 * (D + 8)))  # 3 blocks
+    monkeypatch.setattr(landmarks, "KEY_SCORE_BYTES", (8 + 16) * 28 * 2 * D)  # slabs of 8 keys
     gen = torch.Generator().manual_seed(1)
     t, g, r, start = 37, 2, 2, 50
     q = torch.randn(t, g * r, D, generator=gen)

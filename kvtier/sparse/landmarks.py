@@ -26,47 +26,46 @@ from kvtier.sparse.chunk_layout import kept_chunks, softmax_head_score
 from kvtier.sparse.rope_ext import RopeTable
 
 WINDOW = 512  # queries after a key whose attention scores it (hip-attention's landmark chunk)
-KEY_BLOCK = 128  # keys scored at once against their window's queries
-# float32 products one batch of key blocks (or of query blocks) may hold; the batch's queries and
-# masked sums take about as much again (inside HiP's pruning reserve, which is free before stage 0)
+# float32 products one batch of query blocks may hold in `landmark_stage`; the batch's queries
+# take about as much again (inside HiP's pruning reserve, which is free before stage 0)
 SCORE_BYTES = 64 << 20
+# `key_scores`' temporaries a slab of keys may hold (also inside the pruning reserve,
+# `PRUNE_BATCH_BYTES`, 256 MiB): ~3 slabs of a 16K chunk of 8 KV heads of 128 dims
+KEY_SCORE_BYTES = 160 << 20
 
 
 def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable | None) -> torch.Tensor:
     """Each key's landmark score [T, G], float32: the mean of q_i . k_t over the chunk's queries
     i in [t, t + WINDOW) and the query heads of its KV head, for a prefill chunk's queries
     q [T, H_q, D] and keys k [T, G, D] at positions start .. start + T - 1, both rotated there
-    (`rotary`; None: as given)."""
+    (`rotary`; None: as given).
+
+    The mean of dot products is the dot product with the mean: k_t . (sum of the window's
+    queries over their r heads) / (count * r). A window's sum is the difference of two running
+    sums of the queries (float64, so the difference keeps float32's precision): O(T * D) work
+    in a few launches a slab, where scoring each key against its window's queries took ~12
+    launches a batch of 768 keys and ~5x the products (the windows overlap)."""
     t, hq, d = q.shape
     g = k.shape[1]
     if rotary is not None:
         pos = torch.arange(start, start + t, device=q.device)
         q, k = rotary.rotate(q, pos), rotary.rotate(k, pos)
     r = hq // g
-    qg = q.view(t, g, r, d)  # [T, G, r, D]
-    span = KEY_BLOCK + WINDOW  # queries a key block reads: its own and a window past its last key
-    # a key block's gathered queries, their sums over a KV head's r heads (float32; the mean over
-    # heads of q_h . k is (sum_h q_h) . k / r) and its products
-    per_block = span * hq * d * q.element_size() + 4 * g * span * (d + KEY_BLOCK)
-    step = max(1, SCORE_BYTES // per_block) * KEY_BLOCK
+    # a slab's queries reach WINDOW - 1 past its last key; per row: the running sums and the
+    # windows (float64), their float32 copy and the keys' (28 bytes a value)
+    rows = max(1, KEY_SCORE_BYTES // (28 * g * d) - WINDOW)
     out = torch.empty(t, g, dtype=torch.float32, device=q.device)
-    offs_k = torch.arange(KEY_BLOCK, device=q.device)
-    offs_q = torch.arange(span, device=q.device)
-    for s0 in range(0, t, step):
-        n = min(step, t - s0)
-        nb = -(-n // KEY_BLOCK)
-        kb = torch.zeros(nb * KEY_BLOCK, g, d, device=q.device)
-        kb[:n] = k[s0 : s0 + n]
-        kb = kb.view(nb, KEY_BLOCK, g, d)  # [NB, Bk, G, D]
-        qi = s0 + torch.arange(nb, device=q.device)[:, None] * KEY_BLOCK + offs_q  # [NB, span]
-        qb = qg[qi.clamp(max=t - 1)].sum(dim=3, dtype=torch.float32)  # [NB, span, G, D]
-        prod = torch.einsum("nigd,nkgd->ngki", qb, kb)  # [NB, G, Bk, span]
-        lag = offs_q[None, :] - offs_k[:, None]  # [Bk, span]: query index minus key index
-        seen = (lag >= 0) & (lag < WINDOW)
-        seen = seen[None] & (qi[:, None, :] < t)  # [NB, Bk, span]
-        sums = (prod * seen[:, None]).sum(-1)  # [NB, G, Bk]
-        counts = seen.sum(-1).clamp(min=1) * r  # [NB, Bk]
-        out[s0 : s0 + n] = (sums / counts[:, None]).permute(0, 2, 1).reshape(-1, g)[:n]
+    for s0 in range(0, t, rows):
+        n = min(rows, t - s0)
+        e = min(t, s0 + n + WINDOW - 1)  # queries [s0, e): every window of the slab's keys
+        sums = torch.zeros(e - s0 + 1, g, d, dtype=torch.float64, device=q.device)  # [E + 1, G, D]
+        qs = q[s0:e].reshape(e - s0, g, r, d).sum(dim=2, dtype=torch.float64)  # [E, G, D]
+        torch.cumsum(qs, dim=0, out=sums[1:])
+        idx = torch.arange(n, device=q.device)
+        hi = (idx + WINDOW).clamp(max=e - s0)  # each key's window end, slab-relative
+        win = (sums[hi] - sums[idx]).float()  # [n, G, D]: the window's query sum
+        dots = torch.einsum("ngd,ngd->ng", win, k[s0 : s0 + n].float())
+        out[s0 : s0 + n] = dots / ((hi - idx) * r).unsqueeze(1)
     return out
 
 
@@ -152,11 +151,12 @@ def landmark_stage(
     step = max(1, SCORE_BYTES // max(1, 4 * c_count * g * nq * r))
     scores = torch.empty(bsz, c_count, dtype=torch.float32, device=qr.device)
     for b0 in range(0, bsz, step):
-        rows = torch.einsum("bngrd,cgd->bcgnr", qr[b0 : b0 + step].float(), lk.float()).flatten(2)
+        qb = qr[b0 : b0 + step].float()
         if head_score == "softmax":  # [B, C, rows]: a softmax over live chunks, then the max over rows
+            rows = torch.einsum("bngrd,cgd->bcgnr", qb, lk.float()).flatten(2)
             part = softmax_head_score(rows, live[b0 : b0 + step], d**-0.5)
-        else:
-            part = rows.amax(dim=2)
+        else:  # the max over rows, reduced in the product's own layout (no [B, C, rows] copy)
+            part = torch.einsum("bngrd,cgd->bgnrc", qb, lk.float()).amax(dim=(1, 2, 3))
         scores[b0 : b0 + step] = torch.where(live[b0 : b0 + step], part, float("-inf"))
     if c_count <= keep:
         top = torch.arange(c_count, device=qr.device).expand(bsz, -1)
