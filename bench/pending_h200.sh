@@ -898,12 +898,26 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+161)
+  # (~8 min, GGUF for the prompt's tokenizer; after 160) issue 19: fast at 512K through the CLI
+  # with and without landmarks after their key scores became running sums (89 torch operators a
+  # 16K chunk's slice, not 796: ~8 s of launches over 512K), fast first; then 64K `fast` under
+  # 24 GiB after `auto` in one process, which ran out of memory in its warm-up decode on
+  # 2026-12-07 (each case now records what earlier ones left allocated, and a failed case no
+  # longer stops the rest)
+  run 330 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on" \
+    --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
+  run 150 $py bench/hip_small_prefill.py --model llama-3-8b --lengths 64K --gpu-memory 24GiB --new-tokens 2 \
+    --repeats 1 --methods "auto;hip,hip_preset=fast;auto" --name prefill_llama8b_64k_24gib_held
+  ;;
 160)
-  # (~7 min, no GGUF) the fifty-second session's NEXT for issue 19: why stage 0 on landmark keys
-  # made fast's 512K prefill slower through the CLI (11,911 against 12,733 tok/s:
-  # hip_cli_speed_512k_fast_landmarks.json) where it should replace the bisection's 13.9 of 25.3
-  # ms a layer. One 16K chunk at 512K, a layer's 8 KV heads: the pruning on landmarks, stage by
-  # stage, the chunk's key scores, and both profiled; then the tiered prefill of the whole 512K
+  # (~7 min, no GGUF; call A, carrying the GGUF's first half, then 161) the fifty-second
+  # session's NEXT for issue 19: stage 0 on landmark keys made fast's 512K prefill slower through
+  # the CLI (11,911 against 12,733 tok/s: hip_cli_speed_512k_fast_landmarks.json) where it should
+  # replace the bisection's 13.9 of 25.3 ms a layer; its key scores then took 796 torch operators
+  # a 16K chunk's slice (now running sums: 89). One 16K chunk at 512K, a layer's 8 KV heads:
+  # the pruning on landmarks, stage by stage, the chunk's key scores, and both profiled; then the tiered prefill of the whole 512K
   # with and without landmarks, profiled (landmarks first: it pays Triton's first compile)
   run 150 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
     --name hip_kernels_512k_fast_landmarks
