@@ -63,7 +63,7 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable |
         torch.cumsum(qs, dim=0, out=sums[1:])
         idx = torch.arange(n, device=q.device)
         hi = (idx + WINDOW).clamp(max=e - s0)  # each key's window end, slab-relative
-        win = (sums[hi] - sums[idx]).float()  # [n, G, D]: the window's query sum
+        win = (sums[hi] - sums[:n]).float()  # [n, G, D]: the window's query sum
         dots = torch.einsum("ngd,ngd->ng", win, k[s0 : s0 + n].float())
         out[s0 : s0 + n] = dots / ((hi - idx) * r).unsqueeze(1)
     return out
