@@ -72,6 +72,7 @@ def main() -> None:
     from kvtier.sparse import HIP_PRESETS, triton_attn, triton_bisect
     from kvtier.sparse import prefill as prefill_module
     from kvtier.sparse.prefill import attended_prefix, run_block_stages
+    from kvtier.sparse.prune_memory import BISECT_BLOCK_C, BISECT_BLOCK_C_MAX
     from kvtier.sparse.rope_ext import RopeTable
 
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -165,7 +166,8 @@ def main() -> None:
         rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
         print(rows[-1], flush=True)
     triton_bisect.bisect_triton = current
-    triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = 32, None
+    triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = None, None
+    bc = BISECT_BLOCK_C if hip.head_score == "softmax" else BISECT_BLOCK_C_MAX  # the default's
     prefill_module.FUSED_LSE = True
     if hip.head_score == "softmax":  # the head score's two Triton passes, and its torch passes
         prefill_module.FUSED_LSE = False
@@ -185,7 +187,12 @@ def main() -> None:
     upto = [clock(lambda n=n: prune(stages=n), reps) for n in range(1, len(hip.chunk_sizes) + 1)]
     stage_s = [round(t - p, 6) for t, p in zip(upto, [0.0, *upto[:-1]], strict=True)]
     rows.append(
-        {"kernel": "prune stages", "variant": "pair block_c=32", "first_n_stages_s": upto, "stage_s": stage_s}
+        {
+            "kernel": "prune stages",
+            "variant": f"pair block_c={bc}",
+            "first_n_stages_s": upto,
+            "stage_s": stage_s,
+        }
     )
     print(rows[-1], flush=True)
     # fine stages on every key, and stage 0 once per group of blocks: each one's time and the
@@ -201,7 +208,7 @@ def main() -> None:
         rows.append(
             {
                 "kernel": "prune",
-                "variant": f"pair block_c=32, {what}",
+                "variant": f"pair block_c={bc}, {what}",
                 "s": t,
                 "same": kept == 1.0,
                 "shared": kept,
@@ -218,7 +225,7 @@ def main() -> None:
             triton_chunk_max.BLOCK_C, triton_chunk_max.WHOLE_ROWS = block_c, whole
             t = clock(lambda: prune(args.exact_chunk), reps)
             same = bool(torch.equal(prune(args.exact_chunk)[0], ref_exact))
-            variant = f"pair block_c=32, exact_chunk={args.exact_chunk} with {block_c} chunks a program"
+            variant = f"pair block_c={bc}, exact_chunk={args.exact_chunk} with {block_c} chunks a program"
             variant += ", a head's rows in one tile" if whole else ""
             rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
             print(rows[-1], flush=True)
@@ -292,7 +299,7 @@ def landmark_rows(
     offs = torch.randint(0, c0, (n_chunks, g), device=dev, generator=gen)
     marks = (hip.sink + torch.arange(n_chunks, device=dev)[:, None] * c0 + offs).clamp(max=s - 1)
     t = clock(lambda: prune(landmarks=marks), reps)
-    rows.append({"kernel": "prune", "variant": "pair block_c=32, stage 0 on landmarks", "s": t})
+    rows.append({"kernel": "prune", "variant": "pair, stage 0 on landmarks", "s": t})
     print(rows[-1], flush=True)
     upto = [
         clock(lambda n=n: prune(stages=n, landmarks=marks), reps) for n in range(1, len(hip.chunk_sizes) + 1)

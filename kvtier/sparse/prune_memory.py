@@ -8,7 +8,12 @@ planner reads them without importing Triton."""
 from __future__ import annotations
 
 PRUNE_BATCH_BYTES = 256 << 20  # temporaries of one batch of query blocks in one stage, about
-BISECT_BLOCK_C = 32  # chunks a program of the pruning kernel scores (`triton_bisect.BLOCK_C`)
+BISECT_BLOCK_C = 32  # chunks a program of the pruning kernel scores per row (the "softmax" head score)
+# chunks a program scores for the "max" head score, which keeps no per-row maxima: 64 took fast's
+# 512K pruning from 25.3 to 21.9 ms a slice, lean's 48K (max score) 21.8 to 20.9, where with the
+# softmax score's rows it ran 55.6 against 45.5 (H100, hip_kernels_512k_fast_stages.json,
+# hip_kernels_lean_48k_{max,softmax}_b.json)
+BISECT_BLOCK_C_MAX = 64
 TILE_ROWS_MIN = 64  # row tiles of the pruning kernel at least this tall replace padding (`row_tiles`)
 # The most a row tile's queries take: they sit in shared memory. One tile of 1,024 bfloat16 rows
 # of 128-wide heads (stage 0 once per 1,024 queries of Llama-3's 4 heads a KV head, pooled 4)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
-from kvtier.sparse.prune_memory import BISECT_BLOCK_C, num_warps
+from kvtier.sparse.prune_memory import BISECT_BLOCK_C, BISECT_BLOCK_C_MAX, num_warps
 from kvtier.sparse.triton_head_score import ScoreLaunch, dots, row_max, store_lse_part
 from kvtier.sparse.triton_keys import (
     key_source,
@@ -47,7 +47,9 @@ from kvtier.sparse.triton_keys import (
 )
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
-BLOCK_C = BISECT_BLOCK_C  # chunks per program (the fastest of 16/32/64 at 512K: bench/hip_kernels.py)
+# chunks a program: None takes BISECT_BLOCK_C with per-row maxima, else BISECT_BLOCK_C_MAX (the
+# fastest of 16/32/64 for each: bench/hip_kernels.py); an int forces it
+BLOCK_C: int | None = None
 # None: `num_warps`'s choice by shape (bench/hip_kernels.py sweeps); an int forces it
 NUM_WARPS: int | None = None
 # Stage 0 over KIVI rows in place: copy the rows' key minima and steps to the GPU first
@@ -318,7 +320,8 @@ def bisect_triton(
     """
     bsz, _, g, _, d = q.shape
     c_count = lengths.shape[1]
-    launch = ScoreLaunch.make(q, c_count, BLOCK_C, per_row, softmax_scale)
+    block_c = BLOCK_C or (BISECT_BLOCK_C if per_row else BISECT_BLOCK_C_MAX)
+    launch = ScoreLaunch.make(q, c_count, block_c, per_row, softmax_scale)
     out = launch.out
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
     addr = addresses if addresses is not None else cand  # a placeholder unless ADDR
@@ -366,7 +369,7 @@ def bisect_triton(
         INTERPRET=interpret,
         PER_ROW=per_row,
         LSE=softmax_scale is not None,
-        BLOCK_C=BLOCK_C,
+        BLOCK_C=block_c,
         num_warps=NUM_WARPS or num_warps(launch.tile_rows, d),
         num_stages=1,  # NOTE: pipelining the head loop buffered q tiles past shared memory (272 KB)
     )
