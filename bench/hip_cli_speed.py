@@ -1,7 +1,8 @@
 """HiP against lossless `auto` through `kvtier generate`, as a user runs it (issue 19's speed targets).
 
 Llama-3.1-8B shapes with random bf16 weights (the HF folder `bench/gpu_smoke.py` writes, with
-SmolLM2's tokenizer: from the embedded GGUF, else from `.tok/`, so a device call needs no GGUF), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
+SmolLM2's tokenizer: from the embedded GGUF, else from `.tok/`, so a device call needs no
+GGUF), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
 `kvtier generate --json` process per (context, method): what is timed is the CLI's own prefill
 and decode (its stats), the plan it chose included; the process's wall time, model load and
 Triton compile included, is recorded beside. The KV is what the model computes from the prompt:
