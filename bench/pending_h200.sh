@@ -898,6 +898,18 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+162)
+  # (~8 min, no GGUF: .tok/ and .whl carried; one call where the device came late) issue 19's
+  # 512K prefill through the CLI after the running-sum landmark key scores and 64 chunks a
+  # program in the max-score bisection: fast with landmarks first (it pays Triton's compile),
+  # then fast; then one 16K chunk's kernels at 512K (landmark stages, the bisection's chunks a
+  # program, the attention's rope_split A/B) in what time remains
+  run 330 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast" \
+    --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
+  run 150 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
+    --name hip_kernels_512k_fast_landmarks
+  ;;
 161)
   # (~8 min; the prompt's tokenizer from .tok/, carried with .whl: no GGUF) issue 19: fast at 512K through the CLI
   # with and without landmarks after their key scores became running sums (89 torch operators a
