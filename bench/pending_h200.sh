@@ -898,6 +898,13 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+163)
+  # (~5 min, no GGUF: .tok/ and .whl carried) 162's CLI A/B alone, for the device time the late
+  # starts left (~550 s with the machine's start): 512K, fast with landmarks first, then fast
+  run 300 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast" \
+    --new-tokens 8 --timeout 140 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
+  ;;
 162)
   # (~8 min, no GGUF: .tok/ and .whl carried; one call where the device came late) issue 19's
   # 512K prefill through the CLI after the running-sum landmark key scores and 64 chunks a
