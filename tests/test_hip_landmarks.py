@@ -33,7 +33,8 @@ def test_key_scores_are_the_mean_attention_of_the_next_window_of_queries(
     by the chunk's end) give each key the mean of q_i . k_t over i in [t, t + 16) and the two
     query heads of its KV head, with both rotated at their positions."""
     monkeypatch.setattr(landmarks, "WINDOW", 16)
-    monkeypatch.setattr(landmarks, "KEY_SCORE_BYTES", (8 + 16) * 28 * 2 * D)  # slabs of 8 keys
+    monkeypatch.setattr(landmarks, "KEY_SCORE_BYTES", (8 + 16) * 52 * 2 * D)  # slabs of 8 keys
+    monkeypatch.setattr(landmarks, "SCAN_BLOCK", 5)  # running sums in blocks, a short last one
     gen = torch.Generator().manual_seed(1)
     t, g, r, start = 37, 2, 2, 50
     q = torch.randn(t, g * r, D, generator=gen)
@@ -48,6 +49,17 @@ def test_key_scores_are_the_mean_attention_of_the_next_window_of_queries(
         qs = q[j : min(t, j + 16)].view(-1, g, r, D)  # [n, G, r, D]
         want[j] = torch.einsum("ngrd,gd->g", qs, k[j]) / (qs.shape[0] * r)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 300])
+def test_running_sums_in_blocks_are_the_exclusive_cumsum(rows: int) -> None:
+    """`running_sums` (a block's own sums plus the blocks' before it) is the exclusive cumsum
+    along dim 0, up to float64 rounding: row 0 zero, row t the sum of rows 0 .. t - 1."""
+    x = torch.randn(rows, 3, 4, generator=torch.Generator().manual_seed(rows), dtype=torch.float64)
+    got = landmarks.running_sums(x)
+    assert got.shape == (rows + 1, 3, 4) and got.dtype == torch.float64
+    assert not got[0].any()
+    assert torch.allclose(got[1:], x.cumsum(dim=0), rtol=1e-12, atol=1e-12)
 
 
 def test_landmarks_merge_prefill_chunks_as_one_and_restart_with_a_new_sequence() -> None:
