@@ -255,14 +255,6 @@ def main() -> None:
         rows.append({**row, "tflop_per_s": round(attend_flop / t / 1e12, 2)})
         print(rows[-1], flush=True)
     triton_attn.TILES = None
-    for split in (True, False):  # rotating a key tile with its halves split in registers, A/B
-        triton_attn.ROPE_SPLIT = split
-        t = clock(attend, reps)
-        err = (attend().float() - ref_out.float()).abs().max().item()
-        row = {"kernel": "attend", "variant": f"rope_split={split}", "s": t, "max_abs_diff": err}
-        rows.append({**row, "tflop_per_s": round(attend_flop / t / 1e12, 2)})
-        print(rows[-1], flush=True)
-    triton_attn.ROPE_SPLIT = False
     header = {
         "model": args.model,
         "context": context,

@@ -931,8 +931,7 @@ case "$group" in
     --repeats 1 --methods "auto;hip,hip_preset=fast;auto" --name prefill_llama8b_64k_24gib_held
   ;;
 160)
-  # (~8.5 min, no GGUF; then 161) 64 chunks a program in the bisection under the max head score
-  # (its sweep's rows), and the attention's key tiles rotated in registers (rope_split A/B). The fifty-second
+  # (~7 min, no GGUF; then 161) the fifty-second
   # session's NEXT for issue 19: stage 0 on landmark keys made fast's 512K prefill slower through
   # the CLI (11,911 against 12,733 tok/s: hip_cli_speed_512k_fast_landmarks.json) where it should
   # replace the bisection's 13.9 of 25.3 ms a layer; its key scores then took 796 torch operators
@@ -941,9 +940,6 @@ case "$group" in
   # with and without landmarks, profiled (landmarks first: it pays Triton's first compile)
   run 150 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
     --name hip_kernels_512k_fast_landmarks
-  # SmolLM2's 16K chunk under lean (the 0.5x-dense target): the attention's rows, rope_split A/B
-  run 100 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
-    --name hip_kernels_smollm2_16k_lean_rope_split
   run 260 $py bench/hip_offload.py --contexts 512K --presets "fast+landmarks=1,fast" --policy planned \
     --no-dense --steps 0 --prefill-chunk 16384 --profile --name hip_offload_prefill_512k_fast_landmarks
   ;;

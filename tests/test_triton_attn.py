@@ -359,28 +359,3 @@ def test_cpu_cases_in_subprocess() -> None:
     """triton.language was imported before TRITON_INTERPRET was set (by torch, while collecting
     other modules): run this file's CPU cases in a fresh interpreter-mode process."""
     run_cpu_cases(__file__)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["streaming", "absolute"])
-def test_rope_split_in_registers_same_bits(device: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A key tile rotated with its halves split in registers (`ROPE_SPLIT`) gives the output of
-    the tile loaded a second time with its halves swapped, bit for bit (bf16, each product
-    rounded as `Rotary.apply` rounds it)."""
-    from kvtier.sparse import triton_attn
-
-    tb, g, r, d = 16, 2, 2, 64
-    kv, qs = _case(device, 200, g, r, d, torch.bfloat16, seed=11)
-    pos = torch.stack([torch.arange(s, s + tb, device=device) for s in (100, 140)])
-    q = qs[pos]  # [2, tb, g * r, d]
-    prefix = torch.stack([_prefix(24, 80, seed=b, device=device) for b in range(2)])
-    w0 = pos[:, 0] - 20
-    rope = _rope(d, device)
-    outs = []
-    for split in (False, True):
-        monkeypatch.setattr(triton_attn, "ROPE_SPLIT", split)
-        outs.append(triton_attn.attend_blocks_triton(q, pos, kv, prefix, w0, rotary=rope, mode=mode))
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[0], outs[1])
-    ref = attend_block_reference(q[1], pos[1], kv, prefix[1], int(w0[1]), rotary=rope, mode=mode)
-    _check(outs[1][1], ref, torch.bfloat16)

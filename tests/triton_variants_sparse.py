@@ -94,10 +94,9 @@ _ATTN_SHAPES = (
 
 def _sparse_attn_fwd() -> Iterator[Variant]:
     g = 2
-    # ROPE_SPLIT (the key tile's halves split in registers) where the kernel rotates
-    combos = [(*c, False) for c in itertools.product(_ATTN_FLAGS, (False, True), _ATTN_SHAPES)]
-    combos += [(flags, False, shape, True) for flags in _ATTN_FLAGS if flags[2] for shape in _ATTN_SHAPES]
-    for (per_block, gathered, rotate, streaming), split, (dtype, d, tb, r, p), rope_split in combos:
+    for (per_block, gathered, rotate, streaming), split, (dtype, d, tb, r, p) in itertools.product(
+        _ATTN_FLAGS, (False, True), _ATTN_SHAPES
+    ):
         b = 2 if per_block else 1  # attend_block_triton: one block
         h = g * r
         block_m, block_n, warps, stages = _attn_tiles(tb * r, dtype, d)
@@ -108,7 +107,7 @@ def _sparse_attn_fwd() -> Iterator[Variant]:
         q = Ptr(dtype)
         case = dict(
             PER_BLOCK_WINDOW=per_block, K_GATHERED=gathered, SPLIT=split, ROTATE=rotate, STREAMING=streaming,
-            dtype=dtype, D=d, Tb=tb, R=r, P=p, ROPE_SPLIT=rope_split,
+            dtype=dtype, D=d, Tb=tb, R=r, P=p,
         )  # fmt: skip
         args = dict(
             Q=q, QPOS=Ptr("int64"), K=q, V=q, PREFIX=Ptr("int64"), W0=Ptr("int64"), WEND=Ptr("int64"),
@@ -122,7 +121,6 @@ def _sparse_attn_fwd() -> Iterator[Variant]:
             keys_per_split=192 if split else 1 << 30, sm_scale_log2=math.log2(math.e) / math.sqrt(d),
             G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PER_BLOCK_WINDOW=per_block, K_GATHERED=gathered,
             SPLIT=split, IEEE=dtype == "float32", INTERPRET=False, ROTATE=rotate, STREAMING=streaming,
-            ROPE_SPLIT=rope_split,
         )  # fmt: skip
         yield Variant("sparse_attn_fwd", case, args, dict(num_warps=warps, num_stages=stages))
 

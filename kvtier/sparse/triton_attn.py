@@ -66,9 +66,6 @@ def _sm_count(device: torch.device) -> int:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `_tiles`' choice (bench/hip_kernels.py)
 TILES: tuple[int, int, int, int] | None = None
-# Rotating a key tile: True splits its halves in registers, False loads its rows a second time
-# with the halves swapped (the same values bitwise; bench/hip_kernels.py's "attend" A/B)
-ROPE_SPLIT = False
 
 
 def _tiles(rows: int, dtype: torch.dtype, d: int) -> tuple[int, int, int, int]:
@@ -215,7 +212,6 @@ def _launch(
         INTERPRET=_interpreting(),
         ROTATE=rope is not None,
         STREAMING=streaming,
-        ROPE_SPLIT=ROPE_SPLIT,
         num_warps=warps,
         num_stages=stages,
     )

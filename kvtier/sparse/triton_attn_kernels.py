@@ -38,7 +38,6 @@ def attend_tile(  # type: ignore[no-untyped-def]
     n_pre,
     ROTATE: tl.constexpr,
     STREAMING: tl.constexpr,
-    ROPE_SPLIT: tl.constexpr,
 ):
     """One BLOCK_N tile of the key list: gather K/V rows by index (rotating keys at their
     attention positions when ROTATE), update the online softmax."""
@@ -61,21 +60,13 @@ def attend_tile(  # type: ignore[no-untyped-def]
         rp = tl.where(k_ok, tl.maximum(rp, 0), 0).to(tl.int64)
         c = tl.load(cos_ptr + rp[:, None] * D + offs_d[None, :]).to(tl.float32)
         sn = tl.load(sin_ptr + rp[:, None] * D + offs_d[None, :]).to(tl.float32)
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        swapped = (offs_d + D // 2) % D
+        ks = tl.load(k_base + krow[:, None] * stride_ks + swapped[None, :], mask=k_ok[:, None], other=0.0)
         kdt = k.dtype
-        if ROPE_SPLIT:  # the halves split in registers: no second load of the tile's key rows
-            k1, k2 = tl.split(tl.permute(tl.reshape(k.to(tl.float32), [BLOCK_N, 2, D // 2]), [0, 2, 1]))
-            c1, c2 = tl.split(tl.permute(tl.reshape(c, [BLOCK_N, 2, D // 2]), [0, 2, 1]))
-            s1, s2 = tl.split(tl.permute(tl.reshape(sn, [BLOCK_N, 2, D // 2]), [0, 2, 1]))
-            lo = ((k1 * c1).to(kdt).to(tl.float32) + (k2 * -1.0 * s1).to(kdt).to(tl.float32)).to(kdt)
-            hi = ((k2 * c2).to(kdt).to(tl.float32) + (k1 * s2).to(kdt).to(tl.float32)).to(kdt)
-            k = tl.reshape(tl.permute(tl.join(lo, hi), [0, 2, 1]), [BLOCK_N, D])
-        else:
-            sign = tl.where(offs_d < D // 2, -1.0, 1.0)
-            swapped = (offs_d + D // 2) % D
-            ks = tl.load(k_base + krow[:, None] * stride_ks + swapped[None, :], mask=k_ok[:, None], other=0.0)
-            a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
-            bb = (ks.to(tl.float32) * sign[None, :] * sn).to(kdt).to(tl.float32)
-            k = (a + bb).to(kdt)
+        a = (k.to(tl.float32) * c).to(kdt).to(tl.float32)
+        bb = (ks.to(tl.float32) * sign[None, :] * sn).to(kdt).to(tl.float32)
+        k = (a + bb).to(kdt)
     if INTERPRET:  # the interpreter's tl.dot is wrong for bf16: take the products in fp32
         s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
     elif IEEE:
@@ -147,7 +138,6 @@ def sparse_attn_fwd(  # type: ignore[no-untyped-def]
     INTERPRET: tl.constexpr,
     ROTATE: tl.constexpr,
     STREAMING: tl.constexpr,
-    ROPE_SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -211,7 +201,6 @@ def sparse_attn_fwd(  # type: ignore[no-untyped-def]
                 n_pre,
                 ROTATE,
                 STREAMING,
-                ROPE_SPLIT,
             )
             start += BLOCK_N
     else:
@@ -242,7 +231,6 @@ def sparse_attn_fwd(  # type: ignore[no-untyped-def]
                 n_pre,
                 ROTATE,
                 STREAMING,
-                ROPE_SPLIT,
             )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -113,14 +113,14 @@ def buffers_attn_fwd(  # type: ignore[no-untyped-def]
         while start < k_hi:
             m_i, l_i, acc = attend_tile(
                 q, qpos, m_i, l_i, acc, k_base, v_base, META, start, k_hi, 0, 0, stride_ks, stride_ks,
-                D, BLOCK_N, True, IEEE, INTERPRET, sm_scale_log2, Q, Q, 0, False, False, False,
+                D, BLOCK_N, True, IEEE, INTERPRET, sm_scale_log2, Q, Q, 0, False, False,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in range(k_lo, k_hi, BLOCK_N):
             m_i, l_i, acc = attend_tile(
                 q, qpos, m_i, l_i, acc, k_base, v_base, META, start, k_hi, 0, 0, stride_ks, stride_ks,
-                D, BLOCK_N, True, IEEE, INTERPRET, sm_scale_log2, Q, Q, 0, False, False, False,
+                D, BLOCK_N, True, IEEE, INTERPRET, sm_scale_log2, Q, Q, 0, False, False,
             )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
