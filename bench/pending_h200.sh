@@ -898,6 +898,32 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+164)
+  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill through the CLI after the
+  # landmark key scores' blocked running sums (8.3 ms a 16K chunk of 8 KV heads on an H100, 6.9
+  # of it one float64 cumsum along dim 0: hip_kernels_128k_fast_landmarks.json): fast with
+  # landmarks first (it pays Triton's compile), fast, and fast with landmarks and stage 2 on
+  # queries pooled in pairs (7.2 of fast's 25.3 ms pruning a slice at 512K is stage 2 over
+  # unpooled rows: hip_kernels_512k_fast_stages.json)
+  run 450 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on,hip_strides=4/4/2" \
+    --new-tokens 8 --timeout 140 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_blocked
+  run 120 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
+    --name hip_kernels_512k_fast_landmarks
+  ;;
+165)
+  # (~7 min, GGUF: the embedded model; call B after the GGUF's first half) the quality of what
+  # 164 times: NIAH on the embedded SmolLM2 (CUDA, prose, 11 depths x 3 samples) at 64K, where
+  # stage 0 prunes, fast with landmarks and with landmarks and strides 4/4/2 beside fast; then
+  # 64K fast under 24 GiB after auto in one process (it ran out of memory in its warm-up decode
+  # on 2026-12-07), each case recording what earlier ones left allocated
+  run 300 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --haystack prose --device cuda \
+    --max-model-len 66000 --method hip,hip_preset=fast --method hip,hip_preset=fast,hip_landmarks=on \
+    --method hip,hip_preset=fast,hip_landmarks=on,hip_strides=4/4/2 --no-progress \
+    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_x3.json"
+  run 150 $py bench/hip_small_prefill.py --model llama-3-8b --lengths 64K --gpu-memory 24GiB --new-tokens 2 \
+    --repeats 1 --methods "auto;hip,hip_preset=fast;auto" --name prefill_llama8b_64k_24gib_held
+  ;;
 163)
   # (~5 min, no GGUF: .tok/ and .whl carried) 162's CLI A/B alone, for the device time the late
   # starts left (~550 s with the machine's start): 512K, fast with landmarks first, then fast
@@ -910,7 +936,7 @@ case "$group" in
   # 512K prefill through the CLI after the running-sum landmark key scores and 64 chunks a
   # program in the max-score bisection: fast with landmarks first (it pays Triton's compile),
   # then fast; then one 16K chunk's kernels at 512K (landmark stages, the bisection's chunks a
-  # program, the attention's rope_split A/B) in what time remains
+  # program) in what time remains
   run 330 $py bench/hip_cli_speed.py --contexts 512K \
     --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast" \
     --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
