@@ -23,6 +23,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,20 @@ if "--smoke" in sys.argv:  # before anything imports triton
 import torch
 
 from kvtier.units import parse_count
+
+
+class Rows(list[dict[str, Any]]):
+    """The rows so far, each printed and the results file rewritten as it comes, so a run the
+    device call's limit cuts keeps what it measured."""
+
+    def __init__(self, save: Callable[[list[dict[str, Any]]], object]) -> None:
+        super().__init__()
+        self.save = save
+
+    def append(self, row: dict[str, Any]) -> None:
+        super().append(row)
+        print(row, flush=True)
+        self.save(list(self))
 
 
 def main() -> None:
@@ -143,7 +158,16 @@ def main() -> None:
         return sorted(times)[len(times) // 2]
 
     reps = 1 if args.smoke else 5
-    rows: list[dict[str, Any]] = []
+    header = {
+        "model": args.model,
+        "context": context,
+        "chunk": chunk,
+        "kv_heads_per_slice": g,
+        "preset": args.preset,
+        "attend_keys": keys,
+        "attend_flop": attend_flop,
+    }
+    rows = Rows(lambda done: write_results(args.name, {**header, "rows": done}))
     ref_sel = sel
     old = None
     if args.old_bisect:
@@ -164,7 +188,6 @@ def main() -> None:
         same = bool(torch.equal(prune()[0], ref_sel))
         variant = f"{name} block_c={block_c} warps={warps}"
         rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
-        print(rows[-1], flush=True)
     triton_bisect.bisect_triton = current
     triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = None, None
     bc = BISECT_BLOCK_C if hip.head_score == "softmax" else BISECT_BLOCK_C_MAX  # the default's
@@ -176,13 +199,11 @@ def main() -> None:
         prefill_module.FUSED_LSE = True
         variant = "pair block_c=32, two-pass head score"
         rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
-        print(rows[-1], flush=True)
         prefill_module.TRITON_HEAD_SCORE = False
         t = clock(prune, reps)
         same = bool(torch.equal(prune()[0], ref_sel))
         prefill_module.TRITON_HEAD_SCORE = True
         rows.append({"kernel": "prune", "variant": "pair block_c=32, torch head score", "s": t, "same": same})
-        print(rows[-1], flush=True)
     # each stage's share: the first n stages timed, for each n (a stage's time is the difference)
     upto = [clock(lambda n=n: prune(stages=n), reps) for n in range(1, len(hip.chunk_sizes) + 1)]
     stage_s = [round(t - p, 6) for t, p in zip(upto, [0.0, *upto[:-1]], strict=True)]
@@ -194,7 +215,6 @@ def main() -> None:
             "stage_s": stage_s,
         }
     )
-    print(rows[-1], flush=True)
     # fine stages on every key, and stage 0 once per group of blocks: each one's time and the
     # share of the selection it keeps
     changed = (
@@ -214,7 +234,6 @@ def main() -> None:
                 "shared": kept,
             }
         )
-        print(rows[-1], flush=True)
     if args.landmarks:
         landmark_rows(rows, prune, clock, reps, q, kv, table, hip, context, dev)
     if args.exact_chunk and dev.type == "cuda":  # the exact kernel's chunks a program
@@ -228,8 +247,7 @@ def main() -> None:
             variant = f"pair block_c={bc}, exact_chunk={args.exact_chunk} with {block_c} chunks a program"
             variant += ", a head's rows in one tile" if whole else ""
             rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
-            print(rows[-1], flush=True)
-        triton_chunk_max.BLOCK_C, triton_chunk_max.WHOLE_ROWS = 32, False
+            triton_chunk_max.BLOCK_C, triton_chunk_max.WHOLE_ROWS = 32, False
     for exact in sorted({0, args.exact_chunk}) if dev.type == "cuda" else ():  # kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 
@@ -241,7 +259,6 @@ def main() -> None:
         rows.append(
             {"kernel": "prune profile" + (f" exact_chunk={exact}" if exact else ""), "top_kernels_ms": ms}
         )
-        print(rows[-1], flush=True)
     ref_out = attend()
     tiles = [None, (128, 32, 4, 3), (128, 32, 8, 3), (128, 16, 4, 3), (128, 32, 4, 2), (256, 32, 8, 2)]
     tiles += [(256, 16, 8, 2), (256, 32, 8, 3), (128, 64, 8, 2)]
@@ -253,19 +270,8 @@ def main() -> None:
         err = (attend().float() - ref_out.float()).abs().max().item()
         row = {"kernel": "attend", "variant": f"tiles={tile}", "s": t, "max_abs_diff": err}
         rows.append({**row, "tflop_per_s": round(attend_flop / t / 1e12, 2)})
-        print(rows[-1], flush=True)
     triton_attn.TILES = None
-    header = {
-        "model": args.model,
-        "context": context,
-        "chunk": chunk,
-        "kv_heads_per_slice": g,
-        "preset": args.preset,
-        "attend_keys": keys,
-        "attend_flop": attend_flop,
-        "rows": rows,
-    }
-    path = write_results(args.name, header)
+    path = write_results(args.name, {**header, "rows": rows})
     print(f"\nresults: {path}\n{'kernel':>7} {'variant':>40} {'ms/slice':>9} {'x64 slices s':>12}  check")
     for row in rows:
         if "s" not in row:
@@ -300,7 +306,6 @@ def landmark_rows(
     marks = (hip.sink + torch.arange(n_chunks, device=dev)[:, None] * c0 + offs).clamp(max=s - 1)
     t = clock(lambda: prune(landmarks=marks), reps)
     rows.append({"kernel": "prune", "variant": "pair, stage 0 on landmarks", "s": t})
-    print(rows[-1], flush=True)
     upto = [
         clock(lambda n=n: prune(stages=n, landmarks=marks), reps) for n in range(1, len(hip.chunk_sizes) + 1)
     ]
@@ -313,12 +318,10 @@ def landmark_rows(
             "stage_s": stage_s,
         }
     )
-    print(rows[-1], flush=True)
     qs = q.reshape(-1, q.shape[2], q.shape[3])  # [T, H_q, D]: the chunk's queries
     keys = kv[context:, 0]  # [T, G, D]
     t = clock(lambda: key_scores(qs, keys, context, table), reps)
     rows.append({"kernel": "landmark key scores", "variant": f"{qs.shape[0]} queries", "s": t})
-    print(rows[-1], flush=True)
     if dev.type != "cuda":
         return
     from torch.profiler import ProfilerActivity, profile
@@ -337,7 +340,6 @@ def landmark_rows(
                 "top_kernels_ms": {e.key[:80]: e.device_time_total / 1e3 for e in top},
             }
         )
-        print(rows[-1], flush=True)
 
 
 if __name__ == "__main__":

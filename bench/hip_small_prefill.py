@@ -132,7 +132,29 @@ def main() -> None:
         max_model_len=max(lengths) + args.new_tokens + 64,
         gpu_memory=args.gpu_memory,
     )
-    cases = []
+    cases: list[dict[str, Any]] = []
+
+    def save() -> Path:
+        """Write the cases so far (after each one: a run the device call's limit cuts keeps them),
+        each timed case with its speed against `auto`'s at its length."""
+        timed = [c for c in cases if "error" not in c]
+        dense = {c["prompt_tokens"]: c["prefill_tokens_per_s"] for c in timed if c["method"] == "auto"}
+        for c in timed:
+            if c["prompt_tokens"] in dense:
+                c["prefill_vs_auto"] = round(c["prefill_tokens_per_s"] / dense[c["prompt_tokens"]], 3)
+        return write_results(
+            args.name,
+            {
+                "model": llm.name,
+                "device": str(llm.device),
+                "dtype": str(llm.dtype),
+                "gpu_memory": args.gpu_memory,
+                "note": "prompts: the eval's prose haystack cut to length (real text, no question); "
+                "seeded random token ids for a preset without a tokenizer",
+                "cases": cases,
+            },
+        )
+
     for length in lengths:
         ids = prompt_ids(llm, length)
         for method in methods:
@@ -145,31 +167,17 @@ def main() -> None:
             except CapacityError as e:  # recorded, and the other cases still run
                 print(f"{length:>7} {method:<24} failed: {e}", flush=True)
                 cases.append({"method": method, "prompt_tokens": length, "error": str(e), "held_bytes": held})
+                save()
                 continue
             case["held_bytes"] = held
             cases.append(case)
+            save()
             print(
                 f"{length:>7} {method:<24} prefill {case['prefill_tokens_per_s']:>9.0f} tok/s  "
                 f"decode {case['decode_tokens_per_s']:>7.1f} tok/s  plan {case['plan']}",
                 flush=True,
             )
-    timed = [c for c in cases if "error" not in c]
-    dense = {c["prompt_tokens"]: c["prefill_tokens_per_s"] for c in timed if c["method"] == "auto"}
-    for c in timed:
-        if c["prompt_tokens"] in dense:
-            c["prefill_vs_auto"] = round(c["prefill_tokens_per_s"] / dense[c["prompt_tokens"]], 3)
-    path = write_results(
-        args.name,
-        {
-            "model": llm.name,
-            "device": str(llm.device),
-            "dtype": str(llm.dtype),
-            "gpu_memory": args.gpu_memory,
-            "note": "prompts: the eval's prose haystack cut to length (real text, no question); "
-            "seeded random token ids for a preset without a tokenizer",
-            "cases": cases,
-        },
-    )
+    path = save()
     print(f"wrote {path}")
     llm.close()
 
