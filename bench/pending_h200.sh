@@ -321,6 +321,11 @@
 #   early chunk's time above the matmuls, profiled; the exact kernel's sweep),
 #   the embedded smoke's generate part (the row tiles changed
 #   after its 92af773 run), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
+# The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
+#   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
+#   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
+#   with landmarks plus pooled pairs in stage 2), 165 (GGUF: their NIAH at 64K; 64K held bytes),
+#   160's profiled offload rows, then the fifty-second's list (154, 155, 156, the smoke, ...).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -925,39 +930,14 @@ case "$group" in
     --repeats 1 --methods "auto;hip,hip_preset=fast;auto" --name prefill_llama8b_64k_24gib_held
   ;;
 163)
-  # (~5 min, no GGUF: .tok/ and .whl carried) 162's CLI A/B alone, for the device time the late
-  # starts left (~550 s with the machine's start): 512K, fast with landmarks first, then fast
+  # (~5 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-third session) the 512K CLI
+  # A/B in the ~550 s of device time seven refused starts left: fast with landmarks first, then fast
   run 300 $py bench/hip_cli_speed.py --contexts 512K \
     --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast" \
     --new-tokens 8 --timeout 140 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
   ;;
-162)
-  # (~8 min, no GGUF: .tok/ and .whl carried; one call where the device came late) issue 19's
-  # 512K prefill through the CLI after the running-sum landmark key scores and 64 chunks a
-  # program in the max-score bisection: fast with landmarks first (it pays Triton's compile),
-  # then fast; then one 16K chunk's kernels at 512K (landmark stages, the bisection's chunks a
-  # program) in what time remains
-  run 330 $py bench/hip_cli_speed.py --contexts 512K \
-    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast" \
-    --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
-  run 150 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
-    --name hip_kernels_512k_fast_landmarks
-  ;;
-161)
-  # (~8 min; the prompt's tokenizer from .tok/, carried with .whl: no GGUF) issue 19: fast at 512K through the CLI
-  # with and without landmarks after their key scores became running sums (89 torch operators a
-  # 16K chunk's slice, not 796: ~8 s of launches over 512K), fast first; then 64K `fast` under
-  # 24 GiB after `auto` in one process, which ran out of memory in its warm-up decode on
-  # 2026-12-07 (each case now records what earlier ones left allocated, and a failed case no
-  # longer stops the rest)
-  run 330 $py bench/hip_cli_speed.py --contexts 512K \
-    --methods "hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on" \
-    --new-tokens 8 --timeout 150 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_sums
-  run 150 $py bench/hip_small_prefill.py --model llama-3-8b --lengths 64K --gpu-memory 24GiB --new-tokens 2 \
-    --repeats 1 --methods "auto;hip,hip_preset=fast;auto" --name prefill_llama8b_64k_24gib_held
-  ;;
 160)
-  # (~7 min, no GGUF; then 161) the fifty-second
+  # (~7 min, no GGUF) the fifty-second
   # session's NEXT for issue 19: stage 0 on landmark keys made fast's 512K prefill slower through
   # the CLI (11,911 against 12,733 tok/s: hip_cli_speed_512k_fast_landmarks.json) where it should
   # replace the bisection's 13.9 of 25.3 ms a layer; its key scores then took 796 torch operators
