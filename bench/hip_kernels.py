@@ -87,7 +87,7 @@ def main() -> None:
     from kvtier.sparse import HIP_PRESETS, triton_attn, triton_bisect
     from kvtier.sparse import prefill as prefill_module
     from kvtier.sparse.prefill import attended_prefix, run_block_stages
-    from kvtier.sparse.prune_memory import BISECT_BLOCK_C, BISECT_BLOCK_C_MAX
+    from kvtier.sparse.prune_memory import bisect_block_c
     from kvtier.sparse.rope_ext import RopeTable
 
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -190,7 +190,7 @@ def main() -> None:
         rows.append({"kernel": "prune", "variant": variant, "s": t, "same": same})
     triton_bisect.bisect_triton = current
     triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = None, None
-    bc = BISECT_BLOCK_C if hip.head_score == "softmax" else BISECT_BLOCK_C_MAX  # the default's
+    bc = bisect_block_c(per_row=hip.head_score == "softmax")  # the default's
     prefill_module.FUSED_LSE = True
     if hip.head_score == "softmax":  # the head score's two Triton passes, and its torch passes
         prefill_module.FUSED_LSE = False

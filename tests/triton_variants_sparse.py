@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from kvtier.sparse.prune_memory import row_tiles
+from kvtier.sparse.prune_memory import bisect_block_c, row_tiles
 from tests.triton_variant_parts import ACT, Ptr, Variant, _cases, _p2, _strides
 
 # --- kvtier.sparse.triton_decode ------------------------------------------------------------
@@ -231,7 +231,7 @@ def _bisect_variant(
         G=g, R=r_pad, TR=tr, N_TILES=r_pad // tr, D=d, CHUNK=chunk,
         LEVELS=max(1, math.ceil(math.log2(chunk))), MODE=mode, ROTATE=rotate, ARANGE=arange,
         EXTENTS=extents, ADDR=addr, BITS=bits, GROUP=group, INTERPRET=False, PER_ROW=per_row, LSE=lse,
-        BLOCK_C=32 if per_row else 64, prm_ptr=Ptr("float16") if params else Ptr("float32"),
+        BLOCK_C=bisect_block_c(per_row), prm_ptr=Ptr("float16") if params else Ptr("float32"),
         row0=first // group if params else 0, PARAMS=params,
     )  # fmt: skip
     return Variant("_bisect_kernel", case, args, dict(num_warps=8 if tr >= 128 else 4, num_stages=1))

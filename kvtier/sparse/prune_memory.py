@@ -22,6 +22,12 @@ TILE_ROWS_MIN = 64  # row tiles of the pruning kernel at least this tall replace
 TILE_QUERY_BYTES = 64 << 10
 
 
+def bisect_block_c(per_row: bool) -> int:
+    """Chunks a program of the pruning kernel scores: BISECT_BLOCK_C where it keeps per-row
+    maxima (the "softmax" head score), else BISECT_BLOCK_C_MAX."""
+    return BISECT_BLOCK_C if per_row else BISECT_BLOCK_C_MAX
+
+
 def row_tiles(rows: int, row_bytes: int = 256, whole: bool = False) -> tuple[int, int]:
     """(rows a KV head holds, rows a tile) in the pruning kernel (`triton_bisect`) for `rows`
     (query, head) rows of a KV head: whole tiles of 64 or more where they divide `rows` (192 =

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kvtier.attention.interface import ExtentKeys
-from kvtier.sparse.prune_memory import BISECT_BLOCK_C, BISECT_BLOCK_C_MAX, num_warps
+from kvtier.sparse.prune_memory import bisect_block_c, num_warps
 from kvtier.sparse.triton_head_score import ScoreLaunch, dots, row_max, store_lse_part
 from kvtier.sparse.triton_keys import (
     key_source,
@@ -47,8 +47,8 @@ from kvtier.sparse.triton_keys import (
 )
 
 MODES = {"absolute": 0, "relative": 1, "chunk_indexed": 2}
-# chunks a program: None takes BISECT_BLOCK_C with per-row maxima, else BISECT_BLOCK_C_MAX (the
-# fastest of 16/32/64 for each: bench/hip_kernels.py); an int forces it
+# chunks a program: None takes `bisect_block_c`'s choice by head score (the fastest of 16/32/64
+# for each: bench/hip_kernels.py); an int forces it
 BLOCK_C: int | None = None
 # None: `num_warps`'s choice by shape (bench/hip_kernels.py sweeps); an int forces it
 NUM_WARPS: int | None = None
@@ -320,7 +320,7 @@ def bisect_triton(
     """
     bsz, _, g, _, d = q.shape
     c_count = lengths.shape[1]
-    block_c = BLOCK_C or (BISECT_BLOCK_C if per_row else BISECT_BLOCK_C_MAX)
+    block_c = BLOCK_C or bisect_block_c(per_row)
     launch = ScoreLaunch.make(q, c_count, block_c, per_row, softmax_scale)
     out = launch.out
     cand = candidates if candidates is not None else lengths  # a placeholder pointer
