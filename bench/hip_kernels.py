@@ -306,6 +306,15 @@ def landmark_rows(
     marks = (hip.sink + torch.arange(n_chunks, device=dev)[:, None] * c0 + offs).clamp(max=s - 1)
     t = clock(lambda: prune(landmarks=marks), reps)
     rows.append({"kernel": "prune", "variant": "pair, stage 0 on landmarks", "s": t})
+    if dev.type == "cuda":  # the A/B of the landmarks' kernel against torch's float32 products
+        from kvtier.sparse import prefill
+
+        ref = prune(landmarks=marks)[0]
+        prefill.LANDMARK_TRITON = False
+        t = clock(lambda: prune(landmarks=marks), reps)
+        same = bool(torch.equal(prune(landmarks=marks)[0], ref))
+        prefill.LANDMARK_TRITON = True
+        rows.append({"kernel": "prune", "variant": "landmarks by torch products", "s": t, "same": same})
     upto = [
         clock(lambda n=n: prune(stages=n, landmarks=marks), reps) for n in range(1, len(hip.chunk_sizes) + 1)
     ]
@@ -324,11 +333,22 @@ def landmark_rows(
     rows.append({"kernel": "landmark key scores", "variant": f"{qs.shape[0]} queries", "s": t})
     if dev.type != "cuda":
         return
+    t = clock(lambda: key_scores(qs, keys, context, table, triton=True), reps)
+    diff = key_scores(qs, keys, context, table, triton=True) - key_scores(qs, keys, context, table)
+    rows.append(
+        {
+            "kernel": "landmark key scores",
+            "variant": f"{qs.shape[0]} queries, Triton",
+            "s": t,
+            "max_abs_diff": diff.abs().max().item(),
+        }
+    )
     from torch.profiler import ProfilerActivity, profile
 
     for what, fn in (
         ("prune on landmarks", lambda: prune(landmarks=marks)),
         ("key scores", lambda: key_scores(qs, keys, context, table)),
+        ("key scores by Triton", lambda: key_scores(qs, keys, context, table, triton=True)),
     ):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()

@@ -25,6 +25,7 @@ from tests.triton_variants_sparse import (
     _combine_lse,
     _gather_key_params,
     _head_score,
+    _key_scores,
     _merge_splits,
     _put_rows,
     _sparse_attn_fwd,
@@ -52,6 +53,7 @@ KERNELS: dict[str, str] = {
     "_bisect_kernel": "kvtier.sparse.triton_bisect",
     "_chunk_max_kernel": "kvtier.sparse.triton_chunk_max",
     "_gather_key_params": "kvtier.sparse.triton_keys",
+    "_key_scores_kernel": "kvtier.sparse.triton_landmarks",
 }
 
 
@@ -200,6 +202,7 @@ BUILDERS: dict[str, Callable[[], Iterator[Variant]]] = {
     "_bisect_kernel": _bisect,
     "_chunk_max_kernel": _chunk_max,
     "_gather_key_params": _gather_key_params,
+    "_key_scores_kernel": _key_scores,
 }
 
 

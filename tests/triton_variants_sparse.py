@@ -369,3 +369,22 @@ def _chunk_max() -> Iterator[Variant]:
                 case, arange=False, rotate=True, mode=mode, per_row=True, lse=True, g=g, rows=rows,
                 chunk=chunk, d=d, dtype=dtype,
             )  # fmt: skip
+    # stage 0 on landmarks (`landmarks._triton_scores`): one-key chunks of a rotated key table,
+    # Llama-3's 8 KV heads of 16 pooled rows x 4 query heads, both head scores
+    for per_row, lse in ((False, False), (True, True)):
+        case = dict(G=8, rows=64, D=128, CHUNK=1, ARANGE=True, PER_ROW=per_row, landmarks=True)
+        yield _chunk_max_variant(
+            case, arange=True, rotate=False, mode=1, per_row=per_row, lse=lse, g=8, rows=64, chunk=1, d=128
+        )
+
+
+def _key_scores() -> Iterator[Variant]:
+    """`key_scores_triton` (kvtier.sparse.triton_landmarks): Llama-3's 8 KV heads of 4 query heads
+    and SmolLM2's 3 of 3, bf16 rotated queries and keys, hip-attention's 512-query window."""
+    for g, r, d in ((8, 4, 128), (3, 3, 64)):
+        args = dict(
+            q_ptr=Ptr("bfloat16"), k_ptr=Ptr("bfloat16"), out_ptr=Ptr("float32"), T=16384,
+            stride_qt=g * r * d, stride_qh=d, stride_kt=g * d, stride_kg=d, G=g, R=r, D=d, WINDOW=512,
+            BT=64, BQ=64, INTERPRET=False,
+        )  # fmt: skip
+        yield Variant("_key_scores_kernel", dict(G=g, R=r, D=d), args, dict(num_warps=4, num_stages=2))

@@ -32,7 +32,7 @@ from kvtier.attention.interface import Alloc, SliceStep
 from kvtier.errors import ConfigError
 from kvtier.kv.device_memory import RegionMemory
 from kvtier.model.rope import Rotary
-from kvtier.sparse.block_sparse import attend_blocks
+from kvtier.sparse.block_sparse import attend_blocks, use_triton
 from kvtier.sparse.cached_decode import CachedDecode
 from kvtier.sparse.config import HipConfig
 from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
@@ -218,7 +218,9 @@ class HipKernel(CachedDecode):
         if cfg.stage0_landmarks and pruned:
             sl = (step.layer, step.group, head)
             lm = self._landmarks.setdefault(sl, Landmarks(cfg.sink, cfg.chunk_sizes[0]))
-            lm.update(key_scores(q, kv[step.start : step.start + t, 0], step.start, self.rotary), step.start)
+            fast = q.is_cuda and use_triton()
+            scores = key_scores(q, kv[step.start : step.start + t, 0], step.start, self.rotary, triton=fast)
+            lm.update(scores, step.start)
             marks = lm.positions()  # None: no landmarks for some chunk (stage 0 bisects)
         keys = kv[:, 0]
         prefix, held = prune_whole_blocks(q, step.start, keys, starts, cfg, step.layer, self.rotary, marks)

@@ -35,7 +35,9 @@ KEY_SCORE_BYTES = 160 << 20
 SCAN_BLOCK = 64  # rows a block of `running_sums` scans in sequence
 
 
-def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable | None) -> torch.Tensor:
+def key_scores(
+    q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable | None, triton: bool = False
+) -> torch.Tensor:
     """Each key's landmark score [T, G], float32: the mean of q_i . k_t over the chunk's queries
     i in [t, t + WINDOW) and the query heads of its KV head, for a prefill chunk's queries
     q [T, H_q, D] and keys k [T, G, D] at positions start .. start + T - 1, both rotated there
@@ -45,12 +47,19 @@ def key_scores(q: torch.Tensor, k: torch.Tensor, start: int, rotary: RopeTable |
     queries over their r heads) / (count * r). A window's sum is the difference of two running
     sums of the queries (float64, so the difference keeps float32's precision): O(T * D) work
     in a few launches a slab, where scoring each key against its window's queries took ~12
-    launches a batch of 768 keys and ~5x the products (the windows overlap)."""
+    launches a batch of 768 keys and ~5x the products (the windows overlap).
+
+    `triton`: by `triton_landmarks`' kernel instead (CUDA, or CPU tensors under
+    TRITON_INTERPRET=1): the band of products itself in tensor-core tiles, one launch."""
     t, hq, d = q.shape
     g = k.shape[1]
     if rotary is not None:
         pos = torch.arange(start, start + t, device=q.device)
         q, k = rotary.rotate(q, pos), rotary.rotate(k, pos)
+    if triton:
+        from kvtier.sparse.triton_landmarks import key_scores_triton
+
+        return key_scores_triton(q, k, WINDOW)
     r = hq // g
     # a slab's queries reach WINDOW - 1 past its last key; per row: the queries' sums, their
     # blocks, the blocks' running sums and the running sums (float64), the windows (float64),
@@ -149,6 +158,7 @@ def landmark_stage(
     rotary: RopeTable | None,
     limit: int,
     head_score: str = "max",
+    triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 0 of B query blocks over their candidates first .. first + valid[b] - 1, each chunk
     scored by its landmark key: qr [B, Nq, G, r, D] rotated as `scoring_queries` rotates them
@@ -156,9 +166,17 @@ def landmark_stage(
     least `c_count`, the widest block's chunks). The landmarks are rotated as the bisection's probes: at
     their chunk's index (chunk_indexed), their positions (absolute), or not at all (relative).
 
+    `triton`: score with `triton_chunk_max`'s kernel (CUDA, or CPU tensors under
+    TRITON_INTERPRET=1), the landmarks as one-key chunks of a [C, G, D] key table: one
+    tensor-core product a tile and the max over rows in registers, where the torch products
+    write every (row, chunk) score in float32 and read it back for the max (1.07 GB at 512K,
+    16K queries of 8 KV heads: 4.4 ms of a 16 ms pruning, bench/results/
+    hip_kernels_512k_fast_landmarks.json). The same scores up to float rounding (bf16 products
+    summed in another order).
+
     Returns the kept positions [B, K] (sorted, -1 padded) and their counts [B], as
     `prune_blocks` does for stage 0."""
-    bsz, nq, g, r, d = qr.shape
+    bsz, _nq, g, _r, d = qr.shape
     keep = budget // chunk
     lk = keys[where[:c_count], torch.arange(g, device=keys.device)]  # [C, G, D]
     if rotary is not None and mode != "relative":
@@ -167,6 +185,34 @@ def landmark_stage(
         lk = rotary.rotate(lk.reshape(-1, 1, d), at, limit=limit).view(c_count, g, d)
     lengths = (valid[:, None] - torch.arange(c_count, device=valid.device)[None, :] * chunk).clamp(0, chunk)
     live = lengths > 0  # [B, C]
+    scores = (_triton_scores if triton else _torch_scores)(qr, lk, live, head_score)  # [B, C]
+    if c_count <= keep:
+        top = torch.arange(c_count, device=qr.device).expand(bsz, -1)
+    else:
+        top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
+    return kept_chunks(top, first, chunk, valid)
+
+
+def _triton_scores(qr: torch.Tensor, lk: torch.Tensor, live: torch.Tensor, head_score: str) -> torch.Tensor:
+    """`_torch_scores` by `chunk_max_triton`: chunks of one key each, the table's rows in order
+    (stage 0's implicit range from 0, no rotation: the landmarks are rotated already)."""
+    from kvtier.sparse.triton_chunk_max import chunk_max_triton
+
+    softmax = head_score == "softmax"
+    scale = qr.shape[-1] ** -0.5 if softmax else None
+    scores = chunk_max_triton(
+        qr, lk.contiguous(), None, 0, live.long(), 1, mode="relative", tables=None, per_row=softmax,
+        softmax_scale=scale,
+    )  # fmt: skip
+    return torch.where(live, scores, float("-inf"))
+
+
+def _torch_scores(qr: torch.Tensor, lk: torch.Tensor, live: torch.Tensor, head_score: str) -> torch.Tensor:
+    """Each block's head score of each chunk's landmark [B, C] (-inf where not live), from qr
+    [B, Nq, G, r, D] and the rotated landmarks lk [C, G, D], in float32 products per batch of
+    blocks."""
+    bsz, nq, g, r, d = qr.shape
+    c_count = lk.shape[0]
     step = max(1, SCORE_BYTES // max(1, 4 * c_count * g * nq * r))
     scores = torch.empty(bsz, c_count, dtype=torch.float32, device=qr.device)
     for b0 in range(0, bsz, step):
@@ -177,8 +223,4 @@ def landmark_stage(
         else:  # the max over rows, reduced in the product's own layout (no [B, C, rows] copy)
             part = torch.einsum("bngrd,cgd->bgnrc", qb, lk.float()).amax(dim=(1, 2, 3))
         scores[b0 : b0 + step] = torch.where(live[b0 : b0 + step], part, float("-inf"))
-    if c_count <= keep:
-        top = torch.arange(c_count, device=qr.device).expand(bsz, -1)
-    else:
-        top = torch.topk(scores, keep, dim=1).indices.sort(dim=1).values  # [B, keep]
-    return kept_chunks(top, first, chunk, valid)
+    return scores

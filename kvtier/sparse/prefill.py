@@ -40,6 +40,9 @@ TRITON_HEAD_SCORE = True
 # the head score reads the maxima once, not twice (`bisect_triton(softmax_scale=...)`); False:
 # the two passes over the rows (bench/hip_kernels.py's A/B).
 FUSED_LSE = True
+# With Triton, stage 0 on landmarks scores them by `triton_chunk_max`'s kernel (one-key chunks);
+# False: torch's float32 products per batch of blocks (bench/hip_kernels.py's A/B)
+LANDMARK_TRITON = True
 
 
 def pool_blocks(
@@ -292,7 +295,7 @@ def run_block_stages(
             qr, lim = scoring_queries(pq, pp, keys, v, c, c_n, mode=mode, rotary=rotary, window=window)
             cand, valid = landmark_stage(
                 qr, keys, landmarks, v, c, k, c_count=c_n, first=sink, mode=mode, rotary=rotary, limit=lim,
-                head_score=head_score,
+                head_score=head_score, triton=triton and LANDMARK_TRITON,
             )  # fmt: skip
         elif step >= blocks:
             cand, valid = prune_blocks(
