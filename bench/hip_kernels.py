@@ -78,6 +78,12 @@ def main() -> None:
         help="also time stage 0 on landmark keys (HipConfig.stage0_landmarks; random landmarks: "
         "its speed, not its selection), its stages, the chunk's landmark key scores, and profile them",
     )
+    ap.add_argument(
+        "--strides",
+        default=None,
+        help="replace the preset's query strides, a stage each joined by '/' (as --hip-strides: 4/4/2 "
+        "pools the last stage's queries in pairs)",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="hip_kernels")
     args = ap.parse_args()
@@ -96,6 +102,8 @@ def main() -> None:
     hip = HIP_PRESETS[args.preset]
     if args.head_score is not None:
         hip = replace(hip, head_score=args.head_score)
+    if args.strides is not None:
+        hip = replace(hip, query_strides=tuple(int(x) for x in args.strides.split("/")))
     r = cfg.num_heads // cfg.num_kv_heads
     past = 0 if args.context == "0" else parse_count(args.context)  # 0: a prompt's first chunk
     context, chunk, g, d = past, args.chunk, args.heads, cfg.head_dim
@@ -164,6 +172,7 @@ def main() -> None:
         "chunk": chunk,
         "kv_heads_per_slice": g,
         "preset": args.preset,
+        "query_strides": list(hip.query_strides),
         "attend_keys": keys,
         "attend_flop": attend_flop,
     }

@@ -326,6 +326,11 @@
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
 #   with landmarks plus pooled pairs in stage 2), 165 (GGUF: their NIAH at 64K; 64K held bytes),
 #   160's profiled offload rows, then the fifty-second's list (154, 155, 156, the smoke, ...).
+# The fifty-fourth ran 164 and 165 (all of 165's JSONs but the NIAH's first two methods lost to a
+#   copy of every smoke JSON into $OUT), an auto baseline and the landmark kernels (Triton) at
+#   cc10f06: stage 0 on landmarks 1.75 ms a layer at 512K (bisection 10.2), key scores 0.88 ms
+#   (2.93). NEXT: 166 (no GGUF: the 512K CLI A/B with the kernels, beside auto; stage 2's exact
+#   and pooled rows), then the fifty-third's list (160, 154, 155, 156, the embedded smoke, ...).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -903,8 +908,20 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+166)
+  # (~9 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill through the CLI after the
+  # landmarks' Triton kernels (cc10f06: the pruning 13.44 ms a layer with stage 0 on landmarks
+  # against 22.18 with the bisection, key scores 0.88 ms: hip_kernels_512k_fast_landmarks_triton.json),
+  # fast with landmarks first (it pays Triton's compile), fast, lossless auto on the same start;
+  # then what stage 2 (7.6 ms a layer, the largest part left) costs exact and on pooled pairs
+  run 480 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast;auto" \
+    --new-tokens 8 --timeout 240 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_triton
+  run 90 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
+    --exact-chunk 8 --name hip_kernels_512k_fast_landmarks_exact8
+  ;;
 164)
-  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill through the CLI after the
+  # (~8 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-fourth session) issue 19's 512K prefill through the CLI after the
   # landmark key scores' blocked running sums (8.3 ms a 16K chunk of 8 KV heads on an H100, 6.9
   # of it one float64 cumsum along dim 0: hip_kernels_128k_fast_landmarks.json): fast with
   # landmarks first (it pays Triton's compile), fast, and fast with landmarks and stage 2 on
@@ -917,7 +934,8 @@ case "$group" in
     --name hip_kernels_512k_fast_landmarks
   ;;
 165)
-  # (~7 min, GGUF: the embedded model; call B after the GGUF's first half) the quality of what
+  # (~7 min, GGUF: the embedded model; call B after the GGUF's first half; ran 2026-12-07,
+  # fifty-fourth session, its JSONs lost but the NIAH's rerun) the quality of what
   # 164 times: NIAH on the embedded SmolLM2 (CUDA, prose, 11 depths x 3 samples) at 64K, where
   # stage 0 prunes, fast with landmarks and with landmarks and strides 4/4/2 beside fast; then
   # 64K fast under 24 GiB after auto in one process (it ran out of memory in its warm-up decode

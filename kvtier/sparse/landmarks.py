@@ -55,7 +55,7 @@ def key_scores(
     g = k.shape[1]
     if rotary is not None:
         pos = torch.arange(start, start + t, device=q.device)
-        q, k = rotary.rotate(q, pos), rotary.rotate(k, pos)
+        q, k = rotary.rotate(q, pos, limit=start + t), rotary.rotate(k, pos, limit=start + t)  # no sync
     if triton:
         from kvtier.sparse.triton_landmarks import key_scores_triton
 
