@@ -329,8 +329,11 @@
 # The fifty-fourth ran 164 and 165 (all of 165's JSONs but the NIAH's first two methods lost to a
 #   copy of every smoke JSON into $OUT), an auto baseline and the landmark kernels (Triton) at
 #   cc10f06: stage 0 on landmarks 1.75 ms a layer at 512K (bisection 10.2), key scores 0.88 ms
-#   (2.93). NEXT: 166 (no GGUF: the 512K CLI A/B with the kernels, beside auto; stage 2's exact
-#   and pooled rows), then the fifty-third's list (160, 154, 155, 156, the embedded smoke, ...).
+#   (2.93). NEXT: 166 and 167 at once (no GGUF: the 512K CLI A/B with the kernels, by chunk and by
+#   layer, beside auto; stage 2 exact; SmolLM2's kernels with exact 8 and pooled pairs), then
+#   the embedded smoke (`gpu_smoke.py --models embedded --out $OUT/...`: its default --out is
+#   bench/results, which a copy into $OUT must not sweep up), then the fifty-third's list (160,
+#   154, 155, 156, ...).
 #   Before it, the fourteenth's plan: 41 (no GGUF), 40 with HAYSTACKS=repeat, 36's 16K cells and 4K/8K rows, 37, 33, 34,
 #   29's sampled case (the GGUF's two-call setup first; 33 needs the smoke's llama8b folder).
 #   Before it, the plan was: 38 with the GGUF's first half, the whole smoke (22), then 36 and 37 (issue 19's
@@ -909,16 +912,26 @@ case "$group" in
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
 166)
-  # (~9 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill through the CLI after the
+  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill through the CLI after the
   # landmarks' Triton kernels (cc10f06: the pruning 13.44 ms a layer with stage 0 on landmarks
   # against 22.18 with the bisection, key scores 0.88 ms: hip_kernels_512k_fast_landmarks_triton.json),
-  # fast with landmarks first (it pays Triton's compile), fast, lossless auto on the same start;
-  # then what stage 2 (7.6 ms a layer, the largest part left) costs exact and on pooled pairs
-  run 480 $py bench/hip_cli_speed.py --contexts 512K \
-    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast;auto" \
-    --new-tokens 8 --timeout 240 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_triton
+  # fast with landmarks first (it pays Triton's compile), fast, and landmarks by layer: with less
+  # compute a late chunk's copies of the whole KV (~64 GB at 55 GB/s, 1.17 s) bound it again,
+  # which the layer order does not make; then what stage 2 (7.6 ms a layer, the largest part
+  # left) costs scored exact. 167 right after, on the same start: lossless auto beside them
+  run 420 $py bench/hip_cli_speed.py --contexts 512K \
+    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" \
+    --new-tokens 8 --timeout 170 --warmup-tokens 0 --name hip_cli_speed_512k_fast_landmarks_triton
   run 90 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --landmarks \
     --exact-chunk 8 --name hip_kernels_512k_fast_landmarks_exact8
+  ;;
+167)
+  # (~6 min, no GGUF: .tok/ carried; right after 166 on the same start) lossless auto at 512K
+  # for 166's ratios; SmolLM2's 16K chunk under lean with exact 8 and pooled pairs, kernel by kernel
+  run 260 $py bench/hip_cli_speed.py --contexts 512K --methods "auto" --new-tokens 8 --timeout 245 \
+    --warmup-tokens 0 --name hip_cli_speed_512k_auto_base_d
+  run 90 $py bench/hip_kernels.py --model smollm2-135m --preset lean --context 0 --chunk 16384 --heads 3 \
+    --exact-chunk 8 --strides 4/4/2 --name hip_kernels_smollm2_16k_lean_exact8_strides
   ;;
 164)
   # (~8 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-fourth session) issue 19's 512K prefill through the CLI after the
