@@ -56,19 +56,20 @@ def test_kernel_scores_and_keeps_what_torch_does(device: str, head_score: str) -
 
 @NEEDS_TRITON
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("window", [16, 100])
+@pytest.mark.parametrize(("window", "rotate"), [(16, True), (100, True), (100, False)])
 def test_key_scores_kernel_equals_the_running_sums(
-    device: str, window: int, monkeypatch: pytest.MonkeyPatch
+    device: str, window: int, rotate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`key_scores(triton=True)` (the band of products in tiles of 64 keys and 64 queries) gives
-    the running sums' scores, rotated at their positions: 150 keys (a short last tile), windows
-    within one tile and across two, cut by the chunk's end."""
+    the running sums' scores, rotated at their positions (unrotated: a slice's strided keys, read
+    in place): 150 keys (a short last tile), windows within one tile and across two, cut by the
+    chunk's end."""
     monkeypatch.setattr(landmarks, "WINDOW", window)
     gen = torch.Generator().manual_seed(window)
     t, g, r, start = 150, 2, 3, 40
     q = torch.randn(t, g * r, D, generator=gen).to(device)
-    k = torch.randn(t, g, D, generator=gen).to(device)
-    rope = RopeTable(Rotary(RopeConfig(), D, torch.device(device)))
+    k = torch.randn(t, 2, g, D, generator=gen).to(device)[:, 0]  # a slice's keys: a strided view
+    rope = RopeTable(Rotary(RopeConfig(), D, torch.device(device))) if rotate else None
     got = key_scores(q, k, start, rope, triton=True)
     want = key_scores(q, k, start, rope)
     assert got.shape == want.shape == (t, g) and got.dtype == torch.float32

@@ -78,7 +78,7 @@ def key_scores_triton(q: torch.Tensor, k: torch.Tensor, window: int) -> torch.Te
     t's mean of q_i . k_t over i in [t, t + window) and its KV head's query heads."""
     t, hq, d = q.shape
     g = k.shape[1]
-    q, k = q.contiguous(), k.contiguous()
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))  # a slice's keys: a view
     out = torch.empty(t, g, dtype=torch.float32, device=q.device)
     if t == 0:
         return out
