@@ -917,7 +917,8 @@ case "$group" in
   # against 22.18 with the bisection, key scores 0.88 ms: hip_kernels_512k_fast_landmarks_triton.json),
   # fast with landmarks first (it pays Triton's compile), fast, and landmarks by layer: with less
   # compute a late chunk's copies of the whole KV (~64 GB at 55 GB/s, 1.17 s) bound it again,
-  # which the layer order does not make; then what stage 2 (7.6 ms a layer, the largest part
+  # which the layer order does not make (its layer 0 took 7.3 s at 35f8c09, now without a whole
+  # 8 GB pinned buffer for the hidden states: a piece a chunk); then what stage 2 (7.6 ms a layer, the largest part
   # left) costs scored exact. 167 right after, on the same start: lossless auto beside them
   run 420 $py bench/hip_cli_speed.py --contexts 512K \
     --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast;hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" \

@@ -3,8 +3,8 @@ layer 1, and so on, so a streamed slice's KV stays on the GPU for all of its lay
 (`kvtier.kv.layer_pass`) and only the chunks' hidden states move between layers.
 
 The residual stream of the chunks waits between layers in pinned host memory on CUDA (8 KB a
-token for Llama-3-8B: 4 GiB at 512K, where its KV would send ~1.1 TB over the prefill chunk by
-chunk); a chunk's next input is copied in on a stream of its own while the one before it
+token for Llama-3-8B: 4 GiB at 512K, a piece a chunk, where its KV would send ~1.1 TB over the
+prefill chunk by chunk); a chunk's next input is copied in on a stream of its own while the one before it
 computes, and each output copied out on another. Off CUDA it is one tensor in memory.
 """
 
@@ -19,34 +19,45 @@ from kvtier.model.llama import CausalLM
 
 
 class _Hidden:
-    """The chunks' residual stream between layers: [n, hidden] on the host (pinned on CUDA),
-    read into `device` one step ahead on a copy stream and written back on another."""
+    """The chunks' residual stream between layers, a [e - s, hidden] piece a chunk [s, e) on the
+    host (pinned on CUDA), read into `device` one step ahead on a copy stream and written back on
+    another.
 
-    def __init__(self, n: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    A piece is allocated when its chunk first writes (layer 0), not the whole stream at once:
+    PyTorch's pinned allocator rounds a request up to a power of two and pins it before returning,
+    so one [512K, 4096] bf16 buffer (4.3 GB) pinned 8 GB with the GPU idle (layer 0 of `fast` at
+    512K took 7.3 s against ~1.2 s for each later layer: bench/results/
+    hip_cli_speed_512k_fast_order_ab.json); a 16K chunk's piece is 128 MiB, pinned while the GPU
+    runs the chunks launched before it."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.device = device
-        self.rows = torch.empty(n, width, dtype=dtype, pin_memory=self.cuda)  # [n, hidden]
+        self.device, self.width, self.dtype = device, width, dtype
+        self.pieces: dict[int, torch.Tensor] = {}  # chunk start -> its rows [e - s, hidden]
         self._in = torch.cuda.Stream(device) if self.cuda else None
         self._out = torch.cuda.Stream(device) if self.cuda else None
         self._written: dict[int, torch.cuda.Event] = {}  # chunk start -> its rows written back
         self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # start -> (input, ready)
 
     def prefetch(self, s: int, e: int) -> None:
-        """Start reading rows [s, e) into the device, once their last write-back is done."""
+        """Start reading chunk [s, e)'s rows (written before) into the device, once their last
+        write-back is done."""
         if s in self._ahead:
             return
+        rows = self.pieces[s]
+        assert rows.shape[0] == e - s, "a chunk's rows are read as they were written"
         if self._in is None:
-            self._ahead[s] = (self.rows[s:e], None)
+            self._ahead[s] = (rows, None)
             return
         # NOTE: allocated on the current stream, which reads it: memory allocated on the copy
         # stream stays in that stream's pool of the caching allocator, out of reach of the
         # compute stream's allocations under a tight --gpu-memory
-        x = torch.empty(e - s, self.rows.shape[1], dtype=self.rows.dtype, device=self.device)
+        x = torch.empty(e - s, self.width, dtype=self.dtype, device=self.device)
         self._in.wait_stream(torch.cuda.current_stream(self.device))  # x's block's last users
         with torch.cuda.stream(self._in):
             if s in self._written:
                 self._in.wait_event(self._written[s])
-            x.copy_(self.rows[s:e], non_blocking=True)
+            x.copy_(rows, non_blocking=True)
             self._ahead[s] = (x, self._in.record_event())
 
     def read(self, s: int, e: int) -> torch.Tensor:
@@ -59,12 +70,16 @@ class _Hidden:
 
     def write(self, s: int, x: torch.Tensor) -> None:
         """Rows [s, s + len(x)) from the device, after the current stream's work so far."""
+        rows = self.pieces.get(s)
+        if rows is None:
+            rows = torch.empty(x.shape[0], self.width, dtype=self.dtype, pin_memory=self.cuda)
+            self.pieces[s] = rows
         if self._out is None:
-            self.rows[s : s + x.shape[0]] = x
+            rows.copy_(x)
             return
         self._out.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._out):
-            self.rows[s : s + x.shape[0]].copy_(x, non_blocking=True)
+            rows.copy_(x, non_blocking=True)
             x.record_stream(self._out)
             self._written[s] = self._out.record_event()
 
@@ -89,7 +104,7 @@ def prefill_by_layer(
     assert spans[0][0] == 0 and n == ids.shape[0], "the whole prompt, from its first token"
     layers = model.model.layers
     store.begin_step(n, by_layer=True)
-    hidden = _Hidden(n, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
+    hidden = _Hidden(model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
     out = torch.empty(0)
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
