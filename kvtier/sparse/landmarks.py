@@ -195,16 +195,15 @@ def landmark_stage(
 
 def _triton_scores(qr: torch.Tensor, lk: torch.Tensor, live: torch.Tensor, head_score: str) -> torch.Tensor:
     """`_torch_scores` by `chunk_max_triton`: chunks of one key each, the table's rows in order
-    (stage 0's implicit range from 0, no rotation: the landmarks are rotated already)."""
+    (stage 0's implicit range from 0, no rotation: the landmarks are rotated already); a chunk
+    of no live key scores -inf there."""
     from kvtier.sparse.triton_chunk_max import chunk_max_triton
 
     softmax = head_score == "softmax"
     scale = qr.shape[-1] ** -0.5 if softmax else None
-    scores = chunk_max_triton(
-        qr, lk.contiguous(), None, 0, live.long(), 1, mode="relative", tables=None, per_row=softmax,
-        softmax_scale=scale,
-    )  # fmt: skip
-    return torch.where(live, scores, float("-inf"))
+    return chunk_max_triton(
+        qr, lk, None, 0, live.long(), 1, mode="relative", tables=None, per_row=softmax, softmax_scale=scale
+    )
 
 
 def _torch_scores(qr: torch.Tensor, lk: torch.Tensor, live: torch.Tensor, head_score: str) -> torch.Tensor:
