@@ -911,8 +911,19 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+168)
+  # (~7 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill by layer with landmarks after
+  # the hidden states' pieces were pinned before the first launch (each pinned at its chunk's first
+  # write synchronized the device: layer 0 took 4.06 s against 0.94) and written back without
+  # record_stream (1,228 cudaMallocs and 210 allocator retries against 68 and none by chunk): it
+  # made 14,901 tok/s, 4.01x auto, in 166 (hip_cli_speed_512k_fast_landmarks_triton.json). The
+  # warm-up at 64K, where stage 0 prunes, pays Triton's compile; lossless auto after it, one start
+  run 560 $py bench/hip_cli_speed.py --contexts 512K --warmup-context 64K --warmup-tokens 2 \
+    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer;auto" \
+    --new-tokens 8 --timeout 250 --name hip_cli_speed_512k_fast_landmarks_layer
+  ;;
 166)
-  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill through the CLI after the
+  # (~8 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-fifth session) issue 19's 512K prefill through the CLI after the
   # landmarks' Triton kernels (cc10f06: the pruning 13.44 ms a layer with stage 0 on landmarks
   # against 22.18 with the bisection, key scores 0.88 ms: hip_kernels_512k_fast_landmarks_triton.json),
   # fast with landmarks first (it pays Triton's compile), fast, and landmarks by layer: with less
@@ -927,7 +938,7 @@ case "$group" in
     --exact-chunk 8 --name hip_kernels_512k_fast_landmarks_exact8
   ;;
 167)
-  # (~6 min, no GGUF: .tok/ carried; right after 166 on the same start) lossless auto at 512K
+  # (~6 min, no GGUF: .tok/ carried; right after 166 on the same start; ran 2026-12-07) lossless auto at 512K
   # for 166's ratios; SmolLM2's 16K chunk under lean with exact 8 and pooled pairs, kernel by kernel
   run 260 $py bench/hip_cli_speed.py --contexts 512K --methods "auto" --new-tokens 8 --timeout 245 \
     --warmup-tokens 0 --name hip_cli_speed_512k_auto_base_d

@@ -23,21 +23,32 @@ class _Hidden:
     host (pinned on CUDA), read into `device` one step ahead on a copy stream and written back on
     another.
 
-    A piece is allocated when its chunk first writes (layer 0), not the whole stream at once:
-    PyTorch's pinned allocator rounds a request up to a power of two and pins it before returning,
-    so one [512K, 4096] bf16 buffer (4.3 GB) pinned 8 GB with the GPU idle (layer 0 of `fast` at
-    512K took 7.3 s against ~1.2 s for each later layer: bench/results/
-    hip_cli_speed_512k_fast_order_ab.json); a 16K chunk's piece is 128 MiB, pinned while the GPU
-    runs the chunks launched before it."""
+    Every piece is pinned before the first chunk launches: a pinned allocation may be a
+    `cudaHostAlloc`, which synchronizes with the device, so pieces taken at their chunk's first
+    write stalled the GPU once a chunk (layer 0 of `fast` with landmarks at 512K took 4.06 s
+    against 0.94 s for a later layer: bench/results/hip_cli_speed_512k_fast_landmarks_triton.json).
+    A piece a chunk, not one buffer: PyTorch's pinned allocator rounds a request up to a power of
+    two, so one [512K, 4096] bf16 buffer (4.3 GB) pinned 8 GB; a 16K chunk's piece is 128 MiB.
 
-    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    A written chunk's device rows stay referenced until the next write, when the current stream
+    waits for their copy (long done: a chunk's compute lies between) before the caching allocator
+    may hand their block out again. Not `record_stream`: with the host chunks ahead of the GPU,
+    blocks held for copies not yet run made the allocator call `cudaMalloc` again and again and,
+    at a --gpu-memory cap, free its cache and retry (1,228 mallocs and 210 retries in that run,
+    against 68 and none by chunk)."""
+
+    def __init__(
+        self, spans: list[tuple[int, int]], width: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.cuda = device.type == "cuda"
         self.device, self.width, self.dtype = device, width, dtype
-        self.pieces: dict[int, torch.Tensor] = {}  # chunk start -> its rows [e - s, hidden]
+        # chunk start -> its rows [e - s, hidden]
+        self.pieces = {s: torch.empty(e - s, width, dtype=dtype, pin_memory=self.cuda) for s, e in spans}
         self._in = torch.cuda.Stream(device) if self.cuda else None
         self._out = torch.cuda.Stream(device) if self.cuda else None
         self._written: dict[int, torch.cuda.Event] = {}  # chunk start -> its rows written back
         self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # start -> (input, ready)
+        self._held: tuple[torch.Tensor, torch.cuda.Event] | None = None  # the last rows written, their copy
 
     def prefetch(self, s: int, e: int) -> None:
         """Start reading chunk [s, e)'s rows (written before) into the device, once their last
@@ -70,18 +81,24 @@ class _Hidden:
 
     def write(self, s: int, x: torch.Tensor) -> None:
         """Rows [s, s + len(x)) from the device, after the current stream's work so far."""
-        rows = self.pieces.get(s)
-        if rows is None:
-            rows = torch.empty(x.shape[0], self.width, dtype=self.dtype, pin_memory=self.cuda)
-            self.pieces[s] = rows
+        rows = self.pieces[s]
+        assert rows.shape[0] == x.shape[0], "a chunk's rows are written whole"
         if self._out is None:
             rows.copy_(x)
             return
-        self._out.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        self._out.wait_stream(current)
         with torch.cuda.stream(self._out):
             rows.copy_(x, non_blocking=True)
-            x.record_stream(self._out)
             self._written[s] = self._out.record_event()
+        self.release()
+        self._held = (x, self._written[s])
+
+    def release(self) -> None:
+        """Let the last written rows' block go once their copy is done (in stream order)."""
+        if self._held is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._held[1])
+            self._held = None
 
 
 @torch.inference_mode()
@@ -104,7 +121,7 @@ def prefill_by_layer(
     assert spans[0][0] == 0 and n == ids.shape[0], "the whole prompt, from its first token"
     layers = model.model.layers
     store.begin_step(n, by_layer=True)
-    hidden = _Hidden(model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
+    hidden = _Hidden(spans, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
     out = torch.empty(0)
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
@@ -121,5 +138,6 @@ def prefill_by_layer(
             progress((e - s) / len(layers))
         if layer_done is not None and e == n:
             layer_done()
+    hidden.release()
     store.end_step()
     return out
