@@ -15,6 +15,11 @@ PROBED = ["--hip-probes", "on", "--hip-refresh", "default"]  # stage 2 reruns at
 # The row that runs HiP's decode steps as CUDA graphs (the default on CUDA) and the one its
 # tokens must equal, the same command op by op (KVTIER_HIP_GRAPHS=0)
 GRAPHED = ("lossy hip probes head cap", "lossy hip probes head graphs cap")
+# The prefill by chunk and by layer (`--prefill-order layer`, the hidden states between layers in
+# pinned host pieces on copy streams), the same streamed plan and chunk: the same tokens. 1K
+# chunks give the short prompt three.
+ORDERED = ("prefill by chunk, kv=layer cap", "prefill by layer, kv=layer cap")
+ORDER_ARGS = ["--kv", "layer", "--chunk-size", "1024", "--ignore-eos"]
 LOSSY: dict[str, list[str]] = {
     "hip": ["--attention", "hip"],
     "hip-fast": ["--attention", "hip", "--hip-preset", "fast"],
@@ -56,6 +61,7 @@ def generate_checks(
     hip_args = None if medium is None else [*base[:-4], str(medium), *base[-3:]]
     tokens: dict[str, list[int]] = {}
     graphed: dict[str, list[int]] = {}  # GRAPHED's rows
+    ordered: dict[str, list[int]] = {}  # ORDERED's rows
     pool = ThreadPoolExecutor(max(1, jobs))
     futures: list[Future[None]] = []
 
@@ -103,6 +109,13 @@ def generate_checks(
                 agree()  # kept current: a run cut short still says whether the policies agreed
             if name in GRAPHED:
                 graphed[name] = data["token_ids"]
+            if name in ORDERED:
+                ordered[name] = data["token_ids"]
+                want = "layer" if name == ORDERED[1] else "chunk"
+                ran = data["stats"].get("prefill_order")
+                check.detail += f"; prefill_order {ran}"
+                if ran != want:
+                    check.ok = False
             if name == GRAPHED[1]:  # the graphs replayed (stats.kernel: `CountingKernel`)
                 counted = data["stats"].get("kernel", {}).get("decode_graphs", {})
                 check.detail += f"; decode graphs {counted}"
@@ -152,6 +165,8 @@ def generate_checks(
     # HiP's decode steps as CUDA graphs, the default on CUDA (KVTIER_HIP_GRAPHS unset: "auto"):
     # they must replay, and give the tokens of the same steps op by op
     gen(GRAPHED[1], LOSSY["hip probes head"], cap=True, prompt_args=hip_args, exact=False)
+    gen(ORDERED[0], ORDER_ARGS, cap=True)
+    gen(ORDERED[1], [*ORDER_ARGS, "--prefill-order", "layer"], cap=True)
     if long is not None:
         long_args = ["generate", *model, "--prompt-file", str(long), "--max-new-tokens", "4", "--json"]
         gen("long prompt, auto, cap", [], cap=True, prompt_args=long_args)
@@ -162,6 +177,10 @@ def generate_checks(
         same = graphed[GRAPHED[0]] == graphed[GRAPHED[1]]
         detail = "the same tokens" if same else f"{graphed[GRAPHED[1]]} vs {graphed[GRAPHED[0]]}"
         smoke.add(Check(label, "hip graphs: tokens as op by op", [], same, 0.0, 0, detail=detail))
+    if len(ordered) == 2:
+        same = ordered[ORDERED[0]] == ordered[ORDERED[1]]
+        detail = "the same tokens" if same else f"{ordered[ORDERED[1]]} vs {ordered[ORDERED[0]]}"
+        smoke.add(Check(label, "prefill by layer: tokens as by chunk", [], same, 0.0, 0, detail=detail))
     agree()
     reference = tokens.get("kv=gpu")
     differ = smoke.agreement[label]["differ_from_kv=gpu"]
