@@ -911,8 +911,29 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+169)
+  # (~8 min, no GGUF: .tok/ and .whl carried) how fast pinned memory is made and whether making it
+  # stalls the GPU (a 512K run's wall is ~55 s past its prefill and decode, most of it perhaps
+  # pinning the 64 GiB host tier; the layer order's layer 0 pins 4.3 GB: 4.06 s against 0.94 for
+  # a later layer); then issue 19's 512K prefill three ways on one start, fast with landmarks by
+  # chunk first (it pays Triton's compiles at 512K's own sizes, which 168's 64K warm-up may not
+  # have), then by layer, then fast by layer: which of landmarks and the layer order made 166's
+  # 14,901 tok/s, and whether the layer order should be HiP's default. 170 right after
+  run 90 $py bench/pin_rate.py --name pin_rate
+  run 400 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer;hip,hip_preset=fast,prefill_order=layer" \
+    --new-tokens 8 --timeout 150 --name hip_cli_speed_512k_fast_orders
+  ;;
+170)
+  # (~8 min, no GGUF: .tok/ carried; right after 169 on the same start) lossless auto at 512K
+  # by chunk and by layer (where its plan streams a layer whole: the row's prefill_order says),
+  # the base of 169's ratios
+  run 470 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "auto;auto,prefill_order=layer" --new-tokens 8 --timeout 230 --name hip_cli_speed_512k_auto_orders
+  ;;
 168)
-  # (~7 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill by layer with landmarks after
+  # (~7 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-fifth session, its fast-by-chunk
+  # row cut by the 300 s limit) issue 19's 512K prefill by layer with landmarks after
   # the hidden states' pieces were pinned before the first launch (each pinned at its chunk's first
   # write synchronized the device: layer 0 took 4.06 s against 0.94) and written back without
   # record_stream (1,228 cudaMallocs and 210 allocator retries against 68 and none by chunk): it

@@ -23,27 +23,27 @@ class _Hidden:
     host (pinned on CUDA), read into `device` one step ahead on a copy stream and written back on
     another.
 
-    Every piece is pinned before the first chunk launches: a pinned allocation may be a
-    `cudaHostAlloc`, which synchronizes with the device, so pieces taken at their chunk's first
-    write stalled the GPU once a chunk (layer 0 of `fast` with landmarks at 512K took 4.06 s
-    against 0.94 s for a later layer: bench/results/hip_cli_speed_512k_fast_landmarks_triton.json).
-    A piece a chunk, not one buffer: PyTorch's pinned allocator rounds a request up to a power of
-    two, so one [512K, 4096] bf16 buffer (4.3 GB) pinned 8 GB; a 16K chunk's piece is 128 MiB.
+    A piece is allocated when its chunk first writes (layer 0), not the whole stream at once:
+    PyTorch's pinned allocator rounds a request up to a power of two and pins it before returning,
+    so one [512K, 4096] bf16 buffer (4.3 GB) pinned 8 GB with the GPU idle (layer 0 of `fast` at
+    512K took 7.3 s against ~1.2 s for each later layer: bench/results/
+    hip_cli_speed_512k_fast_order_ab.json); a 16K chunk's piece is 128 MiB. Nor every piece
+    before the first launch: a pinned allocation may synchronize with the device, so that pinned
+    4.3 GB with the GPU idle too (layer 0 6.81 s at 8511455, some of it perhaps Triton compiles a
+    64K warm-up left, against 4.06 s a piece at a time: hip_cli_speed_512k_fast_landmarks_layer.json,
+    hip_cli_speed_512k_fast_landmarks_triton.json).
 
     A written chunk's device rows stay referenced until the next write, when the current stream
     waits for their copy (long done: a chunk's compute lies between) before the caching allocator
     may hand their block out again. Not `record_stream`: with the host chunks ahead of the GPU,
     blocks held for copies not yet run made the allocator call `cudaMalloc` again and again and,
-    at a --gpu-memory cap, free its cache and retry (1,228 mallocs and 210 retries in that run,
-    against 68 and none by chunk)."""
+    at a --gpu-memory cap, free its cache and retry (1,228 mallocs and 210 retries at 512K with
+    record_stream; 69 and none held so, with layers 4-31 at 0.90-0.91 s against 0.92-0.96)."""
 
-    def __init__(
-        self, spans: list[tuple[int, int]], width: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device, self.width, self.dtype = device, width, dtype
-        # chunk start -> its rows [e - s, hidden]
-        self.pieces = {s: torch.empty(e - s, width, dtype=dtype, pin_memory=self.cuda) for s, e in spans}
+        self.pieces: dict[int, torch.Tensor] = {}  # chunk start -> its rows [e - s, hidden]
         self._in = torch.cuda.Stream(device) if self.cuda else None
         self._out = torch.cuda.Stream(device) if self.cuda else None
         self._written: dict[int, torch.cuda.Event] = {}  # chunk start -> its rows written back
@@ -81,7 +81,10 @@ class _Hidden:
 
     def write(self, s: int, x: torch.Tensor) -> None:
         """Rows [s, s + len(x)) from the device, after the current stream's work so far."""
-        rows = self.pieces[s]
+        rows = self.pieces.get(s)
+        if rows is None:
+            rows = torch.empty(x.shape[0], self.width, dtype=self.dtype, pin_memory=self.cuda)
+            self.pieces[s] = rows
         assert rows.shape[0] == x.shape[0], "a chunk's rows are written whole"
         if self._out is None:
             rows.copy_(x)
@@ -121,7 +124,7 @@ def prefill_by_layer(
     assert spans[0][0] == 0 and n == ids.shape[0], "the whole prompt, from its first token"
     layers = model.model.layers
     store.begin_step(n, by_layer=True)
-    hidden = _Hidden(spans, model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
+    hidden = _Hidden(model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
     out = torch.empty(0)
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
