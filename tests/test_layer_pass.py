@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.config import ModelConfig
+from kvtier.engine.layer_prefill import prefill_by_layer
 from kvtier.engine.runner import prefill
 from kvtier.errors import ConfigError
 from kvtier.kv.store import TieredKVStore
@@ -74,6 +75,19 @@ def test_layer_order_is_bitwise_the_chunk_order(gqa: tuple[CausalLM, ModelConfig
     # the same bytes went to the host tier; a fresh prompt's prefix was never loaded
     assert store.account.d2h_bytes == ref_store.account.d2h_bytes > 0
     assert ref_store.account.h2d_bytes > store.account.h2d_bytes
+
+
+def test_the_pass_reports_whole_tokens_that_sum_to_the_prompt(gqa: tuple[CausalLM, ModelConfig]) -> None:
+    """A progress bar's updates: whole tokens, the pass's pairs' tokens over the layer count,
+    summing to the prompt (float shares summed past a bar's total and tqdm warned)."""
+    model, cfg = gqa  # 3 layers: 11-token chunks give shares of 11/3
+    store = make_store(cfg, kv_plan("layer", 2))
+    spans = [(s, min(s + CHUNK, PROMPT)) for s in range(0, PROMPT, CHUNK)]
+    assert store.layer_pass_fits(PROMPT)
+    got: list[int] = []
+    prefill_by_layer(model, store, prompt(cfg), spans, CHUNK, progress=got.append)
+    assert all(isinstance(n, int) and n >= 0 for n in got)
+    assert len(got) == len(spans) * len(model.model.layers) and sum(got) == PROMPT
 
 
 def test_a_fresh_prompt_loads_nothing_and_a_stored_prefix_once_a_layer(

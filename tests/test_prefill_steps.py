@@ -34,6 +34,7 @@ def test_every_prefill_step_is_timed(tiny: Path, attention: str | None) -> None:
     rounding = 0.5e-4 * len(stats.prefill_step_s)
     assert 0 < sum(stats.prefill_step_s) <= stats.prefill_s + rounding
     assert stats.to_dict()["prefill_step_s"] == stats.prefill_step_s
+    assert 0 < stats.setup_s < 60  # the store built before the prefill's clock starts
 
 
 def test_the_clock_times_consecutive_steps() -> None:

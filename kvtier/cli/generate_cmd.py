@@ -160,8 +160,10 @@ def run(args: argparse.Namespace) -> int:
     decode = "no decode step"
     if s.generated_tokens > 1:
         decode = f"decode {s.decode_tokens_per_s:.2f} tok/s{spread}"
+    # a long prompt's store pins its host tier before the prefill (64 GiB at 512K for Llama-3-8B)
+    setup = f" after {s.setup_s:.1f} s building the KV store" if s.setup_s >= 0.5 else ""
     print(
-        f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s; "
+        f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s{setup}; "
         f"{s.generated_tokens} new, {decode}; {plan_note(s.plan)}"
         f"{order_note(args.prefill_order, s.prefill_order)}"
         f"{tp_note(s.plan)}; peak {peaks}]",

@@ -112,20 +112,22 @@ def prefill_by_layer(
     spans: list[tuple[int, int]],
     chunk_size: int,
     *,
-    progress: Callable[[float], object] | None = None,
+    progress: Callable[[int], object] | None = None,
     layer_done: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Run the prompt ids [N] (`spans`: consecutive chunks [start, end) from 0 to N, at least
     two) through the model as one store step taken layer by layer (`TieredKVStore.begin_step(n,
     by_layer=True)`: the caller checked `layer_pass_fits`). Returns the last token's logits
-    [1, vocab]. `progress(tokens)`: after each (layer, chunk), its tokens over the layer count
-    (a progress bar's share); `layer_done()`: after each layer."""
+    [1, vocab]. `progress(tokens)`: after each (layer, chunk), whole tokens that sum to N over
+    the pass (the pairs' tokens over the layer count, a progress bar's share; whole, so a bar's
+    total is never passed by rounding); `layer_done()`: after each layer."""
     n = spans[-1][1]
     assert spans[0][0] == 0 and n == ids.shape[0], "the whole prompt, from its first token"
     layers = model.model.layers
     store.begin_step(n, by_layer=True)
     hidden = _Hidden(model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
     out = torch.empty(0)
+    passed = shown = 0  # tokens through a layer so far, summed over layers; whole tokens reported
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
         x = model.embed(ids[s:e]) if i == 0 else hidden.read(s, e)
@@ -137,8 +139,10 @@ def prefill_by_layer(
             hidden.write(s, x)
         elif e == n:
             out = model.logits(x)
+        passed += e - s
         if progress is not None:
-            progress((e - s) / len(layers))
+            progress(passed // len(layers) - shown)
+            shown = passed // len(layers)
         if layer_done is not None and e == n:
             layer_done()
     hidden.release()

@@ -4,6 +4,7 @@ prefill / decode loop (`runner`), with its plan, peaks and allocator counts in i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, Protocol
@@ -72,7 +73,9 @@ def generate_tiered(
     if llm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(llm.device)
         allocator = allocator_counts(llm.device)
+    t0 = time.perf_counter()
     plan, store, parts = plan_and_store(llm, context, method, params.max_tokens)
+    setup_s = time.perf_counter() - t0
     sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, llm.device)
     if llm.parallel is not None:  # the last stage's logits are the model's
         sampler = llm.parallel.synced(sampler, src=llm.parallel.size - 1 if llm.pipeline else 0)
@@ -89,6 +92,7 @@ def generate_tiered(
             progress=progress and len(ids) > plan.chunk_size,
             by_layer=llm.config.prefill_order == "layer" and llm.parallel is None,
         )
+        stats.setup_s = setup_s
         stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
         if isinstance(store.kernel, CountingKernel):
             stats.kernel = store.kernel.counters()
