@@ -38,7 +38,7 @@ class _Hidden:
     may hand their block out again. Not `record_stream`: with the host chunks ahead of the GPU,
     blocks held for copies not yet run made the allocator call `cudaMalloc` again and again and,
     at a --gpu-memory cap, free its cache and retry (1,228 mallocs and 210 retries at 512K with
-    record_stream; 69 and none held so, with layers 4-31 at 0.90-0.91 s against 0.92-0.96)."""
+    record_stream; 69 and none held so, with layers 4-31 at 0.89-0.91 s against 0.91-0.96)."""
 
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
