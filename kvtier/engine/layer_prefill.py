@@ -127,7 +127,7 @@ def prefill_by_layer(
     store.begin_step(n, by_layer=True)
     hidden = _Hidden(model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
     out = torch.empty(0)
-    passed = shown = 0  # tokens through a layer so far, summed over layers; whole tokens reported
+    passed = 0  # tokens through a layer so far, summed over layers
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
     for k, (i, s, e) in enumerate(order):
         x = model.embed(ids[s:e]) if i == 0 else hidden.read(s, e)
@@ -139,10 +139,9 @@ def prefill_by_layer(
             hidden.write(s, x)
         elif e == n:
             out = model.logits(x)
-        passed += e - s
+        shown, passed = passed // len(layers), passed + e - s
         if progress is not None:
-            progress(passed // len(layers) - shown)
-            shown = passed // len(layers)
+            progress(passed // len(layers) - shown)  # whole tokens: their sum is exactly n
         if layer_done is not None and e == n:
             layer_done()
     hidden.release()
