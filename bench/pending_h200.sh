@@ -918,7 +918,9 @@ case "$group" in
   # a later layer); then issue 19's 512K prefill three ways on one start, fast with landmarks by
   # chunk first (it pays Triton's compiles at 512K's own sizes, which 168's 64K warm-up may not
   # have), then by layer, then fast by layer: which of landmarks and the layer order made 166's
-  # 14,901 tok/s, and whether the layer order should be HiP's default. 170 right after
+  # 14,901 tok/s, and whether the layer order should be HiP's default. Since 169 was written the
+  # prompt's last token scores stage 0 on the landmarks too (kvtier.sparse.prompt_stage0: its
+  # landmark rows and kept chunks over PCIe, not every key): its step was 1.59 s in 166. 170 right after
   run 90 $py bench/pin_rate.py --name pin_rate
   run 400 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
     --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer;hip,hip_preset=fast,prefill_order=layer" \

@@ -17,9 +17,10 @@ from kvtier.errors import ConfigError
 from kvtier.model.llama import CausalLM
 from kvtier.model.rope import Rotary
 from kvtier.sparse import landmarks
-from kvtier.sparse.landmarks import Landmarks, key_scores, landmark_stage
+from kvtier.sparse.landmarks import Landmarks, key_scores, landmark_keys, landmark_stage
 from kvtier.sparse.rope_ext import RopeTable
-from tests.hip_store import assert_same, kernel_for, run
+from tests.hip_store import PROMPT as PROMPT_TOKENS
+from tests.hip_store import REFRESH_BYTES, SLICES, TOKEN_BYTES, assert_same, kernel_for, run
 from tests.tiny_llm import PROMPT
 
 D = 16
@@ -103,8 +104,8 @@ def test_landmark_stage_keeps_the_chunks_whose_landmarks_the_queries_match() -> 
     for i, j in enumerate(planted):
         keys[where[j], torch.arange(g)] = qr[i].mean(dim=(0, 2)) * 5
     kept, n = landmark_stage(
-        qr, keys, where, valid, chunk, 4 * chunk, c_count=20, first=first, mode="relative", rotary=None,
-        limit=0,
+        qr, landmark_keys(keys, where, 20), where, valid, chunk, 4 * chunk, first=first, mode="relative",
+        rotary=None, limit=0,
     )  # fmt: skip
     rows = torch.einsum("bngrd,cgd->bcgnr", qr, keys[where, torch.arange(g)]).flatten(2).amax(dim=2)
     for i in range(b):
@@ -171,3 +172,71 @@ def test_hip_landmarks_option(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", chunk_size=16, attention="hip", hip_landmarks=True)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert out.stats.plan["method"].endswith("stage 0 on landmark keys")
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_first_query_after_a_prefill_scores_stage_0_on_the_prompts_landmarks(
+    gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch, per_head: bool
+) -> None:
+    """The decode query right after a landmark prefill (`Landmarks.end`) takes stage 0 from the
+    landmark stage, once a slice (a KV head's with `per_head`), whether its slice is resident or
+    streamed; a streamed one then reads only the landmark rows and the kept chunks, not the whole
+    slice, and the tokens are the same either way. Later stage-0 reruns bisect."""
+    from kvtier.sparse import prompt_stage0
+
+    model, cfg = gqa
+    calls: list[int] = []
+    real = prompt_stage0.landmark_stage
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prompt_stage0, "landmark_stage", spy)
+    outs = {}
+    for policy in ("gpu", "head"):
+        calls.clear()
+        kernel = kernel_for(cfg, stage0_landmarks=True, per_head=per_head)
+        logits, tokens, _, h2d = run(model, cfg, policy, kernel)
+        slices = cfg.num_layers * cfg.num_kv_heads  # TINY's slices hold a KV head each
+        assert len(calls) == slices == kernel.stats.prompt_landmarks
+        assert kernel.counters()["prompt_landmarks"] == slices
+        assert kernel.stats.decode_recomputes[0] == 4 * slices  # steps 0, 6, 12 and 18 rerun stage 0
+        outs[policy] = (logits, tokens)
+        fetched = kernel.stats.cache.fetched_bytes
+    assert outs["gpu"][1] == outs["head"][1]
+    assert_same(outs["gpu"][0], outs["head"][0])
+    # streamed: stage-0 reruns stream whole slices (REFRESH_BYTES, as the bisection's every
+    # one does), but not the first: its landmark rows (one a chunk) and the block cache's fetches
+    hip = kernel.cfg
+    chunks = -(-(PROMPT_TOKENS - hip.window + 1 - hip.sink) // hip.chunk_sizes[0])  # at the prompt's end
+    landmark_rows = SLICES * chunks * TOKEN_BYTES
+    assert h2d == REFRESH_BYTES - SLICES * PROMPT_TOKENS * TOKEN_BYTES + landmark_rows + fetched
+
+
+def test_prompt_stage0_applies_to_the_query_after_the_prefill_alone() -> None:
+    """`prompt_chunks` counts the chunks the query right after a prefill scores on its landmarks,
+    and 0 for any other query, for a stage 0 that keeps every candidate, and without
+    landmarks; `prompt_stage0` keeps the chunks whose landmark keys score highest."""
+    from kvtier.sparse.config import HipConfig
+    from kvtier.sparse.prompt_stage0 import prompt_chunks, prompt_stage0
+
+    cfg = HipConfig(sink=4, window=8, block_q=4, chunk_sizes=(8, 4), budgets=(16, 8), wide_budget=8,
+                    query_strides=(1, 1), refresh=(4, 2), extend=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    marks = Landmarks(sink=4, chunk=8)
+    marks.update(torch.randn(100, 2, generator=gen), 0)  # 12 chunks of positions 4 .. 99
+    w0 = 100 - 8 + 1
+    assert prompt_chunks(cfg, marks, 100, 5, w0) == 12  # (93 - 4) / 8 rounded up
+    assert prompt_chunks(cfg, marks, 101, 5, w0 + 1) == 0  # a later query bisects
+    assert prompt_chunks(cfg, None, 100, 5, w0) == 0
+    assert prompt_chunks(cfg, marks, 100, 5, 4 + 16) == 0  # two chunks: stage 0 keeps both
+    keys = torch.randn(101, 2, D, generator=gen) * 0.1
+    q = torch.randn(1, 4, D, generator=gen)
+    where = marks.positions()
+    assert where is not None
+    keys[where[7], torch.arange(2)] = q[0].view(2, 2, D).mean(dim=1) * 5  # chunk 7's landmarks match
+    got = prompt_stage0(cfg, marks, q, 100, 5, w0, None, lambda at: landmark_keys(keys, at, at.shape[0]))
+    assert got is not None and got.numel() == 16 and bool((got < w0).all())
+    assert 4 + 7 * 8 in got.tolist()
+    assert prompt_stage0(cfg, marks, q, 100, 5, w0, None, lambda at: None) is None  # unreadable: bisect

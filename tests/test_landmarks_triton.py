@@ -48,8 +48,8 @@ def test_kernel_scores_and_keeps_what_torch_does(device: str, head_score: str) -
     assert got.shape == ref.shape == (3, c)
     assert torch.allclose(got[live], ref[live], rtol=1e-5, atol=1e-4)
     assert bool((got[~live] == float("-inf")).all()) and bool((~live).any())
-    kw = dict(c_count=c, first=4, mode="relative", rotary=None, limit=0, head_score=head_score)
-    kept = [landmark_stage(qr, keys, where, valid, chunk, 40 * chunk, **kw, triton=t) for t in (True, False)]
+    kw = dict(first=4, mode="relative", rotary=None, limit=0, head_score=head_score)
+    kept = [landmark_stage(qr, lk, where, valid, chunk, 40 * chunk, **kw, triton=t) for t in (True, False)]
     assert torch.equal(kept[0][0], kept[1][0]) and torch.equal(kept[0][1], kept[1][1])
     assert int(kept[0][1][2]) == 300  # the short block (38 chunks) keeps all it has
 

@@ -20,6 +20,7 @@ own: each declares the attributes of `HipKernel` (`kvtier.sparse.kernel`) it use
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -28,8 +29,10 @@ from kvtier.sparse.cache_blocks import fetch_blocks, needed_positions
 from kvtier.sparse.decode_buffer import KV, DecodeState, attend_rebuilt, buffer_kernel, step_buffers
 from kvtier.sparse.decode_graph import LayerGraphs
 from kvtier.sparse.gpu_cache import BlockCache, PositionedKV, block_ids
-from kvtier.sparse.host_keys import HostKeys
+from kvtier.sparse.host_keys import HostKeys, host_landmark_keys
+from kvtier.sparse.landmarks import Landmarks
 from kvtier.sparse.layer_rerun import rerun_stages
+from kvtier.sparse.prompt_stage0 import prompt_chunks, prompt_stage0
 from kvtier.sparse.slice_caches import SliceCaches
 from kvtier.sparse.stage_pieces import StagePieces
 
@@ -42,6 +45,7 @@ class CachedDecode(SliceCaches, StagePieces):
     # Of `HipKernel` (see its `__init__`); the others it uses are declared by its bases.
     _stage0: dict[tuple[int, int, int], torch.Tensor]  # stage 0 scored from host keys this step
     _graphs: LayerGraphs | None  # cached layer steps as CUDA graphs (`kvtier.sparse.decode_graph`)
+    _landmarks: dict[tuple[int, int, int], Landmarks]  # the prompt's, per slice (`stage0_landmarks`)
 
     # -- CachingSliceKernel -----------------------------------------------------------------
 
@@ -53,7 +57,8 @@ class CachedDecode(SliceCaches, StagePieces):
     def needs_slice(self, step: SliceStep, n_new: int) -> bool:
         """Whether a step of a streamed slice needs it whole: prefill, or (without
         `HipConfig.host_scoring`, which scores stage 0 on host keys and serves every decode step
-        from the block cache) stage 0 is due or the block cache is not in step.
+        from the block cache) stage 0 is due or the block cache is not in step, unless the step
+        scores stage 0 on the prompt's landmarks (`kvtier.sparse.prompt_stage0`).
 
         Records that the slice is streamed (so its full decode steps fill its block cache).
         """
@@ -61,7 +66,7 @@ class CachedDecode(SliceCaches, StagePieces):
         self._streamed.add(sl)
         if n_new > 1:
             return True
-        if self.cfg.host_scoring:
+        if self.cfg.host_scoring or self._on_prompt_landmarks(step):
             return False
         cache = self._gpu.get(sl)
         if cache is None or cache.end != step.start:
@@ -83,7 +88,7 @@ class CachedDecode(SliceCaches, StagePieces):
         fresh = int(s % b == 0)  # the new token starts a block: nothing stored to look up
         st = self.stats.cache
         groups = kv_new.shape[2]
-        host = self._stage0_due(step)  # `needs_slice` said no: `HipConfig.host_scoring`
+        host = self._stage0_due(step)  # `needs_slice` said no: host keys, or the prompt's landmarks
         if host:
             if cache.end != s:  # a new sequence, or the slice's first decode step
                 cache.clear()
@@ -286,8 +291,9 @@ class CachedDecode(SliceCaches, StagePieces):
     def _refresh_from_host(
         self, q: torch.Tensor, step: SliceStep, fetch: Fetch, groups: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stage 0 of a decode step, scored on keys read from the host tier (`HostKeys`), kept in
-        `_stage0` for `_decode`; returns the positions the rest of the step reads (sinks, the
+        """Stage 0 of a decode step, scored on keys read from the host tier (`HostKeys`), or on
+        the prompt's landmark keys alone (`kvtier.sparse.prompt_stage0`), kept in `_stage0` for
+        `_decode`; returns the positions the rest of the step reads (sinks, the
         new stage-0 selection, the new window), for the block cache to provide, and their
         blocks where they are known without `unique` (a host sync): `_aligned_blocks`.
 
@@ -306,6 +312,14 @@ class CachedDecode(SliceCaches, StagePieces):
         in_place = None if extents is None else replace(extents, length=s + 1)
         for h in heads:
             qh = q if h < 0 else q[:, h * r : (h + 1) * r]
+            marks = self._landmarks.get((layer, step.group, h))
+            read = partial(host_landmark_keys, fetch, head=None if h < 0 else h)
+            on_marks = prompt_stage0(cfg, marks, qh, s, layer, w0, self.rotary, read)
+            if on_marks is not None:
+                self.stats.prompt_landmarks += 1
+                self._stage0[(layer, step.group, h)] = on_marks
+                parts.append(on_marks)
+                continue
             keys: HostKeys | ExtentKeys
             if in_place is not None:
                 keys = in_place if h < 0 else in_place.of_head(h)
@@ -317,6 +331,15 @@ class CachedDecode(SliceCaches, StagePieces):
         parts.append(torch.arange(min(w0, s + 1), s + 1, device=q.device))  # w0 > s: all sinks
         blocks = self._aligned_blocks(parts[1], w0, s) if len(heads) == 1 else None
         return torch.cat(parts), blocks
+
+    def _on_prompt_landmarks(self, step: SliceStep) -> bool:
+        """Whether this step of a slice scores stage 0 on the prompt's landmarks
+        (`prompt_chunks`): the first query after a prefill that scored them."""
+        if not self.cfg.stage0_landmarks:
+            return False
+        marks = self._landmarks.get((step.layer, step.group, 0 if self.cfg.per_head else -1))
+        w0 = self._decode_window_start(step.start)
+        return prompt_chunks(self.cfg, marks, step.start, step.layer, w0) > 0
 
     def _aligned_blocks(self, selected: torch.Tensor, w0: int, s: int) -> torch.Tensor | None:
         """The sorted, distinct blocks of the sinks, stage 0's selection and the window [w0, s]

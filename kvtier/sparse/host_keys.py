@@ -41,3 +41,20 @@ class HostKeys:
         lo, hi, _ = index.indices(self.length)
         k = self.fetch.keys(lo, max(lo, hi))  # [n, G, D]
         return k if self.head is None else k[:, self.head : self.head + 1]
+
+
+def host_landmark_keys(fetch: Fetch, where: torch.Tensor, head: int | None = None) -> torch.Tensor | None:
+    """The keys [C, G, D] at where [C, G] (a position for each of G KV heads: `Landmarks`'),
+    read from the host tier by `Fetch.pages` of one token each, a KV head at a time: a token's
+    whole row (keys and values of the slice's heads) crosses PCIe for each, ~2 GB over a 512K
+    prefill of Llama-3-8B's 32 layers against ~34 GB for every key. `head`: the slice's KV head
+    the G = 1 positions are of (`per_head`). None from a tier `pages` cannot read (quantized)."""
+    ones = torch.ones(where.shape[0], dtype=torch.long, device=where.device)
+    cols = []
+    for j in range(where.shape[1]):
+        try:
+            rows = fetch.pages(where[:, j].contiguous(), ones, 1)  # [C, 2, G_slice, D]
+        except NotImplementedError:
+            return None
+        cols.append(rows[:, 0, j if head is None else head])
+    return torch.stack(cols, dim=1)

@@ -39,8 +39,9 @@ from kvtier.sparse.decode_buffer import KV, AttendBuffer, DecodeState
 from kvtier.sparse.decode_graph import LayerGraphs
 from kvtier.sparse.gpu_cache import BlockCache
 from kvtier.sparse.graph_setting import graphs_setting, graphs_wanted
-from kvtier.sparse.landmarks import Landmarks, key_scores
+from kvtier.sparse.landmarks import Landmarks, key_scores, landmark_keys
 from kvtier.sparse.prefill import prune_whole_blocks
+from kvtier.sparse.prompt_stage0 import prompt_stage0
 from kvtier.sparse.rope_ext import RopeTable, table_positions
 from kvtier.sparse.stats import HipStats
 
@@ -99,6 +100,7 @@ class HipKernel(CachedDecode):
         self._drop_caches()
         self._streamed.clear()
         self._stage0.clear()
+        self._landmarks.clear()
 
     def begin_prefill(self) -> None:
         """Before a prefill step (the store calls it): the step re-prunes every slice and the
@@ -156,6 +158,8 @@ class HipKernel(CachedDecode):
             "decode_recomputes": list(self.stats.decode_recomputes),
             "cache_hit_rate": round(self.stats.hit_rate, 4),
         }
+        if self.cfg.stage0_landmarks:  # slices whose first query after a prefill scored them
+            out["prompt_landmarks"] = self.stats.prompt_landmarks
         if self._graphs is not None:
             g = self._graphs
             kinds = {"cached" if k == 0 else f"from_stage{k}": n for k, n in sorted(g.steps.items())}
@@ -253,6 +257,13 @@ class HipKernel(CachedDecode):
         if st is None or first == 0:
             w0 = self._decode_window_start(step.start)
             cand = self._middle(w0, q.device)
+            if scored is None and isinstance(kv, torch.Tensor):  # the first query after a prefill?
+                keys = kv[:, 0]
+                scored = prompt_stage0(
+                    cfg, self._landmarks.get(key), q, step.start, step.layer, w0, self.rotary,
+                    lambda where: landmark_keys(keys, where, where.shape[0]),
+                )  # fmt: skip
+                self.stats.prompt_landmarks += scored is not None
         else:
             w0 = st.window_start
             cand = st.outputs[first - 1]

@@ -99,12 +99,15 @@ def running_sums(x: torch.Tensor) -> torch.Tensor:
 
 class Landmarks:
     """One slice's stage-0 landmarks: chunk j = positions sink + j * chunk .. + chunk - 1, its
-    best key score [C, G] and that key's position [C, G]."""
+    best key score [C, G] and that key's position [C, G]; `end`: one past the last position
+    scored (the prefill's end: the next query is the prompt's last token, or its first answer
+    token's, which `kvtier.sparse.prompt_stage0` scores on these landmarks too)."""
 
     def __init__(self, sink: int, chunk: int) -> None:
         self.sink, self.chunk = sink, chunk
         self.best: torch.Tensor | None = None  # [C, G] float32
         self.where: torch.Tensor | None = None  # [C, G] int64
+        self.end = 0
 
     def update(self, scores: torch.Tensor, start: int) -> None:
         """Merge the key scores [T, G] of positions start .. start + T - 1 (`key_scores`). A
@@ -113,6 +116,7 @@ class Landmarks:
         before `start` were never scored (a prompt whose prefix came from a cache, or tokens
         decoded since), the landmarks are dropped until a prompt from the sinks scores them."""
         t, g = scores.shape
+        self.end = start + t
         first = max(start, self.sink)
         if first >= start + t:
             return
@@ -144,15 +148,20 @@ class Landmarks:
         return self.where
 
 
+def landmark_keys(keys: torch.Tensor, where: torch.Tensor, c_count: int) -> torch.Tensor:
+    """The first `c_count` chunks' landmark keys [C, G, D] of a slice's keys [S, G, D], where
+    [C', G] (C' >= c_count) their positions (`Landmarks.positions`), a KV head's of its head."""
+    return keys[where[:c_count], torch.arange(keys.shape[1], device=keys.device)]
+
+
 def landmark_stage(
     qr: torch.Tensor,
-    keys: torch.Tensor,
+    lk: torch.Tensor,
     where: torch.Tensor,
     valid: torch.Tensor,
     chunk: int,
     budget: int,
     *,
-    c_count: int,
     first: int,
     mode: str,
     rotary: RopeTable | None,
@@ -162,9 +171,10 @@ def landmark_stage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 0 of B query blocks over their candidates first .. first + valid[b] - 1, each chunk
     scored by its landmark key: qr [B, Nq, G, r, D] rotated as `scoring_queries` rotates them
-    for `mode`, keys [S, G, D], where [C, G] each chunk's landmark (`Landmarks.positions`, C at
-    least `c_count`, the widest block's chunks). The landmarks are rotated as the bisection's probes: at
-    their chunk's index (chunk_indexed), their positions (absolute), or not at all (relative).
+    for `mode`, lk [C, G, D] the landmark keys of the widest block's C chunks (`landmark_keys`,
+    as stored: un-rotated with context extension), where [C', G] their positions (C' >= C).
+    The landmarks are rotated as the bisection's probes: at their chunk's index
+    (chunk_indexed), their positions (absolute), or not at all (relative).
 
     `triton`: score with `triton_chunk_max`'s kernel (CUDA, or CPU tensors under
     TRITON_INTERPRET=1), the landmarks as one-key chunks of a [C, G, D] key table: one
@@ -177,10 +187,9 @@ def landmark_stage(
     Returns the kept positions [B, K] (sorted, -1 padded) and their counts [B], as
     `prune_blocks` does for stage 0."""
     bsz, _nq, g, _r, d = qr.shape
-    keep = budget // chunk
-    lk = keys[where[:c_count], torch.arange(g, device=keys.device)]  # [C, G, D]
+    keep, c_count = budget // chunk, lk.shape[0]
     if rotary is not None and mode != "relative":
-        at = where[:c_count] if mode == "absolute" else torch.arange(c_count, device=keys.device)[:, None]
+        at = where[:c_count] if mode == "absolute" else torch.arange(c_count, device=lk.device)[:, None]
         at = at.expand(-1, g).reshape(-1)
         lk = rotary.rotate(lk.reshape(-1, 1, d), at, limit=limit).view(c_count, g, d)
     lengths = (valid[:, None] - torch.arange(c_count, device=valid.device)[None, :] * chunk).clamp(0, chunk)

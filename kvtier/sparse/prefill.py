@@ -28,7 +28,7 @@ from kvtier.attention.interface import ExtentKeys
 from kvtier.sparse.block_sparse import use_triton
 from kvtier.sparse.chunk_layout import _chunks, _span, kept_chunks, softmax_head_score
 from kvtier.sparse.config import EXACT_CHUNK_MAX, HipConfig
-from kvtier.sparse.landmarks import landmark_stage
+from kvtier.sparse.landmarks import landmark_keys, landmark_stage
 from kvtier.sparse.prefill_bisect import bisect_chunks
 from kvtier.sparse.prune_memory import PRUNE_BATCH_BYTES, stage_prune_bytes
 from kvtier.sparse.rope_ext import RopeTable, scoring_query_position
@@ -294,8 +294,8 @@ def run_block_stages(
             c_n = -(-n_in // c)
             qr, lim = scoring_queries(pq, pp, keys, v, c, c_n, mode=mode, rotary=rotary, window=window)
             cand, valid = landmark_stage(
-                qr, keys, landmarks, v, c, k, c_count=c_n, first=sink, mode=mode, rotary=rotary, limit=lim,
-                head_score=head_score, triton=triton and LANDMARK_TRITON,
+                qr, landmark_keys(keys, landmarks, c_n), landmarks, v, c, k, first=sink, mode=mode,
+                rotary=rotary, limit=lim, head_score=head_score, triton=triton and LANDMARK_TRITON,
             )  # fmt: skip
         elif step >= blocks:
             cand, valid = prune_blocks(

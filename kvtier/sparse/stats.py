@@ -16,6 +16,7 @@ class HipStats:
 
     decode_recomputes: list[int]
     prefill_blocks: int = 0
+    prompt_landmarks: int = 0  # decode queries (a slice's) whose stage 0 ran on the prompt's landmarks
     keys_read: int = 0  # attended keys counted on the host so far (see `attended_keys`)
     keys_pending: list[torch.Tensor] = field(default_factory=list)  # device counts, not yet read
     cache: CacheStats = field(default_factory=CacheStats)  # GPU block caches of streamed slices
