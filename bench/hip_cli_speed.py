@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -73,6 +74,8 @@ def run_one(
         "command": shlex.join(cmd),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:  # else the CLI's own (`kvtier.cli.main`)
+        row["alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     if proc.returncode != 0:
         # the last 40 lines: a Triton compile error's message sits above its source excerpt
         tail = "\n".join(proc.stderr.strip().splitlines()[-40:])[-4000:]

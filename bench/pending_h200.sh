@@ -927,11 +927,16 @@ case "$group" in
     --new-tokens 8 --timeout 150 --name hip_cli_speed_512k_fast_orders
   ;;
 170)
-  # (~8 min, no GGUF: .tok/ carried; right after 169 on the same start) lossless auto at 512K
-  # by chunk and by layer (where its plan streams a layer whole: the row's prefill_order says),
-  # the base of 169's ratios
-  run 470 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "auto;auto,prefill_order=layer" --new-tokens 8 --timeout 230 --name hip_cli_speed_512k_auto_orders
+  # (~7 min, no GGUF: .tok/ carried; right after 169 on the same start) lossless auto at 512K,
+  # the base of 169's ratios; then fast with landmarks by layer again with pinned memory made
+  # by malloc + cudaHostRegister on 16 threads (169's pin_rate rows say how fast that pins):
+  # its layer 0 pins the hidden states, 4.3 GB (4.06 s against ~0.94 for a later layer in 166)
+  run 260 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "auto" --new-tokens 8 --timeout 240 --name hip_cli_speed_512k_auto_f148
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:16 \
+    run 170 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" --new-tokens 8 --timeout 150 \
+    --name hip_cli_speed_512k_fast_landmarks_layer_register16
   ;;
 168)
   # (~7 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-fifth session, its fast-by-chunk
