@@ -912,31 +912,34 @@ case "$group" in
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
 169)
-  # (~8 min, no GGUF: .tok/ and .whl carried) how fast pinned memory is made and whether making it
-  # stalls the GPU (a 512K run's wall is ~55 s past its prefill and decode, most of it perhaps
-  # pinning the 64 GiB host tier; the layer order's layer 0 pins 4.3 GB: 4.06 s against 0.94 for
-  # a later layer); then issue 19's 512K prefill three ways on one start, fast with landmarks by
-  # chunk first (it pays Triton's compiles at 512K's own sizes, which 168's 64K warm-up may not
-  # have), then by layer, then fast by layer: which of landmarks and the layer order made 166's
-  # 14,901 tok/s, and whether the layer order should be HiP's default. Since 169 was written the
-  # prompt's last token scores stage 0 on the landmarks too (kvtier.sparse.prompt_stage0: its
-  # landmark rows and kept chunks over PCIe, not every key): its step was 1.59 s in 166. 170 right after
+  # (~7 min, no GGUF: .tok/ and .whl carried) how fast pinned memory is made and whether making
+  # it stalls the GPU (a 512K run's wall is ~55 s past its prefill and decode, most of it perhaps
+  # pinning the 64 GiB host tier; the layer order's layer 0 pins the hidden states, 4.3 GB: 4.06 s
+  # against ~0.94 for a later layer in 166); then issue 19's 512K prefill with landmarks by layer
+  # after the prompt's last token scores stage 0 on the landmarks too (kvtier.sparse.prompt_stage0:
+  # landmark rows and kept chunks over PCIe, not every key; its step was 1.59 s in 166), three
+  # times on one start: the first pays Triton's compiles, the second pins with malloc +
+  # cudaHostRegister on 16 threads, the third as the first (the A/B of the second). 170 right after
   run 90 $py bench/pin_rate.py --name pin_rate
-  run 400 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "hip,hip_preset=fast,hip_landmarks=on;hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer;hip,hip_preset=fast,prefill_order=layer" \
-    --new-tokens 8 --timeout 150 --name hip_cli_speed_512k_fast_orders
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_f148_a
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:16 \
+    run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_register16
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_f148_b
   ;;
 170)
-  # (~7 min, no GGUF: .tok/ carried; right after 169 on the same start) lossless auto at 512K,
-  # the base of 169's ratios; then fast with landmarks by layer again with pinned memory made
-  # by malloc + cudaHostRegister on 16 threads (169's pin_rate rows say how fast that pins):
-  # its layer 0 pins the hidden states, 4.3 GB (4.06 s against ~0.94 for a later layer in 166)
-  run 260 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "auto" --new-tokens 8 --timeout 240 --name hip_cli_speed_512k_auto_f148
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:16 \
-    run 170 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" --new-tokens 8 --timeout 150 \
-    --name hip_cli_speed_512k_fast_landmarks_layer_register16
+  # (~6 min, no GGUF: .tok/ carried; right after 169 on the same start) lossless auto at 512K,
+  # the base of 169's ratios, then fast by layer without landmarks: which of landmarks and the
+  # layer order made 166's 14,901 tok/s (fast by chunk: 13,203), and whether the layer order
+  # should be HiP's default
+  run 250 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "auto" \
+    --new-tokens 8 --timeout 240 --name hip_cli_speed_512k_auto_f148
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "hip,hip_preset=fast,prefill_order=layer" --new-tokens 8 --timeout 135 \
+    --name hip_cli_speed_512k_fast_layer_f148
   ;;
 168)
   # (~7 min, no GGUF: .tok/ and .whl carried; ran 2026-12-07, fifty-fifth session, its fast-by-chunk
