@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.smoke_checks import Smoke, prose, table
-from bench.smoke_commands import eval_checks, generate_checks, plan_checks
+from bench.smoke_commands import LANDMARK_WORDS, eval_checks, generate_checks, plan_checks
 from bench.smoke_models import embedded_gguf, smollm2_tokenizer, write_llama8b
 from bench.smoke_serve import CAP, serve_checks
 
@@ -83,6 +83,8 @@ def main() -> int:
     short.write_text(prose(1200, seed=1) + "\nSummarize the entries above in one sentence.")
     medium = args.workdir / "medium.txt"  # ~4.4K tokens: past HiP's 3,328 (`fast`, `lean`)
     medium.write_text(prose(1800, seed=3) + "\nSummarize the entries above in one sentence.")
+    marked = args.workdir / "landmarked.txt"  # ~36K tokens: past stage 0's 32K budget
+    marked.write_text(prose(LANDMARK_WORDS, seed=4) + "\nWhich entry mentions a falcon first?")
     long = args.workdir / "long.txt"
     long.write_text(prose(args.long_words, seed=2) + "\nWhich entry mentions a falcon first?")
     gguf = embedded_gguf()
@@ -132,7 +134,9 @@ def main() -> int:
     smoke.on_add = write
     for label, model, long_prompt in targets:
         if "generate" in sections:
-            generate_checks(smoke, label, model, short, long_prompt, args.jobs, medium)
+            # the landmark pair on the embedded model: a 36K prompt is seconds there
+            landmarked = marked if label == "embedded" else None
+            generate_checks(smoke, label, model, short, long_prompt, args.jobs, medium, landmarked)
         if "plan" in sections:
             plan_checks(smoke, label, model)
         if "eval" in sections and label == "embedded":

@@ -20,6 +20,14 @@ GRAPHED = ("lossy hip probes head cap", "lossy hip probes head graphs cap")
 # chunks give the short prompt three.
 ORDERED = ("prefill by chunk, kv=layer cap", "prefill by layer, kv=layer cap")
 ORDER_ARGS = ["--kv", "layer", "--chunk-size", "1024", "--ignore-eos"]
+# HiP with stage 0 on landmarks over a prompt past stage 0's 32K budget (else no key is scored):
+# the first query after the prefill scores stage 0 on the prompt's landmarks, over resident
+# slices and over streamed ones (`kvtier.sparse.prompt_stage0`, its landmark rows read from the
+# host tier): the same tokens, and the kernel counts the slices that did
+LANDMARKED = ("hip landmarks 36K, kv=gpu", "hip landmarks 36K, kv=head cap")
+LANDMARK_ARGS = ["--attention", "hip", "--hip-preset", "fast", "--hip-landmarks", "on", "--ignore-eos",
+                 "--max-model-len", "64K"]  # fmt: skip
+LANDMARK_WORDS = 14_000  # ~36K tokens of prose (2.6 a word)
 LOSSY: dict[str, list[str]] = {
     "hip": ["--attention", "hip"],
     "hip-fast": ["--attention", "hip", "--hip-preset", "fast"],
@@ -51,6 +59,7 @@ def generate_checks(
     long: Path | None,
     jobs: int = 1,
     medium: Path | None = None,
+    landmarked: Path | None = None,
 ) -> None:
     """Each --kv with and without the cap, each lossy flag under the cap, a long prompt under it;
     `jobs` of them at once (each process's peak is its own torch counter, and capped ones cap
@@ -62,6 +71,7 @@ def generate_checks(
     tokens: dict[str, list[int]] = {}
     graphed: dict[str, list[int]] = {}  # GRAPHED's rows
     ordered: dict[str, list[int]] = {}  # ORDERED's rows
+    marked: dict[str, list[int]] = {}  # LANDMARKED's rows
     pool = ThreadPoolExecutor(max(1, jobs))
     futures: list[Future[None]] = []
 
@@ -116,6 +126,12 @@ def generate_checks(
                 check.detail += f"; prefill_order {ran}"
                 if ran != want:
                     check.ok = False
+            if name in LANDMARKED:
+                marked[name] = data["token_ids"]
+                used = data["stats"].get("kernel", {}).get("prompt_landmarks")
+                check.detail += f"; prompt_landmarks {used}"
+                if not used:
+                    check.ok = False
             if name == GRAPHED[1]:  # the graphs replayed (stats.kernel: `CountingKernel`)
                 counted = data["stats"].get("kernel", {}).get("decode_graphs", {})
                 check.detail += f"; decode graphs {counted}"
@@ -167,6 +183,10 @@ def generate_checks(
     gen(GRAPHED[1], LOSSY["hip probes head"], cap=True, prompt_args=hip_args, exact=False)
     gen(ORDERED[0], ORDER_ARGS, cap=True)
     gen(ORDERED[1], [*ORDER_ARGS, "--prefill-order", "layer"], cap=True)
+    if landmarked is not None:
+        marked_args = [*base[:-4], str(landmarked), *base[-3:]]
+        gen(LANDMARKED[0], [*LANDMARK_ARGS, "--kv", "gpu"], cap=False, prompt_args=marked_args)
+        gen(LANDMARKED[1], [*LANDMARK_ARGS, "--kv", "head"], cap=True, prompt_args=marked_args)
     if long is not None:
         long_args = ["generate", *model, "--prompt-file", str(long), "--max-new-tokens", "4", "--json"]
         gen("long prompt, auto, cap", [], cap=True, prompt_args=long_args)
@@ -177,6 +197,10 @@ def generate_checks(
         same = graphed[GRAPHED[0]] == graphed[GRAPHED[1]]
         detail = "the same tokens" if same else f"{graphed[GRAPHED[1]]} vs {graphed[GRAPHED[0]]}"
         smoke.add(Check(label, "hip graphs: tokens as op by op", [], same, 0.0, 0, detail=detail))
+    if len(marked) == 2:
+        same = marked[LANDMARKED[0]] == marked[LANDMARKED[1]]
+        detail = "the same tokens" if same else f"{marked[LANDMARKED[1]]} vs {marked[LANDMARKED[0]]}"
+        smoke.add(Check(label, "hip landmarks: streamed tokens as resident", [], same, 0.0, 0, detail=detail))
     if len(ordered) == 2:
         same = ordered[ORDERED[0]] == ordered[ORDERED[1]]
         detail = "the same tokens" if same else f"{ordered[ORDERED[1]]} vs {ordered[ORDERED[0]]}"
