@@ -21,11 +21,11 @@ GRAPHED = ("lossy hip probes head cap", "lossy hip probes head graphs cap")
 ORDERED = ("prefill by chunk, kv=layer cap", "prefill by layer, kv=layer cap")
 ORDER_ARGS = ["--kv", "layer", "--chunk-size", "1024", "--ignore-eos"]
 # HiP with stage 0 on landmarks over a prompt past stage 0's 32K budget (else no key is scored):
-# the first query after the prefill scores stage 0 on the prompt's landmarks, over resident
-# slices and over streamed ones (`kvtier.sparse.prompt_stage0`, its landmark rows read from the
-# host tier): the same tokens, and the kernel counts the slices that did
+# with `--hip-landmarks all` the first query after the prefill scores stage 0 on the prompt's
+# landmarks, over resident slices and over streamed ones (`kvtier.sparse.prompt_stage0`, its
+# landmark rows read from the host tier): the same tokens; the kernel counts the slices that did
 LANDMARKED = ("hip landmarks 36K, kv=gpu", "hip landmarks 36K, kv=head cap")
-LANDMARK_ARGS = ["--attention", "hip", "--hip-preset", "fast", "--hip-landmarks", "on", "--ignore-eos",
+LANDMARK_ARGS = ["--attention", "hip", "--hip-preset", "fast", "--hip-landmarks", "all", "--ignore-eos",
                  "--max-model-len", "64K"]  # fmt: skip
 LANDMARK_WORDS = 14_000  # ~36K tokens of prose (2.6 a word)
 LOSSY: dict[str, list[str]] = {

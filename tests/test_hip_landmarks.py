@@ -4,6 +4,7 @@ stage 0 scores a chunk by that key alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -156,16 +157,21 @@ def test_store_run_with_landmarks_prunes_on_them_and_slicing_changes_nothing(
 
 def test_hip_landmarks_option(tiny: Path) -> None:
     """`hip,hip_landmarks=on` and `LLM(hip_landmarks=True)` set `HipConfig.stage0_landmarks` and
-    say so in the description; a value other than on/off, or the option without HiP, is refused."""
+    say so in the description, `all` `prompt_landmarks` as well; a value other than on/all/off,
+    or the option without HiP, is refused."""
     from kvtier.methods.spec import parse_choice
 
     cfg, cpu = LLM(str(tiny), device="cpu").model_config, torch.device("cpu")
     parts = parse_choice("hip,hip_landmarks=on").build(cfg, cpu, None, context=1 << 20)
     kernel: Any = parts.kernel
     assert kernel.cfg.stage0_landmarks and "stage 0 on landmark keys" in parts.describe
+    assert not kernel.cfg.prompt_landmarks and "last token" not in parts.describe
+    every: Any = parse_choice("hip,hip_landmarks=all").build(cfg, cpu, None, context=1 << 20)
+    assert every.kernel.cfg.stage0_landmarks and every.kernel.cfg.prompt_landmarks
+    assert "stage 0 on landmark keys (its last token's too)" in every.describe
     off: Any = parse_choice("hip,hip_landmarks=off").build(cfg, cpu, None, context=1 << 20).kernel
     assert not off.cfg.stage0_landmarks
-    with pytest.raises(ConfigError, match="--hip-landmarks takes on or off"):
+    with pytest.raises(ConfigError, match="--hip-landmarks takes on, all or off"):
         parse_choice("hip,hip_landmarks=yes")
     with pytest.raises(ConfigError, match="--hip-landmarks applies only with"):
         parse_choice("hip_landmarks=on")
@@ -178,10 +184,11 @@ def test_hip_landmarks_option(tiny: Path) -> None:
 def test_the_first_query_after_a_prefill_scores_stage_0_on_the_prompts_landmarks(
     gqa: tuple[CausalLM, ModelConfig], monkeypatch: pytest.MonkeyPatch, per_head: bool
 ) -> None:
-    """The decode query right after a landmark prefill (`Landmarks.end`) takes stage 0 from the
-    landmark stage, once a slice (a KV head's with `per_head`), whether its slice is resident or
-    streamed; a streamed one then reads only the landmark rows and the kept chunks, not the whole
-    slice, and the tokens are the same either way. Later stage-0 reruns bisect."""
+    """With `prompt_landmarks` (`--hip-landmarks all`) the decode query right after a landmark
+    prefill (`Landmarks.end`) takes stage 0 from the landmark stage, once a slice (a KV head's
+    with `per_head`), whether its slice is resident or streamed; a streamed one then reads only
+    the landmark rows and the kept chunks, not the whole slice, and the tokens are the same
+    either way. Later stage-0 reruns bisect, and without it (`on`) so does that query."""
     from kvtier.sparse import prompt_stage0
 
     model, cfg = gqa
@@ -196,7 +203,7 @@ def test_the_first_query_after_a_prefill_scores_stage_0_on_the_prompts_landmarks
     outs = {}
     for policy in ("gpu", "head"):
         calls.clear()
-        kernel = kernel_for(cfg, stage0_landmarks=True, per_head=per_head)
+        kernel = kernel_for(cfg, stage0_landmarks=True, prompt_landmarks=True, per_head=per_head)
         logits, tokens, _, h2d = run(model, cfg, policy, kernel)
         slices = cfg.num_layers * cfg.num_kv_heads  # TINY's slices hold a KV head each
         assert len(calls) == slices == kernel.stats.prompt_landmarks
@@ -212,6 +219,11 @@ def test_the_first_query_after_a_prefill_scores_stage_0_on_the_prompts_landmarks
     chunks = -(-(PROMPT_TOKENS - hip.window + 1 - hip.sink) // hip.chunk_sizes[0])  # at the prompt's end
     landmark_rows = SLICES * chunks * TOKEN_BYTES
     assert h2d == REFRESH_BYTES - SLICES * PROMPT_TOKENS * TOKEN_BYTES + landmark_rows + fetched
+    calls.clear()
+    prefill_only = kernel_for(cfg, stage0_landmarks=True, per_head=per_head)  # `--hip-landmarks on`
+    _, _, _, streamed = run(model, cfg, "head", prefill_only)
+    assert not calls and prefill_only.stats.prompt_landmarks == 0 and streamed == REFRESH_BYTES
+    assert "prompt_landmarks" not in prefill_only.counters()
 
 
 def test_prompt_stage0_applies_to_the_query_after_the_prefill_alone() -> None:
@@ -222,7 +234,8 @@ def test_prompt_stage0_applies_to_the_query_after_the_prefill_alone() -> None:
     from kvtier.sparse.prompt_stage0 import prompt_chunks, prompt_stage0
 
     cfg = HipConfig(sink=4, window=8, block_q=4, chunk_sizes=(8, 4), budgets=(16, 8), wide_budget=8,
-                    query_strides=(1, 1), refresh=(4, 2), extend=False)  # fmt: skip
+                    query_strides=(1, 1), refresh=(4, 2), extend=False, stage0_landmarks=True,
+                    prompt_landmarks=True)  # fmt: skip
     gen = torch.Generator().manual_seed(4)
     marks = Landmarks(sink=4, chunk=8)
     marks.update(torch.randn(100, 2, generator=gen), 0)  # 12 chunks of positions 4 .. 99
@@ -240,3 +253,6 @@ def test_prompt_stage0_applies_to_the_query_after_the_prefill_alone() -> None:
     assert got is not None and got.numel() == 16 and bool((got < w0).all())
     assert 4 + 7 * 8 in got.tolist()
     assert prompt_stage0(cfg, marks, q, 100, 5, w0, None, lambda at: None) is None  # unreadable: bisect
+    assert prompt_chunks(replace(cfg, prompt_landmarks=False), marks, 100, 5, w0) == 0  # `on`
+    with pytest.raises(ConfigError, match="prompt_landmarks needs stage0_landmarks"):
+        replace(cfg, stage0_landmarks=False)

@@ -86,7 +86,7 @@ class LLM:
         hip_align_window: bool | None = None,
         hip_exact: int | None = None,
         hip_stage0: int | None = None,
-        hip_landmarks: bool | None = None,
+        hip_landmarks: bool | str | None = None,
         kv_quant: str | None = None,
         evict: str | None = None,
         kv_budget: int | None = None,

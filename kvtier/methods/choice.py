@@ -41,7 +41,9 @@ class MethodChoice:
         None  # prefill stages of chunks up to N tokens on every key (`HipConfig.exact_chunk`)
     )
     hip_stage0: int | None = None  # prefill queries sharing stage 0 (`HipConfig.stage0_block_q`)
-    hip_landmarks: bool | None = None  # prefill stage 0 on landmark keys (`HipConfig.stage0_landmarks`)
+    # prefill stage 0 on landmark keys (`HipConfig.stage0_landmarks`); "all": the prompt's last
+    # token's too (`prompt_landmarks`)
+    hip_landmarks: bool | str | None = None
     kv_quant: str | None = None
     evict: str | None = None
     kv_budget: int | None = None

@@ -85,10 +85,11 @@ def _stage0(text: str) -> int:
     return value
 
 
-def _landmarks(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise ConfigError(f"--hip-landmarks takes on or off, got {text!r}")
-    return text == "on"
+def _landmarks(text: str) -> bool | str:
+    """on: True, off: False, all: "all" (the prompt's last token on the landmarks too)."""
+    if text not in ("on", "off", "all"):
+        raise ConfigError(f"--hip-landmarks takes on, all or off, got {text!r}")
+    return "all" if text == "all" else text == "on"
 
 
 def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
@@ -107,8 +108,9 @@ def _config(options: Mapping[str, Any], preset: str) -> HipConfig:
     stage0 = options.get("hip_stage0")
     if stage0 is not None:
         config = replace(config, stage0_block_q=int(stage0))
-    if options.get("hip_landmarks"):
-        config = replace(config, stage0_landmarks=True)
+    marks = options.get("hip_landmarks")
+    if marks:
+        config = replace(config, stage0_landmarks=True, prompt_landmarks=marks == "all")
     return config
 
 
@@ -225,6 +227,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
         exact_chunk=hip.exact_chunk,
         stage0_block_q=hip.stage0_block_q,
         stage0_landmarks=hip.stage0_landmarks,
+        prompt_landmarks=hip.prompt_landmarks,
     )
     cache = "" if ctx.hip_cache_tokens is None else f", block cache {ctx.hip_cache_tokens} tokens/slice"
     if ctx.hip_cache_tokens in SMALL_CACHE_TOKEN_STEPS:
@@ -237,6 +240,7 @@ def _build(ctx: BuildContext) -> PolicyParts:
     every += f", chunks of up to {hip.exact_chunk} tokens scored on every key" if hip.exact_chunk else ""
     every += f", stage 0 once per {hip.stage0_block_q} queries" if hip.stage0_block_q else ""
     every += ", stage 0 on landmark keys" if hip.stage0_landmarks else ""
+    every += " (its last token's too)" if hip.prompt_landmarks else ""
     keys = ", stage 0 on host keys" if on_host else ""
     keys += ", stage 0 on its probes" if ctx.options.get("hip_probes") else ""
     describe = f"hip {preset}{auto}{every}{cache}{keys}"
@@ -346,6 +350,7 @@ HIP = register(
         "on (experimental): HiP's prefill scores its first pruning stage on one landmark key a "
         "chunk, the key the next 512 queries attended most when its chunk was prefilled "
         "(hip-attention's later scan stage), in one dense product instead of a bisection per "
-        "query block; another selection. off: the default, until timed and scored on a GPU",
+        "query block; another selection. all: the prompt's last token's too (its step reads "
+        "landmark rows, not every key; found fewer needles). off: the default, until scored on RULER",
     ),
 )

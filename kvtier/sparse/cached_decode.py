@@ -335,7 +335,7 @@ class CachedDecode(SliceCaches, StagePieces):
     def _on_prompt_landmarks(self, step: SliceStep) -> bool:
         """Whether this step of a slice scores stage 0 on the prompt's landmarks
         (`prompt_chunks`): the first query after a prefill that scored them."""
-        if not self.cfg.stage0_landmarks:
+        if not self.cfg.prompt_landmarks:
             return False
         marks = self._landmarks.get((step.layer, step.group, 0 if self.cfg.per_head else -1))
         w0 = self._decode_window_start(step.start)

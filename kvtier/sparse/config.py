@@ -147,6 +147,13 @@ class HipConfig:
     # later scan stage), in one dense product, not by bisection. Lossy differently; a request's
     # `--hip-landmarks on` (experimental; off until timed and scored on a GPU).
     stage0_landmarks: bool = False
+    # With `stage0_landmarks`: the first query after a prefill (the prompt's last token) scores
+    # stage 0 on the same landmarks, not by bisection (`kvtier.sparse.prompt_stage0`): over
+    # streamed slices only landmark rows and kept chunks cross PCIe, not every key. A request's
+    # `--hip-landmarks all`. Off: one query's selection on one key a chunk found fewer needles
+    # (SmolLM2 prose NIAH at 64K on an H100: 11 of 33 against 15 with its last token bisecting,
+    # bench/results/niah_smollm2_cuda_prose_64k_fast_landmarks_all_x3.json).
+    prompt_landmarks: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.chunk_sizes)
@@ -203,6 +210,10 @@ class HipConfig:
             raise ConfigError(
                 f"hip exact_chunk must be 0 (off) or a power of two up to {EXACT_CHUNK_MAX}, "
                 f"got {self.exact_chunk}"
+            )
+        if self.prompt_landmarks and not self.stage0_landmarks:
+            raise ConfigError(
+                "hip prompt_landmarks needs stage0_landmarks (the prefill's landmarks it scores on)"
             )
         if self.pruning_rope not in PRUNING_ROPE:
             raise ConfigError(f"hip pruning_rope {self.pruning_rope!r}: use one of {', '.join(PRUNING_ROPE)}")

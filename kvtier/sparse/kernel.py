@@ -158,7 +158,7 @@ class HipKernel(CachedDecode):
             "decode_recomputes": list(self.stats.decode_recomputes),
             "cache_hit_rate": round(self.stats.hit_rate, 4),
         }
-        if self.cfg.stage0_landmarks:  # slices whose first query after a prefill scored them
+        if self.cfg.prompt_landmarks:  # slices whose first query after a prefill scored them
             out["prompt_landmarks"] = self.stats.prompt_landmarks
         if self._graphs is not None:
             g = self._graphs

@@ -1,4 +1,5 @@
-"""Stage 0 of the first query after a prefill, scored on the prompt's landmarks.
+"""Stage 0 of the first query after a prefill, scored on the prompt's landmarks
+(`HipConfig.prompt_landmarks`, a request's `--hip-landmarks all`).
 
 With `HipConfig.stage0_landmarks` the prefill's stage 0 scores each chunk by one landmark key
 (`kvtier.sparse.landmarks`). The prompt's last token runs as a step of its own
@@ -11,6 +12,11 @@ hip_cli_speed_512k_fast_landmarks_triton.json). The query right after the prefil
 selected one way, and only the landmark keys (one a chunk and KV head) are read; the later
 stages then read the kept chunks (through the block cache, when streamed). Decode steps after
 it that rerun stage 0 bisect as before: decoded tokens have no landmarks.
+
+Faster, and worse at retrieval: one query's selection on one key a chunk missed needles the
+bisection found (SmolLM2 prose NIAH at 64K on an H100: 11 of 33 against 15), while at 512K it
+took the last token's step from 1.59 s to 0.80 s (bench/results/
+hip_cli_speed_512k_fast_landmarks_all_layer.json). So `--hip-landmarks on` leaves it off.
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ from kvtier.sparse.rope_ext import RopeTable
 
 def prompt_chunks(cfg: HipConfig, marks: Landmarks | None, s: int, layer: int, w0: int) -> int:
     """The stage-0 chunks the query at position s scores on `marks` (its slice's landmarks, or
-    one KV head's with `per_head`) over its candidates [sink, w0), or 0 where it does not: not
-    the first query after a prefill that scored landmarks, chunks it never scored, or a stage 0
-    that keeps every candidate anyway (nothing to read)."""
-    if marks is None or marks.end != s or (where := marks.positions()) is None:
+    one KV head's with `per_head`) over its candidates [sink, w0), or 0 where it does not:
+    without `HipConfig.prompt_landmarks`, not the first query after a prefill that scored
+    landmarks, chunks it never scored, or a stage 0 that keeps every candidate anyway."""
+    if not cfg.prompt_landmarks or marks is None or marks.end != s or (where := marks.positions()) is None:
         return 0
     chunk, budget = cfg.chunk_sizes[0], cfg.stage_budgets(layer)[0]
     c_count = -(-max(0, w0 - cfg.sink) // chunk)
