@@ -911,7 +911,43 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+171)
+  # (~6 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill with landmarks by layer
+  # (on: the prompt's last token bisects; 14,901 tok/s, 4.01x in 166), three rows on one start:
+  # the first pays Triton's compiles; the second pins the hidden states' pieces by
+  # cudaHostRegister (KVTIER_HIDDEN_PIN=register, kvtier.engine.host_pin: layer 0 pinned 4.3 GB at
+  # cudaHostAlloc's 1.59 GB/s, 2.77 s against ~0.9 for a later layer in 169); the third scores
+  # decode stages on probes (--hip-probes on), which reads the last token's stage-0 probes in
+  # place (~1/16 of the keys) with the bisection's selection, where `all`'s landmarks cost needles
+  # (169: 0.80 s, 11 of 33 at 64K against 15). 172 right after
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_on_a
+  KVTIER_HIDDEN_PIN=register run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "$lm" --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_hidden_register
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm,hip_probes=on" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_probes
+  ;;
+172)
+  # (~6 min, no GGUF: .tok/ carried; right after 171 on the same start) lossless auto at 512K,
+  # the base of 171's ratios, then 171's first row again (its A/B without the compiles)
+  run 250 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "auto" \
+    --new-tokens 8 --timeout 240 --name hip_cli_speed_512k_auto_base_f
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" --new-tokens 8 --timeout 135 \
+    --name hip_cli_speed_512k_fast_landmarks_layer_on_b
+  ;;
+173)
+  # (~2 min, the GGUF) the quality of 171's third row: SmolLM2's prose NIAH at 64K (15 of 33 for
+  # fast, fast with landmarks on; 11 for all), the last token's stage 0 on probes in place
+  run 200 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
+    --haystack prose --device cuda --max-model-len 66000 --no-progress \
+    --method hip,hip_preset=fast,hip_landmarks=on,hip_probes=on \
+    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_probes_x3.json"
+  ;;
 169)
+  # (ran 2026-12-07, fifty-sixth session, code c927cc2: pin_rate.json,
+  # hip_cli_speed_512k_fast_landmarks_all_layer{,_register16}.json; the first row was cut)
   # (~7 min, no GGUF: .tok/ and .whl carried) how fast pinned memory is made and whether making
   # it stalls the GPU (a 512K run's wall is ~55 s past its prefill and decode, most of it perhaps
   # pinning the 64 GiB host tier; the layer order's layer 0 pins the hidden states, 4.3 GB: 4.06 s
@@ -931,6 +967,7 @@ case "$group" in
     --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_f148_b
   ;;
 170)
+  # (ran 2026-12-07, fifty-sixth session: hip_cli_speed_512k_auto_base_e.json, _fast_layer.json)
   # (~6 min, no GGUF: .tok/ carried; right after 169 on the same start) lossless auto at 512K,
   # the base of 169's ratios, then fast by layer without landmarks: which of landmarks and the
   # layer order made 166's 14,901 tok/s (fast by chunk: 13,203), and whether the layer order

@@ -176,3 +176,17 @@ def test_an_unknown_prefill_order_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="--prefill-order 'diagonal': use one of chunk, layer"):
         EngineConfig(prefill_order="diagonal")
+
+
+def test_the_hidden_pieces_pin_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`KVTIER_HIDDEN_PIN`: unset is PyTorch's pinned allocator, "register" (any case) the
+    registered pieces; anything else is refused with the values it takes."""
+    from kvtier.engine.host_pin import hidden_pin
+
+    monkeypatch.delenv("KVTIER_HIDDEN_PIN", raising=False)
+    assert hidden_pin() == "alloc"
+    monkeypatch.setenv("KVTIER_HIDDEN_PIN", " Register ")
+    assert hidden_pin() == "register"
+    monkeypatch.setenv("KVTIER_HIDDEN_PIN", "mlock")
+    with pytest.raises(ConfigError, match=r"use alloc \(the default\) or register"):
+        hidden_pin()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.engine.host_pin import hidden_pin, registered_empty, unregister
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 
@@ -42,6 +43,7 @@ class _Hidden:
 
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.register = self.cuda and hidden_pin() == "register"  # `kvtier.engine.host_pin`
         self.device, self.width, self.dtype = device, width, dtype
         self.pieces: dict[int, torch.Tensor] = {}  # chunk start -> its rows [e - s, hidden]
         self._in = torch.cuda.Stream(device) if self.cuda else None
@@ -83,7 +85,11 @@ class _Hidden:
         """Rows [s, s + len(x)) from the device, after the current stream's work so far."""
         rows = self.pieces.get(s)
         if rows is None:
-            rows = torch.empty(x.shape[0], self.width, dtype=self.dtype, pin_memory=self.cuda)
+            shape = (x.shape[0], self.width)
+            if self.register:
+                rows = registered_empty(shape, self.dtype)
+            else:
+                rows = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
             self.pieces[s] = rows
         assert rows.shape[0] == x.shape[0], "a chunk's rows are written whole"
         if self._out is None:
@@ -102,6 +108,16 @@ class _Hidden:
         if self._held is not None:
             torch.cuda.current_stream(self.device).wait_event(self._held[1])
             self._held = None
+
+    def close(self) -> None:
+        """After the pass: registered pieces are unregistered once the device is done with them
+        (a sync; the pinned allocator's own pieces need none)."""
+        self.release()
+        if self.register and self.pieces:
+            torch.cuda.synchronize(self.device)
+            for rows in self.pieces.values():
+                unregister(rows)
+        self.pieces.clear()
 
 
 @torch.inference_mode()
@@ -124,8 +140,8 @@ def prefill_by_layer(
     n = spans[-1][1]
     assert spans[0][0] == 0 and n == ids.shape[0], "the whole prompt, from its first token"
     layers = model.model.layers
-    store.begin_step(n, by_layer=True)
     hidden = _Hidden(model.config.hidden_size, model.model.embed_tokens.weight.dtype, ids.device)
+    store.begin_step(n, by_layer=True)  # NOTE: after `_Hidden`, whose setting may be refused
     out = torch.empty(0)
     passed = 0  # tokens through a layer so far, summed over layers
     order = [(i, s, e) for i in range(len(layers)) for s, e in spans]
@@ -144,6 +160,6 @@ def prefill_by_layer(
             progress(passed // len(layers) - shown)  # whole tokens: their sum is exactly n
         if layer_done is not None and e == n:
             layer_done()
-    hidden.release()
+    hidden.close()
     store.end_step()
     return out
