@@ -912,38 +912,43 @@ case "$group" in
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
 171)
-  # (~6 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill with landmarks by layer
-  # (on: the prompt's last token bisects; 14,901 tok/s, 4.01x in 166), three rows on one start:
-  # the first pays Triton's compiles; the second pins the hidden states' pieces by
-  # cudaHostRegister (KVTIER_HIDDEN_PIN=register, kvtier.engine.host_pin: layer 0 pinned 4.3 GB at
-  # cudaHostAlloc's 1.59 GB/s, 2.77 s against ~0.9 for a later layer in 169); the third scores
-  # decode stages on probes (--hip-probes on), which reads the last token's stage-0 probes in
-  # place (~1/16 of the keys) with the bisection's selection, where `all`'s landmarks cost needles
-  # (169: 0.80 s, 11 of 33 at 64K against 15). 172 right after
+  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill with landmarks by layer
+  # (on: the prompt's last token bisects; 14,901 tok/s, 4.01x in 166), four rows on one start
+  # after a 64K warm-up that pays Triton's compiles: as is; with the hidden states' pieces pinned
+  # by cudaHostRegister (KVTIER_HIDDEN_PIN=register, kvtier.engine.host_pin: layer 0 pinned 4.3 GB
+  # at cudaHostAlloc's 1.59 GB/s, 2.77 s against ~0.9 for a later layer in 169); with decode's
+  # stages on probes (--hip-probes on: the last token's stage-0 probes read in place, ~1/16 of the
+  # keys, the bisection's selection, where `all`'s landmarks cost needles: 0.80 s, 11 of 33 at
+  # 64K against 15); with stage 2's queries pooled by 2 (--hip-strides 4/4/2: stage 2 was 7.6 of
+  # the pruning's 13.2 ms a layer, hip_kernels_512k_fast_landmarks_triton.json). 172 right after
   lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
-  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm" \
-    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_on_a
+  run 160 $py bench/hip_cli_speed.py --contexts 512K --warmup-context 64K --warmup-tokens 2 --methods "$lm" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_on
   KVTIER_HIDDEN_PIN=register run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
     --methods "$lm" --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_hidden_register
   run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm,hip_probes=on" \
     --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_probes
+  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm,hip_strides=4/4/2" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_strides442
   ;;
 172)
   # (~6 min, no GGUF: .tok/ carried; right after 171 on the same start) lossless auto at 512K,
-  # the base of 171's ratios, then 171's first row again (its A/B without the compiles)
+  # the base of 171's ratios, then 171's three changes together
   run 250 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "auto" \
     --new-tokens 8 --timeout 240 --name hip_cli_speed_512k_auto_base_f
-  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" --new-tokens 8 --timeout 135 \
-    --name hip_cli_speed_512k_fast_landmarks_layer_on_b
+  KVTIER_HIDDEN_PIN=register run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
+    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
+    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_combined
   ;;
 173)
-  # (~2 min, the GGUF) the quality of 171's third row: SmolLM2's prose NIAH at 64K (15 of 33 for
-  # fast, fast with landmarks on; 11 for all), the last token's stage 0 on probes in place
-  run 200 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
-    --haystack prose --device cuda --max-model-len 66000 --no-progress \
-    --method hip,hip_preset=fast,hip_landmarks=on,hip_probes=on \
-    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_probes_x3.json"
+  # (~3 min, the GGUF) the quality of 171's rows: SmolLM2's prose NIAH at 64K (15 of 33 for fast
+  # and fast with landmarks on; 11 for all): with probes, and with probes and strides 4/4/2
+  for extra in hip_probes=on hip_probes=on,hip_strides=4/4/2; do
+    run 120 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
+      --haystack prose --device cuda --max-model-len 66000 --no-progress \
+      --method "hip,hip_preset=fast,hip_landmarks=on,$extra" \
+      --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_${extra//[=,\/]/_}_x3.json"
+  done
   ;;
 169)
   # (ran 2026-12-07, fifty-sixth session, code c927cc2: pin_rate.json,
