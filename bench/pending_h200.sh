@@ -372,6 +372,14 @@ layer_ab() {
       --name "hip_decode_profile_lean_128k_g2_layer_ab${a:+_slices}"
   done
 }
+# one 512K `kvtier generate` row set through hip_cli_speed (8 new tokens, no warm-up): $1 the run's
+# seconds, $2 the methods, $3 the JSON's name, the rest more flags
+cli512k() {
+  local secs=$1 methods=$2 name=$3
+  shift 3
+  run "$secs" $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$methods" \
+    --new-tokens 8 --timeout $((secs - 5)) --name "$name" "$@"
+}
 # the embedded model's CUDA NIAH grid at 16K and 32K, 11 depths x 3 samples: $1 haystack, $2 the
 # method spec, $3 the JSON's name under $OUT
 niah_cuda() {
@@ -922,23 +930,18 @@ case "$group" in
   # 64K against 15); with stage 2's queries pooled by 2 (--hip-strides 4/4/2: stage 2 was 7.6 of
   # the pruning's 13.2 ms a layer, hip_kernels_512k_fast_landmarks_triton.json). 172 right after
   lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
-  run 160 $py bench/hip_cli_speed.py --contexts 512K --warmup-context 64K --warmup-tokens 2 --methods "$lm" \
-    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_on
-  KVTIER_HIDDEN_PIN=register run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "$lm" --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_hidden_register
-  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm,hip_probes=on" \
-    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_probes
-  run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$lm,hip_strides=4/4/2" \
-    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_strides442
+  cli512k 190 "$lm" hip_cli_speed_512k_fast_landmarks_layer_on --warmup-context 64K --warmup-tokens 2
+  KVTIER_HIDDEN_PIN=register cli512k 130 "$lm" hip_cli_speed_512k_fast_landmarks_layer_hidden_register
+  cli512k 130 "$lm,hip_probes=on" hip_cli_speed_512k_fast_landmarks_layer_probes
+  cli512k 130 "$lm,hip_strides=4/4/2" hip_cli_speed_512k_fast_landmarks_layer_strides442
   ;;
 172)
   # (~6 min, no GGUF: .tok/ carried; right after 171 on the same start) lossless auto at 512K,
   # the base of 171's ratios, then 171's three changes together
-  run 250 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "auto" \
-    --new-tokens 8 --timeout 240 --name hip_cli_speed_512k_auto_base_f
-  KVTIER_HIDDEN_PIN=register run 140 $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 \
-    --methods "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
-    --new-tokens 8 --timeout 135 --name hip_cli_speed_512k_fast_landmarks_layer_combined
+  cli512k 250 auto hip_cli_speed_512k_auto_base_f
+  KVTIER_HIDDEN_PIN=register cli512k 140 \
+    "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
+    hip_cli_speed_512k_fast_landmarks_layer_combined
   ;;
 173)
   # (~3 min, the GGUF) the quality of 171's rows: SmolLM2's prose NIAH at 64K (15 of 33 for fast

@@ -127,17 +127,10 @@ def test_store_run_with_landmarks_prunes_on_them_and_slicing_changes_nothing(
     """A chunked prefill with stage 0 on landmarks (budgets that prune 120 tokens) scores every
     prefill chunk's keys, runs the landmark stage and decodes; resident and streamed slices give
     the same logits."""
-    model, cfg = gqa
-    calls: list[int] = []
-    real = landmarks.landmark_stage
-
-    def spy(*a: Any, **kw: Any) -> Any:
-        calls.append(1)
-        return real(*a, **kw)
-
     from kvtier.sparse import prefill
 
-    monkeypatch.setattr(prefill, "landmark_stage", spy)
+    model, cfg = gqa
+    calls = _spy(monkeypatch, prefill, "landmark_stage")
     outs = []
     for policy in ("gpu", "head"):
         kernel = kernel_for(cfg, stage0_landmarks=True)
@@ -192,14 +185,7 @@ def test_the_first_query_after_a_prefill_scores_stage_0_on_the_prompts_landmarks
     from kvtier.sparse import prompt_stage0
 
     model, cfg = gqa
-    calls: list[int] = []
-    real = prompt_stage0.landmark_stage
-
-    def spy(*a: Any, **kw: Any) -> Any:
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(prompt_stage0, "landmark_stage", spy)
+    calls = _spy(monkeypatch, prompt_stage0, "landmark_stage")
     outs = {}
     for policy in ("gpu", "head"):
         calls.clear()
@@ -256,3 +242,16 @@ def test_prompt_stage0_applies_to_the_query_after_the_prefill_alone() -> None:
     assert prompt_chunks(replace(cfg, prompt_landmarks=False), marks, 100, 5, w0) == 0  # `on`
     with pytest.raises(ConfigError, match="prompt_landmarks needs stage0_landmarks"):
         replace(cfg, stage0_landmarks=False)
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """Count the calls of `module.name` (a list that grows by one a call) while it still runs."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
