@@ -936,12 +936,16 @@ case "$group" in
   cli512k 130 "$lm,hip_strides=4/4/2" hip_cli_speed_512k_fast_landmarks_layer_strides442
   ;;
 172)
-  # (~6 min, no GGUF: .tok/ carried; right after 171 on the same start) lossless auto at 512K,
+  # (~8 min, no GGUF: .tok/ carried; right after 171 on the same start) lossless auto at 512K,
   # the base of 171's ratios, then 171's three changes together
   cli512k 250 auto hip_cli_speed_512k_auto_base_f
   KVTIER_HIDDEN_PIN=register cli512k 140 \
     "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
     hip_cli_speed_512k_fast_landmarks_layer_combined
+  # the first decode step after a prefill by layer took 0.61-0.94 s in every such run (0.08-0.15
+  # by chunk: hip_cli_speed_512k_fast_order_ab.json); without decode graphs, is it their captures?
+  KVTIER_HIP_GRAPHS=0 cli512k 130 "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" \
+    hip_cli_speed_512k_fast_landmarks_layer_graphs0
   ;;
 173)
   # (~3 min, the GGUF) the quality of 171's rows: SmolLM2's prose NIAH at 64K (15 of 33 for fast
