@@ -943,9 +943,12 @@ case "$group" in
     "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
     hip_cli_speed_512k_fast_landmarks_layer_combined
   # the first decode step after a prefill by layer took 0.61-0.94 s in every such run (0.08-0.15
-  # by chunk: hip_cli_speed_512k_fast_order_ab.json); without decode graphs, is it their captures?
-  KVTIER_HIP_GRAPHS=0 cli512k 130 "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer" \
-    hip_cli_speed_512k_fast_landmarks_layer_graphs0
+  # by chunk: hip_cli_speed_512k_fast_order_ab.json) with the same graph captures and mallocs:
+  # that step under cProfile and torch.profiler (the prompt and model 171's runs left in /tmp)
+  run 130 $py bench/first_decode_trace.py --name first_decode_trace_512k_fast_landmarks_layer -- \
+    --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/prose_524288.txt \
+    --gpu-memory 24GiB --max-new-tokens 4 --max-model-len 2M --ignore-eos --attention hip \
+    --hip-preset fast --hip-landmarks on --prefill-order layer
   ;;
 173)
   # (~3 min, the GGUF) the quality of 171's rows: SmolLM2's prose NIAH at 64K (15 of 33 for fast
