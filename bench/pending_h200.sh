@@ -943,8 +943,10 @@ case "$group" in
     "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
     hip_cli_speed_512k_fast_landmarks_layer_combined
   # the first decode step after a prefill by layer took 0.61-0.94 s in every such run (0.08-0.15
-  # by chunk: hip_cli_speed_512k_fast_order_ab.json) with the same graph captures and mallocs:
-  # that step under cProfile and torch.profiler (the prompt and model 171's runs left in /tmp)
+  # by chunk: hip_cli_speed_512k_fast_order_ab.json) with the same graph captures and mallocs;
+  # torch.cuda.graph unpins PyTorch's cached pinned blocks, there the layer order's 4.3 GB of
+  # hidden pieces, which kvtier.kv.graph_capture now keeps: 171's first decode steps say whether
+  # that was it, and this traces that step (cProfile, torch.profiler; 171 left the prompt and model)
   run 130 $py bench/first_decode_trace.py --name first_decode_trace_512k_fast_landmarks_layer -- \
     --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/prose_524288.txt \
     --gpu-memory 24GiB --max-new-tokens 4 --max-model-len 2M --ignore-eos --attention hip \

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kvtier.kv.graph_capture import capture
 from kvtier.sparse.opcount import unseen as uncounted
 
 
@@ -21,13 +22,14 @@ class Recorder(Protocol):
 
 
 class CudaRecorder:
-    """`Recorder` of CUDA graphs, all in one memory pool."""
+    """`Recorder` of CUDA graphs, all in one memory pool, captured by `kvtier.kv.graph_capture`
+    (which keeps the pinned host cache that `torch.cuda.graph` empties)."""
 
     def __init__(self) -> None:
         self._pool: Any = None  # the graphs' one memory pool (after the first capture)
 
     def record(self, device: torch.device, body: Callable[[], Any]) -> tuple[Any, Any]:
-        """Warm up on a side stream, then capture body(). The warm-up writes what the replay
+        """Warm up on a side stream, then capture body() on it. The warm-up writes what the replay
         writes again (the same values from the same inputs), so it changes nothing a later step
         reads; its output is dropped."""
         side = torch.cuda.Stream(device)
@@ -41,8 +43,7 @@ class CudaRecorder:
         # One pool for all: another graph may reuse a graph's temporaries, and its outputs only
         # live until the model reads them, before the next graph replays (a rerun's selections,
         # which the decode states keep, are copied out of the pool: `_Graph.kept`).
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = body()
+        out = capture(graph, body, side, self._pool, error_mode="thread_local")
         self._pool = graph.pool()
         return graph, out
 

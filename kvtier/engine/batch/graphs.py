@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvtier.kv.graph_capture import capture
 from kvtier.kv.paged import PagedKVStore, SeqStep
 from kvtier.model.llama import CausalLM
 
@@ -104,8 +105,7 @@ class DecodeRunner:
             self._forward(rows)
         torch.cuda.current_stream(self.store.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(rows)
+        out = capture(graph, lambda: self._forward(rows), side, self._pool)  # the pinned cache kept
         self._pool = graph.pool()
         self.captures += 1
         return graph, out
