@@ -45,6 +45,7 @@ from kvtier.model.rope import Rotary
 from kvtier.sparse import HIP_PRESETS
 from kvtier.sparse.kernel import HipKernel
 from kvtier.sparse.opcount import OpCounter
+from kvtier.sparse.prune_memory import bisect_block_c
 from kvtier.sparse.rope_ext import RopeTable
 from kvtier.units import parse_count
 
@@ -64,7 +65,7 @@ def _bisect(q: torch.Tensor, keys: Any, candidates: Any, first: int, lengths: to
     bsz, nq, g, r, _ = q.shape
     if kw.get("softmax_scale") is not None:
         programs = -(-lengths.shape[1] // triton_head_score.BLOCK_CHUNKS)
-        parts = -(-lengths.shape[1] // triton_bisect.BLOCK_C)
+        parts = -(-lengths.shape[1] // (triton_bisect.BLOCK_C or bisect_block_c(True)))
         if bsz * programs * g * nq * r * parts > triton_head_score.FOLD_PARTS_MAX:
             _launch("_combine_lse")
         _launch("_chunk_score")
