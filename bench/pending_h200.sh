@@ -962,6 +962,14 @@ case "$group" in
       --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_${extra//[=,\/]/_}_x3.json"
   done
   ;;
+174)
+  # (~2 min, no GGUF) whether pinning scales with threads: a 512K run's setup pins its 64 GiB
+  # host tier as 1 GiB slabs one after another (24.5 s, ~2.8 GB/s: hip_cli_speed_512k_fast_
+  # landmarks_all_layer.json), and cudaHostRegister's faster pinning made in-place reads slower;
+  # if cudaHostAlloc from 8 threads pins several times faster, HostArena could make its slabs so
+  run 150 $py bench/pin_rate.py --configs cudaHostAlloc --threads 1,8 --total 8GiB --piece 1GiB \
+    --name pin_rate_threads
+  ;;
 169)
   # (ran 2026-12-07, fifty-sixth session, code c927cc2: pin_rate.json,
   # hip_cli_speed_512k_fast_landmarks_all_layer{,_register16}.json; the first row was cut)

@@ -13,6 +13,8 @@ PYTORCH_CUDA_ALLOC_CONF (pinned memory made by `cudaHostAlloc`, PyTorch's defaul
   waited for the device (the GPU then idles while the host pins).
 
     python bench/pin_rate.py            # bench/results/pin_rate.json (CUDA only)
+    python bench/pin_rate.py --configs cudaHostAlloc --threads 1,8 --total 8GiB --piece 1GiB \
+        --name pin_rate_threads       # the host tier's 1 GiB slabs, from 8 threads at once
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,9 @@ CONFIGS: dict[str, str] = {
 }
 
 
-def measure(piece: int, total: int, busy_ms: float) -> dict[str, Any]:
-    """One configuration's numbers (run inside its own process: the settings are read once)."""
+def measure(piece: int, total: int, busy_ms: float, threads: int = 1) -> dict[str, Any]:
+    """One configuration's numbers (run inside its own process: the settings are read once),
+    `total` pinned in pieces from `threads` threads at once."""
     import torch
 
     dev = torch.device("cuda")
@@ -51,10 +55,10 @@ def measure(piece: int, total: int, busy_ms: float) -> dict[str, Any]:
         a @ a
     torch.cuda.synchronize()
     per_matmul = (time.perf_counter() - t0) / 10
-    held = []
+    count = max(1, total // piece)
     t0 = time.perf_counter()
-    for _ in range(max(1, total // piece)):
-        held.append(torch.empty(piece, dtype=torch.uint8, pin_memory=True))
+    with ThreadPoolExecutor(threads) as pool:  # 1: one after another on one thread
+        held = list(pool.map(lambda _: torch.empty(piece, dtype=torch.uint8, pin_memory=True), range(count)))
     made = time.perf_counter() - t0
     made_bytes = len(held) * piece
     t0 = time.perf_counter()
@@ -83,13 +87,21 @@ def main() -> None:
     ap.add_argument("--total", default="4GiB", help="bytes pinned a configuration")
     ap.add_argument("--busy-ms", type=float, default=300.0, help="GPU work queued before the busy allocation")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of: {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--threads",
+        default="1",
+        help="comma list: threads that pin the pieces at once (1,8: each config twice)",
+    )
     ap.add_argument("--name", default="pin_rate")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     piece, total = parse_size(args.piece, "--piece"), parse_size(args.total, "--total")
     if args.child is not None:
-        print(json.dumps(measure(piece, total, args.busy_ms)))
+        print(json.dumps(measure(piece, total, args.busy_ms, int(args.threads))))
         return
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    if not threads or min(threads) < 1:
+        sys.exit(f"--threads {args.threads!r}: give thread counts of 1 or more, e.g. 1,8")
     import torch
 
     if not torch.cuda.is_available():
@@ -102,15 +114,16 @@ def main() -> None:
     for name in names:
         conf = ",".join(x for x in ("expandable_segments:True", CONFIGS[name]) if x)
         env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
-        cmd = [sys.executable, __file__, "--child", name, "--piece", args.piece, "--total", args.total]
-        cmd += ["--busy-ms", str(args.busy_ms)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode:
-            row: dict[str, Any] = {"error": done.stderr.strip().splitlines()[-1:]}
-        else:
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-        rows.append({"config": name, "alloc_conf": conf, **row})
-        print(rows[-1], flush=True)
+        for n in threads:
+            cmd = [sys.executable, __file__, "--child", name, "--piece", args.piece, "--total", args.total]
+            cmd += ["--busy-ms", str(args.busy_ms), "--threads", str(n)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode:
+                row: dict[str, Any] = {"error": done.stderr.strip().splitlines()[-1:]}
+            else:
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append({"config": name, "alloc_conf": conf, "threads": n, **row})
+            print(rows[-1], flush=True)
     print("results:", write_results(args.name, {"piece": piece, "total": total, "rows": rows}))
 
 
