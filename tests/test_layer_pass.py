@@ -190,3 +190,29 @@ def test_the_hidden_pieces_pin_setting_is_read_and_checked(monkeypatch: pytest.M
     monkeypatch.setenv("KVTIER_HIDDEN_PIN", "mlock")
     with pytest.raises(ConfigError, match=r"use alloc \(the default\) or register"):
         hidden_pin()
+
+
+def test_registered_pieces_are_kept_for_the_next_pass_and_released_once() -> None:
+    """`RegisteredPool` (KVTIER_HIDDEN_PIN=register): a piece given back is taken again for the
+    same shape and dtype instead of a new registration; `close` releases each kept one once."""
+    from kvtier.engine.host_pin import RegisteredPool
+
+    made: list[torch.Tensor] = []
+    released: list[torch.Tensor] = []
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        made.append(torch.zeros(shape, dtype=dtype))
+        return made[-1]
+
+    pool = RegisteredPool(make, released.append)
+    a, b = pool.take((4, 8), torch.bfloat16), pool.take((4, 8), torch.bfloat16)
+    pool.give([a, b])
+    assert pool.take((2, 8), torch.bfloat16) is made[2]  # another shape: a new one
+    assert pool.take((4, 8), torch.float32) is made[3]  # another dtype too
+    again = {id(pool.take((4, 8), torch.bfloat16)) for _ in range(2)}
+    assert again == {id(a), id(b)} and len(made) == 4
+    pool.give([a, made[2]])
+    pool.close()
+    assert [id(t) for t in released] == [id(a), id(made[2])]
+    pool.close()
+    assert len(released) == 2

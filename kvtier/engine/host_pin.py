@@ -9,11 +9,18 @@ threads there). Only for these pieces, which the GPU reads by copies: set for th
 allocator, registered memory made the host tier's in-place reads by kernels slower (the last
 token's step 4.40 s against 0.80, hip_cli_speed_512k_fast_landmarks_all_layer_register16.json).
 Off until a 512K run on one start compares the two.
+
+Registered pieces are not unregistered after the pass (unpinning costs ~0.3 s a GB, inside the
+prefill): they go back to `REGISTERED`, which the next prefill by layer takes them from, as
+PyTorch's pinned allocator keeps its own pieces cached (`kvtier.kv.graph_capture`), and are
+unregistered when the process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -45,3 +52,32 @@ def unregister(t: torch.Tensor) -> None:
     rc = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
     if rc != 0:
         raise RuntimeError(f"cudaHostUnregister failed: cudaError {rc}")
+
+
+class RegisteredPool:
+    """Registered host tensors kept for reuse, by shape and dtype: `take` one (registering a new
+    one when none is kept), `give` them back once no copy reads them (the caller synchronized);
+    `close` unregisters every kept one."""
+
+    def __init__(self, make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = registered_empty,
+                 release: Callable[[torch.Tensor], None] = unregister) -> None:  # fmt: skip
+        self._make, self._release = make, release
+        self._kept: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        kept = self._kept.get((shape, dtype))
+        return kept.pop() if kept else self._make(shape, dtype)
+
+    def give(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            self._kept.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def close(self) -> None:
+        for kept in self._kept.values():
+            for t in kept:
+                self._release(t)
+        self._kept.clear()
+
+
+REGISTERED = RegisteredPool()
+atexit.register(REGISTERED.close)

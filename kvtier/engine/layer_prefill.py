@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.engine.host_pin import hidden_pin, registered_empty, unregister
+from kvtier.engine.host_pin import REGISTERED, hidden_pin
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 
@@ -87,7 +87,7 @@ class _Hidden:
         if rows is None:
             shape = (x.shape[0], self.width)
             if self.register:
-                rows = registered_empty(shape, self.dtype)
+                rows = REGISTERED.take(shape, self.dtype)
             else:
                 rows = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
             self.pieces[s] = rows
@@ -110,13 +110,12 @@ class _Hidden:
             self._held = None
 
     def close(self) -> None:
-        """After the pass: registered pieces are unregistered once the device is done with them
-        (a sync; the pinned allocator's own pieces need none)."""
+        """After the pass: registered pieces go back to `REGISTERED` once the device is done
+        with them (a sync; the pinned allocator's own pieces need none)."""
         self.release()
         if self.register and self.pieces:
             torch.cuda.synchronize(self.device)
-            for rows in self.pieces.values():
-                unregister(rows)
+            REGISTERED.give(self.pieces.values())
         self.pieces.clear()
 
 
