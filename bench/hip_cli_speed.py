@@ -5,7 +5,9 @@ SmolLM2's tokenizer: from the embedded GGUF, else from `.tok/`, so a device call
 GGUF), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
 `kvtier generate --json` process per (context, method): what is timed is the CLI's own prefill
 and decode (its stats), the plan it chose included; the process's wall time, model load and
-Triton compile included, is recorded beside. The KV is what the model computes from the prompt:
+Triton compile included, is recorded beside, split into `before_setup_s` (the process's start,
+model load, tokenizing) and `after_answer_s` (from the printed answer to the exit: freeing pinned
+memory among the rest). The KV is what the model computes from the prompt:
 random weights over real text, no repetition.
 
     python bench/hip_cli_speed.py --contexts 128K,512K --methods "auto;hip"
@@ -25,6 +27,8 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,20 +72,23 @@ def run_one(
         "--max-model-len", "2M", "--ignore-eos", *method_flags(spec),
     ]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    row: dict[str, Any] = {
-        "method": spec,
-        "command": shlex.join(cmd),
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
+    out, err, rc, printed = timed_run(cmd, args.timeout)
+    wall = time.perf_counter() - t0
+    row: dict[str, Any] = {"method": spec, "command": shlex.join(cmd), "wall_s": round(wall, 1)}
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:  # else the CLI's own (`kvtier.cli.main`)
         row["alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
-    if proc.returncode != 0:
+    if rc != 0:
         # the last 40 lines: a Triton compile error's message sits above its source excerpt
-        tail = "\n".join(proc.stderr.strip().splitlines()[-40:])[-4000:]
-        row["error"] = tail or f"rc {proc.returncode}"
+        tail = "\n".join(err.strip().splitlines()[-40:])[-4000:]
+        row["error"] = tail or f"rc {rc}"
         return row
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
+    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+    if printed is not None:
+        # the process's wall past its own timings: before them (start, model load, tokenizing)
+        # and after its answer was printed (freeing pinned memory, the interpreter's exit)
+        timed = stats["setup_s"] + stats["prefill_s"] + stats["decode_s"]
+        row["before_setup_s"] = round(printed - t0 - timed, 1)
+        row["after_answer_s"] = round(wall - (printed - t0), 1)
     keep = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "prefill_tokens_per_s",
             "decode_tokens_per_s", "decode_step_s", "decode_step_times_s", "decode_h2d_bytes", "peak_bytes",
             "gpu_allocator", "prefill_step_s", "kernel", "decode_step_h2d_bytes", "decode_gc",
@@ -89,6 +96,34 @@ def run_one(
     row.update({k: stats.get(k) for k in keep})
     row["plan"] = {k: stats["plan"].get(k) for k in ("policy", "group_size", "chunk_size", "method")}
     return row
+
+
+def timed_run(cmd: list[str], timeout: float) -> tuple[str, str, int, float | None]:
+    """Run `cmd`: (stdout, stderr, return code, when its last stdout line arrived on
+    `time.perf_counter`'s clock, None if it printed none). Raises `subprocess.TimeoutExpired`
+    (the process killed) past `timeout` seconds."""
+    lines: list[str] = []
+    printed: list[float] = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                printed[:] = [time.perf_counter()]
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        reader.join()
+        err.seek(0)
+        return "".join(lines), err.read(), rc, printed[0] if printed else None
 
 
 def replace_tokens(args: argparse.Namespace, new_tokens: int) -> argparse.Namespace:

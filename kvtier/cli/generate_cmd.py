@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if not llm.is_rank0:
         return 0  # NOTE: under torchrun every rank runs this command; rank 0 prints
     if args.json:
-        print(json.dumps(out.to_dict()))
+        print(json.dumps(out.to_dict()), flush=True)  # NOTE: flushed: a pipe sees it before the exit
         return 0
     print(out.text)
     s = out.stats
