@@ -321,6 +321,11 @@
 #   early chunk's time above the matmuls, profiled; the exact kernel's sweep),
 #   the embedded smoke's generate part (the row tiles changed
 #   after its 92af773 run), 137's checks and RULER rows, 134, 110, 85, the 8B smoke.
+# The fifty-seventh ran 171 and 172 at 60b31e2 (two refused starts and a pause first): 4.89x with
+#   all three changes, the first decode step after a prefill by layer fixed (0.10-0.17 s). NEXT:
+#   175 then 177 at once (no GGUF, ~8 + 7 min: the 5x row with stage 0 once per 4 query blocks,
+#   the combined row again, the plain row 171 lost; auto, pinning from threads), then 173 and 176
+#   (the GGUF: their 64K needles), the embedded smoke.
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -919,7 +924,39 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+175)
+  # (~9 min, no GGUF: .tok/ and .whl carried) issue 19's 5x at 512K: 172's combined row made
+  # 18,129 tok/s, 4.89x auto (hip_cli_speed_512k_fast_landmarks_layer_combined.json; 5x is 28.35 s
+  # against its 29.02). A 64K warm-up with every kernel the rows use (Triton compiles), then the
+  # combined row with stage 0 once per 4 query blocks (--hip-stage0 256: 1.07x by chunk before
+  # landmarks, hip_cli_speed_512k_fast_stage0_rev.json), the combined row again, the plain `on`
+  # row 171 lost to its limit; 177 (auto, the base) right after on the same start
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
+  all3="$lm,hip_probes=on,hip_strides=4/4/2"
+  KVTIER_HIDDEN_PIN=register run 100 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
+    --methods "$all3,hip_stage0=256" --new-tokens 2 --timeout 95 --name hip_cli_speed_64k_warmup_175
+  KVTIER_HIDDEN_PIN=register cli512k 125 "$all3,hip_stage0=256" hip_cli_speed_512k_fast_landmarks_layer_combined_stage0
+  KVTIER_HIDDEN_PIN=register cli512k 125 "$all3" hip_cli_speed_512k_fast_landmarks_layer_combined_b
+  cli512k 125 "$lm" hip_cli_speed_512k_fast_landmarks_layer_on_b
+  ;;
+177)
+  # (~7 min, no GGUF: .tok/ carried; right after 175 on the same start) lossless auto at 512K, the
+  # base of 175's ratios; then 174's pinning from threads
+  cli512k 250 auto hip_cli_speed_512k_auto_base_g
+  run 150 $py bench/pin_rate.py --configs cudaHostAlloc --threads 1,8 --total 8GiB --piece 1GiB \
+    --name pin_rate_threads
+  ;;
+176)
+  # (~3 min, the GGUF; after 173) the 64K needles of 175's first row: probes, strides 4/4/2 and
+  # stage 0 once per 4 query blocks
+  run 150 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
+    --haystack prose --device cuda --max-model-len 66000 --no-progress \
+    --method "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_strides=4/4/2,hip_stage0=256" \
+    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_probes_strides442_stage0_x3.json"
+  ;;
 171)
+  # (ran 2026-12-07, fifty-seventh session, code 60b31e2: its 512K `on` row cut by the 190 s limit
+  # after the warm-up; hip_cli_speed_512k_fast_landmarks_layer_{on,hidden_register,probes,strides442}.json)
   # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 512K prefill with landmarks by layer
   # (on: the prompt's last token bisects; 14,901 tok/s, 4.01x in 166), four rows on one start
   # after a 64K warm-up that pays Triton's compiles: as is; with the hidden states' pieces pinned
@@ -936,6 +973,8 @@ case "$group" in
   cli512k 130 "$lm,hip_strides=4/4/2" hip_cli_speed_512k_fast_landmarks_layer_strides442
   ;;
 172)
+  # (ran 2026-12-07, fifty-seventh session, code 60b31e2: hip_cli_speed_512k_auto_base_f.json,
+  # _fast_landmarks_layer_combined.json, first_decode_trace_512k_fast_landmarks_layer.json)
   # (~8 min, no GGUF: .tok/ carried; right after 171 on the same start) lossless auto at 512K,
   # the base of 171's ratios, then 171's three changes together
   cli512k 250 auto hip_cli_speed_512k_auto_base_f
