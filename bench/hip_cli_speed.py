@@ -82,18 +82,20 @@ def run_one(
         tail = "\n".join(err.strip().splitlines()[-40:])[-4000:]
         row["error"] = tail or f"rc {rc}"
         return row
-    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+    answer = json.loads(out.strip().splitlines()[-1])
+    stats = answer["stats"]
     if printed is not None:
-        # the process's wall past its own timings: before them (start, model load, tokenizing)
-        # and after its answer was printed (freeing pinned memory, the interpreter's exit)
+        # the process's wall past its own timings: before them (start and imports, `load_s`,
+        # `tokenize_s`) and after its answer was printed (freeing pinned memory, the exit)
         timed = stats["setup_s"] + stats["prefill_s"] + stats["decode_s"]
         row["before_setup_s"] = round(printed - t0 - timed, 1)
         row["after_answer_s"] = round(wall - (printed - t0), 1)
     keep = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "prefill_tokens_per_s",
             "decode_tokens_per_s", "decode_step_s", "decode_step_times_s", "decode_h2d_bytes", "peak_bytes",
             "gpu_allocator", "prefill_step_s", "kernel", "decode_step_h2d_bytes", "decode_gc",
-            "decode_allocator", "prefill_order", "h2d_bytes", "setup_s")  # fmt: skip
+            "decode_allocator", "prefill_order", "h2d_bytes", "setup_s", "tokenize_s")  # fmt: skip
     row.update({k: stats.get(k) for k in keep})
+    row["load_s"] = answer.get("load_s")
     row["plan"] = {k: stats["plan"].get(k) for k in ("policy", "group_size", "chunk_size", "method")}
     return row
 

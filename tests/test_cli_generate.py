@@ -71,6 +71,8 @@ def test_generate_json_on_the_embedded_model(embedded: Path, capsys: pytest.Capt
     stats = result["stats"]
     assert stats["prompt_tokens"] == result["prompt_tokens"] > 0
     assert stats["generated_tokens"] == len(ids)
+    # where a user's wall goes besides the prefill: the model's load, the prompt's tokenizing
+    assert result["load_s"] > 0 and 0 < stats["tokenize_s"] < result["load_s"]
     assert stats["prefill_tokens_per_s"] > 0
     assert "decode_tokens_per_s" in stats
     if len(ids) > 1:  # each decode step timed: the slowest no longer than all of them

@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if not llm.is_rank0:
         return 0  # NOTE: under torchrun every rank runs this command; rank 0 prints
     if args.json:
-        print(json.dumps(out.to_dict()), flush=True)  # NOTE: flushed: a pipe sees it before the exit
+        answer = {**out.to_dict(), "load_s": round(llm.load_s, 3)}  # the model's load (`LLM.load_s`)
+        print(json.dumps(answer), flush=True)  # NOTE: flushed: a pipe sees it before the exit
         return 0
     print(out.text)
     s = out.stats
@@ -162,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         decode = f"decode {s.decode_tokens_per_s:.2f} tok/s{spread}"
     # a long prompt's store pins its host tier before the prefill (64 GiB at 512K for Llama-3-8B)
     setup = f" after {s.setup_s:.1f} s building the KV store" if s.setup_s >= 0.5 else ""
+    if llm.load_s >= 5:
+        setup += f" ({llm.load_s:.1f} s loading the model)"
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s{setup}; "
         f"{s.generated_tokens} new, {decode}; {plan_note(s.plan)}"

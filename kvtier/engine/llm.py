@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import fields
 
@@ -102,6 +103,7 @@ class LLM:
     ) -> None:
         options = dict(locals())  # NOTE: first, so it holds the arguments alone (ranks 1..N-1 get them)
         del options["self"]
+        started = time.perf_counter()
         self.collectives_started = False  # whether the current generate call has run the model
         self.config = EngineConfig.with_sizes(
             gpu_memory,
@@ -148,6 +150,7 @@ class LLM:
         self.max_model_len = self.max_model_len_for(self.method)
         # Fail on budgets the model rejects now, before the first request.
         self.method.build(self.model_config, self.device, self.loaded.model, context=self.max_model_len)
+        self.load_s = time.perf_counter() - started  # seconds this took: mostly the model's load
 
     @property
     def tensor_parallel(self) -> int:
@@ -315,15 +318,21 @@ class LLM:
                 f"several ranks run the lossless placements only for now; method {method!r} is lossy"
             )
         batch = prompt_list(prompts)
-        encoded = [self.encode(p, chat) for p in batch]
+        encoded, tokenize_s = [], []
+        for p in batch:
+            t0 = time.perf_counter()
+            encoded.append(self.encode(p, chat))
+            tokenize_s.append(time.perf_counter() - t0)
         for ids in encoded:
             check_length(len(ids), params, self.max_model_len_for(chosen))
         exact = self.exact_note(chosen, max(len(ids) for ids in encoded) + params.max_tokens)
         if exact is not None:
             chosen = chosen.lossless_twin
         outputs = self._run(batch, encoded, params, progress, chosen)
-        for out in outputs if exact is not None else ():
-            out.stats.plan["ran_lossless"] = exact
+        for out, seconds in zip(outputs, tokenize_s, strict=True):
+            out.stats.tokenize_s = seconds
+            if exact is not None:
+                out.stats.plan["ran_lossless"] = exact
         return outputs
 
     def exact_note(self, method: MethodChoice, context: int) -> str | None:

@@ -29,6 +29,8 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # seconds to turn the prompt into tokens (the chat template applied), before the setup
+    tokenize_s: float = 0.0
     # seconds to plan the request and build its store before the prefill, its host tier pinned
     # there (Llama-3-8B at 512K: 64 GiB); 0 where the request built none (the batch engine)
     setup_s: float = 0.0
