@@ -930,13 +930,16 @@ case "$group" in
   # against its 29.02). A 64K warm-up with every kernel the rows use (Triton compiles), then the
   # combined row with stage 0 once per 4 query blocks (--hip-stage0 256: 1.07x by chunk before
   # landmarks, hip_cli_speed_512k_fast_stage0_rev.json), the combined row again, the plain `on`
-  # row 171 lost to its limit; 177 (auto, the base) right after on the same start
+  # row 171 lost to its limit; 177 (auto, the base; pinning from threads) at once after it
   lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
   all3="$lm,hip_probes=on,hip_strides=4/4/2"
-  KVTIER_HIDDEN_PIN=register run 100 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
-    --methods "$all3,hip_stage0=256" --new-tokens 2 --timeout 95 --name hip_cli_speed_64k_warmup_175
+  KVTIER_HIDDEN_PIN=register run 130 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
+    --methods "$all3,hip_stage0=256" --new-tokens 2 --timeout 125 --name hip_cli_speed_64k_warmup_175
   KVTIER_HIDDEN_PIN=register cli512k 125 "$all3,hip_stage0=256" hip_cli_speed_512k_fast_landmarks_layer_combined_stage0
-  KVTIER_HIDDEN_PIN=register cli512k 125 "$all3" hip_cli_speed_512k_fast_landmarks_layer_combined_b
+  # the combined row again, its host tier's slabs pinned from 8 threads (kvtier.kv.tiers.pin_threads:
+  # its setup_s beside the row before; 31-35 s one slab after another)
+  KVTIER_HIDDEN_PIN=register KVTIER_PIN_THREADS=8 cli512k 125 "$all3" \
+    hip_cli_speed_512k_fast_landmarks_layer_combined_pin8
   cli512k 125 "$lm" hip_cli_speed_512k_fast_landmarks_layer_on_b
   ;;
 177)

@@ -35,6 +35,10 @@ class HostSlice:
     def capacity(self) -> int:
         return len(self.extents) * self.extent_tokens
 
+    def extents_for(self, tokens: int) -> int:
+        """Extents `reserve(tokens)` would take from the arena."""
+        return max(0, -(-tokens // self.extent_tokens) - len(self.extents))
+
     def reserve(self, tokens: int) -> None:
         while self.capacity < tokens:
             self.extents.append(self.arena.take())

@@ -52,6 +52,9 @@ class TailHostSlice(HostSlice):
         super().__init__(arena, extent_tokens)
         self.ring = ring
 
+    def extents_for(self, tokens: int) -> int:
+        return max(0, self.ring - len(self.extents))
+
     def reserve(self, tokens: int) -> None:
         while len(self.extents) < self.ring:
             self.extents.append(self.arena.take())

@@ -23,7 +23,7 @@ from kvtier.kv.hooks import StoreOptions
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.layout import KVLayout, spread
 from kvtier.kv.packed import TailHostSlice
-from kvtier.kv.tiers import HostArena, TierAccount, device_slab_bytes
+from kvtier.kv.tiers import HostArena, TierAccount, device_slab_bytes, pin_threads
 from kvtier.planner.packed import PackedFormat, uncoded_tokens
 
 
@@ -114,8 +114,11 @@ class SliceStorage:
             self.slices[s] = (
                 TailHostSlice(arena, extent_tokens) if packing else HostSlice(arena, extent_tokens)
             )
-            # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
-            self.slices[s].reserve(capacity)
+        # Pre-allocate the planned capacity now: pinning memory mid-prefill stalls the GPU.
+        on_host = [sl for sl in self.slices.values() if sl.arena is self.host]
+        self.host.grow(sum(sl.extents_for(capacity) for sl in on_host), pin_threads() if pin else 1)
+        for sl in self.slices.values():
+            sl.reserve(capacity)
 
     def close(self) -> None:
         self.slices.clear()

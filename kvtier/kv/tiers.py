@@ -6,10 +6,14 @@ any machine (torch's own counters exist only on CUDA).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+from kvtier.errors import ConfigError
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """Uninitialised device tensor of a shape and dtype (`kvtier.kv.device_memory.DeviceMemory.empty`)."""
@@ -101,17 +105,36 @@ class HostArena:
     def take(self) -> torch.Tensor:
         """One extent [*extent_shape]; allocates a new slab when none is free."""
         if not self._free:
-            n = self.extents_per_slab
-            if self.alloc is not None:
-                slab = self.alloc((n * self.extent_numel,), self.dtype)
-            else:
-                slab = torch.empty(
-                    n * self.extent_numel, dtype=self.dtype, device=self.device, pin_memory=self.pin
-                )
-            self.account.alloc(self.tier, slab.numel() * slab.element_size())
-            self._slabs.append(slab)
-            self._free.extend(reversed(slab.view(n, *self.extent_shape).unbind(0)))
+            self._add(self._new_slab())
         return self._free.pop()
+
+    def grow(self, extents: int, threads: int = 1) -> None:
+        """Make the slabs that `extents` more takes need beyond the free extents, pinned from
+        `threads` threads at once (`pin_threads`) where they are pinned: a long prompt's store
+        pins its whole host tier before the prefill (64 GiB at 512K for Llama-3-8B, 31-35 s of
+        setup on an H100 host), one slab after another otherwise. The takes then hand out the
+        same extents in the same order as without it."""
+        count = -(-max(0, extents - len(self._free)) // self.extents_per_slab)
+        if threads > 1 and count > 1:
+            with ThreadPoolExecutor(min(threads, count)) as pool:
+                slabs = list(pool.map(lambda _: self._new_slab(), range(count)))
+        else:
+            slabs = [self._new_slab() for _ in range(count)]
+        for slab in slabs:
+            self._add(slab)
+
+    def _new_slab(self) -> torch.Tensor:
+        numel = self.extents_per_slab * self.extent_numel
+        if self.alloc is not None:
+            return self.alloc((numel,), self.dtype)
+        return torch.empty(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
+
+    def _add(self, slab: torch.Tensor) -> None:
+        """A new slab's extents, the free ones taken first-row first."""
+        self.account.alloc(self.tier, slab.numel() * slab.element_size())
+        self._slabs.append(slab)
+        n = self.extents_per_slab
+        self._free[:0] = reversed(slab.view(n, *self.extent_shape).unbind(0))
 
     def slabs(self) -> list[torch.Tensor]:
         """Each slab as [extents_per_slab, *extent_shape]; `take` hands out a slab's extents
@@ -126,6 +149,16 @@ class HostArena:
             self.account.free(self.tier, slab.numel() * slab.element_size())
         self._slabs.clear()
         self._free.clear()
+
+
+def pin_threads() -> int:
+    """`KVTIER_PIN_THREADS`: threads that make a store's pinned host slabs at once (`HostArena.grow`;
+    unset: 1, one after another). Off until an H100 run compares the setups (bench/pin_rate.py
+    --threads, `pending_h200.sh 177`)."""
+    raw = os.environ.get("KVTIER_PIN_THREADS", "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"KVTIER_PIN_THREADS={raw!r}: give a number of threads, 1 or more")
+    return int(raw)
 
 
 def release_pinned_cache() -> None:
