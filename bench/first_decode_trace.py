@@ -1,7 +1,9 @@
 """Where one step of `kvtier generate` goes: the command runs in this process, as typed after
 `--`, and the `--step`-th single-token step of its store (1: a prefill's last token alone, as
-HiP runs it; 2: the first decode step after it) runs under cProfile and torch.profiler. Writes
-the step's wall, the top Python functions by cumulative time and the top device operations.
+HiP runs it; 2: the first decode step after it), or with `--any-step` the `--step`-th step of
+any length (1: the prefill's first chunk, or a prefill by layer's whole pass), runs under
+cProfile and torch.profiler. Writes the step's wall, the top Python functions by cumulative time
+and the top device operations.
 
 Asked by issue 19: after a 512K prefill by layer the first decode step took 0.61-0.94 s, against
 0.08-0.15 after one by chunk, with the same graph captures and allocator calls
@@ -34,10 +36,11 @@ from kvtier.kv.store import TieredKVStore
 
 
 class StepTrace:
-    """Profiles the `step`-th `begin_step(1)` of any store up to the next `begin_step`."""
+    """Profiles the `step`-th `begin_step(1)` of any store (`any_length`: `begin_step` of any
+    length) up to the next `begin_step`."""
 
-    def __init__(self, step: int) -> None:
-        self.step, self.seen = step, 0
+    def __init__(self, step: int, any_length: bool = False) -> None:
+        self.step, self.seen, self.any_length = step, 0, any_length
         self.prof: cProfile.Profile | None = None
         self.kernels: profile | None = None
         self.wall_s: float | None = None
@@ -50,7 +53,7 @@ class StepTrace:
         if self.prof is not None:
             self.stop()
             return
-        if n_new != 1:
+        if n_new != 1 and not self.any_length:
             return
         self.seen += 1
         if self.seen != self.step:
@@ -94,6 +97,7 @@ class StepTrace:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step", type=int, default=2, help="which single-token step (2: the first decode step)")
+    ap.add_argument("--any-step", action="store_true", help="count steps of any length (1: the first chunk)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--name", required=True, help="write bench/results/NAME.json ($OUT when set)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then `kvtier generate`'s arguments")
@@ -101,7 +105,7 @@ def main() -> None:
     argv = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not argv:
         ap.error("give kvtier generate's arguments after --")
-    trace = StepTrace(args.step)
+    trace = StepTrace(args.step, args.any_step)
     begin = TieredKVStore.begin_step
 
     def traced(self: TieredKVStore, n_new: int, by_layer: bool = False) -> None:
@@ -112,7 +116,8 @@ def main() -> None:
     rc = kvtier_main(["generate", *argv])
     if trace.prof is not None and not trace.done:
         trace.stop()
-    result = {"step": args.step, "kvtier_rc": rc, "generate_args": argv, **trace.report(args.top)}
+    result = {"step": args.step, "any_step": args.any_step, "kvtier_rc": rc, "generate_args": argv}
+    result.update(trace.report(args.top))
     print(write_results(args.name, result), file=sys.stderr)
 
 

@@ -943,11 +943,17 @@ case "$group" in
   cli512k 125 "$lm" hip_cli_speed_512k_fast_landmarks_layer_on_b
   ;;
 177)
-  # (~7 min, no GGUF: .tok/ carried; right after 175 on the same start) lossless auto at 512K, the
-  # base of 175's ratios; then 174's pinning from threads
+  # (~8.5 min, no GGUF: .tok/ carried; right after 175 on the same start) lossless auto at 512K, the
+  # base of 175's ratios; then 174's pinning from threads; then where a run's first prefill step's
+  # extra ~1.6 s goes (auto's first 16K chunk 2.58 s against 0.94 for its second; HiP's layer 0
+  # 2.56-2.63 s against ~1.0 for the wide layers 1-3: hip_cli_speed_512k_auto_base_f.json), auto's
+  # first chunk of 175's 64K prompt under cProfile and torch.profiler
   cli512k 250 auto hip_cli_speed_512k_auto_base_g
   run 150 $py bench/pin_rate.py --configs cudaHostAlloc --threads 1,8 --total 8GiB --piece 1GiB \
     --name pin_rate_threads
+  run 90 $py bench/first_decode_trace.py --any-step --step 1 --name first_prefill_step_trace_64k_auto -- \
+    --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/prose_65536.txt \
+    --gpu-memory 24GiB --max-new-tokens 1 --max-model-len 2M --ignore-eos
   ;;
 176)
   # (~3 min, the GGUF; after 173) the 64K needles of 175's first row: probes, strides 4/4/2 and
