@@ -945,7 +945,7 @@ case "$group" in
 177)
   # (~8.5 min, no GGUF: .tok/ carried; right after 175 on the same start) lossless auto at 512K, the
   # base of 175's ratios; then 174's pinning from threads; then where a run's first prefill step's
-  # extra ~1.6 s goes (auto's first 16K chunk 2.58 s against 0.94 for its second; HiP's layer 0
+  # extra ~1.6 s goes (auto's first 5K chunk 2.58 s against 0.94 for its second; HiP's layer 0
   # 2.56-2.63 s against ~1.0 for the wide layers 1-3: hip_cli_speed_512k_auto_base_f.json), auto's
   # first chunk of 175's 64K prompt under cProfile and torch.profiler
   cli512k 250 auto hip_cli_speed_512k_auto_base_g
