@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.engine.progress import SHOWN_FROM, PinBar
 from kvtier.errors import ConfigError
 from kvtier.kv.host_slice import HostSlice
 from kvtier.kv.packed import TailHostSlice
-from kvtier.kv.tiers import HostArena, TierAccount, pin_threads
+from kvtier.kv.tiers import HostArena, TierAccount, pin_threads, reporting_pins
 
 E, ROW = 4, 8  # tokens an extent, bytes a token; a slab holds 3 extents
 
@@ -61,3 +62,38 @@ def test_the_pin_threads_setting_is_read_and_checked(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv("KVTIER_PIN_THREADS", bad)
         with pytest.raises(ConfigError, match=r"KVTIER_PIN_THREADS=.*give a number of threads"):
             pin_threads()
+
+
+def test_pinned_slabs_are_reported_to_the_active_reporter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within `reporting_pins`, each pinned slab an arena makes is reported once with its bytes,
+    whether `take` or `grow` (from threads) makes it; unpinned slabs and slabs made outside are
+    not."""
+    # NOTE: a CPU build cannot pin: an arena that pins gets plain slabs here
+    monkeypatch.setattr(HostArena, "_new_slab", lambda self: torch.empty(3 * E * ROW, dtype=torch.uint8))
+    pinned = HostArena((E, ROW), torch.uint8, pin=True, account=TierAccount(), slab_bytes=3 * E * ROW)
+    plain = arena()
+    seen: list[int] = []
+    pinned.take()  # outside: not reported
+    with reporting_pins(seen.append):
+        pinned.take()  # from the free extents: no slab
+        pinned.grow(9, threads=4)  # 1 free after two takes: 8 more, three slabs
+        plain.grow(5)
+        pinned.take()
+    pinned.grow(12)  # 9 free: one slab more, made outside
+    assert seen == [3 * E * ROW] * 3
+    assert len(pinned.slabs()) == 5
+
+
+def test_the_pin_bar_shows_from_a_gib_and_counts_every_byte(capsys: pytest.CaptureFixture[str]) -> None:
+    bar = PinBar(enabled=True)
+    bar(SHOWN_FROM // 2)
+    assert capsys.readouterr().err == ""  # under a GiB: no bar
+    bar(SHOWN_FROM)
+    bar(SHOWN_FROM // 2)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "pinning host KV" in err and "2.00GB" in err and bar.pinned == 2 * SHOWN_FROM
+    quiet = PinBar(enabled=False)
+    quiet(4 * SHOWN_FROM)
+    quiet.close()
+    assert capsys.readouterr().err == "" and quiet.pinned == 4 * SHOWN_FROM

@@ -14,11 +14,13 @@ import torch
 from kvtier.attention.interface import CountingKernel
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.outputs import RequestOutput, allocator_counts
+from kvtier.engine.progress import PinBar
 from kvtier.engine.prompts import Prompt, stopper
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
 from kvtier.errors import CapacityError, raised_at
 from kvtier.kv.store import TieredKVStore
+from kvtier.kv.tiers import reporting_pins
 from kvtier.loading import LoadedModel
 from kvtier.methods import MethodChoice, Placement
 from kvtier.parallel.group import RankGroup
@@ -74,7 +76,12 @@ def generate_tiered(
         torch.cuda.reset_peak_memory_stats(llm.device)
         allocator = allocator_counts(llm.device)
     t0 = time.perf_counter()
-    plan, store, parts = plan_and_store(llm, context, method, params.max_tokens)
+    pins = PinBar(progress)
+    try:
+        with reporting_pins(pins):
+            plan, store, parts = plan_and_store(llm, context, method, params.max_tokens)
+    finally:
+        pins.close()
     setup_s = time.perf_counter() - t0
     sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, llm.device)
     if llm.parallel is not None:  # the last stage's logits are the model's

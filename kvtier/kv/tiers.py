@@ -7,8 +7,10 @@ any machine (torch's own counters exist only on CUDA).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -117,11 +119,11 @@ class HostArena:
         count = -(-max(0, extents - len(self._free)) // self.extents_per_slab)
         if threads > 1 and count > 1:
             with ThreadPoolExecutor(min(threads, count)) as pool:
-                slabs = list(pool.map(lambda _: self._new_slab(), range(count)))
+                for slab in pool.map(lambda _: self._new_slab(), range(count)):  # in order, as made
+                    self._add(slab)
         else:
-            slabs = [self._new_slab() for _ in range(count)]
-        for slab in slabs:
-            self._add(slab)
+            for _ in range(count):
+                self._add(self._new_slab())
 
     def _new_slab(self) -> torch.Tensor:
         numel = self.extents_per_slab * self.extent_numel
@@ -131,7 +133,10 @@ class HostArena:
 
     def _add(self, slab: torch.Tensor) -> None:
         """A new slab's extents, the free ones taken first-row first."""
-        self.account.alloc(self.tier, slab.numel() * slab.element_size())
+        nbytes = slab.numel() * slab.element_size()
+        self.account.alloc(self.tier, nbytes)
+        if self.pin and (report := _PINNED.get()) is not None:
+            report(nbytes)
         self._slabs.append(slab)
         n = self.extents_per_slab
         self._free[:0] = reversed(slab.view(n, *self.extent_shape).unbind(0))
@@ -149,6 +154,21 @@ class HostArena:
             self.account.free(self.tier, slab.numel() * slab.element_size())
         self._slabs.clear()
         self._free.clear()
+
+
+_PINNED: ContextVar[Callable[[int], object] | None] = ContextVar("kvtier_pinned", default=None)
+
+
+@contextmanager
+def reporting_pins(report: Callable[[int], object]) -> Iterator[None]:
+    """Within it, each pinned host slab an arena makes (on this thread's context) is reported as
+    `report(its bytes)`: a long prompt's store pins tens of GB before its prefill (a progress
+    bar's updates, `kvtier.engine.progress.PinBar`)."""
+    token = _PINNED.set(report)
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
 
 
 def pin_threads() -> int:
