@@ -19,6 +19,7 @@ unregistered when the process exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 
@@ -80,4 +81,13 @@ class RegisteredPool:
 
 
 REGISTERED = RegisteredPool()
-atexit.register(REGISTERED.close)
+
+
+def _release_at_exit() -> None:
+    """`REGISTERED.close()` as the process ends; a CUDA runtime already shut down refuses the
+    unregistering, and the process's end releases the pages then anyway."""
+    with contextlib.suppress(RuntimeError):
+        REGISTERED.close()
+
+
+atexit.register(_release_at_exit)
