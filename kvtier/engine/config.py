@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import ModelConfig
 from kvtier.errors import ConfigError
+from kvtier.methods import MethodChoice, method_spec
 from kvtier.planner.cpu_split import parse_mode
 from kvtier.planner.memory import EXPERT_PLACES
 from kvtier.units import parse_size
@@ -99,6 +101,17 @@ class EngineConfig:
         elif dev.type != "cpu":
             raise ConfigError(f"--device {self.device!r} is not supported; use cpu, cuda or cuda:N")
         return dev
+
+    def exact_note(
+        self, method: MethodChoice, cfg: ModelConfig, device: torch.device, context: int
+    ) -> str | None:
+        """Why a request of `context` tokens (prompt plus output) of model `cfg` on `device` runs
+        lossless under `method` (`exact_lossless`, None: on CUDA; its method drops nothing at that
+        length), else None."""
+        on = device.type == "cuda" if self.exact_lossless is None else self.exact_lossless
+        if not on or method.lossless or not method.exact_at(cfg, context):
+            return None
+        return f"{method_spec(method)} drops nothing at {context} tokens (prompt plus output)"
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

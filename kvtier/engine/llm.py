@@ -13,7 +13,14 @@ from kvtier.engine.batched import generate_batched, runs_batched
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.load import fuse_llm_model, load_llm_model
 from kvtier.engine.outputs import RequestOutput
-from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, text_and_reason
+from kvtier.engine.prompts import (
+    Prompt,
+    check_length,
+    encode_all,
+    encode_prompt,
+    prompt_list,
+    text_and_reason,
+)
 from kvtier.engine.ranks import start_llm_ranks
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tiered import generate_tiered
@@ -22,7 +29,7 @@ from kvtier.kv.cpu_attend import hardware_for
 from kvtier.kv.device_memory import DeviceMemory
 from kvtier.kv.store import StoreOptions, TieredKVStore
 from kvtier.loading import LoadedModel
-from kvtier.methods import MethodChoice, Placement, PlanInputs, method_spec, parse_choice, plan_for
+from kvtier.methods import MethodChoice, Placement, PlanInputs, parse_choice, plan_for
 from kvtier.model.llama import CausalLM
 from kvtier.planner.hardware import Hardware, host_memory_available
 from kvtier.planner.placement import KVPlan
@@ -318,11 +325,7 @@ class LLM:
                 f"several ranks run the lossless placements only for now; method {method!r} is lossy"
             )
         batch = prompt_list(prompts)
-        encoded, tokenize_s = [], []
-        for p in batch:
-            t0 = time.perf_counter()
-            encoded.append(self.encode(p, chat))
-            tokenize_s.append(time.perf_counter() - t0)
+        encoded, tokenize_s = encode_all(batch, lambda p: self.encode(p, chat))
         for ids in encoded:
             check_length(len(ids), params, self.max_model_len_for(chosen))
         exact = self.exact_note(chosen, max(len(ids) for ids in encoded) + params.max_tokens)
@@ -336,14 +339,8 @@ class LLM:
         return outputs
 
     def exact_note(self, method: MethodChoice, context: int) -> str | None:
-        """Why a request of `context` tokens (prompt plus output) under `method` runs lossless
-        (`EngineConfig.exact_lossless`: its method drops nothing at that length), else None."""
-        on = self.config.exact_lossless
-        if on is None:
-            on = self.device.type == "cuda"
-        if not on or method.lossless or not method.exact_at(self.model_config, context):
-            return None
-        return f"{method_spec(method)} drops nothing at {context} tokens (prompt plus output)"
+        """`EngineConfig.exact_note` for this LLM's model and device."""
+        return self.config.exact_note(method, self.model_config, self.device, context)
 
     def _run(
         self,

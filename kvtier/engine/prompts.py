@@ -4,6 +4,7 @@ Pure functions of the tokenizer and the model's EOS ids; `LLM` and the batch eng
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -91,3 +92,15 @@ def text_and_reason(
     if len(tokens) >= params.max_tokens:
         return text, "length"
     raise ConfigError("generation ended without a reason")  # pragma: no cover - invariant
+
+
+def encode_all(
+    prompts: list[Prompt], encode: Callable[[Prompt], list[int]]
+) -> tuple[list[list[int]], list[float]]:
+    """Each prompt's token ids by `encode`, and the seconds each took (`stats.tokenize_s`)."""
+    encoded, seconds = [], []
+    for p in prompts:
+        t0 = time.perf_counter()
+        encoded.append(encode(p))
+        seconds.append(time.perf_counter() - t0)
+    return encoded, seconds
