@@ -10,10 +10,10 @@ allocator, registered memory made the host tier's in-place reads by kernels slow
 token's step 4.40 s against 0.80, hip_cli_speed_512k_fast_landmarks_all_layer_register16.json).
 Off until a 512K run on one start compares the two.
 
-Registered pieces are not unregistered after the pass (unpinning costs ~0.3 s a GB, inside the
-prefill): they go back to `REGISTERED`, which the next prefill by layer takes them from, as
-PyTorch's pinned allocator keeps its own pieces cached (`kvtier.kv.graph_capture`), and are
-unregistered when the process exits.
+Registered pieces are not unregistered after the pass, inside the prefill (unpinning PyTorch's
+4.3 GB of cached pieces had put ~0.5-0.8 s into a graph capture): they go back to `REGISTERED`,
+which the next prefill by layer takes them from, as PyTorch's pinned allocator keeps its own
+pieces cached (`kvtier.kv.graph_capture`), and are unregistered when the process exits.
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ class RegisteredPool:
     one when none is kept), `give` them back once no copy reads them (the caller synchronized);
     `close` unregisters every kept one."""
 
-    def __init__(self, make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = registered_empty,
-                 release: Callable[[torch.Tensor], None] = unregister) -> None:  # fmt: skip
+    def __init__(
+        self,
+        make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = registered_empty,
+        release: Callable[[torch.Tensor], None] = unregister,
+    ) -> None:
         self._make, self._release = make, release
         self._kept: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
 
