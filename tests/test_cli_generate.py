@@ -7,6 +7,7 @@ any forward pass, exit with code 2 and print one line on stderr, never a traceba
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -369,3 +370,27 @@ def test_step_summary_takes_nearest_rank_percentiles() -> None:
     steps = [0.05] * 15 + [1.25]  # a HiP refresh step among cached ones
     assert step_summary(steps) == {"min": 0.05, "p50": 0.05, "p90": 0.05, "max": 1.25}
     assert step_summary([0.3, 0.1, 0.2]) == {"min": 0.1, "p50": 0.2, "p90": 0.3, "max": 0.3}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_loading_a_checkpoint_shows_its_bytes_on_a_terminal_only(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`load_safetensors_folder` draws a bar of the checkpoint's bytes on a terminal, for
+    checkpoints from `LOAD_BAR_FROM` (here lowered to the tiny model's), and none on a pipe."""
+    import kvtier.loading.weights as weights
+
+    size = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))
+    monkeypatch.setattr(weights, "LOAD_BAR_FROM", size)
+    for stream, shown in ((_Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        weights.load_safetensors_folder(tiny_llama, torch.device("cpu"), torch.float32)
+        assert ("loading weights" in stream.getvalue()) is shown and ("100%" in stream.getvalue()) is shown
+    monkeypatch.setattr(weights, "LOAD_BAR_FROM", size + 1)
+    monkeypatch.setattr(sys, "stderr", quiet := _Terminal())
+    weights.load_safetensors_folder(tiny_llama, torch.device("cpu"), torch.float32)
+    assert quiet.getvalue() == ""  # a checkpoint under the bound: no bar

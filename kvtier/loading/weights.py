@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from kvtier.config import ModelConfig
 from kvtier.errors import ModelLoadError
 from kvtier.model.llama import CausalLM
 from kvtier.model.moe import MoE
+
+LOAD_BAR_FROM = 1 << 30  # checkpoint bytes from which loading shows a progress bar (on a terminal)
 
 
 @contextmanager
@@ -90,27 +94,45 @@ def load_safetensors_folder(
     params = dict(model.named_parameters())
     seen: set[str] = set()
     dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt", device=dev) as shard:
-                for name in shard.keys():  # noqa: SIM118 - safe_open is not a dict
-                    if name not in params:
-                        continue  # e.g. rotary inv_freq buffers, or lm_head when tied
-                    tensor = shard.get_tensor(name)
-                    if tensor.shape != params[name].shape:
-                        raise ModelLoadError(
-                            f"{f.name}: {name} has shape {tuple(tensor.shape)}, "
-                            f"the config implies {tuple(params[name].shape)}"
-                        )
-                    with torch.no_grad():
-                        params[name].copy_(tensor)
-                    seen.add(name)
-        except (OSError, RuntimeError) as e:
-            if isinstance(e, ModelLoadError):
-                raise
-            raise ModelLoadError(f"cannot read {f}: {e}") from None
+    total = sum(f.stat().st_size for f in files)
+    # NOTE: disable=None: shown on a terminal only (an 8B model's 16 GB take many seconds)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
+              file=sys.stderr, disable=None if total >= LOAD_BAR_FROM else True) as bar:  # fmt: skip
+        for f in files:
+            before = bar.n
+            seen |= _read_shard(f, params, dev, bar.update)
+            bar.update(f.stat().st_size - (bar.n - before))  # its header and the tensors skipped
     check_all_loaded(folder, cfg, params, seen)
     return model, cfg
+
+
+def _read_shard(
+    f: Path, params: Mapping[str, nn.Parameter], dev: str, advance: Callable[[int], object]
+) -> set[str]:
+    """Copy shard `f`'s tensors into `params` (read on device `dev`), `advance(bytes)` after each
+    read; the names copied. ModelLoadError for a shape the config does not imply or a file that
+    cannot be read."""
+    seen: set[str] = set()
+    try:
+        with safe_open(str(f), framework="pt", device=dev) as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name not in params:
+                    continue  # e.g. rotary inv_freq buffers, or lm_head when tied
+                tensor = shard.get_tensor(name)
+                advance(tensor.numel() * tensor.element_size())
+                if tensor.shape != params[name].shape:
+                    raise ModelLoadError(
+                        f"{f.name}: {name} has shape {tuple(tensor.shape)}, "
+                        f"the config implies {tuple(params[name].shape)}"
+                    )
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                seen.add(name)
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"cannot read {f}: {e}") from None
+    return seen
 
 
 def with_experts_on_host(cfg: ModelConfig, on_host: bool) -> ModelConfig:
