@@ -13,14 +13,7 @@ from kvtier.engine.batched import generate_batched, runs_batched
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.load import fuse_llm_model, load_llm_model
 from kvtier.engine.outputs import RequestOutput
-from kvtier.engine.prompts import (
-    Prompt,
-    check_length,
-    encode_all,
-    encode_prompt,
-    prompt_list,
-    text_and_reason,
-)
+from kvtier.engine.prompts import Prompt, check_length, encode_prompt, prompt_list, text_and_reason, tokenize
 from kvtier.engine.ranks import start_llm_ranks
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.tiered import generate_tiered
@@ -325,7 +318,7 @@ class LLM:
                 f"several ranks run the lossless placements only for now; method {method!r} is lossy"
             )
         batch = prompt_list(prompts)
-        encoded, tokenize_s = encode_all(batch, lambda p: self.encode(p, chat))
+        encoded, tokenize_s = tokenize(batch, lambda p: self.encode(p, chat))
         for ids in encoded:
             check_length(len(ids), params, self.max_model_len_for(chosen))
         exact = self.exact_note(chosen, max(len(ids) for ids in encoded) + params.max_tokens)

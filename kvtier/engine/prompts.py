@@ -94,7 +94,7 @@ def text_and_reason(
     raise ConfigError("generation ended without a reason")  # pragma: no cover - invariant
 
 
-def encode_all(
+def tokenize(
     prompts: list[Prompt], encode: Callable[[Prompt], list[int]]
 ) -> tuple[list[list[int]], list[float]]:
     """Each prompt's token ids by `encode`, and the seconds each took (`stats.tokenize_s`)."""
