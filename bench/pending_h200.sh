@@ -924,6 +924,43 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+178)
+  # (~8 min, no GGUF: .tok/ and .whl carried; 175 and 177 trimmed to what one call of the session's
+  # ~25 min fits) issue 19's 5x at 512K on one start: a 64K warm-up with every kernel the rows use,
+  # the combined row with stage 0 once per 4 query blocks (5x is 28.35 s against the combined
+  # row's 29.02), where a run's first prefill step's extra ~1.6 s goes (auto's first chunk of the
+  # 64K prompt under cProfile and torch.profiler), then lossless auto, the ratios' base
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
+  all3="$lm,hip_probes=on,hip_strides=4/4/2"
+  KVTIER_HIDDEN_PIN=register run 130 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
+    --methods "$all3,hip_stage0=256" --new-tokens 2 --timeout 125 --name hip_cli_speed_64k_warmup_178
+  KVTIER_HIDDEN_PIN=register cli512k 115 "$all3,hip_stage0=256" hip_cli_speed_512k_fast_landmarks_layer_combined_stage0
+  run 80 $py bench/first_decode_trace.py --any-step --step 1 --name first_prefill_step_trace_64k_auto -- \
+    --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/prose_65536.txt \
+    --gpu-memory 24GiB --max-new-tokens 1 --max-model-len 2M --ignore-eos
+  cli512k 240 auto hip_cli_speed_512k_auto_base_g
+  ;;
+179)
+  # (~4 min; right after 178 on the same start; .gguf_a carried: call A of the GGUF's two) the
+  # combined row again with its host tier's slabs pinned from 8 threads (its setup_s beside 178's
+  # rows: 31-35 s one slab after another), and the GGUF's first half to /tmp/gg
+  mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/
+  KVTIER_HIDDEN_PIN=register KVTIER_PIN_THREADS=8 cli512k 115 \
+    "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
+    hip_cli_speed_512k_fast_landmarks_layer_combined_pin8
+  ;;
+180)
+  # (~8 min; right after 179; .gguf_b and .whl carried: `source bench/h200_setup.sh` joins the
+  # halves) the 64K needles of 178's row and of the combined row (bar: 15 of 33), then the
+  # embedded model's smoke (GPU-facing code changed: graph capture, pin and load bars)
+  bash bench/pending_h200.sh 176
+  run 120 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
+    --haystack prose --device cuda --max-model-len 66000 --no-progress \
+    --method "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_strides=4/4/2" \
+    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_hip_probes_on_hip_strides_4_4_2_x3.json"
+  run 200 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
+    --out "$OUT/gpu_smoke_embedded_generate.json"
+  ;;
 175)
   # (~9 min, no GGUF: .tok/ and .whl carried) issue 19's 5x at 512K: 172's combined row made
   # 18,129 tok/s, 4.89x auto (hip_cli_speed_512k_fast_landmarks_layer_combined.json; 5x is 28.35 s
