@@ -93,7 +93,7 @@ def run_one(
     keep = ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "prefill_tokens_per_s",
             "decode_tokens_per_s", "decode_step_s", "decode_step_times_s", "decode_h2d_bytes", "peak_bytes",
             "gpu_allocator", "prefill_step_s", "kernel", "decode_step_h2d_bytes", "decode_gc",
-            "decode_allocator", "prefill_order", "h2d_bytes", "setup_s", "tokenize_s")  # fmt: skip
+            "decode_allocator", "prefill_order", "h2d_bytes", "setup_s", "tokenize_s", "warmup")  # fmt: skip
     row.update({k: stats.get(k) for k in keep})
     row["load_s"] = answer.get("load_s")
     row["plan"] = {k: stats["plan"].get(k) for k in ("policy", "group_size", "chunk_size", "method")}

@@ -942,12 +942,18 @@ case "$group" in
   ;;
 179)
   # (~4 min; right after 178 on the same start; .gguf_a carried: call A of the GGUF's two) the
-  # combined row again with its host tier's slabs pinned from 8 threads (its setup_s beside 178's
-  # rows: 31-35 s one slab after another), and the GGUF's first half to /tmp/gg
+  # first prefill step's trace again with the GPU libraries warmed beside the setup
+  # (KVTIER_WARMUP=thread, kvtier.engine.warmup: its first step beside 178's), then the combined
+  # row with the warm-up and its host tier's slabs pinned from 8 threads (its layer 0 and setup_s
+  # beside 178's rows: 31-35 s one slab after another), and the GGUF's first half to /tmp/gg
   mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/
-  KVTIER_HIDDEN_PIN=register KVTIER_PIN_THREADS=8 cli512k 115 \
-    "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2" \
-    hip_cli_speed_512k_fast_landmarks_layer_combined_pin8
+  KVTIER_WARMUP=thread run 80 $py bench/first_decode_trace.py --any-step --step 1 \
+    --name first_prefill_step_trace_64k_auto_warm -- \
+    --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/prose_65536.txt \
+    --gpu-memory 24GiB --max-new-tokens 1 --max-model-len 2M --ignore-eos
+  KVTIER_WARMUP=thread KVTIER_HIDDEN_PIN=register KVTIER_PIN_THREADS=8 cli512k 115 \
+    "hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_strides=4/4/2,hip_stage0=256" \
+    hip_cli_speed_512k_fast_landmarks_layer_combined_stage0_warm_pin8
   ;;
 180)
   # (~8 min; right after 179; .gguf_b and .whl carried: `source bench/h200_setup.sh` joins the

@@ -34,6 +34,9 @@ class GenerationStats:
     # seconds to plan the request and build its store before the prefill, its host tier pinned
     # there (Llama-3-8B at 512K: 64 GiB); 0 where the request built none (the batch engine)
     setup_s: float = 0.0
+    # the GPU libraries' first-use warm-up beside the setup (`kvtier.engine.warmup`): its
+    # {"seconds"} (and "error" if it failed); empty where none ran (KVTIER_WARMUP off, done)
+    warmup: dict[str, float | str] = field(default_factory=dict)
     peak_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes (kv store + measured)
     h2d_bytes: int = 0
     d2h_bytes: int = 0

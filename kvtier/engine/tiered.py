@@ -18,6 +18,7 @@ from kvtier.engine.progress import PinBar
 from kvtier.engine.prompts import Prompt, stopper
 from kvtier.engine.runner import generate_tokens
 from kvtier.engine.sampling import Sampler, SamplingParams
+from kvtier.engine.warmup import KernelWarmup
 from kvtier.errors import CapacityError, raised_at
 from kvtier.kv.store import TieredKVStore
 from kvtier.kv.tiers import reporting_pins
@@ -76,12 +77,16 @@ def generate_tiered(
         torch.cuda.reset_peak_memory_stats(llm.device)
         allocator = allocator_counts(llm.device)
     t0 = time.perf_counter()
+    warmup = KernelWarmup()
+    if llm.parallel is None:  # NOTE: a pipeline stage may not hold layer 0
+        warmup.start(llm.loaded.model, llm.device)  # beside the setup's pinning
     pins = PinBar(progress)
     try:
         with reporting_pins(pins):
             plan, store, parts = plan_and_store(llm, context, method, params.max_tokens)
     finally:
         pins.close()
+        warmed = warmup.join()
     setup_s = time.perf_counter() - t0
     sampler: Callable[[torch.Tensor], torch.Tensor] = Sampler(params, llm.device)
     if llm.parallel is not None:  # the last stage's logits are the model's
@@ -100,6 +105,7 @@ def generate_tiered(
             by_layer=llm.config.prefill_order == "layer" and llm.parallel is None,
         )
         stats.setup_s = setup_s
+        stats.warmup = warmed
         stats.peak_bytes = {"gpu_kv": store.account.peak["gpu"], "host_kv": store.account.peak["host"]}
         if isinstance(store.kernel, CountingKernel):
             stats.kernel = store.kernel.counters()
