@@ -326,6 +326,13 @@
 #   175 then 177 at once (no GGUF, ~8 + 7 min: the 5x row with stage 0 once per 4 query blocks,
 #   the combined row again, the plain row 171 lost; auto, pinning from threads), then 173 and 176
 #   (the GGUF: their 64K needles), the embedded smoke.
+# The fifty-eighth ran 178, 179, 180 and two calls after them at 95a8615 (three refused starts
+#   first): 5.05x at 512K with the warm-up, probes, strides 4/4/2 and stage-0 groups, but the
+#   strides cost 4 of 33 needles at 64K (probes alone keep 15); 4.32x without them; the first
+#   prefill step 2.07 -> 0.17 s with KVTIER_WARMUP=thread (now the default); the embedded generate
+#   smoke 38/38 with the warm-up off. NEXT: 181 (no GGUF: the probes row without strides again
+#   after a warm-up that compiles its kernels, auto with the warm-up as its base), then the
+#   embedded smoke's plan, eval and serve sections with the warm-up on (GGUF two-call setup).
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -924,7 +931,19 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+181)
+  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 5x at 512K without a quality cost: the
+  # probes row (15 of 33 needles at 64K, as fast with landmarks) with stage-0 groups made 4.32x
+  # in 180's start, its layer 4 compiling (1.74 s against ~0.88): a 64K warm-up of exactly its
+  # kernels, the row again, then lossless auto with the warm-up (now the default) as its base
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_stage0=256"
+  KVTIER_HIDDEN_PIN=register run 130 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
+    --methods "$lm" --new-tokens 2 --timeout 125 --name hip_cli_speed_64k_warmup_181
+  KVTIER_HIDDEN_PIN=register cli512k 115 "$lm" hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_b
+  cli512k 240 auto hip_cli_speed_512k_auto_base_h
+  ;;
 178)
+  # (ran 2026-12-07, fifty-eighth session, code 95a8615, with 179 and 180 on one start)
   # (~8 min, no GGUF: .tok/ and .whl carried; 175 and 177 trimmed to what one call of the session's
   # ~25 min fits) issue 19's 5x at 512K on one start: a 64K warm-up with every kernel the rows use,
   # the combined row with stage 0 once per 4 query blocks (5x is 28.35 s against the combined
@@ -941,6 +960,7 @@ case "$group" in
   cli512k 240 auto hip_cli_speed_512k_auto_base_g
   ;;
 179)
+  # (ran 2026-12-07, fifty-eighth session, code 95a8615)
   # (~4 min; right after 178 on the same start; .gguf_a carried: call A of the GGUF's two) the
   # first prefill step's trace again with the GPU libraries warmed beside the setup
   # (KVTIER_WARMUP=thread, kvtier.engine.warmup: its first step beside 178's), then the combined
@@ -956,6 +976,7 @@ case "$group" in
     hip_cli_speed_512k_fast_landmarks_layer_combined_stage0_warm_pin8
   ;;
 180)
+  # (ran 2026-12-07, fifty-eighth session, code 95a8615: 11 of 33 needles for both rows)
   # (~8 min; right after 179; .gguf_b and .whl carried: `source bench/h200_setup.sh` joins the
   # halves) the 64K needles of 178's row and of the combined row (bar: 15 of 33), then the
   # embedded model's smoke (GPU-facing code changed: graph capture, pin and load bars)

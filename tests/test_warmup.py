@@ -35,9 +35,9 @@ def test_warm_layer_runs_both_attention_paths_and_leaves_the_weights(gqa: tuple[
 
 def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVTIER_WARMUP", raising=False)
-    assert warmup.warmup_mode() == "off"
-    monkeypatch.setenv("KVTIER_WARMUP", " Thread ")
     assert warmup.warmup_mode() == "thread"
+    monkeypatch.setenv("KVTIER_WARMUP", " Off ")
+    assert warmup.warmup_mode() == "off"
     monkeypatch.setenv("KVTIER_WARMUP", "yes")
     with pytest.raises(ConfigError, match="KVTIER_WARMUP='yes'"):
         warmup.warmup_mode()
@@ -46,6 +46,8 @@ def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
 def test_nothing_runs_on_the_cpu_or_when_off(gqa: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_WARMUP", "thread")
     assert not warmup.warms(gqa[0], torch.device("cpu"))
+    monkeypatch.setenv("KVTIER_WARMUP", "off")
+    assert not warmup.warms(gqa[0], torch.device("cuda", 0))
     assert warmup.KernelWarmup().start(gqa[0], torch.device("cpu")).join() == {}
 
 

@@ -8,12 +8,17 @@ hip_cli_speed_512k_fast_landmarks_layer_combined.json, H100), before which the s
 host tier for ~30 s with the GPU idle. The extra is a process's first call into each library
 the layers use (cuBLAS, cuDNN's attention, Triton's fused norms), not anything a step repeats.
 
-"thread": `start` runs layer 0 twice over a few dummy tokens (a first chunk, then one after a
-prefix: both of `attend`'s causal paths) on a thread of its own, beside the store's setup, and
-`join` waits for it before the prefill. Libraries keep what a first call loads for the whole
-process (and PyTorch's cuBLAS and cuDNN handles go back to a shared pool when the thread ends),
-so the prefill's first step no longer pays it. Once per device and process. "off" (the default
-until a GPU run on one start compares the two): nothing.
+"thread" (the default): `start` runs layer 0 twice over a few dummy tokens (a first chunk, then
+one after a prefix: both of `attend`'s causal paths) on a thread of its own, beside the store's
+setup, and `join` waits for it before the prefill. Libraries keep what a first call loads for
+the whole process (and PyTorch's cuBLAS and cuDNN handles go back to a shared pool when the
+thread ends), so the prefill's first step no longer pays it: on an H100, lossless auto's first
+4K chunk of a 64K prompt took 2.07 s under the profiler without it, 1.14 s of that in cuDNN's
+first attention calls, and 0.17 s with it (first_prefill_step_trace_64k_auto{,_warm}.json); HiP
+by layer's layer 0 at 512K 1.63 s against 2.19 on the same start
+(hip_cli_speed_512k_fast_landmarks_layer_combined_stage0{_warm_pin8,}.json). The thread ended
+as the pinning did (25.2 and 30.1 s of setup with it, pinning from 8 threads; 28.5 without, one
+thread: no cost seen). Once per device and process. "off": nothing.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ _WARMED: set[int] = set()  # CUDA device indices this process has warmed
 
 
 def warmup_mode() -> str:
-    """`KVTIER_WARMUP`: "off" (unset, the default) or "thread"."""
-    raw = os.environ.get("KVTIER_WARMUP", "").strip().lower() or "off"
+    """`KVTIER_WARMUP`: "thread" (unset, the default) or "off"."""
+    raw = os.environ.get("KVTIER_WARMUP", "").strip().lower() or "thread"
     if raw not in WARMUP:
-        raise ConfigError(f"KVTIER_WARMUP={raw!r}: use off (the default) or thread")
+        raise ConfigError(f"KVTIER_WARMUP={raw!r}: use thread (the default) or off")
     return raw
 
 

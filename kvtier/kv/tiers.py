@@ -173,8 +173,9 @@ def reporting_pins(report: Callable[[int], object]) -> Iterator[None]:
 
 def pin_threads() -> int:
     """`KVTIER_PIN_THREADS`: threads that make a store's pinned host slabs at once (`HostArena.grow`;
-    unset: 1, one after another). Off until an H100 run compares the setups (bench/pin_rate.py
-    --threads, `pending_h200.sh 177`)."""
+    unset: 1, one after another). 8 threads did not shorten a 512K setup on an H100 (25.2 and
+    30.1 s against 28.5 on one start: hip_cli_speed_512k_fast_landmarks_layer_*_warm_pin8.json
+    against ..._combined_stage0.json), so it stays off."""
     raw = os.environ.get("KVTIER_PIN_THREADS", "").strip() or "1"
     if not raw.isdigit() or int(raw) < 1:
         raise ConfigError(f"KVTIER_PIN_THREADS={raw!r}: give a number of threads, 1 or more")

@@ -34,6 +34,7 @@ from kvtier.engine.batch.sequence import OwnStore, Sequence, Sink, Status
 from kvtier.engine.llm import LLM
 from kvtier.engine.runner import prefill_spans
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.warmup import KernelWarmup
 from kvtier.errors import CapacityError, KvtierError, PromptError
 from kvtier.methods import MethodChoice
 from kvtier.serve.offload_host import OffloadEngine
@@ -70,6 +71,13 @@ class ServeEngine(OffloadEngine):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closing = threading.Event()  # set by begin_shutdown: no new requests
+        # The GPU libraries' first calls now, not in the first request's prefill: its {"seconds"},
+        # {} where none ran (kvtier.engine.warmup: KVTIER_WARMUP off, off CUDA, done already).
+        # NOTE: not over ranks: a sharded layer's forward would enter collectives on this one alone.
+        warm = KernelWarmup()
+        if llm.parallel is None:
+            warm.start(llm.loaded.model, self.device)
+        self.warmup = warm.join()
         # Every decode graph now, not at a request's first step of each batch size.
         self.graphs_at_start = 0
         if self.decoder is not None:
