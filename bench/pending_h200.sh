@@ -944,7 +944,7 @@ case "$group" in
   ;;
 178)
   # (ran 2026-12-07, fifty-eighth session, code 95a8615, with 179 and 180 on one start)
-  # (~8 min, no GGUF: .tok/ and .whl carried; 175 and 177 trimmed to what one call of the session's
+  # (~8 min, no GGUF: .tok/ and .whl carried; the fifty-seventh's 175 and 177 (removed, never run) trimmed to what one call of a session's
   # ~25 min fits) issue 19's 5x at 512K on one start: a 64K warm-up with every kernel the rows use,
   # the combined row with stage 0 once per 4 query blocks (5x is 28.35 s against the combined
   # row's 29.02), where a run's first prefill step's extra ~1.6 s goes (auto's first chunk of the
@@ -988,39 +988,8 @@ case "$group" in
   run 200 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
     --out "$OUT/gpu_smoke_embedded_generate.json"
   ;;
-175)
-  # (~9 min, no GGUF: .tok/ and .whl carried) issue 19's 5x at 512K: 172's combined row made
-  # 18,129 tok/s, 4.89x auto (hip_cli_speed_512k_fast_landmarks_layer_combined.json; 5x is 28.35 s
-  # against its 29.02). A 64K warm-up with every kernel the rows use (Triton compiles), then the
-  # combined row with stage 0 once per 4 query blocks (--hip-stage0 256: 1.07x by chunk before
-  # landmarks, hip_cli_speed_512k_fast_stage0_rev.json), the combined row again, the plain `on`
-  # row 171 lost to its limit; 177 (auto, the base; pinning from threads) at once after it
-  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer"
-  all3="$lm,hip_probes=on,hip_strides=4/4/2"
-  KVTIER_HIDDEN_PIN=register run 130 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
-    --methods "$all3,hip_stage0=256" --new-tokens 2 --timeout 125 --name hip_cli_speed_64k_warmup_175
-  KVTIER_HIDDEN_PIN=register cli512k 125 "$all3,hip_stage0=256" hip_cli_speed_512k_fast_landmarks_layer_combined_stage0
-  # the combined row again, its host tier's slabs pinned from 8 threads (kvtier.kv.tiers.pin_threads:
-  # its setup_s beside the row before; 31-35 s one slab after another)
-  KVTIER_HIDDEN_PIN=register KVTIER_PIN_THREADS=8 cli512k 125 "$all3" \
-    hip_cli_speed_512k_fast_landmarks_layer_combined_pin8
-  cli512k 125 "$lm" hip_cli_speed_512k_fast_landmarks_layer_on_b
-  ;;
-177)
-  # (~8.5 min, no GGUF: .tok/ carried; right after 175 on the same start) lossless auto at 512K, the
-  # base of 175's ratios; then 174's pinning from threads; then where a run's first prefill step's
-  # extra ~1.6 s goes (auto's first 5K chunk 2.58 s against 0.94 for its second; HiP's layer 0
-  # 2.56-2.63 s against ~1.0 for the wide layers 1-3: hip_cli_speed_512k_auto_base_f.json), auto's
-  # first chunk of 175's 64K prompt under cProfile and torch.profiler
-  cli512k 250 auto hip_cli_speed_512k_auto_base_g
-  run 150 $py bench/pin_rate.py --configs cudaHostAlloc --threads 1,8 --total 8GiB --piece 1GiB \
-    --name pin_rate_threads
-  run 90 $py bench/first_decode_trace.py --any-step --step 1 --name first_prefill_step_trace_64k_auto -- \
-    --model /tmp/kvtier-smoke/llama-3.1-8b-random --prompt-file /tmp/kvtier-smoke/prose_65536.txt \
-    --gpu-memory 24GiB --max-new-tokens 1 --max-model-len 2M --ignore-eos
-  ;;
 176)
-  # (~3 min, the GGUF; after 173) the 64K needles of 175's first row: probes, strides 4/4/2 and
+  # (~3 min, the GGUF; after 173) the 64K needles of 178's 512K row (ran within 180): probes, strides 4/4/2 and
   # stage 0 once per 4 query blocks
   run 150 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
     --haystack prose --device cuda --max-model-len 66000 --no-progress \
