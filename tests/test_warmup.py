@@ -74,3 +74,26 @@ def test_a_request_warmed_beside_its_setup_makes_the_same_tokens(
     assert warmed.token_ids == plain.token_ids
     assert set(warmed.stats.warmup) == {"seconds"}
     assert warmed.stats.warmup["seconds"] > 0
+
+
+def test_the_server_warms_before_its_first_request_and_decodes_the_same(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.serve.engine import ServeConfig, ServeEngine
+
+    llm = LLM(str(tiny), device="cpu", dtype="fp32", kv="gpu")
+    cfg = ServeConfig(max_num_seqs=4, num_pages=64)
+
+    def tokens(engine: ServeEngine) -> list[int]:
+        out: list[int] = []
+        engine.submit([5, 9, 13, 2, 7], SamplingParams(max_tokens=5), lambda d: out.extend(d.token_ids))
+        engine.run_until_idle()
+        return out
+
+    plain = ServeEngine(llm, cfg)
+    assert plain.warmup == {}  # on the CPU: nothing to warm
+    reference = tokens(plain)
+    monkeypatch.setattr(warmup, "warms", lambda *_: True)
+    warmed = ServeEngine(llm, cfg)
+    assert set(warmed.warmup) == {"seconds"}
+    assert tokens(warmed) == reference
