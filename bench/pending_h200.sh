@@ -330,9 +330,10 @@
 #   first): 5.05x at 512K with the warm-up, probes, strides 4/4/2 and stage-0 groups, but the
 #   strides cost 4 of 33 needles at 64K (probes alone keep 15); 4.32x without them; the first
 #   prefill step 2.07 -> 0.17 s with KVTIER_WARMUP=thread (now the default); the embedded generate
-#   smoke 38/38 with the warm-up off. NEXT: 181 (no GGUF: the probes row without strides again
-#   after a warm-up that compiles its kernels, auto with the warm-up as its base), then the
-#   embedded smoke's plan, eval and serve sections with the warm-up on (GGUF two-call setup).
+#   smoke 38/38 with the warm-up off. NEXT: 181 (carry .tok, .whl, .gguf_a: the probes row
+#   without strides again after a warm-up that compiles its kernels, auto with the warm-up as
+#   its base), then 182 at once (carry .gguf_b, .whl: that row's 64K needles, the embedded
+#   smoke's plan, eval and serve sections with the warm-up on).
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -931,8 +932,22 @@ case "$group" in
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
+182)
+  # (~7 min; right after 181 on the same start; .gguf_b and .whl carried: `source
+  # bench/h200_setup.sh` joins the halves) the 64K needles of 181's row (probes and stage-0
+  # groups; probes alone 15 of 33), then the embedded smoke's plan, eval and serve sections with
+  # the warm-up on by default (the server now warms before its decode graphs)
+  run 150 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
+    --haystack prose --device cuda --max-model-len 66000 --no-progress \
+    --method "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_stage0=256" \
+    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_probes_stage0_x3.json"
+  run 260 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --jobs 4 \
+    --out "$OUT/gpu_smoke_embedded_plan_eval_serve.json"
+  ;;
 181)
-  # (~8 min, no GGUF: .tok/ and .whl carried) issue 19's 5x at 512K without a quality cost: the
+  # (~8 min; .tok/, .whl and .gguf_a carried: call A of the GGUF's two, 182 at once after it)
+  mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/
+  # issue 19's 5x at 512K without a quality cost: the
   # probes row (15 of 33 needles at 64K, as fast with landmarks) with stage-0 groups made 4.32x
   # in 180's start, its layer 4 compiling (1.74 s against ~0.88): a 64K warm-up of exactly its
   # kernels, the row again, then lossless auto with the warm-up (now the default) as its base
