@@ -333,7 +333,7 @@
 #   smoke 38/38 with the warm-up off. NEXT: 181 (carry .tok, .whl, .gguf_a: the probes row
 #   without strides again after a warm-up that compiles its kernels, auto with the warm-up as
 #   its base), then 182 at once (carry .gguf_b, .whl: that row's 64K needles, the embedded
-#   smoke's plan, eval and serve sections with the warm-up on).
+#   smoke's plan, eval and serve sections with the warm-up on), then 183 (its generate section).
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -931,6 +931,12 @@ case "$group" in
   run 290 $py bench/hip_cli_speed.py --contexts 512K \
     --methods "hip,hip_preset=fast,hip_exact=8;hip,hip_preset=fast,hip_exact=8,hip_stage0=256" \
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
+  ;;
+183)
+  # (~4 min; after 182, the GGUF in place) the embedded smoke's generate section with the
+  # warm-up on by default (95a8615's 38/38 ran with it off)
+  run 230 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
+    --out "$OUT/gpu_smoke_embedded_generate_warm.json"
   ;;
 182)
   # (~7 min; right after 181 on the same start; .gguf_b and .whl carried: `source

@@ -49,6 +49,8 @@ def test_nothing_runs_on_the_cpu_or_when_off(gqa: tuple[Any, Any], monkeypatch: 
     monkeypatch.setenv("KVTIER_WARMUP", "off")
     assert not warmup.warms(gqa[0], torch.device("cuda", 0))
     assert warmup.KernelWarmup().start(gqa[0], torch.device("cpu")).join() == {}
+    monkeypatch.setattr(warmup, "warms", lambda *_: True)
+    assert warmup.KernelWarmup().start(gqa[0], torch.device("cpu"), ranked=True).join() == {}
 
 
 def test_a_failing_warmup_is_noted_not_raised(gqa: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:

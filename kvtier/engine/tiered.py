@@ -77,9 +77,8 @@ def generate_tiered(
         torch.cuda.reset_peak_memory_stats(llm.device)
         allocator = allocator_counts(llm.device)
     t0 = time.perf_counter()
-    warmup = KernelWarmup()
-    if llm.parallel is None:  # NOTE: a pipeline stage may not hold layer 0
-        warmup.start(llm.loaded.model, llm.device)  # beside the setup's pinning
+    # NOTE: beside the setup, whose pinning leaves the GPU idle
+    warmup = KernelWarmup().start(llm.loaded.model, llm.device, ranked=llm.parallel is not None)
     pins = PinBar(progress)
     try:
         with reporting_pins(pins):

@@ -99,9 +99,11 @@ class KernelWarmup:
         self._seconds: float | None = None
         self._error: str | None = None
 
-    def start(self, model: CausalLM, device: torch.device) -> KernelWarmup:
-        """Start warming `model` on `device` if `warms` says so; returns self."""
-        if not warms(model, device):
+    def start(self, model: CausalLM, device: torch.device, ranked: bool = False) -> KernelWarmup:
+        """Start warming `model` on `device` if `warms` says so; returns self. `ranked`: the
+        model is one of several ranks' parts, which is never warmed (a pipeline stage may lack
+        layer 0, a tensor-parallel layer's forward would enter collectives on one rank alone)."""
+        if ranked or not warms(model, device):
             return self
         _WARMED.add(device.index or 0)
 

@@ -73,10 +73,7 @@ class ServeEngine(OffloadEngine):
         self._closing = threading.Event()  # set by begin_shutdown: no new requests
         # The GPU libraries' first calls now, not in the first request's prefill: its {"seconds"},
         # {} where none ran (kvtier.engine.warmup: KVTIER_WARMUP off, off CUDA, done already).
-        # NOTE: not over ranks: a sharded layer's forward would enter collectives on this one alone.
-        warm = KernelWarmup()
-        if llm.parallel is None:
-            warm.start(llm.loaded.model, self.device)
+        warm = KernelWarmup().start(llm.loaded.model, self.device, ranked=llm.parallel is not None)
         self.warmup = warm.join()
         # Every decode graph now, not at a request's first step of each batch size.
         self.graphs_at_start = 0
