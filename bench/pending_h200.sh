@@ -962,6 +962,10 @@ case "$group" in
     --methods "$lm" --new-tokens 2 --timeout 125 --name hip_cli_speed_64k_warmup_181
   KVTIER_HIDDEN_PIN=register cli512k 115 "$lm" hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_b
   cli512k 240 auto hip_cli_speed_512k_auto_base_h
+  # whether pinning holds another thread's CUDA calls (a prefill beside a background pinning of
+  # the host tier would save a 512K run's ~25-30 s of setup): bench/pin_rate.py's beside_* fields
+  run 60 $py bench/pin_rate.py --configs cudaHostAlloc --threads 1 --total 4GiB --piece 1GiB \
+    --name pin_rate_beside
   ;;
 178)
   # (ran 2026-12-07, fifty-eighth session, code 95a8615, with 179 and 180 on one start)

@@ -10,7 +10,9 @@ PYTORCH_CUDA_ALLOC_CONF (pinned memory made by `cudaHostAlloc`, PyTorch's defaul
 - `gb_per_s`: pinned bytes a second, `--total` made in `--piece` pieces with the GPU idle;
 - `busy_stall_s`: how long one piece's allocation takes while the GPU runs ~`--busy-ms` of
   queued matmuls, against `idle_piece_s` with it idle: near busy-ms more, and the allocation
-  waited for the device (the GPU then idles while the host pins).
+  waited for the device (the GPU then idles while the host pins);
+- `beside_*`: a small GPU step repeated on another thread while up to 4 pieces are pinned
+  (`steps_beside_pinning`): whether pinning holds other threads' CUDA calls.
 
     python bench/pin_rate.py            # bench/results/pin_rate.json (CUDA only)
     python bench/pin_rate.py --configs cudaHostAlloc --threads 1,8 --total 8GiB --piece 1GiB \
@@ -24,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -70,7 +73,9 @@ def measure(piece: int, total: int, busy_ms: float, threads: int = 1) -> dict[st
     held.append(torch.empty(piece, dtype=torch.uint8, pin_memory=True))
     busy_piece = time.perf_counter() - t0
     torch.cuda.synchronize()
+    beside = steps_beside_pinning(piece, min(count, 4))
     return {
+        **beside,
         "pinned_bytes": made_bytes,
         "seconds": round(made, 3),
         "gb_per_s": round(made_bytes / made / 1e9, 2),
@@ -78,6 +83,46 @@ def measure(piece: int, total: int, busy_ms: float, threads: int = 1) -> dict[st
         "busy_piece_s": round(busy_piece, 4),
         "busy_stall_s": round(busy_piece - idle_piece, 4),
         "matmul_ms": round(per_matmul * 1e3, 3),
+    }
+
+
+def steps_beside_pinning(piece: int, pieces: int) -> dict[str, Any]:
+    """A GPU step (a 2048^2 matmul, then a host sync) repeated on a second thread, alone and
+    then while this thread pins `pieces` pieces: whether pinning holds other threads' CUDA calls
+    (a store's slabs pinned beside a running prefill; in the CLI a warm-up thread ended only as
+    the setup's pinning did, hip_cli_speed_512k_fast_landmarks_layer_*_warm_pin8.json). A step's
+    wall near a piece's pinning time while it pins: held."""
+    import torch
+
+    small = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    walls: list[tuple[float, float]] = []  # (start, seconds)
+    stop = threading.Event()
+
+    def stepper() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            small @ small
+            torch.cuda.synchronize()
+            walls.append((t, time.perf_counter() - t))
+
+    thread = threading.Thread(target=stepper)
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    held = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(pieces)]
+    t1 = time.perf_counter()
+    time.sleep(0.2)
+    stop.set()
+    thread.join()
+    del held
+    alone = sorted(w for t, w in walls if t + w <= t0)
+    beside = sorted(w for t, w in walls if t < t1 and t + w > t0)  # overlapping the pinning
+    return {
+        "beside_pin_s": round(t1 - t0, 3),
+        "beside_steps": len(beside),
+        "beside_step_p50_s": round(beside[len(beside) // 2], 5) if beside else None,
+        "beside_step_max_s": round(beside[-1], 4) if beside else None,
+        "alone_step_p50_s": round(alone[len(alone) // 2], 5) if alone else None,
     }
 
 
