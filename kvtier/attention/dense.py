@@ -20,14 +20,17 @@ import functools
 import math
 import os
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.attention.cudnn_split import attend_split
 from kvtier.attention.spec import PLAIN, LayerAttention
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 DECODE_SPLIT = 16384  # keys per segment of split-KV decode
 SCORE_ELEMENTS = 1 << 25  # scores per key block of `scored_attention` (x 12 B live per score)
@@ -105,9 +108,18 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, attn: LayerAttention, cudnn: bool
         # paid once per streamed slice: 256 per layer-chunk with head-wise offload).
         out = torch.ops.aten._scaled_dot_product_flash_attention(qt, k, v, 0.0, True)[0]
     else:
-        mask = causal_lower_right(t, s)
+        mask = _lower_right(t, s)
         out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, enable_gqa=hq != hkv)
     return out[0].transpose(0, 1)  # [T, H_q, D]
+
+
+def _lower_right(t: int, s: int) -> CausalBias:
+    """`causal_lower_right(t, s)`, imported on first use: its module imports torch._dynamo (1.6 s
+    of every `kvtier` command's start on the dev CPU: `kvtier plan` took 4.5 s), which the CUDA
+    paths, calling the flash kernel directly, never need."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(t, s)
 
 
 def _entries(kv: torch.Tensor) -> torch.Tensor:
