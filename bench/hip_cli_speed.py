@@ -7,7 +7,9 @@ GGUF), a prose prompt of each context, `--gpu-memory 24GiB`, greedy. One
 and decode (its stats), the plan it chose included; the process's wall time, model load and
 Triton compile included, is recorded beside, split into `before_setup_s` (the process's start,
 model load, tokenizing) and `after_answer_s` (from the printed answer to the exit: freeing pinned
-memory among the rest). The KV is what the model computes from the prompt:
+memory among the rest), and `before_setup_s` again by the CLI's own stamps into `phases_s`
+(Python's start, imports, the model's load, tokenizing, the generate call's other work, the
+close: `phases`). The KV is what the model computes from the prompt:
 random weights over real text, no repetition.
 
     python bench/hip_cli_speed.py --contexts 128K,512K --methods "auto;hip"
@@ -96,8 +98,26 @@ def run_one(
             "decode_allocator", "prefill_order", "h2d_bytes", "setup_s", "tokenize_s", "warmup")  # fmt: skip
     row.update({k: stats.get(k) for k in keep})
     row["load_s"] = answer.get("load_s")
+    if "at_s" in answer:
+        row["phases_s"] = phases(answer["at_s"], t0, stats)
     row["plan"] = {k: stats["plan"].get(k) for k in ("policy", "group_size", "chunk_size", "method")}
     return row
+
+
+def phases(at: dict[str, float], t0: float, stats: dict[str, Any]) -> dict[str, float]:
+    """The process's wall before its answer, from `generate --json`'s "at_s" (its stamps on this
+    process's `time.perf_counter` clock, CLOCK_MONOTONIC on Linux) and `t0`, when it was started:
+    Python's start, the parser's imports, the model's load (`LLM`, with the config check), the
+    generate call's tokenizing and its other work beside the stats' parts, and the close."""
+    parts = stats["setup_s"] + stats["prefill_s"] + stats["decode_s"] + stats.get("tokenize_s", 0.0)
+    return {
+        "python_start": round(at["started"] - t0, 2),
+        "imports": round(at["run"] - at["started"], 2),
+        "load": round(at["loaded"] - at["run"], 2),
+        "tokenize": round(stats.get("tokenize_s", 0.0), 2),
+        "generate_other": round(at["generated"] - at["loaded"] - parts, 2),
+        "close": round(at["answered"] - at["generated"], 2),
+    }
 
 
 def timed_run(cmd: list[str], timeout: float) -> tuple[str, str, int, float | None]:

@@ -74,6 +74,11 @@ def test_generate_json_on_the_embedded_model(embedded: Path, capsys: pytest.Capt
     assert stats["generated_tokens"] == len(ids)
     # where a user's wall goes besides the prefill: the model's load, the prompt's tokenizing
     assert result["load_s"] > 0 and 0 < stats["tokenize_s"] < result["load_s"]
+    # when each part began, in order, the load between the run's start and the model's
+    at = result["at_s"]
+    assert list(at) == ["started", "run", "loaded", "generated", "answered"]
+    assert at["started"] <= at["run"] < at["loaded"] <= at["generated"] <= at["answered"]
+    assert at["loaded"] - at["run"] >= result["load_s"] - 1e-3  # load_s: 3 decimals
     assert stats["prefill_tokens_per_s"] > 0
     assert "decode_tokens_per_s" in stats
     if len(ids) > 1:  # each decode step timed: the slowest no longer than all of them

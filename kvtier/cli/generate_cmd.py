@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
+from kvtier.cli.main import STARTED
 from kvtier.cli.options import (
     add_method_options,
     add_model_options,
@@ -140,16 +142,22 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    at = {"started": STARTED, "run": time.perf_counter()}
     check_before_loading(args)
     llm = LLM(**llm_kwargs(args))
+    at["loaded"] = time.perf_counter()
     try:
         out = llm.generate(prompt, params, chat=args.chat, progress=llm.is_rank0)[0]
     finally:
+        at["generated"] = time.perf_counter()
         llm.close()
     if not llm.is_rank0:
         return 0  # NOTE: under torchrun every rank runs this command; rank 0 prints
     if args.json:
-        answer = {**out.to_dict(), "load_s": round(llm.load_s, 3)}  # the model's load (`LLM.load_s`)
+        # the model's load (`LLM.load_s`), and when each part began on `time.perf_counter`'s clock
+        # (comparable across processes on Linux): where a run's wall goes past its stats' parts
+        at["answered"] = time.perf_counter()
+        answer = {**out.to_dict(), "load_s": round(llm.load_s, 3), "at_s": at}
         print(json.dumps(answer), flush=True)  # NOTE: flushed: a pipe sees it before the exit
         return 0
     print(out.text)

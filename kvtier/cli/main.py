@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from typing import NoReturn
 
 # Long contexts allocate and free GPU buffers of many sizes (chunks, staging, sparse caches);
@@ -19,6 +20,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from kvtier import __version__
 from kvtier.errors import KvtierError
+
+# When the `kvtier` script started its own code, on `time.perf_counter`'s clock (CLOCK_MONOTONIC
+# on Linux: comparable across processes), for `generate --json`'s "at_s".
+STARTED = time.perf_counter()
 
 SUBCOMMANDS = ("generate", "plan", "eval", "serve")
 VERSION_LINE = f"kvtier {__version__}"
