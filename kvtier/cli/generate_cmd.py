@@ -64,7 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="generate all --max-new-tokens, past the end-of-sequence token (benchmarks)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: text, token_ids, stats, load_s (the model's load) and at_s "
+        "(when each part began, on the monotonic clock)",
+    )
     p.add_argument(
         "--prefill-order",
         choices=PREFILL_ORDERS,
