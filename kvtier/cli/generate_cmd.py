@@ -22,8 +22,10 @@ from kvtier.cli.options import (
 )
 from kvtier.engine.config import PREFILL_ORDERS
 from kvtier.engine.llm import LLM
+from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.errors import PromptError
+from kvtier.kv.tiers import keeping_pinned, release_pinned_cache
 from kvtier.units import format_bytes
 
 
@@ -152,20 +154,27 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**llm_kwargs(args))
     at["loaded"] = time.perf_counter()
     try:
-        out = llm.generate(prompt, params, chat=args.chat, progress=llm.is_rank0)[0]
-    finally:
+        with keeping_pinned():  # NOTE: the store's pinned host memory is let go after the answer
+            out = llm.generate(prompt, params, chat=args.chat, progress=llm.is_rank0)[0]
         at["generated"] = time.perf_counter()
+        if llm.is_rank0:  # NOTE: under torchrun every rank runs this command; rank 0 prints
+            show(args, out, llm.load_s, at)
+    finally:
         llm.close()
-    if not llm.is_rank0:
-        return 0  # NOTE: under torchrun every rank runs this command; rank 0 prints
+        release_pinned_cache()
+    return 0
+
+
+def show(args: argparse.Namespace, out: RequestOutput, load_s: float, at: dict[str, float]) -> None:
+    """The answer: one JSON object (`--json`), else its text and a stats line on stderr."""
     if args.json:
         # the model's load (`LLM.load_s`), and when each part began on `time.perf_counter`'s clock
         # (comparable across processes on Linux): where a run's wall goes past its stats' parts
         at["answered"] = time.perf_counter()
-        answer = {**out.to_dict(), "load_s": round(llm.load_s, 3), "at_s": at}
+        answer = {**out.to_dict(), "load_s": round(load_s, 3), "at_s": at}
         print(json.dumps(answer), flush=True)  # NOTE: flushed: a pipe sees it before the exit
-        return 0
-    print(out.text)
+        return
+    print(out.text, flush=True)
     s = out.stats
     peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.peak_bytes.items())
     steps = s.decode_step_s
@@ -176,13 +185,13 @@ def run(args: argparse.Namespace) -> int:
         decode = f"decode {s.decode_tokens_per_s:.2f} tok/s{spread}"
     # a long prompt's store pins its host tier before the prefill (64 GiB at 512K for Llama-3-8B)
     setup = f" after {s.setup_s:.1f} s building the KV store" if s.setup_s >= 0.5 else ""
-    if llm.load_s >= 5:
-        setup += f" ({llm.load_s:.1f} s loading the model)"
+    if load_s >= 5:
+        setup += f" ({load_s:.1f} s loading the model)"
     print(
         f"[{s.prompt_tokens} prompt tokens, prefill {s.prefill_tokens_per_s:.0f} tok/s{setup}; "
         f"{s.generated_tokens} new, {decode}; {plan_note(s.plan)}"
         f"{order_note(args.prefill_order, s.prefill_order)}"
         f"{tp_note(s.plan)}; peak {peaks}]",
         file=sys.stderr,
+        flush=True,
     )
-    return 0

@@ -59,7 +59,7 @@ from kvtier.kv.layout import KVLayout
 from kvtier.kv.resident import compact, reallocate
 from kvtier.kv.staged_attend import StagedSlices
 from kvtier.kv.streams import Streams
-from kvtier.kv.tiers import GPU, HOST, TierAccount, release_pinned_cache
+from kvtier.kv.tiers import GPU, HOST, TierAccount, keeps_pinned, release_pinned_cache
 from kvtier.kv.windowed import check_parts, plain_limit, trim, windowed_slices
 from kvtier.kv.write_back import HostWrites
 from kvtier.model.rope import rotary_for
@@ -380,7 +380,8 @@ class TieredKVStore:
     def close(self, release_host: bool = True) -> None:
         """Free every tier. The store is unusable afterwards. `release_host=False` leaves its
         pinned host memory in PyTorch's pinned cache, for the next store to reuse without
-        pinning it again (`kvtier.kv.tiers.release_pinned_cache`)."""
+        pinning it again (`kvtier.kv.tiers.release_pinned_cache`), as does a close within
+        `kvtier.kv.tiers.keeping_pinned`."""
         self.writes.drop()
         self.streams.synchronize()
         for buf in self.resident.values():
@@ -391,5 +392,5 @@ class TieredKVStore:
         if self.packed is not None:
             self.packed.close()
         self.storage.close()
-        if release_host:
+        if release_host and not keeps_pinned():
             release_pinned_cache()

@@ -171,6 +171,27 @@ def reporting_pins(report: Callable[[int], object]) -> Iterator[None]:
         _PINNED.reset(token)
 
 
+_KEEP: ContextVar[bool] = ContextVar("kvtier_keep_pinned", default=False)
+
+
+@contextmanager
+def keeping_pinned() -> Iterator[None]:
+    """Within it (on this thread's context), a closing store leaves its pinned host memory in
+    PyTorch's pinned cache, as `TieredKVStore.close(release_host=False)` does, for whoever opened
+    it to return with `release_pinned_cache` when it suits: a one-shot `kvtier generate` prints
+    its answer first (unpinning ~34 GB took 5.9 s on the H200; a 512K store holds ~68 GB)."""
+    token = _KEEP.set(True)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
+
+
+def keeps_pinned() -> bool:
+    """Whether this is within `keeping_pinned`."""
+    return _KEEP.get()
+
+
 def pin_threads() -> int:
     """`KVTIER_PIN_THREADS`: threads that make a store's pinned host slabs at once (`HostArena.grow`;
     unset: 1, one after another). 8 threads did not shorten a 512K setup on an H100 (25.2 and
