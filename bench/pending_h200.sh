@@ -393,6 +393,12 @@ cli512k() {
   run "$secs" $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$methods" \
     --new-tokens 8 --timeout $((secs - 5)) --name "$name" "$@"
 }
+# SmolLM2's prose NIAH at 64K on CUDA, 11 depths x 3 samples (the 64K rows' prompts): $1 the run's
+# seconds, $2 the method spec, $3 the JSON's name under $OUT
+niah64k() {
+  run "$1" kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
+    --haystack prose --device cuda --max-model-len 66000 --no-progress --method "$2" --out "$OUT/$3.json"
+}
 # the embedded model's CUDA NIAH grid at 16K and 32K, 11 depths x 3 samples: $1 haystack, $2 the
 # method spec, $3 the JSON's name under $OUT
 niah_cuda() {
@@ -943,10 +949,8 @@ case "$group" in
   # bench/h200_setup.sh` joins the halves) the 64K needles of 181's row (probes and stage-0
   # groups; probes alone 15 of 33), then the embedded smoke's plan, eval and serve sections with
   # the warm-up on by default (the server now warms before its decode graphs)
-  run 150 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
-    --haystack prose --device cuda --max-model-len 66000 --no-progress \
-    --method "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_stage0=256" \
-    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_probes_stage0_x3.json"
+  niah64k 150 "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_stage0=256" \
+    niah_smollm2_cuda_prose_64k_fast_landmarks_probes_stage0_x3
   run 260 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --jobs 4 \
     --out "$OUT/gpu_smoke_embedded_plan_eval_serve.json"
   ;;
@@ -1006,20 +1010,16 @@ case "$group" in
   # halves) the 64K needles of 178's row and of the combined row (bar: 15 of 33), then the
   # embedded model's smoke (GPU-facing code changed: graph capture, pin and load bars)
   bash bench/pending_h200.sh 176
-  run 120 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
-    --haystack prose --device cuda --max-model-len 66000 --no-progress \
-    --method "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_strides=4/4/2" \
-    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_hip_probes_on_hip_strides_4_4_2_x3.json"
+  niah64k 120 "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_strides=4/4/2" \
+    niah_smollm2_cuda_prose_64k_fast_landmarks_hip_probes_on_hip_strides_4_4_2_x3
   run 200 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
     --out "$OUT/gpu_smoke_embedded_generate.json"
   ;;
 176)
   # (~3 min, the GGUF; after 173) the 64K needles of 178's 512K row (ran within 180): probes, strides 4/4/2 and
   # stage 0 once per 4 query blocks
-  run 150 kvtier eval niah --lengths 64k --depths 0:100:10 --samples 3 --first-sample 0 --seed 0 \
-    --haystack prose --device cuda --max-model-len 66000 --no-progress \
-    --method "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_strides=4/4/2,hip_stage0=256" \
-    --out "$OUT/niah_smollm2_cuda_prose_64k_fast_landmarks_probes_strides442_stage0_x3.json"
+  niah64k 150 "hip,hip_preset=fast,hip_landmarks=on,hip_probes=on,hip_strides=4/4/2,hip_stage0=256" \
+    niah_smollm2_cuda_prose_64k_fast_landmarks_probes_strides442_stage0_x3
   ;;
 171)
   # (ran 2026-12-07, fifty-seventh session, code 60b31e2: its 512K `on` row cut by the 190 s limit
