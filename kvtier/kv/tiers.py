@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -156,35 +157,36 @@ class HostArena:
         self._free.clear()
 
 
+T = TypeVar("T")
 _PINNED: ContextVar[Callable[[int], object] | None] = ContextVar("kvtier_pinned", default=None)
 
 
 @contextmanager
-def reporting_pins(report: Callable[[int], object]) -> Iterator[None]:
-    """Within it, each pinned host slab an arena makes (on this thread's context) is reported as
-    `report(its bytes)`: a long prompt's store pins tens of GB before its prefill (a progress
-    bar's updates, `kvtier.engine.progress.PinBar`)."""
-    token = _PINNED.set(report)
+def _set_within(var: ContextVar[T], value: T) -> Iterator[None]:
+    """`var` is `value` within it, on this thread's context."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _PINNED.reset(token)
+        var.reset(token)
+
+
+def reporting_pins(report: Callable[[int], object]) -> AbstractContextManager[None]:
+    """Within it, each pinned host slab an arena makes (on this thread's context) is reported as
+    `report(its bytes)`: a long prompt's store pins tens of GB before its prefill (a progress
+    bar's updates, `kvtier.engine.progress.PinBar`)."""
+    return _set_within(_PINNED, report)
 
 
 _KEEP: ContextVar[bool] = ContextVar("kvtier_keep_pinned", default=False)
 
 
-@contextmanager
-def keeping_pinned() -> Iterator[None]:
+def keeping_pinned() -> AbstractContextManager[None]:
     """Within it (on this thread's context), a closing store leaves its pinned host memory in
     PyTorch's pinned cache, as `TieredKVStore.close(release_host=False)` does, for whoever opened
     it to return with `release_pinned_cache` when it suits: a one-shot `kvtier generate` prints
     its answer first (unpinning ~34 GB took 5.9 s on the H200; a 512K store holds ~68 GB)."""
-    token = _KEEP.set(True)
-    try:
-        yield
-    finally:
-        _KEEP.reset(token)
+    return _set_within(_KEEP, True)
 
 
 def keeps_pinned() -> bool:
