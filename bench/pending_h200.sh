@@ -955,7 +955,8 @@ case "$group" in
     --out "$OUT/gpu_smoke_embedded_plan_eval_serve.json"
   ;;
 181)
-  # (~8 min; .tok/, .whl and .gguf_a carried: call A of the GGUF's two, 182 at once after it)
+  # (~8 min; .tok/ and .gguf_a carried (with .whl the carry passes 64 MiB; nothing here needs
+  # a wheel): call A of the GGUF's two, 182 at once after it)
   mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/
   # issue 19's 5x at 512K without a quality cost: the
   # probes row (15 of 33 needles at 64K, as fast with landmarks) with stage-0 groups made 4.32x
