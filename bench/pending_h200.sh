@@ -953,6 +953,9 @@ case "$group" in
     niah_smollm2_cuda_prose_64k_fast_landmarks_probes_stage0_x3
   run 260 $py bench/gpu_smoke.py --models embedded --sections plan,eval,serve --jobs 4 \
     --out "$OUT/gpu_smoke_embedded_plan_eval_serve.json"
+  # whether huge pages make registered host memory both quick to pin and quick to read in place
+  # (the 512K setup pins ~68 GB at ~2.3 GB/s through cudaHostAlloc)
+  run 90 $py bench/host_memory.py --total 8GiB --piece 1GiB --threads 8 --name host_memory
   ;;
 181)
   # (~8 min; .tok/ and .gguf_a carried (with .whl the carry passes 64 MiB; nothing here needs
@@ -971,9 +974,6 @@ case "$group" in
   # the host tier would save a 512K run's ~25-30 s of setup): bench/pin_rate.py's beside_* fields
   run 60 $py bench/pin_rate.py --configs cudaHostAlloc --threads 1 --total 4GiB --piece 1GiB \
     --name pin_rate_beside
-  # whether huge pages make registered host memory both quick to pin and quick to read in place
-  # (the 512K setup pins ~68 GB at ~2.3 GB/s through cudaHostAlloc)
-  run 90 $py bench/host_memory.py --total 8GiB --piece 1GiB --threads 8 --name host_memory
   ;;
 178)
   # (ran 2026-12-07, fifty-eighth session, code 95a8615, with 179 and 180 on one start)
