@@ -8,10 +8,11 @@ malloc memory is mapped in 4 KiB pages, which the kernel pins one by one and the
 one by one. This script pins `--total` bytes in `--piece` pieces each way:
 
 - `alloc`: `torch.empty(pin_memory=True)` (PyTorch's cached `cudaHostAlloc`);
-- `register`: an anonymous mapping with MADV_NOHUGEPAGE, its pages faulted in by `--threads`
-  threads, then `cudaHostRegister` (portable, mapped);
-- `register_huge`: the same with MADV_HUGEPAGE on a 2 MiB-aligned mapping (transparent huge
-  pages where the kernel allows them: `thp` in the results says what it allows).
+- `register`: `torch.zeros` (its pages faulted in on torch's threads), then `cudaHostRegister`,
+  as KVTIER_HIDDEN_PIN=register's pieces;
+- `register_huge`: an anonymous 2 MiB-aligned mapping with MADV_HUGEPAGE, filled the same way,
+  registered portable and mapped, as KVTIER_HOST_PIN=huge's slabs (`kvtier.kv.host_register`;
+  transparent huge pages where the kernel allows them: `thp` and `huge_share` say).
 
 and for each measures `pin_gb_per_s` (the whole making), `seq_read_gb_per_s` (a device view of
 one piece copied into device memory by a kernel) and `rows_read_gb_per_s` (random 256-byte rows,
@@ -24,10 +25,8 @@ host keys). CUDA only.
 from __future__ import annotations
 
 import argparse
-import mmap
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,6 @@ from bench.common import write_results
 from kvtier.units import parse_size
 
 MODES = ("alloc", "register", "register_huge")
-HUGE = 2 << 20  # a transparent huge page
 ROW = 256  # bytes of a gathered row
 
 
@@ -50,34 +48,6 @@ def thp() -> dict[str, str]:
         except OSError as e:
             out[name] = f"unreadable: {e}"
     return out
-
-
-class Registered:
-    """`nbytes` of an anonymous mapping, faulted in by `threads` threads and `cudaHostRegister`ed;
-    `huge`: MADV_HUGEPAGE on a 2 MiB-aligned start, else MADV_NOHUGEPAGE."""
-
-    def __init__(self, nbytes: int, threads: int, huge: bool) -> None:
-        import torch
-
-        self.map = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        whole = torch.frombuffer(self.map, dtype=torch.uint8)
-        skip = (-whole.data_ptr()) % HUGE
-        self.map.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
-        self.tensor = whole[skip : skip + nbytes]
-        parts = self.tensor.chunk(threads)
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda p: p.fill_(0), parts))
-        flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
-        rc = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, flags))
-        if rc != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaError {rc}")
-
-    def close(self) -> None:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-        del self.tensor
-        self.map.close()
 
 
 def huge_share(t: Any) -> float | None:
@@ -128,34 +98,33 @@ def reads(piece: Any, dev: Any) -> dict[str, float]:
     }
 
 
-def measure(mode: str, piece: int, total: int, threads: int) -> dict[str, Any]:
+def measure(mode: str, piece: int, total: int) -> dict[str, Any]:
     import torch
+
+    from kvtier.kv.host_register import registered_empty, unregister
 
     dev = torch.device("cuda")
     torch.cuda.synchronize()
     count = max(1, total // piece)
     t0 = time.perf_counter()
     if mode == "alloc":
-        held: list[Any] = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
-        pieces = held
+        pieces = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
     else:
-        held = [Registered(piece, threads, huge=mode == "register_huge") for _ in range(count)]
-        pieces = [h.tensor for h in held]
+        pieces = [registered_empty((piece,), torch.uint8, huge=mode == "register_huge") for _ in range(count)]
     made = time.perf_counter() - t0
     row = {
         "mode": mode,
-        "threads": threads if mode != "alloc" else 1,
+        "torch_threads": torch.get_num_threads(),
         "pinned_bytes": count * piece,
         "seconds": round(made, 3),
         "pin_gb_per_s": round(count * piece / made / 1e9, 2),
         "huge_share": huge_share(pieces[0]),
         **reads(pieces[0], dev),
     }
+    if mode != "alloc":
+        for p in pieces:
+            unregister(p)
     del pieces
-    for h in held:
-        if isinstance(h, Registered):
-            h.close()
-    del held
     torch._C._host_emptyCache()
     return row
 
@@ -164,7 +133,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--total", default="8GiB", help="bytes pinned each way")
     ap.add_argument("--piece", default="1GiB", help="bytes a piece (the host tier's slabs)")
-    ap.add_argument("--threads", type=int, default=8, help="threads that fault a registered piece in")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of: {', '.join(MODES)}")
     ap.add_argument("--name", default="host_memory")
     args = ap.parse_args()
@@ -172,15 +140,15 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
         sys.exit(f"--modes {args.modes!r}: use some of {', '.join(MODES)}")
-    if args.threads < 1 or piece % ROW:
-        sys.exit("--threads must be 1 or more and --piece a multiple of 256 bytes")
+    if piece % ROW:
+        sys.exit(f"--piece must be a multiple of {ROW} bytes")
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("host_memory.py measures CUDA's pinned host memory: run it on a machine with a GPU")
     rows = []
     for mode in modes:
-        rows.append(measure(mode, piece, total, args.threads))
+        rows.append(measure(mode, piece, total))
         print(rows[-1], flush=True)
     print("results:", write_results(args.name, {"piece": piece, "total": total, "thp": thp(), "rows": rows}))
 

@@ -943,6 +943,12 @@ case "$group" in
   # warm-up on by default (95a8615's 38/38 ran with it off)
   run 230 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
     --out "$OUT/gpu_smoke_embedded_generate_warm.json"
+  # (~2 min more) KVTIER_HOST_PIN=huge, the host tier in registered huge pages (182's
+  # host_memory.json says how fast each pins and reads): 181's 512K row again, its setup_s
+  # and prefill against 181's (another call, the same start)
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_stage0=256"
+  KVTIER_HOST_PIN=huge KVTIER_HIDDEN_PIN=register cli512k 115 "$lm" \
+    hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_huge
   ;;
 182)
   # (~7 min; right after 181 on the same start; .gguf_b and .whl carried: `source
@@ -955,7 +961,7 @@ case "$group" in
     --out "$OUT/gpu_smoke_embedded_plan_eval_serve.json"
   # whether huge pages make registered host memory both quick to pin and quick to read in place
   # (the 512K setup pins ~68 GB at ~2.3 GB/s through cudaHostAlloc)
-  run 90 $py bench/host_memory.py --total 8GiB --piece 1GiB --threads 8 --name host_memory
+  run 90 $py bench/host_memory.py --total 8GiB --piece 1GiB --name host_memory
   ;;
 181)
   # (~8 min; .tok/ and .gguf_a carried (with .whl the carry passes 64 MiB; nothing here needs

@@ -21,11 +21,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-from collections.abc import Callable, Iterable
-
-import torch
 
 from kvtier.errors import ConfigError
+from kvtier.kv.host_register import RegisteredPool, registered_empty, unregister
+
+__all__ = ["HIDDEN_PIN", "REGISTERED", "RegisteredPool", "hidden_pin", "registered_empty", "unregister"]
 
 HIDDEN_PIN = ("alloc", "register")
 
@@ -36,51 +36,6 @@ def hidden_pin() -> str:
     if raw not in HIDDEN_PIN:
         raise ConfigError(f"KVTIER_HIDDEN_PIN={raw!r}: use alloc (the default) or register")
     return raw
-
-
-def registered_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor of `shape` pinned by `cudaHostRegister` after a fill faulted its pages in on
-    torch's threads; `unregister` it once no copy reads it any more (before it is freed)."""
-    t = torch.zeros(shape, dtype=dtype)
-    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-    if rc != 0:
-        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: cudaError {rc}")
-    return t
-
-
-def unregister(t: torch.Tensor) -> None:
-    """Undo `registered_empty` (its copies done: the caller synchronized)."""
-    rc = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
-    if rc != 0:
-        raise RuntimeError(f"cudaHostUnregister failed: cudaError {rc}")
-
-
-class RegisteredPool:
-    """Registered host tensors kept for reuse, by shape and dtype: `take` one (registering a new
-    one when none is kept), `give` them back once no copy reads them (the caller synchronized);
-    `close` unregisters every kept one."""
-
-    def __init__(
-        self,
-        make: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = registered_empty,
-        release: Callable[[torch.Tensor], None] = unregister,
-    ) -> None:
-        self._make, self._release = make, release
-        self._kept: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        kept = self._kept.get((shape, dtype))
-        return kept.pop() if kept else self._make(shape, dtype)
-
-    def give(self, tensors: Iterable[torch.Tensor]) -> None:
-        for t in tensors:
-            self._kept.setdefault((tuple(t.shape), t.dtype), []).append(t)
-
-    def close(self) -> None:
-        for kept in self._kept.values():
-            for t in kept:
-                self._release(t)
-        self._kept.clear()
 
 
 REGISTERED = RegisteredPool()

@@ -6,6 +6,8 @@ any machine (torch's own counters exist only on CUDA).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +19,28 @@ from typing import TypeVar
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.kv.host_register import RegisteredPool, registered_huge
 
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """Uninitialised device tensor of a shape and dtype (`kvtier.kv.device_memory.DeviceMemory.empty`)."""
 
 GPU, HOST = "gpu", "host"
+
+HOST_PINS = ("alloc", "huge")
+# the host slabs of KVTIER_HOST_PIN=huge, kept between stores as PyTorch's pinned allocator keeps
+# its blocks (`release_pinned_cache` unregisters them)
+HUGE_SLABS = RegisteredPool(registered_huge)
+
+
+def host_pin() -> str:
+    """`KVTIER_HOST_PIN`: how a store pins its host slabs. "alloc" (unset, the default): PyTorch's
+    pinned allocator (`cudaHostAlloc`); "huge": registered memory in transparent huge pages
+    (`kvtier.kv.host_register`), opt-in until bench/host_memory.py and a 512K run on one start
+    show it pins faster and reads in place as fast."""
+    raw = os.environ.get("KVTIER_HOST_PIN", "").strip().lower() or "alloc"
+    if raw not in HOST_PINS:
+        raise ConfigError(f"KVTIER_HOST_PIN={raw!r}: use alloc (the default) or huge")
+    return raw
 
 
 @dataclass
@@ -94,6 +113,7 @@ class HostArena:
         self.dtype = dtype
         self.device = device
         self.pin = pin and device is None
+        self.huge = self.pin and host_pin() == "huge"  # slabs from HUGE_SLABS
         self.tier = HOST if device is None else GPU
         self.account = account
         numel = 1
@@ -130,6 +150,8 @@ class HostArena:
         numel = self.extents_per_slab * self.extent_numel
         if self.alloc is not None:
             return self.alloc((numel,), self.dtype)
+        if self.huge:
+            return HUGE_SLABS.take((numel,), self.dtype)
         return torch.empty(numel, dtype=self.dtype, device=self.device, pin_memory=self.pin)
 
     def _add(self, slab: torch.Tensor) -> None:
@@ -149,10 +171,15 @@ class HostArena:
         return [slab.view(self.extents_per_slab, *self.extent_shape) for slab in self._slabs]
 
     def close(self) -> None:
-        """Release all slabs: pinned ones go back to PyTorch's pinned allocator, which caches
-        them for the next store until `release_pinned_cache`."""
+        """Release all slabs: pinned ones go back to PyTorch's pinned allocator (registered ones
+        to `HUGE_SLABS`, once the device has finished with them), which caches them for the next
+        store until `release_pinned_cache`."""
         for slab in self._slabs:
             self.account.free(self.tier, slab.numel() * slab.element_size())
+        if self.huge and self._slabs:
+            if torch.cuda.is_available():  # no copy or kernel may still read a slab the next store takes
+                torch.cuda.synchronize()
+            HUGE_SLABS.give(self._slabs)
         self._slabs.clear()
         self._free.clear()
 
@@ -208,9 +235,21 @@ def pin_threads() -> int:
 def release_pinned_cache() -> None:
     """Return the pinned allocator's cached blocks to the OS (on CUDA). Slow: unpinning ~34 GB
     took 5.9 s on the H200 and CUDA synchronizes the device around it, so a server keeps the
-    blocks for its next long request instead (`TieredKVStore.close(release_host=False)`)."""
+    blocks for its next long request instead (`TieredKVStore.close(release_host=False)`).
+    KVTIER_HOST_PIN=huge's kept slabs are unregistered and freed too."""
     if torch.cuda.is_available():
+        HUGE_SLABS.close()
         torch._C._host_emptyCache()
+
+
+def _release_at_exit() -> None:
+    """`HUGE_SLABS.close()` as the process ends; a CUDA runtime already shut down refuses the
+    unregistering, and the process's end releases the pages then anyway."""
+    with contextlib.suppress(RuntimeError):
+        HUGE_SLABS.close()
+
+
+atexit.register(_release_at_exit)
 
 
 # Slabs of a device arena (a quantized store's packed slices on the GPU) are at most this: small
