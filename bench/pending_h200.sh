@@ -334,6 +334,12 @@
 #   without strides again after a warm-up that compiles its kernels, auto with the warm-up as
 #   its base), then 182 at once (carry .gguf_b, .whl: that row's 64K needles, the embedded
 #   smoke's plan, eval and serve sections with the warm-up on), then 183 (its generate section).
+# The fifty-ninth ran 181, 182, 183 (its generate smoke; the huge-page row as a call of its own)
+#   and the no-strides row again with cudaHostAlloc at 37c7fc2 (four refused starts first; the
+#   start took ~9 min): 4.67x at 512K with fast's 15 of 33 needles; KVTIER_HOST_PIN=huge's setup
+#   3.4 s against 27.2 but decode 18.4 against 30.5 tok/s; the smoke 38/38 and 15/15 with the
+#   warm-up on. 181's own 512K HiP row wrote no JSON (its 115 s limit, the model's first load
+#   on the start 15.8 s). NEXT: 184.
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -939,6 +945,7 @@ case "$group" in
     --new-tokens 8 --timeout 135 --warmup-tokens 0 --name hip_cli_speed_512k_fast_exact8
   ;;
 183)
+  # (ran 2026-12-08, fifty-ninth session, code 37c7fc2)
   # (~4 min; after 182, the GGUF in place) the embedded smoke's generate section with the
   # warm-up on by default (95a8615's 38/38 ran with it off)
   run 230 $py bench/gpu_smoke.py --models embedded --sections generate --jobs 4 \
@@ -951,6 +958,7 @@ case "$group" in
     hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_huge
   ;;
 182)
+  # (ran 2026-12-08, fifty-ninth session, code 37c7fc2)
   # (~7 min; right after 181 on the same start; .gguf_b and .whl carried: `source
   # bench/h200_setup.sh` joins the halves) the 64K needles of 181's row (probes and stage-0
   # groups; probes alone 15 of 33), then the embedded smoke's plan, eval and serve sections with
@@ -964,6 +972,7 @@ case "$group" in
   run 90 $py bench/host_memory.py --total 8GiB --piece 1GiB --name host_memory
   ;;
 181)
+  # (ran 2026-12-08, fifty-ninth session, code 37c7fc2)
   # (~8 min; .tok/ and .gguf_a carried (with .whl the carry passes 64 MiB; nothing here needs
   # a wheel): call A of the GGUF's two, 182 at once after it)
   mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/
