@@ -339,7 +339,7 @@
 #   start took ~9 min): 4.67x at 512K with fast's 15 of 33 needles; KVTIER_HOST_PIN=huge's setup
 #   3.4 s against 27.2 but decode 18.4 against 30.5 tok/s; the smoke 38/38 and 15/15 with the
 #   warm-up on. 181's own 512K HiP row wrote no JSON (its 115 s limit, the model's first load
-#   on the start 15.8 s). NEXT: 184.
+#   on the start 15.8 s). NEXT: 184 (carry .tok only).
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -423,6 +423,19 @@ lean_kernels() {
   done
 }
 case "$group" in
+184)
+  # (~8 min; .tok/ carried, no GGUF) issue 19's 5x at 512K without a quality cost (4.67x at
+  # 37c7fc2, layer 0 1.29 s against 1.06 for layers 1-3 while it pins the hidden pieces): a 64K
+  # run of the row's kernels, the row with KVTIER_HIDDEN_PIN=huge (its pieces registered in huge
+  # pages, 17 GB/s against 8.5), lossless auto as its base; then host_memory.py over one 16 GiB
+  # piece (KVTIER_HOST_PIN=huge's decode read the 68 GB host tier slower, one 1 GiB piece not)
+  lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_stage0=256"
+  KVTIER_HIDDEN_PIN=huge run 80 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
+    --methods "$lm" --new-tokens 2 --timeout 75 --name hip_cli_speed_64k_warmup_184
+  KVTIER_HIDDEN_PIN=huge cli512k 150 "$lm" hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_hidden_huge
+  cli512k 240 auto hip_cli_speed_512k_auto_base_i
+  run 90 $py bench/host_memory.py --total 16GiB --piece 16GiB --name host_memory_16g
+  ;;
 1)
   # the smoke's generate part, a model at a time: both in one 330 s run were cut after 49 of 54
   # checks on a fresh machine (the 8B folder and the GGUF's conversion come first). Then 64.

@@ -180,15 +180,18 @@ def test_an_unknown_prefill_order_is_refused() -> None:
 
 def test_the_hidden_pieces_pin_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """`KVTIER_HIDDEN_PIN`: unset is PyTorch's pinned allocator, "register" (any case) the
-    registered pieces; anything else is refused with the values it takes."""
+    registered pieces, "huge" those in huge pages; anything else is refused with the values it
+    takes."""
     from kvtier.engine.host_pin import hidden_pin
 
     monkeypatch.delenv("KVTIER_HIDDEN_PIN", raising=False)
     assert hidden_pin() == "alloc"
     monkeypatch.setenv("KVTIER_HIDDEN_PIN", " Register ")
     assert hidden_pin() == "register"
+    monkeypatch.setenv("KVTIER_HIDDEN_PIN", "HUGE")
+    assert hidden_pin() == "huge"
     monkeypatch.setenv("KVTIER_HIDDEN_PIN", "mlock")
-    with pytest.raises(ConfigError, match=r"use alloc \(the default\) or register"):
+    with pytest.raises(ConfigError, match=r"use alloc \(the default\), register or huge"):
         hidden_pin()
 
 

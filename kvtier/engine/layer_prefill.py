@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.engine.host_pin import REGISTERED, hidden_pin
+from kvtier.engine.host_pin import REGISTERED, REGISTERED_HUGE, hidden_pin
+from kvtier.kv.host_register import RegisteredPool
 from kvtier.kv.store import TieredKVStore
 from kvtier.model.llama import CausalLM
 
@@ -43,7 +44,8 @@ class _Hidden:
 
     def __init__(self, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.register = self.cuda and hidden_pin() == "register"  # `kvtier.engine.host_pin`
+        pin = hidden_pin() if self.cuda else "alloc"  # `kvtier.engine.host_pin`
+        self.pool: RegisteredPool | None = {"register": REGISTERED, "huge": REGISTERED_HUGE}.get(pin)
         self.device, self.width, self.dtype = device, width, dtype
         self.pieces: dict[int, torch.Tensor] = {}  # chunk start -> its rows [e - s, hidden]
         self._in = torch.cuda.Stream(device) if self.cuda else None
@@ -86,8 +88,8 @@ class _Hidden:
         rows = self.pieces.get(s)
         if rows is None:
             shape = (x.shape[0], self.width)
-            if self.register:
-                rows = REGISTERED.take(shape, self.dtype)
+            if self.pool is not None:
+                rows = self.pool.take(shape, self.dtype)
             else:
                 rows = torch.empty(shape, dtype=self.dtype, pin_memory=self.cuda)
             self.pieces[s] = rows
@@ -110,12 +112,12 @@ class _Hidden:
             self._held = None
 
     def close(self) -> None:
-        """After the pass: registered pieces go back to `REGISTERED` once the device is done
-        with them (a sync; the pinned allocator's own pieces need none)."""
+        """After the pass: registered pieces go back to their pool once the device is done with
+        them (a sync; the pinned allocator's own pieces need none)."""
         self.release()
-        if self.register and self.pieces:
+        if self.pool is not None and self.pieces:
             torch.cuda.synchronize(self.device)
-            REGISTERED.give(self.pieces.values())
+            self.pool.give(self.pieces.values())
         self.pieces.clear()
 
 
