@@ -339,7 +339,7 @@
 #   start took ~9 min): 4.67x at 512K with fast's 15 of 33 needles; KVTIER_HOST_PIN=huge's setup
 #   3.4 s against 27.2 but decode 18.4 against 30.5 tok/s; the smoke 38/38 and 15/15 with the
 #   warm-up on. 181's own 512K HiP row wrote no JSON (its 115 s limit, the model's first load
-#   on the start 15.8 s). NEXT: 184 (carry .tok only).
+#   on the start 15.8 s). NEXT: 184 (carry .tok only), then 185 at once.
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -423,6 +423,11 @@ lean_kernels() {
   done
 }
 case "$group" in
+185)
+  # (~2 min; after 184 on the same start, its 8B folder in place) KVTIER_LOAD=staged against
+  # safe_open: the 8B model's 16 GB took 11.0-15.8 s to load in 37c7fc2's 512K rows
+  run 150 $py bench/load_speed.py --rounds 2 --name load_speed_8b
+  ;;
 184)
   # (~8 min; .tok/ carried, no GGUF) issue 19's 5x at 512K without a quality cost (4.67x at
   # 37c7fc2, layer 0 1.29 s against 1.06 for layers 1-3 while it pins the hidden pieces): a 64K

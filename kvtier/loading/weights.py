@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from kvtier.config import ModelConfig
 from kvtier.errors import ModelLoadError
+from kvtier.loading.staged import load_mode, read_shard_staged
 from kvtier.model.llama import CausalLM
 from kvtier.model.moe import MoE
 
@@ -95,12 +96,16 @@ def load_safetensors_folder(
     seen: set[str] = set()
     dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
     total = sum(f.stat().st_size for f in files)
+    staged = load_mode() == "staged"  # KVTIER_LOAD (`kvtier.loading.staged`)
     # NOTE: disable=None: shown on a terminal only (an 8B model's 16 GB take many seconds)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights",
               file=sys.stderr, disable=None if total >= LOAD_BAR_FROM else True) as bar:  # fmt: skip
         for f in files:
             before = bar.n
-            seen |= _read_shard(f, params, dev, bar.update)
+            if staged:
+                seen |= read_shard_staged(f, params, bar.update)
+            else:
+                seen |= _read_shard(f, params, dev, bar.update)
             bar.update(f.stat().st_size - (bar.n - before))  # its header and the tensors skipped
     check_all_loaded(folder, cfg, params, seen)
     return model, cfg
