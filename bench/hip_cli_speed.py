@@ -139,9 +139,11 @@ def timed_run(cmd: list[str], timeout: float) -> tuple[str, str, int, float | No
         reader.start()
         try:
             rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             proc.kill()
             proc.wait()
+            err.seek(0)
+            e.stderr = err.read()[-2000:]  # where it was: its progress bars' last states
             raise
         reader.join()
         err.seek(0)
@@ -209,8 +211,8 @@ def main() -> None:
                 row = run_one(
                     args.kvtier.split(), folder, args.workdir / f"prose_{warm_context}.txt", spec, warm
                 )
-            except subprocess.TimeoutExpired:
-                row = {"method": spec, "error": f"over --timeout {args.timeout} s"}
+            except subprocess.TimeoutExpired as e:
+                row = {"method": spec, "error": f"over --timeout {args.timeout} s", "stderr_tail": e.stderr}
             rows.append({**row, "context": warm_context, "warmup": True})
             print({k: v for k, v in rows[-1].items() if k != "command"}, flush=True)
             write_results(args.name, {"model": MODEL, "rows": rows})  # kept if a later row is cut
@@ -220,8 +222,8 @@ def main() -> None:
         for spec in methods:
             try:
                 row = run_one(args.kvtier.split(), folder, prompt, spec, args)
-            except subprocess.TimeoutExpired:
-                row = {"method": spec, "error": f"over --timeout {args.timeout} s"}
+            except subprocess.TimeoutExpired as e:
+                row = {"method": spec, "error": f"over --timeout {args.timeout} s", "stderr_tail": e.stderr}
             row["context"] = context
             if base is None and "error" not in row:  # NOTE: warm-up rows are never the base
                 base = row

@@ -393,11 +393,13 @@ layer_ab() {
 }
 # one 512K `kvtier generate` row set through hip_cli_speed (8 new tokens, no warm-up): $1 the run's
 # seconds, $2 the methods, $3 the JSON's name, the rest more flags
+# (the CLI's own limit 20 s inside the run's: a killed 512K process takes seconds to give its
+# ~68 GB of pinned memory back, and 181's 512K row, 5 s inside, lost its JSON row so)
 cli512k() {
   local secs=$1 methods=$2 name=$3
   shift 3
   run "$secs" $py bench/hip_cli_speed.py --contexts 512K --warmup-tokens 0 --methods "$methods" \
-    --new-tokens 8 --timeout $((secs - 5)) --name "$name" "$@"
+    --new-tokens 8 --timeout $((secs - 20)) --name "$name" "$@"
 }
 # SmolLM2's prose NIAH at 64K on CUDA, 11 depths x 3 samples (the 64K rows' prompts): $1 the run's
 # seconds, $2 the method spec, $3 the JSON's name under $OUT
@@ -436,9 +438,9 @@ case "$group" in
   # piece (KVTIER_HOST_PIN=huge's decode read the 68 GB host tier slower, one 1 GiB piece not)
   lm="hip,hip_preset=fast,hip_landmarks=on,prefill_order=layer,hip_probes=on,hip_stage0=256"
   KVTIER_HIDDEN_PIN=huge run 80 $py bench/hip_cli_speed.py --contexts 64K --warmup-tokens 0 \
-    --methods "$lm" --new-tokens 2 --timeout 75 --name hip_cli_speed_64k_warmup_184
-  KVTIER_HIDDEN_PIN=huge cli512k 150 "$lm" hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_hidden_huge
-  cli512k 240 auto hip_cli_speed_512k_auto_base_i
+    --methods "$lm" --new-tokens 2 --timeout 65 --name hip_cli_speed_64k_warmup_184
+  KVTIER_HIDDEN_PIN=huge cli512k 160 "$lm" hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_hidden_huge
+  cli512k 250 auto hip_cli_speed_512k_auto_base_i
   run 90 $py bench/host_memory.py --total 16GiB --piece 16GiB --name host_memory_16g
   ;;
 1)
