@@ -84,6 +84,12 @@ def main() -> None:
         help="replace the preset's query strides, a stage each joined by '/' (as --hip-strides: 4/4/2 "
         "pools the last stage's queries in pairs)",
     )
+    ap.add_argument(
+        "--bisect-sweep",
+        action="store_true",
+        help="also time each stage with the bisection's chunks a program and warps swept (128 and "
+        "256 chunks, 4 and 16 warps: the sweep above tries 16-64 and 2)",
+    )
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--name", default="hip_kernels")
     args = ap.parse_args()
@@ -224,6 +230,16 @@ def main() -> None:
             "stage_s": stage_s,
         }
     )
+    sweep = [(128, None), (256, None), (64, 4), (64, 16), (128, 16)]
+    for block_c, warps in sweep if args.bisect_sweep else []:
+        triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = block_c, warps
+        upto = [clock(lambda n=n: prune(stages=n), reps) for n in range(1, len(hip.chunk_sizes) + 1)]
+        stage_s = [round(t - p, 6) for t, p in zip(upto, [0.0, *upto[:-1]], strict=True)]
+        same = bool(torch.equal(prune()[0], ref_sel))
+        variant = f"block_c={block_c} warps={warps}"
+        row = {"kernel": "prune stages", "variant": variant, "stage_s": stage_s, "s": upto[-1]}
+        rows.append({**row, "same": same})
+    triton_bisect.BLOCK_C, triton_bisect.NUM_WARPS = None, None
     # fine stages on every key, and stage 0 once per group of blocks: each one's time and the
     # share of the selection it keeps
     changed = (

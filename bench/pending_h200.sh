@@ -426,9 +426,13 @@ lean_kernels() {
 }
 case "$group" in
 185)
-  # (~2 min; after 184 on the same start, its 8B folder in place) KVTIER_LOAD=staged against
+  # (~4 min; after 184 on the same start, its 8B folder in place) KVTIER_LOAD=staged against
   # safe_open: the 8B model's 16 GB took 11.0-15.8 s to load in 37c7fc2's 512K rows
   run 150 $py bench/load_speed.py --rounds 2 --name load_speed_8b
+  # (~2 min more) the pruning kernel's chunks a program and warps beyond the sweep's 16-64 and 2,
+  # stage by stage at 512K (stage 2, 7.6 ms of a 16K chunk's ~27.7 ms at 512K, is the largest part)
+  run 150 $py bench/hip_kernels.py --context 512K --chunk 16384 --heads 8 --preset fast --bisect-sweep \
+    --name hip_kernels_512k_bisect_sweep
   ;;
 184)
   # (~8 min; .tok/ carried, no GGUF) issue 19's 5x at 512K without a quality cost (4.67x at
