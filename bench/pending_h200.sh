@@ -339,7 +339,8 @@
 #   start took ~9 min): 4.67x at 512K with fast's 15 of 33 needles; KVTIER_HOST_PIN=huge's setup
 #   3.4 s against 27.2 but decode 18.4 against 30.5 tok/s; the smoke 38/38 and 15/15 with the
 #   warm-up on. 181's own 512K HiP row wrote no JSON (its 115 s limit, the model's first load
-#   on the start 15.8 s). NEXT: 184 (carry .tok only), then 185 at once.
+#   on the start 15.8 s). NEXT: 184 (carry .tok only), then at once 185 (carry
+#   .gguf_a) and 186 (carry .gguf_b, .whl).
 # The fifty-third got one device call after seven refused starts (163: fast 13,181 tok/s at 512K
 #   through the CLI; landmarks slower, their key scores in a float64 cumsum, now blocked) and the
 #   last ~150 s for two kernel rows. NEXT: 164 (no GGUF: the 512K CLI A/B after the blocked sums,
@@ -425,9 +426,23 @@ lean_kernels() {
   done
 }
 case "$group" in
+186)
+  # (~9 min; right after 185; .gguf_b and .whl carried: `source bench/h200_setup.sh` joins the
+  # halves) whether HiP's default could carry the speed options that cost `fast` no needle
+  # (landmarks, probes, stage-0 groups; the layer order is lossless): lean with them, the
+  # preset `--attention hip` runs past a model's trained length. Its NIAH at 16K and 32K (lean
+  # 30 and 29 of 33 on prose) and 64K (lean 19, with landmarks 20), then its 512K CLI row (lean
+  # alone 5,195 tok/s, 1.41x, at 5f5d2dd) against 184's auto
+  opts="hip_landmarks=on,hip_probes=on,hip_stage0=256"
+  niah_cuda prose "hip,$opts" niah_smollm2_cuda_prose_lean_speed_options_x3
+  niah64k 150 "hip,$opts" niah_smollm2_cuda_prose_64k_lean_speed_options_x3
+  cli512k 200 "hip,$opts,prefill_order=layer" hip_cli_speed_512k_lean_speed_options
+  ;;
 185)
-  # (~4 min; after 184 on the same start, its 8B folder in place) KVTIER_LOAD=staged against
-  # safe_open: the 8B model's 16 GB took 11.0-15.8 s to load in 37c7fc2's 512K rows
+  # (~4 min; after 184 on the same start, its 8B folder in place; .gguf_a carried: call A of the
+  # GGUF's two, 186 at once after it) KVTIER_LOAD=staged against safe_open: the 8B model's 16 GB
+  # took 11.0-15.8 s to load in 37c7fc2's 512K rows
+  mkdir -p /tmp/gg && cp .gguf_a/gguf_part_aa /tmp/gg/
   run 150 $py bench/load_speed.py --rounds 2 --name load_speed_8b
   # (~2 min more) the pruning kernel's chunks a program and warps beyond the sweep's 16-64 and 2,
   # stage by stage at 512K (stage 2, 7.6 ms of a 16K chunk's ~27.7 ms at 512K, is the largest part)
