@@ -198,7 +198,7 @@ def test_the_hidden_pieces_pin_setting_is_read_and_checked(monkeypatch: pytest.M
 def test_registered_pieces_are_kept_for_the_next_pass_and_released_once() -> None:
     """`RegisteredPool` (KVTIER_HIDDEN_PIN=register): a piece given back is taken again for the
     same shape and dtype instead of a new registration; `close` releases each kept one once."""
-    from kvtier.engine.host_pin import RegisteredPool
+    from kvtier.kv.host_register import RegisteredPool
 
     made: list[torch.Tensor] = []
     released: list[torch.Tensor] = []

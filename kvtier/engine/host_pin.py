@@ -8,10 +8,12 @@ then `cudaHostRegister`, as PyTorch's `pinned_use_cuda_host_register` does (7.25
 threads there). Only for these pieces, which the GPU reads by copies: set for the whole
 allocator, registered memory made the host tier's in-place reads by kernels slower (the last
 token's step 4.40 s against 0.80, hip_cli_speed_512k_fast_landmarks_all_layer_register16.json).
-Off until a 512K run on one start compares the two.
+Off until a 512K run on one start compares the two. "huge": the same in transparent huge pages
+(`kvtier.kv.host_register`), 17.19 GB/s against 8.47 for "register" on one H100 host
+(bench/results/host_memory.json); untimed at 512K (`pending_h200.sh 184`).
 
 Registered pieces are not unregistered after the pass, inside the prefill (unpinning PyTorch's
-4.3 GB of cached pieces had put ~0.5-0.8 s into a graph capture): they go back to `REGISTERED`,
+4.3 GB of cached pieces had put ~0.5-0.8 s into a graph capture): they go back to their pool,
 which the next prefill by layer takes them from, as PyTorch's pinned allocator keeps its own
 pieces cached (`kvtier.kv.graph_capture`), and are unregistered when the process exits.
 """
@@ -23,17 +25,7 @@ import contextlib
 import os
 
 from kvtier.errors import ConfigError
-from kvtier.kv.host_register import RegisteredPool, registered_empty, registered_huge, unregister
-
-__all__ = [
-    "HIDDEN_PIN",
-    "REGISTERED",
-    "REGISTERED_HUGE",
-    "RegisteredPool",
-    "hidden_pin",
-    "registered_empty",
-    "unregister",
-]
+from kvtier.kv.host_register import RegisteredPool, registered_huge
 
 HIDDEN_PIN = ("alloc", "register", "huge")
 

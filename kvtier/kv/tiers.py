@@ -35,8 +35,9 @@ HUGE_SLABS = RegisteredPool(registered_huge)
 def host_pin() -> str:
     """`KVTIER_HOST_PIN`: how a store pins its host slabs. "alloc" (unset, the default): PyTorch's
     pinned allocator (`cudaHostAlloc`); "huge": registered memory in transparent huge pages
-    (`kvtier.kv.host_register`), opt-in until bench/host_memory.py and a 512K run on one start
-    show it pins faster and reads in place as fast."""
+    (`kvtier.kv.host_register`), opt-in: on an H100 host it pinned a 512K store's ~68 GB in 3.44 s
+    against 27.17, but that store's decode, which reads the host tier in place, ran 18.4 tok/s
+    against 30.5 (bench/results/hip_cli_speed_512k_fast_landmarks_layer_probes_stage0_{huge,alloc}.json)."""
     raw = os.environ.get("KVTIER_HOST_PIN", "").strip().lower() or "alloc"
     if raw not in HOST_PINS:
         raise ConfigError(f"KVTIER_HOST_PIN={raw!r}: use alloc (the default) or huge")

@@ -168,8 +168,9 @@ def read_shard_staged(
             )
     if not entries:
         return set()
-    cuda = any(params[e.name].is_cuda for e in entries)
-    stream = torch.cuda.Stream(params[entries[0].name].device) if cuda else None
+    on_gpu = [params[e.name].device for e in entries if params[e.name].is_cuda]
+    cuda = bool(on_gpu)  # else every tensor goes to host memory (a CPU model, host experts)
+    stream = torch.cuda.Stream(on_gpu[0]) if cuda else None
     lo, hi = entries[0].start, max(e.end for e in entries)
     width = min(WINDOW_BYTES, hi - lo)
     bufs = [torch.empty(width, dtype=torch.uint8, pin_memory=cuda) for _ in range(2 if cuda else 1)]
