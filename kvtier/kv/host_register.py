@@ -48,7 +48,11 @@ def registered_empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = Fa
     flags = _PORTABLE_MAPPED if huge else 0
     rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags))
     if rc != 0:
-        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: cudaError {rc}")
+        raise RuntimeError(
+            f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed: cudaError {rc} "
+            f"(KVTIER_HOST_PIN=huge or KVTIER_HIDDEN_PIN=register/huge asked for it: unset them to "
+            f"pin with PyTorch's cudaHostAlloc)"
+        )
     return t
 
 
