@@ -108,3 +108,17 @@ def test_the_pool_hands_each_kept_tensor_to_one_taker_across_threads() -> None:
     for th in threads:
         th.join()
     assert len({id(t) for t in taken}) == 64 and not made and pool.kept_bytes() == 0
+
+
+def test_a_refused_registration_says_which_setting_asked_and_how_to_do_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.kv import host_register
+
+    class Refusing:
+        def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # cudart's name
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(host_register.torch.cuda, "cudart", lambda: Refusing())
+    with pytest.raises(RuntimeError, match=r"cudaError 2 \(KVTIER_HOST_PIN=huge .* unset them"):
+        host_register.registered_empty((4, 8), torch.bfloat16, huge=True)
