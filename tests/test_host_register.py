@@ -6,6 +6,7 @@ mapping and the pool around it."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,16 +34,21 @@ def test_a_huge_mapping_starts_on_a_huge_page_and_holds_what_is_written() -> Non
     assert float(t.view(torch.bfloat16)[-1]) == 1.5 and float(t.view(torch.bfloat16)[0]) == 1.5
 
 
-def _fake_pool(monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """HUGE_SLABS over plain zeros (no CUDA here): the tensors it made and released."""
-    made: list[torch.Tensor] = []
-    released: list[torch.Tensor] = []
+def _zeros_recorded(made: list[torch.Tensor]) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor]:
+    """A pool's `make` over plain zeros (no CUDA here), each one appended to `made`."""
 
     def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         made.append(torch.zeros(shape, dtype=dtype))
         return made[-1]
 
-    monkeypatch.setattr(tiers, "HUGE_SLABS", RegisteredPool(make, released.append))
+    return make
+
+
+def _fake_pool(monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """HUGE_SLABS over plain zeros: the tensors it made and released."""
+    made: list[torch.Tensor] = []
+    released: list[torch.Tensor] = []
+    monkeypatch.setattr(tiers, "HUGE_SLABS", RegisteredPool(_zeros_recorded(made), released.append))
     monkeypatch.setattr(tiers.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tiers.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(tiers.torch._C, "_host_emptyCache", lambda: None, raising=False)  # a CUDA build's
@@ -85,12 +91,7 @@ def test_without_the_setting_or_pinning_an_arena_never_touches_the_pool(
 
 def test_the_pool_hands_each_kept_tensor_to_one_taker_across_threads() -> None:
     made: list[torch.Tensor] = []
-
-    def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        made.append(torch.zeros(shape, dtype=dtype))
-        return made[-1]
-
-    pool = RegisteredPool(make)
+    pool = RegisteredPool(_zeros_recorded(made))
     kept = [torch.zeros(4) for _ in range(64)]
     pool.give(kept)
     taken: list[torch.Tensor] = []
